@@ -1,0 +1,1 @@
+"""Checkpoints: tensor names, the safetensors loader, the hub download and the tiny-model generator."""

@@ -1,0 +1,67 @@
+"""Where a model's files come from: a local directory, ``DEEPINFER_HF_MODEL_DIR``, or the Hugging Face hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deepinfer.models.deepseek_v4.config import SUPPORTED_MODEL_TYPES
+
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model"]
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot be used here: not downloadable, or an architecture this build does not run."""
+
+
+def _advice(what: str) -> str:
+    return (
+        f"{what} Point DEEPINFER_HF_MODEL_DIR at a local copy of a supported checkpoint "
+        "(a directory with config.json and *.safetensors), or generate a tiny random DeepSeek-V4 "
+        "checkpoint with `deepinfer make-tiny-model DIR` and pass that directory as the model."
+    )
+
+
+def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir: Path | None = None) -> Path:
+    """A local directory holding the model's files, downloading from the hub when ``model`` is a repo id."""
+    if model is None:
+        model = local_dir_env or DEFAULT_MODEL
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists() or str(model).startswith((".", "/")):
+        raise ModelUnavailable(_advice(f"The model path {model} is not a directory."))
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            repo_id=str(model),
+            allow_patterns=_PATTERNS,
+            cache_dir=str(cache_dir) if cache_dir else None,
+        )
+    except Exception as e:  # offline, DNS failure, gated repo, unknown repo: all end the same way
+        raise ModelUnavailable(
+            _advice(f"Could not fetch the model {model!r} from the Hugging Face hub ({type(e).__name__}: {e}).")
+        ) from e
+    return Path(path)
+
+
+def check_architecture(model_dir: Path) -> dict:
+    """The parsed config.json; refuses a missing config or an architecture this build does not run."""
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.exists():
+        raise ModelUnavailable(_advice(f"{model_dir} has no config.json."))
+    with open(cfg_file, encoding="utf-8") as f:
+        raw = json.load(f)
+    if "text_config" in raw and "model_type" not in raw.get("text_config", {}):
+        raw = raw["text_config"]
+    mt = raw.get("model_type") or raw.get("text_config", {}).get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ModelUnavailable(
+            _advice(
+                f"The model in {model_dir} has model_type {mt!r}, which this build does not run yet "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
+            )
+        )
+    return raw

@@ -1,0 +1,149 @@
+"""Load a DeepSeek-V4 safetensors checkpoint into :class:`DeepseekV4Model`.
+
+Accepts official and transformers tensor names, FP8 e4m3 weights with UE8M0 block scales and
+MXFP4 routed experts (dequantised here: the cpu backend computes in bf16/fp32). Every problem
+names the tensor and the file: a missing tensor, a wrong shape, an unreadable file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from deepinfer.checkpoint.names import hf_to_official, is_hf_name, official_to_internal
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, corrupt or has the wrong shape."""
+
+
+# parameters the reference keeps in fp32 whatever the model dtype (MODEL_V4.md §4.2)
+_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight|compressor\.w(kv|gate)\.weight)$")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f.name} is listed in model.safetensors.index.json but missing from {path}")
+    return files
+
+
+def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    bar = tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress, unit="shard")
+    for file in bar:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key), file
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises plain exceptions for corrupt headers/data
+            raise CheckpointError(f"cannot read {file.name}: {e}") from e
+
+
+def _split_hf_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers stacks experts: gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
+    m = re.match(r"^(.*\.ffn)\.experts\.(gate_up_proj|down_proj)$", name)
+    if not m:
+        return [(name, t)]
+    pre, out = m.group(1), []
+    for e in range(t.shape[0]):
+        if m.group(2) == "gate_up_proj":
+            half = t.shape[1] // 2
+            out += [
+                (f"{pre}.experts.{e}.w1.weight", t[e, :half]),
+                (f"{pre}.experts.{e}.w3.weight", t[e, half:]),
+            ]
+        else:
+            out.append((f"{pre}.experts.{e}.w2.weight", t[e]))
+    return out
+
+
+def load_checkpoint(
+    model: DeepseekV4Model, path: str | Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True
+) -> None:
+    """Fill every parameter and buffer of ``model`` from the checkpoint directory ``path``."""
+    path = Path(path)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    params = {k: v for k, v in params.items() if not k.startswith(("rope_",))}
+    filled: set[str] = set()
+    expert_filled: dict[str, set[int]] = {}
+    pending: dict[str, tuple[torch.Tensor, Path]] = {}  # quantised weights waiting for their scale
+    scales: dict[str, tuple[torch.Tensor, Path]] = {}
+    n_experts = model.config.n_routed_experts
+
+    def place(name: str, t: torch.Tensor, file: Path) -> None:
+        if name.startswith("mtp.") and re.match(r"^mtp\.\d+\.(embed|head)\.", name):
+            return  # MTP copies of the shared embedding/head
+        target, expert = official_to_internal(name)
+        p = params.get(target)
+        if p is None:
+            if re.match(r"^mtp\.(\d+)\.", name) and int(name.split(".")[1]) >= len(model.mtp):
+                return  # more MTP stages than this model runs
+            raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
+        want = p.shape[1:] if expert is not None else p.shape
+        if tuple(t.shape) != tuple(want):
+            raise CheckpointError(f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(want)}")
+        keep32 = p.dtype == torch.long or _FP32.search(target)
+        value = t.to(p.dtype if p.dtype == torch.long else (torch.float32 if keep32 else dtype))
+        with torch.no_grad():
+            if expert is not None:
+                if expert >= n_experts:
+                    raise CheckpointError(f"tensor {name!r} in {file.name}: expert {expert} >= {n_experts}")
+                if p.dtype != dtype:
+                    p.data = torch.empty(p.shape, dtype=dtype)
+                p.data[expert] = value
+                expert_filled.setdefault(target, set()).add(expert)
+            else:
+                p.data = value.contiguous()
+                filled.add(target)
+
+    def decode(name: str) -> None:
+        (w, wf), (s, _) = pending.pop(name), scales.pop(name)
+        try:
+            if w.dtype == torch.float8_e4m3fn:
+                t = dequantize_fp8_blocks(w, s)
+            else:
+                t = dequantize_mxfp4(w, s)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {name!r} in {wf.name}: {e}") from e
+        place(name, t, wf)
+
+    for key, t, file in _iter_tensors(safetensors_files(path), progress):
+        name = hf_to_official(key) if is_hf_name(key) else key
+        for sub, st in _split_hf_experts(name, t):
+            if sub.endswith(".scale"):
+                base = sub[: -len(".scale")] + ".weight"
+                scales[base] = (st, file)
+                if base in pending:
+                    decode(base)
+            elif st.dtype in (torch.float8_e4m3fn, torch.int8) and sub.endswith(".weight"):
+                pending[sub] = (st, file)
+                if sub in scales:
+                    decode(sub)
+            else:
+                place(sub, st, file)
+    for name, (_, file) in pending.items():
+        raise CheckpointError(f"quantised tensor {name!r} in {file.name} has no scale tensor {name[:-7]}.scale")
+    missing = [k for k in params if k not in filled and k not in expert_filled]
+    missing += [f"{k}[{e}]" for k, got in expert_filled.items() for e in range(n_experts) if e not in got]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

@@ -1,0 +1,133 @@
+"""The in-process engine: scheduler + worker + detokenization, one model, one process.
+
+``LLMEngine.step()`` plans a step, runs it on the worker, applies the sampled tokens, checks stop
+strings and returns the requests that finished. A request that fails validation is refused by
+``add_request`` with a ValueError naming the field and never enters the queue, so the engine keeps
+serving everything else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from deepinfer.engine.interfaces import Worker
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Detokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    usage: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, scheduler: Scheduler, worker: Worker, tokenizer: object, vocab_size: int) -> None:
+        self.scheduler, self.worker, self.tokenizer, self.vocab_size = (
+            scheduler,
+            worker,
+            tokenizer,
+            vocab_size,
+        )
+        self._detok: dict[str, Detokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate_for_model(self.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("prompt: empty prompt (at least one token is required)")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: {len(bad)} token ids outside the vocabulary [0, {self.vocab_size}), e.g. {bad[0]!r}"
+            )
+        try:
+            self.scheduler.add(request_id, prompt_token_ids, params)
+        except ValueError as e:
+            raise ValueError(f"prompt: {e}") from e
+        self._prompts[request_id] = prompt
+        self._detok[request_id] = Detokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.scheduler.abort(request_ids)
+        return [self._finish(rid) for rid in request_ids if rid in self._detok]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks and not plan.released:
+            return []
+        result = self.worker.execute(plan)
+        finished = {r.request_id for r in self.scheduler.update(result)}
+        for r in result.results:
+            req = self.scheduler.requests.get(r.request_id)
+            if r.token_id is None or req is None:
+                continue
+            stop = self._detok[r.request_id].add(r.token_id)
+            if stop is not None and not req.finished and len(req.output_token_ids) >= req.params.min_tokens:
+                self.scheduler.finish(req, "stop", stop)
+                finished.add(r.request_id)
+        return [self._finish(rid) for rid in sorted(finished, key=lambda x: self.scheduler.requests[x].arrival)]
+
+    def _finish(self, request_id: str) -> RequestOutput:
+        req: Request = self.scheduler.pop_finished(request_id)
+        detok = self._detok.pop(request_id)
+        prompt = self._prompts.pop(request_id)
+        if not detok.stopped_by:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        else:
+            text = detok.text
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = []
+            for tok, lp, top in zip(req.output_token_ids, req.logprobs, req.top_logprobs):
+                d = {tok: lp}
+                for t, v in top or []:
+                    d.setdefault(t, v)
+                logprobs.append(d)
+        cum = float(sum(req.logprobs)) if req.logprobs else None
+        n_prompt, n_out = req.num_prompt_tokens, len(req.output_token_ids)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            outputs=[
+                CompletionOutput(0, text, req.output_token_ids, cum, logprobs, req.finish_reason, req.stop_reason)
+            ],
+            finished=True,
+            usage={"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+            num_preemptions=req.num_preemptions,
+        )

@@ -1,0 +1,77 @@
+"""The contract between the scheduler and the workers: what one step asks and what it returns.
+
+The scheduler owns admission, batching, page allocation and stop conditions; a worker owns the
+model, the KV data (pages and per-sequence state) and sampling. Both sides exchange only these
+plain dataclasses, so the gRPC services can carry them as protobuf messages unchanged in meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class ChunkPlan:
+    """Run ``token_ids`` of request ``request_id`` at positions ``start ..``; sample after the last one
+    when ``sample`` is set. ``block_table`` lists the physical pages of the whole sequence so far.
+    ``logprob_targets`` (prompt logprobs only) are the token ids each row is scored against."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams
+    logprob_targets: list[int] | None = None
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    chunks: list[ChunkPlan] = field(default_factory=list)
+    # requests whose worker-side state must be dropped before this step runs
+    released: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class SeqResult:
+    request_id: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    results: list[SeqResult] = field(default_factory=list)
+
+
+class Worker(Protocol):
+    """Executes steps. Implementations: the in-process model runner; later, the gRPC worker client."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+
+class SchedulerInterface(Protocol):
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def update(self, result: StepResult) -> list[str]:
+        """Apply sampled tokens; returns the ids of requests that finished in this step."""
+        ...
+
+    def has_unfinished(self) -> bool: ...

@@ -1,0 +1,173 @@
+"""Token sampler used by the worker runtime (vLLM semantics, ``logprobs_mode=raw_logprobs``).
+
+Contract of ``Sampler()(logits, params, generators) -> SamplerOutput``:
+
+* ``logits`` is ``[B, V]`` (float32; other float dtypes are upcast), one row per sequence that samples
+  this step; ``params[i]`` and ``generators[i]`` belong to row ``i``.
+* ``temperature == 0``: argmax, ties broken towards the lowest token id.
+* otherwise, in order: divide by temperature; top-k (keep the k highest, ties towards lower ids, so
+  top_k=1 equals greedy); top-p (keep the smallest prefix of the probability-sorted tokens whose
+  cumulative probability is >= top_p, computed on the top-k-renormalised distribution, always at least
+  one token; a 1e-6 tolerance absorbs float32 rounding at the boundary); min-p (drop tokens whose
+  probability is < min_p * max probability); sample from the renormalised remainder.
+* The draw is an exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. per token. A row with a
+  generator draws its own ``V`` exponentials from that generator (on the generator's device), so a
+  seeded row gives the same token for the same logits whatever else is in the batch. Rows without a
+  generator share one batched draw from the global RNG. Greedy rows draw nothing.
+* ``SamplerOutput.logprobs[i]`` is the logprob of the chosen token under ``log_softmax`` of the *raw*
+  logits; ``top_logprobs[i]`` is ``None`` unless ``params[i].logprobs > 0``, else the top-k
+  ``(token_id, raw_logprob)`` sorted by logprob descending, ties by lower token id.
+
+``compute_logprobs(logits, token_ids, num_top)`` serves prompt logprobs: for row ``i`` a dict
+token id -> raw logprob with ``token_ids[i]`` first, then the ``num_top`` most likely tokens.
+``make_generator(seed)`` builds the per-request generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+
+_TOP_P_EPS = 1e-6
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, raw logprob of the chosen token
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator seeded with ``seed`` (one per seeded request)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g
+
+
+def _top_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k values/ids per row, by value descending then id ascending (deterministic ties)."""
+    k = min(k, logprobs.shape[-1])
+    vals, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return vals[..., :k], ids[..., :k]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[dict[int, float]]:
+    """Raw logprobs per row: ``{token_ids[i]: lp, top-1 id: lp, ..., top-num_top id: lp}``.
+
+    ``logits`` is ``[N, V]``, ``token_ids`` ``[N]`` (the token actually at each position). The actual
+    token comes first (as in vLLM); if it is also among the top ones it appears only once.
+    """
+    if logits.dim() != 2 or token_ids.shape != (logits.shape[0],):
+        raise ValueError(f"expected logits [N, V] and token_ids [N], got {logits.shape} / {token_ids.shape}")
+    if num_top < 0:
+        raise ValueError(f"num_top must be >= 0, got {num_top}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.long().view(-1, 1)).squeeze(1).tolist()
+    ids_l = token_ids.tolist()
+    if num_top > 0:
+        top_v, top_i = _top_sorted(lp, num_top)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    out: list[dict[int, float]] = []
+    for r in range(logits.shape[0]):
+        d = {int(ids_l[r]): float(chosen[r])}
+        if num_top > 0:
+            for t, v in zip(top_i[r], top_v[r]):
+                d.setdefault(int(t), float(v))
+        out.append(d)
+    return out
+
+
+class Sampler:
+    """Stateless; see the module docstring for the exact semantics."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        B, V = logits.shape
+        if len(params) != B or len(generators) != B:
+            raise ValueError(f"need one params and one generator per row: B={B}, {len(params)}, {len(generators)}")
+        logits = logits.float()
+        device = logits.device
+        raw_lp = torch.log_softmax(logits, dim=-1)
+        token_ids = torch.argmax(logits, dim=-1)  # greedy rows: first max = lowest id
+
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=device, dtype=torch.long)
+            probs = self._filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])
+            q = self._exponentials(probs.shape, device, [generators[i] for i in rows])
+            token_ids[idx] = torch.argmax(probs / q, dim=-1)
+
+        chosen_lp = raw_lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
+        top: list[list[tuple[int, float]] | None] = [None] * B
+        want = [i for i, p in enumerate(params) if p.logprobs]
+        if want:
+            k = max(params[i].logprobs for i in want)
+            widx = torch.tensor(want, device=device, dtype=torch.long)
+            vals, ids = _top_sorted(raw_lp.index_select(0, widx), k)
+            vals, ids = vals.tolist(), ids.tolist()
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                top[i] = [(int(t), float(v)) for t, v in zip(ids[j][:n], vals[j][:n])]
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen_lp, top_logprobs=top)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p applied; returns renormalised probs [R, V]."""
+        R, V = logits.shape
+        device = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        # Shift by the row max before scaling: softmax-invariant and avoids inf - inf for tiny T.
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp.view(-1, 1)
+        keep = torch.ones_like(scaled, dtype=torch.bool)
+
+        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        top_p = [float(p.top_p) for p in params]
+        if any(k < V for k in top_k) or any(tp < 1.0 for tp in top_p):
+            s_vals, s_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+            pos = torch.arange(V, device=device).view(1, -1)
+            k_t = torch.tensor(top_k, device=device).view(-1, 1)
+            s_keep = pos < k_t
+            s_probs = torch.softmax(s_vals.masked_fill(~s_keep, float("-inf")), dim=-1)
+            excl_cum = torch.cumsum(s_probs, dim=-1) - s_probs  # mass strictly before each token
+            p_t = torch.tensor(top_p, device=device, dtype=torch.float32).view(-1, 1)
+            s_keep &= (excl_cum < p_t - _TOP_P_EPS) | (p_t >= 1.0) | (pos == 0)
+            keep = torch.zeros_like(keep).scatter(1, s_ids, s_keep)
+
+        min_p = [float(p.min_p) for p in params]
+        if any(mp > 0 for mp in min_p):
+            mp_t = torch.tensor(min_p, device=device, dtype=torch.float32).view(-1, 1)
+            # prob / max_prob == exp(scaled - 0) since scaled has max 0 (max token is always kept).
+            keep &= torch.exp(scaled) >= mp_t
+
+        return torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+
+    @staticmethod
+    def _exponentials(
+        shape: torch.Size, device: torch.device, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exp(1) noise [R, V]: seeded rows from their own generator, the rest from the global RNG."""
+        R, V = shape
+        q = torch.empty(shape, device=device, dtype=torch.float32)
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if unseeded:
+            if len(unseeded) == R:
+                q.exponential_()
+            else:
+                noise = torch.empty((len(unseeded), V), device=device, dtype=torch.float32).exponential_()
+                q[torch.tensor(unseeded, device=device, dtype=torch.long)] = noise
+        for j, g in enumerate(generators):
+            if g is not None:
+                row = torch.empty(V, device=g.device, dtype=torch.float32).exponential_(generator=g)
+                q[j] = row.to(device)
+        # Exp(1) can return exactly 0; keep p / q finite-or-inf but never 0/0 = nan for masked tokens.
+        return q.clamp_min_(torch.finfo(torch.float32).tiny)

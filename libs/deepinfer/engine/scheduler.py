@@ -1,0 +1,210 @@
+"""Continuous-batching scheduler: admission, per-step token budget, chunked prefill, pages, preemption.
+
+Each step it first continues the running requests in admission order (a decode token, or the next
+prefill chunk), then admits waiting requests first-come-first-served while the token budget, the
+sequence limit and the free pages allow. A sequence of ``L`` tokens holds ``ceil(L / page_size)``
+pages. When a running request needs a page and none is free, the most recently admitted running
+request is preempted: its pages are freed and it is re-queued at the front, to be recomputed from
+its prompt and the tokens it already produced (the worker drops its state).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.engine.interfaces import ChunkPlan, StepPlan, StepResult
+from deepinfer.engine.pages import PagePool
+from deepinfer.engine.request import Request, Status
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_model_len: int
+    eos_token_id: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pages: PagePool) -> None:
+        self.config, self.pages = config, pages
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._released: list[str] = []
+        self._arrivals = 0
+        self._step = 0
+        self.num_preemptions = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the model's limit is {self.config.max_model_len} "
+                "tokens including at least one generated token"
+            )
+        if self._pages_for(len(prompt_token_ids) + 1) > self.pages.num_total:
+            raise ValueError(
+                f"prompt needs more KV pages than the cache holds ({self.pages.num_total} pages of "
+                f"{self.config.page_size} tokens)"
+            )
+        req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                self.finish(req, "abort")
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.finished:
+            return
+        req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        self._drop(req)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self._step += 1
+        plan = StepPlan(step_id=self._step)
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed, budget)
+            if n <= 0:
+                continue
+            if not self._grow(req, req.num_computed + n):
+                continue
+            plan.chunks.append(self._chunk(req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self._pages_for(req.num_computed + n) - len(req.pages)
+            if not self.pages.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.pages += self.pages.allocate(need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            if req.wants_prompt_logprobs and not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            plan.chunks.append(self._chunk(req, n))
+            budget -= n
+        plan.released, self._released = self._released, []
+        return plan
+
+    def update(self, result: StepResult) -> list[Request]:
+        """Record sampled tokens; returns the requests that finished (stop strings are the caller's)."""
+        done: list[Request] = []
+        for r in result.results:
+            req = self.requests.get(r.request_id)
+            if req is None or req.finished:
+                continue
+            if r.prompt_logprobs:
+                req.prompt_logprobs.extend(r.prompt_logprobs)
+            if r.token_id is None:
+                continue
+            req.output_token_ids.append(r.token_id)
+            if r.logprob is not None:
+                req.logprobs.append(r.logprob)
+                req.top_logprobs.append(r.top_logprobs)
+            reason = self._stop_reason(req, r.token_id)
+            if reason is not None:
+                self.finish(req, *reason)
+                done.append(req)
+        return done
+
+    # -- internals ---------------------------------------------------------------------------
+    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        p, n_out = req.params, len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token == self.config.eos_token_id and not p.ignore_eos:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return "length", None
+        if req.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.page_size)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` pages for ``num_tokens`` tokens, preempting the newest requests if needed."""
+        need = self._pages_for(num_tokens) - len(req.pages)
+        while need > 0 and not self.pages.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.pages.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._drop(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _drop(self, req: Request) -> None:
+        if req.pages:
+            self.pages.free(req.pages)
+            req.pages = []
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.num_computed:
+            self._released.append(req.request_id)
+        req.num_computed = 0
+
+    def _chunk(self, req: Request, n: int) -> ChunkPlan:
+        start = req.num_computed
+        tokens = req.all_token_ids[start : start + n]
+        req.num_computed += n
+        targets = None
+        if req.wants_prompt_logprobs:
+            scored = len(req.prompt_logprobs)  # entries for prompt tokens 0 .. scored-1
+            targets = [
+                req.prompt_token_ids[j + 1] if scored <= j + 1 < req.num_prompt_tokens else -1
+                for j in range(start, start + n)
+            ]
+            if all(t < 0 for t in targets):
+                targets = None
+        return ChunkPlan(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start=start,
+            block_table=list(req.pages),
+            sample=req.num_computed == req.num_tokens,
+            params=req.params,
+            logprob_targets=targets,
+        )

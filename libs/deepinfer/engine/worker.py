@@ -1,0 +1,96 @@
+"""The worker runtime: runs a :class:`StepPlan` through the model, samples, computes logprobs.
+
+It owns the device-side state: the paged cache and each running request's short-term state.
+Seeded requests draw their sampling noise from a generator keyed by (seed, position) — a counter
+scheme, so a token depends only on the seed, its position and its logits, never on batch-mates,
+on earlier draws, or on a preemption in between.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
+from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): the per-token seed of a seeded request."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4Model, cache: PagedKVCache, device: torch.device | str = "cpu") -> None:
+        self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.sampler = Sampler()
+        self.states: dict[str, SequenceState] = {}
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.states.pop(rid, None)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.release(plan.released)
+        result = StepResult(step_id=plan.step_id)
+        if not plan.chunks:
+            return result
+        chunks = []
+        for c in plan.chunks:
+            st = self.states.setdefault(c.request_id, SequenceState())
+            if st.num_tokens != c.start:
+                raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
+            table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
+            chunks.append(SeqChunk(st, c.start, len(c.token_ids), table))
+        batch = ForwardBatch.build(chunks, [c.token_ids for c in plan.chunks], device=self.device)
+        hidden = self.model(batch, self.cache)
+        # rows whose logits we need: prompt-logprob rows, then the sampling rows
+        rows, owners = [], []
+        for i, ((a, b), c) in enumerate(zip(batch.offsets(), plan.chunks)):
+            if c.logprob_targets is not None:
+                for j, t in enumerate(c.logprob_targets):
+                    if t >= 0:
+                        rows.append(a + j)
+                        owners.append((i, t))
+            if c.sample:
+                rows.append(b - 1)
+                owners.append((i, None))
+        per_seq = [SeqResult(c.request_id) for c in plan.chunks]
+        if rows:
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            self._prompt_logprobs(logits, owners, plan, per_seq)
+            self._sample(logits, owners, plan, per_seq)
+        result.results = per_seq
+        return result
+
+    def _prompt_logprobs(self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult]) -> None:
+        for i, c in enumerate(plan.chunks):
+            sel = [k for k, (o, t) in enumerate(owners) if o == i and t is not None]
+            if not sel:
+                continue
+            targets = torch.tensor([owners[k][1] for k in sel], device=logits.device)
+            out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
+
+    def _sample(self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult]) -> None:
+        sel = [k for k, (_, t) in enumerate(owners) if t is None]
+        if not sel:
+            return
+        seqs = [owners[k][0] for k in sel]
+        params = [plan.chunks[i].params for i in seqs]
+        gens = []
+        for i, p in zip(seqs, params):
+            seed = p.effective_seed
+            pos = plan.chunks[i].start + len(plan.chunks[i].token_ids)  # position of the new token
+            gens.append(None if seed is None or p.greedy else make_generator(position_seed(seed, pos)))
+        s = self.sampler(logits[sel], params, gens)
+        for j, i in enumerate(seqs):
+            out[i].token_id = int(s.token_ids[j])
+            out[i].logprob = float(s.logprobs[j])
+            out[i].top_logprobs = s.top_logprobs[j]

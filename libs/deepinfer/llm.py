@@ -1,0 +1,172 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer import envs
+from deepinfer.chat import encode_messages
+from deepinfer.checkpoint.hub import check_architecture, resolve_model
+from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.engine.engine import LLMEngine, RequestOutput
+from deepinfer.engine.pages import PagePool
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.worker import ModelRunner
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.state import PagedKVCache
+from deepinfer.ops import get_ops
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.telemetry import get_logger
+from deepinfer.tokenizer import load_tokenizer
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_KV_BUDGET_BYTES = 1 << 30  # default KV page budget when DEEPINFER_NUM_PAGES is unset
+log = get_logger(__name__)
+
+
+def _dtype(dtype: str | torch.dtype, accelerator: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if accelerator == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """One model in this process. ``model`` is a directory or a hub id (default: the env registry's)."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        num_pages: int | None = None,
+        page_size: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        quant_sim: bool | None = None,
+        accelerator: str | None = None,
+    ) -> None:
+        envs.validate_all()
+        accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
+        if model is None and envs.DEEPINFER_HF_MODEL_DIR is None:
+            model = envs.DEEPINFER_MODEL
+        path = resolve_model(model, envs.DEEPINFER_HF_MODEL_DIR, envs.DEEPINFER_CACHE_DIR)
+        self.config = DeepseekV4Config.from_dict(check_architecture(path))
+        self.model_path = path
+        self.dtype = _dtype(dtype, accelerator)
+        device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
+        self.model = DeepseekV4Model(self.config, get_ops(accelerator))
+        load_checkpoint(self.model, path, dtype=self.dtype)
+        self.model.to(device)
+        self.model.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
+        self.tokenizer = load_tokenizer(path)
+        c = self.config
+        page_size = page_size or envs.DEEPINFER_PAGE_SIZE
+        limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or c.max_position_embeddings
+        if limit > c.max_position_embeddings:
+            raise ValueError(f"max_model_len={limit} exceeds the model's {c.max_position_embeddings} positions")
+        probe = PagedKVCache(c, 1, page_size, self.dtype, "meta")
+        if num_pages is None:
+            num_pages = envs.DEEPINFER_NUM_PAGES or max(
+                16, min(65536, _KV_BUDGET_BYTES // max(probe.bytes_per_page(), 1))
+            )
+        cache = PagedKVCache(c, num_pages, page_size, self.dtype, device)
+        sched = Scheduler(
+            SchedulerConfig(
+                page_size=page_size,
+                max_model_len=limit,
+                eos_token_id=c.eos_token_id,
+                max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
+                max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
+            ),
+            PagePool(num_pages),
+        )
+        self.engine = LLMEngine(sched, ModelRunner(self.model, cache, device), self.tokenizer, c.vocab_size)
+        log.info("model_loaded", path=str(path), dtype=str(self.dtype), pages=num_pages, page_size=page_size)
+
+    def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids, prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return list(ids), None
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or a dict with ``prompt_token_ids``); outputs in input order.
+
+        Every prompt is validated before any is queued: a bad one raises ValueError and none runs."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        encoded = [self._tokenize(p) for p in prompts]
+        for ids, _ in encoded:
+            self._validate(ids)
+        order: dict[str, int] = {}
+        for i, ((ids, text), p) in enumerate(zip(encoded, plist)):
+            rid = self.engine.new_request_id()
+            self.engine.add_request(rid, ids, p, prompt=text)
+            order[rid] = i
+        return self._drain(order, use_tqdm)
+
+    def _validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: empty prompt (at least one token is required)")
+        limit = self.engine.scheduler.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens, the model's limit is {limit} including generated tokens")
+
+    def _drain(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        while any(r is None for r in results):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("engine went idle with requests unanswered")
+            for out in self.engine.step():
+                if out.request_id in order:
+                    results[order[out.request_id]] = out
+                    bar.update(1)
+        bar.close()
+        return [r for r in results if r is not None]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        thinking_mode: str = "chat",
+        reasoning_effort: str | None = None,
+        tools: list[dict] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply DeepSeek-V4's chat encoding to each conversation, then generate."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            encode_messages(m, thinking_mode=thinking_mode, reasoning_effort=reasoning_effort, tools=tools)
+            for m in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

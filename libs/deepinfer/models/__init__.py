@@ -1,0 +1,1 @@
+"""Model definitions (plain PyTorch over the ops interface)."""

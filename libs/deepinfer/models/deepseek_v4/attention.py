@@ -1,0 +1,235 @@
+"""Shared-KV MQA with sink, and its compressed branches (MODEL_V4.md §2.4–§2.8).
+
+Every layer attends to the window rows (the last ``W`` raw KV rows, the current token included);
+HCA layers add every complete compressed row, CSA layers add the indexer's top-k compressed rows.
+The long-term rows go to the paged cache, the window and the compressor buffers to the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, PagedKVCache, SeqChunk
+from deepinfer.ops import Ops
+from deepinfer.ops.reference import hadamard
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of every ``ratio`` tokens into one row; CSA windows overlap (width 2m)."""
+
+    def __init__(self, config: DeepseekV4Config, ratio: int, dim: int, overlap: bool, rotate: bool) -> None:
+        super().__init__()
+        coff = 2 if overlap else 1
+        self.ratio, self.dim, self.overlap, self.rotate = ratio, dim, overlap, rotate
+        self.rd = config.qk_rope_head_dim
+        self.wkv = Linear(config.hidden_size, coff * dim)
+        self.wgate = Linear(config.hidden_size, coff * dim)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * dim), requires_grad=False)
+        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        self.quant_sim = False
+
+    def forward(
+        self, x: torch.Tensor, start: int, buf: CompressorBuffer | None, rope: RotaryTable, ops: Ops
+    ) -> tuple[torch.Tensor, int, CompressorBuffer]:
+        """Consume tokens ``start .. start+len(x)``; return the rows completed, the first row's index
+        and the new buffer."""
+        m, d, n = self.ratio, self.dim, x.shape[0]
+        xf = x.float()
+        pos = torch.arange(start, start + n, device=x.device)
+        kv = xf @ self.wkv.weight.float().T
+        score = xf @ self.wgate.weight.float().T + self.ape.float()[pos % m]
+        if buf is not None:
+            kv, score, base = torch.cat([buf.kv, kv]), torch.cat([buf.score, score]), buf.start
+        else:
+            base = start
+        end = start + n
+        first, last = start // m, end // m
+        if last > first:
+            w = torch.arange(first, last, device=x.device)
+            cur = w.unsqueeze(1) * m + torch.arange(m, device=x.device) - base  # [k, m]
+            if self.overlap:
+                prev = (cur - m).clamp_min(0)
+                has_prev = (w > 0).view(-1, 1, 1)
+                kp = torch.where(has_prev, kv[prev][..., :d], 0.0)
+                sp = torch.where(has_prev, score[prev][..., :d], float("-inf"))
+                k_all = torch.cat([kp, kv[cur][..., d:]], dim=1)
+                s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
+            else:
+                k_all, s_all = kv[cur], score[cur]
+            rows = (k_all * s_all.softmax(dim=1)).sum(dim=1).to(x.dtype)
+            rows = self.norm(rows, ops)
+            cos, sin = rope(w * m)
+            rows = ops.rope(rows, cos, sin)
+            if self.quant_sim:
+                rows = self._quant(rows, ops)
+        else:
+            rows = x.new_zeros(0, d)
+        keep = max(last - (1 if self.overlap else 0), 0) * m
+        keep = max(keep, base)
+        new_buf = CompressorBuffer(kv=kv[keep - base :].clone(), score=score[keep - base :].clone(), start=keep)
+        return rows, first, new_buf
+
+    def _quant(self, rows: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.rotate:  # indexer keys: Hadamard then FP4
+            return ops.fp4_quant_sim(hadamard(rows), 32)
+        nope = rows[..., : -self.rd]
+        return torch.cat([ops.act_quant_sim(nope, _qblock(nope.shape[-1])), rows[..., -self.rd :]], dim=-1)
+
+
+def _qblock(dim: int) -> int:
+    """The reference quantises the 448 nope dims in blocks of 64; tiny models fall back to a divisor."""
+    for b in (64, 32, 16, 8):
+        if dim % b == 0:
+            return b
+    return dim
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: scores compressed rows per query and keeps the top-k."""
+
+    def __init__(self, config: DeepseekV4Config, ratio: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+        )
+        self.ratio = ratio
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads)
+        self.compressor = Compressor(config, ratio, self.head_dim, overlap=True, rotate=True)
+        self.quant_sim = False
+
+    def select(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """Boolean ``[n, R]`` mask of the rows each query keeps."""
+        n, r = x.shape[0], keys.shape[0]
+        visible = torch.arange(r, device=x.device).unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1)
+        if r == 0:
+            return visible
+        q = self.wq_b(qr, ops).view(n, self.n_heads, self.head_dim)
+        cos, sin = rope(positions)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        if self.quant_sim:
+            q = ops.fp4_quant_sim(hadamard(q), 32)
+        w = self.weights_proj(x, ops).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        scores = ops.indexer_scores(q, keys, w).masked_fill(~visible, float("-inf"))
+        k = min(self.topk, r)
+        top = ops.topk_indices(scores, k)
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_id, self.ratio = layer_id, c.ratio(layer_id)
+        self.kind = c.layer_kind(layer_id)
+        self.n_heads, self.head_dim, self.rd = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
+        self.window, self.eps = c.sliding_window, c.rms_norm_eps
+        self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, fp8=True)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
+        self.wkv = Linear(c.hidden_size, self.head_dim, fp8=True)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        self.compressor = None
+        self.indexer = None
+        if self.ratio:
+            self.compressor = Compressor(c, self.ratio, self.head_dim, overlap=self.kind == "csa", rotate=False)
+            if self.kind == "csa":
+                self.indexer = Indexer(c, self.ratio)
+        self.quant_sim = False
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        chunks: list[SeqChunk],
+        offsets: list[tuple[int, int]],
+        positions: torch.Tensor,
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        n_tok, h, d, rd = x.shape[0], self.n_heads, self.head_dim, self.rd
+        qr = self.q_norm(self.wq_a(x, ops), ops)
+        q = self.wq_b(qr, ops).view(n_tok, h, d)
+        q = ops.rms_norm(q, None, self.eps)
+        cos, sin = rope(positions)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
+        if self.quant_sim:
+            kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], _qblock(d - rd)), kv[:, -rd:]], dim=-1)
+        out = torch.empty_like(q)
+        for chunk, (a, b) in zip(chunks, offsets):
+            out[a:b] = self._attend_one(x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], chunk, cache, rope, ops)
+        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        g = self.o_groups
+        z = torch.einsum("ngk,grk->ngr", out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        return self.wo_b(z.flatten(1), ops)
+
+    def _attend_one(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        chunk: SeqChunk,
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        st, s, e, win = chunk.state, chunk.start, chunk.end, self.window
+        ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
+        old = torch.arange(max(0, s - win + 1), s, device=x.device)
+        keys = torch.cat([ring[old % win], kv])
+        kpos = torch.cat([old, positions])
+        t = positions.unsqueeze(1)
+        mask = (kpos.unsqueeze(0) <= t) & (kpos.unsqueeze(0) > t - win)
+        if self.compressor is not None:
+            if cache is None:
+                raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+            count = e // self.ratio
+            rows = self._compress(self.compressor, x, chunk, "main", "rows", cache, rope, ops)
+            visible = torch.arange(count, device=x.device).unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1)
+            if self.indexer is not None:
+                ikeys = self._compress(self.indexer.compressor, x, chunk, "index", "index", cache, rope, ops)
+                visible = self.indexer.select(x, qr, positions, ikeys, rope, ops)
+            keys = torch.cat([keys, rows])
+            mask = torch.cat([mask, visible], dim=1)
+        # the ring keeps the last `win` rows
+        keep = torch.arange(max(s, e - win), e, device=x.device)
+        ring[keep % win] = kv[keep - s]
+        return ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim**-0.5)
+
+    def _compress(
+        self,
+        comp: Compressor,
+        x: torch.Tensor,
+        chunk: SeqChunk,
+        name: str,
+        kind: str,
+        cache: PagedKVCache,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        key = (self.layer_id, name)
+        rows, first, chunk.state.buffers[key] = comp(x, chunk.start, chunk.state.buffers.get(key), rope, ops)
+        store = "rows" if kind == "rows" else "index"
+        cache.write(store, self.layer_id, chunk.block_table, first, rows)
+        return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)

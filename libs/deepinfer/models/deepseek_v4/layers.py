@@ -1,0 +1,68 @@
+"""Small building blocks: linear, RMSNorm and the interleaved rotary tables (MODEL_V4.md §2.4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.models.deepseek_v4.config import YarnParams
+from deepinfer.ops import Ops
+
+
+class Linear(nn.Module):
+    """Bias-free linear. ``fp8`` marks weights the official checkpoint stores in FP8/FP4: with the
+    quantisation simulation on, their input is FP8-rounded per 1×128 block first (MODEL_V4.md §2.12)."""
+
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.fp8 = fp8
+        self.quant_sim = False
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.quant_sim and self.fp8 and x.shape[-1] % 128 == 0:
+            x = ops.act_quant_sim(x, 128)
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(dim: int, base: float, yarn: YarnParams | None) -> torch.Tensor:
+    """Inverse frequencies of the official ``precompute_freqs_cis`` (YaRN without attention factor)."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if yarn is None or yarn.original_max_position_embeddings <= 0:
+        return freqs
+    orig = yarn.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    smooth = 1 - ramp
+    return freqs / yarn.factor * (1 - smooth) + freqs * smooth
+
+
+class RotaryTable:
+    """cos/sin of ``position · θ_i`` for one rope flavour (main or compress)."""
+
+    def __init__(self, dim: int, base: float, yarn: YarnParams | None) -> None:
+        self.inv_freq = rope_inv_freq(dim, base, yarn)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return f.cos(), f.sin()

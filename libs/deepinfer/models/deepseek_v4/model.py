@@ -1,0 +1,165 @@
+"""DeepSeek-V4 (V4-Flash, V4-Pro and their -Base) in plain PyTorch over the ops interface.
+
+``forward`` runs one step of several sequences (each a chunk of new tokens, prefill or decode) and
+returns the final hidden streams; ``logits`` applies the head to the rows asked for; ``mtp`` runs
+the MTP block. Nothing here knows about scheduling, transport or kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.models.deepseek_v4.attention import Attention
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.ops import Ops, get_ops
+
+
+def _hc_params(module: nn.Module, prefix: str, n: int, dim: int, outputs: int) -> None:
+    module.register_parameter(f"{prefix}_fn", nn.Parameter(torch.zeros(outputs, n * dim), requires_grad=False))
+    module.register_parameter(f"{prefix}_base", nn.Parameter(torch.zeros(outputs), requires_grad=False))
+    scales = 3 if outputs > n else 1
+    module.register_parameter(f"{prefix}_scale", nn.Parameter(torch.ones(scales), requires_grad=False))
+
+
+class Block(nn.Module):
+    """One layer: mHC collapse → attention → mHC expand, then the same around the MoE."""
+
+    def __init__(self, config: DeepseekV4Config, layer_id: int) -> None:
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        n, dim = config.hc_mult, config.hidden_size
+        self.attn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.attn = Attention(config, layer_id)
+        self.ffn = MoE(config, layer_id)
+        _hc_params(self, "hc_attn", n, dim, (2 + n) * n)
+        _hc_params(self, "hc_ffn", n, dim, (2 + n) * n)
+
+    def _hc(self, h: torch.Tensor, name: str, ops: Ops) -> tuple[torch.Tensor, ...]:
+        c = self.config
+        pre, post, comb = ops.hc_mixes(
+            h,
+            getattr(self, f"{name}_fn"),
+            getattr(self, f"{name}_scale"),
+            getattr(self, f"{name}_base"),
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        )
+        x = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+        return x, post, comb
+
+    @staticmethod
+    def _expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("tjk,tjd->tkd", comb, res.float())
+        return out.to(y.dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        offsets: list[tuple[int, int]],
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+        token_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x, post, comb = self._hc(h, "hc_attn", ops)
+        x = self.attn(self.attn_norm(x, ops), batch.chunks, offsets, batch.positions, cache, rope, ops)
+        h = self._expand(x, h, post, comb)
+        x, post, comb = self._hc(h, "hc_ffn", ops)
+        x = self.ffn(self.ffn_norm(x, ops), token_ids, ops)
+        return self._expand(x, h, post, comb)
+
+
+class MTPBlock(Block):
+    """The multi-token-prediction block (``mtp.k``): a SWA block fed by the trunk's streams at t and
+    the embedding of token t+1; predicts token t+2 through the shared head."""
+
+    def __init__(self, config: DeepseekV4Config, layer_id: int) -> None:
+        super().__init__(config, layer_id)
+        dim = config.hidden_size
+        self.e_proj = Linear(dim, dim, fp8=True)
+        self.h_proj = Linear(dim, dim, fp8=True)
+        self.enorm = RMSNorm(dim, config.rms_norm_eps)
+        self.hnorm = RMSNorm(dim, config.rms_norm_eps)
+        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        _hc_params(self, "hc_head", config.hc_mult, dim, config.hc_mult)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: DeepseekV4Config, ops: Ops | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops or get_ops("cpu")
+        c = config
+        for i in c.mtp_layer_ids:
+            if c.ratio(i) != 0:
+                raise ValueError(f"MTP layer {i} has compress ratio {c.ratio(i)}; only sliding-window MTP is supported")
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([Block(c, i) for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = Linear(c.hidden_size, c.vocab_size)
+        _hc_params(self, "hc_head", c.hc_mult, c.hidden_size, c.hc_mult)
+        self.mtp = nn.ModuleList([MTPBlock(c, i) for i in c.mtp_layer_ids])
+        self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
+        self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
+
+    def set_quant_sim(self, enabled: bool) -> None:
+        """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""
+        for m in self.modules():
+            if hasattr(m, "quant_sim"):
+                m.quant_sim = enabled
+
+    def _rope(self, layer_id: int) -> RotaryTable:
+        return self.rope_compress if self.config.ratio(layer_id) else self.rope_main
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
+        """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``."""
+        ops, offsets = self.ops, batch.offsets()
+        x = self.embed(batch.token_ids)
+        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            h = layer(h, batch, offsets, cache, self._rope(layer.layer_id), ops, batch.token_ids)
+        for c in batch.chunks:
+            c.state.num_tokens = c.end
+        return h
+
+    def _head(self, h: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
+        c, ops = self.config, self.ops
+        pre, _, _ = ops.hc_mixes(
+            h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, 0, c.hc_eps, c.rms_norm_eps
+        )
+        y = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+        y = norm(y, ops)
+        return F.linear(y.float(), self.head.weight.float())
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[T', vocab]`` of hidden streams ``[T', hc_mult, D]``."""
+        return self._head(h, self, self.norm)
+
+    @torch.no_grad()
+    def mtp_forward(
+        self, h: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, depth: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block ``depth`` on trunk streams ``h`` (positions of ``batch``) and the ids of the tokens
+        that follow them; returns (its streams, fp32 logits for the token after ``next_ids``).
+
+        The block keeps its own window in each sequence's state (layer id ``num_hidden_layers+depth``)."""
+        ops, blk = self.ops, self.mtp[depth]
+        e = blk.enorm(self.embed(next_ids), ops)
+        x = blk.e_proj(e, ops).unsqueeze(1) + blk.h_proj(blk.hnorm(h, ops), ops)
+        chunks = [SeqChunk(c.state, c.state.mtp_tokens, c.length, c.block_table) for c in batch.chunks]
+        mbatch = ForwardBatch(next_ids, torch.cat([torch.arange(c.start, c.end) for c in chunks]), chunks)
+        x = blk(x, mbatch, mbatch.offsets(), None, self.rope_main, ops, next_ids)
+        for c in chunks:
+            c.state.mtp_tokens = c.end
+        return x, self._head(x, blk, blk.norm)

@@ -1,0 +1,64 @@
+"""DeepSeekMoE of V4 (MODEL_V4.md §2.9): sqrt-softplus router, hash or score routing, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.layers import Linear
+from deepinfer.ops import Ops
+from deepinfer.ops.reference import swiglu
+
+
+class Gate(nn.Module):
+    """Router. Hash layers pick experts from the fixed ``tid2eid[token]`` table; score layers pick the
+    top-k of ``score + bias`` (the bias only selects). Weights are the unbiased scores, renormalised
+    and multiplied by ``routed_scaling_factor``."""
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool) -> None:
+        super().__init__()
+        e, self.topk = config.n_routed_experts, config.num_experts_per_tok
+        self.hashed, self.scaling = hashed, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size), requires_grad=False)
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(e), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        if self.hashed:
+            if token_ids is None:
+                raise ValueError("hash-routed MoE layers need the input token ids")
+            idx = self.tid2eid[token_ids].long()
+        else:
+            idx = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        return idx, w * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_id: int) -> None:
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate = Gate(config, hashed=layer_id < config.num_hash_layers)
+        # routed experts stacked: [E, I, D] (w1 gate, w3 up) and [E, D, I] (w2 down)
+        self.w1 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
+        self.shared_w1 = Linear(d, i * config.n_shared_experts, fp8=True)
+        self.shared_w2 = Linear(i * config.n_shared_experts, d, fp8=True)
+        self.shared_w3 = Linear(d, i * config.n_shared_experts, fp8=True)
+        self.quant_sim = False
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+        idx, w = self.gate(x, token_ids)
+        xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
+        y = ops.moe(xin, idx, w, self.w1, self.w2, self.w3, self.limit)
+        h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit)
+        y = y + self.shared_w2(h.to(x.dtype), ops).float()
+        return y.to(x.dtype)

@@ -1,0 +1,158 @@
+"""Inference state of DeepSeek-V4 (MODEL_V4.md §3) and the description of one forward step.
+
+Two classes of state:
+- long-term, append-only, prefix-shareable: compressed rows of every CSA/HCA layer and the
+  indexer keys of CSA layers. They live in fixed-size *pages* of ``page_size`` tokens
+  (a page holds ``page_size / m`` rows of a ratio-``m`` layer), reached through a per-sequence
+  block table of physical page ids (:class:`PagedKVCache`).
+- short-term, per sequence (:class:`SequenceState`): a ring of the last ``sliding_window`` raw
+  KV rows per layer (slot ``pos % W``) and the compressor buffers: fp32 projections of the tokens
+  not yet pooled (plus, for overlapping CSA compressors, the previous complete window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+
+
+@dataclass
+class CompressorBuffer:
+    """Projections (``kv``, ``score`` incl. the position bias) of positions ``[start, start + len)``."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    start: int = 0
+
+
+@dataclass
+class SequenceState:
+    """Per-sequence short-term state; ``num_tokens`` positions have been consumed so far."""
+
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[tuple[int, str], CompressorBuffer] = field(default_factory=dict)
+    num_tokens: int = 0
+    mtp_tokens: int = 0
+
+    def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        w = self.windows.get(layer)
+        if w is None:
+            w = self.windows[layer] = torch.zeros(size, dim, dtype=dtype, device=device)
+        return w
+
+    def nbytes(self) -> int:
+        n = sum(w.numel() * w.element_size() for w in self.windows.values())
+        for b in self.buffers.values():
+            n += b.kv.numel() * b.kv.element_size() + b.score.numel() * b.score.element_size()
+        return n
+
+
+class PagedKVCache:
+    """Compressed rows and indexer keys of every compressed layer, in pages shared by all sequences."""
+
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size <= 0 or page_size % config.page_multiple:
+            raise ValueError(
+                f"page_size={page_size} must be a positive multiple of {config.page_multiple} "
+                f"(the least common multiple of the model's compression ratios)"
+            )
+        self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        self.rows: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        for layer in config.compressed_layers:
+            m = config.ratio(layer)
+            self.rows[layer] = torch.zeros(num_pages, page_size // m, config.head_dim, dtype=dtype, device=device)
+            if config.layer_kind(layer) == "csa":
+                self.index_keys[layer] = torch.zeros(
+                    num_pages, page_size // m, config.index_head_dim, dtype=dtype, device=device
+                )
+
+    def bytes_per_page(self) -> int:
+        t = list(self.rows.values()) + list(self.index_keys.values())
+        return sum(x[0].numel() * x.element_size() for x in t)
+
+    def _store(self, kind: str, layer: int) -> torch.Tensor:
+        return self.rows[layer] if kind == "rows" else self.index_keys[layer]
+
+    def _slots(self, layer: int, block_table: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, ...]:
+        per_page = self.page_size // self.config.ratio(layer)
+        w = torch.arange(first, first + count, device=block_table.device)
+        page_idx = w // per_page
+        if count and int(page_idx[-1]) >= block_table.numel():
+            raise IndexError(
+                f"block table has {block_table.numel()} pages, row {first + count - 1} of layer {layer} needs more"
+            )
+        return block_table[page_idx], w % per_page
+
+    def write(self, kind: str, layer: int, block_table: torch.Tensor, first: int, rows: torch.Tensor) -> None:
+        """Store rows ``first .. first + len(rows)`` of one sequence."""
+        if rows.shape[0] == 0:
+            return
+        pages, slots = self._slots(layer, block_table, first, rows.shape[0])
+        store = self._store(kind, layer)
+        store[pages, slots] = rows.to(store.dtype)
+
+    def read(self, kind: str, layer: int, block_table: torch.Tensor, count: int) -> torch.Tensor:
+        """Rows ``0 .. count`` of one sequence, in order."""
+        pages, slots = self._slots(layer, block_table, 0, count)
+        return self._store(kind, layer)[pages, slots]
+
+
+@dataclass
+class SeqChunk:
+    """``length`` new tokens of one sequence starting at absolute position ``start``."""
+
+    state: SequenceState
+    start: int
+    length: int
+    block_table: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class ForwardBatch:
+    """One step: the new tokens of several sequences, concatenated in ``chunks`` order."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    chunks: list[SeqChunk]
+
+    @classmethod
+    def build(
+        cls, chunks: list[SeqChunk], token_ids: list[list[int]], device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
+        if len(chunks) != len(token_ids):
+            raise ValueError("one token list per chunk is required")
+        ids, pos = [], []
+        for c, t in zip(chunks, token_ids):
+            if len(t) != c.length:
+                raise ValueError(f"chunk declares {c.length} tokens but {len(t)} were given")
+            if c.start != c.state.num_tokens:
+                raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
+            ids.extend(t)
+            pos.extend(range(c.start, c.end))
+        return cls(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            chunks=chunks,
+        )
+
+    def offsets(self) -> list[tuple[int, int]]:
+        out, o = [], 0
+        for c in self.chunks:
+            out.append((o, o + c.length))
+            o += c.length
+        return out

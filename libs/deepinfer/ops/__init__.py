@@ -1,0 +1,38 @@
+"""The op interface the model calls, and backend selection.
+
+The model never imports a kernel: it calls ``ops.<name>``. The ``cpu`` backend (plain torch, any
+device) defines the semantics; accelerator backends override single ops with kernels that are
+tested against it.
+"""
+
+from __future__ import annotations
+
+from deepinfer.ops.base import Ops
+from deepinfer.ops.reference import ReferenceOps
+
+_BACKENDS: dict[str, type[Ops]] = {"cpu": ReferenceOps}
+
+
+def get_ops(accelerator: str = "cpu") -> Ops:
+    """The op set for ``accelerator`` (nvidia | ascend | cpu)."""
+    if accelerator == "cpu":
+        return ReferenceOps()
+    if accelerator == "nvidia":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "DEEPINFER_ACCELERATOR=nvidia but no CUDA device is visible; set DEEPINFER_ACCELERATOR=cpu "
+                "to run the reference backend"
+            )
+        # Triton kernels land with the NVIDIA backend; until then the reference ops run on the GPU.
+        return ReferenceOps(device_name="nvidia")
+    if accelerator == "ascend":
+        raise RuntimeError(
+            "DEEPINFER_ACCELERATOR=ascend: the Ascend backend (torch_npu) is not available in this build; "
+            "set DEEPINFER_ACCELERATOR=cpu or nvidia"
+        )
+    raise ValueError(f"unknown accelerator {accelerator!r}; expected one of nvidia, ascend, cpu")
+
+
+__all__ = ["Ops", "ReferenceOps", "get_ops"]

@@ -1,0 +1,73 @@
+"""The small backend interface the DeepSeek-V4 model is written against.
+
+Shapes use ``n`` = new tokens of one sequence, ``T`` = tokens of the whole batch, ``H`` heads,
+``d`` head dim, ``K`` candidate keys. Every op takes and returns torch tensors; none keeps state.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """``w · x / rms(x)`` over the last dim, computed in fp32, returned in ``x.dtype``."""
+        ...
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Interleaved (GPT-J pair) rotation of the last ``2·cos.shape[-1]`` dims of ``x``."""
+        ...
+
+    def hc_mixes(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC weights of streams ``h [T, N, D]``: ``pre [T, N]``, ``post [T, N]``, Sinkhorn ``comb [T, N, N]``."""
+        ...
+
+    def sparse_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention with K = V and a per-head sink logit: ``q [n, H, d]``, ``keys [K, d]``, ``mask [n, K]``."""
+        ...
+
+    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Lightning-indexer scores ``Σ_h weights[:, h] · relu(q[:, h] · keys)`` → ``[n, R]``."""
+        ...
+
+    def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-``k`` column indices per row; ties go to the lower index (documented tie rule)."""
+        ...
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        """Routed SwiGLU experts (``w1/w3 [E, I, D]``, ``w2 [E, D, I]``): ``Σ_k weights[:, k] · expert(x)``.
+
+        The routing weight multiplies the expert's hidden state before ``w2``; the sum is fp32."""
+        ...
+
+    def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """FP8 e4m3 round-trip with per-``block`` UE8M0 scales along the last dim."""
+        ...
+
+    def fp4_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """MXFP4 (e2m1) round-trip with per-``block`` UE8M0 scales along the last dim."""
+        ...

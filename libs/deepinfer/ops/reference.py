@@ -1,0 +1,130 @@
+"""Reference ops in plain torch: the semantics every accelerator kernel is tested against.
+
+Numerics follow the official DeepSeek-V4 inference code (MODEL_V4.md §2): fp32 for norms, RoPE,
+mHC, attention scores/softmax, routing and MoE accumulation; results cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.quant.formats import FP8_MAX, fp4_round, pow2_scale
+
+
+class ReferenceOps:
+    def __init__(self, device_name: str = "cpu") -> None:
+        self.name = device_name
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        if weight is not None:
+            y = weight.float() * y
+        return y.to(x.dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        rd = cos.shape[-1] * 2
+        if inverse:
+            sin = -sin
+        rot = x[..., -rd:].float().unflatten(-1, (-1, 2))
+        even, odd = rot[..., 0], rot[..., 1]
+        out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+        return torch.cat([x[..., :-rd], out.to(x.dtype)], dim=-1)
+
+    def hc_mixes(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = h.shape[-2]
+        xf = h.flatten(-2).float()
+        rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+        mixes = F.linear(xf, fn.float()) * rs
+        scale, base = scale.float(), base.float()
+        pre = torch.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
+        if mixes.shape[-1] == n:  # head collapse: pre only
+            return pre, pre, pre
+        post = 2 * torch.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+        comb = mixes[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
+        comb = comb.softmax(-1) + eps
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        return pre, post, comb
+
+    def sparse_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        kf = keys.float()
+        s = torch.einsum("nhd,kd->nhk", q.float(), kf) * scale
+        s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        m = torch.maximum(s.amax(-1), sink.float().view(1, -1))
+        e = torch.exp(s - m.unsqueeze(-1))
+        den = e.sum(-1) + torch.exp(sink.float().view(1, -1) - m)
+        p = (e / den.unsqueeze(-1)).to(keys.dtype)
+        return torch.einsum("nhk,kd->nhd", p.float(), kf).to(q.dtype)
+
+    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        s = torch.einsum("nhd,rd->nhr", q.float(), keys.float()).relu()
+        return (s * weights.float().unsqueeze(-1)).sum(1)
+
+    def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        # stable descending sort: equal scores keep ascending index order
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            xe = x[rows]
+            h = swiglu(F.linear(xe, w1[e]).float(), F.linear(xe, w3[e]).float(), limit)
+            h = weights[rows, slot].unsqueeze(-1).float() * h
+            y.index_add_(0, rows, F.linear(h.to(x.dtype), w2[e]).float())
+        return y
+
+    def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        xb = x.float().unflatten(-1, (-1, block))
+        s = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
+        q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+        return q.flatten(-2).to(x.dtype)
+
+    def fp4_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        xb = x.float().unflatten(-1, (-1, block))
+        s = pow2_scale(xb.abs().amax(-1, keepdim=True), 6.0, 6 * 2.0**-126)
+        return (fp4_round(xb / s) * s).flatten(-2).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) · clamp(up, ±limit)`` (the V4 SwiGLU clamp)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh–Hadamard transform over the last dim (a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    y = x.float()
+    h = 1
+    while h < n:
+        y = y.unflatten(-1, (-1, 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n**-0.5).to(x.dtype)

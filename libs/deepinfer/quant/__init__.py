@@ -1,0 +1,1 @@
+"""Weight formats of the official checkpoints and the quantisation round-trips of the reference."""

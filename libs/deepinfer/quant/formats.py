@@ -1,0 +1,104 @@
+"""The official weight formats (MODEL_V4.md §4.2), encode and decode.
+
+- FP8: ``float8_e4m3fn`` weight ``[out, in]`` with ``float8_e8m0fnu`` block scales
+  ``[ceil(out/B0), ceil(in/B1)]`` (B = 128×128 for V4, 32×32 for V4.1); ``W = w8 · scale``.
+- MXFP4 (routed experts): ``int8`` ``[out, in/2]``, element ``2k`` in the low nibble and ``2k+1`` in
+  the high nibble of byte ``k``, e2m1 codes; ``float8_e8m0fnu`` scales ``[out, in/32]``.
+
+Scales are powers of two rounded *up* (UE8M0), so every decoded value is exact in fp32 and bf16
+can hold it whenever the product fits bf16's 8-bit mantissa (always true for e4m3 × 2^k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+MXFP4_BLOCK = 32
+# e2m1 code -> value; bit 3 is the sign
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
+    """UE8M0 scale: the smallest power of two ``s`` with ``amax / s <= qmax``."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / qmax)))
+
+
+def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    s = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return s[: shape[0], : shape[1]]
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D weight to e4m3 with per-block UE8M0 scales (what the official converter stores)."""
+    if w.dim() != 2:
+        raise ValueError(f"FP8 block quantisation needs a 2-D weight, got shape {tuple(w.shape)}")
+    out, inp = w.shape
+    nb0, nb1 = -(-out // block[0]), -(-inp // block[1])
+    wf = w.float()
+    padded = torch.zeros(nb0 * block[0], nb1 * block[1])
+    padded[:out, :inp] = wf.abs()
+    amax = padded.view(nb0, block[0], nb1, block[1]).amax(dim=(1, 3))
+    scale = pow2_scale(amax, FP8_MAX, 1e-30)
+    q = (wf / _expand_blocks(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu)
+
+
+def dequantize_fp8_blocks(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Decode an e4m3 weight with its block scales; the block size is inferred from the shapes."""
+    out, inp = q.shape
+    if block is None:
+        block = (-(-out // scale.shape[0]), -(-inp // scale.shape[1]))
+    expected = (-(-out // block[0]), -(-inp // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
+    return (q.float() * _expand_blocks(scale, q.shape, block)).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``[out, in]`` to packed e2m1 (int8 ``[out, in/2]``) with per-32 UE8M0 scales."""
+    out, inp = w.shape
+    if inp % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs in_features divisible by {MXFP4_BLOCK}, got {inp}")
+    wb = w.float().view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
+    scale = pow2_scale(wb.abs().amax(-1), FP4_MAX, 6 * 2.0**-126)
+    codes = fp4_codes(wb / scale.unsqueeze(-1)).view(out, inp)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out, half = packed.shape
+    inp = half * 2
+    if tuple(scale.shape) != (out, inp // MXFP4_BLOCK):
+        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
+    b = packed.view(torch.uint8).long()
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).view(out, inp)
+    vals = FP4_VALUES[codes].view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float().unsqueeze(-1)
+    return vals.view(out, inp).to(dtype)
+
+
+def fp4_codes(v: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 value (ties to the even mantissa), saturating at ±6; returns codes."""
+    mag = v.abs().clamp(max=FP4_MAX)
+    grid = FP4_VALUES[:8]
+    dist = (mag.unsqueeze(-1) - grid).abs()
+    best = dist.min(-1, keepdim=True).values
+    tie = dist == best
+    # among tied candidates prefer the even code (even mantissa bit); codes 0..7 have mantissa bit = code & 1
+    even = (torch.arange(8) & 1) == 0
+    pick = torch.where(tie & even, 0, torch.where(tie, 1, 2))
+    idx = pick.argmin(-1)
+    sign = (v < 0) | ((v == 0) & torch.signbit(v))
+    return (idx | (sign.long() << 3)).long()
+
+
+def fp4_round(v: torch.Tensor) -> torch.Tensor:
+    """Values rounded onto the e2m1 grid (for the quantisation simulation)."""
+    return FP4_VALUES[fp4_codes(v)]
