@@ -32,17 +32,21 @@ def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir
         return p
     if p.exists() or str(model).startswith((".", "/")):
         raise ModelUnavailable(_advice(f"The model path {model} is not a directory."))
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
-        path = snapshot_download(
-            repo_id=str(model),
-            allow_patterns=_PATTERNS,
-            cache_dir=str(cache_dir) if cache_dir else None,
-        )
+    cache = str(cache_dir) if cache_dir else None
+    try:  # config first: refuse an unsupported architecture before downloading its weights
+        config = Path(hf_hub_download(repo_id=str(model), filename="config.json", cache_dir=cache))
     except Exception as e:  # offline, DNS failure, gated repo, unknown repo: all end the same way
         raise ModelUnavailable(
             _advice(f"Could not fetch the model {model!r} from the Hugging Face hub ({type(e).__name__}: {e}).")
+        ) from e
+    check_architecture(config.parent)
+    try:
+        path = snapshot_download(repo_id=str(model), allow_patterns=_PATTERNS, cache_dir=cache)
+    except Exception as e:
+        raise ModelUnavailable(
+            _advice(f"Could not download the weights of {model!r} from the Hugging Face hub ({type(e).__name__}: {e}).")
         ) from e
     return Path(path)
 

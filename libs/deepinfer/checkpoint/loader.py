@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from deepinfer.checkpoint.names import hf_to_official, is_hf_name, official_to_internal
+from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 
@@ -143,7 +143,13 @@ def load_checkpoint(
                 place(sub, st, file)
     for name, (_, file) in pending.items():
         raise CheckpointError(f"quantised tensor {name!r} in {file.name} has no scale tensor {name[:-7]}.scale")
-    missing = [k for k in params if k not in filled and k not in expert_filled]
-    missing += [f"{k}[{e}]" for k, got in expert_filled.items() for e in range(n_experts) if e not in got]
+    # reported under their checkpoint (official) names, routed experts one by one
+    missing = [
+        internal_to_official(k, e)
+        for k in params
+        if k not in filled
+        for e in (range(n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
+        if e not in expert_filled.get(k, ())
+    ]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

@@ -25,6 +25,10 @@ def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / qmax)))
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
     s = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return s[: shape[0], : shape[1]]
@@ -54,7 +58,10 @@ def dequantize_fp8_blocks(
     """Decode an e4m3 weight with its block scales; the block size is inferred from the shapes."""
     out, inp = q.shape
     if block is None:
-        block = (-(-out // scale.shape[0]), -(-inp // scale.shape[1]))
+        # block sizes are powers of two (128 for V4, 32 for V4.1); with nb >= 2 blocks along a dim of size n
+        # the block B satisfies n/nb <= B < 2n/nb, so it is the smallest power of two >= ceil(n/nb)
+        # (plain ceil(n/nb) is wrong when n is not a multiple of B, e.g. 200 rows in 2 blocks of 128)
+        block = (_pow2_at_least(-(-out // scale.shape[0])), _pow2_at_least(-(-inp // scale.shape[1])))
     expected = (-(-out // block[0]), -(-inp // block[1]))
     if tuple(scale.shape) != expected:
         raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")

@@ -31,16 +31,27 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.quant_sim = False
 
-    def forward(
-        self, x: torch.Tensor, start: int, buf: CompressorBuffer | None, rope: RotaryTable, ops: Ops
-    ) -> tuple[torch.Tensor, int, CompressorBuffer]:
-        """Consume tokens ``start .. start+len(x)``; return the rows completed, the first row's index
-        and the new buffer."""
-        m, d, n = self.ratio, self.dim, x.shape[0]
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 projections of a whole batch: ``kv`` and ``score`` (gate + position bias)."""
         xf = x.float()
-        pos = torch.arange(start, start + n, device=x.device)
         kv = xf @ self.wkv.weight.float().T
-        score = xf @ self.wgate.weight.float().T + self.ape.float()[pos % m]
+        score = xf @ self.wgate.weight.float().T + self.ape.float()[positions % self.ratio]
+        return kv, score
+
+    def forward(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        start: int,
+        buf: CompressorBuffer | None,
+        rope: RotaryTable,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, int, CompressorBuffer]:
+        """Consume the projections of tokens ``start .. start+len(kv)``; return the rows completed,
+        the first row's index and the new buffer."""
+        m, d, n = self.ratio, self.dim, kv.shape[0]
+        x = kv  # device / dtype carrier
         if buf is not None:
             kv, score, base = torch.cat([buf.kv, kv]), torch.cat([buf.score, score]), buf.start
         else:
@@ -59,14 +70,14 @@ class Compressor(nn.Module):
                 s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
             else:
                 k_all, s_all = kv[cur], score[cur]
-            rows = (k_all * s_all.softmax(dim=1)).sum(dim=1).to(x.dtype)
+            rows = (k_all * s_all.softmax(dim=1)).sum(dim=1).to(dtype)
             rows = self.norm(rows, ops)
             cos, sin = rope(w * m)
             rows = ops.rope(rows, cos, sin)
             if self.quant_sim:
                 rows = self._quant(rows, ops)
         else:
-            rows = x.new_zeros(0, d)
+            rows = x.new_zeros(0, d, dtype=dtype)
         keep = max(last - (1 if self.overlap else 0), 0) * m
         keep = max(keep, base)
         new_buf = CompressorBuffer(kv=kv[keep - base :].clone(), score=score[keep - base :].clone(), start=keep)
@@ -74,7 +85,7 @@ class Compressor(nn.Module):
 
     def _quant(self, rows: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.rotate:  # indexer keys: Hadamard then FP4
-            return ops.fp4_quant_sim(hadamard(rows), 32)
+            return ops.fp4_quant_sim(hadamard(rows), min(32, rows.shape[-1]))
         nope = rows[..., : -self.rd]
         return torch.cat([ops.act_quant_sim(nope, _qblock(nope.shape[-1])), rows[..., -self.rd :]], dim=-1)
 
@@ -121,7 +132,7 @@ class Indexer(nn.Module):
         cos, sin = rope(positions)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quant_sim:
-            q = ops.fp4_quant_sim(hadamard(q), 32)
+            q = ops.fp4_quant_sim(hadamard(q), min(32, q.shape[-1]))
         w = self.weights_proj(x, ops).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         scores = ops.indexer_scores(q, keys, w).masked_fill(~visible, float("-inf"))
         k = min(self.topk, r)
@@ -174,9 +185,15 @@ class Attention(nn.Module):
         kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
         if self.quant_sim:
             kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], _qblock(d - rd)), kv[:, -rd:]], dim=-1)
+        proj = {}
+        if self.compressor is not None:
+            proj["main"] = self.compressor.project(x, positions)
+        if self.indexer is not None:
+            proj["index"] = self.indexer.compressor.project(x, positions)
         out = torch.empty_like(q)
         for chunk, (a, b) in zip(chunks, offsets):
-            out[a:b] = self._attend_one(x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], chunk, cache, rope, ops)
+            part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
+            out[a:b] = self._attend_one(x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops)
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         g = self.o_groups
         z = torch.einsum("ngk,grk->ngr", out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
@@ -189,6 +206,7 @@ class Attention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         positions: torch.Tensor,
+        proj: dict[str, tuple[torch.Tensor, torch.Tensor]],
         chunk: SeqChunk,
         cache: PagedKVCache | None,
         rope: RotaryTable,
@@ -205,10 +223,12 @@ class Attention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
             count = e // self.ratio
-            rows = self._compress(self.compressor, x, chunk, "main", "rows", cache, rope, ops)
+            rows = self._compress(self.compressor, proj["main"], chunk, "main", cache, rope, ops, kv.dtype)
             visible = torch.arange(count, device=x.device).unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1)
             if self.indexer is not None:
-                ikeys = self._compress(self.indexer.compressor, x, chunk, "index", "index", cache, rope, ops)
+                ikeys = self._compress(
+                    self.indexer.compressor, proj["index"], chunk, "index", cache, rope, ops, kv.dtype
+                )
                 visible = self.indexer.select(x, qr, positions, ikeys, rope, ops)
             keys = torch.cat([keys, rows])
             mask = torch.cat([mask, visible], dim=1)
@@ -220,16 +240,18 @@ class Attention(nn.Module):
     def _compress(
         self,
         comp: Compressor,
-        x: torch.Tensor,
+        proj: tuple[torch.Tensor, torch.Tensor],
         chunk: SeqChunk,
         name: str,
-        kind: str,
         cache: PagedKVCache,
         rope: RotaryTable,
         ops: Ops,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
+        """Feed one sequence's projections to a compressor; store new rows; return all rows so far."""
         key = (self.layer_id, name)
-        rows, first, chunk.state.buffers[key] = comp(x, chunk.start, chunk.state.buffers.get(key), rope, ops)
-        store = "rows" if kind == "rows" else "index"
+        buf = chunk.state.buffers.get(key)
+        rows, first, chunk.state.buffers[key] = comp(proj[0], proj[1], chunk.start, buf, rope, ops, dtype)
+        store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)

@@ -161,15 +161,25 @@ class DeepseekV4Config:
             hca = int(rates.get("heavily_compressed_attention", 128))
             by_type = {"sliding_attention": 0, "compressed_sparse_attention": kw["csa_ratio"]}
             by_type["heavily_compressed_attention"] = hca
+            unknown = sorted({t for t in raw["layer_types"] if t not in by_type})
+            if unknown:
+                raise ValueError(f"unknown layer_types {unknown} (expected one of {', '.join(by_type)})")
             ratios = [by_type[t] for t in raw["layer_types"]] + [0] * n_mtp
         else:
             raise ValueError("config.json carries neither compress_ratios nor layer_types")
+        if len(ratios) < n:  # only the MTP entries may be left out (they default to sliding-window)
+            raise ValueError(f"compress_ratios/layer_types have {len(ratios)} entries, need num_hidden_layers={n}")
         kw["compress_ratios"] = tuple(ratios[: n + n_mtp] + [0] * max(0, n + n_mtp - len(ratios)))
         if raw.get("num_hash_layers") is not None:
             kw["num_hash_layers"] = int(raw["num_hash_layers"])
         elif raw.get("mlp_layer_types") is not None:
             kw["num_hash_layers"] = sum(1 for t in raw["mlp_layer_types"] if t == "hash_moe")
         kw["yarn"] = _parse_yarn(raw)
+        # transformers' nested rope_parameters carry the thetas it actually uses (top-level keys may be absent)
+        rp = raw.get("rope_parameters")
+        for sub, key in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
+            if isinstance(rp, dict) and isinstance(rp.get(sub), dict) and rp[sub].get("rope_theta") is not None:
+                kw[key] = float(rp[sub]["rope_theta"])
         q = raw.get("quantization_config") or {}
         if q.get("weight_block_size"):
             kw["weight_block_size"] = tuple(int(x) for x in q["weight_block_size"])

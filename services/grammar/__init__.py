@@ -1,0 +1,1 @@
+"""Grammar service: compiles regex / JSON schema / EBNF with xgrammar (lands with the structured-output issue)."""

@@ -1,0 +1,92 @@
+"""The repository contract: layout, the README's two commands, the CLI, the example and docker-compose."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env["DEEPINFER_CACHE_DIR"] = str(tmp_path / "cache")
+    env["DEEPINFER_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
+    return env
+
+
+def test_layout() -> None:
+    for d in ["proto", "kernels", "tests", "bench", "examples", "libs/deepinfer", "docs"]:
+        assert (ROOT / d).is_dir(), d
+    for s in ["scheduler", "worker_nvidia", "worker_ascend", "kvstore", "balancer", "grammar"]:
+        assert (ROOT / "services" / s / "__init__.py").exists(), s
+    assert (ROOT / "docs" / "architecture.md").exists()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme = (ROOT / "README.md").read_text()
+    assert ci in readme
+    assert "ruff check" in ci and "ruff format --check" in ci and "pytest" in ci
+    assert "deepinfer up" in readme
+
+
+def test_docker_compose_parses_and_runs_known_commands() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"nats", "deepinfer"} <= set(services)
+    assert "-js" in services["nats"]["command"]
+    assert services["deepinfer"]["depends_on"]["nats"]["condition"] == "service_healthy"
+    from deepinfer.cli import build_parser
+
+    build_parser().parse_args(services["deepinfer"]["command"])  # a real subcommand
+    for name in compose.get("volumes", {}):
+        assert any(name in str(v) for s in services.values() for v in s.get("volumes", []))
+
+
+def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "make-tiny-model", str(tmp_path / "m"), "--seed", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+    up = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "up", "--max-tokens", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert up.returncode == 0, up.stderr
+    assert "generating a tiny model" in up.stdout
+    assert up.stdout.count("--- req-") == 3
+
+
+def test_cli_reports_bad_env(tmp_path: Path) -> None:
+    env = _env(tmp_path) | {"DEEPINFER_BATCH_INVARIANT": "maybe"}
+    out = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "up"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0 and "DEEPINFER_BATCH_INVARIANT" in out.stderr
+
+
+def test_offline_example_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "offline_inference.py")],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "seeded:" in out.stdout
