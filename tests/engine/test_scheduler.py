@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
@@ -238,6 +238,7 @@ def test_random_traffic_keeps_every_invariant(sc: dict) -> None:
                 with pytest.raises(ValueError):
                     sched.add(rid, prompt, params)
                 assert rid not in sched.requests
+                event("prompt rejected")
                 continue
             sched.add(rid, prompt, params)
             accepted.append(rid)
@@ -252,7 +253,7 @@ def test_random_traffic_keeps_every_invariant(sc: dict) -> None:
                     assert sched.requests[rid].finish_reason == "abort"
         check_state(sched)
         step(sched, worker)
-    drain(sched, worker)
+    drain(sched, worker, max_steps=3000)
 
     # nothing leaks: every page is back, and one more (empty) step hands the worker every last release
     assert sched.pages.num_free == sched.pages.num_total and sched.pages.num_used == 0
@@ -261,9 +262,11 @@ def test_random_traffic_keeps_every_invariant(sc: dict) -> None:
     worker.execute(plan)
     assert worker.held == {}
 
+    event("preemptions" if sched.num_preemptions else "no preemption")
     for rid in accepted:
         req = sched.requests[rid]
         assert req.finished and req.finish_reason in REASONS
+        event(f"finish: {req.finish_reason} {type(req.stop_reason).__name__}")
         if rid in aborted:
             assert req.finish_reason == "abort"
             continue

@@ -7,8 +7,8 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tokenizer import load_tokenizer
-from models.conftest import CONFIGS
 from models.hf_reference import build_hf_model
+from models.tiny_configs import CONFIGS
 
 TEXTS = [
     "DeepSeek-V4 compresses the KV cache: sliding window + CSA + HCA.",

@@ -11,7 +11,7 @@ from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
-from models.conftest import CONFIGS
+from models.tiny_configs import CONFIGS
 
 PAGE = 16
 TOL = 1e-4

@@ -58,9 +58,7 @@ def check_architecture(model_dir: Path) -> dict:
         raise ModelUnavailable(_advice(f"{model_dir} has no config.json."))
     with open(cfg_file, encoding="utf-8") as f:
         raw = json.load(f)
-    if "text_config" in raw and "model_type" not in raw.get("text_config", {}):
-        raw = raw["text_config"]
-    mt = raw.get("model_type") or raw.get("text_config", {}).get("model_type")
+    mt = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ModelUnavailable(
             _advice(

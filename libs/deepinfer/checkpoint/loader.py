@@ -89,6 +89,7 @@ def load_checkpoint(
     pending: dict[str, tuple[torch.Tensor, Path]] = {}  # quantised weights waiting for their scale
     scales: dict[str, tuple[torch.Tensor, Path]] = {}
     n_experts = model.config.n_routed_experts
+    block = tuple(model.config.weight_block_size)
 
     def place(name: str, t: torch.Tensor, file: Path) -> None:
         if name.startswith("mtp.") and re.match(r"^mtp\.\d+\.(embed|head)\.", name):
@@ -120,7 +121,7 @@ def load_checkpoint(
         (w, wf), (s, _) = pending.pop(name), scales.pop(name)
         try:
             if w.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8_blocks(w, s)
+                t = dequantize_fp8_blocks(w, s, block=block)
             else:
                 t = dequantize_mxfp4(w, s)
         except ValueError as e:

@@ -5,7 +5,8 @@ prefill chunk), then admits waiting requests first-come-first-served while the t
 sequence limit and the free pages allow. A sequence of ``L`` tokens holds ``ceil(L / page_size)``
 pages. When a running request needs a page and none is free, the most recently admitted running
 request is preempted: its pages are freed and it is re-queued at the front, to be recomputed from
-its prompt and the tokens it already produced (the worker drops its state).
+its prompt and the tokens it already produced (the worker drops its state). A sequence ends with
+"length" at ``max_model_len`` tokens, or at what the whole page pool holds if that is less.
 """
 
 from __future__ import annotations
@@ -148,9 +149,14 @@ class Scheduler:
                 return "stop", token
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return "length", None
-        if req.num_tokens >= self.config.max_model_len:
+        if req.num_tokens >= self._max_len():
             return "length", None
         return None
+
+    def _max_len(self) -> int:
+        """The longest a sequence may grow: the model's limit, or what the whole page pool holds if less.
+        (A sequence that outgrew the pool could never be scheduled again: it would preempt itself forever.)"""
+        return min(self.config.max_model_len, self.pages.num_total * self.config.page_size)
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.page_size)
