@@ -120,6 +120,8 @@ class LLM:
         Every prompt is validated before any is queued: a bad one raises ValueError and none runs."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompts).__name__}")
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -128,10 +130,15 @@ class LLM:
         for ids, _ in encoded:
             self._validate(ids)
         order: dict[str, int] = {}
-        for i, ((ids, text), p) in enumerate(zip(encoded, plist)):
-            rid = self.engine.new_request_id()
-            self.engine.add_request(rid, ids, p, prompt=text)
-            order[rid] = i
+        try:
+            for i, ((ids, text), p) in enumerate(zip(encoded, plist)):
+                rid = self.engine.new_request_id()
+                self.engine.add_request(rid, ids, p, prompt=text)
+                order[rid] = i
+        except Exception:
+            # a later prompt or params failed the engine's checks: withdraw the ones already queued
+            self.engine.abort_request(list(order))
+            raise
         return self._drain(order, use_tqdm)
 
     def _validate(self, ids: list[int]) -> None:

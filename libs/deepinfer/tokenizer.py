@@ -33,13 +33,18 @@ class Detokenizer:
         self.stopped_by: str | None = None
         self._max_stop = max((len(s) for s in stop), default=0)
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one (text is cut there)."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one (text is cut there).
+
+        With ``check_stop=False`` (before ``min_tokens`` are out) the text only grows: a stop string that
+        ends there is never acted on later, only ones that end in a later piece."""
         piece = self.stream.step(self.tokenizer, token_id) or ""
         if not piece:
             return None
         scan_from = max(0, len(self.text) - self._max_stop + 1)
         self.text += piece
+        if not check_stop:
+            return None
         for s in self.stop:
             at = self.text.find(s, scan_from)
             if at >= 0:

@@ -95,9 +95,15 @@ class LLMEngine:
             req = self.scheduler.requests.get(r.request_id)
             if r.token_id is None or req is None:
                 continue
-            stop = self._detok[r.request_id].add(r.token_id)
-            if stop is not None and not req.finished and len(req.output_token_ids) >= req.params.min_tokens:
-                self.scheduler.finish(req, "stop", stop)
+            # as in vLLM: stop strings count once min_tokens are out, not after EOS / a stop token, and win
+            # over "length" when both happen on the same token
+            check = len(req.output_token_ids) >= req.params.min_tokens and req.finish_reason != "stop"
+            stop = self._detok[r.request_id].add(r.token_id, check_stop=check)
+            if stop is not None:
+                if req.finished:
+                    req.finish_reason, req.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(req, "stop", stop)
                 finished.add(r.request_id)
         return [self._finish(rid) for rid in sorted(finished, key=lambda x: self.scheduler.requests[x].arrival)]
 
