@@ -50,8 +50,7 @@ class Compressor(nn.Module):
     ) -> tuple[torch.Tensor, int, CompressorBuffer]:
         """Consume the projections of tokens ``start .. start+len(kv)``; return the rows completed,
         the first row's index and the new buffer."""
-        m, d, n = self.ratio, self.dim, kv.shape[0]
-        x = kv  # device / dtype carrier
+        m, d, n, dev = self.ratio, self.dim, kv.shape[0], kv.device
         if buf is not None:
             kv, score, base = torch.cat([buf.kv, kv]), torch.cat([buf.score, score]), buf.start
         else:
@@ -59,8 +58,8 @@ class Compressor(nn.Module):
         end = start + n
         first, last = start // m, end // m
         if last > first:
-            w = torch.arange(first, last, device=x.device)
-            cur = w.unsqueeze(1) * m + torch.arange(m, device=x.device) - base  # [k, m]
+            w = torch.arange(first, last, device=dev)
+            cur = w.unsqueeze(1) * m + torch.arange(m, device=dev) - base  # [k, m]
             if self.overlap:
                 prev = (cur - m).clamp_min(0)
                 has_prev = (w > 0).view(-1, 1, 1)
@@ -77,7 +76,7 @@ class Compressor(nn.Module):
             if self.quant_sim:
                 rows = self._quant(rows, ops)
         else:
-            rows = x.new_zeros(0, d, dtype=dtype)
+            rows = kv.new_zeros(0, d, dtype=dtype)
         keep = max(last - (1 if self.overlap else 0), 0) * m
         keep = max(keep, base)
         new_buf = CompressorBuffer(kv=kv[keep - base :].clone(), score=score[keep - base :].clone(), start=keep)
