@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
     assert up.returncode == 0, up.stderr
     assert "generating a tiny model" in up.stdout
     assert up.stdout.count("--- req-") == 3
+    finished = [json.loads(line) for line in up.stderr.splitlines() if '"request_finished"' in line]
+    assert sorted(f["request_id"] for f in finished) == ["req-0", "req-1", "req-2"]
 
 
 def test_cli_reports_bad_env(tmp_path: Path) -> None:

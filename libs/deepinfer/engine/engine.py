@@ -15,7 +15,10 @@ from deepinfer.engine.interfaces import Worker
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.telemetry import get_logger, request_context
 from deepinfer.tokenizer import Detokenizer
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -74,6 +77,8 @@ class LLMEngine:
         except ValueError as e:
             raise ValueError(f"prompt: {e}") from e
         self._prompts[request_id] = prompt
+        with request_context(request_id):
+            log.debug("request_added", prompt_tokens=len(prompt_token_ids))
         self._detok[request_id] = Detokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
@@ -125,6 +130,14 @@ class LLMEngine:
                 logprobs.append(d)
         cum = float(sum(req.logprobs)) if req.logprobs else None
         n_prompt, n_out = req.num_prompt_tokens, len(req.output_token_ids)
+        with request_context(request_id):
+            log.info(
+                "request_finished",
+                finish_reason=req.finish_reason,
+                prompt_tokens=n_prompt,
+                completion_tokens=n_out,
+                preemptions=req.num_preemptions,
+            )
         return RequestOutput(
             request_id=request_id,
             prompt=prompt,
