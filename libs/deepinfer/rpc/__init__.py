@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by the services: code generation and conversions between wire and engine types."""

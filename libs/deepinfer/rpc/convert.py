@@ -1,0 +1,162 @@
+"""Conversions between the wire messages of ``deepinfer.v1`` and the engine's own types.
+
+Invalid wire values surface as the same ValueError (naming the field) that the engine raises, so a
+servicer can map them to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+
+from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepPlan, StepResult
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.v1 import common_pb2, worker_pb2
+
+_SCHEMA_TYPES = {
+    common_pb2.StructuredOutput.SCHEMA_TYPE_REGEX: "regex",
+    common_pb2.StructuredOutput.SCHEMA_TYPE_JSON_SCHEMA: "json_schema",
+    common_pb2.StructuredOutput.SCHEMA_TYPE_JSON_OBJECT: "json_object",
+    common_pb2.StructuredOutput.SCHEMA_TYPE_EBNF: "ebnf",
+    common_pb2.StructuredOutput.SCHEMA_TYPE_STRUCTURAL_TAG: "structural_tag",
+}
+
+
+def _schema_enum(name: str) -> int:
+    if name == "json":
+        name = "json_schema"
+    for k, v in _SCHEMA_TYPES.items():
+        if v == name:
+            return k
+    raise ValueError(f"so_args.schema_type {name!r} has no wire form")
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine parameters from the wire (unset optional fields keep the engine's defaults)."""
+    kw: dict = {}
+    for name in ("temperature", "top_p", "max_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens"):
+        if p.HasField(name):
+            kw[name] = getattr(p, name)
+    if p.HasField("seed"):
+        kw["seed"] = p.seed
+    so = p.structured_output
+    if so.schema_type != common_pb2.StructuredOutput.SCHEMA_TYPE_UNSPECIFIED:
+        kind = _SCHEMA_TYPES.get(so.schema_type)
+        if kind is None:
+            raise ValueError(f"so_args.schema_type: unknown enum value {so.schema_type}")
+        kw["so_args"] = {"schema_type": kind} | ({"schema": so.schema} if so.schema else {})
+    return SamplingParams(
+        top_k=p.top_k,
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids) or None,
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        **kw,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+    )
+    if s.max_tokens is not None:
+        p.max_tokens = s.max_tokens
+    if s.effective_seed is not None:
+        p.seed = s.effective_seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
+    if s.so_args:
+        schema = s.so_args.get("schema", "")
+        p.structured_output.schema_type = _schema_enum(s.so_args["schema_type"])
+        p.structured_output.schema = schema if isinstance(schema, str) else json.dumps(schema)
+    return p
+
+
+def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
+    """Wire form of a step; sampling parameters travel with a request's first chunk only
+    (``sent_params`` tracks which requests the worker already knows and is updated here)."""
+    msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released)
+    for rid in plan.released:
+        sent_params.discard(rid)
+    for c in plan.chunks:
+        chunk = msg.chunks.add(
+            request_id=c.request_id,
+            token_ids=c.token_ids,
+            start=c.start,
+            block_table=c.block_table,
+            sample=c.sample,
+            logprob_targets=c.logprob_targets or [],
+        )
+        if c.request_id not in sent_params:
+            chunk.params.CopyFrom(sampling_to_proto(c.params))
+            sent_params.add(c.request_id)
+    return msg
+
+
+def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) -> StepPlan:
+    """Engine form of a step; ``known`` holds the parameters of the requests seen so far."""
+    for rid in msg.released:
+        known.pop(rid, None)
+    chunks = []
+    for c in msg.chunks:
+        if c.HasField("params"):
+            known[c.request_id] = sampling_from_proto(c.params)
+        if c.request_id not in known:
+            raise ValueError(f"chunks.params: first chunk of request {c.request_id!r} carries no parameters")
+        chunks.append(
+            ChunkPlan(
+                request_id=c.request_id,
+                token_ids=list(c.token_ids),
+                start=c.start,
+                block_table=list(c.block_table),
+                sample=c.sample,
+                params=known[c.request_id],
+                logprob_targets=list(c.logprob_targets) or None,
+            )
+        )
+    return StepPlan(step_id=msg.step_id, chunks=chunks, released=list(msg.released))
+
+
+def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+    msg = worker_pb2.StepResult(step_id=result.step_id)
+    for r in result.results:
+        out = msg.results.add(request_id=r.request_id)
+        if r.token_id is not None:
+            out.token_id = r.token_id
+            out.logprob.token_id = r.token_id
+            out.logprob.logprob = r.logprob if r.logprob is not None else 0.0
+            for t, lp in r.top_logprobs or []:
+                out.logprob.top.add(token_id=t, logprob=lp)
+        for row in r.prompt_logprobs or []:
+            out.prompt_logprobs.add().entries.extend(
+                common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in row.items()
+            )
+    return msg
+
+
+def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
+    results = []
+    for r in msg.results:
+        has_token = r.HasField("token_id")
+        results.append(
+            SeqResult(
+                request_id=r.request_id,
+                token_id=r.token_id if has_token else None,
+                logprob=r.logprob.logprob if has_token else None,
+                top_logprobs=[(t.token_id, t.logprob) for t in r.logprob.top] or None,
+                prompt_logprobs=[{e.token_id: e.logprob for e in row.entries} for row in r.prompt_logprobs] or None,
+            )
+        )
+    return StepResult(step_id=msg.step_id, results=results)

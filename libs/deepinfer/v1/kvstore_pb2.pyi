@@ -1,0 +1,85 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
+class PageKey(_message.Message):
+    __slots__ = ("hash", "resume_point")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_POINT_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    resume_point: bool
+    def __init__(self, hash: _Optional[bytes] = ..., resume_point: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "keys")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    keys: _containers.RepeatedCompositeFieldContainer[PageKey]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("key", "model_fingerprint", "layout", "offset", "total_bytes", "data", "crc32c")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    key: PageKey
+    model_fingerprint: str
+    layout: str
+    offset: int
+    total_bytes: int
+    data: bytes
+    crc32c: int
+    def __init__(self, key: _Optional[_Union[PageKey, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "keys")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    keys: _containers.RepeatedCompositeFieldContainer[PageKey]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "keys")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    keys: _containers.RepeatedCompositeFieldContainer[PageKey]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,72 @@
+from deepinfer.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobEntry]
+    finish_reason: _common_pb2.FinishReason
+    stop_token_id: int
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PromptLogprobEntry(_message.Message):
+    __slots__ = ("position", "entries")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
+    def __init__(self, position: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class SchedulerAbortRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SchedulerAbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aborted: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_period_s",)
+    GRACE_PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    grace_period_s: float
+    def __init__(self, grace_period_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("remaining_requests",)
+    REMAINING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    remaining_requests: int
+    def __init__(self, remaining_requests: _Optional[int] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

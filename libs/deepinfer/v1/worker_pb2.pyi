@@ -1,0 +1,96 @@
+from deepinfer.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "chunks", "released")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChunkPlan(_message.Message):
+    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    params: _common_pb2.SamplingParams
+    logprob_targets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "results", "forward_ms")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    results: _containers.RepeatedCompositeFieldContainer[SeqResult]
+    forward_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class SeqResult(_message.Message):
+    __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobRow]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobRow, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobRow(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
+    def __init__(self, entries: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class GetWorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    accelerator: str
+    device: str
+    model: str
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int
+    dtype: str
+    rank: int
+    world_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,135 @@
+"""Wire <-> engine conversions keep every field, and bad wire values fail like bad engine values."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepPlan, StepResult
+from deepinfer.rpc.convert import (
+    plan_from_proto,
+    plan_to_proto,
+    result_from_proto,
+    result_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.v1 import common_pb2, worker_pb2
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.0, max_tokens=5, stop=["\n\n", "END"], stop_token_ids=[7], ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seq_seed=123, logprobs=3, prompt_logprobs=0),
+        SamplingParams(min_tokens=2, max_tokens=9, skip_special_tokens=False, include_stop_str_in_output=True),
+        SamplingParams(so_args={"schema_type": "regex", "schema": "[a-z]+"}),
+        SamplingParams(so_args={"schema_type": "json_schema", "schema": {"type": "object"}}),
+        SamplingParams(so_args={"schema_type": "json_object"}),
+    ],
+)
+def test_sampling_params_round_trip(params: SamplingParams) -> None:
+    wire = common_pb2.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())
+    back = sampling_from_proto(wire)
+    for field in (
+        "top_k",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "prompt_logprobs",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "effective_seed",
+    ):
+        assert getattr(back, field) == getattr(params, field), field
+    for field in ("temperature", "top_p", "min_p"):
+        assert getattr(back, field) == pytest.approx(getattr(params, field), abs=1e-7), field
+    if params.so_args:
+        assert back.so_args["schema_type"] == params.so_args["schema_type"]
+
+
+def test_unset_wire_fields_take_engine_defaults() -> None:
+    back = sampling_from_proto(common_pb2.SamplingParams())
+    ref = SamplingParams()
+    assert (back.temperature, back.top_p, back.max_tokens, back.logprobs, back.effective_seed) == (
+        ref.temperature,
+        ref.top_p,
+        ref.max_tokens,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("wire", "field"),
+    [
+        (common_pb2.SamplingParams(temperature=-1), "temperature"),
+        (common_pb2.SamplingParams(top_p=1.5), "top_p"),
+        (common_pb2.SamplingParams(max_tokens=0), "max_tokens"),
+        (common_pb2.SamplingParams(logprobs=99), "logprobs"),
+        (
+            common_pb2.SamplingParams(
+                structured_output=common_pb2.StructuredOutput(schema_type=common_pb2.StructuredOutput.SCHEMA_TYPE_REGEX)
+            ),
+            "so_args",
+        ),
+    ],
+)
+def test_bad_wire_values_raise_naming_the_field(wire: common_pb2.SamplingParams, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        sampling_from_proto(wire)
+
+
+def test_step_plan_round_trip_sends_params_once() -> None:
+    p1, p2 = SamplingParams(temperature=0), SamplingParams(seed=5, logprobs=1)
+    plan = StepPlan(
+        step_id=3,
+        chunks=[
+            ChunkPlan("a", [1, 2, 3], 0, [4, 5], True, p1, logprob_targets=[2, 3, -1]),
+            ChunkPlan("b", [-1], 17, [6], True, p2),
+        ],
+        released=["z"],
+    )
+    sent: set[str] = {"z"}
+    wire = worker_pb2.StepPlan.FromString(plan_to_proto(plan, sent).SerializeToString())
+    assert sent == {"a", "b"} and all(c.HasField("params") for c in wire.chunks)
+    known: dict[str, SamplingParams] = {"z": p1}
+    back = plan_from_proto(wire, known)
+    assert back.step_id == 3 and back.released == ["z"] and "z" not in known
+    for a, b in zip(plan.chunks, back.chunks):
+        assert (a.request_id, a.token_ids, a.start, a.block_table, a.sample) == (
+            b.request_id,
+            b.token_ids,
+            b.start,
+            b.block_table,
+            b.sample,
+        )
+        assert a.logprob_targets == b.logprob_targets
+        assert b.params.effective_seed == a.params.effective_seed
+    # the next step of the same requests carries no parameters, and the worker still knows them
+    nxt = plan_to_proto(StepPlan(4, [ChunkPlan("a", [9], 3, [4, 5], True, p1)]), sent)
+    assert not nxt.chunks[0].HasField("params")
+    assert plan_from_proto(nxt, known).chunks[0].params is known["a"]
+    with pytest.raises(ValueError, match="params"):
+        plan_from_proto(nxt, {})
+
+
+def test_step_result_round_trip() -> None:
+    res = StepResult(
+        step_id=9,
+        results=[
+            SeqResult("a", token_id=11, logprob=-0.25, top_logprobs=[(11, -0.25), (3, -2.5)]),
+            SeqResult("b", prompt_logprobs=[{5: -1.5, 2: -0.5}, {7: -3.0}]),
+        ],
+    )
+    back = result_from_proto(worker_pb2.StepResult.FromString(result_to_proto(res).SerializeToString()))
+    assert back.step_id == 9
+    a, b = back.results
+    assert (a.token_id, a.logprob, a.top_logprobs) == (11, -0.25, [(11, -0.25), (3, -2.5)])
+    assert b.token_id is None and b.logprob is None
+    assert b.prompt_logprobs == [{5: -1.5, 2: -0.5}, {7: -3.0}]
+    assert list(b.prompt_logprobs[0]) == [5, 2]  # the scored token stays first
