@@ -8,40 +8,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer import envs
 from deepinfer.chat import encode_messages
-from deepinfer.checkpoint.hub import check_architecture, resolve_model
-from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine.engine import LLMEngine, RequestOutput
-from deepinfer.engine.pages import PagePool
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer.engine.worker import ModelRunner
-from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import PagedKVCache
-from deepinfer.ops import get_ops
+from deepinfer.engine.factory import build_scheduler, build_worker
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.telemetry import get_logger
 from deepinfer.tokenizer import load_tokenizer
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-_KV_BUDGET_BYTES = 1 << 30  # default KV page budget when DEEPINFER_NUM_PAGES is unset
-log = get_logger(__name__)
-
-
-def _dtype(dtype: str | torch.dtype, accelerator: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.float32 if accelerator == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 class LLM:
@@ -59,43 +30,13 @@ class LLM:
         quant_sim: bool | None = None,
         accelerator: str | None = None,
     ) -> None:
-        envs.validate_all()
-        accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
-        if model is None and envs.DEEPINFER_HF_MODEL_DIR is None:
-            model = envs.DEEPINFER_MODEL
-        path = resolve_model(model, envs.DEEPINFER_HF_MODEL_DIR, envs.DEEPINFER_CACHE_DIR)
-        self.config = DeepseekV4Config.from_dict(check_architecture(path))
-        self.model_path = path
-        self.dtype = _dtype(dtype, accelerator)
-        device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
-        self.model = DeepseekV4Model(self.config, get_ops(accelerator))
-        load_checkpoint(self.model, path, dtype=self.dtype)
-        self.model.to(device)
-        self.model.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
-        self.tokenizer = load_tokenizer(path)
-        c = self.config
-        page_size = page_size or envs.DEEPINFER_PAGE_SIZE
-        limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or c.max_position_embeddings
-        if limit > c.max_position_embeddings:
-            raise ValueError(f"max_model_len={limit} exceeds the model's {c.max_position_embeddings} positions")
-        probe = PagedKVCache(c, 1, page_size, self.dtype, "meta")
-        if num_pages is None:
-            num_pages = envs.DEEPINFER_NUM_PAGES or max(
-                16, min(65536, _KV_BUDGET_BYTES // max(probe.bytes_per_page(), 1))
-            )
-        cache = PagedKVCache(c, num_pages, page_size, self.dtype, device)
-        sched = Scheduler(
-            SchedulerConfig(
-                page_size=page_size,
-                max_model_len=limit,
-                eos_token_id=c.eos_token_id,
-                max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
-                max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
-            ),
-            PagePool(num_pages),
+        parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim)
+        self.config, self.model_path, self.dtype, self.model = parts.config, parts.path, parts.dtype, parts.model
+        self.tokenizer = load_tokenizer(parts.path)
+        sched = build_scheduler(
+            parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens
         )
-        self.engine = LLMEngine(sched, ModelRunner(self.model, cache, device), self.tokenizer, c.vocab_size)
-        log.info("model_loaded", path=str(path), dtype=str(self.dtype), pages=num_pages, page_size=page_size)
+        self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size)
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

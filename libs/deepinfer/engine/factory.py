@@ -1,0 +1,110 @@
+"""Build the pieces of an engine from a model directory: shared by the offline ``LLM`` and the services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer import envs
+from deepinfer.checkpoint.hub import check_architecture, resolve_model
+from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.engine.pages import PagePool
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.worker import ModelRunner
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.state import PagedKVCache
+from deepinfer.ops import get_ops
+from deepinfer.telemetry import get_logger
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_KV_BUDGET_BYTES = 1 << 30  # default KV page budget when DEEPINFER_NUM_PAGES is unset
+log = get_logger(__name__)
+
+
+def parse_dtype(dtype: str | torch.dtype, accelerator: str) -> torch.dtype:
+    """``auto`` is float32 on the cpu backend, bfloat16 on accelerators."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if accelerator == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineParts:
+    path: Path
+    config: DeepseekV4Config
+    dtype: torch.dtype
+    accelerator: str
+    model: DeepseekV4Model
+    runner: ModelRunner
+    num_pages: int
+    page_size: int
+    max_model_len: int
+
+
+def resolve_model_dir(model: str | Path | None) -> tuple[Path, DeepseekV4Config]:
+    """The model's local directory (downloading if ``model`` is a hub id) and its parsed config."""
+    if model is None and envs.DEEPINFER_HF_MODEL_DIR is None:
+        model = envs.DEEPINFER_MODEL
+    path = resolve_model(model, envs.DEEPINFER_HF_MODEL_DIR, envs.DEEPINFER_CACHE_DIR)
+    return path, DeepseekV4Config.from_dict(check_architecture(path))
+
+
+def build_worker(
+    model: str | Path | None = None,
+    dtype: str | torch.dtype = "auto",
+    accelerator: str | None = None,
+    max_model_len: int | None = None,
+    num_pages: int | None = None,
+    page_size: int | None = None,
+    quant_sim: bool | None = None,
+) -> EngineParts:
+    """Load the model on the accelerator and size its paged KV cache."""
+    envs.validate_all()
+    accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
+    ops = get_ops(accelerator)  # refuses a backend this host cannot run, before any loading
+    path, config = resolve_model_dir(model)
+    torch_dtype = parse_dtype(dtype, accelerator)
+    device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
+    net = DeepseekV4Model(config, ops)
+    load_checkpoint(net, path, dtype=torch_dtype)
+    net.to(device)
+    net.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
+    page_size = page_size or envs.DEEPINFER_PAGE_SIZE
+    limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or config.max_position_embeddings
+    if limit > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={limit} exceeds the model's {config.max_position_embeddings} positions")
+    if num_pages is None:
+        per_page = PagedKVCache(config, 1, page_size, torch_dtype, "meta").bytes_per_page()
+        num_pages = envs.DEEPINFER_NUM_PAGES or max(16, min(65536, _KV_BUDGET_BYTES // max(per_page, 1)))
+    cache = PagedKVCache(config, num_pages, page_size, torch_dtype, device)
+    log.info("model_loaded", path=str(path), dtype=str(torch_dtype), pages=num_pages, page_size=page_size)
+    return EngineParts(
+        path, config, torch_dtype, accelerator, net, ModelRunner(net, cache, device), num_pages, page_size, limit
+    )
+
+
+def build_scheduler(
+    config: DeepseekV4Config,
+    num_pages: int,
+    page_size: int,
+    max_model_len: int,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            page_size=page_size,
+            max_model_len=max_model_len,
+            eos_token_id=config.eos_token_id,
+            max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
+            max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
+        ),
+        PagePool(num_pages),
+    )
