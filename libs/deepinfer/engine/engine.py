@@ -116,10 +116,9 @@ class LLMEngine:
         req: Request = self.scheduler.pop_finished(request_id)
         detok = self._detok.pop(request_id)
         prompt = self._prompts.pop(request_id)
-        if not detok.stopped_by:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-        else:
-            text = detok.text
+        # the incremental text: a character still incomplete when generation ended is left out (no U+FFFD),
+        # the same text the streaming API produces
+        text = detok.text
         logprobs = None
         if req.params.logprobs is not None:
             logprobs = []

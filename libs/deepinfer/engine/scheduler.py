@@ -84,6 +84,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_pending_releases(self) -> bool:
+        """Requests whose worker state must still be dropped (sent with the next plan)."""
+        return bool(self._released)
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._step += 1

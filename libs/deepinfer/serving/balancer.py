@@ -1,0 +1,236 @@
+"""The balancer: the public ``deepinfer.v1.Generation`` API in front of scheduler replicas.
+
+It tokenizes (text, token ids, or chat messages through the DeepSeek-V4 chat encoding), validates,
+picks a replica (least in-flight requests, ties round-robin), streams the replica's tokens back as
+text deltas (incremental detokenization: never a partial UTF-8 character; text that could still
+become a stop string is held back), applies stop strings (cancelling the replica's stream, which
+frees the request's pages), and ends with the finish reason and usage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from deepinfer.chat import encode_messages
+from deepinfer.rpc.convert import sampling_from_proto
+from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.tokenizer import Detokenizer
+from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+
+@dataclass
+class Replica:
+    address: str
+    stub: scheduler_pb2_grpc.SchedulerStub
+    in_flight: int = 0
+
+
+def chat_to_messages(chat: generation_pb2.ChatInput) -> tuple[list[dict], list[dict] | None]:
+    """The wire conversation as the OpenAI-style dicts the chat encoding takes."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        d: dict = {"role": m.role, "content": m.content}
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        messages.append(d)
+        if not m.role:
+            raise ValueError(f"chat.messages[{i}].role: required")
+    tools = None
+    if chat.tools:
+        tools = []
+        for i, t in enumerate(chat.tools):
+            try:
+                params = json.loads(t.parameters) if t.parameters else {"type": "object", "properties": {}}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"chat.tools[{i}].parameters: not valid JSON ({e})") from e
+            tools.append(
+                {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": params}}
+            )
+    return messages, tools
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: object, info: generation_pb2.ModelInfo, replicas: list[str]) -> None:
+        if not replicas:
+            raise ValueError("at least one scheduler replica is required")
+        self.tokenizer, self.info = tokenizer, info
+        self.replicas = [
+            Replica(a, scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)))
+            for a in replicas
+        ]
+        self._rr = itertools.count()
+        self._where: dict[str, Replica] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _prompt(
+        self, which: str | None, req: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
+    ) -> tuple[list[int], str | None]:
+        if which == "text":
+            return self.tokenizer.encode(req.text, add_special_tokens=False).ids, req.text
+        if which == "token_ids":
+            return list(req.token_ids.ids), None
+        if which == "chat":
+            messages, tools = chat_to_messages(req.chat)
+            text = encode_messages(
+                messages,
+                thinking_mode=req.chat.thinking_mode or "chat",
+                reasoning_effort=req.chat.reasoning_effort or None,
+                tools=tools,
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False).ids, text
+        raise ValueError("input: one of text, token_ids or chat is required")
+
+    def _pick(self) -> Replica:
+        start = next(self._rr)
+        order = self.replicas[start % len(self.replicas) :] + self.replicas[: start % len(self.replicas)]
+        return min(order, key=lambda r: r.in_flight)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def Generate(  # noqa: N802
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        try:
+            if request.model and request.model != self.info.model:
+                raise ValueError(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
+            ids, _ = self._prompt(request.WhichOneof("input"), request)
+            if not ids:
+                raise ValueError("prompt: empty prompt (at least one token is required)")
+            if len(ids) >= self.info.max_model_len:
+                raise ValueError(f"prompt: {len(ids)} tokens; the model's limit is {self.info.max_model_len}")
+            params = sampling_from_proto(request.sampling)
+            params.validate_for_model(self.info.vocab_size)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        replica = self._pick()
+        replica.in_flight += 1
+        self._where[rid] = replica
+        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        emitted, n_out, first = 0, 0, True
+        timeout = context.time_remaining()
+        call = replica.stub.Submit(
+            scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling),
+            timeout=timeout,
+        )
+        try:
+            async for ev in call:
+                out = generation_pb2.GenerateResponse(request_id=rid)
+                if first:
+                    out.prompt_tokens = len(ids)
+                    if ev.prompt_logprobs:
+                        out.prompt_logprobs.add()
+                        for row in ev.prompt_logprobs:
+                            out.prompt_logprobs.add().entries.extend(row.entries)
+                    first = False
+                stop = None
+                for k, t in enumerate(ev.token_ids):
+                    n_out += 1
+                    out.token_ids.append(t)
+                    if k < len(ev.logprobs):
+                        out.logprobs.append(ev.logprobs[k])
+                    stop = detok.add(t, check_stop=n_out >= params.min_tokens)
+                    if stop is not None:
+                        break
+                done = stop is not None or ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                upto = len(detok.text) if done else max(emitted, len(detok.text) - hold)
+                out.text = detok.text[emitted:upto]
+                emitted = upto
+                if done:
+                    f = out.finished
+                    if stop is not None:
+                        f.reason, f.stop_string = common_pb2.FINISH_REASON_STOP, stop
+                    else:
+                        f.reason = ev.finish_reason
+                        if ev.stop_token_id and ev.finish_reason == common_pb2.FINISH_REASON_STOP:
+                            f.stop_token_id = ev.stop_token_id
+                    f.usage.prompt_tokens, f.usage.completion_tokens = len(ids), n_out
+                    f.usage.total_tokens = len(ids) + n_out
+                    f.usage.cached_tokens = ev.cached_tokens
+                    yield out
+                    return
+                yield out
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or e.code().name)
+        finally:
+            call.cancel()  # stop string or client gone: the replica frees the request's pages
+            replica.in_flight -= 1
+            self._where.pop(rid, None)
+
+    async def Abort(  # noqa: N802
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        aborted = []
+        for rid in request.request_ids:
+            replica = self._where.get(rid)
+            if replica is not None:
+                res = await replica.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=[rid]), timeout=10)
+                aborted += list(res.aborted)
+        return generation_pb2.AbortResponse(aborted=aborted)
+
+    async def Tokenize(  # noqa: N802
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.TokenizeResponse:
+        try:
+            ids, text = self._prompt(request.WhichOneof("input"), request)
+        except ValueError as e:
+            await context.abort(*status_for(e))
+            return generation_pb2.TokenizeResponse()
+        return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text or "")
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfo:
+        return self.info
+
+    async def GetLoads(  # noqa: N802
+        self, request: generation_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetLoadsResponse:
+        out = generation_pb2.GetLoadsResponse()
+        for r in self.replicas:
+            try:
+                load = await r.stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                load = common_pb2.ReplicaLoad(draining=True)
+            load.replica_id = r.address
+            out.replicas.append(load)
+        return out
+
+
+async def run_balancer(
+    model: str | None, schedulers: list[str], host: str, port: int, max_model_len: int | None
+) -> None:
+    """Serve ``deepinfer.v1.Generation`` for the model in ``model`` (tokenizer and config only)."""
+    from deepinfer.engine.factory import resolve_model_dir
+    from deepinfer.serving.server import Service, serve
+    from deepinfer.tokenizer import load_tokenizer
+
+    path, config = resolve_model_dir(model)
+    info = generation_pb2.ModelInfo(
+        model=str(model or path),
+        model_type=config.model_type,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len or config.max_position_embeddings,
+        eos_token_id=config.eos_token_id,
+        structured_output_types=[],
+    )
+    service = GenerationService(load_tokenizer(path), info, schedulers)
+    await serve(
+        [Service("deepinfer.v1.Generation", service, generation_pb2_grpc.add_GenerationServicer_to_server)], host, port
+    )

@@ -1,0 +1,13 @@
+"""Domain errors the servicers raise; ``server.status_for`` maps them to gRPC status codes.
+
+ValueError (a bad request, naming the field) → INVALID_ARGUMENT; Overloaded → RESOURCE_EXHAUSTED;
+Unavailable → UNAVAILABLE; anything else → INTERNAL with a generic message.
+"""
+
+
+class Overloaded(RuntimeError):
+    """The queue is full: retry later."""
+
+
+class Unavailable(RuntimeError):
+    """A dependency (worker, scheduler) is gone or draining."""

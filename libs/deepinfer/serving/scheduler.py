@@ -1,0 +1,259 @@
+"""The scheduler service: one engine replica over gRPC.
+
+``SchedulerService`` wraps the engine core's :class:`Scheduler` and drives a remote worker through
+one ``Worker.Step`` stream (:class:`RemoteWorker`). Callers ``Submit`` tokenized requests and read
+their tokens as a stream. A caller that goes away (cancel, deadline) aborts its request at once:
+its pages are freed before the next step and the worker drops its state with that step. More
+waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
+open stream ends with UNAVAILABLE and health turns NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from deepinfer.engine.interfaces import StepPlan, StepResult
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.rpc.convert import plan_to_proto, result_from_proto, sampling_from_proto
+from deepinfer.serving.errors import Overloaded, Unavailable
+from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.telemetry import get_logger, request_context
+from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class RemoteWorker:
+    """The client end of one ``Worker.Step`` stream; steps are answered in order."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._outbox: asyncio.Queue[worker_pb2.StepPlan | None] = asyncio.Queue()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._sent: set[str] = set()
+
+    async def info(self, timeout: float = 60.0) -> worker_pb2.WorkerInfo:
+        return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout)
+
+    async def _plans(self) -> AsyncIterator[worker_pb2.StepPlan]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        if self._call is None:
+            self._call = self.stub.Step(self._plans())
+        await self._outbox.put(plan_to_proto(plan, self._sent))
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            raise Unavailable(f"worker {self.address}: {e.code().name}: {e.details()}") from e
+        if msg is grpc.aio.EOF:
+            raise Unavailable(f"worker {self.address} closed its step stream")
+        return result_from_proto(msg)
+
+    async def close(self) -> None:
+        await self._outbox.put(None)
+        await self.channel.close()
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler, worker: RemoteWorker, vocab_size: int, max_queued: int = 1024) -> None:
+        self.scheduler, self.worker, self.vocab_size, self.max_queued = scheduler, worker, vocab_size, max_queued
+        self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
+        self.wakeup = asyncio.Event()
+        self.draining = False
+        self.dead: str | None = None
+        self.step_ms = 0.0
+        self.on_dead: list = []
+
+    # -- the engine loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Plan a step, run it on the worker, hand tokens to their streams; forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_unfinished() and not self.scheduler.has_pending_releases:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if not plan.chunks and not plan.released:
+                await asyncio.sleep(0.001)
+                continue
+            t0 = loop.time()
+            try:
+                result = await self.worker.execute(plan)
+            except Exception as e:  # noqa: BLE001 - the replica is dead: fail every open stream
+                await self._die(e)
+                return
+            self.step_ms = (loop.time() - t0) * 1e3
+            self._deliver(result, self.scheduler.update(result))
+
+    def _deliver(self, result: StepResult, finished: list[Request]) -> None:
+        events: dict[str, scheduler_pb2.TokenEvent] = {}
+        for r in result.results:
+            ev = events.setdefault(r.request_id, scheduler_pb2.TokenEvent(request_id=r.request_id))
+            if r.token_id is not None:
+                ev.token_ids.append(r.token_id)
+                lp = ev.logprobs.add(token_id=r.token_id, logprob=r.logprob or 0.0)
+                for t, v in r.top_logprobs or []:
+                    lp.top.add(token_id=t, logprob=v)
+            for row in r.prompt_logprobs or []:
+                entry = ev.prompt_logprobs.add()
+                entry.entries.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.items())
+        for req in finished:
+            ev = events.setdefault(req.request_id, scheduler_pb2.TokenEvent(request_id=req.request_id))
+            ev.finish_reason = _FINISH[req.finish_reason or "stop"]
+            if isinstance(req.stop_reason, int):
+                ev.stop_token_id = req.stop_reason
+            self.scheduler.pop_finished(req.request_id)
+        for rid, ev in events.items():
+            q = self.streams.get(rid)
+            if q is not None:
+                q.put_nowait(ev)
+
+    async def _die(self, exc: BaseException) -> None:
+        self.dead = str(exc)
+        log.error("worker_lost", error=self.dead)
+        for q in self.streams.values():
+            q.put_nowait(Unavailable(self.dead))
+        for cb in self.on_dead:
+            await cb()
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    def _admit(self, request: scheduler_pb2.SubmitRequest) -> None:
+        if self.dead is not None or self.draining:
+            raise Unavailable(self.dead or "the scheduler is draining")
+        params = sampling_from_proto(request.sampling)
+        params.validate_for_model(self.vocab_size)
+        ids = list(request.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {len(bad)} ids outside the vocabulary [0, {self.vocab_size})")
+        if not request.request_id:
+            raise ValueError("request_id: required")
+        if request.request_id in self.streams:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.max_queued:
+            raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_queued={self.max_queued})")
+        self.scheduler.add(request.request_id, ids, params)
+
+    async def Submit(  # noqa: N802
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        rid = request.request_id
+        try:
+            self._admit(request)
+        except Exception as e:  # noqa: BLE001
+            await context.abort(*status_for(e))
+            return
+        q: asyncio.Queue[scheduler_pb2.TokenEvent | BaseException] = asyncio.Queue()
+        self.streams[rid] = q
+        self.wakeup.set()
+        done = False
+        try:
+            while not done:
+                ev = await q.get()
+                if isinstance(ev, BaseException):
+                    await context.abort(*status_for(ev))
+                    return
+                done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield ev
+        finally:
+            self.streams.pop(rid, None)
+            if not done:  # client gone, deadline or server abort: free the pages now
+                with request_context(rid):
+                    log.info("request_cancelled")
+                self.scheduler.abort([rid])
+                if rid in self.scheduler.requests and self.scheduler.requests[rid].finished:
+                    self.scheduler.pop_finished(rid)
+                self.wakeup.set()
+
+    async def Abort(  # noqa: N802
+        self, request: scheduler_pb2.SchedulerAbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerAbortResponse:
+        aborted = [r for r in request.request_ids if r in self.scheduler.requests]
+        self.scheduler.abort(aborted)
+        for rid in aborted:
+            self.scheduler.pop_finished(rid)
+            q = self.streams.get(rid)
+            if q is not None:
+                q.put_nowait(scheduler_pb2.TokenEvent(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT))
+        self.wakeup.set()
+        return scheduler_pb2.SchedulerAbortResponse(aborted=aborted)
+
+    async def Drain(  # noqa: N802
+        self, request: scheduler_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.DrainResponse:
+        await self.drain(request.grace_period_s or 30.0)
+        return scheduler_pb2.DrainResponse(remaining_requests=len(self.streams))
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; let running requests finish for up to ``grace_s``, then abort the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.scheduler.has_unfinished() and loop.time() < deadline and self.dead is None:
+            await asyncio.sleep(0.05)
+        self.scheduler.abort(list(self.scheduler.requests))
+        for rid, q in list(self.streams.items()):
+            q.put_nowait(scheduler_pb2.TokenEvent(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT))
+
+    async def GetLoad(  # noqa: N802
+        self, request: scheduler_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReplicaLoad:
+        s = self.scheduler
+        return common_pb2.ReplicaLoad(
+            waiting_requests=len(s.waiting),
+            running_requests=len(s.running),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed for r in s.waiting),
+            free_kv_pages=s.pages.num_free,
+            total_kv_pages=s.pages.num_total,
+            step_time_ms=self.step_ms,
+            draining=self.draining,
+        )
+
+
+async def run_scheduler(worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0) -> None:
+    """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler``."""
+    from deepinfer import envs
+    from deepinfer.engine.pages import PagePool
+    from deepinfer.engine.scheduler import SchedulerConfig
+    from deepinfer.serving.server import RunningServer, Service, serve
+
+    worker = RemoteWorker(worker_address)
+    info = await worker.info()
+    config = SchedulerConfig(
+        page_size=info.page_size,
+        max_model_len=info.max_model_len,
+        eos_token_id=info.eos_token_id,
+        max_num_seqs=envs.DEEPINFER_MAX_NUM_SEQS,
+        max_num_batched_tokens=envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
+    )
+    service = SchedulerService(Scheduler(config, PagePool(info.num_pages)), worker, info.vocab_size, max_queued)
+    tasks: list[asyncio.Task] = []
+
+    async def started(running: RunningServer) -> None:
+        async def not_serving() -> None:
+            await running.set_serving(False)
+
+        service.on_dead.append(not_serving)
+        tasks.append(asyncio.create_task(service.run()))
+
+    svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
+    try:
+        await serve([svc], host, port, grace_s=grace_s, on_drain=service.drain, on_started=started)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await worker.close()

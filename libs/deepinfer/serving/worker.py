@@ -1,0 +1,120 @@
+"""The worker service: the ``deepinfer.v1.Worker`` servicer over the worker runtime (:class:`ModelRunner`).
+
+One ``Step`` stream per scheduler. Steps run in arrival order; a chunk token ``-1`` stands for the
+token the same request sampled in its previous step, which never leaves the worker before it is
+needed (the scheduler's async pipeline sends step N+1 before step N's result arrives). When the
+stream ends, the state of every request it carried is dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from deepinfer import envs
+from deepinfer.engine.factory import EngineParts, build_worker
+from deepinfer.rpc.convert import plan_from_proto, result_to_proto
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.server import Service, serve, status_for
+from deepinfer.telemetry import configure_logging, get_logger
+from deepinfer.v1 import worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+PLACEHOLDER = -1
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, parts: EngineParts, worker_id: str) -> None:
+        self.parts, self.worker_id = parts, worker_id
+        self._lock = asyncio.Lock()  # the runner executes one step at a time
+
+    async def Step(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepResult]:
+        known: dict[str, SamplingParams] = {}
+        last: dict[str, int] = {}
+        try:
+            async for msg in request_iterator:
+                try:
+                    plan = plan_from_proto(msg, known)
+                    for rid in plan.released:
+                        last.pop(rid, None)
+                    for c in plan.chunks:
+                        if PLACEHOLDER in c.token_ids:
+                            if c.request_id not in last:
+                                raise ValueError(f"chunks.token_ids: request {c.request_id!r} has no sampled token yet")
+                            c.token_ids = [last[c.request_id] if t == PLACEHOLDER else t for t in c.token_ids]
+                    async with self._lock:
+                        t0 = time.perf_counter()
+                        result = await asyncio.to_thread(self.parts.runner.execute, plan)
+                        ms = (time.perf_counter() - t0) * 1e3
+                except Exception as e:  # noqa: BLE001 - mapped to a status, never a traceback on the wire
+                    code, text = status_for(e)
+                    if code == grpc.StatusCode.INTERNAL:
+                        log.exception("step_failed", step_id=msg.step_id)
+                    await context.abort(code, text)
+                    return
+                for r in result.results:
+                    if r.token_id is not None:
+                        last[r.request_id] = r.token_id
+                out = result_to_proto(result)
+                out.forward_ms = ms
+                yield out
+        finally:
+            self.parts.runner.release(list(known))
+
+    async def GetWorkerInfo(  # noqa: N802
+        self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        p = self.parts
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            accelerator=p.accelerator,
+            device=str(p.runner.device),
+            model=str(p.path),
+            num_pages=p.num_pages,
+            page_size=p.page_size,
+            max_model_len=p.max_model_len,
+            vocab_size=p.config.vocab_size,
+            eos_token_id=p.config.eos_token_id,
+            dtype=str(p.dtype).removeprefix("torch."),
+            rank=0,
+            world_size=1,
+        )
+
+
+def main(default_accelerator: str, argv: list[str] | None = None) -> int:
+    """Entry point of the worker services (``python -m services.worker_nvidia`` / ``worker_ascend``).
+
+    ``DEEPINFER_ACCELERATOR`` (or ``--accelerator``) overrides the service's own backend, so
+    ``DEEPINFER_ACCELERATOR=cpu python -m services.worker_nvidia`` serves with the reference ops."""
+    p = argparse.ArgumentParser(description="deepinfer worker: runs steps on one accelerator")
+    p.add_argument("--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR / DEEPINFER_MODEL)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--accelerator", choices=["nvidia", "ascend", "cpu"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-pages", type=int)
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--max-model-len", type=int)
+    args = p.parse_args(argv)
+    configure_logging()
+    try:
+        env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
+        accelerator = args.accelerator or env_acc or default_accelerator
+        parts = build_worker(args.model, args.dtype, accelerator, args.max_model_len, args.num_pages, args.page_size)
+    except (RuntimeError, ValueError) as e:
+        print(f"deepinfer worker: cannot start: {e}", flush=True)
+        return 2
+    worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"
+    service = Service(
+        "deepinfer.v1.Worker", WorkerService(parts, worker_id), worker_pb2_grpc.add_WorkerServicer_to_server
+    )
+    asyncio.run(serve([service], args.host, args.port))
+    return 0

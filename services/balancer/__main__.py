@@ -1,0 +1,24 @@
+"""``python -m services.balancer --model DIR --scheduler HOST:PORT [...]``: the public Generation API."""
+
+import argparse
+import asyncio
+import sys
+
+from deepinfer.serving.balancer import run_balancer
+from deepinfer.telemetry import configure_logging
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="deepinfer balancer: the public API in front of scheduler replicas")
+    p.add_argument("--model", help="model directory or hub id (tokenizer and config are read from it)")
+    p.add_argument("--scheduler", action="append", required=True, help="a scheduler replica (host:port); repeatable")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--max-model-len", type=int)
+    args = p.parse_args()
+    configure_logging()
+    asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len))
+    return 0
+
+
+sys.exit(main())

@@ -1,0 +1,24 @@
+"""``python -m services.scheduler --worker HOST:PORT``: one engine replica in front of its worker."""
+
+import argparse
+import asyncio
+import sys
+
+from deepinfer.serving.scheduler import run_scheduler
+from deepinfer.telemetry import configure_logging
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="deepinfer scheduler: one engine replica")
+    p.add_argument("--worker", required=True, help="address of its worker (host:port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50071)
+    p.add_argument("--max-queued", type=int, default=1024, help="waiting requests beyond this are refused")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish running requests on SIGTERM")
+    args = p.parse_args()
+    configure_logging()
+    asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, args.grace))
+    return 0
+
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""Start the services as real processes on loopback (worker on the cpu backend, scheduler, balancer)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = 90.0, service: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                res = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if res.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout} s")
+            time.sleep(0.2)
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+@dataclass
+class Mesh:
+    model: Path
+    tmp: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+        env.update(DEEPINFER_ACCELERATOR="cpu", DEEPINFER_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
+        return env
+
+    def start(self, name: str, args: list[str]) -> None:
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def up(self, num_pages: int = 256, max_queued: int = 1024) -> Mesh:
+        for n in ("worker", "scheduler", "balancer"):
+            self.ports[n] = free_port()
+        self.start(
+            "worker",
+            ["services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
+             "--page-size", "16", "--num-pages", str(num_pages)],
+        )  # fmt: skip
+        wait_serving(self.address("worker"))
+        self.start(
+            "scheduler",
+            ["services.scheduler", "--worker", self.address("worker"), "--port", str(self.ports["scheduler"]),
+             "--max-queued", str(max_queued), "--grace", "5"],
+        )  # fmt: skip
+        wait_serving(self.address("scheduler"))
+        self.start(
+            "balancer",
+            ["services.balancer", "--model", str(self.model), "--scheduler", self.address("scheduler"),
+             "--grpc-port", str(self.ports["balancer"])],
+        )  # fmt: skip
+        wait_serving(self.address("balancer"))
+        return self
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def down(self) -> None:
+        for p in reversed(list(self.procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,174 @@
+"""The services as real processes on loopback, driven by a real gRPC client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from serving.mesh import Mesh, health_status
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("mesh_model"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    m = Mesh(model_dir, tmp_path_factory.mktemp("mesh_logs")).up()
+    yield m
+    m.down()
+
+
+def stub(mesh: Mesh) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(grpc.aio.insecure_channel(mesh.address("balancer")))
+
+
+def gen_request(ids: list[int], **sampling) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=ids), sampling=common_pb2.SamplingParams(**sampling)
+    )
+
+
+async def collect(s: generation_pb2_grpc.GenerationStub, req: generation_pb2.GenerateRequest, timeout=None):
+    msgs = [m async for m in s.Generate(req, timeout=timeout)]
+    return msgs, [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
+def test_generate_streams_the_offline_tokens(mesh: Mesh, model_dir: Path) -> None:
+    prompts = [[0, 11, 22, 33], [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 42]]
+    llm = LLM(model=model_dir, dtype="float32", page_size=16, num_pages=64)
+    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12))
+
+    async def run():
+        s = stub(mesh)
+        return await asyncio.gather(*[collect(s, gen_request(p, temperature=0, max_tokens=12)) for p in prompts])
+
+    for (msgs, tokens, text), r in zip(asyncio.run(run()), ref):
+        assert tokens == r.outputs[0].token_ids
+        assert text == r.outputs[0].text
+        assert len(msgs) > 1  # streamed, not one reply
+        f = msgs[-1].finished
+        assert f.reason == common_pb2.FINISH_REASON_LENGTH
+        assert (f.usage.prompt_tokens, f.usage.completion_tokens) == (len(r.prompt_token_ids), 12)
+
+
+def test_text_and_chat_inputs_and_stop_strings(mesh: Mesh) -> None:
+    async def run():
+        s = stub(mesh)
+        _, toks, text = await collect(
+            s,
+            generation_pb2.GenerateRequest(
+                text="Hello there", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=10)
+            ),
+        )
+        stop = text[3:6]
+        msgs, _, cut = await collect(
+            s,
+            generation_pb2.GenerateRequest(
+                text="Hello there", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=10, stop=[stop])
+            ),
+        )
+        chat = generation_pb2.ChatInput(messages=[generation_pb2.ChatMessage(role="user", content="Hi")])
+        tok = await s.Tokenize(generation_pb2.TokenizeRequest(chat=chat))
+        cmsgs, _, _ = await collect(
+            s, generation_pb2.GenerateRequest(chat=chat, sampling=common_pb2.SamplingParams(max_tokens=3))
+        )
+        return text, stop, msgs, cut, tok, cmsgs
+
+    text, stop, msgs, cut, tok, cmsgs = asyncio.run(run())
+    assert cut == text[: text.index(stop)]
+    assert msgs[-1].finished.reason == common_pb2.FINISH_REASON_STOP and msgs[-1].finished.stop_string == stop
+    assert tok.prompt == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>" and tok.token_ids[-1] == 128822
+    assert cmsgs[0].prompt_tokens == len(tok.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "ids", "field"),
+    [
+        ({"temperature": -1.0}, [0, 1, 2], "temperature"),
+        ({"top_p": 2.0}, [0, 1, 2], "top_p"),
+        ({"max_tokens": 0}, [0, 1, 2], "max_tokens"),
+        ({}, [], "prompt"),
+        ({}, [0, 129280], "prompt_token_ids"),
+        ({}, [0] * 5000, "prompt"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_and_the_server_stays_healthy(mesh: Mesh, sampling, ids, field) -> None:
+    async def run():
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(stub(mesh), gen_request(ids, **sampling))
+        return e.value
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details()
+    assert health_status(mesh.address("balancer")) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_cancel_and_deadline_free_the_pages(mesh: Mesh) -> None:
+    async def run():
+        s = stub(mesh)
+        call = s.Generate(gen_request([0, 7, 8, 9], temperature=0, max_tokens=4000, ignore_eos=True))
+        async for _ in call:
+            break
+        mid = await s.GetLoads(generation_pb2.GetLoadsRequest())
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(s, gen_request([0, 7, 8, 9], temperature=0, max_tokens=4000, ignore_eos=True), timeout=1.0)
+        deadline_code = e.value.code()
+        for _ in range(50):
+            load = (await s.GetLoads(generation_pb2.GetLoadsRequest())).replicas[0]
+            if load.free_kv_pages == load.total_kv_pages and load.running_requests == 0:
+                break
+            await asyncio.sleep(0.1)
+        return mid.replicas[0], load, deadline_code
+
+    mid, after, code = asyncio.run(run())
+    assert mid.free_kv_pages < mid.total_kv_pages
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert after.free_kv_pages == after.total_kv_pages and after.running_requests == 0
+
+
+def test_64_concurrent_streams_complete(mesh: Mesh) -> None:
+    async def run():
+        s = stub(mesh)
+        reqs = [gen_request([0, 100 + i, 200 + i], temperature=0.9, seed=i, max_tokens=6) for i in range(64)]
+        return await asyncio.gather(*[collect(s, r) for r in reqs])
+
+    results = asyncio.run(run())
+    assert all(len(toks) == 6 and msgs[-1].finished.usage.completion_tokens == 6 for msgs, toks, _ in results)
+
+
+def test_worker_killed_mid_stream_ends_streams_with_unavailable(model_dir: Path, tmp_path: Path) -> None:
+    m = Mesh(model_dir, tmp_path).up()
+    try:
+
+        async def run():
+            s = stub(m)
+            call = s.Generate(gen_request([0, 3, 4], temperature=0, max_tokens=4000, ignore_eos=True))
+            async for _ in call:
+                break
+            os.kill(m.procs["worker"].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            return e.value.code(), time.monotonic() - t0
+
+        code, waited = asyncio.run(run())
+        assert code == grpc.StatusCode.UNAVAILABLE and waited < 2.0
+        assert health_status(m.address("scheduler")) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        m.down()
