@@ -101,30 +101,29 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return min(order, key=lambda r: r.in_flight)
 
     # -- RPCs ----------------------------------------------------------------------------------
-    async def Generate(  # noqa: N802
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    async def generate(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The response stream of one request: shared by the gRPC and the HTTP front ends.
+
+        Raises ValueError (naming the field) before anything is sent for a bad request, and the
+        replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes."""
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
-        try:
-            if request.model and request.model != self.info.model:
-                raise ValueError(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
-            ids, _ = self._prompt(request.WhichOneof("input"), request)
-            if not ids:
-                raise ValueError("prompt: empty prompt (at least one token is required)")
-            if len(ids) >= self.info.max_model_len:
-                raise ValueError(f"prompt: {len(ids)} tokens; the model's limit is {self.info.max_model_len}")
-            params = sampling_from_proto(request.sampling)
-            params.validate_for_model(self.info.vocab_size)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
+        if request.model and request.model != self.info.model:
+            raise ValueError(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
+        ids, _ = self._prompt(request.WhichOneof("input"), request)
+        if not ids:
+            raise ValueError("prompt: empty prompt (at least one token is required)")
+        if len(ids) >= self.info.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens; the model's limit is {self.info.max_model_len}")
+        params = sampling_from_proto(request.sampling)
+        params.validate_for_model(self.info.vocab_size)
         replica = self._pick()
         replica.in_flight += 1
         self._where[rid] = replica
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
         hold = max((len(s) for s in params.stop), default=1) - 1
         emitted, n_out, first = 0, 0, True
-        timeout = context.time_remaining()
         call = replica.stub.Submit(
             scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling),
             timeout=timeout,
@@ -166,12 +165,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield out
                     return
                 yield out
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or e.code().name)
         finally:
-            call.cancel()  # stop string or client gone: the replica frees the request's pages
+            call.cancel()  # stop string or caller gone: the replica frees the request's pages
             replica.in_flight -= 1
             self._where.pop(rid, None)
+
+    async def Generate(  # noqa: N802
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            async for out in self.generate(request, context.time_remaining()):
+                yield out
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or e.code().name)
 
     async def Abort(  # noqa: N802
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
