@@ -56,26 +56,129 @@ def _print_outputs(outputs: list, elapsed: float) -> None:
     print(f"{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s")
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from deepinfer import LLM, SamplingParams
-
-    model = args.model or _default_model()
-    llm = LLM(model=model)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    t0 = time.perf_counter()
-    outputs = llm.chat(DEMO_CONVERSATIONS, params)
-    _print_outputs(outputs, time.perf_counter() - t0)
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_offline(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(model=args.model or _default_model(), dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     t0 = time.perf_counter()
-    outputs = llm.generate(args.prompt, params)
+    outputs = llm.chat(DEMO_CONVERSATIONS, params) if not args.prompt else llm.generate(args.prompt, params)
     _print_outputs(outputs, time.perf_counter() - t0)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+
+    from deepinfer.launcher import Mesh
+
+    model = Path(args.model) if args.model else _default_model()
+    log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-up-"))
+    mesh = Mesh(
+        model=model,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        replicas=args.replicas,
+        accelerator=envs.DEEPINFER_ACCELERATOR,
+        log_dir=log_dir,
+    )
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"starting the mesh on {model} (logs in {log_dir}) ...", flush=True)
+    try:
+        mesh.start()
+        for name, addr in mesh.endpoints.items():
+            print(f"  {name:12s} {addr}", flush=True)
+        if args.demo:
+            return _demo(mesh.endpoints["grpc"], args.max_tokens)
+        print("serving; Ctrl-C stops everything", flush=True)
+        while not stopping and not mesh.dead():
+            time.sleep(0.2)
+        if mesh.dead():
+            print(f"deepinfer: error: {', '.join(mesh.dead())} exited; stopping (logs in {log_dir})", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        mesh.stop()
+        print("stopped", flush=True)
+
+
+def _demo(address: str, max_tokens: int) -> int:
+    """The demo conversations through the public gRPC API, streamed."""
+    import asyncio
+
+    import grpc
+
+    from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    async def one(stub: generation_pb2_grpc.GenerationStub, conv: list[dict]) -> tuple[str, generation_pb2.Finished]:
+        chat = generation_pb2.ChatInput(messages=[generation_pb2.ChatMessage(**m) for m in conv])
+        req = generation_pb2.GenerateRequest(
+            chat=chat, sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        )
+        text, fin = "", None
+        async for msg in stub.Generate(req, timeout=300):
+            text += msg.text
+            fin = msg.finished if msg.HasField("finished") else fin
+        return text, fin
+
+    async def run() -> list:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*[one(stub, c) for c in DEMO_CONVERSATIONS])
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run())
+    for conv, (text, fin) in zip(DEMO_CONVERSATIONS, results):
+        print(
+            f"--- {conv[-1]['content']!r} -> {text!r} ({common_pb2.FinishReason.Name(fin.reason)}, "
+            f"{fin.usage.completion_tokens} tokens)"
+        )
+    print(f"{len(results)} requests through the mesh in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one completion from a running mesh's gRPC API."""
+    import asyncio
+
+    import grpc
+
+    from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    if args.chat:
+        chat = generation_pb2.ChatInput(messages=[generation_pb2.ChatMessage(role="user", content=args.prompt)])
+        req = generation_pb2.GenerateRequest(chat=chat, sampling=sampling)
+    else:
+        req = generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(f"{args.host}:{args.grpc_port}") as ch:
+            async for msg in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=args.timeout):
+                print(msg.text, end="", flush=True)
+                if msg.HasField("finished"):
+                    f = msg.finished
+                    print(
+                        f"\n[{common_pb2.FinishReason.Name(f.reason)}; {f.usage.prompt_tokens} prompt + "
+                        f"{f.usage.completion_tokens} generated tokens]"
+                    )
+
+    try:
+        asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"deepinfer: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -92,25 +195,38 @@ def cmd_env(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4 models.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("up", help="run the embedded default: a tiny model (or DEEPINFER_HF_MODEL_DIR) end to end")
+    s = sub.add_parser("up", help="run the mesh (NATS, worker, scheduler, balancer) on one machine")
     s.add_argument("--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR or a tiny model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--grpc-port", type=int, default=50051)
+    s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
     s.set_defaults(func=cmd_up)
     s = sub.add_parser("make-tiny-model", help="write a random tiny checkpoint in the official formats")
     s.add_argument("dir")
     s.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4"])
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_make_tiny_model)
-    s = sub.add_parser("generate", help="offline generation")
-    s.add_argument("--model")
-    s.add_argument("--prompt", action="append", required=True)
+    s = sub.add_parser("generate", help="stream a completion from a running mesh (gRPC)")
+    s.add_argument("prompt")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--grpc-port", type=int, default=50051)
+    s.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--dtype", default="auto")
+    s.add_argument("--timeout", type=float, default=300.0)
     s.set_defaults(func=cmd_generate)
+    s = sub.add_parser("offline", help="the engine in this process: demo conversations or --prompt")
+    s.add_argument("--model")
+    s.add_argument("--prompt", action="append")
+    s.add_argument("--max-tokens", type=int, default=24)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--dtype", default="auto")
+    s.set_defaults(func=cmd_offline)
     s = sub.add_parser("env", help="validate and print the DEEPINFER_* variables")
     s.add_argument("--markdown", action="store_true", help="print the reference as markdown")
     s.set_defaults(func=cmd_env)

@@ -61,24 +61,35 @@ def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "tokenizer.json").exists()
-    up = subprocess.run(
-        [sys.executable, "-m", "deepinfer", "up", "--max-tokens", "4"],
+    off = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "offline", "--max-tokens", "4"],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert up.returncode == 0, up.stderr
-    assert "generating a tiny model" in up.stdout
-    assert up.stdout.count("--- req-") == 3
-    finished = [json.loads(line) for line in up.stderr.splitlines() if '"request_finished"' in line]
+    assert off.returncode == 0, off.stderr
+    assert "generating a tiny model" in off.stdout
+    assert off.stdout.count("--- req-") == 3
+    finished = [json.loads(line) for line in off.stderr.splitlines() if '"request_finished"' in line]
     assert sorted(f["request_id"] for f in finished) == ["req-0", "req-1", "req-2"]
+
+
+def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
+    from serving.mesh import free_port
+
+    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0"]
+    up = subprocess.run(
+        [sys.executable, "-m", "deepinfer", *args], env=_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert up.stdout.count("--- ") == 3 and "through the mesh" in up.stdout and "stopped" in up.stdout
 
 
 def test_cli_reports_bad_env(tmp_path: Path) -> None:
     env = _env(tmp_path) | {"DEEPINFER_BATCH_INVARIANT": "maybe"}
     out = subprocess.run(
-        [sys.executable, "-m", "deepinfer", "up"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "deepinfer", "offline"], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode != 0 and "DEEPINFER_BATCH_INVARIANT" in out.stderr
 

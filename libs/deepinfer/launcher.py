@@ -1,0 +1,136 @@
+"""``deepinfer up``: the whole mesh on one machine — NATS, per replica a worker and a scheduler, the balancer.
+
+Every service is its own process (``python -m services.<name>``), exactly as on many machines; this
+module only picks ports, starts them in dependency order, waits for each to report SERVING through
+gRPC health checking, prints the endpoints and stops everything (SIGTERM, then SIGKILL after a grace
+period) on Ctrl-C, SIGTERM, or when any service dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Block until ``address`` reports SERVING; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[2]} exited with code {proc.returncode} before serving")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+@dataclass
+class Mesh:
+    """The processes of one local deployment."""
+
+    model: Path
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    replicas: int = 1
+    accelerator: str = "cpu"
+    log_dir: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    endpoints: dict[str, str] = field(default_factory=dict)
+
+    def _spawn(self, name: str, args: list[str], ready: str | None, timeout: float = 600.0) -> None:
+        env = {**os.environ, **self.extra_env, "DEEPINFER_ACCELERATOR": self.accelerator, "PYTHONUNBUFFERED": "1"}
+        out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+        self.procs.append((name, proc))
+        if ready is not None:
+            wait_serving(ready, proc, timeout)
+
+    def start(self) -> Mesh:
+        schedulers = []
+        worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
+        for r in range(self.replicas):
+            wport, sport = free_port(self.host), free_port(self.host)
+            waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
+            self._spawn(
+                f"worker-{r}",
+                [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport)],
+                waddr,
+            )
+            self._spawn(
+                f"scheduler-{r}",
+                ["services.scheduler", "--worker", waddr, "--host", self.host, "--port", str(sport)],
+                saddr,
+            )
+            schedulers += ["--scheduler", saddr]
+            self.endpoints[f"scheduler-{r}"] = saddr
+        args = [
+            "services.balancer",
+            "--model",
+            str(self.model),
+            "--host",
+            self.host,
+            "--grpc-port",
+            str(self.grpc_port),
+        ]
+        if self.http_port > 0:
+            args += ["--http-port", str(self.http_port)]
+        gaddr = f"{self.host}:{self.grpc_port}"
+        self._spawn("balancer", args + schedulers, gaddr)
+        self.endpoints["grpc"] = gaddr
+        if self.http_port > 0:
+            self.endpoints["http"] = f"http://{self.host}:{self.http_port}/v1"
+        return self
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
