@@ -30,6 +30,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_preemptions: int = 0
+    in_flight: int = 0  # sampled tokens scheduled whose result has not arrived (the async pipeline)
 
     @property
     def all_token_ids(self) -> list[int]:

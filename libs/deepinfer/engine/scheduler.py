@@ -7,6 +7,13 @@ pages. When a running request needs a page and none is free, the most recently a
 request is preempted: its pages are freed and it is re-queued at the front, to be recomputed from
 its prompt and the tokens it already produced (the worker drops its state). A sequence ends with
 "length" at ``max_model_len`` tokens, or at what the whole page pool holds if that is less.
+
+Lookahead (the async pipeline): ``schedule(lookahead=True)`` may be called while the previous step is
+still running. A request whose token from that step is still in flight then gets a one-token chunk
+holding :data:`PLACEHOLDER`, which the worker replaces with the token it sampled, so the next step
+never waits for the previous one's result. A request whose in-flight token may be its last
+(``max_tokens`` or the length limit) gets none; one that turns out to stop on EOS costs one wasted
+row, dropped when its result arrives.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from deepinfer.engine.interfaces import ChunkPlan, StepPlan, StepResult
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.request import Request, Status
 from deepinfer.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # "the token this request sampled in the step before", resolved on the worker
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,8 @@ class Scheduler:
         return bool(self._released)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, lookahead: bool = False) -> StepPlan:
+        """The next step. With ``lookahead``, requests with a token in flight continue on a placeholder."""
         self._step += 1
         plan = StepPlan(step_id=self._step)
         budget = self.config.max_num_batched_tokens
@@ -99,7 +109,12 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed, budget)
+            if req.in_flight:
+                if not lookahead or req.in_flight > 1 or not self._may_continue(req):
+                    continue
+                n = 1
+            else:
+                n = min(req.num_tokens - req.num_computed, budget)
             if n <= 0:
                 continue
             if not self._grow(req, req.num_computed + n):
@@ -108,6 +123,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.in_flight:
+                break  # preempted with a token in flight: recompute once that token has arrived
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._pages_for(req.num_computed + n) - len(req.pages)
             if not self.pages.can_allocate(need):
@@ -134,6 +151,7 @@ class Scheduler:
                 req.prompt_logprobs.extend(r.prompt_logprobs)
             if r.token_id is None:
                 continue
+            req.in_flight = max(0, req.in_flight - 1)
             req.output_token_ids.append(r.token_id)
             if r.logprob is not None:
                 req.logprobs.append(r.logprob)
@@ -157,6 +175,13 @@ class Scheduler:
         if req.num_tokens >= self._max_len():
             return "length", None
         return None
+
+    def _may_continue(self, req: Request) -> bool:
+        """Whether a request whose token is in flight can certainly take one more step."""
+        p, n_out = req.params, len(req.output_token_ids) + req.in_flight
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return False
+        return req.num_tokens + req.in_flight < self._max_len()
 
     def _max_len(self) -> int:
         """The longest a sequence may grow: the model's limit, or what the whole page pool holds if less.
@@ -199,7 +224,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ChunkPlan:
         start = req.num_computed
-        tokens = req.all_token_ids[start : start + n]
+        tokens = req.all_token_ids[start : start + n] if start < req.num_tokens else [PLACEHOLDER]
         req.num_computed += n
         targets = None
         if req.wants_prompt_logprobs:
@@ -210,12 +235,15 @@ class Scheduler:
             ]
             if all(t < 0 for t in targets):
                 targets = None
+        sample = req.num_computed == req.num_tokens + req.in_flight
+        if sample:
+            req.in_flight += 1
         return ChunkPlan(
             request_id=req.request_id,
             token_ids=tokens,
             start=start,
             block_table=list(req.pages),
-            sample=req.num_computed == req.num_tokens,
+            sample=sample,
             params=req.params,
             logprob_targets=targets,
         )

@@ -11,6 +11,7 @@ open stream ends with UNAVAILABLE and health turns NOT_SERVING.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator
 
 import grpc
@@ -51,9 +52,18 @@ class RemoteWorker:
             yield msg
 
     async def execute(self, plan: StepPlan) -> StepResult:
+        await self.send(plan)
+        return await self.receive()
+
+    async def send(self, plan: StepPlan) -> None:
+        """Queue a step; results come back in order through :meth:`receive`."""
         if self._call is None:
             self._call = self.stub.Step(self._plans())
         await self._outbox.put(plan_to_proto(plan, self._sent))
+
+    async def receive(self) -> StepResult:
+        if self._call is None:
+            raise Unavailable(f"worker {self.address}: no step was sent")
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as e:
@@ -76,24 +86,38 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.dead: str | None = None
         self.step_ms = 0.0
         self.on_dead: list = []
+        self.pipeline_depth = 2  # steps in flight: 2 = plan step N+1 while the worker runs step N
 
     # -- the engine loop -----------------------------------------------------------------------
     async def run(self) -> None:
-        """Plan a step, run it on the worker, hand tokens to their streams; forever."""
+        """The engine loop, pipelined: while the worker runs step N, step N+1 is planned and sent
+        (requests decoding in step N continue on placeholders that the worker fills in), so the
+        worker never waits for the scheduler; then step N's result is applied and delivered."""
         loop = asyncio.get_running_loop()
+        in_flight: collections.deque[tuple[StepPlan, float]] = collections.deque()
         while True:
-            if not self.scheduler.has_unfinished() and not self.scheduler.has_pending_releases:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            plan = self.scheduler.schedule()
-            if not plan.chunks and not plan.released:
-                await asyncio.sleep(0.001)
-                continue
-            t0 = loop.time()
+            if len(in_flight) < self.pipeline_depth:
+                busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
+                plan = self.scheduler.schedule(lookahead=bool(in_flight)) if busy else None
+                if plan is not None and (plan.chunks or plan.released):
+                    try:
+                        await self.worker.send(plan)
+                    except Exception as e:  # noqa: BLE001 - the replica is dead: fail every open stream
+                        await self._die(e)
+                        return
+                    in_flight.append((plan, loop.time()))
+                    continue
+                if not in_flight:
+                    if not busy:
+                        self.wakeup.clear()
+                        await self.wakeup.wait()
+                    else:
+                        await asyncio.sleep(0.001)
+                    continue
+            plan, t0 = in_flight.popleft()
             try:
-                result = await self.worker.execute(plan)
-            except Exception as e:  # noqa: BLE001 - the replica is dead: fail every open stream
+                result = await self.worker.receive()
+            except Exception as e:  # noqa: BLE001
                 await self._die(e)
                 return
             self.step_ms = (loop.time() - t0) * 1e3
