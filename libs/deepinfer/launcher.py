@@ -1,5 +1,7 @@
 """``deepinfer up``: the whole mesh on one machine — NATS, per replica a worker and a scheduler, the balancer.
 
+NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` started here (JetStream on).
+
 Every service is its own process (``python -m services.<name>``), exactly as on many machines; this
 module only picks ports, starts them in dependency order, waits for each to report SERVING through
 gRPC health checking, prints the endpoints and stops everything (SIGTERM, then SIGKILL after a grace
@@ -16,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -66,6 +69,7 @@ class Mesh:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     endpoints: dict[str, str] = field(default_factory=dict)
+    nats: Any = None  # the NatsServer this mesh started (None when DEEPINFER_NATS_URL names one)
 
     def _spawn(self, name: str, args: list[str], ready: str | None, timeout: float = 600.0) -> None:
         env = {**os.environ, **self.extra_env, "DEEPINFER_ACCELERATOR": self.accelerator, "PYTHONUNBUFFERED": "1"}
@@ -78,6 +82,11 @@ class Mesh:
             wait_serving(ready, proc, timeout)
 
     def start(self) -> Mesh:
+        from deepinfer.events import server_url_or_start
+
+        url, self.nats = server_url_or_start()
+        self.extra_env["DEEPINFER_NATS_URL"] = url
+        self.endpoints["nats"] = url
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):
@@ -104,8 +113,7 @@ class Mesh:
             "--grpc-port",
             str(self.grpc_port),
         ]
-        if self.http_port > 0:
-            args += ["--http-port", str(self.http_port)]
+        args += ["--http-port", str(max(self.http_port, 0))]  # 0: no HTTP
         gaddr = f"{self.host}:{self.grpc_port}"
         self._spawn("balancer", args + schedulers, gaddr)
         self.endpoints["grpc"] = gaddr
@@ -128,6 +136,9 @@ class Mesh:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        if self.nats is not None:
+            self.nats.close()
+            self.nats = None
 
     def __enter__(self) -> Mesh:
         return self.start()

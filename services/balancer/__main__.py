@@ -15,9 +15,11 @@ def main() -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 or less: off)")
     args = p.parse_args()
     configure_logging()
-    asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len))
+    http_port = args.http_port if args.http_port > 0 else None
+    asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port))
     return 0
 
 

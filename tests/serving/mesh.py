@@ -66,8 +66,12 @@ class Mesh:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def up(self, num_pages: int = 256, max_queued: int = 1024) -> Mesh:
-        for n in ("worker", "scheduler", "balancer"):
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    def up(self, num_pages: int = 256, max_queued: int = 1024, http: bool = True) -> Mesh:
+        """Start worker, scheduler and balancer; with ``http`` the balancer also serves HTTP on ``ports["http"]``."""
+        for n in ("worker", "scheduler", "balancer", *(["http"] if http else [])):
             self.ports[n] = free_port()
         self.start(
             "worker",
@@ -84,9 +88,9 @@ class Mesh:
         self.start(
             "balancer",
             ["services.balancer", "--model", str(self.model), "--scheduler", self.address("scheduler"),
-             "--grpc-port", str(self.ports["balancer"])],
+             "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0))],
         )  # fmt: skip
-        wait_serving(self.address("balancer"))
+        wait_serving(self.address("balancer"))  # the HTTP server listens before gRPC reports SERVING
         return self
 
     def log(self, name: str) -> str:

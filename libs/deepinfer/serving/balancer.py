@@ -222,9 +222,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 async def run_balancer(
-    model: str | None, schedulers: list[str], host: str, port: int, max_model_len: int | None
+    model: str | None,
+    schedulers: list[str],
+    host: str,
+    port: int,
+    max_model_len: int | None,
+    http_port: int | None = None,
 ) -> None:
-    """Serve ``deepinfer.v1.Generation`` for the model in ``model`` (tokenizer and config only)."""
+    """Serve ``deepinfer.v1.Generation`` for the model in ``model`` (tokenizer and config only) and, with
+    ``http_port``, the OpenAI-compatible HTTP API beside it; both drain and stop together on SIGTERM."""
+    import asyncio
+
     from deepinfer.engine.factory import resolve_model_dir
     from deepinfer.serving.server import Service, serve
     from deepinfer.tokenizer import load_tokenizer
@@ -239,6 +247,23 @@ async def run_balancer(
         structured_output_types=[],
     )
     service = GenerationService(load_tokenizer(path), info, schedulers)
-    await serve(
-        [Service("deepinfer.v1.Generation", service, generation_pb2_grpc.add_GenerationServicer_to_server)], host, port
-    )
+    services = [Service("deepinfer.v1.Generation", service, generation_pb2_grpc.add_GenerationServicer_to_server)]
+    if http_port is None:
+        await serve(services, host, port)
+        return
+
+    from deepinfer.serving.http import create_app, start_http
+
+    app = create_app(service)
+    http, task = await start_http(app, host, http_port)  # listening before gRPC reports SERVING
+
+    async def drain(grace_s: float) -> None:  # health 503, refuse new requests, let open ones finish
+        app.state.api.draining = True
+        while app.state.api.in_flight:
+            await asyncio.sleep(0.05)
+
+    try:
+        await serve(services, host, port, on_drain=drain)
+    finally:
+        http.should_exit = True
+        await task

@@ -115,7 +115,8 @@ class CompletionRequest(_SamplingRequest):
             if len(prompt) != 1:
                 raise ValueError(f"prompt: one prompt per request is supported, got {len(prompt)}")
             prompt = prompt[0]
-        req = generation_pb2.GenerateRequest(request_id=request_id, sampling=self._sampling(self.max_tokens, self.logprobs))
+        sampling = self._sampling(self.max_tokens, self.logprobs)
+        req = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         if isinstance(prompt, str):
             req.text = prompt
         else:
@@ -153,8 +154,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def to_proto(self, request_id: str, max_model_len: int) -> tuple[generation_pb2.GenerateRequest, bool]:
         """The wire request and whether the rendered prompt opens reasoning (ends with ``<think>``)."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs=true")
+        if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
+            raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format: structured output is not supported by this deployment")
         choice = self.tool_choice
@@ -167,9 +168,10 @@ class ChatCompletionRequest(_SamplingRequest):
             chat.tools.extend(_tool(t, i) for i, t in enumerate(self.tools))
         messages, tools = chat_to_messages(chat)
         prompt = encode_messages(messages, chat.thinking_mode, reasoning_effort=effort or None, tools=tools)
+        # Unset max_tokens: up to the context (the engine finishes with "length" at max_model_len).
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max_model_len)
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        req = generation_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=self._sampling(max_tokens, logprobs))
+        sampling = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        req = generation_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
         return req, prompt.endswith(THINK_START)
 
 
@@ -199,7 +201,11 @@ def _message(m: dict[str, Any], i: int) -> generation_pb2.ChatMessage:
         raise ValueError(f"{where}.role: required")
     out = generation_pb2.ChatMessage(role=role, content=_text(m.get("content"), f"{where}.content", role == "tool"))
     reasoning = m.get("reasoning_content", m.get("reasoning"))
-    for name, value in (("reasoning_content", reasoning), ("tool_call_id", m.get("tool_call_id")), ("name", m.get("name"))):  # fmt: skip
+    for name, value in (
+        ("reasoning_content", reasoning),
+        ("tool_call_id", m.get("tool_call_id")),
+        ("name", m.get("name")),
+    ):
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{where}.{name}: expected a string")
         setattr(out, name, value or "")

@@ -233,19 +233,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for rid, q in list(self.streams.items()):
             q.put_nowait(scheduler_pb2.TokenEvent(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT))
 
+    def load_report(self) -> dict:
+        """This replica's load as published on the event bus."""
+        s = self.scheduler
+        return {
+            "waiting_requests": len(s.waiting),
+            "running_requests": len(s.running),
+            "queued_prefill_tokens": sum(r.num_tokens - r.num_computed for r in s.waiting),
+            "free_kv_pages": s.pages.num_free,
+            "total_kv_pages": s.pages.num_total,
+            "step_time_ms": self.step_ms,
+            "draining": self.draining,
+        }
+
     async def GetLoad(  # noqa: N802
         self, request: scheduler_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReplicaLoad:
-        s = self.scheduler
-        return common_pb2.ReplicaLoad(
-            waiting_requests=len(s.waiting),
-            running_requests=len(s.running),
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed for r in s.waiting),
-            free_kv_pages=s.pages.num_free,
-            total_kv_pages=s.pages.num_total,
-            step_time_ms=self.step_ms,
-            draining=self.draining,
-        )
+        return common_pb2.ReplicaLoad(**self.load_report())
 
 
 async def run_scheduler(worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0) -> None:
@@ -253,6 +257,8 @@ async def run_scheduler(worker_address: str, host: str, port: int, max_queued: i
     from deepinfer import envs
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.scheduler import SchedulerConfig
+    from deepinfer.events import Registration
+    from deepinfer.serving.presence import Presence, advertised, instance_id
     from deepinfer.serving.server import RunningServer, Service, serve
 
     worker = RemoteWorker(worker_address)
@@ -266,6 +272,14 @@ async def run_scheduler(worker_address: str, host: str, port: int, max_queued: i
     )
     service = SchedulerService(Scheduler(config, PagePool(info.num_pages)), worker, info.vocab_size, max_queued)
     tasks: list[asyncio.Task] = []
+    registration = Registration(
+        instance_id("scheduler"),
+        "scheduler",
+        advertised(host, port),
+        model=info.model,
+        capacity={"max_queued": max_queued, "num_pages": info.num_pages, "worker": worker_address},
+    )
+    presence = Presence(registration, load=service.load_report)
 
     async def started(running: RunningServer) -> None:
         async def not_serving() -> None:
@@ -273,11 +287,13 @@ async def run_scheduler(worker_address: str, host: str, port: int, max_queued: i
 
         service.on_dead.append(not_serving)
         tasks.append(asyncio.create_task(service.run()))
+        await presence.start()
 
     svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
     try:
         await serve([svc], host, port, grace_s=grace_s, on_drain=service.drain, on_started=started)
     finally:
+        await presence.close()
         for t in tasks:
             t.cancel()
         await worker.close()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -19,8 +17,10 @@ import grpc
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
+from deepinfer.events import Registration
 from deepinfer.rpc.convert import plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for
 from deepinfer.telemetry import configure_logging, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
@@ -112,9 +112,26 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
-    worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"
+    worker_id = instance_id("worker")
     service = Service(
         "deepinfer.v1.Worker", WorkerService(parts, worker_id), worker_pb2_grpc.add_WorkerServicer_to_server
     )
-    asyncio.run(serve([service], args.host, args.port))
+    registration = Registration(
+        worker_id,
+        "worker",
+        advertised(args.host, args.port),
+        model=str(parts.path),
+        capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator},
+    )
+    asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration)))
     return 0
+
+
+async def _serve_with_presence(services: list[Service], host: str, port: int, presence: Presence) -> None:
+    async def started(_: object) -> None:
+        await presence.start()
+
+    try:
+        await serve(services, host, port, on_started=started)
+    finally:
+        await presence.close()

@@ -1,0 +1,398 @@
+"""The OpenAI-compatible HTTP API of the balancer (PRACTICES §C1), over ``GenerationService.generate``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health`` (and
+``/ready``; 503 once draining), ``/metrics`` and ``/version``. A request is validated and its first response
+awaited before the HTTP status is sent, so bad input, a full queue or a dead replica get a proper status
+and an OpenAI error body; an error after a stream has started is sent as a ``data: {"error": ...}`` event.
+A client that goes away closes the upstream stream, which cancels the replica's request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer import __version__
+from deepinfer.serving.balancer import GenerationService
+from deepinfer.serving.metrics import (
+    CONTENT_TYPE_LATEST,
+    METRICS,
+    Metrics,
+    finish_reason_name,
+    observe_stream,
+    status_label,
+)
+from deepinfer.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ReasoningSplitter,
+    parse_chat_output,
+)
+from deepinfer.telemetry import get_logger
+from deepinfer.v1 import common_pb2, generation_pb2
+
+log = get_logger(__name__)
+
+_PARAM = re.compile(r"^(?:chat\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)(?::| must | is )")
+# gRPC status of a replica error -> (HTTP status, error type, code)
+_RPC_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+}
+_GRPC_OF_HTTP = {status: code for code, (status, _, _) in _RPC_ERRORS.items()}  # for the metrics' status label
+
+
+class ApiError(Exception):
+    """An error with its OpenAI body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.grpc_status = _GRPC_OF_HTTP.get(status, grpc.StatusCode.INTERNAL)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The OpenAI error for an exception of validation, of ``generate`` or of the replica."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        return ApiError(400, f"{param}: {err['msg']}", param=param or None, code="invalid_value")
+    if isinstance(exc, ValueError):
+        match = _PARAM.match(str(exc))
+        return ApiError(400, str(exc), param=match.group(1) if match else None, code="invalid_value")
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RPC_ERRORS:
+        status, type_, code = _RPC_ERRORS[exc.code()]
+        details = exc.details() or exc.code().name
+        match = _PARAM.match(details) if status == 400 else None
+        return ApiError(status, details, type_, match.group(1) if match else None, code)
+    log.error("http_internal_error", exc_info=exc)
+    return ApiError(500, "internal error", "server_error", code="internal_error")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """SSE that always runs ``cleanup`` (close the upstream stream) when the response ends, disconnects included."""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            finally:
+                await self.cleanup()
+
+
+def _usage(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                           "total_tokens": u.total_tokens,
+                           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}  # fmt: skip
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def _text_choice(text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _finish(out: generation_pb2.GenerateResponse) -> str:
+    reason = finish_reason_name(out.finished.reason)
+    if reason == "error":
+        raise ApiError(500, "the engine failed the request", "server_error", code="internal_error")
+    return reason
+
+
+class _Api:
+    """The route handlers over one ``GenerationService``."""
+
+    def __init__(self, service: GenerationService, metrics: Metrics) -> None:
+        self.service, self.metrics, self.info = service, metrics, service.info
+        self.draining, self.in_flight, self.created = False, 0, int(time.time())
+        self._tokens: dict[int, str] = {}
+        tok = getattr(service.tokenizer, "token_to_id", None)
+        self.think_end_id = tok("</think>") if tok is not None else None
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def token(self, tid: int) -> str:
+        if tid not in self._tokens:
+            self._tokens[tid] = self.service.tokenizer.decode([tid], skip_special_tokens=False)
+        return self._tokens[tid]
+
+    def _entry(self, tid: int, lp: float) -> dict[str, Any]:
+        t = self.token(tid)
+        return {"token": t, "logprob": max(lp, -9999.0), "bytes": list(t.encode())}
+
+    def chat_logprobs(self, lps: Any) -> list[dict[str, Any]]:
+        return [
+            self._entry(lp.token_id, lp.logprob)
+            | {"top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]}
+            for lp in lps
+        ]
+
+    def completion_logprobs(self, lps: Any, offset: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            t = self.token(lp.token_id)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(max(lp.logprob, -9999.0))
+            top = {self.token(x.token_id): max(x.logprob, -9999.0) for x in lp.top}
+            out["top_logprobs"].append(top or {t: max(lp.logprob, -9999.0)})
+            out["text_offset"].append(offset)
+            offset += len(t)
+        return out
+
+    def reasoning_tokens(self, ids: list[int], reasoning: bool) -> int | None:
+        if not reasoning:
+            return None
+        return ids.index(self.think_end_id) if self.think_end_id in ids else len(ids)
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        if self.draining:
+            raise ApiError(503, "the server is draining", "service_unavailable_error", code="service_unavailable")
+        raw = await request.body()
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the request body is not valid UTF-8 ({e})", code="invalid_json") from None
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        req = model.model_validate(body)
+        if req.model and req.model != self.info.model:
+            raise ApiError(404, f"model {req.model!r} does not exist (serving {self.info.model!r})", param="model",
+                           code="model_not_found")  # fmt: skip
+        return req
+
+    async def _run(
+        self, request: Request, route: str, model: type[BaseModel],
+        start: Callable[[Any, str], tuple[generation_pb2.GenerateRequest, Any]], respond: Callable[..., Any],
+    ) -> Response:  # fmt: skip
+        """Parse, start the stream and await its first response (errors up to then are JSON errors), then
+        ``respond(req, rid, first, stream, ctx)`` with a JSON body or an SSE generator of events."""
+        stream, sse = None, False
+        self.in_flight += 1
+        try:
+            req = await self._parse(request, model)
+            rid = f"{'chatcmpl' if model is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
+            grpc_req, ctx = start(req, rid)
+            stream = observe_stream(
+                self.service.generate(grpc_req), model=self.info.model, route=route, metrics=self.metrics
+            )
+            first = await anext(stream)
+            body = await respond(req, rid, first, stream, ctx)
+            if isinstance(body, dict):
+                return JSONResponse(body)
+            sse = True
+            return _EventStream(_framed(body), partial(self._close, stream))
+        except Exception as e:
+            if stream is None:
+                self.metrics.count_request(self.info.model, route, status_label(e))
+            return api_error(e).response()
+        finally:
+            if not sse:
+                await self._close(stream)
+
+    async def _close(self, stream: Any) -> None:
+        self.in_flight -= 1
+        if stream is not None:
+            await stream.aclose()
+
+    # -- completions -------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._run(
+            request, "/v1/completions", CompletionRequest, lambda req, rid: (req.to_proto(rid), None), self._completion
+        )
+
+    async def _completion(self, req: CompletionRequest, rid: str, first: Any, stream: Any, _: None) -> Any:
+        want_lp = req.logprobs is not None
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.info.model}
+        if not req.stream:
+            outs = [first] + [o async for o in stream]
+            lp = self.completion_logprobs([x for o in outs for x in o.logprobs], 0) if want_lp else None
+            choice = _text_choice("".join(o.text for o in outs), lp, _finish(outs[-1]))
+            return head | {"choices": [choice], "usage": _usage(outs[-1].finished.usage)}
+        extra = {"usage": None} if req.include_usage else {}
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            offset, out = 0, first
+            while out is not None:
+                done = out.HasField("finished")
+                lp = self.completion_logprobs(out.logprobs, offset) if want_lp and out.logprobs else None
+                offset += len(out.text)
+                if out.text or lp or done:
+                    yield head | {"choices": [_text_choice(out.text, lp, _finish(out) if done else None)]} | extra
+                if done and req.include_usage:
+                    yield head | {"choices": [], "usage": _usage(out.finished.usage)}
+                out = await anext(stream, None)
+
+        return events()
+
+    # -- chat completions --------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._run(
+            request, "/v1/chat/completions", ChatCompletionRequest,
+            lambda req, rid: req.to_proto(rid, self.info.max_model_len), self._chat,
+        )  # fmt: skip
+
+    async def _chat(self, req: ChatCompletionRequest, rid: str, first: Any, stream: Any, reasoning: bool) -> Any:
+        """``reasoning``: the rendered prompt opened reasoning (it ends with ``<think>``)."""
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.info.model}
+        if not req.stream:
+            outs = [first] + [o async for o in stream]
+            last, ids = outs[-1], [t for o in outs for t in o.token_ids]
+            finish = _finish(last)
+            r, content, calls = parse_chat_output("".join(o.text for o in outs), reasoning, finish)
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+            if req.thinking()[0]:
+                message["reasoning_content"] = message["reasoning"] = r
+            if calls:
+                message["tool_calls"] = [_call(c) for c in calls]
+                finish = "tool_calls"
+            lp = {"content": self.chat_logprobs([x for o in outs for x in o.logprobs])} if req.logprobs else None
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
+            usage = _usage(last.finished.usage, self.reasoning_tokens(ids, reasoning))
+            return head | {"choices": [choice], "usage": usage}
+        head["object"] = "chat.completion.chunk"
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+            return head | {"choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]} | extra
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            splitter, ids, out = ReasoningSplitter(reasoning), [], first
+            yield chunk({"role": "assistant", "content": ""})
+            while out is not None:
+                ids += out.token_ids
+                done = out.HasField("finished")
+                r, c = splitter.feed(out.text)
+                calls: list[dict[str, str]] = []
+                if done:
+                    r2, c2, calls = splitter.finish()
+                    r, c = r + r2, c + c2
+                lp = {"content": self.chat_logprobs(out.logprobs)} if req.logprobs and out.logprobs else None
+                delta = ({"reasoning_content": r, "reasoning": r} if r else {}) | ({"content": c} if c else {})
+                if delta or lp:
+                    yield chunk(delta, lp=lp)
+                if done:
+                    finish = _finish(out)
+                    if calls:
+                        yield chunk({"tool_calls": [_call(x) | {"index": k} for k, x in enumerate(calls)]})
+                        finish = "tool_calls"
+                    yield chunk({}, finish)
+                    if req.include_usage:
+                        usage = _usage(out.finished.usage, self.reasoning_tokens(ids, reasoning))
+                        yield head | {"choices": [], "usage": usage}
+                out = await anext(stream, None)
+
+        return events()
+
+    # -- other routes ------------------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        card = {"id": self.info.model, "object": "model", "created": self.created, "owned_by": "deepinfer",
+                "root": self.info.model, "max_model_len": self.info.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+
+async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """SSE framing: ``data: {json}`` events, an error event if the stream fails, then ``data: [DONE]``."""
+    try:
+        async for event in events:
+            yield _sse(event)
+    except Exception as e:
+        yield _sse(api_error(e).body())
+    yield "data: [DONE]\n\n"
+
+
+def _call(call: dict[str, str]) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
+
+
+def create_app(service: GenerationService, metrics: Metrics | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``service``; ``app.state.api.draining = True`` turns /health to 503."""
+    app = FastAPI(title="deepinfer", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    api = app.state.api = _Api(service, metrics or METRICS)
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    for path in ("/health", "/ready"):
+        app.add_api_route(path, api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
+    app.add_api_route("/version", api.version, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), code=None).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
+
+    return app
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without signal handlers of its own: the gRPC ``serve`` owns SIGTERM/SIGINT and drains both."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+async def start_http(app: FastAPI, host: str, port: int) -> tuple[HttpServer, asyncio.Task]:
+    """Serve ``app`` in a task; returns once it listens. Stop it with ``server.should_exit = True; await task``."""
+    server = HttpServer(uvicorn.Config(app, host, port, log_level="warning", log_config=None, lifespan="off",
+                                       access_log=False, timeout_graceful_shutdown=5))  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}") from task.exception()
+        await asyncio.sleep(0.02)
+    return server, task
