@@ -11,7 +11,12 @@ from deepinfer.telemetry import configure_logging
 def main() -> int:
     p = argparse.ArgumentParser(description="deepinfer balancer: the public API in front of scheduler replicas")
     p.add_argument("--model", help="model directory or hub id (tokenizer and config are read from it)")
-    p.add_argument("--scheduler", action="append", required=True, help="a scheduler replica (host:port); repeatable")
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        default=[],
+        help="a scheduler replica (host:port), repeatable; with DEEPINFER_NATS_URL, registered schedulers are added",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--max-model-len", type=int)

@@ -48,12 +48,16 @@ def health_status(address: str) -> int:
 class Mesh:
     model: Path
     tmp: Path
+    nats_url: str | None = None  # services register on this NATS server
+    discover: bool = False  # the balancer finds its schedulers in the NATS registry (no --scheduler)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
         env.update(DEEPINFER_ACCELERATOR="cpu", DEEPINFER_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
+        if self.nats_url:
+            env["DEEPINFER_NATS_URL"] = self.nats_url
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
         return env
 
@@ -87,7 +91,8 @@ class Mesh:
         wait_serving(self.address("scheduler"))
         self.start(
             "balancer",
-            ["services.balancer", "--model", str(self.model), "--scheduler", self.address("scheduler"),
+            ["services.balancer", "--model", str(self.model),
+             *([] if self.discover else ["--scheduler", self.address("scheduler")]),
              "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0))],
         )  # fmt: skip
         wait_serving(self.address("balancer"))  # the HTTP server listens before gRPC reports SERVING

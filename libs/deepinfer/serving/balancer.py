@@ -19,9 +19,13 @@ import grpc
 
 from deepinfer.chat import encode_messages
 from deepinfer.rpc.convert import sampling_from_proto
+from deepinfer.serving.errors import Unavailable
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.telemetry import get_logger
 from deepinfer.tokenizer import Detokenizer
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -66,15 +70,21 @@ def chat_to_messages(chat: generation_pb2.ChatInput) -> tuple[list[dict], list[d
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: object, info: generation_pb2.ModelInfo, replicas: list[str]) -> None:
-        if not replicas:
-            raise ValueError("at least one scheduler replica is required")
         self.tokenizer, self.info = tokenizer, info
-        self.replicas = [
-            Replica(a, scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)))
-            for a in replicas
-        ]
+        self.replicas: list[Replica] = []
+        self.set_replicas(replicas)
         self._rr = itertools.count()
         self._where: dict[str, Replica] = {}
+
+    def set_replicas(self, addresses: list[str]) -> None:
+        """Route to exactly these scheduler replicas (kept ones keep their channel and counters)."""
+        known = {r.address: r for r in self.replicas}
+        wanted = list(dict.fromkeys(addresses))
+        self.replicas = [
+            known.get(a)
+            or Replica(a, scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)))
+            for a in wanted
+        ]
 
     # -- helpers -------------------------------------------------------------------------------
     def _prompt(
@@ -96,6 +106,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         raise ValueError("input: one of text, token_ids or chat is required")
 
     def _pick(self) -> Replica:
+        if not self.replicas:
+            raise Unavailable("no scheduler replica is registered")
         start = next(self._rr)
         order = self.replicas[start % len(self.replicas) :] + self.replicas[: start % len(self.replicas)]
         return min(order, key=lambda r: r.in_flight)
@@ -118,7 +130,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise ValueError(f"prompt: {len(ids)} tokens; the model's limit is {self.info.max_model_len}")
         params = sampling_from_proto(request.sampling)
         params.validate_for_model(self.info.vocab_size)
-        replica = self._pick()
+        try:
+            replica = self._pick()
+        except Unavailable as e:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), str(e)
+            ) from e
         replica.in_flight += 1
         self._where[rid] = replica
         detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
@@ -248,22 +265,75 @@ async def run_balancer(
     )
     service = GenerationService(load_tokenizer(path), info, schedulers)
     services = [Service("deepinfer.v1.Generation", service, generation_pb2_grpc.add_GenerationServicer_to_server)]
-    if http_port is None:
-        await serve(services, host, port)
-        return
-
-    from deepinfer.serving.http import create_app, start_http
-
-    app = create_app(service)
-    http, task = await start_http(app, host, http_port)  # listening before gRPC reports SERVING
-
-    async def drain(grace_s: float) -> None:  # health 503, refuse new requests, let open ones finish
-        app.state.api.draining = True
-        while app.state.api.in_flight:
-            await asyncio.sleep(0.05)
-
+    discovery = Discovery(service, schedulers)
     try:
-        await serve(services, host, port, on_drain=drain)
+        await discovery.start()
+        if http_port is None:
+            await serve(services, host, port)
+            return
+
+        from deepinfer.serving.http import create_app, start_http
+
+        app = create_app(service)
+        http, task = await start_http(app, host, http_port)  # listening before gRPC reports SERVING
+
+        async def drain(grace_s: float) -> None:  # health 503, refuse new requests, let open ones finish
+            app.state.api.draining = True
+            while app.state.api.in_flight:
+                await asyncio.sleep(0.05)
+
+        try:
+            await serve(services, host, port, on_drain=drain)
+        finally:
+            http.should_exit = True
+            await task
     finally:
-        http.should_exit = True
-        await task
+        await discovery.close()
+
+
+class Discovery:
+    """Keeps the balancer's replicas = the static ``--scheduler`` list ∪ the schedulers registered on NATS.
+
+    While NATS is down the registry view serves its last snapshot, so routing goes on unchanged."""
+
+    def __init__(self, service: GenerationService, static: list[str], period_s: float = 0.5) -> None:
+        self.service, self.static, self.period_s = service, list(static), period_s
+        self.bus = None
+        self.view = None
+        self._task = None
+
+    async def start(self) -> None:
+        import asyncio
+
+        from deepinfer import envs
+        from deepinfer.events import EventBus, RegistryView
+
+        url = envs.DEEPINFER_NATS_URL
+        if not url:
+            return
+        self.bus = EventBus("balancer-discovery")
+        try:
+            await self.bus.connect(url, timeout_s=10)
+        except (ConnectionError, OSError):
+            log.warning("nats_unreachable_at_start", url=url)
+            self.bus = None
+            return
+        self.view = RegistryView(self.bus)
+        await self.view.start()
+        self._task = asyncio.create_task(self._sync())
+
+    async def _sync(self) -> None:
+        import asyncio
+
+        while True:
+            found = [r.address for r in self.view.instances("scheduler")]
+            self.service.set_replicas(self.static + sorted(found))
+            await asyncio.sleep(self.period_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.view is not None:
+            await self.view.close()
+        if self.bus is not None:
+            await self.bus.close()
