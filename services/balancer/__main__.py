@@ -8,7 +8,7 @@ from deepinfer.serving.balancer import run_balancer
 from deepinfer.telemetry import configure_logging
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="deepinfer balancer: the public API in front of scheduler replicas")
     p.add_argument("--model", help="model directory or hub id (tokenizer and config are read from it)")
     p.add_argument(
@@ -21,11 +21,16 @@ def main() -> int:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 or less: off)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     configure_logging()
     http_port = args.http_port if args.http_port > 0 else None
     asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port))
     return 0
 
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,17 +8,22 @@ from deepinfer.serving.scheduler import run_scheduler
 from deepinfer.telemetry import configure_logging
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="deepinfer scheduler: one engine replica")
     p.add_argument("--worker", required=True, help="address of its worker (host:port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50071)
     p.add_argument("--max-queued", type=int, default=1024, help="waiting requests beyond this are refused")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to finish running requests on SIGTERM")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     configure_logging()
     asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, args.grace))
     return 0
 
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

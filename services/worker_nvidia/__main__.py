@@ -2,6 +2,9 @@
 
 import sys
 
-from deepinfer.serving.worker import main
+from deepinfer.serving.worker import build_parser, main
 
-sys.exit(main("nvidia"))
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main("nvidia"))

@@ -37,17 +37,32 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "deepinfer up" in readme
 
 
-def test_docker_compose_parses_and_runs_known_commands() -> None:
+def test_docker_compose_runs_every_service_with_valid_commands_and_ports() -> None:
+    import importlib
+
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"nats", "deepinfer"} <= set(services)
+    assert {"nats", "jaeger", "model-init", "worker", "scheduler", "balancer"} <= set(services)
     assert "-js" in services["nats"]["command"]
-    assert services["deepinfer"]["depends_on"]["nats"]["condition"] == "service_healthy"
-    from deepinfer.cli import build_parser
-
-    build_parser().parse_args(services["deepinfer"]["command"])  # a real subcommand
-    for name in compose.get("volumes", {}):
-        assert any(name in str(v) for s in services.values() for v in s.get("volumes", []))
+    parsed = {}
+    for name in ("worker", "scheduler", "balancer"):
+        svc = services[name]
+        assert svc["entrypoint"] == ["python", "-m"] and svc["image"] == services["model-init"]["image"]
+        module, *args = svc["command"]
+        assert (ROOT / module.replace(".", "/") / "__main__.py").exists(), module
+        parsed[name] = importlib.import_module(f"{module}.__main__").build_parser().parse_args(args)
+        port = getattr(parsed[name], "port", None) or parsed[name].grpc_port
+        probe = svc["healthcheck"]["test"]
+        assert probe[-1] == f"localhost:{port}", (name, probe)
+        assert svc["environment"]["DEEPINFER_NATS_URL"] == "nats://nats:4222"
+    w, s, b = parsed["worker"], parsed["scheduler"], parsed["balancer"]
+    assert s.worker == f"worker:{w.port}" and b.scheduler == [f"scheduler:{s.port}"]
+    published = {p.split(":")[1] for p in services["balancer"]["ports"]}
+    assert published == {str(b.grpc_port), str(b.http_port)}
+    assert services["balancer"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert services["worker"]["depends_on"]["nats"]["condition"] == "service_healthy"
+    for vol in compose["volumes"]:
+        assert any(str(v).startswith(vol + ":") for svc in services.values() for v in svc.get("volumes", []))
 
 
 def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:

@@ -89,11 +89,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
 
-def main(default_accelerator: str, argv: list[str] | None = None) -> int:
-    """Entry point of the worker services (``python -m services.worker_nvidia`` / ``worker_ascend``).
-
-    ``DEEPINFER_ACCELERATOR`` (or ``--accelerator``) overrides the service's own backend, so
-    ``DEEPINFER_ACCELERATOR=cpu python -m services.worker_nvidia`` serves with the reference ops."""
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of the worker services."""
     p = argparse.ArgumentParser(description="deepinfer worker: runs steps on one accelerator")
     p.add_argument("--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR / DEEPINFER_MODEL)")
     p.add_argument("--host", default="127.0.0.1")
@@ -103,7 +100,15 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-model-len", type=int)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(default_accelerator: str, argv: list[str] | None = None) -> int:
+    """Entry point of the worker services (``python -m services.worker_nvidia`` / ``worker_ascend``).
+
+    ``DEEPINFER_ACCELERATOR`` (or ``--accelerator``) overrides the service's own backend, so
+    ``DEEPINFER_ACCELERATOR=cpu python -m services.worker_nvidia`` serves with the reference ops."""
+    args = build_parser().parse_args(argv)
     configure_logging()
     try:
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
