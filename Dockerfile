@@ -6,7 +6,7 @@ COPY libs ./libs
 COPY services ./services
 COPY proto ./proto
 RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir .
+    && pip install --no-cache-dir ".[otlp]"
 ENV DEEPINFER_ACCELERATOR=cpu DEEPINFER_CACHE_DIR=/cache
 VOLUME ["/cache"]
 ENTRYPOINT ["deepinfer"]
