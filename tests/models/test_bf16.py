@@ -18,6 +18,7 @@ def test_bfloat16_tracks_float32(tiny_dirs: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
     a = ref.generate({"prompt_token_ids": ids}, params)[0]
     b = low.generate({"prompt_token_ids": ids}, params)[0]
-    worst = max(abs(a.prompt_logprobs[i][t] - b.prompt_logprobs[i][t]) for i, t in enumerate(ids) if i)
-    assert worst < 0.5, worst  # bf16 rounding (MODEL_V4.md §6 reports ~0.13 on logits at this size)
+    diffs = [abs(a.prompt_logprobs[i][t] - b.prompt_logprobs[i][t]) for i, t in enumerate(ids) if i]
+    # bf16 rounding of every activation (MODEL_V4.md §6 measures ~0.13 on logits with transformers' model)
+    assert sum(diffs) / len(diffs) < 0.2 and max(diffs) < 1.0, diffs
     assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
