@@ -5,7 +5,7 @@ import asyncio
 import sys
 
 from deepinfer.serving.balancer import run_balancer
-from deepinfer.telemetry import configure_logging
+from deepinfer.telemetry import configure_logging, configure_tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,11 @@ def main() -> int:
     args = build_parser().parse_args()
     configure_logging()
     http_port = args.http_port if args.http_port > 0 else None
-    asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port))
+    provider = configure_tracing("deepinfer-balancer")
+    try:
+        asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port))
+    finally:
+        provider.shutdown()  # flushes the spans still batched
     return 0
 
 

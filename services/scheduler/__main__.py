@@ -5,7 +5,7 @@ import asyncio
 import sys
 
 from deepinfer.serving.scheduler import run_scheduler
-from deepinfer.telemetry import configure_logging
+from deepinfer.telemetry import configure_logging, configure_tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,13 +15,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50071)
     p.add_argument("--max-queued", type=int, default=1024, help="waiting requests beyond this are refused")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to finish running requests on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     return p
 
 
 def main() -> int:
     args = build_parser().parse_args()
     configure_logging()
-    asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, args.grace))
+    provider = configure_tracing("deepinfer-scheduler")
+    try:
+        asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, args.grace, args.metrics_port))
+    finally:
+        provider.shutdown()  # flushes the spans still batched
     return 0
 
 

@@ -50,6 +50,7 @@ class Mesh:
     tmp: Path
     nats_url: str | None = None  # services register on this NATS server
     discover: bool = False  # the balancer finds its schedulers in the NATS registry (no --scheduler)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. DEEPINFER_MAX_NUM_SEQS, DEEPINFER_OTEL_ENDPOINT
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -59,6 +60,7 @@ class Mesh:
         if self.nats_url:
             env["DEEPINFER_NATS_URL"] = self.nats_url
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
+        env.update(self.extra_env)
         return env
 
     def start(self, name: str, args: list[str]) -> None:
@@ -73,20 +75,33 @@ class Mesh:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['http']}"
 
-    def up(self, num_pages: int = 256, max_queued: int = 1024, http: bool = True) -> Mesh:
-        """Start worker, scheduler and balancer; with ``http`` the balancer also serves HTTP on ``ports["http"]``."""
-        for n in ("worker", "scheduler", "balancer", *(["http"] if http else [])):
+    def metrics_url(self, name: str) -> str:
+        """The Prometheus endpoint of ``"worker"`` or ``"scheduler"``."""
+        return f"http://127.0.0.1:{self.ports[name + '_metrics']}/metrics"
+
+    def up(self, num_pages: int = 256, max_queued: int = 1024, http: bool = True, grace_s: float = 5.0) -> Mesh:
+        """Start worker, scheduler and balancer; with ``http`` the balancer also serves HTTP on ``ports["http"]``.
+        The worker and the scheduler serve Prometheus metrics (``metrics_url``)."""
+        for n in (
+            "worker",
+            "scheduler",
+            "balancer",
+            "worker_metrics",
+            "scheduler_metrics",
+            *(["http"] if http else []),
+        ):
             self.ports[n] = free_port()
         self.start(
             "worker",
             ["services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
-             "--page-size", "16", "--num-pages", str(num_pages)],
+             "--page-size", "16", "--num-pages", str(num_pages), "--metrics-port", str(self.ports["worker_metrics"])],
         )  # fmt: skip
         wait_serving(self.address("worker"))
         self.start(
             "scheduler",
             ["services.scheduler", "--worker", self.address("worker"), "--port", str(self.ports["scheduler"]),
-             "--max-queued", str(max_queued), "--grace", "5"],
+             "--max-queued", str(max_queued), "--grace", str(grace_s),
+             "--metrics-port", str(self.ports["scheduler_metrics"])],
         )  # fmt: skip
         wait_serving(self.address("scheduler"))
         self.start(

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -115,6 +116,45 @@ def test_bad_requests_are_invalid_argument_and_the_server_stays_healthy(mesh: Me
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details()
     assert health_status(mesh.address("balancer")) == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def _sample(text: str, prefix: str) -> float:
+    """The value of the one sample whose line starts with ``prefix`` in a Prometheus text body."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
+    assert len(values) == 1, (prefix, values)
+    return values[0]
+
+
+def test_scheduler_worker_and_balancer_metrics_count_grpc_requests(mesh: Mesh) -> None:
+    async def run():
+        return await collect(stub(mesh), gen_request([0, 9, 8, 7], temperature=0, max_tokens=5))
+
+    _, toks, _ = asyncio.run(run())
+    assert len(toks) == 5
+    model = f'model_name="{mesh.model}"'
+    sched = http_get(mesh.metrics_url("scheduler"))
+    assert _sample(sched, f'deepinfer_scheduler_requests_total{{{model},outcome="finished"}}') >= 1
+    assert _sample(sched, "deepinfer_scheduler_step_seconds_count{") >= 5
+    assert _sample(sched, "vllm:iteration_tokens_total_sum{") >= 4 + 4  # the prompt, then one token a step
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        _sample(sched, f"{gauge}{{{model}}}")
+    _sample(sched, f"vllm:num_preemptions_total{{{model}}}")
+    worker = http_get(mesh.metrics_url("worker"))
+    assert _sample(worker, f"deepinfer_worker_tokens_total{{{model}}}") >= 8
+    assert _sample(worker, "deepinfer_worker_step_seconds_count{") >= 5
+    balancer = http_get(f"{mesh.http_url()}/metrics")
+    assert (
+        _sample(
+            balancer,
+            "deepinfer_balancer_requests_total{" + model + ',route="/deepinfer.v1.Generation/Generate",status="ok"}',
+        )
+        >= 1
+    )
 
 
 def test_cancel_and_deadline_free_the_pages(mesh: Mesh) -> None:

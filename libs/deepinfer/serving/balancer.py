@@ -16,16 +16,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from deepinfer.chat import encode_messages
 from deepinfer.rpc.convert import sampling_from_proto
 from deepinfer.serving.errors import Unavailable
+from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, observe_stream, status_label
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.serving.tracing import extract_metadata, inject_metadata, request_attributes, tracer
 from deepinfer.telemetry import get_logger
 from deepinfer.tokenizer import Detokenizer
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 
 
 @dataclass
@@ -69,8 +74,13 @@ def chat_to_messages(chat: generation_pb2.ChatInput) -> tuple[list[dict], list[d
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: object, info: generation_pb2.ModelInfo, replicas: list[str]) -> None:
+    GRPC_ROUTE = "/deepinfer.v1.Generation/Generate"  # the route label of gRPC requests in the metrics
+
+    def __init__(
+        self, tokenizer: object, info: generation_pb2.ModelInfo, replicas: list[str], metrics: Metrics | None = None
+    ) -> None:
         self.tokenizer, self.info = tokenizer, info
+        self.metrics = metrics if metrics is not None else METRICS
         self.replicas: list[Replica] = []
         self.set_replicas(replicas)
         self._rr = itertools.count()
@@ -114,12 +124,42 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def generate(
-        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None, parent: Context | None = None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The response stream of one request: shared by the gRPC and the HTTP front ends.
 
         Raises ValueError (naming the field) before anything is sent for a bad request, and the
-        replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes."""
+        replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes. The request
+        is traced as one SERVER span (a child of ``parent``, if given) whose context goes to the replica."""
+        op = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        model = request.model or self.info.model
+        span = _tracer.start_span(
+            f"{op} {model}", context=parent, kind=trace.SpanKind.SERVER,
+            attributes=request_attributes(op, model, request.sampling),
+        )  # fmt: skip
+        stream = self._generate(request, timeout, span)
+        try:
+            async for out in stream:
+                if out.HasField("finished"):
+                    span.set_attributes({
+                        "gen_ai.response.id": out.request_id,
+                        "gen_ai.usage.input_tokens": out.finished.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": out.finished.usage.completion_tokens,
+                        "gen_ai.response.finish_reasons": [finish_reason_name(out.finished.reason)],
+                    })  # fmt: skip
+                yield out
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):
+                span.set_attribute("error.type", status_label(e))
+                span.set_status(trace.StatusCode.ERROR, str(e) or type(e).__name__)
+            raise
+        finally:
+            await stream.aclose()  # the inner stream's cleanup (cancel the replica's call) runs now
+            span.end()
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None, span: trace.Span
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         if request.model and request.model != self.info.model:
             raise ValueError(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
@@ -144,6 +184,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         call = replica.stub.Submit(
             scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling),
             timeout=timeout,
+            metadata=inject_metadata(trace.set_span_in_context(span)),
         )
         try:
             async for ev in call:
@@ -190,13 +231,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        stream = observe_stream(
+            self.generate(request, context.time_remaining(), extract_metadata(context.invocation_metadata())),
+            model=self.info.model,
+            route=self.GRPC_ROUTE,
+            metrics=self.metrics,
+        )
         try:
-            async for out in self.generate(request, context.time_remaining()):
+            async for out in stream:
                 yield out
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or e.code().name)
+        finally:
+            await stream.aclose()
 
     async def Abort(  # noqa: N802
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext

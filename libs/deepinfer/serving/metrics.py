@@ -1,4 +1,6 @@
-"""Prometheus metrics of the balancer, under vLLM-compatible names where one exists (PRACTICES §C3).
+"""Prometheus metrics of the balancer, the scheduler and the worker, under vLLM-compatible names where one
+exists (PRACTICES §C3). Each service has its own private registry; the scheduler and the worker serve theirs
+on ``--metrics-port`` (:func:`start_metrics_server`), the balancer on its HTTP API's ``/metrics``.
 
 Per-replica gauges (``vllm:num_requests_running`` ...) belong to the schedulers; the balancer records what
 it sees of each request stream. Both front ends record through ``observe_stream``::
@@ -18,11 +20,29 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 from deepinfer.v1 import common_pb2, generation_pb2
 
-__all__ = ["CONTENT_TYPE_LATEST", "METRICS", "Metrics", "finish_reason_name", "observe_stream", "status_label"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "METRICS",
+    "Metrics",
+    "SchedulerMetrics",
+    "WorkerMetrics",
+    "finish_reason_name",
+    "observe_stream",
+    "start_metrics_server",
+    "status_label",
+]
 
 # vLLM v1's buckets, so that existing dashboards read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -31,6 +51,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
 class Metrics:
@@ -73,6 +95,83 @@ class Metrics:
 
 
 METRICS = Metrics()
+
+
+class SchedulerMetrics:
+    """One scheduler replica's metrics (vLLM names for the gauges and counters dashboards already read)."""
+
+    OUTCOMES = ("finished", "aborted", "rejected")
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.model = model
+        labels = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).", labels, registry=r
+        )
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (recomputed).", labels, registry=r)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", labels,
+            buckets=ITERATION_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "deepinfer_scheduler_step_seconds", "Time from sending a step to the worker to its result.", labels,
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected).",
+            [*labels, "outcome"], registry=r,
+        )  # fmt: skip
+        for outcome in self.OUTCOMES:  # exported at 0 from the start
+            self.requests.labels(model, outcome)
+        self.preemptions.labels(model)
+
+    def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
+        """Read the gauges from the scheduler at scrape time."""
+        self.running.labels(self.model).set_function(running)
+        self.waiting.labels(self.model).set_function(waiting)
+        self.kv_usage.labels(self.model).set_function(kv_usage)
+
+    def step(self, seconds: float, num_tokens: int, new_preemptions: int) -> None:
+        self.step_seconds.labels(self.model).observe(seconds)
+        self.iteration_tokens.labels(self.model).observe(num_tokens)
+        if new_preemptions:
+            self.preemptions.labels(self.model).inc(new_preemptions)
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(self.model, outcome).inc()
+
+
+class WorkerMetrics:
+    """One worker's metrics: step time and tokens run."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.model = model
+        self.step_seconds = Histogram(
+            "deepinfer_worker_step_seconds", "Time to run one step on the accelerator.", ["model_name"],
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter("deepinfer_worker_tokens", "Tokens run (prefill and decode).", ["model_name"], registry=r)
+        self.tokens.labels(model)
+
+    def step(self, seconds: float, num_tokens: int) -> None:
+        self.step_seconds.labels(self.model).observe(seconds)
+        self.tokens.labels(self.model).inc(num_tokens)
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> Callable[[], None]:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread; returns its ``stop``."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
 
 
 def finish_reason_name(reason: int) -> str:

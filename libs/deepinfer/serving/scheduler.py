@@ -12,25 +12,60 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 
 from deepinfer.engine.interfaces import StepPlan, StepResult
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto, sampling_from_proto
 from deepinfer.serving.errors import Overloaded, Unavailable
+from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.serving.tracing import extract_metadata, tracer
 from deepinfer.telemetry import get_logger, request_context
 from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
+
+
+@dataclass
+class _RequestTrace:
+    """When a request passed its phases (``time.time_ns``), for its ``queue``/``prefill``/``decode`` spans."""
+
+    parent: Context
+    admitted: int
+    scheduled: int | None = None
+    first_token: int | None = None
+    output_tokens: int = 0
+    finished: int | None = None  # when the last event was sent (else: when the stream ended)
+
+    def record(self, request_id: str, prompt_tokens: int, outcome: str) -> None:
+        """Emit the spans of the phases the request reached (children of the balancer's request span)."""
+        end = self.finished or time.time_ns()
+        attrs = {"deepinfer.request_id": request_id}
+        phases = [("queue", self.admitted, self.scheduled or end, {})]
+        if self.scheduled is not None:
+            phases.append(
+                ("prefill", self.scheduled, self.first_token or end, {"gen_ai.usage.input_tokens": prompt_tokens})
+            )
+        if self.first_token is not None:
+            phases.append(("decode", self.first_token, end, {"gen_ai.usage.output_tokens": self.output_tokens}))
+        for name, start, stop, extra in phases:
+            span = _tracer.start_span(name, context=self.parent, start_time=start, attributes={**attrs, **extra})
+            if stop == end:
+                span.set_attribute("deepinfer.outcome", outcome)
+            span.end(end_time=stop)
 
 
 class RemoteWorker:
@@ -78,8 +113,24 @@ class RemoteWorker:
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, scheduler: Scheduler, worker: RemoteWorker, vocab_size: int, max_queued: int = 1024) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        worker: RemoteWorker,
+        vocab_size: int,
+        max_queued: int = 1024,
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
         self.scheduler, self.worker, self.vocab_size, self.max_queued = scheduler, worker, vocab_size, max_queued
+        self.metrics = metrics if metrics is not None else SchedulerMetrics("")
+        s = scheduler
+        self.metrics.bind(
+            running=lambda: len(s.running),
+            waiting=lambda: len(s.waiting),
+            kv_usage=lambda: 1.0 - s.pages.num_free / s.pages.num_total if s.pages.num_total else 0.0,
+        )
+        self._preemptions_seen = 0
+        self._traces: dict[str, _RequestTrace] = {}
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
         self.wakeup = asyncio.Event()
         self.draining = False
@@ -106,6 +157,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         await self._die(e)
                         return
                     in_flight.append((plan, loop.time()))
+                    if self._traces:
+                        self._mark_scheduled(plan)
                     continue
                 if not in_flight:
                     if not busy:
@@ -120,12 +173,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             except Exception as e:  # noqa: BLE001
                 await self._die(e)
                 return
-            self.step_ms = (loop.time() - t0) * 1e3
+            elapsed = loop.time() - t0
+            self.step_ms = elapsed * 1e3
+            preemptions = self.scheduler.num_preemptions
+            self.metrics.step(elapsed, plan.num_tokens, preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
             self._deliver(result, self.scheduler.update(result))
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        now = time.time_ns()
+        for c in plan.chunks:
+            t = self._traces.get(c.request_id)
+            if t is not None and t.scheduled is None:
+                t.scheduled = now
 
     def _deliver(self, result: StepResult, finished: list[Request]) -> None:
         events: dict[str, scheduler_pb2.TokenEvent] = {}
+        now = time.time_ns() if self._traces else 0
         for r in result.results:
+            t = self._traces.get(r.request_id)
+            if t is not None and r.token_id is not None:
+                t.first_token = t.first_token or now
+                t.output_tokens += 1
             ev = events.setdefault(r.request_id, scheduler_pb2.TokenEvent(request_id=r.request_id))
             if r.token_id is not None:
                 ev.token_ids.append(r.token_id)
@@ -179,12 +248,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self._admit(request)
         except Exception as e:  # noqa: BLE001
+            self.metrics.outcome("rejected")
             await context.abort(*status_for(e))
             return
         q: asyncio.Queue[scheduler_pb2.TokenEvent | BaseException] = asyncio.Queue()
         self.streams[rid] = q
+        trace_ = self._traces[rid] = _RequestTrace(extract_metadata(context.invocation_metadata()), time.time_ns())
         self.wakeup.set()
-        done = False
+        done, outcome = False, "aborted"
         try:
             while not done:
                 ev = await q.get()
@@ -192,10 +263,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     await context.abort(*status_for(ev))
                     return
                 done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if done:
+                    outcome = "aborted" if ev.finish_reason == common_pb2.FINISH_REASON_ABORT else "finished"
+                    trace_.finished = time.time_ns()
+                    self.metrics.outcome(outcome)
                 yield ev
         finally:
             self.streams.pop(rid, None)
+            self._traces.pop(rid, None)
+            trace_.record(rid, len(request.prompt_token_ids), outcome)
             if not done:  # client gone, deadline or server abort: free the pages now
+                self.metrics.outcome("aborted")
                 with request_context(rid):
                     log.info("request_cancelled")
                 self.scheduler.abort([rid])
@@ -252,12 +330,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return common_pb2.ReplicaLoad(**self.load_report())
 
 
-async def run_scheduler(worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0) -> None:
-    """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler``."""
+async def run_scheduler(
+    worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0
+) -> None:
+    """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
+    ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``)."""
     from deepinfer import envs
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.scheduler import SchedulerConfig
     from deepinfer.events import Registration
+    from deepinfer.serving.metrics import start_metrics_server
     from deepinfer.serving.presence import Presence, advertised, instance_id
     from deepinfer.serving.server import RunningServer, Service, serve
 
@@ -270,7 +352,10 @@ async def run_scheduler(worker_address: str, host: str, port: int, max_queued: i
         max_num_seqs=envs.DEEPINFER_MAX_NUM_SEQS,
         max_num_batched_tokens=envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
     )
-    service = SchedulerService(Scheduler(config, PagePool(info.num_pages)), worker, info.vocab_size, max_queued)
+    metrics = SchedulerMetrics(info.model)
+    scheduler = Scheduler(config, PagePool(info.num_pages))
+    service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
+    stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
     tasks: list[asyncio.Task] = []
     registration = Registration(
         instance_id("scheduler"),
@@ -297,3 +382,5 @@ async def run_scheduler(worker_address: str, host: str, port: int, max_queued: i
         for t in tasks:
             t.cancel()
         await worker.close()
+        if stop_metrics is not None:
+            stop_metrics()

@@ -20,18 +20,22 @@ from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.events import Registration
 from deepinfer.rpc.convert import plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for
-from deepinfer.telemetry import configure_logging, get_logger
+from deepinfer.serving.tracing import tracer
+from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
+_tracer = tracer(__name__)
 PLACEHOLDER = -1
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, parts: EngineParts, worker_id: str) -> None:
+    def __init__(self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None) -> None:
         self.parts, self.worker_id = parts, worker_id
+        self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # the runner executes one step at a time
 
     async def Step(  # noqa: N802 - gRPC method name
@@ -51,9 +55,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                 raise ValueError(f"chunks.token_ids: request {c.request_id!r} has no sampled token yet")
                             c.token_ids = [last[c.request_id] if t == PLACEHOLDER else t for t in c.token_ids]
                     async with self._lock:
+                        span = _tracer.start_span("step", attributes={
+                            "deepinfer.step_id": plan.step_id,
+                            "deepinfer.step.num_tokens": plan.num_tokens,
+                            "deepinfer.step.num_seqs": len(plan.chunks),
+                        })  # fmt: skip
                         t0 = time.perf_counter()
-                        result = await asyncio.to_thread(self.parts.runner.execute, plan)
-                        ms = (time.perf_counter() - t0) * 1e3
+                        try:
+                            result = await asyncio.to_thread(self.parts.runner.execute, plan)
+                        finally:
+                            elapsed = time.perf_counter() - t0
+                            span.end()
+                    ms = elapsed * 1e3
+                    self.metrics.step(elapsed, plan.num_tokens)
                 except Exception as e:  # noqa: BLE001 - mapped to a status, never a traceback on the wire
                     code, text = status_for(e)
                     if code == grpc.StatusCode.INTERNAL:
@@ -100,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     return p
 
 
@@ -110,6 +125,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     ``DEEPINFER_ACCELERATOR=cpu python -m services.worker_nvidia`` serves with the reference ops."""
     args = build_parser().parse_args(argv)
     configure_logging()
+    provider = configure_tracing("deepinfer-worker")
     try:
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
@@ -118,9 +134,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
     worker_id = instance_id("worker")
-    service = Service(
-        "deepinfer.v1.Worker", WorkerService(parts, worker_id), worker_pb2_grpc.add_WorkerServicer_to_server
-    )
+    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)))
+    service = Service("deepinfer.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
     registration = Registration(
         worker_id,
         "worker",
@@ -128,7 +143,15 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         model=str(parts.path),
         capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator},
     )
-    asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration)))
+    stop_metrics = None
+    if args.metrics_port > 0:
+        stop_metrics = start_metrics_server(servicer.metrics.registry, args.host, args.metrics_port)
+    try:
+        asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration)))
+    finally:
+        if stop_metrics is not None:
+            stop_metrics()
+        provider.shutdown()  # flushes the spans still batched
     return 0
 
 
