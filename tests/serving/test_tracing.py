@@ -90,3 +90,6 @@ def test_one_request_is_one_trace_across_the_services(tmp_path: Path) -> None:
 
     steps = [s for s in by_service["deepinfer-worker"] if s.name == "step"]
     assert len(steps) >= 6 and sum(attrs(s)["deepinfer.step.num_tokens"] for s in steps) >= 4 + 5
+    # every step that served the request links to the request's trace (context sent with its first chunk)
+    served = [s for s in steps if attrs(s)["deepinfer.step.num_seqs"] > 0]
+    assert served and all(any(link.trace_id == root.trace_id for link in s.links) for s in served)

@@ -26,6 +26,7 @@ class ChunkPlan:
     sample: bool
     params: SamplingParams
     logprob_targets: list[int] | None = None
+    trace_context: dict[str, str] | None = None  # W3C carrier of the request's trace (services only)
 
 
 @dataclass

@@ -101,6 +101,7 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
         )
         if c.request_id not in sent_params:
             chunk.params.CopyFrom(sampling_to_proto(c.params))
+            chunk.trace_context.update(c.trace_context or {})
             sent_params.add(c.request_id)
     return msg
 
@@ -124,6 +125,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
                 sample=c.sample,
                 params=known[c.request_id],
                 logprob_targets=list(c.logprob_targets) or None,
+                trace_context=dict(c.trace_context) or None,
             )
         )
     return StepPlan(step_id=msg.step_id, chunks=chunks, released=list(msg.released))

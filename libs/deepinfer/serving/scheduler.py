@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from deepinfer.engine.interfaces import StepPlan, StepResult
@@ -49,6 +50,13 @@ class _RequestTrace:
     first_token: int | None = None
     output_tokens: int = 0
     finished: int | None = None  # when the last event was sent (else: when the stream ended)
+
+    @property
+    def carrier(self) -> dict[str, str]:
+        """The W3C carrier of the request's trace, for the worker's span links."""
+        out: dict[str, str] = {}
+        propagate.inject(out, context=self.parent)
+        return out
 
     def record(self, request_id: str, prompt_tokens: int, outcome: str) -> None:
         """Emit the spans of the phases the request reached (children of the balancer's request span)."""
@@ -151,6 +159,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
                 plan = self.scheduler.schedule(lookahead=bool(in_flight)) if busy else None
                 if plan is not None and (plan.chunks or plan.released):
+                    self._attach_trace_context(plan)
                     try:
                         await self.worker.send(plan)
                     except Exception as e:  # noqa: BLE001 - the replica is dead: fail every open stream
@@ -179,6 +188,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.metrics.step(elapsed, plan.num_tokens, preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
             self._deliver(result, self.scheduler.update(result))
+
+    def _attach_trace_context(self, plan: StepPlan) -> None:
+        """Give each chunk its request's trace carrier (the wire sends it with the first chunk only)."""
+        for c in plan.chunks:
+            t = self._traces.get(c.request_id)
+            if t is not None:
+                c.trace_context = t.carrier
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.time_ns()

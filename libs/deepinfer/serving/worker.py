@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import propagate, trace
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
@@ -32,6 +33,11 @@ _tracer = tracer(__name__)
 PLACEHOLDER = -1
 
 
+def span_link(carrier: dict[str, str]) -> trace.Link:
+    """A link to the span whose W3C context ``carrier`` holds."""
+    return trace.Link(trace.get_current_span(propagate.extract(carrier)).get_span_context())
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None) -> None:
         self.parts, self.worker_id = parts, worker_id
@@ -43,19 +49,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.StepResult]:
         known: dict[str, SamplingParams] = {}
         last: dict[str, int] = {}
+        links: dict[str, trace.Link] = {}  # each request's trace, linked from the steps that serve it
         try:
             async for msg in request_iterator:
                 try:
                     plan = plan_from_proto(msg, known)
                     for rid in plan.released:
                         last.pop(rid, None)
+                        links.pop(rid, None)
                     for c in plan.chunks:
                         if PLACEHOLDER in c.token_ids:
                             if c.request_id not in last:
                                 raise ValueError(f"chunks.token_ids: request {c.request_id!r} has no sampled token yet")
                             c.token_ids = [last[c.request_id] if t == PLACEHOLDER else t for t in c.token_ids]
+                    for c in plan.chunks:
+                        if c.trace_context:
+                            links[c.request_id] = span_link(c.trace_context)
                     async with self._lock:
-                        span = _tracer.start_span("step", attributes={
+                        step_links = [links[c.request_id] for c in plan.chunks if c.request_id in links]
+                        span = _tracer.start_span("step", links=step_links, attributes={
                             "deepinfer.step_id": plan.step_id,
                             "deepinfer.step.num_tokens": plan.num_tokens,
                             "deepinfer.step.num_seqs": len(plan.chunks),

@@ -18,7 +18,14 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChunkPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets")
+    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +33,7 @@ class ChunkPlan(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -33,7 +41,8 @@ class ChunkPlan(_message.Message):
     sample: bool
     params: _common_pb2.SamplingParams
     logprob_targets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "forward_ms")
