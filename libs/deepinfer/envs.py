@@ -158,6 +158,11 @@ _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher
     precision, so that numerics match the reference.""", default=False)
+_declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
+    Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
+    `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
+    balancer on the same machine keep a core: oversubscribed OpenMP threads cost far more than one thread
+    less (see bench/results/mesh_overhead_cpu.md).""", minimum=1)
 _declare("DEEPINFER_LOG_LEVEL", "enum", _OBS, """
     Minimum level of the log lines written by `deepinfer.telemetry.configure_logging`, for structlog and
     standard-library loggers alike.""",
@@ -191,6 +196,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_ENABLE_MTP_VARLEN: bool
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_QUANT_SIM: bool
+    DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str
     DEEPINFER_OTEL_ENDPOINT: str | None

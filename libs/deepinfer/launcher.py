@@ -82,8 +82,12 @@ class Mesh:
             wait_serving(ready, proc, timeout)
 
     def start(self) -> Mesh:
+        from deepinfer import envs
         from deepinfer.events import server_url_or_start
 
+        if self.accelerator == "cpu" and not envs.is_set("DEEPINFER_TORCH_THREADS"):
+            # the worker's OpenMP threads would otherwise compete with the scheduler and the balancer
+            self.extra_env["DEEPINFER_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) - 1))
         url, self.nats = server_url_or_start()
         self.extra_env["DEEPINFER_NATS_URL"] = url
         self.endpoints["nats"] = url

@@ -67,6 +67,8 @@ def build_worker(
 ) -> EngineParts:
     """Load the model on the accelerator and size its paged KV cache."""
     envs.validate_all()
+    if envs.DEEPINFER_TORCH_THREADS is not None:
+        torch.set_num_threads(envs.DEEPINFER_TORCH_THREADS)
     accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
     ops = get_ops(accelerator)  # refuses a backend this host cannot run, before any loading
     path, config = resolve_model_dir(model)
