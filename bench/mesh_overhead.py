@@ -136,9 +136,8 @@ def main() -> None:
     print("| path | tokens/s | inter-token p50 ms | inter-token p99 ms |")
     print("|---|---:|---:|---:|")
     print(f"| offline engine (peer) | {med['off_tps']:.0f} | {med['off_p50']:.2f} | {med['off_p99']:.2f} |")
-    print(
-        f"| mesh: balancer → scheduler → worker | {med['mesh_tps']:.0f} | {med['mesh_p50']:.2f} | {med['mesh_p99']:.2f} |"
-    )
+    mesh_row = f"{med['mesh_tps']:.0f} | {med['mesh_p50']:.2f} | {med['mesh_p99']:.2f}"
+    print(f"| mesh: balancer → scheduler → worker | {mesh_row} |")
     print(f"\nthroughput ratio mesh / offline: {med['mesh_tps'] / med['off_tps']:.2f} (roofline 1.00)")
     print(
         f"added latency per token, mesh p50 − offline step p50, per run: {', '.join(f'{a:+.1f}' for a in added)} ms; "
