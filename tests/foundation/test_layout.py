@@ -119,3 +119,51 @@ def test_offline_example_runs(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "seeded:" in out.stdout
+
+
+def test_up_serves_two_replicas_until_interrupted_and_generate_talks_to_it(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from serving.mesh import free_port
+
+    env, port = _env(tmp_path), free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer", "up", "--replicas", "2", "--grpc-port", str(port), "--http-port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("serving; Ctrl-C" in line for line in lines):
+            line = up.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        assert any("scheduler-0" in line for line in lines) and any("scheduler-1" in line for line in lines)
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepinfer",
+                "generate",
+                "Hello there",
+                "--grpc-port",
+                str(port),
+                "--max-tokens",
+                "5",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert "FINISH_REASON_LENGTH; 2 prompt + 5 generated tokens" in gen.stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, "".join(lines) + out
+    assert "stopped" in out

@@ -212,3 +212,15 @@ def test_worker_killed_mid_stream_ends_streams_with_unavailable(model_dir: Path,
         assert health_status(m.address("scheduler")) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         m.down()
+
+
+def test_unknown_model_is_not_found(mesh: Mesh) -> None:
+    async def run():
+        req = gen_request([0, 1, 2], max_tokens=2)
+        req.model = "deepseek-ai/not-this-one"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(stub(mesh), req)
+        return e.value
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "model" in err.details()

@@ -21,7 +21,7 @@ from opentelemetry.context import Context
 
 from deepinfer.chat import encode_messages
 from deepinfer.rpc.convert import sampling_from_proto
-from deepinfer.serving.errors import Unavailable
+from deepinfer.serving.errors import ModelNotFound, Unavailable
 from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, observe_stream, status_label
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
 from deepinfer.serving.tracing import extract_metadata, inject_metadata, request_attributes, tracer
@@ -162,7 +162,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         if request.model and request.model != self.info.model:
-            raise ValueError(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
+            raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
         ids, _ = self._prompt(request.WhichOneof("input"), request)
         if not ids:
             raise ValueError("prompt: empty prompt (at least one token is required)")
@@ -241,7 +241,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for out in stream:
                 yield out
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(*status_for(e))
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or e.code().name)
         finally:

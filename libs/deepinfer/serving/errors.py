@@ -1,6 +1,6 @@
 """Domain errors the servicers raise; ``server.status_for`` maps them to gRPC status codes.
 
-ValueError (a bad request, naming the field) → INVALID_ARGUMENT; Overloaded → RESOURCE_EXHAUSTED;
+ValueError (a bad request, naming the field) → INVALID_ARGUMENT; ModelNotFound → NOT_FOUND; Overloaded → RESOURCE_EXHAUSTED;
 Unavailable → UNAVAILABLE; anything else → INTERNAL with a generic message.
 """
 
@@ -11,3 +11,7 @@ class Overloaded(RuntimeError):
 
 class Unavailable(RuntimeError):
     """A dependency (worker, scheduler) is gone or draining."""
+
+
+class ModelNotFound(ValueError):
+    """The request names a model this deployment does not serve."""

@@ -99,8 +99,10 @@ async def serve(
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of a domain error (never leaks a traceback)."""
-    from deepinfer.serving.errors import Overloaded, Unavailable
+    from deepinfer.serving.errors import ModelNotFound, Overloaded, Unavailable
 
+    if isinstance(exc, ModelNotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, Overloaded):
