@@ -1,6 +1,7 @@
 """Domain errors the servicers raise; ``server.status_for`` maps them to gRPC status codes.
 
-ValueError (a bad request, naming the field) → INVALID_ARGUMENT; ModelNotFound → NOT_FOUND; Overloaded → RESOURCE_EXHAUSTED;
+ValueError (a bad request, naming the field) → INVALID_ARGUMENT; ModelNotFound → NOT_FOUND;
+Overloaded → RESOURCE_EXHAUSTED;
 Unavailable → UNAVAILABLE; anything else → INTERNAL with a generic message.
 """
 
