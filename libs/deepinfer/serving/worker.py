@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -136,6 +137,9 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     ``DEEPINFER_ACCELERATOR`` (or ``--accelerator``) overrides the service's own backend, so
     ``DEEPINFER_ACCELERATOR=cpu python -m services.worker_nvidia`` serves with the reference ops."""
     args = build_parser().parse_args(argv)
+    # steps run in a thread beside the event loop that reads the next plan; with the default 5 ms GIL switch
+    # interval the loop waits up to 5 ms per wake-up while a step computes
+    sys.setswitchinterval(0.0005)
     configure_logging()
     provider = configure_tracing("deepinfer-worker")
     try:
