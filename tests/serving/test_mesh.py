@@ -224,3 +224,42 @@ def test_unknown_model_is_not_found(mesh: Mesh) -> None:
 
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.NOT_FOUND and "model" in err.details()
+
+
+def test_worker_replaces_its_model_only_while_no_scheduler_is_attached(tmp_path: Path) -> None:
+    from deepinfer.v1 import worker_pb2, worker_pb2_grpc
+    from serving.mesh import free_port, wait_serving
+
+    first = make_tiny_model(tmp_path / "first", seed=1)
+    second = make_tiny_model(tmp_path / "second", seed=2, overrides={"sliding_window": 16})
+    m = Mesh(first, tmp_path)
+    m.ports["worker"] = free_port()
+    m.start("worker", ["services.worker_nvidia", "--model", str(first), "--port", str(m.ports["worker"]),
+                       "--page-size", "16", "--num-pages", "32"])  # fmt: skip
+    try:
+        wait_serving(m.address("worker"))
+
+        async def run():
+            async with grpc.aio.insecure_channel(m.address("worker")) as ch:
+                w = worker_pb2_grpc.WorkerStub(ch)
+                before = await w.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest())
+                step = w.Step()  # an attached scheduler blocks the swap
+                await step.write(worker_pb2.StepPlan(step_id=1))
+                await step.read()
+                with pytest.raises(grpc.aio.AioRpcError) as busy:
+                    await w.LoadModel(worker_pb2.LoadModelRequest(model=str(second)))
+                await step.done_writing()
+                while await step.read() != grpc.aio.EOF:
+                    pass
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await w.LoadModel(worker_pb2.LoadModelRequest(model=str(tmp_path / "missing")))
+                after = await w.LoadModel(worker_pb2.LoadModelRequest(model=str(second), num_pages=8))
+                return before, busy.value, bad.value, after
+
+        before, busy, bad, after = asyncio.run(run())
+        assert before.model == str(first) and (before.num_pages, before.page_size) == (32, 16)
+        assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in bad.details()
+        assert after.model == str(second) and after.num_pages == 8
+    finally:
+        m.down()

@@ -44,6 +44,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.parts, self.worker_id = parts, worker_id
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # the runner executes one step at a time
+        self._streams = 0  # open Step streams (a model is only replaced while there are none)
 
     async def Step(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
@@ -51,6 +52,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         known: dict[str, SamplingParams] = {}
         last: dict[str, int] = {}
         links: dict[str, trace.Link] = {}  # each request's trace, linked from the steps that serve it
+        self._streams += 1
         try:
             async for msg in request_iterator:
                 try:
@@ -94,7 +96,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 out.forward_ms = ms
                 yield out
         finally:
+            self._streams -= 1
             self.parts.runner.release(list(known))
+
+    async def LoadModel(  # noqa: N802
+        self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        """Load another model in place of the current one (weights and a fresh KV cache)."""
+        from deepinfer.checkpoint.hub import ModelUnavailable
+
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: required")
+        async with self._lock:
+            if self._streams:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{self._streams} step stream(s) open: drain the scheduler first",
+                )
+            p = self.parts
+            try:
+                self.parts = await asyncio.to_thread(
+                    build_worker,
+                    request.model,
+                    request.dtype or "auto",
+                    p.accelerator,
+                    request.max_model_len or None,
+                    request.num_pages or None,
+                    request.page_size or None,
+                )
+            except (ValueError, ModelUnavailable) as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {e}")
+        log.info("model_replaced", model=str(self.parts.path))
+        return await self.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), context)
 
     async def GetWorkerInfo(  # noqa: N802
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext

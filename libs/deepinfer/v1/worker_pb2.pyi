@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model", "dtype", "num_pages", "page_size", "max_model_len")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "chunks", "released")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

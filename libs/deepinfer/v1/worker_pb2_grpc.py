@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=deepinfer_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/deepinfer.v1.Worker/LoadModel',
+                request_serializer=deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +68,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadModel(self, request, context):
+        """Replaces the loaded model (weights, KV cache) while no Step stream is open; FAILED_PRECONDITION otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'GetWorkerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerInfo,
                     request_deserializer=deepinfer_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
@@ -130,6 +147,33 @@ class Worker:
             target,
             '/deepinfer.v1.Worker/GetWorkerInfo',
             deepinfer_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
+            deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Worker/LoadModel',
+            deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
             deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
