@@ -14,11 +14,8 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
-from opentelemetry import propagate
-from opentelemetry.context import Context
 
 from deepinfer.engine.interfaces import StepPlan, StepResult
 from deepinfer.engine.request import Request
@@ -27,53 +24,16 @@ from deepinfer.rpc.convert import plan_to_proto, result_from_proto, sampling_fro
 from deepinfer.serving.errors import Overloaded, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
-from deepinfer.serving.tracing import extract_metadata, tracer
+from deepinfer.serving.tracing import RequestTrace, extract_metadata
 from deepinfer.telemetry import get_logger, request_context
 from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
-_tracer = tracer(__name__)
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
-
-
-@dataclass
-class _RequestTrace:
-    """When a request passed its phases (``time.time_ns``), for its ``queue``/``prefill``/``decode`` spans."""
-
-    parent: Context
-    admitted: int
-    scheduled: int | None = None
-    first_token: int | None = None
-    output_tokens: int = 0
-    finished: int | None = None  # when the last event was sent (else: when the stream ended)
-
-    @property
-    def carrier(self) -> dict[str, str]:
-        """The W3C carrier of the request's trace, for the worker's span links."""
-        out: dict[str, str] = {}
-        propagate.inject(out, context=self.parent)
-        return out
-
-    def record(self, request_id: str, prompt_tokens: int, outcome: str) -> None:
-        """Emit the spans of the phases the request reached (children of the balancer's request span)."""
-        end = self.finished or time.time_ns()
-        attrs = {"deepinfer.request_id": request_id}
-        phases = [("queue", self.admitted, self.scheduled or end, {})]
-        if self.scheduled is not None:
-            phases.append(
-                ("prefill", self.scheduled, self.first_token or end, {"gen_ai.usage.input_tokens": prompt_tokens})
-            )
-        if self.first_token is not None:
-            phases.append(("decode", self.first_token, end, {"gen_ai.usage.output_tokens": self.output_tokens}))
-        for name, start, stop, extra in phases:
-            span = _tracer.start_span(name, context=self.parent, start_time=start, attributes={**attrs, **extra})
-            if stop == end:
-                span.set_attribute("deepinfer.outcome", outcome)
-            span.end(end_time=stop)
 
 
 class RemoteWorker:
@@ -138,7 +98,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_usage=lambda: 1.0 - s.pages.num_free / s.pages.num_total if s.pages.num_total else 0.0,
         )
         self._preemptions_seen = 0
-        self._traces: dict[str, _RequestTrace] = {}
+        self._traces: dict[str, RequestTrace] = {}
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
         self.wakeup = asyncio.Event()
         self.draining = False
@@ -269,7 +229,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return
         q: asyncio.Queue[scheduler_pb2.TokenEvent | BaseException] = asyncio.Queue()
         self.streams[rid] = q
-        trace_ = self._traces[rid] = _RequestTrace(extract_metadata(context.invocation_metadata()), time.time_ns())
+        trace_ = self._traces[rid] = RequestTrace(extract_metadata(context.invocation_metadata()), time.time_ns())
         self.wakeup.set()
         done, outcome = False, "aborted"
         try:

@@ -8,7 +8,9 @@ tracer provider that ``deepinfer.telemetry.configure_tracing`` installs (nowhere
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -16,7 +18,7 @@ from opentelemetry.util.types import AttributeValue
 
 from deepinfer.v1 import common_pb2
 
-__all__ = ["extract_metadata", "inject_metadata", "request_attributes", "tracer"]
+__all__ = ["RequestTrace", "extract_metadata", "inject_metadata", "request_attributes", "tracer"]
 
 
 def tracer(name: str) -> trace.Tracer:
@@ -51,3 +53,42 @@ def request_attributes(operation: str, model: str, sampling: common_pb2.Sampling
     if sampling.HasField("seed"):
         attrs["gen_ai.request.seed"] = sampling.seed
     return attrs
+
+
+_tracer = trace.get_tracer("deepinfer.serving.scheduler")
+
+
+@dataclass
+class RequestTrace:
+    """When a request passed its phases (``time.time_ns``), for its ``queue``/``prefill``/``decode`` spans."""
+
+    parent: Context
+    admitted: int
+    scheduled: int | None = None
+    first_token: int | None = None
+    output_tokens: int = 0
+    finished: int | None = None  # when the last event was sent (else: when the stream ended)
+
+    @property
+    def carrier(self) -> dict[str, str]:
+        """The W3C carrier of the request's trace, for the worker's span links."""
+        out: dict[str, str] = {}
+        propagate.inject(out, context=self.parent)
+        return out
+
+    def record(self, request_id: str, prompt_tokens: int, outcome: str) -> None:
+        """Emit the spans of the phases the request reached (children of the balancer's request span)."""
+        end = self.finished or time.time_ns()
+        attrs = {"deepinfer.request_id": request_id}
+        phases = [("queue", self.admitted, self.scheduled or end, {})]
+        if self.scheduled is not None:
+            phases.append(
+                ("prefill", self.scheduled, self.first_token or end, {"gen_ai.usage.input_tokens": prompt_tokens})
+            )
+        if self.first_token is not None:
+            phases.append(("decode", self.first_token, end, {"gen_ai.usage.output_tokens": self.output_tokens}))
+        for name, start, stop, extra in phases:
+            span = _tracer.start_span(name, context=self.parent, start_time=start, attributes={**attrs, **extra})
+            if stop == end:
+                span.set_attribute("deepinfer.outcome", outcome)
+            span.end(end_time=stop)
