@@ -49,6 +49,13 @@ def test_msg_id_header_deduplicates_in_a_jetstream_stream(nats_server):
             for msg_id in ["batch-1", "batch-1", "batch-2", "batch-1"]:
                 assert await bus.publish(subjects.kv_subject("r0"), {"id": msg_id}, msg_id=msg_id)
             await bus.nc.flush()
+            # core publishes: the stream stores them asynchronously, so wait for the two distinct ids to land
+            for _ in range(50):
+                info = await bus.js.stream_info("KVEVENTS")
+                if info.state.messages >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # and give a duplicate the chance to show up if dedupe were broken
             info = await bus.js.stream_info("KVEVENTS")
             assert info.state.messages == 2
             msg = await bus.js.get_msg("KVEVENTS", seq=1)
