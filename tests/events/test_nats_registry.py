@@ -39,7 +39,7 @@ def test_register_is_seen_with_all_fields_then_deregister_removes_at_once(nats_s
             await wait_until(lambda: view.get("worker", "w0").capacity == {"kv_pages": 10}, 2)
 
             await reg.stop()  # deregister: a delete marker, seen by the watcher
-            assert await wait_until(lambda: view.get("worker", "w0") is None, 1) < 0.5
+            assert await wait_until(lambda: view.get("worker", "w0") is None, 2) < 1.5
             assert await view.resync()  # a full re-read agrees
             assert [r.instance_id for r in view.instances()] == ["s0"]
             await other.stop()
@@ -63,9 +63,9 @@ def test_an_instance_that_stops_refreshing_expires_after_its_ttl(nats_server, wa
             await reg.refresh()
             last_put = time.monotonic()
             await reg.stop(deregister=False)  # a crash: no delete, no more refreshes
-            await wait_until(lambda: view.get("worker", "w0") is None, 4)
+            await wait_until(lambda: view.get("worker", "w0") is None, 6)
             gone_after = time.monotonic() - last_put
-            assert 1.5 < gone_after < 3.5, gone_after
+            assert 1.5 < gone_after < 5.0, gone_after  # TTL 2 s (+ marker and delivery slack under load)
             assert await view.resync() and view.instances() == []
             await view.close()
 
@@ -119,7 +119,7 @@ def test_load_view_keeps_the_latest_report_and_drops_stale_ones(nats_server, wai
             await wait_until(lambda: view.received >= 3, 3)
             sample = view.latest("worker")["w0"]
             assert sample.load["free_kv_pages"] == 7 and sample.load["running_requests"] >= 2
-            assert sample.kind == "worker" and sample.age_s < 0.5 and sample.period_s == 0.2
+            assert sample.kind == "worker" and sample.age_s < 1.0 and sample.period_s == 0.2
             assert view.latest("scheduler") == {} and "w1" not in view.latest()
             assert failing.sent == 0 and failing.skipped >= 1
             await reporter.stop()
