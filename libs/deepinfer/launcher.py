@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,39 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from deepinfer.serving.healthcheck import free_port, wait_serving
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Block until ``address`` reports SERVING; fail early if ``proc`` exits."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[2]} exited with code {proc.returncode} before serving")
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f} s")
-            time.sleep(0.2)
 
 
 @dataclass
@@ -79,7 +49,7 @@ class Mesh:
         )
         self.procs.append((name, proc))
         if ready is not None:
-            wait_serving(ready, proc, timeout)
+            wait_serving(ready, timeout, proc)
 
     def start(self) -> Mesh:
         from deepinfer import envs

@@ -4,44 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from deepinfer.serving.healthcheck import free_port, status, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, timeout: float = 90.0, service: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                res = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-                if res.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING after {timeout} s")
-            time.sleep(0.2)
-
-
 def health_status(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    return status(address, timeout=5)
 
 
 @dataclass

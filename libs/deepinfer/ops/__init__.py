@@ -10,8 +10,6 @@ from __future__ import annotations
 from deepinfer.ops.base import Ops
 from deepinfer.ops.reference import ReferenceOps
 
-_BACKENDS: dict[str, type[Ops]] = {"cpu": ReferenceOps}
-
 
 def get_ops(accelerator: str = "cpu") -> Ops:
     """The op set for ``accelerator`` (nvidia | ascend | cpu)."""

@@ -1,22 +1,53 @@
-"""``python -m deepinfer.serving.healthcheck HOST:PORT``: exit 0 when the gRPC server reports SERVING.
+"""gRPC health probes, and ``python -m deepinfer.serving.healthcheck HOST:PORT`` (exit 0 when SERVING).
 
-For container health checks and startup probes (the image has no grpc_health_probe)."""
+The module form is for container health checks and startup probes (the image has no grpc_health_probe);
+the functions serve ``deepinfer up`` and the tests.
+"""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now on ``host`` (for local deployments and tests)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def status(address: str, timeout: float = 3.0) -> int:
+    """The server's overall health status (``grpc.RpcError`` when it cannot be reached)."""
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
 
 def check(address: str, timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            res = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return res.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        return status(address, timeout) == SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_serving(address: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until ``address`` reports SERVING; fail early if ``proc`` (the server's process) exits."""
+    deadline = time.monotonic() + timeout
+    while not check(address, timeout=1.0):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"{' '.join(map(str, proc.args[1:3]))} exited with code {proc.returncode} before serving"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
