@@ -151,9 +151,10 @@ _declare("DEEPINFER_ENABLE_MTP_VARLEN", "bool", _SCHED, """
     drafts of different lengths (each at most `DEEPINFER_USE_NEXTN_DECODE`). Off: every sequence in a batch
     uses the same draft length.""", default=False)
 _declare("DEEPINFER_BATCH_INVARIANT", "bool", _NUM, """
-    Make results independent of batch composition: kernels use fixed reduction orders and split sizes, so a
-    sequence's logits are bitwise identical whether it runs alone or in a batch. Slower; meant for
-    deterministic evaluation and tests.""", default=False)
+    Batch-invariant ops: a sequence's logits are bit-identical whatever else shares its steps, wherever it
+    sits in the batch and however its prefill is chunked (fixed GEMM tiles, fixed reduction orders; cpu and
+    nvidia). Costs throughput (measured: 0.94 of the default decode throughput at batch 64 on an H200, about
+    0.55 on the cpu backend); reported by GetModelInfo. See docs/determinism.md.""", default=False)
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher

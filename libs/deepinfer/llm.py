@@ -29,8 +29,10 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         quant_sim: bool | None = None,
         accelerator: str | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
-        parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim)
+        parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant)
+        self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
         self.config, self.model_path, self.dtype, self.model = parts.config, parts.path, parts.dtype, parts.model
         self.tokenizer = load_tokenizer(parts.path)
         sched = build_scheduler(

@@ -10,6 +10,7 @@ import torch
 from deepinfer import envs
 from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.engine.worker import ModelRunner
@@ -46,6 +47,7 @@ class EngineParts:
     num_pages: int
     page_size: int
     max_model_len: int
+    determinism: Determinism
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, DeepseekV4Config]:
@@ -64,13 +66,17 @@ def build_worker(
     num_pages: int | None = None,
     page_size: int | None = None,
     quant_sim: bool | None = None,
+    batch_invariant: bool | None = None,
 ) -> EngineParts:
-    """Load the model on the accelerator and size its paged KV cache."""
+    """Load the model on the accelerator and size its paged KV cache. ``batch_invariant`` (default
+    ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md)."""
     envs.validate_all()
     if envs.DEEPINFER_TORCH_THREADS is not None:
         torch.set_num_threads(envs.DEEPINFER_TORCH_THREADS)
     accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
-    ops = get_ops(accelerator)  # refuses a backend this host cannot run, before any loading
+    if batch_invariant is None:
+        batch_invariant = envs.DEEPINFER_BATCH_INVARIANT
+    ops = get_ops(accelerator, batch_invariant)  # refuses what this host cannot run, before any loading
     path, config = resolve_model_dir(model)
     torch_dtype = parse_dtype(dtype, accelerator)
     device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
@@ -86,10 +92,13 @@ def build_worker(
         per_page = PagedKVCache(config, 1, page_size, torch_dtype, "meta").bytes_per_page()
         num_pages = envs.DEEPINFER_NUM_PAGES or max(16, min(65536, _KV_BUDGET_BYTES // max(per_page, 1)))
     cache = PagedKVCache(config, num_pages, page_size, torch_dtype, device)
-    log.info("model_loaded", path=str(path), dtype=str(torch_dtype), pages=num_pages, page_size=page_size)
-    return EngineParts(
-        path, config, torch_dtype, accelerator, net, ModelRunner(net, cache, device), num_pages, page_size, limit
-    )
+    log.info(
+        "model_loaded", path=str(path), dtype=str(torch_dtype), pages=num_pages, page_size=page_size,
+        batch_invariant=ops.batch_invariant,
+    )  # fmt: skip
+    runner = ModelRunner(net, cache, device)
+    determinism = describe(ops, accelerator, torch_dtype)
+    return EngineParts(path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism)
 
 
 def build_scheduler(

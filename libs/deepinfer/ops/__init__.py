@@ -8,13 +8,15 @@ tested against it.
 from __future__ import annotations
 
 from deepinfer.ops.base import Ops
+from deepinfer.ops.invariant import BatchInvariantOps
 from deepinfer.ops.reference import ReferenceOps
 
 
-def get_ops(accelerator: str = "cpu") -> Ops:
-    """The op set for ``accelerator`` (nvidia | ascend | cpu)."""
+def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
+    """The op set for ``accelerator`` (nvidia | ascend | cpu); ``batch_invariant`` selects the ops whose
+    results for a row never depend on the rest of the batch (``deepinfer.ops.invariant``)."""
     if accelerator == "cpu":
-        return ReferenceOps()
+        return BatchInvariantOps() if batch_invariant else ReferenceOps()
     if accelerator == "nvidia":
         import torch
 
@@ -23,8 +25,11 @@ def get_ops(accelerator: str = "cpu") -> Ops:
                 "DEEPINFER_ACCELERATOR=nvidia but no CUDA device is visible; set DEEPINFER_ACCELERATOR=cpu "
                 "to run the reference backend"
             )
-        # Triton kernels land with the NVIDIA backend; until then the reference ops run on the GPU.
-        return ReferenceOps(device_name="nvidia")
+        if batch_invariant:
+            from deepinfer.ops.nvidia import NvidiaInvariantOps
+
+            return NvidiaInvariantOps()
+        return ReferenceOps(device_name="nvidia")  # the Triton kernels replace reference ops one by one
     if accelerator == "ascend":
         raise RuntimeError(
             "DEEPINFER_ACCELERATOR=ascend: the Ascend backend (torch_npu) is not available in this build; "
@@ -33,4 +38,4 @@ def get_ops(accelerator: str = "cpu") -> Ops:
     raise ValueError(f"unknown accelerator {accelerator!r}; expected one of nvidia, ascend, cpu")
 
 
-__all__ = ["Ops", "ReferenceOps", "get_ops"]
+__all__ = ["BatchInvariantOps", "Ops", "ReferenceOps", "get_ops"]

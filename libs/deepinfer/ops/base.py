@@ -6,6 +6,7 @@ Shapes use ``n`` = new tokens of one sequence, ``T`` = tokens of the whole batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,6 +14,22 @@ import torch
 
 class Ops(Protocol):
     name: str
+    batch_invariant: bool  # results of a row never depend on the other rows of the call (ARCHITECTURE.md §4)
+
+    def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``fn(x)`` for an element-wise torch function (exp, sigmoid, silu, softplus, cos, sin, …).
+        Batch-invariant backends make every element take the same code path (torch's CPU kernels
+        compute the SIMD body and the tail of a tensor differently, so a value would otherwise depend
+        on where its row sits in the batch)."""
+        ...
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` (``F.linear`` without bias): ``x [..., K]``, ``w [N, K]`` → ``[..., N]`` in ``x.dtype``."""
+        ...
+
+    def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per-group products ``x [n, g, K]``, ``w [g, R, K]`` → ``[n, g, R]``."""
+        ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """``w · x / rms(x)`` over the last dim, computed in fp32, returned in ``x.dtype``."""
@@ -33,6 +50,18 @@ class Ops(Protocol):
         norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mHC weights of streams ``h [T, N, D]``: ``pre [T, N]``, ``post [T, N]``, Sinkhorn ``comb [T, N, N]``."""
+        ...
+
+    def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """``Σ_j pre[:, j] · h[:, j]``: streams ``h [T, N, D]`` → ``[T, D]`` (fp32 sum, ``h.dtype`` out)."""
+        ...
+
+    def hc_expand(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``post[:, k] · y + Σ_j comb[:, j, k] · res[:, j]`` → streams ``[T, N, D]`` in ``y.dtype``."""
+        ...
+
+    def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """Compressor pooling: ``Σ_m softmax_m(score) · kv`` over dim 1 of ``[k, m, d]`` → ``[k, d]`` fp32."""
         ...
 
     def sparse_attention(

@@ -6,6 +6,8 @@ mHC, attention scores/softmax, routing and MoE accumulation; results cast back t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -13,8 +15,29 @@ from deepinfer.quant.formats import FP8_MAX, fp4_round, pow2_scale
 
 
 class ReferenceOps:
+    batch_invariant = False
+
     def __init__(self, device_name: str = "cpu") -> None:
         self.name = device_name
+
+    def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(x)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ngk,grk->ngr", x, w)
+
+    def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+
+    def hc_expand(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("tjk,tjd->tkd", comb, res.float())
+        return out.to(y.dtype)
+
+    def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        return (kv * score.softmax(dim=1)).sum(dim=1)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         xf = x.float()
@@ -45,7 +68,7 @@ class ReferenceOps:
         n = h.shape[-2]
         xf = h.flatten(-2).float()
         rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-        mixes = F.linear(xf, fn.float()) * rs
+        mixes = self.linear(xf, fn.float()) * rs
         scale, base = scale.float(), base.float()
         pre = torch.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
         if mixes.shape[-1] == n:  # head collapse: pre only
@@ -93,9 +116,9 @@ class ReferenceOps:
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             xe = x[rows]
-            h = swiglu(F.linear(xe, w1[e]).float(), F.linear(xe, w3[e]).float(), limit)
+            h = swiglu(self.linear(xe, w1[e]).float(), self.linear(xe, w3[e]).float(), limit, self)
             h = weights[rows, slot].unsqueeze(-1).float() * h
-            y[rows] += F.linear(h.to(x.dtype), w2[e]).float()  # a token picks an expert at most once
+            y[rows] += self.linear(h.to(x.dtype), w2[e]).float()  # a token picks an expert at most once
         return y
 
     def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -110,9 +133,10 @@ class ReferenceOps:
         return (fp4_round(xb / s) * s).flatten(-2).to(x.dtype)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, ops: ReferenceOps | None = None) -> torch.Tensor:
     """``silu(min(gate, limit)) · clamp(up, ±limit)`` (the V4 SwiGLU clamp)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    g = gate.clamp(max=limit)
+    return (ops.pointwise(F.silu, g) if ops is not None else F.silu(g)) * up.clamp(-limit, limit)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,12 @@ FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -
 
 
 def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
-    """UE8M0 scale: the smallest power of two ``s`` with ``amax / s <= qmax``."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / qmax)))
+    """UE8M0 scale: the smallest power of two ``s`` with ``amax / s <= qmax`` (``2^ceil(log2(amax/qmax))``,
+    computed exactly from the float's exponent, so no libm rounding can move it)."""
+    x = amax.float().clamp_min(floor) / qmax
+    mant, exp = torch.frexp(x)  # x = mant · 2^exp, mant in [0.5, 1)
+    exp = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two is its own ceiling
+    return torch.ldexp(torch.ones_like(x), exp)
 
 
 def _pow2_at_least(n: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from deepinfer.engine.determinism import Determinism
 from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepPlan, StepResult
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, worker_pb2
@@ -162,3 +163,16 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
             )
         )
     return StepResult(step_id=msg.step_id, results=results)
+
+
+def determinism_to_proto(d: Determinism) -> common_pb2.Determinism:
+    return common_pb2.Determinism(
+        batch_invariant=d.batch_invariant,
+        deterministic_sampling=d.deterministic_sampling,
+        covers=d.covers,
+        requires=d.requires,
+    )
+
+
+def determinism_from_proto(p: common_pb2.Determinism) -> Determinism:
+    return Determinism(p.batch_invariant, p.deterministic_sampling, list(p.covers), dict(p.requires))

@@ -20,7 +20,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from deepinfer.chat import encode_messages
-from deepinfer.rpc.convert import sampling_from_proto
+from deepinfer.engine.determinism import merge as merge_determinism
+from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto, sampling_from_proto
 from deepinfer.serving.errors import ModelNotFound, Unavailable
 from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, observe_stream, status_label
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
@@ -187,13 +188,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metadata=inject_metadata(trace.set_span_in_context(span)),
         )
         try:
+            prompt_rows = []
             async for ev in call:
+                prompt_rows.extend(ev.prompt_logprobs)  # a chunked prefill scores the prompt over several steps
+                if first and not ev.token_ids and ev.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                    continue  # the first message waits for the first token and carries the whole prompt's rows
                 out = generation_pb2.GenerateResponse(request_id=rid)
                 if first:
                     out.prompt_tokens = len(ids)
-                    if ev.prompt_logprobs:
+                    if prompt_rows:
                         out.prompt_logprobs.add()
-                        for row in ev.prompt_logprobs:
+                        for row in prompt_rows:
                             out.prompt_logprobs.add().entries.extend(row.entries)
                     first = False
                 stop = None
@@ -271,7 +276,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        return self.info
+        """The static model facts, plus what the replicas run (accelerator, dtype, determinism)."""
+        found = []
+        for r in self.replicas:
+            try:
+                found.append(await r.stub.GetReplicaInfo(scheduler_pb2.GetReplicaInfoRequest(), timeout=5))
+            except grpc.aio.AioRpcError:
+                continue  # a replica that is down or starting does not decide the answer
+        info = generation_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        if found:
+            d = merge_determinism([determinism_from_proto(r.determinism) for r in found])
+            info.determinism.CopyFrom(determinism_to_proto(d))
+            info.batch_invariant, info.deterministic_sampling = d.batch_invariant, d.deterministic_sampling
+            info.accelerator = found[0].accelerator if len({r.accelerator for r in found}) == 1 else "mixed"
+            info.dtype = found[0].dtype if len({r.dtype for r in found}) == 1 else "mixed"
+        return info
 
     async def GetLoads(  # noqa: N802
         self, request: generation_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext

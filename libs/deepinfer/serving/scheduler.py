@@ -91,6 +91,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         self.scheduler, self.worker, self.vocab_size, self.max_queued = scheduler, worker, vocab_size, max_queued
         self.metrics = metrics if metrics is not None else SchedulerMetrics("")
+        self.worker_info: worker_pb2.WorkerInfo | None = None  # set once the worker answered GetWorkerInfo
         s = scheduler
         self.metrics.bind(
             running=lambda: len(s.running),
@@ -305,6 +306,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> common_pb2.ReplicaLoad:
         return common_pb2.ReplicaLoad(**self.load_report())
 
+    async def GetReplicaInfo(  # noqa: N802
+        self, request: scheduler_pb2.GetReplicaInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReplicaInfo:
+        w = self.worker_info
+        if w is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's worker has not reported yet")
+        return scheduler_pb2.ReplicaInfo(
+            model=w.model, accelerator=w.accelerator, dtype=w.dtype, world_size=w.world_size, determinism=w.determinism
+        )
+
 
 async def run_scheduler(
     worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0
@@ -331,6 +342,7 @@ async def run_scheduler(
     metrics = SchedulerMetrics(info.model)
     scheduler = Scheduler(config, PagePool(info.num_pages))
     service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
+    service.worker_info = info
     stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
     tasks: list[asyncio.Task] = []
     registration = Registration(

@@ -20,7 +20,7 @@ from opentelemetry import propagate, trace
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.events import Registration
-from deepinfer.rpc.convert import plan_from_proto, result_to_proto
+from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
@@ -146,6 +146,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             dtype=str(p.dtype).removeprefix("torch."),
             rank=0,
             world_size=1,
+            determinism=determinism_to_proto(p.determinism),
         )
 
 

@@ -127,3 +127,22 @@ class ReplicaLoad(_message.Message):
     step_time_ms: float
     draining: bool
     def __init__(self, replica_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class Determinism(_message.Message):
+    __slots__ = ("batch_invariant", "deterministic_sampling", "covers", "requires")
+    class RequiresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    COVERS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_FIELD_NUMBER: _ClassVar[int]
+    batch_invariant: bool
+    deterministic_sampling: bool
+    covers: _containers.RepeatedScalarFieldContainer[str]
+    requires: _containers.ScalarMap[str, str]
+    def __init__(self, batch_invariant: _Optional[bool] = ..., deterministic_sampling: _Optional[bool] = ..., covers: _Optional[_Iterable[str]] = ..., requires: _Optional[_Mapping[str, str]] = ...) -> None: ...

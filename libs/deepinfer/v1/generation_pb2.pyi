@@ -146,7 +146,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "vocab_size", "max_model_len", "eos_token_id", "batch_invariant", "deterministic_sampling", "speculative_decoding", "structured_output_types", "accelerator", "dtype")
+    __slots__ = ("model", "model_type", "vocab_size", "max_model_len", "eos_token_id", "batch_invariant", "deterministic_sampling", "speculative_decoding", "structured_output_types", "accelerator", "dtype", "determinism")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ModelInfo(_message.Message):
     STRUCTURED_OUTPUT_TYPES_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     vocab_size: int
@@ -169,7 +170,8 @@ class ModelInfo(_message.Message):
     structured_output_types: _containers.RepeatedScalarFieldContainer[str]
     accelerator: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., deterministic_sampling: _Optional[bool] = ..., speculative_decoding: _Optional[bool] = ..., structured_output_types: _Optional[_Iterable[str]] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    determinism: _common_pb2.Determinism
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., deterministic_sampling: _Optional[bool] = ..., speculative_decoding: _Optional[bool] = ..., structured_output_types: _Optional[_Iterable[str]] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ()

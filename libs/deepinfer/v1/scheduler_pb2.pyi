@@ -70,3 +70,21 @@ class DrainResponse(_message.Message):
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetReplicaInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("model", "accelerator", "dtype", "world_size", "determinism")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISM_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    accelerator: str
+    dtype: str
+    world_size: int
+    determinism: _common_pb2.Determinism
+    def __init__(self, model: _Optional[str] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class SchedulerStub:
                 request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
                 _registered_method=True)
+        self.GetReplicaInfo = channel.unary_unary(
+                '/deepinfer.v1.Scheduler/GetReplicaInfo',
+                request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.GetReplicaInfoRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.ReplicaInfo.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -85,6 +90,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReplicaInfo(self, request, context):
+        """What the replica runs: its workers' accelerator, dtype and determinism guarantee.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.GetLoadRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_common__pb2.ReplicaLoad.SerializeToString,
+            ),
+            'GetReplicaInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReplicaInfo,
+                    request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.GetReplicaInfoRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_scheduler__pb2.ReplicaInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class Scheduler:
             '/deepinfer.v1.Scheduler/GetLoad',
             deepinfer_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
             deepinfer_dot_v1_dot_common__pb2.ReplicaLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplicaInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Scheduler/GetReplicaInfo',
+            deepinfer_dot_v1_dot_scheduler__pb2.GetReplicaInfoRequest.SerializeToString,
+            deepinfer_dot_v1_dot_scheduler__pb2.ReplicaInfo.FromString,
             options,
             channel_credentials,
             insecure,

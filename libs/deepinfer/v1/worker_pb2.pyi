@@ -91,7 +91,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size")
+    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size", "determinism")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     accelerator: str
     device: str
@@ -116,4 +117,5 @@ class WorkerInfo(_message.Message):
     dtype: str
     rank: int
     world_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    determinism: _common_pb2.Determinism
+    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ...) -> None: ...

@@ -31,11 +31,11 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.quant_sim = False
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of a whole batch: ``kv`` and ``score`` (gate + position bias)."""
         xf = x.float()
-        kv = xf @ self.wkv.weight.float().T
-        score = xf @ self.wgate.weight.float().T + self.ape.float()[positions % self.ratio]
+        kv = ops.linear(xf, self.wkv.weight.float())
+        score = ops.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
         return kv, score
 
     def forward(
@@ -69,9 +69,9 @@ class Compressor(nn.Module):
                 s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
             else:
                 k_all, s_all = kv[cur], score[cur]
-            rows = (k_all * s_all.softmax(dim=1)).sum(dim=1).to(dtype)
+            rows = ops.softmax_pool(k_all, s_all).to(dtype)
             rows = self.norm(rows, ops)
-            cos, sin = rope(w * m)
+            cos, sin = rope(w * m, ops)
             rows = ops.rope(rows, cos, sin)
             if self.quant_sim:
                 rows = self._quant(rows, ops)
@@ -128,7 +128,7 @@ class Indexer(nn.Module):
         if r == 0:
             return visible
         q = self.wq_b(qr, ops).view(n, self.n_heads, self.head_dim)
-        cos, sin = rope(positions)
+        cos, sin = rope(positions, ops)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quant_sim:
             q = ops.fp4_quant_sim(hadamard(q), min(32, q.shape[-1]))
@@ -179,23 +179,23 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x, ops), ops)
         q = self.wq_b(qr, ops).view(n_tok, h, d)
         q = ops.rms_norm(q, None, self.eps)
-        cos, sin = rope(positions)
+        cos, sin = rope(positions, ops)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
         if self.quant_sim:
             kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], _qblock(d - rd)), kv[:, -rd:]], dim=-1)
         proj = {}
         if self.compressor is not None:
-            proj["main"] = self.compressor.project(x, positions)
+            proj["main"] = self.compressor.project(x, positions, ops)
         if self.indexer is not None:
-            proj["index"] = self.indexer.compressor.project(x, positions)
+            proj["index"] = self.indexer.compressor.project(x, positions, ops)
         out = torch.empty_like(q)
         for chunk, (a, b) in zip(chunks, offsets):
             part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
             out[a:b] = self._attend_one(x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops)
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         g = self.o_groups
-        z = torch.einsum("ngk,grk->ngr", out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        z = ops.grouped_linear(out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
         return self.wo_b(z.flatten(1), ops)
 
     def _attend_one(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.deepseek_v4.config import YarnParams
@@ -25,7 +24,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.quant_sim and self.fp8 and x.shape[-1] % 128 == 0:
             x = ops.act_quant_sim(x, 128)
-        return F.linear(x, self.weight)
+        return ops.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +62,6 @@ class RotaryTable:
     def __init__(self, dim: int, base: float, yarn: YarnParams | None) -> None:
         self.inv_freq = rope_inv_freq(dim, base, yarn)
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         f = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return f.cos(), f.sin()
+        return ops.pointwise(torch.cos, f), ops.pointwise(torch.sin, f)

@@ -8,7 +8,6 @@ the MTP block. Nothing here knows about scheduling, transport or kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.deepseek_v4.attention import Attention
@@ -51,13 +50,7 @@ class Block(nn.Module):
             c.hc_eps,
             c.rms_norm_eps,
         )
-        x = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
-        return x, post, comb
-
-    @staticmethod
-    def _expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("tjk,tjd->tkd", comb, res.float())
-        return out.to(y.dtype)
+        return ops.hc_collapse(h, pre), post, comb
 
     def forward(
         self,
@@ -71,10 +64,10 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x, post, comb = self._hc(h, "hc_attn", ops)
         x = self.attn(self.attn_norm(x, ops), batch.chunks, offsets, batch.positions, cache, rope, ops)
-        h = self._expand(x, h, post, comb)
+        h = ops.hc_expand(x, h, post, comb)
         x, post, comb = self._hc(h, "hc_ffn", ops)
         x = self.ffn(self.ffn_norm(x, ops), token_ids, ops)
-        return self._expand(x, h, post, comb)
+        return ops.hc_expand(x, h, post, comb)
 
 
 class MTPBlock(Block):
@@ -137,9 +130,8 @@ class DeepseekV4Model(nn.Module):
         pre, _, _ = ops.hc_mixes(
             h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, 0, c.hc_eps, c.rms_norm_eps
         )
-        y = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
-        y = norm(y, ops)
-        return F.linear(y.float(), self.head.weight.float())
+        y = norm(ops.hc_collapse(h, pre), ops)
+        return ops.linear(y.float(), self.head.weight.float())
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

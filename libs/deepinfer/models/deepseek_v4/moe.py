@@ -27,14 +27,14 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(e), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = ops.pointwise(F.softplus, ops.linear(x.float(), self.weight.float())).sqrt()
         if self.hashed:
             if token_ids is None:
                 raise ValueError("hash-routed MoE layers need the input token ids")
             idx = self.tid2eid[token_ids].long()
         else:
-            idx = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+            idx = ops.topk_indices(scores + self.bias.float(), self.topk)
         w = scores.gather(1, idx)
         w = w / w.sum(-1, keepdim=True)
         return idx, w * self.scaling
@@ -56,9 +56,9 @@ class MoE(nn.Module):
         self.quant_sim = False
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        idx, w = self.gate(x, token_ids)
+        idx, w = self.gate(x, token_ids, ops)
         xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
         y = ops.moe(xin, idx, w, self.w1, self.w2, self.w3, self.limit)
-        h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit)
+        h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit, ops)
         y = y + self.shared_w2(h.to(x.dtype), ops).float()
         return y.to(x.dtype)

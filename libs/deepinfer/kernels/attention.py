@@ -1,0 +1,241 @@
+"""Batch-invariant Triton kernels for DeepSeek-V4's sparse attention and lightning-indexer scores.
+
+``deepinfer.ops`` uses these on CUDA (the NVIDIA backend, ``DEEPINFER_BATCH_INVARIANT=1``) in place of the gathered,
+padded einsums of ``BatchInvariantOps``; the semantics are those of ``ReferenceOps.sparse_attention`` and
+``ReferenceOps.indexer_scores``.
+
+* ``sparse_attention_gather``: attention with K = V and a per-head sink logit over a per-query key list. Query ``i``
+  attends to ``keys[idx[i, :count[i]]]`` in list order: ``out[i, h] = Σ_j p_j · k_j`` with
+  ``p_j = exp(s_j - m) / (Σ_j exp(s_j - m) + exp(sink_h - m))``, ``s_j = scale · q[i, h] · k_j``. One program per
+  (query, block of ``ATTN_BLOCK_H`` heads) runs an online softmax (running max seeded with the sink, fp32 running
+  denominator and accumulator) over the query's keys in blocks of ``ATTN_BLOCK_N``, from j = 0 upward, each block
+  one gather and two ``tl.dot`` of fixed shape. The loop is bounded by ``count[i]``, not by the padded width ``W``.
+* ``indexer_scores_fixed``: ``scores[i, r] = Σ_h weights[i, h] · relu(q[i, h] · keys[r])``. One program per
+  (query, block of ``INDEXER_BLOCK_R`` keys): one ``tl.dot`` ``[h, d] x [d, BLOCK_R]``, relu, weights, then a
+  fixed-shape ``tl.sum`` over the heads.
+
+Why invariant: every output element's reduction order is fixed by constexpr tile sizes (and, for attention, by the
+query's own key list), never by the number of queries, the padded width or the other rows. A query's program reads
+only its own ``q``, ``idx``, ``count`` rows; a ``tl.dot`` reduces every output lane the same way, and masked heads,
+keys and padded ``d`` lanes are exact zeros (keys past ``count``: ``-inf`` logits, ``p = 0``) that touch no other lane.
+There is no autotuning and no split over keys, and the runtime sizes (``W``, ``R``) are ``do_not_specialize``, so
+every batch size and padding width runs the same compiled binary.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ATTN_BLOCK_H = 16  # heads per program (the smallest tl.dot M)
+ATTN_BLOCK_N = 32  # keys per step: a [32, 512] bf16 gathered tile is 32 KB of shared memory
+# sm_90, bf16, d=512 (ptxas -v, compiled offline): 234 registers, no spills, 56 KB shared memory, mma.sync
+ATTN_NUM_WARPS = 4
+ATTN_NUM_STAGES = 2
+INDEXER_BLOCK_R = 64  # keys per program
+INDEXER_NUM_WARPS = 4
+INDEXER_NUM_STAGES = 1
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit(do_not_specialize=["W"])
+def _sparse_attention_kernel(
+    q_ptr,
+    k_ptr,
+    idx_ptr,
+    count_ptr,
+    sink_ptr,
+    out_ptr,
+    W,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < H
+    mask_d = offs_d < D
+    hd = offs_h[:, None] * D + offs_d[None, :]
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + row * (H * D) + hd, mask=mask_hd, other=0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    m = sink  # running max, seeded with the sink: finite, so masked logits give exp(-inf) = 0
+    den = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    cnt = tl.load(count_ptr + row)
+    cnt = tl.minimum(tl.maximum(cnt, 0), W)
+    for start in range(0, cnt, BLOCK_N):
+        j = start + offs_n
+        valid = j < cnt
+        kid = tl.load(idx_ptr + row * W + j, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_ptr + kid[:, None] * D + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None], input_precision=PRECISION)
+        m = m_new
+    den += tl.exp(sink - m)
+    out = acc / den[:, None]
+    tl.store(out_ptr + row * (H * D) + hd, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _indexer_scores_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    out_ptr,
+    R,
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_HH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_HH)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < NH
+    mask_d = offs_d < D
+    mask_r = offs_r < R
+    q = tl.load(
+        q_ptr + row * (NH * D) + offs_h[:, None] * D + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    w = tl.load(w_ptr + row * NH + offs_h, mask=mask_h, other=0.0)
+    k = tl.load(k_ptr + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_HH, BLOCK_R] fp32
+    s = tl.maximum(s, 0.0) * w[:, None]
+    tl.store(out_ptr + row * R + offs_r, tl.sum(s, axis=0), mask=mask_r)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # bf16 ignores it; fp32 gets true fp32 products (no TF32)
+
+
+def sparse_attention_gather(
+    q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``.
+
+    ``q [n, H, d]`` and ``keys [K, d]`` are both float32 or both bfloat16; ``idx [n, W]`` (int32/int64) lists, in
+    order, the key rows query ``i`` attends to, of which the first ``count[i]`` (``count [n]`` int32/int64, clamped
+    to ``[0, W]``) are used and the rest never read; ``sink [H]`` is a per-head logit in the denominator with no
+    value. Valid ``idx`` entries must be in ``[0, K)`` (not checked: that would sync the host). A query with
+    ``count == 0`` gets zeros. Accumulation is fp32; fp32 inputs use IEEE fp32 products. Query ``i``'s output depends
+    only on ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other queries.
+    """
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
+        raise ValueError(
+            f"sparse_attention_gather: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}"
+        )
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(
+            "sparse_attention_gather: expected q [n, H, d] and keys [K, d], "
+            f"got {tuple(q.shape)} and {tuple(keys.shape)}"
+        )
+    n, H, d = q.shape
+    if idx.dim() != 2 or idx.shape[0] != n or idx.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"sparse_attention_gather: idx must be int32/int64 [{n}, W], got {idx.dtype} {tuple(idx.shape)}"
+        )
+    if count.shape != (n,) or count.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"sparse_attention_gather: count must be int32/int64 [{n}], got {count.dtype} {tuple(count.shape)}"
+        )
+    if sink.shape != (H,) or sink.dtype != torch.float32:
+        raise ValueError(f"sparse_attention_gather: sink must be float32 [{H}], got {sink.dtype} {tuple(sink.shape)}")
+    devices = {t.device for t in (q, keys, idx, count, sink)}
+    if len(devices) != 1:
+        raise ValueError(f"sparse_attention_gather: all tensors must be on one device, got {sorted(map(str, devices))}")
+    W = idx.shape[1]
+    if n == 0 or H == 0 or d == 0 or W == 0 or keys.shape[0] == 0:
+        return torch.zeros((n, H, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
+    q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
+    grid = (n, triton.cdiv(H, ATTN_BLOCK_H))
+    _sparse_attention_kernel[grid](
+        q,
+        keys,
+        idx,
+        count,
+        sink,
+        out,
+        W,
+        float(scale),
+        H=H,
+        D=d,
+        BLOCK_D=_pow2(d),
+        BLOCK_H=ATTN_BLOCK_H,
+        BLOCK_N=ATTN_BLOCK_N,
+        PRECISION=_precision(q.dtype),
+        num_warps=ATTN_NUM_WARPS,
+        num_stages=ATTN_NUM_STAGES,
+    )
+    return out
+
+
+def indexer_scores_fixed(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores ``Σ_h weights[:, h] · relu(q[:, h] · keys)`` → ``[n, R]`` fp32.
+
+    ``q [n, h, d]`` and ``keys [R, d]`` are both float32 or both bfloat16, ``weights [n, h]`` float32. Score
+    ``(i, r)`` depends only on ``q[i]``, ``weights[i]`` and ``keys[r]``: not on ``n``, ``R`` nor the other rows.
+    """
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
+        raise ValueError(
+            f"indexer_scores_fixed: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}"
+        )
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(
+            f"indexer_scores_fixed: expected q [n, h, d] and keys [R, d], got {tuple(q.shape)} and {tuple(keys.shape)}"
+        )
+    n, nh, d = q.shape
+    if weights.shape != (n, nh) or weights.dtype != torch.float32:
+        raise ValueError(
+            f"indexer_scores_fixed: weights must be float32 [{n}, {nh}], got {weights.dtype} {tuple(weights.shape)}"
+        )
+    if len({q.device, keys.device, weights.device}) != 1:
+        raise ValueError(f"indexer_scores_fixed: q, keys, weights are on {q.device}, {keys.device}, {weights.device}")
+    R = keys.shape[0]
+    if n == 0 or R == 0 or nh == 0 or d == 0:
+        return torch.zeros((n, R), dtype=torch.float32, device=q.device)
+    q, keys, weights = q.contiguous(), keys.contiguous(), weights.contiguous()
+    out = torch.empty((n, R), dtype=torch.float32, device=q.device)
+    _indexer_scores_kernel[(n, triton.cdiv(R, INDEXER_BLOCK_R))](
+        q,
+        keys,
+        weights,
+        out,
+        R,
+        NH=nh,
+        D=d,
+        BLOCK_HH=_pow2(nh),
+        BLOCK_D=_pow2(d),
+        BLOCK_R=INDEXER_BLOCK_R,
+        PRECISION=_precision(q.dtype),
+        num_warps=INDEXER_NUM_WARPS,
+        num_stages=INDEXER_NUM_STAGES,
+    )
+    return out
+
+
+__all__ = ["sparse_attention_gather", "indexer_scores_fixed"]

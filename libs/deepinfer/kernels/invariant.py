@@ -1,0 +1,164 @@
+"""Batch-invariant Triton kernels: a row's result is bit-identical whatever else is in the batch.
+
+``deepinfer.ops`` uses these on CUDA when ``DEEPINFER_BATCH_INVARIANT=1``, in place of cuBLAS and torch's
+reductions, whose algorithm (tile shape, split-K, reduction tree) is picked per call from the problem size, so
+the same sequence can round differently in a batch of 1 and in a batch of 37.
+
+The invariance holds by construction, not by tuning:
+
+* ``matmul_fixed``: one fixed tile config (``MATMUL_BLOCK_M/N/K``, warps, stages), no autotuning and no split-K.
+  Output element ``(m, n)`` is computed by the program owning its tile, which walks K from 0 upward in
+  ``MATMUL_BLOCK_K`` steps, each step one ``tl.dot`` of a fixed shape accumulated into fp32. That order depends
+  only on K and the tile constants, never on M nor on which row of the tile ``m`` falls in (every lane of a
+  ``tl.dot`` reduces the same way), and rows past M are masked to zero without touching the others. The kernel is
+  also compiled with ``do_not_specialize=["M"]``, so every M runs the same binary.
+* ``rowsum``: one program per row, a ``ROWSUM_BLOCK``-lane fp32 accumulator that takes the row in chunks from 0
+  upward, then one fixed-shape ``tl.sum`` over the lanes. The result depends only on the row's values. Appending
+  zeros does not change it bit-for-bit either: the extra chunks add +0.0 to each lane, which is exact (a lane
+  starts at +0.0 and never becomes -0.0, since an IEEE sum is -0.0 only when both terms are), and the final
+  ``tl.sum`` sees the same lanes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MATMUL_BLOCK_M = 64
+MATMUL_BLOCK_N = 64
+MATMUL_BLOCK_K = 32
+MATMUL_NUM_WARPS = 4
+MATMUL_NUM_STAGES = 3
+ROWSUM_BLOCK = 128
+ROWSUM_NUM_WARPS = 4
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask_k = kk < K
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["L", "stride_row"])
+def _rowsum_kernel(x_ptr, y_ptr, L, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_row
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, L, BLOCK):
+        idx = start + offs
+        acc += tl.load(base + idx, mask=idx < L, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row, tl.sum(acc, axis=0))
+
+
+def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ w.T`` (the ``F.linear`` layout, no bias) with one fixed tile config, accumulated in fp32.
+
+    ``x`` is ``[..., K]``, ``w`` is ``[N, K]``, both float32 or both bfloat16 on the same device; the result is
+    ``[..., N]`` in ``out_dtype`` (default ``x.dtype``). fp32 inputs use IEEE fp32 products (no TF32). Row ``m`` of
+    the result is bit-identical whatever the other rows of ``x`` are and however many there are.
+    """
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        raise ValueError(
+            f"matmul_fixed: x and w must both be float32 or both bfloat16, got x {x.dtype} and w {w.dtype}"
+        )
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"matmul_fixed: expected x [..., K] and w [N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}"
+        )
+    if x.device != w.device:
+        raise ValueError(f"matmul_fixed: x is on {x.device} but w is on {w.device}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"matmul_fixed: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    lead = x.shape[:-1]
+    N, K = w.shape
+    x2 = x.reshape(math.prod(lead), K).contiguous()
+    w = w.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.reshape(*lead, N)
+    if K == 0:
+        return y.zero_().reshape(*lead, N)
+    grid = (triton.cdiv(M, MATMUL_BLOCK_M), triton.cdiv(N, MATMUL_BLOCK_N))
+    _matmul_kernel[grid](
+        x2,
+        w,
+        y,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        w.stride(0),
+        y.stride(0),
+        BLOCK_M=MATMUL_BLOCK_M,
+        BLOCK_N=MATMUL_BLOCK_N,
+        BLOCK_K=MATMUL_BLOCK_K,
+        IEEE=x.dtype == torch.float32,
+        num_warps=MATMUL_NUM_WARPS,
+        num_stages=MATMUL_NUM_STAGES,
+    )
+    return y.reshape(*lead, N)
+
+
+def rowsum(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dim of a ``[..., L]`` float32 or bfloat16 tensor; the result is ``[...]`` fp32.
+
+    The result for a row depends only on that row's values (not on the number of rows nor on the row's position),
+    and appending zeros to the end of a row (padding L to any larger length) leaves it unchanged bit-for-bit.
+    An empty row (L == 0) sums to 0.
+    """
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"rowsum: x must be float32 or bfloat16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("rowsum: x must have at least one dim")
+    lead = x.shape[:-1]
+    L = x.shape[-1]
+    x2 = x.reshape(math.prod(lead), L).contiguous()
+    rows = x2.shape[0]
+    y = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    if rows == 0 or L == 0:
+        return y.reshape(lead)
+    _rowsum_kernel[(rows,)](x2, y, L, x2.stride(0), BLOCK=ROWSUM_BLOCK, num_warps=ROWSUM_NUM_WARPS)
+    return y.reshape(lead)
+
+
+__all__ = ["matmul_fixed", "rowsum"]
