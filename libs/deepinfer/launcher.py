@@ -1,4 +1,5 @@
-"""``deepinfer up``: the whole mesh on one machine — NATS, per replica a worker and a scheduler, the balancer.
+"""``deepinfer up``: the whole mesh on one machine — NATS, the kvstore, per replica a worker and a scheduler,
+the balancer.
 
 NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` started here (JetStream on).
 
@@ -61,6 +62,12 @@ class Mesh:
         url, self.nats = server_url_or_start()
         self.extra_env["DEEPINFER_NATS_URL"] = url
         self.endpoints["nats"] = url
+        kport = free_port(self.host)
+        kaddr = f"{self.host}:{kport}"
+        data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
+        kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
+        self._spawn("kvstore", kv_args, kaddr)
+        self.endpoints["kvstore"] = kaddr
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):

@@ -30,14 +30,16 @@ class LLM:
         quant_sim: bool | None = None,
         accelerator: str | None = None,
         batch_invariant: bool | None = None,
+        enable_prefix_caching: bool | None = None,
     ) -> None:
         parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant)
         self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
         self.config, self.model_path, self.dtype, self.model = parts.config, parts.path, parts.dtype, parts.model
         self.tokenizer = load_tokenizer(parts.path)
         sched = build_scheduler(
-            parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens
-        )
+            parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens,
+            parts.fingerprint, enable_prefix_caching,
+        )  # fmt: skip
         self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size)
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
@@ -74,15 +76,22 @@ class LLM:
             self._validate(ids)
         order: dict[str, int] = {}
         try:
-            for i, ((ids, text), p) in enumerate(zip(encoded, plist)):
+            for i, ((ids, text), p, raw) in enumerate(zip(encoded, plist, prompts)):
                 rid = self.engine.new_request_id()
-                self.engine.add_request(rid, ids, p, prompt=text)
+                salt = raw.get("cache_salt") if isinstance(raw, dict) else None
+                if salt is not None and not isinstance(salt, str):
+                    raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt)
                 order[rid] = i
         except Exception:
             # a later prompt or params failed the engine's checks: withdraw the ones already queued
             self.engine.abort_request(list(order))
             raise
         return self._drain(order, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache resume point (their pages return to the pool)."""
+        self.engine.scheduler.reset_prefix_cache()
 
     def _validate(self, ids: list[int]) -> None:
         if not ids:

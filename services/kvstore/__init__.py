@@ -1,1 +1,1 @@
-"""KV store service: content-addressed KV pages in host memory and on disk (lands with the KV-cache issue)."""
+"""KV store service: prefix-cache resume points as checksummed blobs in host memory and on disk."""

@@ -34,6 +34,7 @@ def make_scheduler(
     max_seqs: int = 256,
     max_model_len: int = 4096,
     page_size: int = PS,
+    prefix_caching: bool = False,  # the core mechanics; tests/engine/test_prefix_cache.py covers caching
 ) -> Scheduler:
     cfg = SchedulerConfig(
         page_size=page_size,
@@ -41,6 +42,7 @@ def make_scheduler(
         eos_token_id=EOS,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
+        prefix_caching=prefix_caching,
     )
     return Scheduler(cfg, PagePool(num_pages))
 

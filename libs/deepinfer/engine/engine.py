@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool
     usage: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class LLMEngine:
@@ -60,7 +61,12 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -73,7 +79,7 @@ class LLMEngine:
                 f"prompt_token_ids: {len(bad)} token ids outside the vocabulary [0, {self.vocab_size}), e.g. {bad[0]!r}"
             )
         try:
-            self.scheduler.add(request_id, prompt_token_ids, params)
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt)
         except ValueError as e:
             raise ValueError(f"prompt: {e}") from e
         self._prompts[request_id] = prompt
@@ -92,7 +98,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if not plan.chunks and not plan.released:
+        if not (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots):
             return []
         result = self.worker.execute(plan)
         finished = {r.request_id for r in self.scheduler.update(result)}
@@ -146,6 +152,12 @@ class LLMEngine:
                 CompletionOutput(0, text, req.output_token_ids, cum, logprobs, req.finish_reason, req.stop_reason)
             ],
             finished=True,
-            usage={"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+            usage={
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+                "cached_tokens": req.num_cached_tokens,
+            },  # fmt: skip
             num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.pages import PagePool
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler import Scheduler, config_from_env
 from deepinfer.engine.worker import ModelRunner
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
@@ -48,6 +49,7 @@ class EngineParts:
     page_size: int
     max_model_len: int
     determinism: Determinism
+    fingerprint: str  # identifies the KV state this worker computes (prefix-cache hashes include it)
 
 
 def resolve_model_dir(model: str | Path | None) -> tuple[Path, DeepseekV4Config]:
@@ -98,7 +100,25 @@ def build_worker(
     )  # fmt: skip
     runner = ModelRunner(net, cache, device)
     determinism = describe(ops, accelerator, torch_dtype)
-    return EngineParts(path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism)
+    fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant)
+    return EngineParts(
+        path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp
+    )
+
+
+def net_quant_sim(net: DeepseekV4Model) -> bool:
+    return any(getattr(m, "quant_sim", False) for m in net.modules())
+
+
+def model_fingerprint(path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool, invariant: bool) -> str:
+    """What makes two workers' KV state interchangeable: the checkpoint (its config and the names and sizes of
+    its weight files), the dtype, the page size and the numerics switches."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    h.update(f"{dtype}|{page_size}|{quant_sim}|{invariant}".encode())
+    return h.hexdigest()
 
 
 def build_scheduler(
@@ -108,14 +128,10 @@ def build_scheduler(
     max_model_len: int,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    fingerprint: str = "",
+    prefix_caching: bool | None = None,
 ) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            page_size=page_size,
-            max_model_len=max_model_len,
-            eos_token_id=config.eos_token_id,
-            max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
-            max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
-        ),
-        PagePool(num_pages),
-    )
+    return Scheduler(config_from_env(
+        page_size, max_model_len, config.eos_token_id, max_num_seqs, max_num_batched_tokens, fingerprint,
+        prefix_caching,
+    ), PagePool(num_pages))  # fmt: skip

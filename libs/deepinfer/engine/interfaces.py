@@ -27,6 +27,16 @@ class ChunkPlan:
     params: SamplingParams
     logprob_targets: list[int] | None = None
     trace_context: dict[str, str] | None = None  # W3C carrier of the request's trace (services only)
+    resume_from: str | None = None  # start from this snapshot (a prefix-cache hit at ``start``)
+
+
+@dataclass
+class SnapshotOrder:
+    """Take snapshot ``snapshot_id`` of request ``request_id``'s state as it stands (at ``position``)."""
+
+    request_id: str
+    snapshot_id: str
+    position: int
 
 
 @dataclass
@@ -35,6 +45,9 @@ class StepPlan:
     chunks: list[ChunkPlan] = field(default_factory=list)
     # requests whose worker-side state must be dropped before this step runs
     released: list[str] = field(default_factory=list)
+    # before anything else: snapshots to take (prefix-cache resume points), then snapshots to drop
+    snapshots: list[SnapshotOrder] = field(default_factory=list)
+    dropped_snapshots: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,10 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_preemptions: int = 0
     in_flight: int = 0  # sampled tokens scheduled whose result has not arrived (the async pipeline)
+    cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
+    num_cached_tokens: int = 0  # prompt tokens served from a resume point
+    cache_miss_reason: str | None = None  # why no resume point served it (prefix_cache.MISS_REASONS)
+    resume_from: str | None = None  # the snapshot the next chunk starts from
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,15 +14,22 @@ holding :data:`PLACEHOLDER`, which the worker replaces with the token it sampled
 never waits for the previous one's result. A request whose in-flight token may be its last
 (``max_tokens`` or the length limit) gets none; one that turns out to stop on EOS costs one wasted
 row, dropped when its result arrives.
+
+Prefix caching (``engine/prefix_cache.py``): a chunk that ends at a resume position (the prompt's end, or
+a multiple of ``resume_interval``) and a finished sequence leave a resume point: its full pages stay
+referenced and the next plan asks the worker for a snapshot of the short-term state. An admitted
+request starts from the longest matching resume point; unused resume points are evicted (LRU) before
+any running request is preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
-from deepinfer.engine.interfaces import ChunkPlan, StepPlan, StepResult
+from deepinfer.engine.interfaces import ChunkPlan, SnapshotOrder, StepPlan, StepResult
 from deepinfer.engine.pages import PagePool
+from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint, root_hash
 from deepinfer.engine.request import Request, Status
 from deepinfer.sampling_params import SamplingParams
 
@@ -36,11 +43,42 @@ class SchedulerConfig:
     eos_token_id: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    prefix_caching: bool = True
+    max_resume_points: int = 256
+    resume_interval: int = 0  # also keep resume points every this many tokens (a multiple of page_size; 0: off)
+    fingerprint: str = ""  # the model (weights, dtype, page size): part of every prefix hash
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.resume_interval < 0 or self.resume_interval % self.page_size:
+            raise ValueError(f"resume_interval must be a multiple of page_size, got {self.resume_interval}")
+
+
+def config_from_env(
+    page_size: int,
+    max_model_len: int,
+    eos_token_id: int,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    fingerprint: str = "",
+    prefix_caching: bool | None = None,
+) -> SchedulerConfig:
+    """The scheduler's settings: the arguments where given, else the env registry's."""
+    from deepinfer import envs
+
+    return SchedulerConfig(
+        page_size=page_size,
+        max_model_len=max_model_len,
+        eos_token_id=eos_token_id,
+        max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
+        max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
+        prefix_caching=envs.DEEPINFER_ENABLE_PREFIX_CACHING if prefix_caching is None else prefix_caching,
+        max_resume_points=envs.DEEPINFER_PREFIX_CACHE_RESUME_POINTS,
+        resume_interval=envs.DEEPINFER_RESUME_INTERVAL,
+        fingerprint=fingerprint,
+    )
 
 
 class Scheduler:
@@ -53,9 +91,16 @@ class Scheduler:
         self._arrivals = 0
         self._step = 0
         self.num_preemptions = 0
+        self.prefix = PrefixCache(config.page_size, config.max_resume_points) if config.prefix_caching else None
+        self._pending: list[tuple[str, ResumePoint]] = []  # resume points whose snapshot is not ordered yet
+        self._dropped: list[str] = []  # snapshots the worker may drop
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / served from the cache
+        self.prefix_misses: Counter[str] = Counter()  # requests that found nothing, by reason
 
     # -- requests ----------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -70,7 +115,7 @@ class Scheduler:
                 f"prompt needs more KV pages than the cache holds ({self.pages.num_total} pages of "
                 f"{self.config.page_size} tokens)"
             )
-        req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -85,6 +130,8 @@ class Scheduler:
         if req.finished:
             return
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        if 0 < req.num_computed <= req.num_tokens:  # the state covers known tokens only: keep it
+            self._resume_point(req, req.num_computed)
         self._drop(req)
 
     def pop_finished(self, request_id: str) -> Request:
@@ -95,14 +142,18 @@ class Scheduler:
 
     @property
     def has_pending_releases(self) -> bool:
-        """Requests whose worker state must still be dropped (sent with the next plan)."""
-        return bool(self._released)
+        """Requests whose worker state must still be dropped or snapshotted (sent with the next plan)."""
+        return bool(self._released or self._pending)
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, lookahead: bool = False) -> StepPlan:
         """The next step. With ``lookahead``, requests with a token in flight continue on a placeholder."""
         self._step += 1
         plan = StepPlan(step_id=self._step)
+        for rid, rp in self._pending:
+            plan.snapshots.append(SnapshotOrder(rid, rp.snapshot_id, rp.position))
+            rp.visible = True
+        self._pending = []
         budget = self.config.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -125,9 +176,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.in_flight:
                 break  # preempted with a token in flight: recompute once that token has arrived
+            self._lookup(req)
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._pages_for(req.num_computed + n) - len(req.pages)
-            if not self.pages.can_allocate(need):
+            if not self._reserve(need):
+                self._unlookup(req)
                 break
             self.waiting.popleft()
             req.pages += self.pages.allocate(need)
@@ -138,6 +191,7 @@ class Scheduler:
             plan.chunks.append(self._chunk(req, n))
             budget -= n
         plan.released, self._released = self._released, []
+        plan.dropped_snapshots, self._dropped = self._dropped, []
         return plan
 
     def update(self, result: StepResult) -> list[Request]:
@@ -194,7 +248,7 @@ class Scheduler:
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens, preempting the newest requests if needed."""
         need = self._pages_for(num_tokens) - len(req.pages)
-        while need > 0 and not self.pages.can_allocate(need):
+        while need > 0 and not self._reserve(need):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -205,7 +259,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._drop(req)
-        req.status, req.num_computed = Status.WAITING, 0
+        req.status, req.num_computed, req.num_cached_tokens = Status.WAITING, 0, 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -222,10 +276,97 @@ class Scheduler:
             self._released.append(req.request_id)
         req.num_computed = 0
 
+    # -- prefix cache ------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Evict every resume point (the worker drops their snapshots with the next plan)."""
+        while self._evict_one():
+            pass
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus pages only resume points hold (evicted on demand): the capacity left."""
+        if self.prefix is None:
+            return self.pages.num_free
+        held = Counter(p for rp in self.prefix.entries() for p in rp.pages)
+        return self.pages.num_free + sum(1 for p, n in held.items() if self.pages.refcount(p) == n)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Distinct pages that only resume points keep alive or share."""
+        return len({p for rp in self.prefix.entries() for p in rp.pages}) if self.prefix is not None else 0
+
+    def _root(self, req: Request) -> bytes:
+        return root_hash(self.config.fingerprint, req.cache_salt)
+
+    def _lookup(self, req: Request) -> None:
+        """Start ``req`` from its longest resume point (it keeps at least one token to compute)."""
+        if self.prefix is None or req.num_computed or req.wants_prompt_logprobs:
+            return
+        self.prefix_queries += req.num_tokens
+        root, limit = self._root(req), req.num_tokens - 1
+        rp = self.prefix.lookup(req.all_token_ids, root, limit)
+        if rp is None:
+            plain = root_hash(self.config.fingerprint, None)
+            req.cache_miss_reason = self.prefix.miss_reason(req.all_token_ids, root, plain, limit)
+            self.prefix_misses[req.cache_miss_reason] += 1
+            return
+        self.prefix_hits += rp.position
+        req.cache_miss_reason = None
+        self.pages.incref(rp.pages)
+        req.pages, req.num_computed, req.resume_from = list(rp.pages), rp.position, rp.snapshot_id
+        req.num_cached_tokens = rp.position
+
+    def _unlookup(self, req: Request) -> None:
+        """Undo :meth:`_lookup` (the request stays waiting; it is looked up again when admitted)."""
+        if self.prefix is None or req.wants_prompt_logprobs:
+            return
+        if req.resume_from is not None:
+            self.pages.free(req.pages)
+            self.prefix_hits -= req.num_cached_tokens
+            req.pages, req.num_computed, req.resume_from, req.num_cached_tokens = [], 0, None, 0
+        elif req.cache_miss_reason is not None:
+            self.prefix_misses[req.cache_miss_reason] -= 1
+            req.cache_miss_reason = None
+        self.prefix_queries -= req.num_tokens
+
+    def _resume_point(self, req: Request, position: int) -> None:
+        if self.prefix is None:
+            return
+        full = req.pages[: position // self.config.page_size]
+        plain = root_hash(self.config.fingerprint, None)
+        rp = self.prefix.insert(req.all_token_ids[:position], self._root(req), full, plain)
+        if rp is not None:
+            self.pages.incref(full)
+            self._pending.append((req.request_id, rp))
+            while self.prefix.over_capacity():
+                self._evict_one()
+
+    def _evict_one(self) -> bool:
+        rp = self.prefix.pop_lru() if self.prefix is not None else None
+        if rp is None:
+            return False
+        self.pages.free(rp.pages)
+        if rp.visible:
+            self._dropped.append(rp.snapshot_id)
+        else:
+            self._pending = [(rid, p) for rid, p in self._pending if p is not rp]
+        return True
+
+    def _reserve(self, need: int) -> bool:
+        """Whether ``need`` pages can be allocated, evicting unused resume points (LRU) if that helps."""
+        while not self.pages.can_allocate(need):
+            if not self._evict_one():
+                return False
+        return True
+
     def _chunk(self, req: Request, n: int) -> ChunkPlan:
         start = req.num_computed
         tokens = req.all_token_ids[start : start + n] if start < req.num_tokens else [PLACEHOLDER]
         req.num_computed += n
+        end, every = req.num_computed, self.config.resume_interval
+        if end <= req.num_tokens and (end == req.num_prompt_tokens or (every and end % every == 0)):
+            self._resume_point(req, end)
+        resume, req.resume_from = req.resume_from, None
         targets = None
         if req.wants_prompt_logprobs:
             scored = len(req.prompt_logprobs)  # entries for prompt tokens 0 .. scored-1
@@ -246,4 +387,5 @@ class Scheduler:
             sample=sample,
             params=req.params,
             logprob_targets=targets,
+            resume_from=resume,
         )

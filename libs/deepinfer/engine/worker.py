@@ -13,7 +13,7 @@ import torch
 from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
 from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
 
@@ -31,23 +31,51 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.sampler = Sampler()
         self.states: dict[str, SequenceState] = {}
+        self.tables: dict[str, torch.Tensor] = {}  # each running request's last block table
+        self.snapshots: dict[str, StateSnapshot] = {}  # prefix-cache resume points, in host memory
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
+            self.tables.pop(rid, None)
+
+    def _snapshots(self, plan: StepPlan) -> None:
+        for order in plan.snapshots:
+            st = self.states.get(order.request_id)
+            if st is None or st.num_tokens != order.position:
+                held = None if st is None else st.num_tokens
+                raise RuntimeError(f"snapshot {order.snapshot_id}: request {order.request_id} holds {held} tokens, "
+                                   f"not {order.position}")  # fmt: skip
+            self.snapshots[order.snapshot_id] = StateSnapshot.take(st, self.cache, self.tables[order.request_id])
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Take the ordered snapshots, drop released states, run the chunks (resuming from snapshots where
+        asked), then drop the snapshots the scheduler evicted (a chunk of this step may still start from one)."""
+        self._snapshots(plan)
         self.release(plan.released)
+        try:
+            return self._run(plan)
+        finally:
+            for sid in plan.dropped_snapshots:
+                self.snapshots.pop(sid, None)
+
+    def _run(self, plan: StepPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id)
         if not plan.chunks:
             return result
         chunks = []
         for c in plan.chunks:
+            table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
+            if c.resume_from is not None:
+                snap = self.snapshots.get(c.resume_from)
+                if snap is None or snap.position != c.start:
+                    raise RuntimeError(f"request {c.request_id}: no snapshot {c.resume_from} at position {c.start}")
+                self.states[c.request_id] = snap.restore(self.cache, table, self.device)
             st = self.states.setdefault(c.request_id, SequenceState())
             if st.num_tokens != c.start:
                 raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
-            table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
+            self.tables[c.request_id] = table
             chunks.append(SeqChunk(st, c.start, len(c.token_ids), table))
         batch = ForwardBatch.build(chunks, [c.token_ids for c in plan.chunks], device=self.device)
         hidden = self.model(batch, self.cache)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from deepinfer.engine.determinism import Determinism
-from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import ChunkPlan, SeqResult, SnapshotOrder, StepPlan, StepResult
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, worker_pb2
 
@@ -88,7 +88,9 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
 def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
     """Wire form of a step; sampling parameters travel with a request's first chunk only
     (``sent_params`` tracks which requests the worker already knows and is updated here)."""
-    msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released)
+    msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released, dropped_snapshots=plan.dropped_snapshots)
+    for o in plan.snapshots:
+        msg.snapshots.add(request_id=o.request_id, snapshot_id=o.snapshot_id, position=o.position)
     for rid in plan.released:
         sent_params.discard(rid)
     for c in plan.chunks:
@@ -99,6 +101,7 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
             block_table=c.block_table,
             sample=c.sample,
             logprob_targets=c.logprob_targets or [],
+            resume_from=c.resume_from or "",
         )
         if c.request_id not in sent_params:
             chunk.params.CopyFrom(sampling_to_proto(c.params))
@@ -127,9 +130,11 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
                 params=known[c.request_id],
                 logprob_targets=list(c.logprob_targets) or None,
                 trace_context=dict(c.trace_context) or None,
+                resume_from=c.resume_from or None,
             )
         )
-    return StepPlan(step_id=msg.step_id, chunks=chunks, released=list(msg.released))
+    snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
+    return StepPlan(msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots))
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:

@@ -183,7 +183,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         hold = max((len(s) for s in params.stop), default=1) - 1
         emitted, n_out, first = 0, 0, True
         call = replica.stub.Submit(
-            scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling),
+            scheduler_pb2.SubmitRequest(
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling=request.sampling,
+                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            ),  # fmt: skip
             timeout=timeout,
             metadata=inject_metadata(trace.set_span_in_context(span)),
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 from prometheus_client import (
@@ -29,7 +29,9 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from deepinfer.engine.prefix_cache import MISS_REASONS
 from deepinfer.v1 import common_pb2, generation_pb2
 
 __all__ = [
@@ -134,6 +136,9 @@ class SchedulerMetrics:
         self.waiting.labels(self.model).set_function(waiting)
         self.kv_usage.labels(self.model).set_function(kv_usage)
 
+    def bind_prefix_cache(self, scheduler: object) -> None:
+        self.registry.register(PrefixCacheCollector(scheduler, self.model))
+
     def step(self, seconds: float, num_tokens: int, new_preemptions: int) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
         self.iteration_tokens.labels(self.model).observe(num_tokens)
@@ -142,6 +147,32 @@ class SchedulerMetrics:
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()
+
+
+class PrefixCacheCollector:
+    """The scheduler's prefix-cache counters, read at scrape time (vLLM names where vLLM has one)."""
+
+    def __init__(self, scheduler: object, model: str) -> None:
+        self.scheduler, self.model = scheduler, model
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.scheduler, [self.model]
+        q = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                labels=["model_name"])  # fmt: skip
+        q.add_metric(m, s.prefix_queries)
+        h = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                labels=["model_name"])  # fmt: skip
+        h.add_metric(m, s.prefix_hits)
+        miss = CounterMetricFamily(
+            "deepinfer_prefix_cache_misses", "Requests no resume point served, by reason.",
+            labels=["model_name", "reason"],
+        )  # fmt: skip
+        for reason in MISS_REASONS:
+            miss.add_metric([self.model, reason], s.prefix_misses.get(reason, 0))
+        rps = GaugeMetricFamily("deepinfer_prefix_cache_resume_points", "Resume points held (device tier).",
+                                labels=["model_name"])  # fmt: skip
+        rps.add_metric(m, len(s.prefix) if s.prefix is not None else 0)
+        yield from (q, h, miss, rps)
 
 
 class WorkerMetrics:

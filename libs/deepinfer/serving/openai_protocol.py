@@ -55,6 +55,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
 
     @property
     def include_usage(self) -> bool:
@@ -116,7 +117,7 @@ class CompletionRequest(_SamplingRequest):
                 raise ValueError(f"prompt: one prompt per request is supported, got {len(prompt)}")
             prompt = prompt[0]
         sampling = self._sampling(self.max_tokens, self.logprobs)
-        req = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+        req = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling, cache_salt=self.cache_salt)
         if isinstance(prompt, str):
             req.text = prompt
         else:
@@ -171,7 +172,9 @@ class ChatCompletionRequest(_SamplingRequest):
         # Unset max_tokens: up to the context (the engine finishes with "length" at max_model_len).
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max_model_len)
         sampling = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
-        req = generation_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
+        req = generation_pb2.GenerateRequest(
+            request_id=request_id, chat=chat, sampling=sampling, cache_salt=self.cache_salt
+        )
         return req, prompt.endswith(THINK_START)
 
 

@@ -96,8 +96,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics.bind(
             running=lambda: len(s.running),
             waiting=lambda: len(s.waiting),
-            kv_usage=lambda: 1.0 - s.pages.num_free / s.pages.num_total if s.pages.num_total else 0.0,
+            kv_usage=lambda: 1.0 - s.num_available_pages / s.pages.num_total if s.pages.num_total else 0.0,
         )
+        self.metrics.bind_prefix_cache(scheduler)
         self._preemptions_seen = 0
         self._traces: dict[str, RequestTrace] = {}
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
@@ -119,7 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if len(in_flight) < self.pipeline_depth:
                 busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
                 plan = self.scheduler.schedule(lookahead=bool(in_flight)) if busy else None
-                if plan is not None and (plan.chunks or plan.released):
+                if plan is not None and (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots):
                     self._attach_trace_context(plan)
                     try:
                         await self.worker.send(plan)
@@ -184,6 +185,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for req in finished:
             ev = events.setdefault(req.request_id, scheduler_pb2.TokenEvent(request_id=req.request_id))
             ev.finish_reason = _FINISH[req.finish_reason or "stop"]
+            ev.cached_tokens = req.num_cached_tokens
+            t = self._traces.get(req.request_id)
+            if t is not None:
+                t.cached_tokens, t.miss_reason = req.num_cached_tokens, req.cache_miss_reason
             if isinstance(req.stop_reason, int):
                 ev.stop_token_id = req.stop_reason
             self.scheduler.pop_finished(req.request_id)
@@ -216,7 +221,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.max_queued:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_queued={self.max_queued})")
-        self.scheduler.add(request.request_id, ids, params)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        self.scheduler.add(request.request_id, ids, params, salt)
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -295,7 +301,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "waiting_requests": len(s.waiting),
             "running_requests": len(s.running),
             "queued_prefill_tokens": sum(r.num_tokens - r.num_computed for r in s.waiting),
-            "free_kv_pages": s.pages.num_free,
+            "free_kv_pages": s.num_available_pages,  # pages only the prefix cache holds count as free
             "total_kv_pages": s.pages.num_total,
             "step_time_ms": self.step_ms,
             "draining": self.draining,
@@ -322,9 +328,8 @@ async def run_scheduler(
 ) -> None:
     """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
     ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``)."""
-    from deepinfer import envs
     from deepinfer.engine.pages import PagePool
-    from deepinfer.engine.scheduler import SchedulerConfig
+    from deepinfer.engine.scheduler import config_from_env
     from deepinfer.events import Registration
     from deepinfer.serving.metrics import start_metrics_server
     from deepinfer.serving.presence import Presence, advertised, instance_id
@@ -332,13 +337,7 @@ async def run_scheduler(
 
     worker = RemoteWorker(worker_address)
     info = await worker.info()
-    config = SchedulerConfig(
-        page_size=info.page_size,
-        max_model_len=info.max_model_len,
-        eos_token_id=info.eos_token_id,
-        max_num_seqs=envs.DEEPINFER_MAX_NUM_SEQS,
-        max_num_batched_tokens=envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
-    )
+    config = config_from_env(info.page_size, info.max_model_len, info.eos_token_id, fingerprint=info.fingerprint)
     metrics = SchedulerMetrics(info.model)
     scheduler = Scheduler(config, PagePool(info.num_pages))
     service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)

@@ -68,6 +68,8 @@ class RequestTrace:
     first_token: int | None = None
     output_tokens: int = 0
     finished: int | None = None  # when the last event was sent (else: when the stream ended)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    miss_reason: str | None = None  # why the prefix cache served nothing
 
     @property
     def carrier(self) -> dict[str, str]:
@@ -82,9 +84,13 @@ class RequestTrace:
         attrs = {"deepinfer.request_id": request_id}
         phases = [("queue", self.admitted, self.scheduled or end, {})]
         if self.scheduled is not None:
-            phases.append(
-                ("prefill", self.scheduled, self.first_token or end, {"gen_ai.usage.input_tokens": prompt_tokens})
-            )
+            prefill = {
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "deepinfer.prefix_cache.cached_tokens": self.cached_tokens,
+            }
+            if self.miss_reason:
+                prefill["deepinfer.prefix_cache.miss_reason"] = self.miss_reason
+            phases.append(("prefill", self.scheduled, self.first_token or end, prefill))
         if self.first_token is not None:
             phases.append(("decode", self.first_token, end, {"gen_ai.usage.output_tokens": self.output_tokens}))
         for name, start, stop, extra in phases:

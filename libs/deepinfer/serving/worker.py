@@ -147,6 +147,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             rank=0,
             world_size=1,
             determinism=determinism_to_proto(p.determinism),
+            fingerprint=p.fingerprint,
         )
 
 

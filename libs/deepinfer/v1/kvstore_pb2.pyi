@@ -39,36 +39,47 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "model_fingerprint", "layout", "offset", "total_bytes", "data", "crc32c")
+    __slots__ = ("key", "model_fingerprint", "layout", "offset", "total_bytes", "data", "crc32", "meta")
+    class MetaEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     key: PageKey
     model_fingerprint: str
     layout: str
     offset: int
     total_bytes: int
     data: bytes
-    crc32c: int
-    def __init__(self, key: _Optional[_Union[PageKey, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    crc32: int
+    meta: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[_Union[PageKey, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored",)
+    __slots__ = ("stored", "refused")
     STORED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     stored: int
-    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stored: _Optional[int] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "keys")
+    __slots__ = ("model_fingerprint", "key")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
-    keys: _containers.RepeatedCompositeFieldContainer[PageKey]
-    def __init__(self, model_fingerprint: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
+    key: PageKey
+    def __init__(self, model_fingerprint: _Optional[str] = ..., key: _Optional[_Union[PageKey, _Mapping]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
     __slots__ = ("model_fingerprint", "keys")

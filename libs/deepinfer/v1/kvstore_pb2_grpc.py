@@ -60,21 +60,24 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """Which of these page hashes are stored, and in which tier.
+        """Which of these keys are stored, and in which tier (the fastest that holds it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
-        """Store pages (streamed in chunks; each page is checked against its checksum on arrival).
+        """Store blobs, streamed in chunks: each blob is a run of chunks with the same key, offsets 0, n1, n2, ...
+        up to total_bytes; the first carries layout, meta and the checksum, which is verified on arrival.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One blob, streamed in chunks. NOT_FOUND if absent (or stored for another model fingerprint); DATA_LOSS
+        if its checksum or header fails (the blob is then removed and counted, never served).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

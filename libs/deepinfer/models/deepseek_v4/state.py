@@ -43,6 +43,17 @@ class SequenceState:
             w = self.windows[layer] = torch.zeros(size, dim, dtype=dtype, device=device)
         return w
 
+    def clone(self, device: torch.device | str | None = None) -> SequenceState:
+        """A deep copy (on ``device`` if given)."""
+
+        def cp(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, copy=True) if device is not None else t.clone()
+
+        out = SequenceState(num_tokens=self.num_tokens, mtp_tokens=self.mtp_tokens)
+        out.windows = {k: cp(v) for k, v in self.windows.items()}
+        out.buffers = {k: CompressorBuffer(cp(b.kv), cp(b.score), b.start) for k, b in self.buffers.items()}
+        return out
+
     def nbytes(self) -> int:
         n = sum(w.numel() * w.element_size() for w in self.windows.values())
         for b in self.buffers.values():
@@ -106,6 +117,61 @@ class PagedKVCache:
         """Rows ``0 .. count`` of one sequence, in order."""
         pages, slots = self._slots(layer, block_table, 0, count)
         return self._store(kind, layer)[pages, slots]
+
+    def stores(self) -> list[tuple[str, int]]:
+        """Every ``(kind, layer)`` this cache holds."""
+        return [("rows", layer) for layer in self.rows] + [("index", layer) for layer in self.index_keys]
+
+    def read_pages(
+        self, pages: torch.Tensor, device: torch.device | str = "cpu"
+    ) -> dict[tuple[str, int], torch.Tensor]:
+        """Copies of whole pages: ``{(kind, layer): [len(pages), rows per page, dim]}``."""
+        return {(k, layer): self._store(k, layer)[pages].to(device, copy=True) for k, layer in self.stores()}
+
+    def write_pages(self, pages: torch.Tensor, data: dict[tuple[str, int], torch.Tensor]) -> None:
+        """Fill whole ``pages`` from :meth:`read_pages` output (the layouts must match)."""
+        for (k, layer), t in data.items():
+            store = self._store(k, layer)
+            if t.shape[1:] != store.shape[1:] or t.shape[0] != pages.numel():
+                raise ValueError(
+                    f"pages of {k} layer {layer}: got {tuple(t.shape)}, the cache holds {tuple(store.shape[1:])}"
+                )
+            store[pages] = t.to(store.device, store.dtype)
+
+
+@dataclass
+class StateSnapshot:
+    """Everything needed to resume a sequence at ``position`` besides its full pages: the short-term state
+    and the rows of the partial page below ``position`` (``tail[(kind, layer)]``)."""
+
+    state: SequenceState
+    tail: dict[tuple[str, int], torch.Tensor]
+
+    @property
+    def position(self) -> int:
+        return self.state.num_tokens
+
+    @classmethod
+    def take(
+        cls, state: SequenceState, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str = "cpu"
+    ) -> StateSnapshot:
+        tail = {}
+        p, ps = state.num_tokens, cache.page_size
+        for kind, stores in (("rows", cache.rows), ("index", cache.index_keys)):
+            for layer in stores:
+                m = cache.config.ratio(layer)
+                first, count = (p // ps) * ps // m, p // m - (p // ps) * ps // m
+                if count:
+                    pages, slots = cache._slots(layer, block_table, first, count)
+                    tail[(kind, layer)] = stores[layer][pages, slots].to(device, copy=True)
+        return cls(state.clone(device), tail)
+
+    def restore(self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str) -> SequenceState:
+        """A fresh state at ``position``; writes the partial page's rows into ``block_table``'s page."""
+        p, ps = self.position, cache.page_size
+        for (kind, layer), rows in self.tail.items():
+            cache.write(kind, layer, block_table, (p // ps) * ps // cache.config.ratio(layer), rows.to(device))
+        return self.state.clone(device)
 
 
 @dataclass
