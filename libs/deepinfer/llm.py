@@ -38,7 +38,7 @@ class LLM:
         self.tokenizer = load_tokenizer(parts.path)
         sched = build_scheduler(
             parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens,
-            parts.fingerprint, enable_prefix_caching,
+            parts.fingerprint, enable_prefix_caching, parts.runner.remote is not None,
         )  # fmt: skip
         self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size)
 
@@ -90,8 +90,13 @@ class LLM:
         return self._drain(order, use_tqdm)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every prefix-cache resume point (their pages return to the pool)."""
+        """Evict every device resume point (their pages return to the pool; with a kvstore they move there)."""
+        idle = not self.engine.has_unfinished_requests()
+        if idle:
+            self.engine.step()  # snapshots still to be taken are taken first (so they can move to a kvstore)
         self.engine.scheduler.reset_prefix_cache()
+        if idle:
+            self.engine.step()  # the drop / offload orders travel with a plan (else with the next step)
 
     def _validate(self, ids: list[int]) -> None:
         if not ids:

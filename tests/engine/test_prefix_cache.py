@@ -214,3 +214,35 @@ def test_cache_salt_isolates_tenants(model_dir):
     assert cached("alice", [8]) == 30
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": prompt, "cache_salt": 3})
+
+
+def test_chunks_end_at_resume_hints_and_leave_resume_points():
+    sched = make_scheduler(num_pages=32, budget=64, prefix_caching=True)
+    worker = SnapshotWorker()
+    sched.add("a", list(range(10, 60)), SamplingParams(max_tokens=1), resume_hints=[21, 0, 99, 21])
+    plan = sched.schedule()
+    assert [(c.start, len(c.token_ids)) for c in plan.chunks] == [(0, 21)]  # cut at the hint
+    sched.update(worker.execute(plan))
+    plan = sched.schedule()
+    assert [o.position for o in plan.snapshots] == [21] and plan.chunks[0].start == 21
+    sched.update(worker.execute(plan))
+    assert [rp.position for rp in sched.prefix.entries()] == [21, 50]
+
+
+def test_thinking_chat_turns_resume_after_the_assistant_token(model_dir):
+    from deepinfer.chat import turn_boundaries
+
+    llm = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=PS, batch_invariant=True)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    turn1 = [{"role": "user", "content": "Name a colour."}]
+    (first,) = llm.chat(turn1, params, thinking_mode="thinking")
+    hints = turn_boundaries(first.prompt_token_ids, llm.tokenizer)
+    assert hints and first.prompt_token_ids[hints[-1] :] == [llm.tokenizer.token_to_id("<think>")]
+    turn2 = turn1 + [{"role": "assistant", "content": "Blue.", "reasoning_content": "Pick one."},
+                     {"role": "user", "content": "Another?"}]  # fmt: skip
+    (second,) = llm.chat(turn2, params, thinking_mode="thinking")
+    # the history drops turn 1's reasoning, so turn 1's own end never matches; its hint does
+    assert second.num_cached_tokens == hints[-1]
+    cold = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=PS, batch_invariant=True,
+               enable_prefix_caching=False).chat(turn2, params, thinking_mode="thinking")[0]  # fmt: skip
+    assert cold.outputs[0].token_ids == second.outputs[0].token_ids

@@ -37,7 +37,8 @@ class KVStoreProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> KVStoreProcess:
-        self.port, self.metrics_port = free_port(), free_port()
+        if not self.port:  # a restart keeps the address
+            self.port, self.metrics_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
         env.update(DEEPINFER_LOG_LEVEL="info", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])

@@ -6,5 +6,6 @@ release). Spec: /work/shared/design/CHAT_ENCODING.md.
 
 from deepinfer.chat.completion import parse_completion
 from deepinfer.chat.encoding import encode_messages
+from deepinfer.chat.turns import turn_boundaries
 
-__all__ = ["encode_messages", "parse_completion"]
+__all__ = ["encode_messages", "parse_completion", "turn_boundaries"]

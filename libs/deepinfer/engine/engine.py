@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from deepinfer.chat.turns import turn_boundaries
 from deepinfer.engine.interfaces import Worker
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
@@ -67,6 +68,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        resume_hints: list[int] | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -79,7 +81,8 @@ class LLMEngine:
                 f"prompt_token_ids: {len(bad)} token ids outside the vocabulary [0, {self.vocab_size}), e.g. {bad[0]!r}"
             )
         try:
-            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt)
+            hints = turn_boundaries(prompt_token_ids, self.tokenizer) if resume_hints is None else resume_hints
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt, hints)
         except ValueError as e:
             raise ValueError(f"prompt: {e}") from e
         self._prompts[request_id] = prompt
@@ -98,7 +101,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if not (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots):
+        busy = plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots or plan.offloads
+        if not (busy or plan.fetches or self.scheduler.fetching):
             return []
         result = self.worker.execute(plan)
         finished = {r.request_id for r in self.scheduler.update(result)}

@@ -11,6 +11,7 @@ import torch
 from deepinfer import envs
 from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.engine import resume_format
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, config_from_env
@@ -101,6 +102,10 @@ def build_worker(
     runner = ModelRunner(net, cache, device)
     determinism = describe(ops, accelerator, torch_dtype)
     fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant)
+    if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore
+        from deepinfer.kvstore.remote import RemoteResumeStore
+
+        runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, resume_format.decode, resume_format.LAYOUT)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp
     )
@@ -130,8 +135,9 @@ def build_scheduler(
     max_num_batched_tokens: int | None = None,
     fingerprint: str = "",
     prefix_caching: bool | None = None,
+    remote_store: bool = False,
 ) -> Scheduler:
     return Scheduler(config_from_env(
         page_size, max_model_len, config.eos_token_id, max_num_seqs, max_num_batched_tokens, fingerprint,
-        prefix_caching,
+        prefix_caching, remote_store,
     ), PagePool(num_pages))  # fmt: skip

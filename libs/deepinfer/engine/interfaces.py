@@ -40,6 +40,31 @@ class SnapshotOrder:
 
 
 @dataclass
+class OffloadOrder:
+    """Write snapshot ``snapshot_id`` and the full ``pages`` to the kvstore as blob ``key``; then drop it."""
+
+    snapshot_id: str
+    key: bytes
+    pages: list[int]
+    meta: dict[str, str]
+
+
+@dataclass
+class FetchOrder:
+    """Fetch blob ``key`` from the kvstore and hold it as ``fetch_id`` (reported in ``StepResult.fetched``)."""
+
+    fetch_id: str
+    key: bytes
+
+
+@dataclass
+class FetchResult:
+    fetch_id: str
+    ok: bool
+    reason: str = ""  # why not: "not_found", "data_loss", "unavailable", ...
+
+
+@dataclass
 class StepPlan:
     step_id: int
     chunks: list[ChunkPlan] = field(default_factory=list)
@@ -48,6 +73,9 @@ class StepPlan:
     # before anything else: snapshots to take (prefix-cache resume points), then snapshots to drop
     snapshots: list[SnapshotOrder] = field(default_factory=list)
     dropped_snapshots: list[str] = field(default_factory=list)
+    # resume points to move to the kvstore (pages read before this step's chunks), and to fetch from it
+    offloads: list[OffloadOrder] = field(default_factory=list)
+    fetches: list[FetchOrder] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +95,7 @@ class SeqResult:
 class StepResult:
     step_id: int
     results: list[SeqResult] = field(default_factory=list)
+    fetched: list[FetchResult] = field(default_factory=list)  # kvstore fetches completed since the last step
 
 
 class Worker(Protocol):

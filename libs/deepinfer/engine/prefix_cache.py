@@ -61,7 +61,10 @@ class ResumePoint:
 
 
 Key = tuple[bytes, tuple[int, ...]]  # (base hash, tail tokens)
-MISS_REASONS = ("no_resume_point", "evicted", "salt_mismatch", "not_yet_stored")
+MISS_REASONS = (
+    "no_resume_point", "evicted", "salt_mismatch", "not_yet_stored",
+    "kvstore_not_found", "kvstore_data_loss", "kvstore_unavailable", "kvstore_error",
+)  # fmt: skip
 
 
 class _Index:
@@ -172,6 +175,26 @@ class PrefixCache:
             del self._evicted[key]
             self._evicted_index.discard(key)
         return rp
+
+    def insert_key(self, base: bytes, tail: tuple[int, ...], position: int, ident: str) -> ResumePoint:
+        """Index an entry stored elsewhere (no pages here; visible at once)."""
+        key = (base, tuple(tail))
+        rp = self._lru.get(key)
+        if rp is None:
+            rp = self._lru[key] = ResumePoint(ident, position, base, tuple(tail), [], visible=True)
+            self._index.add(key)
+        self._lru.move_to_end(key)
+        while self.over_capacity():
+            self.pop_lru()
+        return rp
+
+    def remove(self, rp: ResumePoint) -> None:
+        if self._lru.get((rp.base, rp.tail)) is rp:
+            self.remove_key((rp.base, rp.tail))
+
+    def remove_key(self, key: Key) -> None:
+        if self._lru.pop(key, None) is not None:
+            self._index.discard(key)
 
     def pop_lru(self) -> ResumePoint | None:
         """Remove and return the least recently used resume point (the caller frees its pages and drops its

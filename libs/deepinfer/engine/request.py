@@ -35,6 +35,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from a resume point
     cache_miss_reason: str | None = None  # why no resume point served it (prefix_cache.MISS_REASONS)
     resume_from: str | None = None  # the snapshot the next chunk starts from
+    resume_hints: list[int] = field(default_factory=list)  # prompt positions worth a resume point
+    fetch_id: str | None = None  # a kvstore fetch of its resume point is in flight
+    fetched: tuple[str, int] | None = None  # (fetch id, position): fetched state held by the worker
+    fetch_failed: bool = False  # the kvstore could not serve it: recompute
 
     @property
     def all_token_ids(self) -> list[int]:

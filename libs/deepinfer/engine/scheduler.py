@@ -25,11 +25,13 @@ any running request is preempted.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deepinfer.engine.interfaces import ChunkPlan, SnapshotOrder, StepPlan, StepResult
+from deepinfer.engine.interfaces import ChunkPlan, FetchOrder, OffloadOrder, SnapshotOrder, StepPlan, StepResult
 from deepinfer.engine.pages import PagePool
-from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint, root_hash
+from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
+from deepinfer.engine.prefix_scheduling import PrefixCaching
 from deepinfer.engine.request import Request, Status
 from deepinfer.sampling_params import SamplingParams
 
@@ -47,6 +49,7 @@ class SchedulerConfig:
     max_resume_points: int = 256
     resume_interval: int = 0  # also keep resume points every this many tokens (a multiple of page_size; 0: off)
     fingerprint: str = ""  # the model (weights, dtype, page size): part of every prefix hash
+    remote_store: bool = False  # the worker moves resume points to and from a kvstore
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,6 +67,7 @@ def config_from_env(
     max_num_batched_tokens: int | None = None,
     fingerprint: str = "",
     prefix_caching: bool | None = None,
+    remote_store: bool = False,
 ) -> SchedulerConfig:
     """The scheduler's settings: the arguments where given, else the env registry's."""
     from deepinfer import envs
@@ -78,10 +82,11 @@ def config_from_env(
         max_resume_points=envs.DEEPINFER_PREFIX_CACHE_RESUME_POINTS,
         resume_interval=envs.DEEPINFER_RESUME_INTERVAL,
         fingerprint=fingerprint,
+        remote_store=remote_store,
     )
 
 
-class Scheduler:
+class Scheduler(PrefixCaching):
     def __init__(self, config: SchedulerConfig, pages: PagePool) -> None:
         self.config, self.pages = config, pages
         self.requests: dict[str, Request] = {}
@@ -94,13 +99,24 @@ class Scheduler:
         self.prefix = PrefixCache(config.page_size, config.max_resume_points) if config.prefix_caching else None
         self._pending: list[tuple[str, ResumePoint]] = []  # resume points whose snapshot is not ordered yet
         self._dropped: list[str] = []  # snapshots the worker may drop
+        remote = config.remote_store and self.prefix is not None
+        self.remote = PrefixCache(config.page_size, 1 << 20) if remote else None  # kvstore entries
+        self._offloads: list[OffloadOrder] = []
+        self._fetches: list[FetchOrder] = []
+        self.fetching: dict[str, tuple[Request, ResumePoint]] = {}
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / served from the cache
         self.prefix_misses: Counter[str] = Counter()  # requests that found nothing, by reason
 
     # -- requests ----------------------------------------------------------------------------
     def add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        resume_hints: Sequence[int] = (),
     ) -> None:
+        """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -116,6 +132,7 @@ class Scheduler:
                 f"{self.config.page_size} tokens)"
             )
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
+        req.resume_hints = sorted({p for p in resume_hints if 0 < p < len(prompt_token_ids)})
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -138,12 +155,12 @@ class Scheduler:
         return self.requests.pop(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fetching)
 
     @property
     def has_pending_releases(self) -> bool:
         """Requests whose worker state must still be dropped or snapshotted (sent with the next plan)."""
-        return bool(self._released or self._pending)
+        return bool(self._released or self._pending or self._offloads or self._fetches or self.fetching)
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, lookahead: bool = False) -> StepPlan:
@@ -165,7 +182,7 @@ class Scheduler:
                     continue
                 n = 1
             else:
-                n = min(req.num_tokens - req.num_computed, budget)
+                n = self._cut(req, min(req.num_tokens - req.num_computed, budget))
             if n <= 0:
                 continue
             if not self._grow(req, req.num_computed + n):
@@ -176,8 +193,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.in_flight:
                 break  # preempted with a token in flight: recompute once that token has arrived
-            self._lookup(req)
-            n = min(req.num_tokens - req.num_computed, budget)
+            if self._lookup(req):  # its resume point is in the kvstore: it waits for the fetch
+                self.waiting.popleft()
+                continue
+            n = self._cut(req, min(req.num_tokens - req.num_computed, budget))
             need = self._pages_for(req.num_computed + n) - len(req.pages)
             if not self._reserve(need):
                 self._unlookup(req)
@@ -192,11 +211,15 @@ class Scheduler:
             budget -= n
         plan.released, self._released = self._released, []
         plan.dropped_snapshots, self._dropped = self._dropped, []
+        plan.offloads, self._offloads = self._offloads, []
+        plan.fetches, self._fetches = self._fetches, []
         return plan
 
     def update(self, result: StepResult) -> list[Request]:
         """Record sampled tokens; returns the requests that finished (stop strings are the caller's)."""
         done: list[Request] = []
+        for f in result.fetched:
+            self._fetch_done(f)
         for r in result.results:
             req = self.requests.get(r.request_id)
             if req is None or req.finished:
@@ -275,98 +298,19 @@ class Scheduler:
         if req.num_computed:
             self._released.append(req.request_id)
         req.num_computed = 0
-
-    # -- prefix cache ------------------------------------------------------------------------
-    def reset_prefix_cache(self) -> None:
-        """Evict every resume point (the worker drops their snapshots with the next plan)."""
-        while self._evict_one():
-            pass
-
-    @property
-    def num_available_pages(self) -> int:
-        """Free pages plus pages only resume points hold (evicted on demand): the capacity left."""
-        if self.prefix is None:
-            return self.pages.num_free
-        held = Counter(p for rp in self.prefix.entries() for p in rp.pages)
-        return self.pages.num_free + sum(1 for p, n in held.items() if self.pages.refcount(p) == n)
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Distinct pages that only resume points keep alive or share."""
-        return len({p for rp in self.prefix.entries() for p in rp.pages}) if self.prefix is not None else 0
-
-    def _root(self, req: Request) -> bytes:
-        return root_hash(self.config.fingerprint, req.cache_salt)
-
-    def _lookup(self, req: Request) -> None:
-        """Start ``req`` from its longest resume point (it keeps at least one token to compute)."""
-        if self.prefix is None or req.num_computed or req.wants_prompt_logprobs:
-            return
-        self.prefix_queries += req.num_tokens
-        root, limit = self._root(req), req.num_tokens - 1
-        rp = self.prefix.lookup(req.all_token_ids, root, limit)
-        if rp is None:
-            plain = root_hash(self.config.fingerprint, None)
-            req.cache_miss_reason = self.prefix.miss_reason(req.all_token_ids, root, plain, limit)
-            self.prefix_misses[req.cache_miss_reason] += 1
-            return
-        self.prefix_hits += rp.position
-        req.cache_miss_reason = None
-        self.pages.incref(rp.pages)
-        req.pages, req.num_computed, req.resume_from = list(rp.pages), rp.position, rp.snapshot_id
-        req.num_cached_tokens = rp.position
-
-    def _unlookup(self, req: Request) -> None:
-        """Undo :meth:`_lookup` (the request stays waiting; it is looked up again when admitted)."""
-        if self.prefix is None or req.wants_prompt_logprobs:
-            return
-        if req.resume_from is not None:
-            self.pages.free(req.pages)
-            self.prefix_hits -= req.num_cached_tokens
-            req.pages, req.num_computed, req.resume_from, req.num_cached_tokens = [], 0, None, 0
-        elif req.cache_miss_reason is not None:
-            self.prefix_misses[req.cache_miss_reason] -= 1
-            req.cache_miss_reason = None
-        self.prefix_queries -= req.num_tokens
-
-    def _resume_point(self, req: Request, position: int) -> None:
-        if self.prefix is None:
-            return
-        full = req.pages[: position // self.config.page_size]
-        plain = root_hash(self.config.fingerprint, None)
-        rp = self.prefix.insert(req.all_token_ids[:position], self._root(req), full, plain)
-        if rp is not None:
-            self.pages.incref(full)
-            self._pending.append((req.request_id, rp))
-            while self.prefix.over_capacity():
-                self._evict_one()
-
-    def _evict_one(self) -> bool:
-        rp = self.prefix.pop_lru() if self.prefix is not None else None
-        if rp is None:
-            return False
-        self.pages.free(rp.pages)
-        if rp.visible:
-            self._dropped.append(rp.snapshot_id)
-        else:
-            self._pending = [(rid, p) for rid, p in self._pending if p is not rp]
-        return True
-
-    def _reserve(self, need: int) -> bool:
-        """Whether ``need`` pages can be allocated, evicting unused resume points (LRU) if that helps."""
-        while not self.pages.can_allocate(need):
-            if not self._evict_one():
-                return False
-        return True
+        if req.fetched is not None and req.resume_from != req.fetched[0]:  # fetched, never used
+            self._dropped.append(req.fetched[0])
+            req.fetched = None
 
     def _chunk(self, req: Request, n: int) -> ChunkPlan:
         start = req.num_computed
         tokens = req.all_token_ids[start : start + n] if start < req.num_tokens else [PLACEHOLDER]
         req.num_computed += n
-        end, every = req.num_computed, self.config.resume_interval
-        if end <= req.num_tokens and (end == req.num_prompt_tokens or (every and end % every == 0)):
-            self._resume_point(req, end)
+        if req.num_computed <= req.num_tokens and self._is_resume_position(req, req.num_computed):
+            self._resume_point(req, req.num_computed)
         resume, req.resume_from = req.resume_from, None
+        if req.fetched is not None and resume == req.fetched[0]:
+            req.fetched = None  # the worker consumes the fetched state with this chunk
         targets = None
         if req.wants_prompt_logprobs:
             scored = len(req.prompt_logprobs)  # entries for prompt tokens 0 .. scored-1

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
+from deepinfer.engine import resume_format
+from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
 from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
@@ -33,6 +34,8 @@ class ModelRunner:
         self.states: dict[str, SequenceState] = {}
         self.tables: dict[str, torch.Tensor] = {}  # each running request's last block table
         self.snapshots: dict[str, StateSnapshot] = {}  # prefix-cache resume points, in host memory
+        self.remote = None  # a kvstore.remote.RemoteResumeStore when resume points move to a kvstore
+        self.fetched: dict[str, tuple[StateSnapshot, dict]] = {}  # resume points fetched from the kvstore
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -47,6 +50,15 @@ class ModelRunner:
                 raise RuntimeError(f"snapshot {order.snapshot_id}: request {order.request_id} holds {held} tokens, "
                                    f"not {order.position}")  # fmt: skip
             self.snapshots[order.snapshot_id] = StateSnapshot.take(st, self.cache, self.tables[order.request_id])
+        for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
+            snap = self.snapshots.pop(o.snapshot_id, None)
+            if snap is not None and self.remote is not None:
+                pages = self.cache.read_pages(torch.tensor(o.pages, dtype=torch.long, device=self.device))
+                self.remote.put(o.key, resume_format.encode(snap, pages), o.meta)
+        for f in plan.fetches:
+            if self.remote is None:
+                raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
+            self.remote.fetch(f.fetch_id, f.key)
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -55,10 +67,19 @@ class ModelRunner:
         self._snapshots(plan)
         self.release(plan.released)
         try:
-            return self._run(plan)
+            result = self._run(plan)
         finally:
             for sid in plan.dropped_snapshots:
                 self.snapshots.pop(sid, None)
+                self.fetched.pop(sid, None)
+        if self.remote is not None:
+            if not plan.chunks and not plan.fetches:
+                self.remote.wait(0.005)  # an idle step waiting for fetches: do not spin
+            for f in self.remote.completed():
+                if f.payload is not None:
+                    self.fetched[f.fetch_id] = f.payload
+                result.fetched.append(FetchResult(f.fetch_id, f.payload is not None, f.reason))
+        return result
 
     def _run(self, plan: StepPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id)
@@ -67,7 +88,13 @@ class ModelRunner:
         chunks = []
         for c in plan.chunks:
             table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
-            if c.resume_from is not None:
+            if c.resume_from in self.fetched:  # from the kvstore: its full pages too
+                snap, pages = self.fetched.pop(c.resume_from)
+                self.cache.write_pages(table[: snap.position // self.cache.page_size], pages)
+                if snap.position != c.start:
+                    raise RuntimeError(f"request {c.request_id}: fetched state at {snap.position}, step at {c.start}")
+                self.states[c.request_id] = snap.restore(self.cache, table, self.device)
+            elif c.resume_from is not None:
                 snap = self.snapshots.get(c.resume_from)
                 if snap is None or snap.position != c.start:
                     raise RuntimeError(f"request {c.request_id}: no snapshot {c.resume_from} at position {c.start}")

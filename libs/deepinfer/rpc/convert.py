@@ -9,7 +9,16 @@ from __future__ import annotations
 import json
 
 from deepinfer.engine.determinism import Determinism
-from deepinfer.engine.interfaces import ChunkPlan, SeqResult, SnapshotOrder, StepPlan, StepResult
+from deepinfer.engine.interfaces import (
+    ChunkPlan,
+    FetchOrder,
+    FetchResult,
+    OffloadOrder,
+    SeqResult,
+    SnapshotOrder,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, worker_pb2
 
@@ -91,6 +100,10 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
     msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released, dropped_snapshots=plan.dropped_snapshots)
     for o in plan.snapshots:
         msg.snapshots.add(request_id=o.request_id, snapshot_id=o.snapshot_id, position=o.position)
+    for o in plan.offloads:
+        msg.offloads.add(snapshot_id=o.snapshot_id, key=o.key, pages=o.pages, meta=o.meta)
+    for f in plan.fetches:
+        msg.fetches.add(fetch_id=f.fetch_id, key=f.key)
     for rid in plan.released:
         sent_params.discard(rid)
     for c in plan.chunks:
@@ -134,11 +147,15 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
-    return StepPlan(msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots))
+    offloads = [OffloadOrder(o.snapshot_id, o.key, list(o.pages), dict(o.meta)) for o in msg.offloads]
+    fetches = [FetchOrder(f.fetch_id, f.key) for f in msg.fetches]
+    return StepPlan(msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots), offloads, fetches)
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     msg = worker_pb2.StepResult(step_id=result.step_id)
+    for f in result.fetched:
+        msg.fetched.add(fetch_id=f.fetch_id, ok=f.ok, reason=f.reason)
     for r in result.results:
         out = msg.results.add(request_id=r.request_id)
         if r.token_id is not None:
@@ -167,7 +184,8 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
                 prompt_logprobs=[{e.token_id: e.logprob for e in row.entries} for row in r.prompt_logprobs] or None,
             )
         )
-    return StepResult(step_id=msg.step_id, results=results)
+    fetched = [FetchResult(f.fetch_id, f.ok, f.reason) for f in msg.fetched]
+    return StepResult(step_id=msg.step_id, results=results, fetched=fetched)
 
 
 def determinism_to_proto(d: Determinism) -> common_pb2.Determinism:

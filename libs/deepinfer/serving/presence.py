@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from deepinfer import envs
@@ -43,6 +43,7 @@ class Presence:
         self.registry: Registry | None = None
         self.reporter: LoadReporter | None = None
         self._task: asyncio.Task | None = None
+        self.on_connected: list[Callable[[EventBus], Awaitable[None]]] = []  # run once NATS is reached
 
     async def start(self) -> None:
         url = envs.DEEPINFER_NATS_URL
@@ -67,6 +68,8 @@ class Presence:
             self.reporter = LoadReporter(bus, r.kind, r.instance_id, self.load, period_s=self.load_period_s)
             await self.reporter.start()
         log.info("registered", kind=self.registration.kind, address=self.registration.address, nats=url)
+        for hook in self.on_connected:
+            await hook(bus)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

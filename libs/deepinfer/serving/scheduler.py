@@ -120,7 +120,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if len(in_flight) < self.pipeline_depth:
                 busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
                 plan = self.scheduler.schedule(lookahead=bool(in_flight)) if busy else None
-                if plan is not None and (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots):
+                if plan is not None and (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots
+                                         or plan.offloads or plan.fetches or self.scheduler.fetching):  # fmt: skip
                     self._attach_trace_context(plan)
                     try:
                         await self.worker.send(plan)
@@ -222,7 +223,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if len(self.scheduler.waiting) >= self.max_queued:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_queued={self.max_queued})")
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        self.scheduler.add(request.request_id, ids, params, salt)
+        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints))
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -337,7 +338,9 @@ async def run_scheduler(
 
     worker = RemoteWorker(worker_address)
     info = await worker.info()
-    config = config_from_env(info.page_size, info.max_model_len, info.eos_token_id, fingerprint=info.fingerprint)
+    config = config_from_env(
+        info.page_size, info.max_model_len, info.eos_token_id, fingerprint=info.fingerprint, remote_store=info.kvstore
+    )
     metrics = SchedulerMetrics(info.model)
     scheduler = Scheduler(config, PagePool(info.num_pages))
     service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
@@ -359,6 +362,10 @@ async def run_scheduler(
 
         service.on_dead.append(not_serving)
         tasks.append(asyncio.create_task(service.run()))
+        if scheduler.remote is not None:  # what every kvstore holds, from their KV events on NATS
+            from deepinfer.serving.kv_index import KVIndexFollower
+
+            presence.on_connected.append(KVIndexFollower(scheduler, info.fingerprint).start)
         await presence.start()
 
     svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)

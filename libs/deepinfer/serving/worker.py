@@ -148,6 +148,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             world_size=1,
             determinism=determinism_to_proto(p.determinism),
             fingerprint=p.fingerprint,
+            kvstore=p.runner.remote is not None,
         )
 
 

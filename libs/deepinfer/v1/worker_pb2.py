@@ -25,35 +25,45 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"m\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\xa1\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.ChunkPlan\x12\x10\n\x08released\x18\x03 \x03(\t\x12.\n\tsnapshots\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.SnapshotOrder\x12\x19\n\x11\x64ropped_snapshots\x18\x05 \x03(\t\"J\n\rSnapshotOrder\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"\xb9\x02\n\tChunkPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\x0flogprob_targets\x18\x07 \x03(\x05\x12@\n\rtrace_context\x18\x08 \x03(\x0b\x32).deepinfer.v1.ChunkPlan.TraceContextEntry\x12\x13\n\x0bresume_from\x18\t \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.SeqResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\"\xa9\x01\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x07logprob\x18\x03 \x01(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.deepinfer.v1.PromptLogprobRowB\x0b\n\t_token_id\"=\n\x10PromptLogprobRow\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x16\n\x14GetWorkerInfoRequest\"\xb0\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\r \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t2\xdc\x01\n\x06Worker\x12<\n\x04Step\x12\x16.deepinfer.v1.StepPlan\x1a\x18.deepinfer.v1.StepResult(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".deepinfer.v1.GetWorkerInfoRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12\x45\n\tLoadModel\x12\x1e.deepinfer.v1.LoadModelRequest\x1a\x18.deepinfer.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"m\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\xfa\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.ChunkPlan\x12\x10\n\x08released\x18\x03 \x03(\t\x12.\n\tsnapshots\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.SnapshotOrder\x12\x19\n\x11\x64ropped_snapshots\x18\x05 \x03(\t\x12,\n\x08offloads\x18\x06 \x03(\x0b\x32\x1a.deepinfer.v1.OffloadOrder\x12)\n\x07\x66\x65tches\x18\x07 \x03(\x0b\x32\x18.deepinfer.v1.FetchOrder\"\xa0\x01\n\x0cOffloadOrder\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05pages\x18\x03 \x03(\x05\x12\x32\n\x04meta\x18\x04 \x03(\x0b\x32$.deepinfer.v1.OffloadOrder.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\nFetchOrder\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\";\n\x0b\x46\x65tchResult\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"J\n\rSnapshotOrder\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"\xb9\x02\n\tChunkPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\x0flogprob_targets\x18\x07 \x03(\x05\x12@\n\rtrace_context\x18\x08 \x03(\x0b\x32).deepinfer.v1.ChunkPlan.TraceContextEntry\x12\x13\n\x0bresume_from\x18\t \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x87\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.SeqResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12*\n\x07\x66\x65tched\x18\x04 \x03(\x0b\x32\x19.deepinfer.v1.FetchResult\"\xa9\x01\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x07logprob\x18\x03 \x01(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.deepinfer.v1.PromptLogprobRowB\x0b\n\t_token_id\"=\n\x10PromptLogprobRow\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x16\n\x14GetWorkerInfoRequest\"\xc1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\r \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t\x12\x0f\n\x07kvstore\x18\x0f \x01(\x08\x32\xdc\x01\n\x06Worker\x12<\n\x04Step\x12\x16.deepinfer.v1.StepPlan\x1a\x18.deepinfer.v1.StepResult(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".deepinfer.v1.GetWorkerInfoRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12\x45\n\tLoadModel\x12\x1e.deepinfer.v1.LoadModelRequest\x1a\x18.deepinfer.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepinfer.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_OFFLOADORDER_METAENTRY']._loaded_options = None
+  _globals['_OFFLOADORDER_METAENTRY']._serialized_options = b'8\001'
   _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_LOADMODELREQUEST']._serialized_start=70
   _globals['_LOADMODELREQUEST']._serialized_end=179
   _globals['_STEPPLAN']._serialized_start=182
-  _globals['_STEPPLAN']._serialized_end=343
-  _globals['_SNAPSHOTORDER']._serialized_start=345
-  _globals['_SNAPSHOTORDER']._serialized_end=419
-  _globals['_CHUNKPLAN']._serialized_start=422
-  _globals['_CHUNKPLAN']._serialized_end=735
-  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_start=684
-  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_end=735
-  _globals['_STEPRESULT']._serialized_start=737
-  _globals['_STEPRESULT']._serialized_end=828
-  _globals['_SEQRESULT']._serialized_start=831
-  _globals['_SEQRESULT']._serialized_end=1000
-  _globals['_PROMPTLOGPROBROW']._serialized_start=1002
-  _globals['_PROMPTLOGPROBROW']._serialized_end=1063
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1065
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1087
-  _globals['_WORKERINFO']._serialized_start=1090
-  _globals['_WORKERINFO']._serialized_end=1394
-  _globals['_WORKER']._serialized_start=1397
-  _globals['_WORKER']._serialized_end=1617
+  _globals['_STEPPLAN']._serialized_end=432
+  _globals['_OFFLOADORDER']._serialized_start=435
+  _globals['_OFFLOADORDER']._serialized_end=595
+  _globals['_OFFLOADORDER_METAENTRY']._serialized_start=552
+  _globals['_OFFLOADORDER_METAENTRY']._serialized_end=595
+  _globals['_FETCHORDER']._serialized_start=597
+  _globals['_FETCHORDER']._serialized_end=640
+  _globals['_FETCHRESULT']._serialized_start=642
+  _globals['_FETCHRESULT']._serialized_end=701
+  _globals['_SNAPSHOTORDER']._serialized_start=703
+  _globals['_SNAPSHOTORDER']._serialized_end=777
+  _globals['_CHUNKPLAN']._serialized_start=780
+  _globals['_CHUNKPLAN']._serialized_end=1093
+  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_start=1042
+  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_end=1093
+  _globals['_STEPRESULT']._serialized_start=1096
+  _globals['_STEPRESULT']._serialized_end=1231
+  _globals['_SEQRESULT']._serialized_start=1234
+  _globals['_SEQRESULT']._serialized_end=1403
+  _globals['_PROMPTLOGPROBROW']._serialized_start=1405
+  _globals['_PROMPTLOGPROBROW']._serialized_end=1466
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=1468
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=1490
+  _globals['_WORKERINFO']._serialized_start=1493
+  _globals['_WORKERINFO']._serialized_end=1814
+  _globals['_WORKER']._serialized_start=1817
+  _globals['_WORKER']._serialized_end=2037
 # @@protoc_insertion_point(module_scope)

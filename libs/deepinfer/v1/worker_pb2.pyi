@@ -22,18 +22,59 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots")
+    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots", "offloads", "fetches")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
     released: _containers.RepeatedScalarFieldContainer[str]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotOrder]
     dropped_snapshots: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ...) -> None: ...
+    offloads: _containers.RepeatedCompositeFieldContainer[OffloadOrder]
+    fetches: _containers.RepeatedCompositeFieldContainer[FetchOrder]
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ...) -> None: ...
+
+class OffloadOrder(_message.Message):
+    __slots__ = ("snapshot_id", "key", "pages", "meta")
+    class MetaEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    key: bytes
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    meta: _containers.ScalarMap[str, str]
+    def __init__(self, snapshot_id: _Optional[str] = ..., key: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class FetchOrder(_message.Message):
+    __slots__ = ("fetch_id", "key")
+    FETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    fetch_id: str
+    key: bytes
+    def __init__(self, fetch_id: _Optional[str] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class FetchResult(_message.Message):
+    __slots__ = ("fetch_id", "ok", "reason")
+    FETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    fetch_id: str
+    ok: bool
+    reason: str
+    def __init__(self, fetch_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SnapshotOrder(_message.Message):
     __slots__ = ("request_id", "snapshot_id", "position")
@@ -75,14 +116,16 @@ class ChunkPlan(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "forward_ms")
+    __slots__ = ("step_id", "results", "forward_ms", "fetched")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     forward_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs")
@@ -107,7 +150,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size", "determinism", "fingerprint")
+    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size", "determinism", "fingerprint", "kvstore")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +165,7 @@ class WorkerInfo(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KVSTORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     accelerator: str
     device: str
@@ -136,4 +180,5 @@ class WorkerInfo(_message.Message):
     world_size: int
     determinism: _common_pb2.Determinism
     fingerprint: str
-    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    kvstore: bool
+    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., fingerprint: _Optional[str] = ..., kvstore: _Optional[bool] = ...) -> None: ...

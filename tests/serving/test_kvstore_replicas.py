@@ -1,0 +1,79 @@
+"""A resume point offloaded by one replica serves another (issue 5): the launcher's mesh — NATS, the
+kvstore, two replicas, the balancer — with a device cache of one resume point, so every older one moves to
+the kvstore; the second replica learns of it from the kvstore's KV events and fetches it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.launcher import Mesh
+from deepinfer.serving.healthcheck import free_port
+from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 129280
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("kv_replicas")
+    model = make_tiny_model(tmp / "model", seed=8)
+    saved = dict(os.environ)
+    for k in [k for k in os.environ if k.startswith("DEEPINFER_")]:
+        del os.environ[k]
+    os.environ.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
+        DEEPINFER_CACHE_DIR=str(tmp / "cache"),
+        DEEPINFER_PREFIX_CACHE_RESUME_POINTS="1",
+        DEEPINFER_BATCH_INVARIANT="1",
+        DEEPINFER_LOG_LEVEL="warning",
+    )  # the launcher reads its settings (the kvstore's data dir) from the environment, as `deepinfer up` does
+    m = Mesh(model, grpc_port=free_port(), http_port=0, replicas=2, log_dir=tmp)
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+async def submit(address: str, rid: str, ids: list[int]) -> tuple[list[int], int]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        req = scheduler_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=ids,
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        )  # fmt: skip
+        tokens, cached = [], 0
+        async for ev in stub.Submit(req, timeout=60):
+            tokens += list(ev.token_ids)
+            cached = max(cached, ev.cached_tokens)
+        return tokens, cached
+
+
+def test_a_resume_point_offloaded_by_one_replica_is_a_hit_on_the_other(mesh) -> None:
+    rng = random.Random(1)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(45)]
+    a, b = mesh.endpoints["scheduler-0"], mesh.endpoints["scheduler-1"]
+
+    async def run() -> tuple:
+        first = await submit(a, "a", prompt)  # resume points at 45 and 47: the first moves to the kvstore
+        deadline, n = time.monotonic() + 30, 0
+        while True:  # the KV event reaches replica 1 within a few hundred ms
+            n += 1
+            got = await submit(b, f"b{n}", prompt + [rng.randrange(2, VOCAB) for _ in range(6)])
+            if got[1] or time.monotonic() > deadline:
+                return first, got
+            await asyncio.sleep(0.2)
+
+    first, (tokens, cached) = asyncio.run(run())
+    assert cached == 45 and len(tokens) == 3 and len(first[0]) == 3
