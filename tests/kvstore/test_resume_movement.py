@@ -32,6 +32,7 @@ def ids(n: int, seed: int) -> list[int]:
 def run(llm: LLM, prompt: list[int]) -> tuple[int, tuple, list]:
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
     (out,) = llm.generate({"prompt_token_ids": prompt}, params)
+    assert out.cache_tier == ("kvstore" if out.num_cached_tokens else None)  # the device cache was emptied
     return out.num_cached_tokens, tuple(out.outputs[0].token_ids), [dict(d) for d in out.outputs[0].logprobs]
 
 

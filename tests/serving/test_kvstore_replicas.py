@@ -5,12 +5,14 @@ the kvstore; the second replica learns of it from the kvstore's KV events and fe
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
 from pathlib import Path
 
 import grpc
+import nats
 import pytest
 
 from deepinfer.checkpoint.tiny import make_tiny_model
@@ -66,14 +68,27 @@ def test_a_resume_point_offloaded_by_one_replica_is_a_hit_on_the_other(mesh) -> 
     a, b = mesh.endpoints["scheduler-0"], mesh.endpoints["scheduler-1"]
 
     async def run() -> tuple:
+        events: list[dict] = []
+        nc = await nats.connect(mesh.endpoints["nats"])
+
+        async def on_msg(msg) -> None:
+            events.extend(json.loads(msg.data)["events"])
+
+        await nc.subscribe("deepinfer.kv.*", cb=on_msg)
         first = await submit(a, "a", prompt)  # resume points at 45 and 47: the first moves to the kvstore
         deadline, n = time.monotonic() + 30, 0
         while True:  # the KV event reaches replica 1 within a few hundred ms
             n += 1
             got = await submit(b, f"b{n}", prompt + [rng.randrange(2, VOCAB) for _ in range(6)])
             if got[1] or time.monotonic() > deadline:
-                return first, got
+                await asyncio.sleep(0.3)  # the last batches of events
+                await nc.close()
+                return first, got, events
             await asyncio.sleep(0.2)
 
-    first, (tokens, cached) = asyncio.run(run())
+    first, (tokens, cached), events = asyncio.run(run())
     assert cached == 45 and len(tokens) == 3 and len(first[0]) == 3
+    seen = {(e["type"], e["tier"], e["reason"], e["meta"]["position"]) for e in events}
+    # replica 0's device cache: the prompt-end point stored, then offloaded; the kvstore stores it (host, disk)
+    assert {("stored", "device", "snapshot", "45"), ("removed", "device", "offloaded", "45"),
+            ("stored", "host", "put", "45"), ("stored", "disk", "put", "45")} <= seen, seen  # fmt: skip

@@ -44,7 +44,10 @@ def chat(client: openai.OpenAI, salt: str | None = None) -> list[tuple[str, int,
         lps = [(t.token, t.logprob) for t in r.choices[0].logprobs.content]
         messages.append({"role": "assistant", "content": reply})
         details = r.usage.prompt_tokens_details
-        out.append((reply, lps, r.usage.prompt_tokens, details.cached_tokens if details else 0))
+        cached = details.cached_tokens if details else 0
+        if cached:
+            assert details.model_extra["cached_tokens_by_tier"] == {"device": cached}
+        out.append((reply, lps, r.usage.prompt_tokens, cached))
     return out
 
 

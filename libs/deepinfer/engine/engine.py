@@ -44,6 +44,7 @@ class RequestOutput:
     usage: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_tier: str | None = None  # which tier served them: "device" or "kvstore"
 
 
 class LLMEngine:
@@ -164,4 +165,5 @@ class LLMEngine:
             },  # fmt: skip
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,
+            cache_tier=req.cache_tier if req.num_cached_tokens else None,
         )

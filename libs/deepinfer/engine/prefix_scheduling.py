@@ -50,6 +50,7 @@ class PrefixCaching:
     _fetches: list[FetchOrder]
     fetching: dict[str, tuple[Request, ResumePoint]]  # fetch id -> the request waiting for it, and the entry
     waiting: deque[Request]
+    kv_listeners: list
 
     def reset_prefix_cache(self) -> None:
         """Evict every resume point (the worker drops their snapshots with the next plan)."""
@@ -80,6 +81,7 @@ class PrefixCaching:
         if req.fetched is not None:  # a fetch completed: resume from it, in pages of its own
             fid, position = req.fetched
             req.num_computed, req.resume_from, req.num_cached_tokens = position, fid, position
+            req.cache_tier = "kvstore"
             self.prefix_queries += req.num_tokens
             self.prefix_hits += position
             return False
@@ -104,7 +106,7 @@ class PrefixCaching:
         req.cache_miss_reason = None
         self.pages.incref(rp.pages)
         req.pages, req.num_computed, req.resume_from = list(rp.pages), rp.position, rp.snapshot_id
-        req.num_cached_tokens = rp.position
+        req.num_cached_tokens, req.cache_tier = rp.position, "device"
         return False
 
     def _fetch_done(self, f: FetchResult) -> None:
@@ -142,6 +144,7 @@ class PrefixCaching:
             self.pages.free(req.pages)
             self.prefix_hits -= req.num_cached_tokens
             req.pages, req.num_computed, req.resume_from, req.num_cached_tokens = [], 0, None, 0
+            req.cache_tier = None
         elif req.cache_miss_reason is not None:
             self.prefix_misses[req.cache_miss_reason] -= 1
             req.cache_miss_reason = None
@@ -178,6 +181,8 @@ class PrefixCaching:
         rp = self.prefix.pop_lru() if self.prefix is not None else None
         if rp is None:
             return False
+        if rp.visible:
+            self._kv_event("removed", rp, "offloaded" if self.remote is not None else "evicted")
         if rp.visible and self.remote is not None:  # move it to the kvstore (the worker reads the pages first)
             key = blob_key(rp)
             self._offloads.append(OffloadOrder(rp.snapshot_id, key, list(rp.pages), blob_meta(rp)))
@@ -190,6 +195,11 @@ class PrefixCaching:
             self.pages.free(rp.pages)
             self._pending = [(rid, p) for rid, p in self._pending if p is not rp]
         return True
+
+    def _kv_event(self, kind: str, rp: ResumePoint, reason: str) -> None:
+        """Tell the listeners (the replica's NATS publisher) that a device resume point came or went."""
+        for listener in self.kv_listeners:
+            listener(kind, rp, reason)
 
     def _reserve(self, need: int) -> bool:
         """Whether ``need`` pages can be allocated, evicting unused resume points (LRU) if that helps."""

@@ -33,6 +33,7 @@ class Request:
     in_flight: int = 0  # sampled tokens scheduled whose result has not arrived (the async pipeline)
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
     num_cached_tokens: int = 0  # prompt tokens served from a resume point
+    cache_tier: str | None = None  # where that resume point was: "device" or "kvstore"
     cache_miss_reason: str | None = None  # why no resume point served it (prefix_cache.MISS_REASONS)
     resume_from: str | None = None  # the snapshot the next chunk starts from
     resume_hints: list[int] = field(default_factory=list)  # prompt positions worth a resume point

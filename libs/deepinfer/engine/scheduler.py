@@ -25,7 +25,7 @@ any running request is preempted.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepinfer.engine.interfaces import ChunkPlan, FetchOrder, OffloadOrder, SnapshotOrder, StepPlan, StepResult
@@ -104,6 +104,7 @@ class Scheduler(PrefixCaching):
         self._offloads: list[OffloadOrder] = []
         self._fetches: list[FetchOrder] = []
         self.fetching: dict[str, tuple[Request, ResumePoint]] = {}
+        self.kv_listeners: list[Callable[[str, ResumePoint, str], None]] = []  # device-tier KV events
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / served from the cache
         self.prefix_misses: Counter[str] = Counter()  # requests that found nothing, by reason
 
@@ -170,6 +171,7 @@ class Scheduler(PrefixCaching):
         for rid, rp in self._pending:
             plan.snapshots.append(SnapshotOrder(rid, rp.snapshot_id, rp.position))
             rp.visible = True
+            self._kv_event("stored", rp, "snapshot")
         self._pending = []
         budget = self.config.max_num_batched_tokens
         for req in list(self.running):
@@ -282,7 +284,7 @@ class Scheduler(PrefixCaching):
 
     def _preempt(self, req: Request) -> None:
         self._drop(req)
-        req.status, req.num_computed, req.num_cached_tokens = Status.WAITING, 0, 0
+        req.status, req.num_computed, req.num_cached_tokens, req.cache_tier = Status.WAITING, 0, 0, None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -230,6 +230,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     f.usage.prompt_tokens, f.usage.completion_tokens = len(ids), n_out
                     f.usage.total_tokens = len(ids) + n_out
                     f.usage.cached_tokens = ev.cached_tokens
+                    if ev.cached_tokens and ev.cached_tier:
+                        f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
                     yield out
                     return
                 yield out

@@ -120,9 +120,9 @@ class _EventStream(StreamingResponse):
 
 
 def _usage(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    details = {"cached_tokens": u.cached_tokens, "cached_tokens_by_tier": dict(u.cached_tokens_by_tier)}
     out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                           "total_tokens": u.total_tokens,
-                           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}  # fmt: skip
+                           "total_tokens": u.total_tokens, "prompt_tokens_details": details}  # fmt: skip
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out

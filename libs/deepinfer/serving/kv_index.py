@@ -1,15 +1,22 @@
-"""A scheduler's view of what the kvstores hold, kept from their KV events on NATS.
+"""KV events of the prefix cache on NATS, both ways.
 
-Every kvstore publishes what it stores and removes, per tier (``deepinfer.kvstore.events``). A scheduler
-whose worker moves resume points to and from a kvstore indexes the resume points stored for its own model
-fingerprint, so a prefix offloaded by any replica is a hit on every replica. An entry leaves the index when
-no tier holds it any more (or when a fetch of it fails).
+* :class:`KVIndexFollower`: every kvstore publishes what it stores and removes, per tier
+  (``deepinfer.kvstore.events``). A scheduler whose worker moves resume points to and from a kvstore
+  indexes the resume points stored for its own model fingerprint, so a prefix offloaded by any replica is a
+  hit on every replica. An entry leaves the index when no kvstore tier holds it any more (or when a fetch
+  of it fails). Device-tier events (other replicas' own caches) are not fetchable and are ignored.
+* :class:`DeviceKVPublisher`: a scheduler's own resume points, stored (snapshot taken) and removed (evicted
+  or offloaded), tier ``device``, in the kvstore's message format on ``deepinfer.kv.<scheduler instance>``,
+  batched every 100 ms or 64 events.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from deepinfer.engine.prefix_cache import ResumePoint
+from deepinfer.engine.prefix_scheduling import blob_key, blob_meta
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.events import subjects
 from deepinfer.events.bus import EventBus
@@ -34,7 +41,7 @@ class KVIndexFollower:
                 log.warning("kv_event_ignored", subject=subject, error=str(e))
 
     def apply(self, ev: dict[str, Any]) -> None:
-        if ev.get("fingerprint") != self.fingerprint or not ev.get("resume_point"):
+        if ev.get("fingerprint") != self.fingerprint or not ev.get("resume_point") or ev.get("tier") == "device":
             return
         meta, key = ev.get("meta") or {}, str(ev["key"])
         if "base" not in meta:
@@ -50,3 +57,42 @@ class KVIndexFollower:
             if not held:
                 del self.tiers[key]
                 self.scheduler.remove_remote(base, tail)
+
+
+class DeviceKVPublisher:
+    def __init__(self, instance: str, fingerprint: str, period_s: float = 0.1, batch: int = 64) -> None:
+        self.instance, self.fingerprint, self.period_s, self.batch = instance, fingerprint, period_s, batch
+        self.queue: list[dict[str, Any]] = []
+        self.bus: EventBus | None = None
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def on_event(self, kind: str, rp: ResumePoint, reason: str) -> None:
+        """A :attr:`Scheduler.kv_listeners` callback (runs on the scheduler's event loop)."""
+        self.queue.append({"type": kind, "tier": "device", "fingerprint": self.fingerprint,
+                           "key": blob_key(rp).hex(), "resume_point": True, "meta": blob_meta(rp),
+                           "reason": reason})  # fmt: skip
+        if len(self.queue) > 65536:  # NATS unreachable for long: keep the newest
+            del self.queue[: len(self.queue) - 65536]
+        if len(self.queue) >= self.batch:
+            self._wake.set()
+
+    async def start(self, bus: EventBus) -> None:
+        self.bus = bus
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.period_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            while self.queue and self.bus is not None:
+                events, self.queue = self.queue[: self.batch], self.queue[self.batch :]
+                message = {"instance": self.instance, "events": events}
+                await self.bus.publish(subjects.kv_subject(self.instance), message)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -187,6 +187,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             ev = events.setdefault(req.request_id, scheduler_pb2.TokenEvent(request_id=req.request_id))
             ev.finish_reason = _FINISH[req.finish_reason or "stop"]
             ev.cached_tokens = req.num_cached_tokens
+            ev.cached_tier = req.cache_tier or ""
             t = self._traces.get(req.request_id)
             if t is not None:
                 t.cached_tokens, t.miss_reason = req.num_cached_tokens, req.cache_miss_reason
@@ -362,10 +363,14 @@ async def run_scheduler(
 
         service.on_dead.append(not_serving)
         tasks.append(asyncio.create_task(service.run()))
-        if scheduler.remote is not None:  # what every kvstore holds, from their KV events on NATS
-            from deepinfer.serving.kv_index import KVIndexFollower
+        from deepinfer.serving.kv_index import DeviceKVPublisher, KVIndexFollower
 
+        if scheduler.remote is not None:  # what every kvstore holds, from their KV events on NATS
             presence.on_connected.append(KVIndexFollower(scheduler, info.fingerprint).start)
+        if scheduler.prefix is not None:  # this replica's own resume points, published
+            publisher = DeviceKVPublisher(registration.instance_id, info.fingerprint)
+            scheduler.kv_listeners.append(publisher.on_event)
+            presence.on_connected.append(publisher.start)
         await presence.start()
 
     svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
