@@ -154,6 +154,13 @@ _declare("DEEPINFER_RESUME_INTERVAL", "int", _SCHED, """
     Also keep a resume point every this many tokens of a prefill (a multiple of `DEEPINFER_PAGE_SIZE`; 0 =
     only at prompt and sequence ends). Helps long shared prefixes followed by different suffixes.""",
     default=0, minimum=0)
+_declare("DEEPINFER_COMPACT_REPLAY_TOKENS", "int", _SCHED, """
+    DeepInfer's compact prefix cache: when > 0, resume points keep only their pages (no window or compressor
+    snapshot) and a hit replays this many tokens before the resume position through the model, with the
+    window truncated at the replay's start — approximate by design (docs/kv_cache.md gives the measured
+    drift). DeepInfer uses 140 (window 128 + margin). 0: exact resume points (the default). It must cover
+    the compressors' pending tokens (127 for V4's HCA layers); a worker refuses a smaller value.""",
+    default=0, minimum=0)
 _declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
     Maximum draft length of speculative decoding with the model's NextN (multi-token prediction) layer:
     each decode step proposes at most this many draft tokens per sequence.""",
@@ -234,6 +241,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_ENABLE_PREFIX_CACHING: bool
     DEEPINFER_PREFIX_CACHE_RESUME_POINTS: int
     DEEPINFER_RESUME_INTERVAL: int
+    DEEPINFER_COMPACT_REPLAY_TOKENS: int
     DEEPINFER_USE_NEXTN_DECODE: int
     DEEPINFER_ENABLE_MTP_VARLEN: bool
     DEEPINFER_BATCH_INVARIANT: bool

@@ -246,3 +246,35 @@ def test_thinking_chat_turns_resume_after_the_assistant_token(model_dir):
     cold = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=PS, batch_invariant=True,
                enable_prefix_caching=False).chat(turn2, params, thinking_mode="thinking")[0]  # fmt: skip
     assert cold.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("replay", [20, 64])
+def test_compact_mode_replays_the_last_tokens_and_its_drift_is_measured(model_dir, monkeypatch, replay, capsys):
+    """DeepInfer's compact mode: resume points keep only pages, a hit replays ``replay`` tokens with a truncated
+    window. The tiny model's receptive field is 6 layers × 7 + 1 = 43 tokens: a 64-token replay is exact up to
+    rounding, a 20-token one (window + 12, DeepInfer's rule) is approximate; the drift is printed."""
+    monkeypatch.setenv("DEEPINFER_COMPACT_REPLAY_TOKENS", str(replay))
+    kw = {"dtype": "float32", "num_pages": 96, "page_size": PS, "batch_invariant": True}
+    compact = LLM(model=model_dir, **kw)
+    monkeypatch.delenv("DEEPINFER_COMPACT_REPLAY_TOKENS")
+    cold = LLM(model=model_dir, enable_prefix_caching=False, **kw)
+    first = ids(90, 11)
+    run(compact, first)
+    assert all(s.compact and not s.state.windows for s in compact.engine.worker.snapshots.values())
+    follow = first + ids(9, 12)
+    w, c = run(compact, follow), run(cold, follow)
+    assert w[0] == 90 - replay  # the replayed tokens are computed again
+    drift = max(abs(x[t] - y[t]) for x, y in zip(w[2], c[2]) for t in x.keys() & y.keys())
+    with capsys.disabled():
+        print(f"\ncompact replay {replay}: max |Δ logprob| vs a cold prefill {drift:.3g}, "
+              f"greedy tokens {'equal' if w[1] == c[1] else 'differ'}")  # fmt: skip
+    if replay >= 43:
+        assert w[1] == c[1] and drift <= 1e-4
+    else:
+        assert 0 < drift < 10
+
+
+def test_compact_replay_shorter_than_the_compressors_need_is_refused(model_dir, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_COMPACT_REPLAY_TOKENS", "3")
+    with pytest.raises(ValueError, match="DEEPINFER_COMPACT_REPLAY_TOKENS=3 is too short"):
+        LLM(model=model_dir, dtype="float32", num_pages=16, page_size=PS)

@@ -15,7 +15,7 @@ from deepinfer.engine import resume_format
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, config_from_env
-from deepinfer.engine.worker import ModelRunner
+from deepinfer.engine.worker import ModelRunner, min_replay
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import PagedKVCache
@@ -100,6 +100,12 @@ def build_worker(
         batch_invariant=ops.batch_invariant,
     )  # fmt: skip
     runner = ModelRunner(net, cache, device)
+    runner.compact_replay = envs.DEEPINFER_COMPACT_REPLAY_TOKENS
+    if 0 < runner.compact_replay < min_replay(config):
+        raise ValueError(
+            f"DEEPINFER_COMPACT_REPLAY_TOKENS={runner.compact_replay} is too short for this model: a replay must "
+            f"rebuild the compressors' pending tokens, at least {min_replay(config)}"
+        )
     determinism = describe(ops, accelerator, torch_dtype)
     fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant)
     if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore

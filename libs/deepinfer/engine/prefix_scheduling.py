@@ -80,6 +80,7 @@ class PrefixCaching:
             return False
         if req.fetched is not None:  # a fetch completed: resume from it, in pages of its own
             fid, position = req.fetched
+            position = self._replay_start(position)
             req.num_computed, req.resume_from, req.num_cached_tokens = position, fid, position
             req.cache_tier = "kvstore"
             self.prefix_queries += req.num_tokens
@@ -105,9 +106,15 @@ class PrefixCaching:
         self.prefix_hits += rp.position
         req.cache_miss_reason = None
         self.pages.incref(rp.pages)
-        req.pages, req.num_computed, req.resume_from = list(rp.pages), rp.position, rp.snapshot_id
-        req.num_cached_tokens, req.cache_tier = rp.position, "device"
+        start = self._replay_start(rp.position)
+        req.pages, req.num_computed, req.resume_from = list(rp.pages), start, rp.snapshot_id
+        req.num_cached_tokens, req.cache_tier = start, "device"
         return False
+
+    def _replay_start(self, position: int) -> int:
+        """Where a resumed request's first chunk starts: the resume position, or in compact mode that many
+        tokens earlier (the bounded replay)."""
+        return max(0, position - self.config.compact_replay) if self.config.compact_replay else position
 
     def _fetch_done(self, f: FetchResult) -> None:
         """A kvstore fetch completed: the request waits again, at the front, with the state or without."""

@@ -40,7 +40,7 @@ def encode(snapshot: StateSnapshot, pages: Pages) -> bytes:
         tensors[f"buffer.{layer}.{name}.kv"], tensors[f"buffer.{layer}.{name}.score"] = b.kv, b.score
         starts[f"{layer}.{name}"] = b.start
     meta = {"layout": LAYOUT, "position": str(st.num_tokens), "mtp_tokens": str(st.mtp_tokens),
-            "buffer_starts": json.dumps(starts)}  # fmt: skip
+            "buffer_starts": json.dumps(starts), "compact": "1" if snapshot.compact else "0"}  # fmt: skip
     return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
@@ -76,4 +76,4 @@ def decode(data: bytes) -> tuple[StateSnapshot, Pages]:
             layer, buf = int(part[1]), part[2]
             score = tensors[f"buffer.{layer}.{buf}.score"]
             st.buffers[(layer, buf)] = CompressorBuffer(t, score, int(starts[f"{layer}.{buf}"]))
-    return StateSnapshot(st, tail), pages
+    return StateSnapshot(st, tail, compact=meta.get("compact") == "1"), pages

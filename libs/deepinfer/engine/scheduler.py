@@ -50,6 +50,7 @@ class SchedulerConfig:
     resume_interval: int = 0  # also keep resume points every this many tokens (a multiple of page_size; 0: off)
     fingerprint: str = ""  # the model (weights, dtype, page size): part of every prefix hash
     remote_store: bool = False  # the worker moves resume points to and from a kvstore
+    compact_replay: int = 0  # > 0: compact resume points, a hit replays this many tokens (approximate)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -83,6 +84,7 @@ def config_from_env(
         resume_interval=envs.DEEPINFER_RESUME_INTERVAL,
         fingerprint=fingerprint,
         remote_store=remote_store,
+        compact_replay=envs.DEEPINFER_COMPACT_REPLAY_TOKENS,
     )
 
 

@@ -27,6 +27,15 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def min_replay(config: object) -> int:
+    """The shortest bounded replay that rebuilds every compressor's pending tokens (MODEL_V4.md §3.2)."""
+    need = 1
+    for layer in config.compressed_layers:
+        m = config.ratio(layer)
+        need = max(need, 2 * m - 1 if config.layer_kind(layer) == "csa" else m - 1)
+    return need
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekV4Model, cache: PagedKVCache, device: torch.device | str = "cpu") -> None:
         self.model, self.cache, self.device = model, cache, torch.device(device)
@@ -36,6 +45,7 @@ class ModelRunner:
         self.snapshots: dict[str, StateSnapshot] = {}  # prefix-cache resume points, in host memory
         self.remote = None  # a kvstore.remote.RemoteResumeStore when resume points move to a kvstore
         self.fetched: dict[str, tuple[StateSnapshot, dict]] = {}  # resume points fetched from the kvstore
+        self.compact_replay = 0  # > 0: compact snapshots, resumed by a bounded replay of this many tokens
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -49,7 +59,9 @@ class ModelRunner:
                 held = None if st is None else st.num_tokens
                 raise RuntimeError(f"snapshot {order.snapshot_id}: request {order.request_id} holds {held} tokens, "
                                    f"not {order.position}")  # fmt: skip
-            self.snapshots[order.snapshot_id] = StateSnapshot.take(st, self.cache, self.tables[order.request_id])
+            self.snapshots[order.snapshot_id] = StateSnapshot.take(
+                st, self.cache, self.tables[order.request_id], compact=self.compact_replay > 0
+            )
         for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
             snap = self.snapshots.pop(o.snapshot_id, None)
             if snap is not None and self.remote is not None:
@@ -88,17 +100,8 @@ class ModelRunner:
         chunks = []
         for c in plan.chunks:
             table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
-            if c.resume_from in self.fetched:  # from the kvstore: its full pages too
-                snap, pages = self.fetched.pop(c.resume_from)
-                self.cache.write_pages(table[: snap.position // self.cache.page_size], pages)
-                if snap.position != c.start:
-                    raise RuntimeError(f"request {c.request_id}: fetched state at {snap.position}, step at {c.start}")
-                self.states[c.request_id] = snap.restore(self.cache, table, self.device)
-            elif c.resume_from is not None:
-                snap = self.snapshots.get(c.resume_from)
-                if snap is None or snap.position != c.start:
-                    raise RuntimeError(f"request {c.request_id}: no snapshot {c.resume_from} at position {c.start}")
-                self.states[c.request_id] = snap.restore(self.cache, table, self.device)
+            if c.resume_from is not None:
+                self.states[c.request_id] = self._resume(c.request_id, c.resume_from, c.start, table)
             st = self.states.setdefault(c.request_id, SequenceState())
             if st.num_tokens != c.start:
                 raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
@@ -124,6 +127,23 @@ class ModelRunner:
             self._sample(logits, owners, plan, per_seq)
         result.results = per_seq
         return result
+
+    def _resume(self, rid: str, source: str, start: int, table: torch.Tensor) -> SequenceState:
+        """The state a resumed request starts from: a device snapshot, or a fetched one (its pages too)."""
+        if source in self.fetched:
+            snap, pages = self.fetched.pop(source)
+            self.cache.write_pages(table[: snap.position // self.cache.page_size], pages)
+        elif source in self.snapshots:
+            snap = self.snapshots[source]
+        else:
+            raise RuntimeError(f"request {rid}: no snapshot {source}")
+        if snap.compact:
+            if not (start == 0 or snap.position - start >= min_replay(self.model.config)) or start > snap.position:
+                raise RuntimeError(f"request {rid}: a replay from {start} to {snap.position} is too short")
+            return snap.restore_replay(self.cache, table, self.device, start)
+        if snap.position != start:
+            raise RuntimeError(f"request {rid}: snapshot {source} is at {snap.position}, the step starts at {start}")
+        return snap.restore(self.cache, table, self.device)
 
     def _prompt_logprobs(self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult]) -> None:
         for i, c in enumerate(plan.chunks):

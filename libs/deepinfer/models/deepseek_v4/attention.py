@@ -47,16 +47,18 @@ class Compressor(nn.Module):
         rope: RotaryTable,
         ops: Ops,
         dtype: torch.dtype,
+        skip_rows: int = 0,
     ) -> tuple[torch.Tensor, int, CompressorBuffer]:
         """Consume the projections of tokens ``start .. start+len(kv)``; return the rows completed,
-        the first row's index and the new buffer."""
+        the first row's index and the new buffer. Rows below ``skip_rows`` are not computed (a bounded
+        replay: they are in the cache already, and their windows may reach before the replay's start)."""
         m, d, n, dev = self.ratio, self.dim, kv.shape[0], kv.device
         if buf is not None:
             kv, score, base = torch.cat([buf.kv, kv]), torch.cat([buf.score, score]), buf.start
         else:
             base = start
         end = start + n
-        first, last = start // m, end // m
+        first, last = max(start // m, skip_rows), end // m
         if last > first:
             w = torch.arange(first, last, device=dev)
             cur = w.unsqueeze(1) * m + torch.arange(m, device=dev) - base  # [k, m]
@@ -213,7 +215,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         st, s, e, win = chunk.state, chunk.start, chunk.end, self.window
         ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
-        old = torch.arange(max(0, s - win + 1), s, device=x.device)
+        old = torch.arange(max(st.window_start, s - win + 1), s, device=x.device)  # a replay sees no older rows
         keys = torch.cat([ring[old % win], kv])
         kpos = torch.cat([old, positions])
         t = positions.unsqueeze(1)
@@ -250,7 +252,8 @@ class Attention(nn.Module):
         """Feed one sequence's projections to a compressor; store new rows; return all rows so far."""
         key = (self.layer_id, name)
         buf = chunk.state.buffers.get(key)
-        rows, first, chunk.state.buffers[key] = comp(proj[0], proj[1], chunk.start, buf, rope, ops, dtype)
+        skip = chunk.state.replay_until // self.ratio
+        rows, first, chunk.state.buffers[key] = comp(proj[0], proj[1], chunk.start, buf, rope, ops, dtype, skip)
         store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)

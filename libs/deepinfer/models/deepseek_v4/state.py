@@ -36,6 +36,8 @@ class SequenceState:
     buffers: dict[tuple[int, str], CompressorBuffer] = field(default_factory=dict)
     num_tokens: int = 0
     mtp_tokens: int = 0
+    window_start: int = 0  # window rows below this position do not exist (a bounded replay started here)
+    replay_until: int = 0  # compressed rows below this position are in the cache already: not rewritten
 
     def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self.windows.get(layer)
@@ -49,7 +51,8 @@ class SequenceState:
         def cp(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, copy=True) if device is not None else t.clone()
 
-        out = SequenceState(num_tokens=self.num_tokens, mtp_tokens=self.mtp_tokens)
+        out = SequenceState(self.windows, self.buffers, self.num_tokens, self.mtp_tokens, self.window_start,
+                            self.replay_until)  # fmt: skip
         out.windows = {k: cp(v) for k, v in self.windows.items()}
         out.buffers = {k: CompressorBuffer(cp(b.kv), cp(b.score), b.start) for k, b in self.buffers.items()}
         return out
@@ -146,6 +149,7 @@ class StateSnapshot:
 
     state: SequenceState
     tail: dict[tuple[str, int], torch.Tensor]
+    compact: bool = False  # no windows or buffers: resuming replays the last tokens (bounded replay)
 
     @property
     def position(self) -> int:
@@ -153,7 +157,12 @@ class StateSnapshot:
 
     @classmethod
     def take(
-        cls, state: SequenceState, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str = "cpu"
+        cls,
+        state: SequenceState,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        device: torch.device | str = "cpu",
+        compact: bool = False,
     ) -> StateSnapshot:
         tail = {}
         p, ps = state.num_tokens, cache.page_size
@@ -164,6 +173,8 @@ class StateSnapshot:
                 if count:
                     pages, slots = cache._slots(layer, block_table, first, count)
                     tail[(kind, layer)] = stores[layer][pages, slots].to(device, copy=True)
+        if compact:
+            return cls(SequenceState(num_tokens=p, mtp_tokens=p), tail, compact=True)
         return cls(state.clone(device), tail)
 
     def restore(self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str) -> SequenceState:
@@ -172,6 +183,15 @@ class StateSnapshot:
         for (kind, layer), rows in self.tail.items():
             cache.write(kind, layer, block_table, (p // ps) * ps // cache.config.ratio(layer), rows.to(device))
         return self.state.clone(device)
+
+    def restore_replay(
+        self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str, start: int
+    ) -> SequenceState:
+        """A compact snapshot's state for a bounded replay of tokens ``start .. position``: no window rows
+        below ``start`` (attention there is truncated: approximate by design) and no compressed rows
+        rewritten below ``position`` (the cached ones are exact)."""
+        self.restore(cache, block_table, device)
+        return SequenceState(num_tokens=start, mtp_tokens=start, window_start=start, replay_until=self.position)
 
 
 @dataclass
