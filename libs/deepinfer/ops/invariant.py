@@ -115,13 +115,16 @@ class BatchInvariantOps(ReferenceOps):
         b = b.expand(shape[0], *b.shape[1:]) if b.shape[0] == 1 else b
         return torch.cat([self._rowsum(a[i : i + step] * b[i : i + step]) for i in range(0, shape[0], step)])
 
-    # -- norms, mHC -----------------------------------------------------------------------------
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(self._rowsum(xf.square()).unsqueeze(-1) / x.shape[-1] + eps)
-        if weight is not None:
-            y = weight.float() * y
-        return y.to(x.dtype)
+    # -- norms, mHC: the reference formulas over these reductions -------------------------------
+    def _mean_sq(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rowsum(x.square()).unsqueeze(-1) / x.shape[-1]
+
+    def _sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _fold(x, dim)
+
+    def _softmax_last(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.pointwise(torch.exp, x - x.amax(-1, keepdim=True))
+        return e / _fold(e, -1)
 
     def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         hf = h.float()
@@ -136,35 +139,6 @@ class BatchInvariantOps(ReferenceOps):
         for j in range(res.shape[1]):
             acc = acc + comb[:, j].unsqueeze(-1) * rf[:, j].unsqueeze(-2)
         return acc.to(y.dtype)
-
-    def hc_mixes(
-        self,
-        h: torch.Tensor,
-        fn: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        iters: int,
-        eps: float,
-        norm_eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = h.shape[-2]
-        xf = h.flatten(-2).float()
-        rs = torch.rsqrt(self._rowsum(xf.square()).unsqueeze(-1) / xf.shape[-1] + norm_eps)
-        mixes = self.linear(xf, fn.float()) * rs
-        scale, base = scale.float(), base.float()
-        pre = self.pointwise(torch.sigmoid, mixes[..., :n] * scale[0] + base[:n]) + eps
-        if mixes.shape[-1] == n:
-            return pre, pre, pre
-        post = 2 * self.pointwise(torch.sigmoid, mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-        comb = mixes[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
-        comb = self.pointwise(torch.exp, comb - comb.amax(-1, keepdim=True))
-        comb = comb / _fold(comb, -1)
-        comb = comb + eps
-        comb = comb / (_fold(comb, -2) + eps)
-        for _ in range(iters - 1):
-            comb = comb / (_fold(comb, -1) + eps)
-            comb = comb / (_fold(comb, -2) + eps)
-        return pre, post, comb
 
     # -- attention and its compressed branches --------------------------------------------------
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,20 @@ class ReferenceOps:
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         return (kv * score.softmax(dim=1)).sum(dim=1)
 
+    # reductions the batch-invariant set replaces (ops/invariant.py); everything else is shared
+    def _mean_sq(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean of squares over the last dim, kept as a size-1 dim."""
+        return x.square().mean(-1, keepdim=True)
+
+    def _sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.sum(dim, keepdim=True)
+
+    def _softmax_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(-1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        y = xf * torch.rsqrt(self._mean_sq(xf) + eps)
         if weight is not None:
             y = weight.float() * y
         return y.to(x.dtype)
@@ -67,19 +78,19 @@ class ReferenceOps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = h.shape[-2]
         xf = h.flatten(-2).float()
-        rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+        rs = torch.rsqrt(self._mean_sq(xf) + norm_eps)
         mixes = self.linear(xf, fn.float()) * rs
         scale, base = scale.float(), base.float()
-        pre = torch.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
+        pre = self.pointwise(torch.sigmoid, mixes[..., :n] * scale[0] + base[:n]) + eps
         if mixes.shape[-1] == n:  # head collapse: pre only
             return pre, pre, pre
-        post = 2 * torch.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+        post = 2 * self.pointwise(torch.sigmoid, mixes[..., n : 2 * n] * scale[1] + base[n : 2 * n])
         comb = mixes[..., 2 * n :].unflatten(-1, (n, n)) * scale[2] + base[2 * n :].view(n, n)
-        comb = comb.softmax(-1) + eps
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        comb = self._softmax_last(comb) + eps
+        comb = comb / (self._sum(comb, -2) + eps)
         for _ in range(iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+            comb = comb / (self._sum(comb, -1) + eps)
+            comb = comb / (self._sum(comb, -2) + eps)
         return pre, post, comb
 
     def sparse_attention(
