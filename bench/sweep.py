@@ -24,6 +24,13 @@ What it measures, in one run:
   with the ceilings measured above; prefill also reports ``fraction_of_fp8_peak`` = (FLOPs / measured FP8 peak) /
   measured time, FLOPs = 2 × active params × tokens (head on the last token) + attention FLOPs.
 
+Optional: ``--profile B,...`` splits one decode step of those batch sizes into regions (attention, its compressors,
+indexer selection and sparse attention; MoE, its router and routed experts; device synchronised at each region's
+edges) and runs ``torch.profiler`` over another step (op tables, kernel-launch and host-sync counts, into the JSON);
+``--moe-bench`` times one layer's routed experts alone at the model's width (reference loop, ``torch._grouped_mm``,
+the Triton kernels) against the time to read the touched experts; ``--moe-backend`` forces ``NvidiaOps``' MoE path;
+``--name`` sets the output stem.
+
 Every timing is the median of up to ``--repeats`` runs after ``--warmup`` runs, with device synchronisation around
 each. Every section (ours decode, ours prefill, peer decode, peer prefill) has a time budget (``--budget-s``); a shape
 whose estimated cost does not fit what is left is skipped with a note, as is one that runs out of memory, and no new
@@ -470,8 +477,10 @@ def fill_peer(hf, seed: int, dev: torch.device) -> None:
 
 
 @torch.no_grad()
-def build_ours(config: DeepseekV4Config, dev: torch.device, seed: int) -> DeepseekV4Model:
+def build_ours(config: DeepseekV4Config, dev: torch.device, seed: int, moe_backend: str = "auto") -> DeepseekV4Model:
     ops = get_ops("nvidia" if dev.type == "cuda" else "cpu")
+    if hasattr(ops, "moe_backend"):
+        ops.moe_backend = moe_backend
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -498,12 +507,104 @@ def copy_pages(cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> Non
         store[dst] = store[src]
 
 
+def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, Any]:
+    """Where one decode step's time goes: wall time per region (device synchronised at each region's edges, so
+    regions add up to the step plus the syncs), then ``torch.profiler`` over one more step (op table)."""
+    spans: dict[str, float] = {}
+    open_: dict[str, float] = {}
+    hooks = []
+
+    def enter(name):
+        def f(*_):
+            sync(dev)
+            open_[name] = time.perf_counter()
+
+        return f
+
+    def leave(name):
+        def f(*_):
+            sync(dev)
+            spans[name] = spans.get(name, 0.0) + time.perf_counter() - open_.pop(name)
+
+        return f
+
+    def wrap(obj, attr, name):
+        fn = getattr(obj, attr)
+
+        def wrapped(*a, **k):
+            enter(name)()
+            try:
+                return fn(*a, **k)
+            finally:
+                leave(name)()
+
+        setattr(obj, attr, wrapped)
+        return lambda: delattr(obj, attr)
+
+    undo = []
+    for layer in model.layers:
+        for mod, name in ((layer.attn, "attention"), (layer.ffn, "moe"), (layer.ffn.gate, "moe.router")):
+            hooks += [mod.register_forward_pre_hook(enter(name)), mod.register_forward_hook(leave(name))]
+        comps = [layer.attn.compressor] if layer.attn.compressor is not None else []
+        if layer.attn.indexer is not None:
+            comps.append(layer.attn.indexer.compressor)
+            for attr in ("select", "select_ranges"):
+                if hasattr(layer.attn.indexer, attr):
+                    undo.append(wrap(layer.attn.indexer, attr, "attention.indexer_select"))
+        for c in comps:
+            hooks += [c.register_forward_pre_hook(enter("attention.compressors")),
+                      c.register_forward_hook(leave("attention.compressors"))]  # fmt: skip
+            if hasattr(c, "forward_many"):
+                undo.append(wrap(c, "forward_many", "attention.compressors"))
+    ops = model.ops
+    undo.append(wrap(ops, "moe", "moe.routed_experts"))
+    undo.append(wrap(ops, "sparse_attention", "attention.sparse_attention"))
+    if hasattr(ops, "sparse_attention_lists"):
+        undo.append(wrap(ops, "sparse_attention_lists", "attention.sparse_attention"))
+    try:
+        total = timed(step, dev)
+    finally:
+        for h in hooks:
+            h.remove()
+        for u in undo:
+            u()
+    regions = {k: round(1e3 * v, 3) for k, v in sorted(spans.items())}
+    regions["step (with region syncs)"] = round(1e3 * total, 3)
+    out: dict[str, Any] = {"regions_ms": regions}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            step()
+            sync(dev)
+        ka = prof.key_averages()
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        try:
+            out["table_by_device_time"] = ka.table(sort_by=key, row_limit=30, max_name_column_width=60)
+        except Exception:  # noqa: BLE001 - older sort keys
+            out["table_by_device_time"] = ka.table(sort_by="self_cuda_time_total", row_limit=30)
+        out["table_by_cpu_time"] = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+        counts: dict[str, int] = {}
+        for e in ka:
+            for tag in ("LaunchKernel", "_local_scalar_dense", "cudaStreamSynchronize", "cudaMemcpyAsync", "aten::"):
+                if tag in e.key:
+                    counts[tag] = counts.get(tag, 0) + e.count
+        out["counts"] = counts
+        dev_total = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
+        out["device_busy_ms"] = round(dev_total / 1e3, 3)
+    except Exception as e:  # noqa: BLE001 - the profile is informative only
+        out["profiler_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
 class Ours:
     def __init__(self, model: DeepseekV4Model, args: argparse.Namespace, dev: torch.device, batches: list[int]):
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
         ps = args.page_size
-        self.steps = args.warmup + args.repeats + 2  # + the routing probe + one spare
+        self.steps = args.warmup + args.repeats + 4  # + the routing probe, two profiled steps and one spare
+        self.profiles: dict[int, dict] = {}
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         max_prefill = max(args.prefill_tokens, default=0)
@@ -571,6 +672,9 @@ class Ours:
                 row["distinct_experts"] = self._probe_routing(step)
                 prev = (b, row["ms"] / 1e3)
                 log(f"  ours decode B={b}: {row['ms']:.1f} ms/step ({row['runs']} runs)")
+                if b in self.args.profile:
+                    self.profiles[b] = profile_step(self.model, step, self.dev)
+                    log(f"  ours decode B={b} profiled: {self.profiles[b]['regions_ms']}")
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours decode B={b}: {e}")
@@ -626,6 +730,58 @@ class Ours:
                 free(self.dev)
             rows.append(row)
         return rows
+
+
+@torch.no_grad()
+def moe_bench(config: DeepseekV4Config, dev: torch.device, bw: float, budget: Budget) -> list[dict]:
+    """One layer's routed experts alone at the model's width (bf16 weights, random distinct routing): the reference
+    loop, ``torch._grouped_mm`` and the Triton kernels (both tile configs), timed, with the relative error against
+    the reference and the time to read the touched experts' bf16 bytes at the measured copy bandwidth."""
+    from deepinfer.kernels import moe as kmoe
+    from deepinfer.ops.reference import ReferenceOps
+
+    e, i, d, k = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size, config.num_experts_per_tok
+    g = torch.Generator(device=dev).manual_seed(7)
+    bf = torch.bfloat16
+    w1 = (torch.randn(e, i, d, generator=g, device=dev) * d**-0.5).to(bf)
+    w3 = (torch.randn(e, i, d, generator=g, device=dev) * d**-0.5).to(bf)
+    w2 = (torch.randn(e, d, i, generator=g, device=dev) * i**-0.5).to(bf)
+    impls = {
+        "reference": lambda *a: ReferenceOps("nvidia").moe(*a),
+        "grouped_mm": kmoe.moe_grouped_mm,
+        "triton_small": lambda *a: kmoe.moe_triton(*a, config=kmoe.MOE_SMALL),
+        "triton_large": lambda *a: kmoe.moe_triton(*a, config=kmoe.MOE_LARGE),
+    }
+    rows = []
+    for t in (1, 16, 64, 256, 1024, 4096):
+        x = torch.randn(t, d, generator=g, device=dev).to(bf)
+        idx = distinct_ids(t, e, k, g, dev)
+        w = torch.rand(t, k, generator=g, device=dev)
+        touched = int(torch.unique(idx).numel())
+        row: dict[str, Any] = {"tokens": t, "experts_touched": touched,
+                               "bf16_bytes_ms": 1e3 * touched * 3 * i * d * 2 / bw}  # fmt: skip
+        ref = None
+        for name, fn in impls.items():
+            if budget.left() <= 0:
+                row[name] = "skipped: budget"
+                continue
+            try:
+                args = (x, idx, w, w1, w2, w3, config.swiglu_limit)
+                out = fn(*args)
+                sync(dev)
+                times = sorted(timed(lambda fn=fn, args=args: fn(*args), dev) for _ in range(7))
+                row[f"{name}_ms"] = 1e3 * times[len(times) // 2]
+                if name == "reference":
+                    ref = out
+                elif ref is not None:
+                    row[f"{name}_rel_err"] = float((out - ref).norm() / ref.norm())
+            except Exception as ex:  # noqa: BLE001 - one failed implementation must not lose the others
+                row[name] = f"error: {type(ex).__name__}: {ex}"[:300]
+        log(f"  MoE T={t}: " + ", ".join(f"{k_}={v:.3g}" for k_, v in row.items() if isinstance(v, float)))
+        rows.append(row)
+    del w1, w2, w3
+    free(dev)
+    return rows
 
 
 # -- the peer ---------------------------------------------------------------------------------------
@@ -912,6 +1068,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None, help="seconds per section (default 60; tiny 15)")
     ap.add_argument("--deadline-s", type=float, default=None, help="no new work after this (default 420; tiny 150)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (regions + torch.profiler)")
+    ap.add_argument("--moe-backend", default="auto", help="NvidiaOps' MoE: auto | grouped_mm | triton")
+    ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
+    ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-sweep.json and .png")
     args = ap.parse_args(argv)
@@ -970,7 +1130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         log(f"building our model ({work.total_params / 1e9:.2f} B params) on {dev} in bf16 ...")
         t = time.perf_counter()
-        model = build_ours(config, dev, args.seed)
+        model = build_ours(config, dev, args.seed, args.moe_backend)
         sync(dev)
         res["build_s"] = time.perf_counter() - t
         if dev.type == "cuda":
@@ -981,9 +1141,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log("ours: prefill ...")
         res["prefill"] = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
         add_roofline(work, res["decode"], res["prefill"], args.context, bw, peak)
+        res["ops"] = {"class": type(model.ops).__name__, "moe_backend": getattr(model.ops, "moe_backend", None)}
+        if ours.profiles:
+            res["profile"] = {str(b): p for b, p in ours.profiles.items()}
         if dev.type == "cuda":
             res["peak_mem_GiB"] = torch.cuda.max_memory_allocated(dev) / 2**30
         del ours, model
+        free(dev)
+        if args.moe_bench:
+            log("MoE alone ...")
+            res["moe_bench"] = moe_bench(config, dev, bw, Budget(args.budget_s, deadline))
         free(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -1027,7 +1194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n" + table + "\n", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{res['date']}-sweep"
+        stem = args.out / (args.name or f"{res['date']}-sweep")
         with open(f"{stem}.json", "w", encoding="utf-8") as f:
             json.dump(res, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
         log(f"wrote {stem}.json")

@@ -226,6 +226,52 @@ _declare("DEEPINFER_KVSTORE_MAX_BLOB_BYTES", "int", _KV, """
     Largest blob (total_bytes) the kvstore accepts in a Put; larger ones are refused and counted under
     `deepinfer_kvstore_refused_total{reason="too_large"}`.""",
     default=1024**3, default_doc="`1073741824` (1 GiB)", minimum=1)
+_GR = "Grammar (structured outputs)"
+_declare("DEEPINFER_GRAMMAR_URL", "str", _GR, """
+    Address (`host:port`) of the grammar service (`python -m services.grammar`) that compiles the
+    structured-output constraints of requests (`so_args`, `response_format`, forced tool calls). Unset: no
+    grammar service, and a request that needs a grammar fails with UNAVAILABLE; plain requests never use it.""")
+_declare("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "float", _GR, """
+    Wall-clock limit of one grammar compile in the grammar service, and the cap on a request's own
+    `timeout_s`. A compile past it is stopped by killing its compile process (xgrammar cannot cancel one) and
+    refused with DEADLINE_EXCEEDED; the process is replaced.""", default=10.0, minimum=0.01)
+_declare("DEEPINFER_GRAMMAR_WORKERS", "int", _GR, """
+    Number of compile processes of the grammar service (`python -m deepinfer.grammar.child`), each compiling
+    one grammar at a time.""", default=2, minimum=1)
+_declare("DEEPINFER_GRAMMAR_MEMORY_BYTES", "int", _GR, """
+    Cap on the private memory (heap and anonymous mappings: `RLIMIT_DATA`) of each compile process. A compile
+    that needs more fails and is refused; the process is replaced. One process needs about 0.4 GB before it
+    compiles anything (xgrammar, torch and the tokenizer).""",
+    default=2 * 1024**3, default_doc="`2147483648` (2 GiB)", minimum=512 * 1024**2)
+_declare("DEEPINFER_GRAMMAR_CACHE_BYTES", "int", _GR, """
+    Capacity of the compile cache (serialized compiled grammars, keyed by tokenizer, kind and text), in
+    bytes; the least recently used entries leave first. 0 disables the cache.""",
+    default=512 * 1024**2, default_doc="`536870912` (512 MiB)", minimum=0)
+_declare("DEEPINFER_GRAMMAR_MAX_SCHEMA_BYTES", "int", _GR, """
+    Largest JSON schema or structural tag (UTF-8 bytes of its text) a grammar compile accepts.""",
+    default=1024**2, default_doc="`1048576` (1 MiB)", minimum=1)
+_declare("DEEPINFER_GRAMMAR_MAX_GRAMMAR_BYTES", "int", _GR, """
+    Largest regex or EBNF grammar (UTF-8 bytes): the text of a `regex` or `ebnf` constraint, and each
+    `pattern` or grammar inside a JSON schema or structural tag.""",
+    default=128 * 1024, default_doc="`131072` (128 KiB)", minimum=1)
+_declare("DEEPINFER_GRAMMAR_MAX_DEPTH", "int", _GR, """
+    Deepest nesting of objects and arrays in a JSON schema or structural tag (the top-level object is depth
+    1; each nested schema object adds one or two levels). xgrammar's compile time grows steeply with depth.""",
+    default=64, minimum=1)
+_declare("DEEPINFER_GRAMMAR_MAX_PROPERTIES", "int", _GR, """
+    Most `properties` (and `patternProperties`) entries in one JSON schema or structural tag, counted over
+    all its objects.""", default=2000, minimum=1)
+_declare("DEEPINFER_GRAMMAR_MAX_ENUM_VALUES", "int", _GR, """
+    Most `enum` values in one JSON schema or structural tag, counted over all its enums.""",
+    default=10000, minimum=1)
+_declare("DEEPINFER_GRAMMAR_MAX_REPEAT", "int", _GR, """
+    Largest repetition count (`{n}`, `{n,}`, `{n,m}`) in a regex, an EBNF grammar or a JSON-schema
+    `pattern`, and largest `max` of a structural tag's `repeat`.""", default=10000, minimum=1)
+_declare("DEEPINFER_GRAMMAR_JSON_WHITESPACE", "int", _GR, """
+    Whitespace that grammar-constrained JSON may contain. 0: compact JSON, with no whitespace at all
+    (separators `,` and `:`). N > 0: at most N whitespace characters in a row wherever JSON allows them
+    (structural tags' JSON schemas get at most max(N, 1), xgrammar having no compact mode there). Never
+    unbounded, so a schema whose language is finite always terminates.""", default=0, minimum=0, maximum=1024)
 # fmt: on
 
 if TYPE_CHECKING:  # attribute access is served by __getattr__; these only inform type checkers
@@ -257,6 +303,18 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_KVSTORE_DISK_BYTES: int
     DEEPINFER_KVSTORE_RETENTION_S: int
     DEEPINFER_KVSTORE_MAX_BLOB_BYTES: int
+    DEEPINFER_GRAMMAR_URL: str | None
+    DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S: float
+    DEEPINFER_GRAMMAR_WORKERS: int
+    DEEPINFER_GRAMMAR_MEMORY_BYTES: int
+    DEEPINFER_GRAMMAR_CACHE_BYTES: int
+    DEEPINFER_GRAMMAR_MAX_SCHEMA_BYTES: int
+    DEEPINFER_GRAMMAR_MAX_GRAMMAR_BYTES: int
+    DEEPINFER_GRAMMAR_MAX_DEPTH: int
+    DEEPINFER_GRAMMAR_MAX_PROPERTIES: int
+    DEEPINFER_GRAMMAR_MAX_ENUM_VALUES: int
+    DEEPINFER_GRAMMAR_MAX_REPEAT: int
+    DEEPINFER_GRAMMAR_JSON_WHITESPACE: int
 
 
 def registry() -> Mapping[str, EnvVar]:

@@ -1,5 +1,5 @@
-"""``deepinfer up``: the whole mesh on one machine — NATS, the kvstore, per replica a worker and a scheduler,
-the balancer.
+"""``deepinfer up``: the whole mesh on one machine — NATS, the kvstore, the grammar service, per replica a worker
+and a scheduler, the balancer.
 
 NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` started here (JetStream on).
 
@@ -69,6 +69,12 @@ class Mesh:
         self._spawn("kvstore", kv_args, kaddr)
         self.endpoints["kvstore"] = kaddr
         self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
+        gport = free_port(self.host)
+        gaddr = f"{self.host}:{gport}"
+        grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
+        self._spawn("grammar", grammar_args, gaddr)
+        self.endpoints["grammar"] = gaddr
+        self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from deepinfer.chat import encode_messages
 from deepinfer.engine.engine import LLMEngine, RequestOutput
 from deepinfer.engine.factory import build_scheduler, build_worker
+from deepinfer.engine.structured import LocalConstraints
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
@@ -41,6 +42,7 @@ class LLM:
             parts.fingerprint, enable_prefix_caching, parts.runner.remote is not None,
         )  # fmt: skip
         self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size)
+        self.constraints = LocalConstraints(parts.path, self.tokenizer)
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -59,10 +61,12 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        _tools: tuple[list[dict] | None, Any, str, bool] = (None, None, "chat", True),
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or a dict with ``prompt_token_ids``); outputs in input order.
 
-        Every prompt is validated before any is queued: a bad one raises ValueError and none runs."""
+        Every prompt is validated, and every ``so_args`` grammar compiled, before any is queued: a bad one
+        raises ValueError and none runs."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if not isinstance(prompts, list | tuple):
@@ -74,14 +78,18 @@ class LLM:
         encoded = [self._tokenize(p) for p in prompts]
         for ids, _ in encoded:
             self._validate(ids)
+        for p in plist:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
+        constraints = [self.constraints.for_request(p.so_args, ids, *_tools) for (ids, _), p in zip(encoded, plist)]
         order: dict[str, int] = {}
         try:
-            for i, ((ids, text), p, raw) in enumerate(zip(encoded, plist, prompts)):
+            for i, ((ids, text), p, raw, c) in enumerate(zip(encoded, plist, prompts, constraints)):
                 rid = self.engine.new_request_id()
                 salt = raw.get("cache_salt") if isinstance(raw, dict) else None
                 if salt is not None and not isinstance(salt, str):
                     raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt)
+                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt, constraint=c)
                 order[rid] = i
         except Exception:
             # a later prompt or params failed the engine's checks: withdraw the ones already queued
@@ -121,16 +129,25 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         thinking_mode: str = "chat",
         reasoning_effort: str | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """Apply DeepSeek-V4's chat encoding to each conversation, then generate."""
+        """Apply DeepSeek-V4's chat encoding to each conversation, then generate. With ``tools``,
+        ``tool_choice`` ("auto" by default, "none", "required" or ``{"type": "function", "function": {"name":
+        …}}``) constrains the output so that tool calls are well-formed DSML whose arguments follow the
+        tools' JSON schemas; ``deepinfer.chat.parse_completion`` turns the text (decoded with special
+        tokens) into OpenAI-style tool calls; ``parallel_tool_calls=False`` allows one call at most."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             encode_messages(m, thinking_mode=thinking_mode, reasoning_effort=reasoning_effort, tools=tools)
             for m in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        choice = tool_choice if tool_choice is not None else ("auto" if tools else None)
+        return self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, _tools=(tools, choice, thinking_mode, parallel_tool_calls)
+        )

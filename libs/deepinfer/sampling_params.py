@@ -146,6 +146,8 @@ class SamplingParams:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"so_args.schema is not valid JSON for schema_type {st!r}: {e}") from None
+            except RecursionError:
+                raise ValueError(f"so_args.schema is nested too deeply for schema_type {st!r}") from None
         if not isinstance(schema, dict):
             raise ValueError(
                 f"so_args.schema must be a JSON object (dict or JSON string) for schema_type {st!r}, "

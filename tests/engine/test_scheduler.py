@@ -368,6 +368,31 @@ def test_preemption_requeues_newest_at_front_and_recomputes_from_zero():
     assert sched.pages.num_used == 0
 
 
+def test_constraint_goes_with_the_first_chunk_and_again_with_history_after_a_preemption():
+    from deepinfer.engine.constraints import Constraint
+
+    sched = make_scheduler(num_pages=4, budget=8)  # chunked prefill: 8 tokens a step
+    worker = FakeWorker(sched)
+    ca, cb = Constraint(None, banned_token_ids=(5,)), Constraint(None, banned_token_ids=(6,))
+    sched.add("a", list(range(10, 26)), greedy(max_tokens=12), constraint=ca)
+    sched.add("b", list(range(30, 38)), greedy(max_tokens=12), constraint=cb)
+    sent: list[tuple[str, int, list[int] | None]] = []
+    while sched.has_unfinished():
+        plan, _ = step(sched, worker)
+        for c in plan.chunks:
+            assert (c.constraint is None) == (c.constraint_history is None)
+            if c.constraint is not None:
+                assert c.constraint is sched.requests[c.request_id].constraint
+                sent.append((c.request_id, c.start, c.constraint_history))
+    b = sched.requests["b"]
+    assert b.num_preemptions >= 1
+    assert sent[0] == ("a", 0, []) and ("b", 0, []) in sent
+    # after each preemption the chunk that starts the recompute carries the tokens generated so far
+    replays = [h for rid, start, h in sent if rid == "b" and h]
+    assert len(replays) == b.num_preemptions and all(h == b.output_token_ids[: len(h)] for h in replays)
+    assert len(sent) == 2 + b.num_preemptions + sched.requests["a"].num_preemptions
+
+
 def test_newest_request_that_needs_a_page_preempts_itself():
     sched = make_scheduler(num_pages=3, budget=64)
     worker = FakeWorker(sched)

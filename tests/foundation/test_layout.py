@@ -42,10 +42,10 @@ def test_docker_compose_runs_every_service_with_valid_commands_and_ports() -> No
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"nats", "jaeger", "model-init", "kvstore", "worker", "scheduler", "balancer"} <= set(services)
+    assert {"nats", "jaeger", "model-init", "kvstore", "grammar", "worker", "scheduler", "balancer"} <= set(services)
     assert "-js" in services["nats"]["command"]
     parsed = {}
-    for name in ("kvstore", "worker", "scheduler", "balancer"):
+    for name in ("kvstore", "grammar", "worker", "scheduler", "balancer"):
         svc = services[name]
         assert svc["entrypoint"] == ["python", "-m"] and svc["image"] == services["model-init"]["image"]
         module, *args = svc["command"]
@@ -62,6 +62,11 @@ def test_docker_compose_runs_every_service_with_valid_commands_and_ports() -> No
     assert services["balancer"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert services["worker"]["depends_on"]["nats"]["condition"] == "service_healthy"
     assert parsed["kvstore"].data_dir == "/kv" and "kv-data:/kv" in services["kvstore"]["volumes"]
+    # workers move resume points to the kvstore; the balancer compiles grammars with the grammar service
+    assert services["worker"]["environment"]["DEEPINFER_KVSTORE_URL"] == f"kvstore:{parsed['kvstore'].port}"
+    assert services["balancer"]["environment"]["DEEPINFER_GRAMMAR_URL"] == f"grammar:{parsed['grammar'].port}"
+    assert services["balancer"]["depends_on"]["grammar"]["condition"] == "service_healthy"
+    assert parsed["grammar"].model == w.model
     for vol in compose["volumes"]:
         assert any(str(v).startswith(vol + ":") for svc in services.values() for v in svc.get("volumes", []))
 

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from deepinfer.kernels.attention import (  # noqa: E402
     ATTN_BLOCK_N,
     indexer_scores_fixed,
+    indexer_scores_ranges,
     sparse_attention_gather,
 )
 
@@ -247,6 +248,33 @@ def test_gpu_bf16_indexer_real_shapes():
     assert rel < 1e-2 and rel_max < 2e-2, (rel, rel_max)
     _check_indexer_invariance(n, h, d, R, torch.bfloat16)
     _check_indexer_invariance(n, h, d, R + 13, torch.float32)
+
+
+def _check_ranges(n, h, d, R, width, dtype, rtol):
+    q, keys, weights = _randn(n, h, d, seed=R, dtype=dtype), _randn(R, d, seed=R + 1, dtype=dtype), _randn(n, h, seed=3)
+    start = torch.randint(-5, R, (n,), generator=_gen(R)).to(DEVICE)  # ranges that begin before or run past the keys
+    out = indexer_scores_ranges(q, keys, weights, start, width)
+    r = start.cpu().unsqueeze(1) + torch.arange(width)
+    inside = (r >= 0) & (r < R)
+    kg = keys.cpu().double()[r.clamp(0, R - 1)] * inside.unsqueeze(-1)
+    ref = (torch.einsum("nhd,nrd->nhr", q.cpu().double(), kg).relu() * weights.cpu().double().unsqueeze(-1)).sum(1)
+    _close(out, ref, rtol)
+    # the same bits as the shared-keys kernel where a range lies inside the keys
+    if dtype == torch.float32 or DEVICE == "cuda":
+        full = indexer_scores_fixed(q, keys, weights)
+        for i in range(n):
+            a = int(start[i])
+            if 0 <= a and a + width <= R:
+                assert torch.equal(out[i], full[i, a : a + width])
+
+
+def test_indexer_ranges_fp32():
+    _check_ranges(5, 3, 16, 70, 40, torch.float32, 1e-5)
+
+
+@gpu_only
+def test_gpu_bf16_indexer_ranges_real_shapes():
+    _check_ranges(256, 64, 128, 4096, 1024, torch.bfloat16, 2e-2)
 
 
 def test_matches_reference_ops_fp32():

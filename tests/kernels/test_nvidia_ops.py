@@ -62,3 +62,157 @@ def test_a_model_on_the_kernel_ops_is_batch_invariant(tiny_dirs):
     assert torch.equal(alone, mixed)
     model.ops = ReferenceOps()
     assert (run(model, [target], [[40]], None)[0] - alone).abs().max().item() < 1e-4
+
+
+# -- the default nvidia op set (NvidiaOps) and the model's batched attention path ------------------------------------
+
+
+class PerSequenceOps(ReferenceOps):
+    """The reference numerics through the model's per-sequence attention loop (taken for batch-invariant op sets)."""
+
+    batch_invariant = True
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def test_attention_lists_and_index_ranges_match_the_per_sequence_ops():
+    """The list / range forms of sparse attention and indexer scores equal the per-sequence ops on each sequence's keys
+    (reference ops, and NvidiaOps' kernels: the interpreter on CPU)."""
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    dev = _device()
+    g = torch.Generator().manual_seed(3)
+    H, d, dk, nh = 3, 48, 16, 4
+    lens, nkeys = [3, 1, 5], [20, 7, 33]  # queries and keys of three sequences
+    q = torch.randn(sum(lens), H, d, generator=g)
+    iq, iw = torch.randn(sum(lens), nh, dk, generator=g), torch.rand(sum(lens), nh, generator=g)
+    keys = [torch.randn(k, d, generator=g) for k in nkeys]
+    ikeys = [torch.randn(k, dk, generator=g) for k in nkeys]
+    masks = [torch.rand(n, k, generator=g) < 0.4 for n, k in zip(lens, nkeys)]
+    sink = torch.randn(H, generator=g)
+    ref = ReferenceOps()
+    want = torch.cat([ref.sparse_attention(q_, k, m, sink, 0.2) for q_, k, m in zip(q.split(lens), keys, masks)])
+    width = max(nkeys)
+    want_i = torch.cat(
+        [
+            torch.nn.functional.pad(ref.indexer_scores(a, k, w), (0, width - k.shape[0]))
+            for a, k, w in zip(iq.split(lens), ikeys, iw.split(lens))
+        ]
+    )
+    base = torch.tensor([0] + nkeys[:-1]).cumsum(0)
+    idx, count = [], []
+    for b, m in zip(base, masks):
+        order, cnt = visible_keys(m)
+        idx.append(torch.nn.functional.pad(order + b, (0, width - m.shape[1]), value=-1))
+        count.append(cnt)
+    idx, count = torch.cat(idx), torch.cat(count)
+    start = torch.repeat_interleave(base, torch.tensor(lens))
+    pool, ipool = torch.cat(keys), torch.cat(ikeys)
+    for ops in (ref, NvidiaOps()):
+        args = (t.to(dev) for t in (q, pool, idx, count, sink))
+        got = ops.sparse_attention_lists(*args, 0.2).cpu()
+        assert (got - want).abs().max().item() < 1e-5
+        got_i = ops.indexer_scores_ranges(iq.to(dev), ipool.to(dev), iw.to(dev), start.to(dev), width).cpu()
+        for r, k in enumerate(nkeys):  # columns past a sequence's own keys are the caller's to mask
+            rows = slice(sum(lens[:r]), sum(lens[: r + 1]))
+            assert (got_i[rows, :k] - want_i[rows, :k]).abs().max().item() < 1e-5
+
+
+def _model(name, ops):
+    """A tiny model of ``models.tiny_configs`` with random fp32 weights, built in memory (no checkpoint, no tokenizer:
+    the GPU image lacks the tokenizer package that ``tiny_dirs`` needs)."""
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from models.tiny_configs import CONFIGS
+
+    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name]})
+    model = DeepseekV4Model(config, ops)
+    model.load_state_dict(random_weights(config, seed=list(CONFIGS).index(name)))
+    return model
+
+
+@pytest.mark.parametrize("name", ["base", "odd"])
+def test_batched_attention_equals_the_per_sequence_loop(name):
+    """Mixed prefill chunks and decodes of several sequences: the batched path (default op sets) gives the logits of the
+    per-sequence loop, within fp32 rounding of the attention sums."""
+    import random
+
+    from models.test_batch_invariance import composition, run, tokens
+
+    model = _model(name, ReferenceOps())
+    target = tokens(150, 7, model.config.vocab_size)
+    for seed in (0, 5):
+        seqs, plans, rng = composition(model, target, seed)
+        got = run(model, seqs, plans, random.Random(seed))
+        model.ops = PerSequenceOps()
+        want = run(model, seqs, plans, random.Random(seed))
+        model.ops = ReferenceOps()
+        for a, b in zip(got, want):
+            assert (a - b).abs().max().item() < 1e-4, (a - b).abs().max().item()
+
+
+def test_batched_attention_replays_like_the_per_sequence_loop():
+    """A bounded replay (compact resume point: no window rows below the replay, compressed rows not rewritten)."""
+    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+    from models.test_batch_invariance import tokens
+
+    model = _model("base", ReferenceOps())
+    seq = tokens(90, 11, model.config.vocab_size)
+    outs = []
+    for ops in (ReferenceOps(), PerSequenceOps()):
+        model.ops = ops
+        cache, table = PagedKVCache(model.config, 16, 16), torch.arange(16)
+        st = SequenceState()
+        model(ForwardBatch.build([SeqChunk(st, 0, 64, table)], [seq[:64]]), cache)
+        snap = StateSnapshot.take(st, cache, table, compact=True)
+        st = snap.restore_replay(cache, table, "cpu", 48)  # replay tokens 48..63, then go on
+        h = model(ForwardBatch.build([SeqChunk(st, 48, 16, table)], [seq[48:64]]), cache)
+        logits = [model.logits(h)]
+        for p in range(64, 70):
+            logits.append(model.logits(model(ForwardBatch.build([SeqChunk(st, p, 1, table)], [[seq[p]]]), cache)))
+        outs.append(torch.cat(logits))
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4
+
+
+def _run_on(model, seqs, plans, dev):
+    """``models.test_batch_invariance.run`` on ``dev``: each step batches the next chunk of every sequence."""
+    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+
+    pages = -(-max(len(s) for s in seqs) // 16)
+    cache = PagedKVCache(model.config, pages * len(seqs), 16, device=dev)
+    states = [SequenceState() for _ in seqs]
+    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(len(seqs))]
+    pos, outs = [0] * len(seqs), [[] for _ in seqs]
+    for step in range(max(len(p) for p in plans)):
+        who = [i for i, p in enumerate(plans) if step < len(p)]
+        chunks = [SeqChunk(states[i], pos[i], plans[i][step], tables[i]) for i in who]
+        toks = [seqs[i][pos[i] : pos[i] + plans[i][step]] for i in who]
+        for i in who:
+            pos[i] += plans[i][step]
+        batch = ForwardBatch.build(chunks, toks, dev)
+        logits = model.logits(model(batch, cache)).cpu()
+        for (a, b), i in zip(batch.offsets(), who):
+            outs[i].append(logits[a:b])
+    return [torch.cat(o) for o in outs]
+
+
+def test_a_model_on_nvidia_ops_matches_the_reference():
+    """NvidiaOps end to end (on CPU its Triton kernels run in the interpreter): MoE, batched attention, indexer."""
+    from deepinfer.ops.nvidia import NvidiaOps
+    from models.test_batch_invariance import tokens
+
+    dev = _device()
+    model = _model("base", ReferenceOps())
+    vocab = model.config.vocab_size
+    seqs = [tokens(40, 1, vocab), tokens(13, 2, vocab), tokens(9, 3, vocab)]
+    plans = [[36, 1, 1, 1, 1], [4, 9], [1] * 9]
+    want = _run_on(model, seqs, plans, "cpu")
+    model.to(dev)
+    for backend in ("triton", "grouped_mm") if dev == "cpu" else ("triton",):  # CUDA grouped_mm: bf16 (test_moe.py)
+        model.ops = NvidiaOps(moe_backend=backend)
+        got = _run_on(model, seqs, plans, dev)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max().item() < 1e-4, (backend, (a - b).abs().max().item())

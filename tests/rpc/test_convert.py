@@ -133,3 +133,30 @@ def test_step_result_round_trip() -> None:
     assert b.token_id is None and b.logprob is None
     assert b.prompt_logprobs == [{5: -1.5, 2: -0.5}, {7: -3.0}]
     assert list(b.prompt_logprobs[0]) == [5, 2]  # the scored token stays first
+
+
+def test_constraint_travels_with_the_first_chunk_and_again_after_a_release() -> None:
+    from deepinfer.engine.constraints import Constraint
+    from deepinfer.grammar import CompiledGrammar
+
+    g = CompiledGrammar('{"grammar": 1}', "k" * 64, "f" * 64, (128821, 128822))
+    c = Constraint(g, banned_token_ids=(128825,), after_think=True, reasoning_banned_token_ids=(7,))
+    p = SamplingParams(so_args={"schema_type": "regex", "schema": "a+"})
+    sent: set[str] = set()
+    known: dict[str, SamplingParams] = {}
+    first = ChunkPlan("r", [1, 2], 0, [0], True, p, constraint=c, constraint_history=[])
+    back = plan_from_proto(plan_to_proto(StepPlan(1, [first]), sent), known).chunks[0]
+    assert back.constraint == c and back.constraint_history == []
+    later = ChunkPlan("r", [5], 2, [0], True, p)
+    assert plan_from_proto(plan_to_proto(StepPlan(2, [later]), sent), known).chunks[0].constraint is None
+    # re-admitted after a preemption: constraint and the tokens generated so far
+    again = ChunkPlan("r", [1, 2, 5], 0, [1], True, p, constraint=c, constraint_history=[5])
+    wire = plan_to_proto(StepPlan(3, [again], released=["r"]), sent)
+    back = plan_from_proto(wire, known).chunks[0]
+    assert back.constraint == c and back.constraint_history == [5]
+    bad = worker_pb2.StepPlan(step_id=4)
+    chunk = bad.chunks.add(request_id="x", token_ids=[1], sample=True)
+    chunk.params.CopyFrom(common_pb2.SamplingParams())
+    chunk.constraint.grammar.cache_key = "k"
+    with pytest.raises(ValueError, match="constraint.grammar.compiled_json"):
+        plan_from_proto(bad, {})

@@ -53,9 +53,17 @@ class Mesh:
         """The Prometheus endpoint of ``"worker"`` or ``"scheduler"``."""
         return f"http://127.0.0.1:{self.ports[name + '_metrics']}/metrics"
 
-    def up(self, num_pages: int = 256, max_queued: int = 1024, http: bool = True, grace_s: float = 5.0) -> Mesh:
+    def up(
+        self, num_pages: int = 256, max_queued: int = 1024, http: bool = True, grace_s: float = 5.0,
+        grammar: bool = False,
+    ) -> Mesh:  # fmt: skip
         """Start worker, scheduler and balancer; with ``http`` the balancer also serves HTTP on ``ports["http"]``.
-        The worker and the scheduler serve Prometheus metrics (``metrics_url``)."""
+        The worker and the scheduler serve Prometheus metrics (``metrics_url``). With ``grammar`` the grammar
+        service starts first and the balancer compiles structured-output constraints with it."""
+        if grammar:
+            self.ports["grammar"] = free_port()
+            self.start_grammar()
+            self.extra_env["DEEPINFER_GRAMMAR_URL"] = self.address("grammar")
         for n in (
             "worker",
             "scheduler",
@@ -86,6 +94,17 @@ class Mesh:
         )  # fmt: skip
         wait_serving(self.address("balancer"))  # the HTTP server listens before gRPC reports SERVING
         return self
+
+    def start_grammar(self) -> None:
+        """(Re)start the grammar service on its port."""
+        self.start("grammar", ["services.grammar", "--model", str(self.model), "--port", str(self.ports["grammar"])])
+        wait_serving(self.address("grammar"))
+
+    def stop(self, name: str) -> None:
+        """SIGTERM one service and wait for it."""
+        p = self.procs[name]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=20)
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()

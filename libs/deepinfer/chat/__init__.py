@@ -6,6 +6,16 @@ release). Spec: /work/shared/design/CHAT_ENCODING.md.
 
 from deepinfer.chat.completion import parse_completion
 from deepinfer.chat.encoding import encode_messages
+from deepinfer.chat.streaming import StreamingParser, merge_deltas
+from deepinfer.chat.tool_choice import ToolConstraint, tool_constraint
 from deepinfer.chat.turns import turn_boundaries
 
-__all__ = ["encode_messages", "parse_completion", "turn_boundaries"]
+__all__ = [
+    "StreamingParser",
+    "ToolConstraint",
+    "encode_messages",
+    "merge_deltas",
+    "parse_completion",
+    "tool_constraint",
+    "turn_boundaries",
+]

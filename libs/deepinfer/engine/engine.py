@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from deepinfer.chat.turns import turn_boundaries
+from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.interfaces import Worker
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
@@ -70,6 +71,7 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         resume_hints: list[int] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -83,7 +85,7 @@ class LLMEngine:
             )
         try:
             hints = turn_boundaries(prompt_token_ids, self.tokenizer) if resume_hints is None else resume_hints
-            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt, hints)
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt, hints, constraint)
         except ValueError as e:
             raise ValueError(f"prompt: {e}") from e
         self._prompts[request_id] = prompt

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from deepinfer import envs
+from deepinfer.chat.tokens import THINK_END
 from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine import resume_format
+from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, config_from_env
@@ -100,6 +102,7 @@ def build_worker(
         batch_invariant=ops.batch_invariant,
     )  # fmt: skip
     runner = ModelRunner(net, cache, device)
+    runner.constraints = constraint_set(path, config)
     runner.compact_replay = envs.DEEPINFER_COMPACT_REPLAY_TOKENS
     if 0 < runner.compact_replay < min_replay(config):
         raise ValueError(
@@ -114,6 +117,22 @@ def build_worker(
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, resume_format.decode, resume_format.LAYOUT)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp
+    )
+
+
+def constraint_set(path: Path, config: DeepseekV4Config) -> ConstraintSet:
+    """The worker's structured-output matchers, against the model's tokenizer (loaded on first use)."""
+    from deepinfer.grammar import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
+
+    controls = control_token_ids(path)
+    by_text = {text: i for i, text in controls.items()}
+    return ConstraintSet(
+        lambda: build_tokenizer_info(path),
+        controls,
+        config.vocab_size,
+        config.eos_token_id,
+        by_text.get(THINK_END),
+        tokenizer_fingerprint(path),
     )
 
 

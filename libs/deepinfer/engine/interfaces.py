@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deepinfer.engine.constraints import Constraint
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -28,6 +29,10 @@ class ChunkPlan:
     logprob_targets: list[int] | None = None
     trace_context: dict[str, str] | None = None  # W3C carrier of the request's trace (services only)
     resume_from: str | None = None  # start from this snapshot (a prefix-cache hit at ``start``)
+    # structured output: the constraint (with a request's first chunk, again after a preemption) and the
+    # tokens it already generated, which the worker's matcher accepts first
+    constraint: Constraint | None = None
+    constraint_history: list[int] | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from deepinfer.engine.constraints import Constraint
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class Request:
     fetch_id: str | None = None  # a kvstore fetch of its resume point is in flight
     fetched: tuple[str, int] | None = None  # (fetch id, position): fetched state held by the worker
     fetch_failed: bool = False  # the kvstore could not serve it: recompute
+    constraint: Constraint | None = None  # structured output, enforced by the worker
+    constraint_sent: bool = False  # the worker holds its matcher (sent with a chunk since the last drop)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -20,11 +20,16 @@ Contract of ``Sampler()(logits, params, generators) -> SamplerOutput``:
 
 ``compute_logprobs(logits, token_ids, num_top)`` serves prompt logprobs: for row ``i`` a dict
 token id -> raw logprob with ``token_ids[i]`` first, then the ``num_top`` most likely tokens.
+``constrain`` (optional) sets the logits of the tokens a structured-output grammar refuses to ``-inf`` (in place,
+on a copy): every choice above is made among the allowed tokens only, while the reported logprobs stay the raw
+model's.
+
 ``make_generator(seed)`` builds the per-request generator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +94,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        constrain: Callable[[torch.Tensor], None] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -98,6 +104,9 @@ class Sampler:
         logits = logits.float()
         device = logits.device
         raw_lp = torch.log_softmax(logits, dim=-1)
+        if constrain is not None:  # a grammar's masks: choose among the allowed tokens, report raw logprobs
+            logits = logits.clone()
+            constrain(logits)
         token_ids = torch.argmax(logits, dim=-1)  # greedy rows: first max = lowest id
 
         rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -28,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.interfaces import ChunkPlan, FetchOrder, OffloadOrder, SnapshotOrder, StepPlan, StepResult
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
@@ -118,8 +119,10 @@ class Scheduler(PrefixCaching):
         params: SamplingParams,
         cache_salt: str | None = None,
         resume_hints: Sequence[int] = (),
+        constraint: Constraint | None = None,
     ) -> None:
-        """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends)."""
+        """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends);
+        ``constraint``: what its sampled tokens obey (structured output), sent to the worker with its chunks."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -135,6 +138,7 @@ class Scheduler(PrefixCaching):
                 f"{self.config.page_size} tokens)"
             )
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
+        req.constraint = constraint
         req.resume_hints = sorted({p for p in resume_hints if 0 < p < len(prompt_token_ids)})
         self._arrivals += 1
         self.requests[request_id] = req
@@ -301,7 +305,7 @@ class Scheduler(PrefixCaching):
             self.waiting.remove(req)
         if req.num_computed:
             self._released.append(req.request_id)
-        req.num_computed = 0
+        req.num_computed, req.constraint_sent = 0, False
         if req.fetched is not None and req.resume_from != req.fetched[0]:  # fetched, never used
             self._dropped.append(req.fetched[0])
             req.fetched = None
@@ -327,6 +331,8 @@ class Scheduler(PrefixCaching):
         sample = req.num_computed == req.num_tokens + req.in_flight
         if sample:
             req.in_flight += 1
+        constraint = req.constraint if not req.constraint_sent else None
+        req.constraint_sent = req.constraint is not None
         return ChunkPlan(
             request_id=req.request_id,
             token_ids=tokens,
@@ -336,4 +342,6 @@ class Scheduler(PrefixCaching):
             params=req.params,
             logprob_targets=targets,
             resume_from=resume,
+            constraint=constraint,
+            constraint_history=list(req.output_token_ids) if constraint is not None else None,
         )

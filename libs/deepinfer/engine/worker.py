@@ -8,9 +8,13 @@ on earlier draws, or on a preemption in between.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
+
 import torch
 
 from deepinfer.engine import resume_format
+from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
 from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
@@ -46,11 +50,14 @@ class ModelRunner:
         self.remote = None  # a kvstore.remote.RemoteResumeStore when resume points move to a kvstore
         self.fetched: dict[str, tuple[StateSnapshot, dict]] = {}  # resume points fetched from the kvstore
         self.compact_replay = 0  # > 0: compact snapshots, resumed by a bounded replay of this many tokens
+        self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
             self.tables.pop(rid, None)
+        if self.constraints is not None:
+            self.constraints.release(request_ids)
 
     def _snapshots(self, plan: StepPlan) -> None:
         for order in plan.snapshots:
@@ -107,6 +114,7 @@ class ModelRunner:
                 raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
             self.tables[c.request_id] = table
             chunks.append(SeqChunk(st, c.start, len(c.token_ids), table))
+        masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
         batch = ForwardBatch.build(chunks, [c.token_ids for c in plan.chunks], device=self.device)
         hidden = self.model(batch, self.cache)
         # rows whose logits we need: prompt-logprob rows, then the sampling rows
@@ -124,7 +132,7 @@ class ModelRunner:
         if rows:
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
             self._prompt_logprobs(logits, owners, plan, per_seq)
-            self._sample(logits, owners, plan, per_seq)
+            self._sample(logits, owners, plan, per_seq, masks)
         result.results = per_seq
         return result
 
@@ -153,7 +161,29 @@ class ModelRunner:
             targets = torch.tensor([owners[k][1] for k in sel], device=logits.device)
             out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
 
-    def _sample(self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult]) -> None:
+    def _start_masks(self, plan: StepPlan) -> tuple[list[str], Future] | None:
+        """Install the constraints that arrive with this step; start filling the masks of its constrained rows."""
+        cs = self.constraints
+        for c in plan.chunks:
+            if c.constraint is not None:
+                if cs is None:
+                    raise RuntimeError(f"request {c.request_id}: this worker applies no structured-output constraints")
+                cs.install(c.request_id, c.constraint, c.constraint_history or ())
+        rids = [c.request_id for c in plan.chunks if c.sample and cs is not None and c.request_id in cs]
+        return (rids, cs.fill_async(rids)) if rids else None
+
+    def _constrain(self, masks: tuple[list[str], Future] | None, rids: list[str]) -> Callable | None:
+        """The sampler's in-place masking of the constrained rows (their masks are read when it runs)."""
+        if masks is None:
+            return None
+        constrained, future = masks
+        at = {rid: i for i, rid in enumerate(rids)}
+        rows = [at[rid] for rid in constrained]
+        return lambda logits: self.constraints.apply(logits, future.result(), rows)
+
+    def _sample(
+        self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult], masks: tuple | None = None
+    ) -> None:
         sel = [k for k, (_, t) in enumerate(owners) if t is None]
         if not sel:
             return
@@ -163,9 +193,13 @@ class ModelRunner:
         for i, p in zip(seqs, params):
             seed = p.effective_seed
             pos = plan.chunks[i].start + len(plan.chunks[i].token_ids)  # position of the new token
-            gens.append(None if seed is None or p.greedy else make_generator(position_seed(seed, pos)))
-        s = self.sampler(logits[sel], params, gens)
+            gen = None if seed is None or p.greedy else make_generator(position_seed(seed, pos), self.device)
+            gens.append(gen)  # on the logits device: the V draws stay there
+        rids = [plan.chunks[i].request_id for i in seqs]
+        s = self.sampler(logits[sel], params, gens, self._constrain(masks, rids))
         for j, i in enumerate(seqs):
             out[i].token_id = int(s.token_ids[j])
+            if masks is not None:
+                self.constraints.accept(rids[j], out[i].token_id)
             out[i].logprob = float(s.logprobs[j])
             out[i].top_logprobs = s.top_logprobs[j]

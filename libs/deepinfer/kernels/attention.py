@@ -124,6 +124,42 @@ def _indexer_scores_kernel(
     tl.store(out_ptr + row * R + offs_r, tl.sum(s, axis=0), mask=mask_r)
 
 
+@triton.jit(do_not_specialize=["N", "WIDTH"])
+def _indexer_ranges_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    start_ptr,
+    out_ptr,
+    N,
+    WIDTH,
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_HH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_HH)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < NH
+    mask_d = offs_d < D
+    kr = tl.load(start_ptr + row).to(tl.int64) + offs_r
+    mask_k = (offs_r < WIDTH) & (kr < N) & (kr >= 0)
+    q = tl.load(
+        q_ptr + row * (NH * D) + offs_h[:, None] * D + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    w = tl.load(w_ptr + row * NH + offs_h, mask=mask_h, other=0.0)
+    k = tl.load(k_ptr + kr[:, None] * D + offs_d[None, :], mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_HH, BLOCK_R] fp32
+    s = tl.maximum(s, 0.0) * w[:, None]
+    tl.store(out_ptr + row * WIDTH + offs_r, tl.sum(s, axis=0), mask=offs_r < WIDTH)
+
+
 def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
@@ -238,4 +274,51 @@ def indexer_scores_fixed(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
     return out
 
 
-__all__ = ["sparse_attention_gather", "indexer_scores_fixed"]
+def indexer_scores_ranges(
+    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+) -> torch.Tensor:
+    """``indexer_scores_fixed`` with a key range per query → ``[n, width]`` fp32: column ``r`` of row ``i`` scores
+    ``keys[start[i] + r]`` (0 where that row is outside ``keys``). Several sequences' keys share one tensor, each query
+    reading its own sequence's range; the per-element arithmetic is ``indexer_scores_fixed``'s."""
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
+        raise ValueError(
+            f"indexer_scores_ranges: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}"
+        )
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(
+            f"indexer_scores_ranges: expected q [n, h, d] and keys [R, d], got {tuple(q.shape)} and {tuple(keys.shape)}"
+        )
+    n, nh, d = q.shape
+    if weights.shape != (n, nh) or weights.dtype != torch.float32:
+        raise ValueError(
+            f"indexer_scores_ranges: weights must be float32 [{n}, {nh}], got {weights.dtype} {tuple(weights.shape)}"
+        )
+    if start.shape != (n,) or start.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"indexer_scores_ranges: start must be int32/int64 [{n}], got {start.dtype} {tuple(start.shape)}"
+        )
+    out = torch.zeros((n, width), dtype=torch.float32, device=q.device)
+    if n == 0 or width == 0 or keys.shape[0] == 0 or nh == 0 or d == 0:
+        return out
+    q, keys, weights, start = q.contiguous(), keys.contiguous(), weights.contiguous(), start.contiguous()
+    _indexer_ranges_kernel[(n, triton.cdiv(width, INDEXER_BLOCK_R))](
+        q,
+        keys,
+        weights,
+        start,
+        out,
+        keys.shape[0],
+        width,
+        NH=nh,
+        D=d,
+        BLOCK_HH=_pow2(nh),
+        BLOCK_D=_pow2(d),
+        BLOCK_R=INDEXER_BLOCK_R,
+        PRECISION=_precision(q.dtype),
+        num_warps=INDEXER_NUM_WARPS,
+        num_stages=INDEXER_NUM_STAGES,
+    )
+    return out
+
+
+__all__ = ["indexer_scores_fixed", "indexer_scores_ranges", "sparse_attention_gather"]

@@ -29,7 +29,9 @@ def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
             from deepinfer.ops.nvidia import NvidiaInvariantOps
 
             return NvidiaInvariantOps()
-        return ReferenceOps(device_name="nvidia")  # the Triton kernels replace reference ops one by one
+        from deepinfer.ops.nvidia import NvidiaOps
+
+        return NvidiaOps()
     if accelerator == "ascend":
         raise RuntimeError(
             "DEEPINFER_ACCELERATOR=ascend: the Ascend backend (torch_npu) is not available in this build; "

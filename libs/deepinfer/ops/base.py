@@ -70,6 +70,26 @@ class Ops(Protocol):
         """Attention with K = V and a per-head sink logit: ``q [n, H, d]``, ``keys [K, d]``, ``mask [n, K]``."""
         ...
 
+    def sparse_attention_lists(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        idx: torch.Tensor,
+        count: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``sparse_attention`` with a key list per query: query ``t`` attends to ``keys[idx[t, :count[t]]]``
+        (``idx [T, W]``; entries past ``count`` are never read). Several sequences share one call."""
+        ...
+
+    def indexer_scores_ranges(
+        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """``indexer_scores`` with a key range per query: ``[T, width]``, column ``r`` of row ``t`` scoring
+        ``keys[start[t] + r]`` (columns past the end of ``keys`` are 0; the caller masks what a query may not see)."""
+        ...
+
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Lightning-indexer scores ``Σ_h weights[:, h] · relu(q[:, h] · keys)`` → ``[n, R]``."""
         ...

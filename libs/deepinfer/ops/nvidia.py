@@ -1,10 +1,10 @@
-"""The batch-invariant op set on nvidia: ``ops.invariant`` with Triton kernels (``deepinfer.kernels``).
+"""The op sets of the nvidia backend.
 
-Sparse attention runs over each query's visible keys gathered into a canonical order (window rows by
-position, then compressed rows by index) and the lightning indexer over fixed key tiles; both kernels are
-batch-invariant by construction. The default nvidia op set stays the reference ops on the GPU for now:
-called once per sequence, the attention kernel (one program per query and 16 heads) leaves the GPU idle at
-decode and measured slower than the reference einsum (docs/determinism.md, Cost).
+* ``NvidiaOps`` (the default): the reference semantics with the MoE as sorted slots + grouped GEMMs
+  (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop).
+* ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
+  runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
+  rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.ops.invariant import BatchInvariantOps
+from deepinfer.ops.reference import ReferenceOps
+
+MOE_BACKENDS = ("auto", "grouped_mm", "triton")
 
 
 def _kernels() -> tuple:
@@ -46,3 +49,60 @@ class NvidiaInvariantOps(_KernelAttention, BatchInvariantOps):
     def __init__(self) -> None:
         BatchInvariantOps.__init__(self, "nvidia")
         self._load_kernels()
+
+
+class NvidiaOps(ReferenceOps):
+    """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
+    CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
+    CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise)."""
+
+    def __init__(self, moe_backend: str = "auto") -> None:
+        super().__init__("nvidia")
+        if moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe_backend!r}")
+        try:
+            from deepinfer.kernels import moe
+        except ImportError as e:  # pragma: no cover - a CUDA host without triton
+            raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
+        self._moe, self.moe_backend = moe, moe_backend
+        from deepinfer.kernels.attention import indexer_scores_ranges, sparse_attention_gather
+
+        self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
+
+    def sparse_attention_lists(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        idx: torch.Tensor,
+        count: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale)
+
+    def indexer_scores_ranges(
+        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        backend = self.moe_backend
+        if backend == "auto":
+            backend = "triton"
+            if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+                slots, experts = idx.numel(), w1.shape[0]
+                # H200, V4-Flash width (bench/results/2026-11-29-sweep-2.md): CUTLASS wins with one token (fewer
+                # launches) and from ~24 slots per expert on; the Triton kernels in between
+                if x.shape[0] <= 4 or slots > 24 * experts:
+                    backend = "grouped_mm"
+        fn = self._moe.moe_grouped_mm if backend == "grouped_mm" else self._moe.moe_triton
+        return fn(x, idx, weights, w1, w2, w3, limit)

@@ -105,6 +105,39 @@ class ReferenceOps:
         p = (e / den.unsqueeze(-1)).to(keys.dtype)
         return torch.einsum("nhk,kd->nhd", p.float(), kf).to(q.dtype)
 
+    def sparse_attention_lists(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        idx: torch.Tensor,
+        count: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        t, w = idx.shape
+        if w == 0 or keys.shape[0] == 0:
+            return torch.zeros_like(q)
+        valid = torch.arange(w, device=q.device).unsqueeze(0) < count.unsqueeze(1)
+        kg = keys.float()[torch.where(valid, idx, 0)]  # [T, W, d]
+        s = torch.einsum("thd,twd->thw", q.float(), kg) * scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m = torch.maximum(s.amax(-1), sink.float().view(1, -1))
+        e = torch.exp(s - m.unsqueeze(-1))
+        den = e.sum(-1) + torch.exp(sink.float().view(1, -1) - m)
+        p = (e / den.unsqueeze(-1)).to(keys.dtype)
+        return torch.einsum("thw,twd->thd", p.float(), kg).to(q.dtype)
+
+    def indexer_scores_ranges(
+        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        n = keys.shape[0]
+        if n == 0 or width == 0:
+            return torch.zeros(q.shape[0], width, device=q.device)
+        r = start.unsqueeze(1) + torch.arange(width, device=q.device)
+        kg = keys.float()[r.clamp(max=n - 1)] * (r < n).unsqueeze(-1)  # [T, width, d]
+        s = torch.einsum("thd,trd->thr", q.float(), kg).relu()
+        return (s * weights.float().unsqueeze(-1)).sum(1)
+
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         s = torch.einsum("nhd,rd->nhr", q.float(), keys.float()).relu()
         return (s * weights.float().unsqueeze(-1)).sum(1)

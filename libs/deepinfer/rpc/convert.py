@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.determinism import Determinism
 from deepinfer.engine.interfaces import (
     ChunkPlan,
@@ -19,6 +20,7 @@ from deepinfer.engine.interfaces import (
     StepPlan,
     StepResult,
 )
+from deepinfer.grammar import grammar_from_proto, grammar_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, worker_pb2
 
@@ -88,10 +90,37 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
     if s.so_args:
-        schema = s.so_args.get("schema", "")
-        p.structured_output.schema_type = _schema_enum(s.so_args["schema_type"])
-        p.structured_output.schema = schema if isinstance(schema, str) else json.dumps(schema)
+        p.structured_output.CopyFrom(structured_output_to_proto(s.so_args))
     return p
+
+
+def structured_output_to_proto(so_args: dict) -> common_pb2.StructuredOutput:
+    """The wire form of a validated ``so_args`` (a schema object travels as its JSON text)."""
+    schema = so_args.get("schema") or ""
+    return common_pb2.StructuredOutput(
+        schema_type=_schema_enum(so_args["schema_type"]),
+        schema=schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False),
+    )
+
+
+def constraint_to_proto(c: Constraint) -> common_pb2.Constraint:
+    msg = common_pb2.Constraint(
+        banned_token_ids=c.banned_token_ids,
+        after_think=c.after_think,
+        reasoning_banned_token_ids=c.reasoning_banned_token_ids,
+    )
+    if c.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_proto(c.grammar))
+    return msg
+
+
+def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint:
+    grammar = None
+    if msg.HasField("grammar"):
+        if not msg.grammar.compiled_json:
+            raise ValueError("constraint.grammar.compiled_json: required")
+        grammar = grammar_from_proto(msg.grammar)
+    return Constraint(grammar, tuple(msg.banned_token_ids), msg.after_think, tuple(msg.reasoning_banned_token_ids))
 
 
 def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
@@ -116,6 +145,9 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
             logprob_targets=c.logprob_targets or [],
             resume_from=c.resume_from or "",
         )
+        if c.constraint is not None:
+            chunk.constraint.CopyFrom(constraint_to_proto(c.constraint))
+            chunk.constraint_history.extend(c.constraint_history or [])
         if c.request_id not in sent_params:
             chunk.params.CopyFrom(sampling_to_proto(c.params))
             chunk.trace_context.update(c.trace_context or {})
@@ -144,6 +176,8 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
                 logprob_targets=list(c.logprob_targets) or None,
                 trace_context=dict(c.trace_context) or None,
                 resume_from=c.resume_from or None,
+                constraint=constraint_from_proto(c.constraint) if c.HasField("constraint") else None,
+                constraint_history=list(c.constraint_history) if c.HasField("constraint") else None,
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]

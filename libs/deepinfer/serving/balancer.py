@@ -22,6 +22,7 @@ from opentelemetry.context import Context
 from deepinfer.chat import encode_messages
 from deepinfer.engine.determinism import merge as merge_determinism
 from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto, sampling_from_proto
+from deepinfer.serving.constraints import ConstraintCompiler
 from deepinfer.serving.errors import ModelNotFound, Unavailable
 from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, observe_stream, status_label
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
@@ -78,9 +79,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     GRPC_ROUTE = "/deepinfer.v1.Generation/Generate"  # the route label of gRPC requests in the metrics
 
     def __init__(
-        self, tokenizer: object, info: generation_pb2.ModelInfo, replicas: list[str], metrics: Metrics | None = None
+        self,
+        tokenizer: object,
+        info: generation_pb2.ModelInfo,
+        replicas: list[str],
+        metrics: Metrics | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
-        self.tokenizer, self.info = tokenizer, info
+        self.tokenizer, self.info, self.constraints = tokenizer, info, constraints
         self.metrics = metrics if metrics is not None else METRICS
         self.replicas: list[Replica] = []
         self.set_replicas(replicas)
@@ -100,11 +106,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # -- helpers -------------------------------------------------------------------------------
     def _prompt(
         self, which: str | None, req: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
-    ) -> tuple[list[int], str | None]:
+    ) -> tuple[list[int], str | None, list[dict] | None]:
+        """Prompt ids, prompt text and (chat) the tools it renders."""
         if which == "text":
-            return self.tokenizer.encode(req.text, add_special_tokens=False).ids, req.text
+            return self.tokenizer.encode(req.text, add_special_tokens=False).ids, req.text, None
         if which == "token_ids":
-            return list(req.token_ids.ids), None
+            return list(req.token_ids.ids), None, None
         if which == "chat":
             messages, tools = chat_to_messages(req.chat)
             text = encode_messages(
@@ -113,8 +120,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 reasoning_effort=req.chat.reasoning_effort or None,
                 tools=tools,
             )
-            return self.tokenizer.encode(text, add_special_tokens=False).ids, text
+            return self.tokenizer.encode(text, add_special_tokens=False).ids, text, tools
         raise ValueError("input: one of text, token_ids or chat is required")
+
+    async def _constraint(
+        self, request: generation_pb2.GenerateRequest, ids: list[int], params: object, tools: list[dict] | None
+    ) -> common_pb2.Constraint | None:
+        if self.constraints is not None:
+            return await self.constraints.build(request, ids, params, tools)
+        if params.so_args is not None:
+            raise Unavailable("so_args: this balancer has no grammar service (DEEPINFER_GRAMMAR_URL)")
+        return None
 
     def _pick(self) -> Replica:
         if not self.replicas:
@@ -164,7 +180,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         if request.model and request.model != self.info.model:
             raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
-        ids, _ = self._prompt(request.WhichOneof("input"), request)
+        ids, _, tools = self._prompt(request.WhichOneof("input"), request)
         if not ids:
             raise ValueError("prompt: empty prompt (at least one token is required)")
         if len(ids) >= self.info.max_model_len:
@@ -172,6 +188,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         params = sampling_from_proto(request.sampling)
         params.validate_for_model(self.info.vocab_size)
         try:
+            with trace.use_span(span, end_on_exit=False):  # the grammar service's compile span is a child
+                constraint = await self._constraint(request, ids, params, tools)
             replica = self._pick()
         except Unavailable as e:
             raise grpc.aio.AioRpcError(
@@ -188,6 +206,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 prompt_token_ids=ids,
                 sampling=request.sampling,
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                constraint=constraint,
             ),  # fmt: skip
             timeout=timeout,
             metadata=inject_metadata(trace.set_span_in_context(span)),
@@ -274,7 +293,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.TokenizeResponse:
         try:
-            ids, text = self._prompt(request.WhichOneof("input"), request)
+            ids, text, _ = self._prompt(request.WhichOneof("input"), request)
         except ValueError as e:
             await context.abort(*status_for(e))
             return generation_pb2.TokenizeResponse()
@@ -326,21 +345,29 @@ async def run_balancer(
     ``http_port``, the OpenAI-compatible HTTP API beside it; both drain and stop together on SIGTERM."""
     import asyncio
 
+    from deepinfer import envs
     from deepinfer.engine.factory import resolve_model_dir
+    from deepinfer.grammar import tokenizer_fingerprint
     from deepinfer.serving.server import Service, serve
     from deepinfer.tokenizer import load_tokenizer
 
     path, config = resolve_model_dir(model)
+    tokenizer = load_tokenizer(path)
+    constraints = ConstraintCompiler(
+        tokenizer, envs.DEEPINFER_GRAMMAR_URL, tokenizer_fingerprint(path), envs.DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S
+    )
     info = generation_pb2.ModelInfo(
         model=str(model or path),
         model_type=config.model_type,
         vocab_size=config.vocab_size,
         max_model_len=max_model_len or config.max_position_embeddings,
         eos_token_id=config.eos_token_id,
-        structured_output_types=[],
+        structured_output_types=constraints.kinds,
     )
-    service = GenerationService(load_tokenizer(path), info, schedulers)
+    service = GenerationService(tokenizer, info, schedulers, constraints=constraints)
     services = [Service("deepinfer.v1.Generation", service, generation_pb2_grpc.add_GenerationServicer_to_server)]
+    from deepinfer.serving.discovery import Discovery
+
     discovery = Discovery(service, schedulers)
     try:
         await discovery.start()
@@ -365,51 +392,4 @@ async def run_balancer(
             await task
     finally:
         await discovery.close()
-
-
-class Discovery:
-    """Keeps the balancer's replicas = the static ``--scheduler`` list ∪ the schedulers registered on NATS.
-
-    While NATS is down the registry view serves its last snapshot, so routing goes on unchanged."""
-
-    def __init__(self, service: GenerationService, static: list[str], period_s: float = 0.5) -> None:
-        self.service, self.static, self.period_s = service, list(static), period_s
-        self.bus = None
-        self.view = None
-        self._task = None
-
-    async def start(self) -> None:
-        import asyncio
-
-        from deepinfer import envs
-        from deepinfer.events import EventBus, RegistryView
-
-        url = envs.DEEPINFER_NATS_URL
-        if not url:
-            return
-        self.bus = EventBus("balancer-discovery")
-        try:
-            await self.bus.connect(url, timeout_s=10)
-        except (ConnectionError, OSError):
-            log.warning("nats_unreachable_at_start", url=url)
-            self.bus = None
-            return
-        self.view = RegistryView(self.bus)
-        await self.view.start()
-        self._task = asyncio.create_task(self._sync())
-
-    async def _sync(self) -> None:
-        import asyncio
-
-        while True:
-            found = [r.address for r in self.view.instances("scheduler")]
-            self.service.set_replicas(self.static + sorted(found))
-            await asyncio.sleep(self.period_s)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self.view is not None:
-            await self.view.close()
-        if self.bus is not None:
-            await self.bus.close()
+        await constraints.close()

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
+from deepinfer.chat.streaming import StreamingParser
 from deepinfer.serving.balancer import GenerationService
 from deepinfer.serving.metrics import (
     CONTENT_TYPE_LATEST,
@@ -39,7 +40,6 @@ from deepinfer.serving.metrics import (
 from deepinfer.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ReasoningSplitter,
     parse_chat_output,
 )
 from deepinfer.telemetry import get_logger
@@ -119,6 +119,20 @@ class _EventStream(StreamingResponse):
                 await self.cleanup()
 
 
+def _openai_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parser fragments as chat-completion deltas: reasoning also under vLLM's ``reasoning`` name; adjacent
+    text fragments of one kind merged."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if "reasoning_content" in d:
+            d = {"reasoning_content": d["reasoning_content"], "reasoning": d["reasoning_content"]}
+        if out and d.keys() == out[-1].keys() and "tool_calls" not in d:
+            out[-1] = {k: out[-1][k] + d[k] for k in d}
+        else:
+            out.append(dict(d))
+    return out
+
+
 def _usage(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
     details = {"cached_tokens": u.cached_tokens, "cached_tokens_by_tier": dict(u.cached_tokens_by_tier)}
     out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
@@ -193,6 +207,8 @@ class _Api:
             raise ApiError(400, f"the request body is not valid UTF-8 ({e})", code="invalid_json") from None
         except json.JSONDecodeError as e:
             raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the JSON body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         req = model.model_validate(body)
@@ -297,24 +313,21 @@ class _Api:
             return head | {"choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]} | extra
 
         async def events() -> AsyncIterator[dict[str, Any]]:
-            splitter, ids, out = ReasoningSplitter(reasoning), [], first
+            parser, ids, out = StreamingParser("thinking" if reasoning else "chat"), [], first
             yield chunk({"role": "assistant", "content": ""})
             while out is not None:
                 ids += out.token_ids
                 done = out.HasField("finished")
-                r, c = splitter.feed(out.text)
-                calls: list[dict[str, str]] = []
-                if done:
-                    r2, c2, calls = splitter.finish()
-                    r, c = r + r2, c + c2
+                deltas = parser.feed(out.text) + (parser.finish() if done else [])
                 lp = {"content": self.chat_logprobs(out.logprobs)} if req.logprobs and out.logprobs else None
-                delta = ({"reasoning_content": r, "reasoning": r} if r else {}) | ({"content": c} if c else {})
-                if delta or lp:
-                    yield chunk(delta, lp=lp)
+                for k, delta in enumerate(_openai_deltas(deltas)):
+                    yield chunk(delta, lp=lp if k == 0 else None)
+                    lp = None
+                if lp:
+                    yield chunk({}, lp=lp)
                 if done:
                     finish = _finish(out)
-                    if calls:
-                        yield chunk({"tool_calls": [_call(x) | {"index": k} for k, x in enumerate(calls)]})
+                    if parser.tool_call_count and finish == "stop" and not parser.unfinished_call:
                         finish = "tool_calls"
                     yield chunk({}, finish)
                     if req.include_usage:

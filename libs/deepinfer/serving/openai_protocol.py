@@ -1,10 +1,12 @@
 """OpenAI-compatible request models, their mapping to ``deepinfer.v1`` requests, and the chat output parser.
 
 Requests are pydantic models that ignore unknown fields (as vLLM does). Fields the engine cannot honour
-(``n`` > 1, penalties, ``echo``, ``logit_bias``, structured ``response_format``, forced ``tool_choice``) are
-refused with a ValueError naming the field rather than silently ignored. Chat output is split into
-reasoning, content and tool calls by ``ReasoningSplitter``, a subset of the state machine of
-CHAT_ENCODING.md §4.2 that works on streamed text deltas.
+(``n`` > 1, penalties, ``echo``, ``logit_bias``) are refused with a ValueError naming the field rather than
+silently ignored. Structured output comes from ``response_format`` (json_object, json_schema) or, in the
+extra body, vLLM's ``structured_outputs`` / ``guided_*`` fields or DeepInfer's ``so_args``; ``tool_choice``
+(auto, none, required, a named function) travels to the balancer, which compiles the tool-call grammar.
+Chat output is split into reasoning, content and tool calls by ``ReasoningSplitter``, a subset of the state
+machine of CHAT_ENCODING.md §4.2 that works on streamed text deltas.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pydantic import BaseModel, ConfigDict
 from deepinfer.chat import encode_messages, parse_completion
 from deepinfer.chat.dsml import parse_tool_calls
 from deepinfer.chat.tokens import EOS, THINK_END, THINK_START, TOOL_CALLS_START
+from deepinfer.rpc.convert import structured_output_to_proto
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.balancer import chat_to_messages
+from deepinfer.serving.openai_structured import so_args_of, tool_choice_of
 from deepinfer.v1 import common_pb2, generation_pb2
 
 # reasoning_effort -> (thinking, the encoder's effort); DeepSeek's API maps low/medium up and xhigh to max.
@@ -56,6 +61,14 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
+    # structured output beyond response_format (extra body): vLLM's structured_outputs {json | regex | grammar |
+    # choice | json_object}, its older guided_* fields, and DeepInfer's so_args {schema_type, schema}
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    so_args: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -93,6 +106,10 @@ class _SamplingRequest(BaseModel):
             p.stop_token_ids.extend(self.stop_token_ids or [])
         except ValueError as e:
             raise ValueError(f"stop_token_ids: out of range ({e})") from None
+        so = so_args_of(self)
+        if so is not None:
+            SamplingParams(so_args=so)  # validates, naming the field
+            p.structured_output.CopyFrom(structured_output_to_proto(so))
         return p
 
 
@@ -157,16 +174,15 @@ class ChatCompletionRequest(_SamplingRequest):
         """The wire request and whether the rendered prompt opens reasoning (ends with ``<think>``)."""
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: structured output is not supported by this deployment")
-        choice = self.tool_choice
-        if choice not in (None, "auto", "none"):
-            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
         thinking, effort = self.thinking()
         chat = generation_pb2.ChatInput(thinking_mode="thinking" if thinking else "chat", reasoning_effort=effort)
         chat.messages.extend(_message(m, i) for i, m in enumerate(self.messages))
+        choice, function = tool_choice_of(self.tool_choice, bool(self.tools))
         if self.tools and choice != "none":  # tool_choice "none": tools are not rendered (CHAT_ENCODING §3.1)
             chat.tools.extend(_tool(t, i) for i, t in enumerate(self.tools))
+        chat.tool_choice, chat.tool_choice_function = choice, function
+        if self.parallel_tool_calls is not None:
+            chat.parallel_tool_calls = self.parallel_tool_calls
         messages, tools = chat_to_messages(chat)
         prompt = encode_messages(messages, chat.thinking_mode, reasoning_effort=effort or None, tools=tools)
         # Unset max_tokens: up to the context (the engine finishes with "length" at max_model_len).

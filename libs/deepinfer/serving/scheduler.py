@@ -20,7 +20,7 @@ import grpc
 from deepinfer.engine.interfaces import StepPlan, StepResult
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.rpc.convert import plan_to_proto, result_from_proto, sampling_from_proto
+from deepinfer.rpc.convert import constraint_from_proto, plan_to_proto, result_from_proto, sampling_from_proto
 from deepinfer.serving.errors import Overloaded, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
@@ -223,8 +223,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.max_queued:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_queued={self.max_queued})")
+        constraint = constraint_from_proto(request.constraint) if request.HasField("constraint") else None
+        if params.so_args and (constraint is None or constraint.grammar is None):
+            raise ValueError("constraint: so_args needs the compiled grammar (the balancer compiles it)")
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints))
+        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints), constraint)
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext

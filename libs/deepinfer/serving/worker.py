@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -185,6 +186,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
+    if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
+        threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
     servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)))
     service = Service("deepinfer.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server)

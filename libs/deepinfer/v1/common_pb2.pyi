@@ -76,6 +76,30 @@ class StructuredOutput(_message.Message):
     schema: str
     def __init__(self, schema_type: _Optional[_Union[StructuredOutput.SchemaType, str]] = ..., schema: _Optional[str] = ...) -> None: ...
 
+class CompiledGrammar(_message.Message):
+    __slots__ = ("compiled_json", "cache_key", "tokenizer_fingerprint", "allowed_control_token_ids")
+    COMPILED_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_CONTROL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    compiled_json: str
+    cache_key: str
+    tokenizer_fingerprint: str
+    allowed_control_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, compiled_json: _Optional[str] = ..., cache_key: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., allowed_control_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("grammar", "banned_token_ids", "after_think", "reasoning_banned_token_ids")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_THINK_FIELD_NUMBER: _ClassVar[int]
+    REASONING_BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    grammar: CompiledGrammar
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    after_think: bool
+    reasoning_banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, grammar: _Optional[_Union[CompiledGrammar, _Mapping]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., after_think: _Optional[bool] = ..., reasoning_banned_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens", "cached_tokens_by_tier")
     class CachedTokensByTierEntry(_message.Message):

@@ -32,16 +32,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "thinking_mode", "reasoning_effort", "tools")
+    __slots__ = ("messages", "thinking_mode", "reasoning_effort", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     THINKING_MODE_FIELD_NUMBER: _ClassVar[int]
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     thinking_mode: str
     reasoning_effort: str
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., thinking_mode: _Optional[str] = ..., reasoning_effort: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
+    tool_choice: str
+    tool_choice_function: str
+    parallel_tool_calls: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., thinking_mode: _Optional[str] = ..., reasoning_effort: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65\x65pinfer/v1/grammar.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"}\n\x0e\x43ompileRequest\x12\x39\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1e.deepinfer.v1.StructuredOutput\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"O\n\x0f\x43ompileResponse\x12\x15\n\rcompiled_json\x18\x01 \x01(\t\x12\x11\n\tcache_key\x18\x02 \x01(\t\x12\x12\n\ncompile_ms\x18\x03 \x01(\x01\x32Q\n\x07Grammar\x12\x46\n\x07\x43ompile\x12\x1c.deepinfer.v1.CompileRequest\x1a\x1d.deepinfer.v1.CompileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65\x65pinfer/v1/grammar.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"}\n\x0e\x43ompileRequest\x12\x39\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1e.deepinfer.v1.StructuredOutput\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"e\n\x0f\x43ompileResponse\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.deepinfer.v1.CompiledGrammar\x12\x12\n\ncompile_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x32Q\n\x07Grammar\x12\x46\n\x07\x43ompile\x12\x1c.deepinfer.v1.CompileRequest\x1a\x1d.deepinfer.v1.CompileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPILEREQUEST']._serialized_start=71
   _globals['_COMPILEREQUEST']._serialized_end=196
   _globals['_COMPILERESPONSE']._serialized_start=198
-  _globals['_COMPILERESPONSE']._serialized_end=277
-  _globals['_GRAMMAR']._serialized_start=279
-  _globals['_GRAMMAR']._serialized_end=360
+  _globals['_COMPILERESPONSE']._serialized_end=299
+  _globals['_GRAMMAR']._serialized_start=301
+  _globals['_GRAMMAR']._serialized_end=382
 # @@protoc_insertion_point(module_scope)

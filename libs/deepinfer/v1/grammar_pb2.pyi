@@ -17,11 +17,11 @@ class CompileRequest(_message.Message):
     def __init__(self, structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
-    __slots__ = ("compiled_json", "cache_key", "compile_ms")
-    COMPILED_JSON_FIELD_NUMBER: _ClassVar[int]
-    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("grammar", "compile_ms", "cached")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
-    compiled_json: str
-    cache_key: str
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    grammar: _common_pb2.CompiledGrammar
     compile_ms: float
-    def __init__(self, compiled_json: _Optional[str] = ..., cache_key: _Optional[str] = ..., compile_ms: _Optional[float] = ...) -> None: ...
+    cached: bool
+    def __init__(self, grammar: _Optional[_Union[_common_pb2.CompiledGrammar, _Mapping]] = ..., compile_ms: _Optional[float] = ..., cached: _Optional[bool] = ...) -> None: ...

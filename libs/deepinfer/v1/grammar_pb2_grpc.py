@@ -45,7 +45,10 @@ class GrammarServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Compile(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """INVALID_ARGUMENT: the grammar is invalid or over a limit (the message says which and why);
+        DEADLINE_EXCEEDED: the compile ran past its time limit (the grammar is refused, the service stays up);
+        FAILED_PRECONDITION: the tokenizer fingerprint is not the one this service compiles against.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

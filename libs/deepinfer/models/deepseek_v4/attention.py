@@ -3,6 +3,14 @@
 Every layer attends to the window rows (the last ``W`` raw KV rows, the current token included);
 HCA layers add every complete compressed row, CSA layers add the indexer's top-k compressed rows.
 The long-term rows go to the paged cache, the window and the compressor buffers to the sequence.
+
+Two paths compute the same attention. With batch-invariant ops each sequence attends alone (``_attend_one``: its
+keys and mask, one ``ops.sparse_attention`` call per sequence), which keeps that mode's results what they were. Every
+other op set takes the batched path (``_attend_batched``): the state bookkeeping stays per sequence (window ring,
+compressor buffers, page writes: cheap views and copies), while the work runs once for the whole batch: one pool of
+window rows, one gather of every sequence's compressed rows (``PagedKVCache.read_many``), one indexer scoring and
+top-k over per-query row ranges, and one ``ops.sparse_attention_lists`` over per-query key lists (window rows by
+position, then compressed rows by index).
 """
 
 from __future__ import annotations
@@ -81,8 +89,70 @@ class Compressor(nn.Module):
             rows = kv.new_zeros(0, d, dtype=dtype)
         keep = max(last - (1 if self.overlap else 0), 0) * m
         keep = max(keep, base)
-        new_buf = CompressorBuffer(kv=kv[keep - base :].clone(), score=score[keep - base :].clone(), start=keep)
-        return rows, first, new_buf
+        kv, score = kv[keep - base :], score[keep - base :]
+        if buf is None:  # views of the whole batch's projections: keep only this sequence's rows alive
+            kv, score = kv.clone(), score.clone()
+        return rows, first, CompressorBuffer(kv=kv, score=score, start=keep)
+
+    def forward_many(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        spans: list[tuple[int, int, int, int]],
+        bufs: list[CompressorBuffer | None],
+        rope: RotaryTable,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> list[tuple[torch.Tensor, int, CompressorBuffer]]:
+        """``forward`` of several sequences: sequence ``i`` owns rows ``a .. b`` of the batch projections ``kv`` and
+        ``score`` (``spans[i] = (a, b, start, skip_rows)``) and the buffer ``bufs[i]``. The buffers advance one by one;
+        the rows completed by all sequences are gathered, pooled, normalised and rotated as one batch."""
+        m, d, dev = self.ratio, self.dim, kv.device
+        out: list[list] = []
+        jobs = []
+        for (a, b, start, skip), buf in zip(spans, bufs):
+            k_i, s_i, base = kv[a:b], score[a:b], start
+            if buf is not None:
+                k_i, s_i, base = torch.cat([buf.kv, k_i]), torch.cat([buf.score, s_i]), buf.start
+            first, last = max(start // m, skip), (start + b - a) // m
+            if last > first:
+                jobs.append((len(out), k_i, s_i, base, first, last))
+            keep = max(max(last - (1 if self.overlap else 0), 0) * m, base)
+            nk, ns = k_i[keep - base :], s_i[keep - base :]
+            if buf is None:  # views of the whole batch's projections: keep only this sequence's rows alive
+                nk, ns = nk.clone(), ns.clone()
+            out.append([kv.new_zeros(0, d, dtype=dtype), first, CompressorBuffer(kv=nk, score=ns, start=keep)])
+        if jobs:
+            big_k = torch.cat([j[1] for j in jobs]) if len(jobs) > 1 else jobs[0][1]
+            big_s = torch.cat([j[2] for j in jobs]) if len(jobs) > 1 else jobs[0][2]
+            cur, prev, ws, off = [], [], [], 0
+            for _, k_i, _, base, first, last in jobs:  # host-side indices into the concatenated buffers
+                w = torch.arange(first, last)
+                c = w.unsqueeze(1) * m + torch.arange(m) - base
+                cur.append(c + off)
+                prev.append((c - m).clamp_min(0) + off)
+                ws.append(w)
+                off += k_i.shape[0]
+            w = torch.cat(ws)
+            meta = torch.stack([torch.cat(cur), torch.cat(prev), (w > 0).long().unsqueeze(1).expand(-1, m)])
+            cur_d, prev_d, has_prev = meta.to(dev, non_blocking=True)
+            if self.overlap:
+                has_prev = has_prev[:, :1].bool().unsqueeze(-1)
+                kp = torch.where(has_prev, big_k[prev_d][..., :d], 0.0)
+                sp = torch.where(has_prev, big_s[prev_d][..., :d], float("-inf"))
+                k_all = torch.cat([kp, big_k[cur_d][..., d:]], dim=1)
+                s_all = torch.cat([sp, big_s[cur_d][..., d:]], dim=1)
+            else:
+                k_all, s_all = big_k[cur_d], big_s[cur_d]
+            rows = ops.softmax_pool(k_all, s_all).to(dtype)
+            rows = self.norm(rows, ops)
+            cos, sin = rope(w.to(dev, non_blocking=True) * m, ops)
+            rows = ops.rope(rows, cos, sin)
+            if self.quant_sim:
+                rows = self._quant(rows, ops)
+            for job, part in zip(jobs, rows.split([j[5] - j[4] for j in jobs])):
+                out[job[0]][0] = part
+        return [(r, f, nb) for r, f, nb in out]
 
     def _quant(self, rows: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.rotate:  # indexer keys: Hadamard then FP4
@@ -114,6 +184,43 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(config.hidden_size, self.n_heads)
         self.compressor = Compressor(config, ratio, self.head_dim, overlap=True, rotate=True)
         self.quant_sim = False
+
+    def queries(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries ``[n, h, d]`` and their head weights ``[n, h]`` (fp32, scaled)."""
+        n = x.shape[0]
+        q = self.wq_b(qr, ops).view(n, self.n_heads, self.head_dim)
+        cos, sin = rope(positions, ops)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        if self.quant_sim:
+            q = ops.fp4_quant_sim(hadamard(q), min(32, q.shape[-1]))
+        w = self.weights_proj(x, ops).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w
+
+    def select_ranges(
+        self,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        visible_rows: torch.Tensor,
+        keys: torch.Tensor,
+        start: torch.Tensor,
+        width: int,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows each query keeps when query ``t`` sees rows ``0 .. visible_rows[t]`` of its sequence, stored at
+        ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``)."""
+        n = q.shape[0]
+        k = min(self.topk, width)
+        if n == 0 or k == 0:
+            none = torch.zeros(n, 0, dtype=torch.long, device=q.device)
+            return none, none.sum(1)
+        visible = torch.arange(width, device=q.device).unsqueeze(0) < visible_rows.unsqueeze(1)
+        scores = ops.indexer_scores_ranges(q, keys, w, start, width).masked_fill(~visible, float("-inf"))
+        top = ops.topk_indices(scores, k)
+        chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
+        rows = torch.sort((~chosen).to(torch.uint8), dim=1, stable=True).indices[:, :k]
+        return rows, chosen.sum(1)
 
     def select(
         self,
@@ -191,10 +298,15 @@ class Attention(nn.Module):
             proj["main"] = self.compressor.project(x, positions, ops)
         if self.indexer is not None:
             proj["index"] = self.indexer.compressor.project(x, positions, ops)
-        out = torch.empty_like(q)
-        for chunk, (a, b) in zip(chunks, offsets):
-            part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
-            out[a:b] = self._attend_one(x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops)
+        if ops.batch_invariant:
+            out = torch.empty_like(q)
+            for chunk, (a, b) in zip(chunks, offsets):
+                part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
+                out[a:b] = self._attend_one(
+                    x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops
+                )
+        else:
+            out = self._attend_batched(x, qr, q, kv, positions, proj, chunks, offsets, cache, rope, ops)
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         g = self.o_groups
         z = ops.grouped_linear(out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
@@ -238,6 +350,111 @@ class Attention(nn.Module):
         ring[keep % win] = kv[keep - s]
         return ops.sparse_attention(q, keys, mask, self.attn_sink, self.head_dim**-0.5)
 
+    def _attend_batched(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        proj: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        chunks: list[SeqChunk],
+        offsets: list[tuple[int, int]],
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``."""
+        win, dev, n_tok = self.window, x.device, x.shape[0]
+        # -- the window: each chunk's old rows (ring slots, in position order) then its new rows, in one pool
+        pieces, lo, woff, o = [], [], [], 0
+        for chunk, (a, b) in zip(chunks, offsets):
+            st, s = chunk.state, chunk.start
+            ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
+            first = max(st.window_start, s - win + 1, 0)  # a replay sees no older rows
+            pieces += _ring_span(ring, first, s - first) + [kv[a:b]]
+            lo.append(first)
+            woff.append(o)
+            o += s - first + b - a
+        window_pool = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        # the ring keeps the last `win` rows (after the pool has read the old ones)
+        dst, src = [], []
+        for chunk, (a, b) in zip(chunks, offsets):
+            s, e = chunk.start, chunk.end
+            keep = max(s, e - win)
+            dst += _ring_span(chunk.state.windows[self.layer_id], keep, e - keep)
+            src += _split_like(kv[a + keep - s : b], dst[len(src) :])
+        if dst:
+            torch._foreach_copy_(dst, src)
+        # -- per-token metadata (host-side ints, one copy to the device)
+        lens = [b - a for a, b in offsets]
+        cid = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens, dtype=torch.long))
+        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+        lo_t = torch.tensor(lo, dtype=torch.long)[cid]
+        w_first = torch.maximum(pos - win + 1, lo_t)
+        meta = [torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1]
+        width = int(meta[1].max()) if n_tok else 0
+        if self.compressor is None:
+            w_start, w_cnt = torch.stack(meta).to(dev, non_blocking=True)
+            idx = w_start.unsqueeze(1) + torch.arange(width, device=dev)
+            return ops.sparse_attention_lists(q, window_pool, idx, w_cnt, self.attn_sink, self.head_dim**-0.5)
+        if cache is None:
+            raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+        m = self.ratio
+        rows_pool, roff = self._compress_batched(self.compressor, proj["main"], chunks, offsets, "main", cache, rope,
+                                                 ops, kv.dtype)  # fmt: skip
+        counts = [c.end // m for c in chunks]
+        visible = (pos + 1) // m
+        meta += [torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], visible]
+        if self.indexer is not None:
+            ipool, ioff = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index",
+                                                 cache, rope, ops, kv.dtype)  # fmt: skip
+            meta.append(torch.tensor(ioff, dtype=torch.long)[cid])
+        meta_d = torch.stack(meta).to(dev, non_blocking=True)
+        w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
+        r_width = max(counts, default=0)
+        if self.indexer is not None:
+            iq, iw = self.indexer.queries(x, qr, positions, rope, ops)
+            sel, r_cnt = self.indexer.select_ranges(iq, iw, r_vis, ipool, meta_d[4], r_width, ops)
+            r_idx = sel + r_start.unsqueeze(1)
+            c_width = sel.shape[1]
+        else:
+            r_cnt, c_width = r_vis, r_width
+            r_idx = r_start.unsqueeze(1) + torch.arange(c_width, device=dev)
+        keys = torch.cat([window_pool, rows_pool])
+        j = torch.arange(width + c_width, device=dev).unsqueeze(0)
+        cw = w_cnt.unsqueeze(1)
+        comp = torch.gather(r_idx, 1, (j - cw).clamp(0, max(c_width - 1, 0))) if c_width else torch.zeros_like(j)
+        idx = torch.where(j < cw, w_start.unsqueeze(1) + j, comp)
+        return ops.sparse_attention_lists(q, keys, idx, w_cnt + r_cnt, self.attn_sink, self.head_dim**-0.5)
+
+    def _compress_batched(
+        self,
+        comp: Compressor,
+        proj: tuple[torch.Tensor, torch.Tensor],
+        chunks: list[SeqChunk],
+        offsets: list[tuple[int, int]],
+        name: str,
+        cache: PagedKVCache,
+        rope: RotaryTable,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Feed every chunk's projections to its compressor and store new rows; return one pool of every chunk's
+        rows so far and the offset of each chunk's row 0 in it."""
+        store = "rows" if name == "main" else "index"
+        key = (self.layer_id, name)
+        spans = [(a, b, c.start, c.state.replay_until // self.ratio) for c, (a, b) in zip(chunks, offsets)]
+        done = comp.forward_many(proj[0], proj[1], spans, [c.state.buffers.get(key) for c in chunks], rope, ops, dtype)
+        writes = []
+        for chunk, (rows, first, buf) in zip(chunks, done):
+            chunk.state.buffers[key] = buf
+            if rows.shape[0]:
+                writes.append((chunk.block_table, first, rows))
+        cache.write_many(store, self.layer_id, writes)
+        tables = [c.block_table for c in chunks]
+        return cache.read_many(store, self.layer_id, tables, [c.end // self.ratio for c in chunks])
+
     def _compress(
         self,
         comp: Compressor,
@@ -257,3 +474,23 @@ class Attention(nn.Module):
         store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)
+
+
+def _ring_span(ring: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:
+    """Views of the ring slots of positions ``first .. first + count`` in position order (one or two pieces)."""
+    if count <= 0:
+        return []
+    size = ring.shape[0]
+    a = first % size
+    if a + count <= size:
+        return [ring[a : a + count]]
+    return [ring[a:], ring[: a + count - size]]
+
+
+def _split_like(x: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x`` cut into consecutive pieces of the lengths of ``parts``."""
+    out, o = [], 0
+    for p in parts:
+        out.append(x[o : o + p.shape[0]])
+        o += p.shape[0]
+    return out

@@ -100,13 +100,12 @@ class PagedKVCache:
 
     def _slots(self, layer: int, block_table: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, ...]:
         per_page = self.page_size // self.config.ratio(layer)
-        w = torch.arange(first, first + count, device=block_table.device)
-        page_idx = w // per_page
-        if count and int(page_idx[-1]) >= block_table.numel():
+        if count and (first + count - 1) // per_page >= block_table.numel():  # host ints: no device sync
             raise IndexError(
                 f"block table has {block_table.numel()} pages, row {first + count - 1} of layer {layer} needs more"
             )
-        return block_table[page_idx], w % per_page
+        w = torch.arange(first, first + count, device=block_table.device)
+        return block_table[w // per_page], w % per_page
 
     def write(self, kind: str, layer: int, block_table: torch.Tensor, first: int, rows: torch.Tensor) -> None:
         """Store rows ``first .. first + len(rows)`` of one sequence."""
@@ -116,10 +115,53 @@ class PagedKVCache:
         store = self._store(kind, layer)
         store[pages, slots] = rows.to(store.dtype)
 
+    def write_many(self, kind: str, layer: int, writes: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+        """Several sequences' :meth:`write` in one scatter: ``writes`` holds ``(block_table, first, rows)``."""
+        writes = [w for w in writes if w[2].shape[0]]
+        if len(writes) <= 1:
+            for table, first, rows in writes:
+                self.write(kind, layer, table, first, rows)
+            return
+        per_page = self.page_size // self.config.ratio(layer)
+        pages, slots, o = [], [], 0
+        for table, first, rows in writes:
+            n = rows.shape[0]
+            if (first + n - 1) // per_page >= table.numel():
+                raise IndexError(
+                    f"block table has {table.numel()} pages, row {first + n - 1} of layer {layer} needs more"
+                )
+            w = torch.arange(first, first + n)
+            pages.append(w // per_page + o)
+            slots.append(w % per_page)
+            o += table.numel()
+        tables = torch.cat([t for t, _, _ in writes])
+        idx = torch.stack([torch.cat(pages), torch.cat(slots)]).to(tables.device, non_blocking=True)
+        store = self._store(kind, layer)
+        store[tables[idx[0]], idx[1]] = torch.cat([r for _, _, r in writes]).to(store.dtype)
+
     def read(self, kind: str, layer: int, block_table: torch.Tensor, count: int) -> torch.Tensor:
         """Rows ``0 .. count`` of one sequence, in order."""
         pages, slots = self._slots(layer, block_table, 0, count)
         return self._store(kind, layer)[pages, slots]
+
+    def read_many(
+        self, kind: str, layer: int, block_tables: list[torch.Tensor], counts: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``0 .. counts[i]`` of several sequences in one gather: ``(pool, offsets)``, sequence ``i``'s row ``r``
+        at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data."""
+        per_page = self.page_size // self.config.ratio(layer)
+        store = self._store(kind, layer)
+        pages, offsets, o = [], [], 0
+        for table, count in zip(block_tables, counts):
+            n = -(-count // per_page)
+            if n > table.numel():
+                raise IndexError(f"block table has {table.numel()} pages, row {count - 1} of layer {layer} needs more")
+            pages.append(table[:n])
+            offsets.append(o)
+            o += n * per_page
+        if not o:
+            return store.new_zeros(0, store.shape[-1]), offsets
+        return store[torch.cat(pages) if len(pages) > 1 else pages[0]].flatten(0, 1), offsets
 
     def stores(self) -> list[tuple[str, int]]:
         """Every ``(kind, layer)`` this cache holds."""

@@ -1,0 +1,258 @@
+"""Structured-output constraints on the worker: one xgrammar matcher per constrained request.
+
+A :class:`Constraint` arrives with a request's first chunk (and again, with the tokens generated so far,
+after a preemption). For every sampling row of a constrained request the worker asks
+:meth:`ConstraintSet.fill` for the allowed-token mask — started in a thread before the step's forward, so
+the CPU fills it while the device computes — and the sampler picks among the allowed tokens only (the
+reported logprobs stay the raw model's). The sampled token then advances the matcher (:meth:`accept`);
+:meth:`rollback` takes back the last ``k`` tokens (speculative decoding's rejected drafts).
+
+What a row may sample:
+* grammar active: what the grammar allows next (EOS only where the grammar may end), minus the control
+  tokens (think tags, DSML, tool-call markers) the grammar does not name, minus ``banned_token_ids``;
+* thinking mode (``after_think``) before the first ``</think>``: anything except EOS, the banned tokens and
+  the reasoning-banned ones (the constrained answer is still to come);
+* the grammar terminated (a row the async pipeline scheduled after the final EOS): EOS only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+_BITS = torch.arange(32, dtype=torch.int32)
+# per accepted token: before "</think>"; accepted by the grammar; the "</think>" that opened it; refused
+_UNSEEN, _SEEN, _OPENED, _REFUSED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's sampled tokens obey. ``grammar`` is a ``deepinfer.grammar.CompiledGrammar``."""
+
+    grammar: Any = None
+    banned_token_ids: tuple[int, ...] = ()
+    after_think: bool = False
+    reasoning_banned_token_ids: tuple[int, ...] = ()  # masked before "</think>" only
+
+
+@dataclass
+class _Matcher:
+    constraint: Constraint
+    matcher: Any  # xgrammar.GrammarMatcher, or None without a grammar
+    forbidden: torch.Tensor  # packed: the tokens masked whenever the grammar is active
+    before: torch.Tensor  # packed: the tokens masked before "</think>" (EOS, the banned ones)
+    active: bool  # the grammar applies (False before "</think>" in thinking mode)
+    accepted: deque[int]  # the last accepted tokens (as many as may roll back): _UNSEEN, _SEEN, _OPENED, _REFUSED
+    refused: int = 0  # tokens the grammar refused but were accepted anyway (a worker bug): EOS only from here
+
+    @property
+    def broken(self) -> bool:
+        return self.refused > 0
+
+
+class ConstraintSet:
+    """The matchers of one worker's constrained requests, keyed by request id."""
+
+    def __init__(
+        self,
+        tokenizer_info: Callable[[], Any],
+        control_ids: dict[int, str],
+        vocab_size: int,
+        eos_token_id: int,
+        think_end_id: int | None,
+        tokenizer_fingerprint: str = "",
+        max_rollback: int = 16,
+        cache_size: int = 64,
+    ) -> None:
+        self._tokenizer_info, self._info = tokenizer_info, None
+        self.control_ids, self.vocab_size, self.eos = control_ids, vocab_size, eos_token_id
+        self.think_end, self.fingerprint, self.max_rollback = think_end_id, tokenizer_fingerprint, max_rollback
+        self.matchers: dict[str, _Matcher] = {}
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # deserialized grammars by cache key
+        self._cache_size = cache_size
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock, self._info_lock = threading.Lock(), threading.Lock()
+        self._eos_only = pack([eos_token_id], vocab_size)
+
+    # -- requests ---------------------------------------------------------------------------
+    def install(self, request_id: str, constraint: Constraint, history: Sequence[int] = ()) -> None:
+        """Start enforcing ``constraint`` on ``request_id``; ``history`` are tokens it already generated.
+
+        A grammar this worker cannot load (another tokenizer, a damaged text) is logged and the request is
+        held to EOS only: it ends at once, and nothing else in the step is affected."""
+        g, matcher, refused = constraint.grammar, None, 0
+        if g is not None:
+            try:
+                matcher = self._matcher(g)
+            except ValueError as e:
+                log.error("constraint_refused", request_id=request_id, error=str(e))
+                refused = 1
+        # under a grammar the control tokens it does not name are masked; without one, only the banned tokens
+        named = set(g.allowed_control_token_ids) if g is not None else set(self.control_ids)
+        forbidden = {t for t in self.control_ids if t not in named} | set(constraint.banned_token_ids)
+        before = {self.eos, *constraint.banned_token_ids, *constraint.reasoning_banned_token_ids}
+        m = _Matcher(
+            constraint,
+            matcher,
+            pack(sorted(forbidden), self.vocab_size),
+            pack(sorted(before), self.vocab_size),
+            active=not constraint.after_think or refused > 0,
+            accepted=deque(maxlen=self.max_rollback),
+            refused=refused,
+        )
+        with self._lock:
+            self.matchers[request_id] = m
+        for t in history:
+            self._accept(m, t)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self.matchers.pop(rid, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.matchers
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        m = self.matchers.get(request_id)
+        if m is not None:
+            self._accept(m, token_id)
+
+    def rollback(self, request_id: str, k: int) -> None:
+        """Take back the last ``k`` accepted tokens (at most ``max_rollback``)."""
+        m = self.matchers[request_id]
+        if not 0 <= k <= min(len(m.accepted), self.max_rollback):
+            raise ValueError(f"rollback: {k} tokens (accepted {len(m.accepted)}, limit {self.max_rollback})")
+        undo = [m.accepted.pop() for _ in range(k)]
+        m.refused -= undo.count(_REFUSED)
+        seen = undo.count(_SEEN)
+        if seen and m.matcher is not None:
+            m.matcher.rollback(seen)
+        if _OPENED in undo:
+            m.active = False
+
+    # -- masks ------------------------------------------------------------------------------
+    def fill_async(self, request_ids: Sequence[str]) -> Future:
+        """:meth:`fill` in a background thread (one per worker; its result is read before sampling)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._pool.submit(self.fill, list(request_ids))
+
+    def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """Packed allowed-token masks ``[n, ceil(V/32)]`` int32 (bit ``t % 32`` of word ``t // 32``), one
+        row per request id (a request without a constraint allows everything)."""
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32)
+        for i, rid in enumerate(request_ids):
+            m = self.matchers.get(rid)
+            if m is None:
+                continue
+            if m.broken or (m.matcher is not None and m.active and m.matcher.is_terminated()):
+                bitmask[i] = self._eos_only
+            elif not m.active:
+                bitmask[i] &= ~m.before
+            else:
+                if m.matcher is not None:
+                    m.matcher.fill_next_token_bitmask(bitmask, i)
+                bitmask[i] &= ~m.forbidden
+        return bitmask
+
+    @staticmethod
+    def allowed(bitmask: torch.Tensor, vocab: int, device: torch.device | str) -> torch.Tensor:
+        """Unpack ``bitmask`` to a bool ``[n, vocab]`` on ``device`` (columns past the mask: refused)."""
+        b = bitmask.to(device)
+        bits = (b.unsqueeze(-1) >> _BITS.to(device)) & 1
+        flat = bits.flatten(1).bool()
+        if flat.shape[1] >= vocab:
+            return flat[:, :vocab]
+        return torch.cat([flat, flat.new_zeros(flat.shape[0], vocab - flat.shape[1])], dim=1)
+
+    def apply(self, logits: torch.Tensor, packed: torch.Tensor, rows: Sequence[int]) -> None:
+        """Set to ``-inf``, in place, the logits of ``rows`` whose tokens ``packed`` (one mask row per entry of
+        ``rows``, from :meth:`fill`) refuses; columns past the masks' vocabulary are refused too."""
+        import xgrammar as xgr
+
+        if not rows:
+            return
+        words = packed.shape[1]
+        full = torch.full((logits.shape[0], words), -1, dtype=torch.int32)
+        full[list(rows)] = packed
+        dev = logits.device.type
+        backend = "cpu" if dev == "cpu" else "auto" if dev == "cuda" else "torch_native"
+        vocab = min(self.vocab_size, logits.shape[-1])
+        xgr.apply_token_bitmask_inplace(
+            logits, full.to(logits.device), vocab_size=vocab, indices=list(rows), backend=backend
+        )
+        if logits.shape[-1] > vocab:
+            logits[list(rows), vocab:] = float("-inf")
+
+    # -- internals --------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Build the tokenizer's grammar view now (about a second) rather than at the first constrained request."""
+        self._info_()
+
+    def _info_(self) -> Any:
+        with self._info_lock:
+            if self._info is None:
+                self._info = self._tokenizer_info()
+            return self._info
+
+    def _matcher(self, g: Any) -> Any:
+        import xgrammar as xgr
+
+        if self.fingerprint and g.tokenizer_fingerprint and g.tokenizer_fingerprint != self.fingerprint:
+            raise ValueError(
+                f"constraint.grammar: compiled for tokenizer {g.tokenizer_fingerprint[:12]}, this worker uses "
+                f"{self.fingerprint[:12]}"
+            )
+        return xgr.GrammarMatcher(self._grammar(g))  # rollback is unlimited in xgrammar >= 0.2
+
+    def _grammar(self, g: Any) -> Any:
+        import xgrammar as xgr
+
+        compiled = self._compiled.get(g.cache_key) if g.cache_key else None
+        if compiled is None:
+            try:
+                compiled = xgr.CompiledGrammar.deserialize_json(g.compiled_json, self._info_())
+            except Exception as e:  # noqa: BLE001 - xgrammar raises its own error types
+                raise ValueError(f"constraint.grammar: cannot load the compiled grammar: {e}") from None
+            if g.cache_key:
+                self._compiled[g.cache_key] = compiled
+                while len(self._compiled) > self._cache_size:
+                    self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(g.cache_key)
+        return compiled
+
+    def _accept(self, m: _Matcher, token: int) -> None:
+        if not m.active:
+            opens = token == self.think_end
+            m.accepted.append(_OPENED if opens else _UNSEEN)
+            m.active = opens
+            return
+        if m.matcher is None:
+            m.accepted.append(_SEEN)
+        elif m.broken or m.matcher.is_terminated() or not m.matcher.accept_token(int(token)):
+            # cannot happen with the mask applied; a worker bug must not take the service down
+            log.warning("grammar_refused_token", token_id=int(token))
+            m.accepted.append(_REFUSED)
+            m.refused += 1
+        else:
+            m.accepted.append(_SEEN)
+
+
+def pack(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """Token ids as a packed mask row ``[ceil(V/32)]`` int32 (xgrammar's layout: bit ``t % 32`` of word ``t // 32``)."""
+    words = [0] * (-(-vocab_size // 32))
+    for t in ids:
+        words[t >> 5] |= 1 << (t & 31)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)

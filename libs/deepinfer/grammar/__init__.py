@@ -1,0 +1,46 @@
+"""Structured-output grammars: checking and compiling regex, JSON schema, JSON object, EBNF and structural-tag
+constraints with xgrammar against the model's tokenizer, never in the per-token path.
+
+* :class:`Compiler` compiles in this process (the offline ``LLM``; each compile process of the pool);
+* :class:`CompilerPool` compiles in child processes with a time limit and a memory cap (the grammar service);
+* :class:`GrammarClient` asks the grammar service (``python -m services.grammar``; the balancer);
+* :func:`check_limits` refuses abusive grammars in milliseconds, before any compile.
+
+The compiled grammar travels as :class:`CompiledGrammar` (xgrammar's ``serialize_json()`` text); a worker
+rebuilds it with ``xgrammar.CompiledGrammar.deserialize_json(text, build_tokenizer_info(model_dir))``.
+Nothing here imports xgrammar (or torch) until a compile or a ``TokenizerInfo`` is needed.
+"""
+
+from deepinfer.grammar.client import GrammarClient
+from deepinfer.grammar.compiler import Compiler
+from deepinfer.grammar.limits import Limits, check_limits
+from deepinfer.grammar.pool import CompilerPool
+from deepinfer.grammar.spec import (
+    KINDS,
+    CompiledGrammar,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarUnavailable,
+)
+from deepinfer.grammar.vocab import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
+from deepinfer.grammar.wire import grammar_from_proto, grammar_to_proto
+
+__all__ = [
+    "KINDS",
+    "CompiledGrammar",
+    "Compiler",
+    "CompilerPool",
+    "GrammarClient",
+    "GrammarError",
+    "GrammarSpec",
+    "GrammarTimeout",
+    "GrammarUnavailable",
+    "Limits",
+    "build_tokenizer_info",
+    "check_limits",
+    "control_token_ids",
+    "grammar_from_proto",
+    "grammar_to_proto",
+    "tokenizer_fingerprint",
+]

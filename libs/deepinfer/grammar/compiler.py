@@ -1,0 +1,177 @@
+"""In-process grammar compilation with xgrammar (the offline ``LLM``, and each compile process of the pool).
+
+:meth:`Compiler.compile` checks the limits (:mod:`deepinfer.grammar.limits`), looks in its cache, then compiles:
+
+=================  =====================================================================================
+kind               xgrammar call
+=================  =====================================================================================
+``regex``          ``compile_regex(text)``
+``ebnf``           ``compile_grammar(text)`` (root rule ``root``)
+``json_schema``    ``compile_json_schema(text, strict_mode=True, <whitespace>)``
+``json_object``    ``compile_json_schema('{"type":"object"}', strict_mode=False, <whitespace>)``: any object
+``structural_tag`` ``compile_structural_tag(text)``, each ``json_schema`` format's ``max_whitespace_cnt`` capped
+=================  =====================================================================================
+
+JSON never has unbounded whitespace (``DEEPINFER_GRAMMAR_JSON_WHITESPACE``): 0, the default, is compact JSON
+(``any_whitespace=False, separators=(",", ":")`` — without ``separators`` xgrammar still emits ``", "`` and
+``": "``); N > 0 allows at most N whitespace characters in a row. The whitespace setting and xgrammar's version
+are part of the cache key, so a key never names two different grammars. xgrammar's errors become
+:class:`GrammarError` with the C++ source locations removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from deepinfer import envs
+from deepinfer.grammar.cache import GrammarCache
+from deepinfer.grammar.limits import Inspection, Limits, inspect_spec
+from deepinfer.grammar.spec import KINDS, CompiledGrammar, GrammarError, GrammarSpec, cache_key
+from deepinfer.grammar.vocab import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
+
+__all__ = ["Compiler", "clean_message", "compile_options", "named_control_tokens"]
+
+_CPP_LOCATION = re.compile(r"(?:\[\d\d:\d\d:\d\d\] )?(?:/[^\s:]+/)?[\w.+-]+\.(?:cc|cpp|cxx|h|hpp)(?::\d+)?: ?")
+_CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ?")
+_MAX_MESSAGE = 600
+
+
+@functools.cache
+def _xgrammar_version() -> str:
+    return importlib.metadata.version("xgrammar")
+
+
+def compile_options(json_whitespace: int) -> str:
+    """The compile settings that change a grammar for the same text (part of the cache key)."""
+    return f"xgrammar={_xgrammar_version()};json_whitespace={json_whitespace}"
+
+
+def clean_message(message: str) -> str:
+    """xgrammar's error text without C++ source paths, ``Check failed`` preambles or an echo of the input."""
+    text = _CHECK_FAILED.sub("", _CPP_LOCATION.sub("", message))
+    text = " ".join(text.split(" The JSON string is:")[0].split())
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def named_control_tokens(found: Inspection, controls: dict[int, str]) -> tuple[int, ...]:
+    """The control tokens a grammar names: their text occurs in it (in a decoded string of a JSON document),
+    or a structural tag names their id."""
+    blob = "\x00".join(found.strings)
+    ids = {i for i, text in controls.items() if text and text in blob}
+    ids.update(i for i in found.token_ids if i in controls)
+    return tuple(sorted(ids))
+
+
+def _cap_tag_whitespace(document: dict, cap: int) -> dict:
+    """Give every ``json_schema`` format of a structural tag ``max_whitespace_cnt <= cap`` (in place)."""
+    stack: list[Any] = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+            continue
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            n = node.get("max_whitespace_cnt")
+            node["max_whitespace_cnt"] = min(n, cap) if isinstance(n, int) and n > 0 else cap
+            continue  # the schema inside has no formats
+        stack.extend(v for v in node.values() if isinstance(v, dict | list))
+    return document
+
+
+class Compiler:
+    """Compiles :class:`GrammarSpec` s against one tokenizer, with a byte-capped cache (thread-safe).
+
+    ``model_dir`` gives the tokenizer (None: the packaged DeepSeek tokenizer); the other arguments default to
+    the ``DEEPINFER_GRAMMAR_*`` variables. xgrammar and the tokenizer info load on the first compile.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        cache_bytes: int | None = None,
+        limits: Limits | None = None,
+        json_whitespace: int | None = None,
+        max_threads: int = 1,
+    ) -> None:
+        self.model_dir = model_dir
+        self.limits = limits if limits is not None else Limits.from_env()
+        ws = envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE if json_whitespace is None else int(json_whitespace)
+        self.json_whitespace = ws
+        self.options = compile_options(ws)
+        self.cache = GrammarCache(envs.DEEPINFER_GRAMMAR_CACHE_BYTES if cache_bytes is None else cache_bytes)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
+        self.max_threads = max_threads
+        self._controls: dict[int, str] | None = None
+        self._xgr: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def controls(self) -> dict[int, str]:
+        if self._controls is None:
+            self._controls = control_token_ids(self.model_dir)
+        return self._controls
+
+    def key(self, spec: GrammarSpec) -> str:
+        """The cache key of ``spec`` here (tokenizer fingerprint, kind, text, compile options)."""
+        return cache_key(self.tokenizer_fingerprint, spec.kind, spec.text, self.options)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Check, then compile ``spec`` (or take it from the cache); raises :class:`GrammarError`."""
+        return self.compile_cached(spec)[0]
+
+    def compile_cached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, bool]:
+        """:meth:`compile`, also saying whether the result came from the cache."""
+        if spec.kind in KINDS and isinstance(spec.text, str):  # a hit passed the checks when it was compiled
+            hit = self.cache.get(self.key(spec))
+            if hit is not None:
+                return hit, True
+        found = inspect_spec(spec, self.limits)
+        key = self.key(spec)
+        compiled = CompiledGrammar(
+            self._xgrammar_compile(spec, found), key, self.tokenizer_fingerprint,
+            named_control_tokens(found, self.controls),
+        )  # fmt: skip
+        self.cache.put(compiled)
+        return compiled, False
+
+    def _compiler(self) -> Any:
+        with self._lock:
+            if self._xgr is None:
+                import xgrammar
+
+                info = build_tokenizer_info(self.model_dir)
+                self._xgr = xgrammar.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+            return self._xgr
+
+    def _xgrammar_compile(self, spec: GrammarSpec, found: Inspection) -> str:
+        compiler, kind, ws = self._compiler(), spec.kind, self.json_whitespace
+        json_options: dict[str, Any] = (
+            {"any_whitespace": False, "separators": (",", ":")} if ws == 0
+            else {"any_whitespace": True, "max_whitespace_cnt": ws}
+        )  # fmt: skip
+        try:
+            if kind == "regex":
+                grammar = compiler.compile_regex(spec.text)
+            elif kind == "ebnf":
+                grammar = compiler.compile_grammar(spec.text)
+            elif kind == "json_schema":
+                grammar = compiler.compile_json_schema(spec.text, strict_mode=True, **json_options)
+            elif kind == "json_object":
+                grammar = compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **json_options)
+            else:
+                tag = _cap_tag_whitespace(found.document, max(ws, 1))
+                grammar = compiler.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
+            return grammar.serialize_json()
+        except MemoryError:
+            raise GrammarError(f"{kind}: the compile ran out of memory", "crash") from None
+        except Exception as e:  # xgrammar raises RuntimeError, its own errors, pydantic's, TypeError
+            message = clean_message(str(e)) or type(e).__name__
+            if "bad_alloc" in message:
+                raise GrammarError(f"{kind}: the compile ran out of memory", "crash") from None
+            raise GrammarError(f"{kind}: {message}") from None

@@ -1,0 +1,58 @@
+"""The balancer's view of its replicas: the static ``--scheduler`` list plus the schedulers registered on NATS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+class Discovery:
+    """Keeps the balancer's replicas (``service.set_replicas``) = the static ``--scheduler`` list ∪ the
+    schedulers registered on NATS.
+
+    While NATS is down the registry view serves its last snapshot, so routing goes on unchanged."""
+
+    def __init__(self, service: Any, static: list[str], period_s: float = 0.5) -> None:
+        self.service, self.static, self.period_s = service, list(static), period_s
+        self.bus = None
+        self.view = None
+        self._task = None
+
+    async def start(self) -> None:
+        import asyncio
+
+        from deepinfer import envs
+        from deepinfer.events import EventBus, RegistryView
+
+        url = envs.DEEPINFER_NATS_URL
+        if not url:
+            return
+        self.bus = EventBus("balancer-discovery")
+        try:
+            await self.bus.connect(url, timeout_s=10)
+        except (ConnectionError, OSError):
+            log.warning("nats_unreachable_at_start", url=url)
+            self.bus = None
+            return
+        self.view = RegistryView(self.bus)
+        await self.view.start()
+        self._task = asyncio.create_task(self._sync())
+
+    async def _sync(self) -> None:
+        import asyncio
+
+        while True:
+            found = [r.address for r in self.view.instances("scheduler")]
+            self.service.set_replicas(self.static + sorted(found))
+            await asyncio.sleep(self.period_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.view is not None:
+            await self.view.close()
+        if self.bus is not None:
+            await self.bus.close()
