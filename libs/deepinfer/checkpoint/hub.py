@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from deepinfer.models.deepseek_v4.config import SUPPORTED_MODEL_TYPES
+from deepinfer.models.deepseek_v41.config import MODEL_TYPE as V41_MODEL_TYPE
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 _PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model"]
@@ -59,6 +61,8 @@ def check_architecture(model_dir: Path) -> dict:
     with open(cfg_file, encoding="utf-8") as f:
         raw = json.load(f)
     mt = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
+    if mt == V41_MODEL_TYPE:
+        _refuse_v41(model_dir, raw)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ModelUnavailable(
             _advice(
@@ -67,3 +71,19 @@ def check_architecture(model_dir: Path) -> dict:
             )
         )
     return raw
+
+
+def _refuse_v41(model_dir: Path, raw: dict) -> None:
+    """DeepSeek-V4.1 checkpoints parse, but cannot be served yet (issue 7): say what exists."""
+    try:
+        DeepseekV41Config.from_dict(raw)
+    except ValueError as e:
+        raise ModelUnavailable(_advice(f"The DeepSeek-V4.1 config in {model_dir} is invalid: {e}")) from e
+    raise ModelUnavailable(
+        _advice(
+            f"The model in {model_dir} is DeepSeek-V4.1 (model_type 'deepseek_v41'). This build parses its config, "
+            "derives its CSA2 layer typing and computes its Engram hashes (deepinfer.models.deepseek_v41), but the "
+            "V4.1 model forward (CSA2 attention, lagged mHC, Engram update, DSpark, vision) and its checkpoint "
+            "loader are not there yet, so it cannot serve it."
+        )
+    )
