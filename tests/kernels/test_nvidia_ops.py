@@ -216,3 +216,17 @@ def test_a_model_on_nvidia_ops_matches_the_reference():
         got = _run_on(model, seqs, plans, dev)
         for a, b in zip(got, want):
             assert (a - b).abs().max().item() < 1e-4, (backend, (a - b).abs().max().item())
+
+
+def test_the_output_head_in_half_precision_matches_the_fp32_reference():
+    """bf16 operands are exact in fp32: the fast head (one bf16 GEMM, fp32 accumulate and output) equals the
+    reference's cast-then-fp32 GEMM up to summation order. On CPU both take the reference path."""
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    dev = _device()
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 256, device=dev) * 0.05).bfloat16()
+    y = torch.randn(2, 3, 256, device=dev).bfloat16()
+    fast, ref = NvidiaOps().logits_linear(y, w), ReferenceOps("cpu").logits_linear(y, w)
+    assert fast.dtype == torch.float32 and fast.shape == (2, 3, 1000)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,11 @@ class Ops(Protocol):
         """``x @ w.T`` (``F.linear`` without bias): ``x [..., K]``, ``w [N, K]`` → ``[..., N]`` in ``x.dtype``."""
         ...
 
+    def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The output head: ``y @ w.T`` computed and returned in fp32 (``y [T, K]`` and ``w [V, K]`` in any float
+        dtype; bf16 operands are exact in fp32, so a bf16 GEMM with fp32 accumulation and output is the same sum)."""
+        ...
+
     def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-group products ``x [n, g, K]``, ``w [g, R, K]`` → ``[n, g, R]``."""
         ...

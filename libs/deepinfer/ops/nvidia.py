@@ -69,6 +69,16 @@ class NvidiaOps(ReferenceOps):
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
 
+    def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """bf16 / fp16 on CUDA: one half-precision GEMM with fp32 accumulation and fp32 output (no fp32 copy of the
+        ~1 GB head weight each step); the reference's cast-then-fp32-GEMM elsewhere."""
+        if y.is_cuda and y.dtype == w.dtype and y.dtype in (torch.bfloat16, torch.float16):
+            try:
+                return torch.mm(y.reshape(-1, y.shape[-1]), w.t(), out_dtype=torch.float32).view(*y.shape[:-1], -1)
+            except (TypeError, RuntimeError):  # a torch without out_dtype for mm
+                pass
+        return super().logits_linear(y, w)
+
     def sparse_attention_lists(
         self,
         q: torch.Tensor,

@@ -26,6 +26,9 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
+    def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.linear(y.float(), w.float())
+
     def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.einsum("ngk,grk->ngr", x, w)
 

@@ -131,7 +131,7 @@ class DeepseekV4Model(nn.Module):
             h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, 0, c.hc_eps, c.rms_norm_eps
         )
         y = norm(ops.hc_collapse(h, pre), ops)
-        return ops.linear(y.float(), self.head.weight.float())
+        return ops.logits_linear(y, self.head.weight)
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
