@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer.chat.tokens import THINK_END, THINK_START
+from deepinfer.chat.tokens import THINK_START
 from deepinfer.engine.constraints import Constraint
 
 
@@ -93,7 +93,3 @@ class LocalConstraints:
                 banned = token_ids(self.tokenizer, tc.banned_texts)
                 reasoning_banned = token_ids(self.tokenizer, tc.reasoning_banned_texts)
         return build_constraint(grammar, banned, prompt_token_ids, self.think_start, reasoning_banned)
-
-
-def think_end_id(tokenizer: Any) -> int | None:
-    return tokenizer.token_to_id(THINK_END)
