@@ -70,21 +70,7 @@ class Compressor(nn.Module):
         if last > first:
             w = torch.arange(first, last, device=dev)
             cur = w.unsqueeze(1) * m + torch.arange(m, device=dev) - base  # [k, m]
-            if self.overlap:
-                prev = (cur - m).clamp_min(0)
-                has_prev = (w > 0).view(-1, 1, 1)
-                kp = torch.where(has_prev, kv[prev][..., :d], 0.0)
-                sp = torch.where(has_prev, score[prev][..., :d], float("-inf"))
-                k_all = torch.cat([kp, kv[cur][..., d:]], dim=1)
-                s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
-            else:
-                k_all, s_all = kv[cur], score[cur]
-            rows = ops.softmax_pool(k_all, s_all).to(dtype)
-            rows = self.norm(rows, ops)
-            cos, sin = rope(w * m, ops)
-            rows = ops.rope(rows, cos, sin)
-            if self.quant_sim:
-                rows = self._quant(rows, ops)
+            rows = self._rows(kv, score, cur, (cur - m).clamp_min(0), (w > 0).view(-1, 1, 1), w, rope, ops, dtype)
         else:
             rows = kv.new_zeros(0, d, dtype=dtype)
         keep = max(last - (1 if self.overlap else 0), 0) * m
@@ -136,23 +122,39 @@ class Compressor(nn.Module):
             w = torch.cat(ws)
             meta = torch.stack([torch.cat(cur), torch.cat(prev), (w > 0).long().unsqueeze(1).expand(-1, m)])
             cur_d, prev_d, has_prev = meta.to(dev, non_blocking=True)
-            if self.overlap:
-                has_prev = has_prev[:, :1].bool().unsqueeze(-1)
-                kp = torch.where(has_prev, big_k[prev_d][..., :d], 0.0)
-                sp = torch.where(has_prev, big_s[prev_d][..., :d], float("-inf"))
-                k_all = torch.cat([kp, big_k[cur_d][..., d:]], dim=1)
-                s_all = torch.cat([sp, big_s[cur_d][..., d:]], dim=1)
-            else:
-                k_all, s_all = big_k[cur_d], big_s[cur_d]
-            rows = ops.softmax_pool(k_all, s_all).to(dtype)
-            rows = self.norm(rows, ops)
-            cos, sin = rope(w.to(dev, non_blocking=True) * m, ops)
-            rows = ops.rope(rows, cos, sin)
-            if self.quant_sim:
-                rows = self._quant(rows, ops)
+            has_prev = has_prev[:, :1].bool().unsqueeze(-1)
+            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, w.to(dev, non_blocking=True), rope, ops, dtype)
             for job, part in zip(jobs, rows.split([j[5] - j[4] for j in jobs])):
                 out[job[0]][0] = part
         return [(r, f, nb) for r, f, nb in out]
+
+    def _rows(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        cur: torch.Tensor,
+        prev: torch.Tensor,
+        has_prev: torch.Tensor,
+        w: torch.Tensor,
+        rope: RotaryTable,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Compressed rows ``w`` from the pending projections: group ``cur [k, m]`` (indices into ``kv`` /
+        ``score``), with the overlapping CSA compressor also the first half of the previous group ``prev`` where
+        ``has_prev [k, 1, 1]``; softmax pool, norm, RoPE at position ``w · m``, optional quantisation."""
+        d = self.dim
+        if self.overlap:
+            kp = torch.where(has_prev, kv[prev][..., :d], 0.0)
+            sp = torch.where(has_prev, score[prev][..., :d], float("-inf"))
+            k_all = torch.cat([kp, kv[cur][..., d:]], dim=1)
+            s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
+        else:
+            k_all, s_all = kv[cur], score[cur]
+        rows = self.norm(ops.softmax_pool(k_all, s_all).to(dtype), ops)
+        cos, sin = rope(w * self.ratio, ops)
+        rows = ops.rope(rows, cos, sin)
+        return self._quant(rows, ops) if self.quant_sim else rows
 
     def _quant(self, rows: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.rotate:  # indexer keys: Hadamard then FP4
