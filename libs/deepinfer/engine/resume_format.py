@@ -9,7 +9,7 @@ partial page's rows). It is written as one safetensors file (tensors + string me
 * ``window.<layer>``        the window ring
 * ``buffer.<layer>.<name>.kv`` / ``.score``  the compressor buffers (their start positions in the metadata)
 
-Metadata: ``layout`` (:data:`LAYOUT`), ``position``, ``mtp_tokens``, ``buffer_starts`` (JSON).
+Metadata: ``layout`` (:data:`LAYOUT`), ``position``, ``mtp_tokens``, ``buffer_starts`` and ``history`` (JSON).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def encode(snapshot: StateSnapshot, pages: Pages) -> bytes:
         tensors[f"buffer.{layer}.{name}.kv"], tensors[f"buffer.{layer}.{name}.score"] = b.kv, b.score
         starts[f"{layer}.{name}"] = b.start
     meta = {"layout": LAYOUT, "position": str(st.num_tokens), "mtp_tokens": str(st.mtp_tokens),
-            "buffer_starts": json.dumps(starts), "compact": "1" if snapshot.compact else "0"}  # fmt: skip
+            "buffer_starts": json.dumps(starts), "compact": "1" if snapshot.compact else "0",
+            "history": json.dumps(list(st.history))}  # fmt: skip
     return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
@@ -61,7 +62,8 @@ def decode(data: bytes) -> tuple[StateSnapshot, Pages]:
         raise ValueError(f"resume point: layout {meta.get('layout')!r}, expected {LAYOUT!r}")
     tensors = load(data)
     starts = json.loads(meta["buffer_starts"])
-    st = SequenceState(num_tokens=int(meta["position"]), mtp_tokens=int(meta["mtp_tokens"]))
+    history = tuple(int(t) for t in json.loads(meta.get("history", "[]")))
+    st = SequenceState(num_tokens=int(meta["position"]), mtp_tokens=int(meta["mtp_tokens"]), history=history)
     pages: Pages = {}
     tail: Pages = {}
     for name, t in tensors.items():

@@ -32,12 +32,8 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def min_replay(config: object) -> int:
-    """The shortest bounded replay that rebuilds every compressor's pending tokens (MODEL_V4.md §3.2)."""
-    need = 1
-    for layer in config.compressed_layers:
-        m = config.ratio(layer)
-        need = max(need, 2 * m - 1 if config.layer_kind(layer) == "csa" else m - 1)
-    return need
+    """The shortest bounded replay that rebuilds every compressor's pending tokens (the model config says)."""
+    return config.min_replay()
 
 
 class ModelRunner:

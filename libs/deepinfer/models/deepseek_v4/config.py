@@ -34,6 +34,17 @@ class YarnParams:
 
 
 @dataclass(frozen=True)
+class CacheStore:
+    """One paged store of long-term state: ``layer``'s compressed rows (``row_dim`` wide, one per ``ratio`` tokens)
+    and, when ``index_dim`` > 0, its indexer keys (same row ids). Models describe theirs with ``cache_layout()``."""
+
+    layer: int
+    ratio: int
+    row_dim: int
+    index_dim: int = 0
+
+
+@dataclass(frozen=True)
 class DeepseekV4Config:
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -122,6 +133,21 @@ class DeepseekV4Config:
             if r > 0:
                 m = m * r // _gcd(m, r)
         return m
+
+    def cache_layout(self) -> list[CacheStore]:
+        """The paged stores of compressed state: one per compressed layer, index keys for CSA layers."""
+        return [
+            CacheStore(i, self.ratio(i), self.head_dim, self.index_head_dim if self.layer_kind(i) == "csa" else 0)
+            for i in self.compressed_layers
+        ]
+
+    def min_replay(self) -> int:
+        """The shortest bounded replay that rebuilds every compressor's pending tokens (MODEL_V4.md §3.2)."""
+        need = 1
+        for layer in self.compressed_layers:
+            m = self.ratio(layer)
+            need = max(need, 2 * m - 1 if self.layer_kind(layer) == "csa" else m - 1)
+        return need
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -13,10 +13,20 @@ Two classes of state:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.config import CacheStore
+
+
+class CacheConfig(Protocol):
+    """What a paged cache needs from a model's config (V4 and V4.1 both provide it)."""
+
+    @property
+    def page_multiple(self) -> int: ...
+
+    def cache_layout(self) -> list[CacheStore]: ...
 
 
 @dataclass
@@ -38,6 +48,7 @@ class SequenceState:
     mtp_tokens: int = 0
     window_start: int = 0  # window rows below this position do not exist (a bounded replay started here)
     replay_until: int = 0  # compressed rows below this position are in the cache already: not rewritten
+    history: tuple[int, ...] = ()  # the last few token ids (V4.1 Engram n-grams; -1 = blocked), oldest first
 
     def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self.windows.get(layer)
@@ -52,7 +63,7 @@ class SequenceState:
             return t.to(device, copy=True) if device is not None else t.clone()
 
         out = SequenceState(self.windows, self.buffers, self.num_tokens, self.mtp_tokens, self.window_start,
-                            self.replay_until)  # fmt: skip
+                            self.replay_until, self.history)  # fmt: skip
         out.windows = {k: cp(v) for k, v in self.windows.items()}
         out.buffers = {k: CompressorBuffer(cp(b.kv), cp(b.score), b.start) for k, b in self.buffers.items()}
         return out
@@ -69,7 +80,7 @@ class PagedKVCache:
 
     def __init__(
         self,
-        config: DeepseekV4Config,
+        config: CacheConfig,
         num_pages: int,
         page_size: int,
         dtype: torch.dtype = torch.float32,
@@ -81,14 +92,16 @@ class PagedKVCache:
                 f"(the least common multiple of the model's compression ratios)"
             )
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        self.ratios: dict[int, int] = {}
         self.rows: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
-        for layer in config.compressed_layers:
-            m = config.ratio(layer)
-            self.rows[layer] = torch.zeros(num_pages, page_size // m, config.head_dim, dtype=dtype, device=device)
-            if config.layer_kind(layer) == "csa":
+        for store in config.cache_layout():
+            m, layer = store.ratio, store.layer
+            self.ratios[layer] = m
+            self.rows[layer] = torch.zeros(num_pages, page_size // m, store.row_dim, dtype=dtype, device=device)
+            if store.index_dim:
                 self.index_keys[layer] = torch.zeros(
-                    num_pages, page_size // m, config.index_head_dim, dtype=dtype, device=device
+                    num_pages, page_size // m, store.index_dim, dtype=dtype, device=device
                 )
 
     def bytes_per_page(self) -> int:
@@ -99,7 +112,7 @@ class PagedKVCache:
         return self.rows[layer] if kind == "rows" else self.index_keys[layer]
 
     def _slots(self, layer: int, block_table: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, ...]:
-        per_page = self.page_size // self.config.ratio(layer)
+        per_page = self.page_size // self.ratios[layer]
         if count and (first + count - 1) // per_page >= block_table.numel():  # host ints: no device sync
             raise IndexError(
                 f"block table has {block_table.numel()} pages, row {first + count - 1} of layer {layer} needs more"
@@ -122,7 +135,7 @@ class PagedKVCache:
             for table, first, rows in writes:
                 self.write(kind, layer, table, first, rows)
             return
-        per_page = self.page_size // self.config.ratio(layer)
+        per_page = self.page_size // self.ratios[layer]
         pages, slots, o = [], [], 0
         for table, first, rows in writes:
             n = rows.shape[0]
@@ -149,7 +162,7 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, list[int]]:
         """Rows ``0 .. counts[i]`` of several sequences in one gather: ``(pool, offsets)``, sequence ``i``'s row ``r``
         at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data."""
-        per_page = self.page_size // self.config.ratio(layer)
+        per_page = self.page_size // self.ratios[layer]
         store = self._store(kind, layer)
         pages, offsets, o = [], [], 0
         for table, count in zip(block_tables, counts):
@@ -210,7 +223,7 @@ class StateSnapshot:
         p, ps = state.num_tokens, cache.page_size
         for kind, stores in (("rows", cache.rows), ("index", cache.index_keys)):
             for layer in stores:
-                m = cache.config.ratio(layer)
+                m = cache.ratios[layer]
                 first, count = (p // ps) * ps // m, p // m - (p // ps) * ps // m
                 if count:
                     pages, slots = cache._slots(layer, block_table, first, count)
@@ -223,15 +236,16 @@ class StateSnapshot:
         """A fresh state at ``position``; writes the partial page's rows into ``block_table``'s page."""
         p, ps = self.position, cache.page_size
         for (kind, layer), rows in self.tail.items():
-            cache.write(kind, layer, block_table, (p // ps) * ps // cache.config.ratio(layer), rows.to(device))
+            cache.write(kind, layer, block_table, (p // ps) * ps // cache.ratios[layer], rows.to(device))
         return self.state.clone(device)
 
     def restore_replay(
         self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str, start: int
     ) -> SequenceState:
         """A compact snapshot's state for a bounded replay of tokens ``start .. position``: no window rows
-        below ``start`` (attention there is truncated: approximate by design) and no compressed rows
-        rewritten below ``position`` (the cached ones are exact)."""
+        below ``start`` (attention there is truncated: approximate by design), no token history (V4.1's Engram
+        n-grams reaching before ``start`` hash as blocked, likewise) and no compressed rows rewritten below
+        ``position`` (the cached ones are exact)."""
         self.restore(cache, block_table, device)
         return SequenceState(num_tokens=start, mtp_tokens=start, window_start=start, replay_until=self.position)
 
@@ -257,6 +271,8 @@ class ForwardBatch:
     token_ids: torch.Tensor
     positions: torch.Tensor
     chunks: list[SeqChunk]
+    input_embeds: torch.Tensor | None = None  # [T, hidden] in place of the token embeddings (image features)
+    image_mask: torch.Tensor | None = None  # [T] bool: image-span tokens (V4.1: bias_vl routing, no Engram)
 
     @classmethod
     def build(

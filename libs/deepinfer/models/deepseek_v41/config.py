@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from deepinfer.models.deepseek_v4.config import YarnParams
+from deepinfer.models.deepseek_v4.config import CacheStore, YarnParams
 
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -212,6 +212,28 @@ class DeepseekV41Config:
     def from_file(cls, path: str | Path) -> DeepseekV41Config:
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
+
+    # -- what the engine reads (the same names as the V4 config) -------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.text_config.max_position_embeddings
+
+    def cache_layout(self) -> list[CacheStore]:
+        """Paged stores: each KV-source (Full) layer's compressed rows and index keys (MODEL_V41.md §6.1)."""
+        t = self.text_config
+        return [CacheStore(i, t.compress_ratios[i], t.head_dim, t.index_head_dim) for i in t.kv_source_layer_ids]
+
+    @property
+    def page_multiple(self) -> int:
+        return math.lcm(1, *(s.ratio for s in self.cache_layout()))
+
+    def min_replay(self) -> int:
+        """A bounded replay must rebuild the pending half group of every ratio-2 owner."""
+        return max([1] + [s.ratio - 1 for s in self.cache_layout()])
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""DeepSeek-V4.1 (V4.1-Flash) text backbone in plain PyTorch over the ops interface (MODEL_V41.md §1–§3).
+
+``forward`` runs one step of several sequences (each a chunk of new tokens, prefill or decode) and returns the
+trunk output ``[T, hidden]`` (the streams collapsed with the last FFN ``pre``, before the final norm); ``logits``
+applies the final norm and the head in fp32 to the rows asked for. Per layer: Engram (layers in
+``engram_layer_ids``) into all streams, then the lagged mHC around CSA2 attention and the modality-aware MoE.
+
+Per-sequence state lives in the engine's :class:`SequenceState` (window rings, the ratio-2 owners' pending half
+group, the last ``max_ngram_size - 1`` token ids for Engram) and the paged cache (the owners' compressed rows and
+index keys). Nothing here knows about scheduling, transport or kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v41.attention import Attention, StepContext
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+from deepinfer.models.deepseek_v41.engram import EngramHasher, engram_update
+from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
+from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
+from deepinfer.models.deepseek_v41.mhc import HyperConnection, embed_streams, final_collapse, initial_pre
+from deepinfer.models.deepseek_v41.mhc import lagged_sublayer as _lagged
+from deepinfer.models.deepseek_v41.moe import MoE
+from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
+from deepinfer.ops import Ops, get_ops
+
+
+class EngramTable(nn.Module):
+    """One Engram memory table (``layers.{i}.engram.embed.weight [rows, head_dim]``) behind a lookup op, so the
+    table can live apart from the model (host memory here; a service later): ``lookup`` gathers on the table's
+    device and moves only the rows read."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, dim), requires_grad=False)
+
+    def lookup(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Table rows ``[..., n, dim]`` for row ids ``rows [..., n]``, on ``device``."""
+        return self.weight[rows.to(self.weight.device)].to(device, non_blocking=True)
+
+
+class Engram(nn.Module):
+    """``layers.{i}.engram``: hashed n-gram memory gated into every residual stream (MODEL_V41.md §3.3)."""
+
+    def __init__(self, config: DeepseekV41TextConfig, layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.slot = tuple(c.engram_layer_ids).index(layer_id)
+        self.eps = c.rms_norm_eps
+        self.embed = EngramTable(c.engram_num_embeddings[self.slot], c.engram_head_dim)
+        self.wkv = Linear(c.num_engram_hashes * c.engram_head_dim, (c.hc_mult + 1) * c.hidden_size, fp8=True)
+        self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
+
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        e = self.embed.lookup(rows, h.device)
+        return engram_update(h, e, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask)
+
+
+class Block(nn.Module):
+    """``layers.{i}``: (Engram) → lagged mHC around attention → lagged mHC around the MoE."""
+
+    def __init__(self, config: DeepseekV41TextConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_attn = HyperConnection(config)
+        self.hc_ffn = HyperConnection(config)
+        self.attn = Attention(config, spec)
+        self.ffn = MoE(config)
+        self.engram = Engram(config, spec.index) if spec.engram else None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        ctx: StepContext,
+        rope: RotaryTable,
+        ops: Ops,
+        engram_rows: torch.Tensor | None,
+        text_mask: torch.Tensor | None,
+        image_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams ``h [T, N, D]`` and the previous sublayer's ``pre`` → new streams and this block's FFN ``pre``."""
+        if self.engram is not None:
+            h = self.engram(h, engram_rows, text_mask)
+        h, pre = _lagged(h, pre, self.hc_attn, lambda x: self.attn(self.attn_norm(x, ops), ctx, rope, ops), ops)
+        return _lagged(h, pre, self.hc_ffn, lambda x: self.ffn(self.ffn_norm(x, ops), image_mask, ops), ops)
+
+
+class DeepseekV41Model(nn.Module):
+    """The V4.1 backbone. ``engram_token_map`` is the tokenizer's compressed vocabulary
+    (``engram.compressed_token_map``): required when the config has Engram layers."""
+
+    def __init__(
+        self, config: DeepseekV41Config, ops: Ops | None = None, engram_token_map: Sequence[int] | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        c = self.text = config.text_config
+        self.ops = ops or get_ops("cpu")
+        self.specs = layer_specs(c)
+        n = c.num_hidden_layers
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([Block(c, s) for s in self.specs[:n]])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = Linear(c.hidden_size, c.vocab_size)
+        self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
+        self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.rope_scaling)
+        self.hasher = None
+        if any(s.engram for s in self.specs[:n]):
+            if engram_token_map is None:
+                raise ValueError(
+                    "this DeepSeek-V4.1 config has Engram layers: pass engram_token_map (the tokenizer's compressed "
+                    "vocabulary, deepinfer.models.deepseek_v41.engram.compressed_token_map)"
+                )
+            self.hasher = EngramHasher(c, engram_token_map)
+        self.vision = self.aligner = None
+        if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
+            self.vision = VisionTransformer(config.vision_config, torch.float32)
+            self.aligner = VisionAligner(config.vision_config, c.hidden_size, torch.float32)
+            for name in ("image_start", "image_end", "image_newline"):
+                self.register_parameter(name, nn.Parameter(torch.zeros(c.hidden_size), requires_grad=False))
+
+    @torch.no_grad()
+    def encode_image(self, image: PreprocessedImage) -> ImageFeatures:
+        """The built-in vision tower and aligner on one preprocessed image (``image.preprocess_image``)."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower (vision_config.num_hidden_layers is 0)")
+        x = self.vision(image.patches.to(self.vision.patch_embed.proj.weight.device), image.vit_h, image.vit_w)
+        return ImageFeatures(image.llm_h, image.llm_w, self.aligner(x, image.vit_h, image.vit_w))
+
+    @torch.no_grad()
+    def input_embeddings(
+        self, token_ids: torch.Tensor, types: torch.Tensor | None, features: Sequence[ImageFeatures]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token embeddings with image spans filled in: ``types [T]`` are the ``vision_token_types`` of the expanded
+        ids (``image.expand_image_placeholders``), ``features`` one :class:`ImageFeatures` per span (from any vision
+        encoder). Returns ``(embeds [T, hidden], image_mask [T] or None)`` for :class:`ForwardBatch`."""
+        x = self.embed(token_ids)
+        if types is None or not bool((types >= 0).any()):
+            if features:
+                raise ValueError(f"{len(features)} image feature set(s) given but the tokens hold no image span")
+            return x, None
+        if not hasattr(self, "image_start"):
+            raise ValueError("this checkpoint has no vision embeddings (vision_config.num_hidden_layers is 0)")
+        bad = (types >= 0) & (token_ids != self.config.image_token_id)
+        if bool(bad.any()):
+            raise ValueError(f"image-span positions must carry image_token_id {self.config.image_token_id}")
+        x = splice_image_embeddings(x, types, features, self.image_start, self.image_newline, self.image_end)
+        return x, types >= 0
+
+    def set_quant_sim(self, enabled: bool) -> None:
+        """The §2.5 cache representations (FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and queries);
+        on by default: the released model computes through them."""
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.quant_sim = enabled
+
+    def _engram_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Row ids ``[T, engram layers, hashes]`` of the step's tokens; advances each sequence's token history."""
+        if self.hasher is None:
+            return None
+        ids = batch.token_ids.cpu()
+        text = None if batch.image_mask is None else ~batch.image_mask.cpu()
+        out, o = [], 0
+        for c in batch.chunks:
+            seq = ids[o : o + c.length]
+            mask = None if text is None else text[o : o + c.length]
+            hist = torch.tensor(list(c.state.history) or [], dtype=torch.long)
+            hist = torch.cat([self.hasher.empty_history(), hist])[-self.hasher.history_len :]
+            out.append(self.hasher.hash(seq, mask, hist))
+            c.state.history = tuple(self.hasher.next_history(hist, seq, mask).tolist())
+            o += c.length
+        return torch.cat(out).to(batch.token_ids.device)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
+        """Run the backbone on ``batch``; returns the trunk output ``[T, hidden]`` (before the final norm)."""
+        ops, c = self.ops, self.text
+        x = self.embed(batch.token_ids) if batch.input_embeds is None else batch.input_embeds
+        h = embed_streams(x, c.hc_mult)
+        pre = initial_pre(x.shape[0], c.hc_mult, x.device)
+        rows = self._engram_rows(batch)
+        image = batch.image_mask
+        text = None if image is None else ~image
+        ctx = StepContext(batch.chunks, batch.offsets(), batch.positions, cache)
+        for layer in self.layers:
+            rope = self.rope_compress if layer.spec.compress_rope else self.rope_main
+            e_rows = None if layer.engram is None else rows[:, layer.engram.slot]
+            h, pre = layer(h, pre, ctx, rope, ops, e_rows, text, image)
+        for chunk in batch.chunks:
+            chunk.state.num_tokens = chunk.end
+        return final_collapse(h, pre, ops)
+
+    @torch.no_grad()
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[T', vocab]`` of trunk outputs ``[T', hidden]``."""
+        return self.ops.logits_linear(self.norm(y, self.ops), self.head.weight)
