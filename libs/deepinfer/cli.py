@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_up)
     s = sub.add_parser("make-tiny-model", help="write a random tiny checkpoint in the official formats")
     s.add_argument("dir")
-    s.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4"])
+    s.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"])
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_make_tiny_model)
     s = sub.add_parser("generate", help="stream a completion from a running mesh (gRPC)")

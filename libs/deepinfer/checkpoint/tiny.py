@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names import internal_to_official
+from deepinfer.checkpoint.tiny_v41 import TINY_V41
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import quantize_fp8_blocks, quantize_mxfp4
@@ -79,7 +80,7 @@ TINY_V4: dict[str, Any] = {
     },
 }
 
-ARCHES = {"deepseek_v4": TINY_V4}
+ARCHES: dict[str, dict[str, Any]] = {"deepseek_v4": TINY_V4, "deepseek_v41": TINY_V41}  # V4.1: written by tiny_v41
 
 
 def random_weights(config: DeepseekV4Config, seed: int, head_scale: float = 4.0) -> dict[str, torch.Tensor]:
@@ -164,6 +165,10 @@ def make_tiny_model(
     """Write a random tiny checkpoint (config, weights, tokenizer) to ``path``; returns the path."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; available: {', '.join(sorted(ARCHES))}")
+    if arch == "deepseek_v41":
+        from deepinfer.checkpoint.tiny_v41 import make_tiny_v41
+
+        return make_tiny_v41(path, seed=seed, overrides=overrides)
     raw = {**ARCHES[arch], **(overrides or {})}
     config = DeepseekV4Config.from_dict(raw)
     path = Path(path)

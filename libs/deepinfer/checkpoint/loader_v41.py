@@ -1,0 +1,218 @@
+"""Load a DeepSeek-V4.1 checkpoint in the released format into any module with our parameter paths.
+
+Reads ``model.safetensors.index.json`` shards or every ``*.safetensors`` file of a directory (or one file),
+dequantizes FP8 e4m3 weights with UE8M0 32×32 block scales, MXFP4 routed experts (packed int8, per-row/32-column
+UE8M0 scales) and FP8 Engram tables (per-row/32-column scales), stacks the routed experts and keeps in fp32 what the
+reference keeps in fp32 (:func:`~deepinfer.checkpoint.names_v41.keeps_fp32`). Quantization is recognised from the
+stored dtype, so an ``expert_dtype: fp8`` or bf16 conversion loads too.
+
+Targets are ``model.state_dict()``'s keys (parameters and persistent buffers; derived buffers must be
+non-persistent). Every problem names the tensor and the file: missing, unexpected, wrong shape, a weight without
+its scale (or the reverse), an unreadable file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from deepinfer.checkpoint.loader import CheckpointError
+from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
+from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
+
+__all__ = ["CheckpointError", "checkpoint_files", "decode_tensor", "load_v41_checkpoint"]
+
+_ROWWISE = re.compile(r"\.engram\.embed\.weight$")  # FP8 with per-row (not 32×32) scales
+
+
+def checkpoint_files(path: str | Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files of a checkpoint and the index's ``weight_map`` (empty without an index)."""
+    path = Path(path)
+    if path.is_file():
+        return [path], {}
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = dict(json.load(f)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read {index.name} in {path}: {e}") from e
+        files = [path / n for n in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{f.name} is listed in {index.name} but missing from {path}")
+        return files, weight_map
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files, {}
+
+
+def _block_size(path: Path) -> tuple[int, int]:
+    """Dense FP8 block size: ``quantization_config.weight_block_size`` of config.json, else V4.1's 32×32."""
+    cfg = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            q = json.load(f).get("quantization_config") or {}
+        block = q.get("weight_block_size") or (32, 32)
+        return int(block[0]), int(block[1])
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return 32, 32
+
+
+def decode_tensor(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (32, 32)
+) -> torch.Tensor:
+    """Dequantize one released weight to fp32 (exact: every stored value times a power of two).
+
+    ``int8`` = MXFP4 (``[rows, cols/2]``, scale ``[rows, cols/32]``); ``float8_e4m3fn`` = dense FP8 with ``block``
+    scales, or per row and 32 columns for Engram tables. Raises ``ValueError`` on a scale/weight mismatch.
+    """
+    if weight.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"quantized weights and scales must be 2-D, got {tuple(weight.shape)} / {tuple(scale.shape)}")
+    if weight.dtype == torch.int8:
+        return dequantize_mxfp4(weight, scale)
+    if weight.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8_blocks(weight, scale, block=(1, 32) if _ROWWISE.search(name) else block)
+    raise ValueError(f"a tensor with a .scale must be float8_e4m3fn or int8 (packed FP4), got {weight.dtype}")
+
+
+class _Reader:
+    """Random access to the tensors of all shards: name → file, read on demand, errors naming tensor and file."""
+
+    def __init__(self, files: list[Path], weight_map: dict[str, str], stack: ExitStack) -> None:
+        self.where: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt"))
+                keys = list(handle.keys())
+            except Exception as e:  # safetensors raises plain exceptions for corrupt headers
+                raise CheckpointError(f"cannot read {file.name}: {e}") from e
+            self._handles[file] = handle
+            for key in keys:
+                if key in self.where:
+                    raise CheckpointError(f"tensor {key!r} is stored twice: in {self.where[key].name} and {file.name}")
+                self.where[key] = file
+        for key, fname in weight_map.items():
+            if key not in self.where or self.where[key].name != fname:
+                raise CheckpointError(
+                    f"tensor {key!r} is listed in model.safetensors.index.json for {fname} "
+                    "but that file does not hold it"
+                )
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self.where[key]
+        try:
+            return self._handles[file].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {key!r} from {file.name}: {e}") from e
+
+
+def _device(ref: torch.Tensor) -> torch.device:
+    """Where a loaded value goes: the target's device (CPU for a meta target)."""
+    return torch.device("cpu") if ref.is_meta else ref.device
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace parameter/buffer ``name`` by ``value`` (dtype may change; meta targets are materialised)."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        if old is not None and not old.is_meta:
+            old.data = value
+        else:
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def load_v41_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    skip: Iterable[str] = (),
+    progress: bool = False,
+) -> None:
+    """Fill every parameter and persistent buffer of ``model`` from the released-format checkpoint at ``path``.
+
+    ``path`` is a checkpoint directory (sharded with an index, or any ``*.safetensors``) or one file. Values are
+    cast to ``dtype`` except the fp32 set of :func:`keeps_fp32` and integer targets. ``skip`` lists released-name
+    prefixes to ignore (e.g. ``("mtp.",)`` for a model built without the DSpark drafter, ``("vision.", "aligner.",
+    "image_")`` for a text-only one); anything else the module lacks is an error, and so is a target left unfilled.
+    """
+    path = Path(path)
+    skip = tuple(skip)
+    block = _block_size(path)
+    files, weight_map = checkpoint_files(path)
+    targets = dict(model.state_dict(keep_vars=True))
+    filled: set[str] = set()
+    experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
+    expert_rows: dict[str, set[int]] = {}
+    with ExitStack() as stack:
+        reader = _Reader(files, weight_map, stack)
+        names = sorted(k for k in reader.where if not k.endswith(".scale"))
+        for key in reader.where:
+            if key.endswith(".scale") and key.removesuffix(".scale") + ".weight" not in reader.where:
+                if not key.startswith(skip):
+                    raise CheckpointError(f"scale tensor {key!r} in {reader.where[key].name} has no weight")
+        for name in tqdm(names, desc="Loading DeepSeek-V4.1 checkpoint", disable=not progress, unit="tensor"):
+            if name.startswith(skip):
+                continue
+            file = reader.where[name].name
+            target, expert = released_to_internal(name)
+            ref = targets.get(target)
+            if ref is None:
+                raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter {target!r}")
+            if (expert is None) == is_stacked_expert(target):
+                raise CheckpointError(f"tensor {name!r} in {file} does not match the layout of parameter {target!r}")
+            t = reader.get(name)
+            scale_name = name.removesuffix(".weight") + ".scale"
+            if name.endswith(".weight") and scale_name in reader.where:
+                try:
+                    t = decode_tensor(name, t, reader.get(scale_name), block)
+                except ValueError as e:
+                    raise CheckpointError(f"tensor {name!r} in {file}: {e}") from e
+            elif t.dtype in (torch.float8_e4m3fn, torch.int8):
+                raise CheckpointError(f"quantized tensor {name!r} in {file} has no scale tensor {scale_name!r}")
+            want = tuple(ref.shape[1:]) if expert is not None else tuple(ref.shape)
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"tensor {name!r} in {file} has shape {tuple(t.shape)}, expected {want}")
+            if not ref.dtype.is_floating_point:
+                out_dtype = ref.dtype
+            else:
+                out_dtype = torch.float32 if keeps_fp32(target) else dtype
+            if expert is None:
+                _set(model, target, t.to(_device(ref), out_dtype).contiguous())
+                filled.add(target)
+                continue
+            if expert >= ref.shape[0]:
+                raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {ref.shape[0]} experts")
+            if target not in experts:
+                experts[target] = torch.empty(tuple(ref.shape), dtype=out_dtype, device=_device(ref))
+            experts[target][expert] = t
+            expert_rows.setdefault(target, set()).add(expert)
+    for target, value in experts.items():
+        _set(model, target, value)
+    missing = [
+        internal_to_released(k, e)
+        for k, ref in targets.items()
+        if k not in filled
+        for e in (range(ref.shape[0]) if is_stacked_expert(k) else [None])
+        if e not in expert_rows.get(k, ())
+    ]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
+        )
