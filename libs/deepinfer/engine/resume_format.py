@@ -9,7 +9,8 @@ partial page's rows). It is written as one safetensors file (tensors + string me
 * ``window.<layer>``        the window ring
 * ``buffer.<layer>.<name>.kv`` / ``.score``  the compressor buffers (their start positions in the metadata)
 
-Metadata: ``layout`` (:data:`LAYOUT`), ``position``, ``mtp_tokens``, ``buffer_starts`` and ``history`` (JSON).
+Metadata: ``layout`` (:data:`LAYOUT`), ``position``, ``mtp_tokens``, ``buffer_starts`` and ``history`` (JSON),
+``decoder_start``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def encode(snapshot: StateSnapshot, pages: Pages) -> bytes:
         starts[f"{layer}.{name}"] = b.start
     meta = {"layout": LAYOUT, "position": str(st.num_tokens), "mtp_tokens": str(st.mtp_tokens),
             "buffer_starts": json.dumps(starts), "compact": "1" if snapshot.compact else "0",
-            "history": json.dumps(list(st.history))}  # fmt: skip
+            "history": json.dumps(list(st.history)), "decoder_start": str(st.decoder_start)}  # fmt: skip
     return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
@@ -63,7 +64,8 @@ def decode(data: bytes) -> tuple[StateSnapshot, Pages]:
     tensors = load(data)
     starts = json.loads(meta["buffer_starts"])
     history = tuple(int(t) for t in json.loads(meta.get("history", "[]")))
-    st = SequenceState(num_tokens=int(meta["position"]), mtp_tokens=int(meta["mtp_tokens"]), history=history)
+    st = SequenceState(num_tokens=int(meta["position"]), mtp_tokens=int(meta["mtp_tokens"]), history=history,
+                       decoder_start=int(meta.get("decoder_start", "0")))  # fmt: skip
     pages: Pages = {}
     tail: Pages = {}
     for name, t in tensors.items():

@@ -49,6 +49,7 @@ class SequenceState:
     window_start: int = 0  # window rows below this position do not exist (a bounded replay started here)
     replay_until: int = 0  # compressed rows below this position are in the cache already: not rewritten
     history: tuple[int, ...] = ()  # the last few token ids (V4.1 Engram n-grams; -1 = blocked), oldest first
+    decoder_start: int = 0  # V4.1 bounded replay: the decoder layers' window rows below this position do not exist
 
     def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self.windows.get(layer)
@@ -63,7 +64,7 @@ class SequenceState:
             return t.to(device, copy=True) if device is not None else t.clone()
 
         out = SequenceState(self.windows, self.buffers, self.num_tokens, self.mtp_tokens, self.window_start,
-                            self.replay_until, self.history)  # fmt: skip
+                            self.replay_until, self.history, self.decoder_start)  # fmt: skip
         out.windows = {k: cp(v) for k, v in self.windows.items()}
         out.buffers = {k: CompressorBuffer(cp(b.kv), cp(b.score), b.start) for k, b in self.buffers.items()}
         return out
@@ -258,6 +259,9 @@ class SeqChunk:
     start: int
     length: int
     block_table: torch.Tensor
+    # V4.1 encoder/decoder split: the decoder layers run on positions >= decoder_from only (bounded replay of a
+    # prompt's tail; the rows before it get no output). None: every position (exact).
+    decoder_from: int | None = None
 
     @property
     def end(self) -> int:

@@ -119,12 +119,26 @@ class Attention(nn.Module):
         z = ops.grouped_linear(out.view(n, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
         return self.wo_b(z.flatten(1), ops)
 
+    def publish(self, x: torch.Tensor, ctx: StepContext, rope: RotaryTable, ops: Ops) -> None:
+        """A KV source's compressed rows and index keys for tokens that run no attention here (the prompt rows a
+        bounded decoder replay skips): ``x [T, hidden]`` are their attention inputs, ``ctx`` their chunks."""
+        if self.compressor is None:
+            return
+        if ctx.cache is None:
+            raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+        proj = self.compressor.project(x, ops)
+        for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
+            part = (proj[0][a:b], None if proj[1] is None else proj[1][a:b])
+            self._publish(part, chunk, i, ctx, rope, ops, x.dtype)
+
     def _window(self, kv: torch.Tensor, chunk: SeqChunk, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This chunk's window keys (ring rows before it, then its own rows) and the mask ``[n, K]``; the ring then
-        keeps the last ``W`` rows."""
+        keeps the last ``W`` rows. A replay sees no rows before it started (``window_start``), a decoder layer none
+        before the bounded decoder replay started (``decoder_start``)."""
         st, s, e, win = chunk.state, chunk.start, chunk.end, self.window
         ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
-        old = torch.arange(max(st.window_start, s - win + 1, 0), s, device=kv.device)  # a replay sees no older rows
+        floor = max(st.window_start, st.decoder_start if self.spec.stage == "decoder" else 0)
+        old = torch.arange(max(floor, s - win + 1, 0), s, device=kv.device)
         keys = torch.cat([ring[old % win], kv])
         kpos = torch.cat([old, positions])
         t = positions.unsqueeze(1)

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v41.attention import Attention, StepContext
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import EngramHasher, engram_update
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
 from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
@@ -123,6 +124,11 @@ class DeepseekV41Model(nn.Module):
                     "vocabulary, deepinfer.models.deepseek_v41.engram.compressed_token_map)"
                 )
             self.hasher = EngramHasher(c, engram_token_map)
+        self.mtp = None  # the DSpark stages (released mtp.{k}.*); ``self.dspark`` drafts with them
+        if c.num_nextn_predict_layers > 0:
+            drafter = DSparkDrafter(c)
+            object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
+            self.mtp = drafter.mtp
         self.vision = self.aligner = None
         if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
             self.vision = VisionTransformer(config.vision_config, torch.float32)
@@ -184,22 +190,100 @@ class DeepseekV41Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
-        """Run the backbone on ``batch``; returns the trunk output ``[T, hidden]`` (before the final norm)."""
+        """Run the backbone on ``batch``; returns the trunk output ``[T, hidden]`` (before the final norm).
+
+        Encoder/decoder split (MODEL_V41.md §6.2): a chunk with ``decoder_from`` runs the decoder layers only on
+        positions ``>= decoder_from`` (rows before it get zeros); the first decoder layer still publishes its
+        compressed rows and index keys for every position, so the decoder's long-range memory is complete."""
         ops, c = self.ops, self.text
         x = self.embed(batch.token_ids) if batch.input_embeds is None else batch.input_embeds
         h = embed_streams(x, c.hc_mult)
         pre = initial_pre(x.shape[0], c.hc_mult, x.device)
         rows = self._engram_rows(batch)
         image = batch.image_mask
-        text = None if image is None else ~image
         ctx = StepContext(batch.chunks, batch.offsets(), batch.positions, cache)
+        active = None  # rows of the batch the decoder runs on (None: all)
         for layer in self.layers:
             rope = self.rope_compress if layer.spec.compress_rope else self.rope_main
+            if layer.spec.index == self.decoder_start and any(ch.decoder_from is not None for ch in ctx.chunks):
+                active = self._split(layer, h, pre, ctx, rows, image, rope)
+                if active is not None and active.numel() == 0:  # no chunk reaches its decoder part yet
+                    break
+                if active is not None:
+                    h, pre, rows = h[active], pre[active], None if rows is None else rows[active]
+                    image = None if image is None else image[active]
+                    ctx = self._decoder_context(ctx, active)
             e_rows = None if layer.engram is None else rows[:, layer.engram.slot]
-            h, pre = layer(h, pre, ctx, rope, ops, e_rows, text, image)
+            h, pre = layer(h, pre, ctx, rope, ops, e_rows, None if image is None else ~image, image)
         for chunk in batch.chunks:
             chunk.state.num_tokens = chunk.end
-        return final_collapse(h, pre, ops)
+        if active is None:
+            return final_collapse(h, pre, ops)
+        y = final_collapse(h, pre, ops) if active.numel() else h[:0, 0]
+        return y.new_zeros(batch.token_ids.shape[0], y.shape[-1]).index_copy_(0, active, y)
+
+    @property
+    def decoder_start(self) -> int:
+        """The first decoder layer (CED: layers ``num_hidden_layers // 2 ..``)."""
+        return self.text.num_hidden_layers // 2
+
+    def _split(
+        self,
+        layer: Block,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        ctx: StepContext,
+        rows: torch.Tensor | None,
+        image: torch.Tensor | None,
+        rope: RotaryTable,
+    ) -> torch.Tensor | None:
+        """At the first decoder layer: publish its compressed rows for the positions the decoder skips and return
+        the batch rows it runs on (None when it runs on all)."""
+        if any(s.kind == "full" and s.index != layer.spec.index for s in self.specs if s.stage == "decoder"):
+            raise ValueError(
+                "a bounded decoder replay needs every decoder KV source at the first decoder layer "
+                f"({self.decoder_start}): later ones would miss the skipped positions' rows"
+            )
+        skip, chunks, offsets, o = [], [], [], 0
+        for chunk, (a, _) in zip(ctx.chunks, ctx.offsets):
+            d = chunk.start if chunk.decoder_from is None else min(max(chunk.decoder_from, chunk.start), chunk.end)
+            if d > chunk.start:
+                skip.append(torch.arange(a, a + d - chunk.start))
+                chunks.append(SeqChunk(chunk.state, chunk.start, d - chunk.start, chunk.block_table))
+                offsets.append((o, o + d - chunk.start))
+                o += d - chunk.start
+                chunk.state.decoder_start = max(chunk.state.decoder_start, d)
+        if not skip:
+            return None
+        idx = torch.cat(skip).to(h.device)
+        hs = h[idx]
+        if layer.engram is not None:
+            hs = layer.engram(hs, rows[idx][:, layer.engram.slot], None if image is None else ~image[idx])
+        xs = layer.attn_norm(self.ops.hc_collapse(hs, pre[idx]), self.ops)
+        layer.attn.publish(xs, StepContext(chunks, offsets, ctx.positions[idx], ctx.cache), rope, self.ops)
+        keep = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+        keep[idx] = False
+        return keep.nonzero().flatten()
+
+    @staticmethod
+    def _decoder_context(ctx: StepContext, active: torch.Tensor) -> StepContext:
+        """The step context of the decoder rows ``active`` (sorted batch rows): chunks cut to their decoder part,
+        their selection / candidate masks cut alike."""
+        act = set(active.tolist())
+        chunks, offsets, sel, cand, o = [], [], {}, {}, 0
+        for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
+            n = sum(1 for r in range(a, b) if r in act)
+            if not n:
+                continue
+            j = len(chunks)
+            chunks.append(SeqChunk(chunk.state, chunk.end - n, n, chunk.block_table))
+            offsets.append((o, o + n))
+            o += n
+            if i in ctx.selection:
+                sel[j] = ctx.selection[i][-n:]
+            if ctx.candidates.get(i) is not None:
+                cand[j] = ctx.candidates[i][-n:]
+        return StepContext(chunks, offsets, ctx.positions[active], ctx.cache, selection=sel, candidates=cand)
 
     @torch.no_grad()
     def logits(self, y: torch.Tensor) -> torch.Tensor:
