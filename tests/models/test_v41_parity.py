@@ -211,3 +211,47 @@ def test_v41_parity_image_prompt(nemo, tokenizer):
     assert d <= LOGPROB_ATOL
     with pytest.raises(ValueError, match="image_token_id"):
         ours.input_embeddings(torch.tensor([5, 6]), torch.tensor([0, 3]), [])
+
+
+def test_v41_parity_dspark_target_features(pairs, tokenizer):
+    """The DSpark target features our forward captures (stream means entering dspark_target_layer_ids, chunked
+    and batched) equal NeMo's (its own capture modules), and drafting a block from them runs end to end."""
+    from deepinfer.models.deepseek_v41.dspark import gather_window
+
+    theirs, ours = pairs["sketch"]
+    ours.set_quant_sim(False)
+    seqs = _prompts(tokenizer, (19, 11), seed=8)
+    modules = theirs.get_dspark_target_feature_modules(list(ours.text.dspark_target_layer_ids))
+    refs = []
+    for s in seqs:
+        got: dict[int, torch.Tensor] = {}
+        hooks = [
+            m.register_forward_pre_hook(lambda _m, inp, k=k, got=got: got.__setitem__(k, inp[0]))
+            for k, m in enumerate(modules)
+        ]
+        with reference_rules():
+            nemo_logits(theirs, torch.tensor([s]))
+        for hk in hooks:
+            hk.remove()
+        refs.append(torch.cat([got[k][0].mean(dim=1) for k in range(len(modules))], dim=-1))
+    r = Runner(ours, 2)
+    feats: list[list[torch.Tensor]] = [[], []]
+    for sizes in ((7, 4), (12, 7)):
+        work = {i: seqs[i][r.states[i].num_tokens : r.states[i].num_tokens + n] for i, n in enumerate(sizes)}
+        chunks = [SeqChunk(r.states[i], r.states[i].num_tokens, len(t), r.tables[i]) for i, t in work.items()]
+        batch = ForwardBatch.build(chunks, list(work.values()))
+        ours(batch, r.cache, capture=True)
+        for i, (a, b) in enumerate(batch.offsets()):
+            feats[i].append(ours.dspark_features[a:b])
+    for got_f, ref in zip(feats, refs):
+        torch.testing.assert_close(torch.cat(got_f), ref, rtol=1e-4, atol=1e-5)
+    # a draft block anchored at the last prompt token, its context the features of the positions before it
+    d, f = ours.dspark, torch.cat(feats[0])
+    p = torch.tensor([len(seqs[0]) - 1])
+    ctx = [
+        gather_window(kv, p, d.window) for kv in d.context_kv(d.project(f, ours.ops), torch.arange(len(f)), ours.ops)
+    ]
+    out = d.draft(
+        torch.tensor(seqs[0][-1:]), p, [c[0] for c in ctx], ctx[0][1], ours.embed.weight, ours.head.weight, ours.ops
+    )
+    assert out.tokens.shape == (1, d.block_size) and bool(((out.confidence > 0) & (out.confidence < 1)).all())

@@ -88,10 +88,14 @@ class Block(nn.Module):
         engram_rows: torch.Tensor | None,
         text_mask: torch.Tensor | None,
         image_mask: torch.Tensor | None,
+        capture: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streams ``h [T, N, D]`` and the previous sublayer's ``pre`` → new streams and this block's FFN ``pre``."""
+        """Streams ``h [T, N, D]`` and the previous sublayer's ``pre`` → new streams and this block's FFN ``pre``.
+        ``capture`` receives the (post-Engram) streams entering the attention mHC: a DSpark target feature."""
         if self.engram is not None:
             h = self.engram(h, engram_rows, text_mask)
+        if capture is not None:
+            capture.append(h)
         h, pre = _lagged(h, pre, self.hc_attn, lambda x: self.attn(self.attn_norm(x, ops), ctx, rope, ops), ops)
         return _lagged(h, pre, self.hc_ffn, lambda x: self.ffn(self.ffn_norm(x, ops), image_mask, ops), ops)
 
@@ -189,8 +193,10 @@ class DeepseekV41Model(nn.Module):
         return torch.cat(out).to(batch.token_ids.device)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
-        """Run the backbone on ``batch``; returns the trunk output ``[T, hidden]`` (before the final norm).
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool = False) -> torch.Tensor:
+        """Run the backbone on ``batch``; returns the trunk output ``[T, hidden]`` (before the final norm). With
+        ``capture``, ``self.dspark_features`` holds the DSpark target features ``[T, L·hidden]`` of the step (the
+        stream means entering ``dspark_target_layer_ids``; zeros on rows a bounded decoder replay skipped).
 
         Encoder/decoder split (MODEL_V41.md §6.2): a chunk with ``decoder_from`` runs the decoder layers only on
         positions ``>= decoder_from`` (rows before it get zeros); the first decoder layer still publishes its
@@ -203,6 +209,8 @@ class DeepseekV41Model(nn.Module):
         image = batch.image_mask
         ctx = StepContext(batch.chunks, batch.offsets(), batch.positions, cache)
         active = None  # rows of the batch the decoder runs on (None: all)
+        targets = set(c.dspark_target_layer_ids) if capture else set()
+        captured: list[torch.Tensor] = []
         for layer in self.layers:
             rope = self.rope_compress if layer.spec.compress_rope else self.rope_main
             if layer.spec.index == self.decoder_start and any(ch.decoder_from is not None for ch in ctx.chunks):
@@ -214,13 +222,27 @@ class DeepseekV41Model(nn.Module):
                     image = None if image is None else image[active]
                     ctx = self._decoder_context(ctx, active)
             e_rows = None if layer.engram is None else rows[:, layer.engram.slot]
-            h, pre = layer(h, pre, ctx, rope, ops, e_rows, None if image is None else ~image, image)
+            cap = captured if layer.spec.index in targets else None
+            h, pre = layer(h, pre, ctx, rope, ops, e_rows, None if image is None else ~image, image, cap)
         for chunk in batch.chunks:
             chunk.state.num_tokens = chunk.end
+        if capture:
+            self._keep_features(captured, active, batch.token_ids.shape[0])
         if active is None:
             return final_collapse(h, pre, ops)
         y = final_collapse(h, pre, ops) if active.numel() else h[:0, 0]
         return y.new_zeros(batch.token_ids.shape[0], y.shape[-1]).index_copy_(0, active, y)
+
+    def _keep_features(self, captured: list[torch.Tensor], active: torch.Tensor | None, n: int) -> None:
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no DSpark stages (num_nextn_predict_layers is 0)")
+        if len(captured) != len(self.text.dspark_target_layer_ids):  # the decoder never ran this step
+            self.dspark_features = torch.zeros(n, self.dspark.feature_dim, device=self.embed.weight.device)
+            return
+        f = self.dspark.target_features(captured)
+        if active is not None:
+            f = f.new_zeros(n, f.shape[-1]).index_copy_(0, active, f)
+        self.dspark_features = f
 
     @property
     def decoder_start(self) -> int:
