@@ -168,6 +168,17 @@ class DeepseekV41Model(nn.Module):
         x = splice_image_embeddings(x, types, features, self.image_start, self.image_newline, self.image_end)
         return x, types >= 0
 
+    def place_engram_tables(self, device: torch.device | str) -> None:
+        """Keep the Engram tables on ``device`` (e.g. host memory: ~200 GB in the released model) whatever device
+        the rest of the model is on; lookups gather there and move only the rows read. Call after ``.to()``."""
+        dev = torch.device(device)
+        for layer in self.layers:
+            if layer.engram is not None:
+                w = layer.engram.embed.weight
+                w.data = w.data.to(dev)
+                if dev.type == "cpu" and torch.cuda.is_available():
+                    w.data = w.data.pin_memory()
+
     def set_quant_sim(self, enabled: bool) -> None:
         """The §2.5 cache representations (FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and queries);
         on by default: the released model computes through them."""
