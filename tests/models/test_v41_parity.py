@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
 from deepinfer.models.deepseek_v41 import attention as v41_attention
+from deepinfer.ops import get_ops
 from models.nemo_v41 import build_pair, nemo_logits, reference_rules
 from models.tiny_v41 import build_tokenizer
 
@@ -77,17 +78,20 @@ def _max_logprob_diff(got: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor |
 
 @pytest.mark.parametrize("name", ["sketch", "mixed", "heads8"])
 @pytest.mark.parametrize(
-    "sizes",
+    ("sizes", "invariant"),
     [
-        pytest.param([[64]], id="whole"),
-        pytest.param([[1]], id="token-by-token"),
-        pytest.param([[3, 1, 5], [7], [1, 2]], id="ragged-chunks"),
+        pytest.param([[64]], False, id="whole"),
+        pytest.param([[1]], False, id="token-by-token"),
+        pytest.param([[3, 1, 5], [7], [1, 2]], False, id="ragged-chunks"),
+        pytest.param([[3, 1, 5], [7], [1, 2]], True, id="ragged-chunks-batch-invariant"),
     ],
 )
-def test_v41_parity_prompt_logprobs(pairs, tokenizer, name, sizes):
+def test_v41_parity_prompt_logprobs(pairs, tokenizer, name, sizes, invariant, monkeypatch):
     """Prompt logprobs of 3 batched prompts (30, 17, 41 tokens: top-k, candidate blocks and ratio-2 groups all
-    active) equal NeMo's full forward within 1e-4 whatever the chunking, incremental decode included."""
+    active) equal NeMo's full forward within 1e-4 whatever the chunking, incremental decode included; both the
+    batched attention path and the batch-invariant per-sequence one."""
     theirs, ours = pairs[name]
+    monkeypatch.setattr(ours, "ops", get_ops("cpu", invariant))
     ours.set_quant_sim(False)
     seqs = _prompts(tokenizer, (30, 17, 41), seed=2)
     with reference_rules():
@@ -255,3 +259,14 @@ def test_v41_parity_dspark_target_features(pairs, tokenizer):
         torch.tensor(seqs[0][-1:]), p, [c[0] for c in ctx], ctx[0][1], ours.embed.weight, ours.head.weight, ours.ops
     )
     assert out.tokens.shape == (1, d.block_size) and bool(((out.confidence > 0) & (out.confidence < 1)).all())
+
+
+def test_v41_batch_invariant_ops_make_rows_independent_of_batch_mates(pairs, tokenizer, monkeypatch):
+    """With the batch-invariant op set a sequence's logits are bit-identical alone and batched with others."""
+    _, ours = pairs["heads8"]
+    monkeypatch.setattr(ours, "ops", get_ops("cpu", True))
+    ours.set_quant_sim(True)
+    a, b, c = _prompts(tokenizer, (21, 13, 30), seed=9)
+    alone = run_chunked(ours, [a], [[5, 3]])[0]
+    batched = run_chunked(ours, [b, a, c], [[4], [5, 3], [7, 1]])[1]
+    assert torch.equal(alone, batched)

@@ -29,6 +29,7 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v41.attention_batched import attend_batched
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
@@ -51,6 +52,11 @@ class StepContext:
     index_keys: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     selection: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> bool [n, R] of the owner's rows
     candidates: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # the batched path (attention_batched): owner pools, and the latest selection / candidates of every token
+    pools: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
+    sel_rows: torch.Tensor | None = None  # [T, k] owner rows, valid first
+    sel_count: torch.Tensor | None = None  # [T]
+    cand: torch.Tensor | None = None  # [T, width] bool
 
 
 class Attention(nn.Module):
@@ -93,15 +99,33 @@ class Attention(nn.Module):
             iq, iw = self.indexer.queries(x, qlat, ops)
             iq = ops.rope(iq, cos.unsqueeze(1), sin.unsqueeze(1))
             iq = mxfp4_round(iq) if self.quant_sim else iq
+        if self.ratio and ctx.cache is None:
+            raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+        if proj is not None:
+            self._publish(proj, ctx, rope, ops, kv.dtype)
+        if ops.batch_invariant:
+            out = self._attend_each(q, kv, iq, iw, ctx, ops)
+        else:
+            out = attend_batched(self, q, kv, iq, iw, ctx, ops)
+        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        g = self.o_groups
+        z = ops.grouped_linear(out.view(n, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        return self.wo_b(z.flatten(1), ops)
+
+    def _attend_each(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        iq: torch.Tensor | None,
+        iw: torch.Tensor | None,
+        ctx: StepContext,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """Each sequence alone: its keys and mask, one ``ops.sparse_attention`` (the batch-invariant path)."""
         out = torch.empty_like(q)
         for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
             keys, mask = self._window(kv[a:b], chunk, ctx.positions[a:b])
             if self.ratio:
-                if ctx.cache is None:
-                    raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
-                if proj is not None:
-                    part = (proj[0][a:b], None if proj[1] is None else proj[1][a:b])
-                    self._publish(part, chunk, i, ctx, rope, ops, kv.dtype)
                 rows = self._owner_rows(ctx, i, chunk, "rows")
                 if self.indexer is not None:
                     visible = (ctx.positions[a:b] + 1) // self.ratio
@@ -113,11 +137,8 @@ class Attention(nn.Module):
                 if sel is None or sel.shape != (b - a, rows.shape[0]):
                     raise ValueError(f"layer {self.layer_id} reuses a selection no index source made for this step")
                 keys, mask = torch.cat([keys, rows.to(keys.dtype)]), torch.cat([mask, sel], dim=1)
-            out[a:b] = ops.sparse_attention(q[a:b], keys, mask, self.attn_sink, d**-0.5)
-        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        g = self.o_groups
-        z = ops.grouped_linear(out.view(n, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
-        return self.wo_b(z.flatten(1), ops)
+            out[a:b] = ops.sparse_attention(q[a:b], keys, mask, self.attn_sink, self.head_dim**-0.5)
+        return out
 
     def publish(self, x: torch.Tensor, ctx: StepContext, rope: RotaryTable, ops: Ops) -> None:
         """A KV source's compressed rows and index keys for tokens that run no attention here (the prompt rows a
@@ -126,10 +147,7 @@ class Attention(nn.Module):
             return
         if ctx.cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
-        proj = self.compressor.project(x, ops)
-        for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
-            part = (proj[0][a:b], None if proj[1] is None else proj[1][a:b])
-            self._publish(part, chunk, i, ctx, rope, ops, x.dtype)
+        self._publish(self.compressor.project(x, ops), ctx, rope, ops, x.dtype)
 
     def _window(self, kv: torch.Tensor, chunk: SeqChunk, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This chunk's window keys (ring rows before it, then its own rows) and the mask ``[n, K]``; the ring then
@@ -150,33 +168,49 @@ class Attention(nn.Module):
     def _publish(
         self,
         proj: tuple[torch.Tensor, torch.Tensor | None],
-        chunk: SeqChunk,
-        i: int,
         ctx: StepContext,
         rope: RotaryTable,
         ops: Ops,
         dtype: torch.dtype,
     ) -> None:
-        """Compress this chunk's tokens; write the completed rows and index keys to the paged cache."""
-        key = (self.layer_id, "main")
-        st = chunk.state
-        skip = st.replay_until // self.ratio
-        lat, first, st.buffers[key] = self.compressor.latents(
-            proj[0], proj[1], chunk.start, st.buffers.get(key), ops, dtype, skip
-        )
-        if st.buffers[key] is None:
-            del st.buffers[key]
-        if lat.shape[0]:
-            pos = torch.arange(first, first + lat.shape[0], device=lat.device) * self.ratio
-            cos, sin = rope(pos, ops)
-            rows = ops.rope(lat, cos, sin)
-            ik = ops.rope(self.indexer.keys(lat, ops), cos, sin)
-            if self.quant_sim:
-                rows, ik = nvfp4_round(rows), mxfp4_round(ik)
-            ctx.cache.write("rows", self.layer_id, chunk.block_table, first, rows)
-            ctx.cache.write("index", self.layer_id, chunk.block_table, first, ik)
-        ctx.rows.pop((self.layer_id, i), None)
-        ctx.index_keys.pop((self.layer_id, i), None)
+        """Compress every chunk's tokens (``proj``: the batch's compressor projections); write the completed rows and
+        index keys of all chunks to the paged cache in one batch."""
+        key, m = (self.layer_id, "main"), self.ratio
+        lat_all = self.compressor.norm(proj[0], ops) if proj[1] is None else None  # ratio 1: a row per token
+        lats, pos, tables, firsts = [], [], [], []
+        for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
+            st, s = chunk.state, chunk.start
+            skip = st.replay_until // m
+            if lat_all is not None:
+                first = max(s, skip)
+                lat = lat_all[a + min(first - s, b - a) : b]
+            else:
+                lat, first, buf = self.compressor.latents(proj[0][a:b], proj[1][a:b], s, st.buffers.get(key), ops,
+                                                          dtype, skip)  # fmt: skip
+                if buf is None:
+                    st.buffers.pop(key, None)
+                else:
+                    st.buffers[key] = buf
+            if lat.shape[0]:
+                lats.append(lat)
+                pos.append(torch.arange(first, first + lat.shape[0]) * m)
+                tables.append(chunk.block_table)
+                firsts.append(first)
+        for memo in (ctx.rows, ctx.index_keys, ctx.pools):
+            for k in [k for k in memo if k[0] == self.layer_id]:
+                del memo[k]
+        if not lats:
+            return
+        lat = torch.cat(lats) if len(lats) > 1 else lats[0]
+        cos, sin = rope(torch.cat(pos).to(lat.device, non_blocking=True), ops)
+        rows = ops.rope(lat, cos, sin)
+        ik = ops.rope(self.indexer.keys(lat, ops), cos, sin)
+        if self.quant_sim:
+            rows, ik = nvfp4_round(rows), mxfp4_round(ik)
+        sizes = [t.shape[0] for t in lats]
+        for kind, data in (("rows", rows), ("index", ik)):
+            parts = data.split(sizes)
+            ctx.cache.write_many(kind, self.layer_id, [(t, f, r) for t, f, r in zip(tables, firsts, parts)])
 
     def _owner_rows(self, ctx: StepContext, i: int, chunk: SeqChunk, kind: str) -> torch.Tensor:
         """Every row of the owner (this layer's KV source) up to the chunk's end, read once per step."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
+from deepinfer.ops import Ops
 
 BLOCKED = -1
 
@@ -210,23 +211,29 @@ def engram_update(
     k_weight: torch.Tensor,
     eps: float,
     token_mask: torch.Tensor | None = None,
+    ops: Ops | None = None,
 ) -> torch.Tensor:
     """The gated Engram update of all mHC streams (fp32 math, one cast back at the end).
 
     ``streams [..., hc, hidden]``; ``embeddings [..., n_hashes, head_dim]`` are the looked-up table rows (the
     lookup itself is the caller's: tables may live anywhere); ``wkv [(hc + 1) * hidden, n_hashes * head_dim]``
     (keys first); ``q_weight``/``k_weight [hc, hidden]``. ``token_mask`` False (image/padding) keeps a token's
-    streams unchanged.
+    streams unchanged. With ``ops`` the projection and the transcendental functions go through it (the
+    batch-invariant op set keeps a row's result independent of its batch-mates); the reductions are per row.
     """
     hc, hidden = streams.shape[-2:]
     e = embeddings.flatten(-2).to(streams.dtype)
-    key, value = torch.nn.functional.linear(e, wkv.to(streams.dtype)).split((hc * hidden, hidden), dim=-1)
+    w = wkv.to(streams.dtype)
+    kv = ops.linear(e, w) if ops is not None else torch.nn.functional.linear(e, w)
+    key, value = kv.split((hc * hidden, hidden), dim=-1)
     key = key.float().unflatten(-1, (hc, hidden))
     x = streams.float()
     weights = q_weight.float() * k_weight.float()
-    rstd = torch.rsqrt(x.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    rsqrt = torch.rsqrt if ops is None else (lambda t: ops.pointwise(torch.rsqrt, t))
+    sigmoid = torch.sigmoid if ops is None else (lambda t: ops.pointwise(torch.sigmoid, t))
+    rstd = rsqrt(x.square().mean(-1) + eps) * rsqrt(key.square().mean(-1) + eps)
     dot = (x * weights * key).sum(-1) * rstd * hidden**-0.5
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    gate = sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     if token_mask is not None:
         gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
     return (x + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)

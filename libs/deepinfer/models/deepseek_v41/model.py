@@ -59,9 +59,9 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
 
-    def forward(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         e = self.embed.lookup(rows, h.device)
-        return engram_update(h, e, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask)
+        return engram_update(h, e, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask, ops)
 
 
 class Block(nn.Module):
@@ -93,7 +93,7 @@ class Block(nn.Module):
         """Streams ``h [T, N, D]`` and the previous sublayer's ``pre`` → new streams and this block's FFN ``pre``.
         ``capture`` receives the (post-Engram) streams entering the attention mHC: a DSpark target feature."""
         if self.engram is not None:
-            h = self.engram(h, engram_rows, text_mask)
+            h = self.engram(h, engram_rows, text_mask, ops)
         if capture is not None:
             capture.append(h)
         h, pre = _lagged(h, pre, self.hc_attn, lambda x: self.attn(self.attn_norm(x, ops), ctx, rope, ops), ops)
@@ -291,7 +291,7 @@ class DeepseekV41Model(nn.Module):
         idx = torch.cat(skip).to(h.device)
         hs = h[idx]
         if layer.engram is not None:
-            hs = layer.engram(hs, rows[idx][:, layer.engram.slot], None if image is None else ~image[idx])
+            hs = layer.engram(hs, rows[idx][:, layer.engram.slot], None if image is None else ~image[idx], self.ops)
         xs = layer.attn_norm(self.ops.hc_collapse(hs, pre[idx]), self.ops)
         layer.attn.publish(xs, StepContext(chunks, offsets, ctx.positions[idx], ctx.cache), rope, self.ops)
         keep = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
@@ -316,7 +316,11 @@ class DeepseekV41Model(nn.Module):
                 sel[j] = ctx.selection[i][-n:]
             if ctx.candidates.get(i) is not None:
                 cand[j] = ctx.candidates[i][-n:]
-        return StepContext(chunks, offsets, ctx.positions[active], ctx.cache, selection=sel, candidates=cand)
+        out = StepContext(chunks, offsets, ctx.positions[active], ctx.cache, selection=sel, candidates=cand)
+        if ctx.sel_rows is not None:  # the batched path's per-token selection
+            out.sel_rows, out.sel_count = ctx.sel_rows[active], ctx.sel_count[active]
+        out.cand = None if ctx.cand is None else ctx.cand[active]
+        return out
 
     @torch.no_grad()
     def logits(self, y: torch.Tensor) -> torch.Tensor:
