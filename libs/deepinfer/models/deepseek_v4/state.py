@@ -76,6 +76,18 @@ class SequenceState:
         return n
 
 
+def ring_span(ring: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:
+    """Views of a window ring's slots of positions ``first .. first + count`` in position order (one or two pieces;
+    slot ``pos % len(ring)``)."""
+    if count <= 0:
+        return []
+    size = ring.shape[0]
+    a = first % size
+    if a + count <= size:
+        return [ring[a : a + count]]
+    return [ring[a:], ring[: a + count - size]]
+
+
 class PagedKVCache:
     """Compressed rows and indexer keys of every compressed layer, in pages shared by all sequences."""
 

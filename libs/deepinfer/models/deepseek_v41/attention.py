@@ -21,7 +21,6 @@ output projection run once for the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +34,6 @@ from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
 from deepinfer.ops import Ops
 from deepinfer.quant.cache import fp8_window_round, mxfp4_round, nvfp4_round
-
-Identity: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # noqa: E731
 
 
 @dataclass
@@ -59,16 +56,15 @@ class StepContext:
     cand: torch.Tensor | None = None  # [T, width] bool
 
 
-class Attention(nn.Module):
-    """``layers.{i}.attn``: ``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink`` (+ ``compressor``,
-    ``indexer`` by role)."""
+class SharedKVAttention(nn.Module):
+    """The projections every V4.1 attention has (backbone layers and DSpark stages): ``wq_a, q_norm, wq_b, wkv,
+    kv_norm, wo_a, wo_b, attn_sink``, with FP8 window KV when ``quant_sim`` (the released model's default)."""
 
-    def __init__(self, config: DeepseekV41TextConfig, spec: LayerSpec) -> None:
+    def __init__(self, config: DeepseekV41TextConfig) -> None:
         super().__init__()
         c = config
-        self.spec, self.layer_id, self.ratio = spec, spec.index, spec.ratio
         self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
-        self.window, self.o_groups, self.o_lora_rank = c.sliding_window, c.o_groups, c.o_lora_rank
+        self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, fp8=True)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
@@ -77,22 +73,48 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True)
         self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        self.quant_sim = True
+
+    def queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q-LoRA latent ``[T, q_lora_rank]`` and the rotated queries ``[T, H, d]`` (no per-head norm)."""
+        qlat = self.q_norm(self.wq_a(x, ops), ops)
+        q = self.wq_b(qlat, ops).view(x.shape[0], self.n_heads, self.head_dim)
+        return qlat, ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """Rotated window KV rows ``[T, d]``, FP8-rounded when ``quant_sim``."""
+        kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
+        return fp8_window_round(kv) if self.quant_sim else kv
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """Attention output ``[T, H, d]`` → ``[T, hidden]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
+        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        g = self.o_groups
+        z = ops.grouped_linear(out.view(out.shape[0], g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        return self.wo_b(z.flatten(1), ops)
+
+
+class Attention(SharedKVAttention):
+    """``layers.{i}.attn``: the shared projections (+ ``compressor``, ``indexer`` by role)."""
+
+    def __init__(self, config: DeepseekV41TextConfig, spec: LayerSpec) -> None:
+        super().__init__(config)
+        c = config
+        self.spec, self.layer_id, self.ratio, self.window = spec, spec.index, spec.ratio, c.sliding_window
         self.compressor = Compressor(c, self.ratio) if spec.kind == "full" else None
         self.indexer = (
             Indexer(c, spec.kind == "full", spec.candidate_source, spec.uses_candidates)
             if spec.is_index_source
             else None
         )
-        self.quant_sim = True
 
     def forward(self, x: torch.Tensor, ctx: StepContext, rope: RotaryTable, ops: Ops) -> torch.Tensor:
         """``x [T, hidden]`` (attention input, normed) of the step's tokens → ``[T, hidden]``."""
-        n, h, d = x.shape[0], self.n_heads, self.head_dim
-        fp8 = fp8_window_round if self.quant_sim else Identity
         cos, sin = rope(ctx.positions, ops)
-        qlat = self.q_norm(self.wq_a(x, ops), ops)
-        q = ops.rope(self.wq_b(qlat, ops).view(n, h, d), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = fp8(ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin))
+        qlat, q = self.queries(x, cos, sin, ops)
+        kv = self.window_kv(x, cos, sin, ops)
         proj = self.compressor.project(x, ops) if self.compressor is not None else None
         iq = iw = None
         if self.indexer is not None:
@@ -107,10 +129,7 @@ class Attention(nn.Module):
             out = self._attend_each(q, kv, iq, iw, ctx, ops)
         else:
             out = attend_batched(self, q, kv, iq, iw, ctx, ops)
-        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        g = self.o_groups
-        z = ops.grouped_linear(out.view(n, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
-        return self.wo_b(z.flatten(1), ops)
+        return self.output(out, cos, sin, ops)
 
     def _attend_each(
         self,

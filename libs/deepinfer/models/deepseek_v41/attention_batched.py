@@ -15,22 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.models.deepseek_v4.state import ring_span
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.ops import Ops
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.attention import Attention, StepContext
-
-
-def ring_span(ring: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:
-    """Views of the ring slots of positions ``first .. first + count`` in position order (one or two pieces)."""
-    if count <= 0:
-        return []
-    size = ring.shape[0]
-    a = first % size
-    if a + count <= size:
-        return [ring[a : a + count]]
-    return [ring[a:], ring[: a + count - size]]
 
 
 def _window(

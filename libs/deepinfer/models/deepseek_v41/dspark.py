@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v41.attention import SharedKVAttention
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark_heads import (
     CONFIDENCE_INPUTS,
@@ -47,7 +48,6 @@ from deepinfer.models.deepseek_v41.mhc import (
 )
 from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.ops import Ops
-from deepinfer.quant.cache import fp8_window_round
 
 
 def gather_window(rows: torch.Tensor, anchor_positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,30 +81,17 @@ def _key_lists(ctx_mask: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return idx.repeat_interleave(block, dim=0), count.repeat_interleave(block)
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(SharedKVAttention):
     """SWA-only shared-K=V MQA of a DSpark stage (released ``mtp.{k}.attn.*``), non-causal within the block."""
 
     def __init__(self, config: DeepseekV41TextConfig) -> None:
-        super().__init__()
-        c = config
-        self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
-        self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
-        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, fp8=True)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
-        self.wkv = Linear(c.hidden_size, self.head_dim, fp8=True)
-        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True)
-        self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
-        self.rope = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)  # main RoPE, no YaRN
-        self.quant_sim = True  # the FP8 window-KV round trip is part of the released model
+        super().__init__(config)
+        self.rope = RotaryTable(config.qk_rope_head_dim, config.rope_theta, None)  # main RoPE, no YaRN
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor, ops: Ops) -> torch.Tensor:
         """FP8-rounded rotated KV rows ``[T, head_dim]`` of ``x [T, D]`` at ``positions [T]``."""
         cos, sin = self.rope(positions, ops)
-        kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
-        return fp8_window_round(kv) if self.quant_sim else kv
+        return self.window_kv(x, cos, sin, ops)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, ops: Ops
@@ -112,17 +99,13 @@ class DraftAttention(nn.Module):
         """``x [N·B, D]`` (``attn_norm``-ed block inputs, block-major) at ``positions [N·B]``; ``ctx_kv [N, C, d]``
         (this stage's context rows, from ``kv``) visible where ``ctx_mask [N, C]``. Returns ``[N·B, D]``."""
         t, (n, c) = x.shape[0], ctx_mask.shape
-        h, d, g = self.n_heads, self.head_dim, self.o_groups
         cos, sin = self.rope(positions, ops)
-        q = self.wq_b(self.q_norm(self.wq_a(x, ops), ops), ops).view(t, h, d)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = self.kv(x, positions, ops)
-        keys = torch.cat([ctx_kv.reshape(n * c, d).to(kv.dtype), kv])
+        _, q = self.queries(x, cos, sin, ops)
+        kv = self.window_kv(x, cos, sin, ops)
+        keys = torch.cat([ctx_kv.reshape(n * c, self.head_dim).to(kv.dtype), kv])
         idx, count = _key_lists(ctx_mask, t // n)
-        out = ops.sparse_attention_lists(q, keys, idx, count, self.attn_sink, d**-0.5)
-        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        z = ops.grouped_linear(out.view(t, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
-        return self.wo_b(z.flatten(1), ops)
+        out = ops.sparse_attention_lists(q, keys, idx, count, self.attn_sink, self.head_dim**-0.5)
+        return self.output(out, cos, sin, ops)
 
 
 class DraftStage(nn.Module):

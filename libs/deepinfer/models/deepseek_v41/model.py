@@ -19,7 +19,7 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
-from deepinfer.models.deepseek_v41.attention import Attention, StepContext
+from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import EngramHasher, engram_update
@@ -183,7 +183,7 @@ class DeepseekV41Model(nn.Module):
         """The §2.5 cache representations (FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and queries);
         on by default: the released model computes through them."""
         for m in self.modules():
-            if isinstance(m, Attention):
+            if isinstance(m, SharedKVAttention):  # the DSpark stages' window KV too
                 m.quant_sim = enabled
 
     def _engram_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
