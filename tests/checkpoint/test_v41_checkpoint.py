@@ -38,6 +38,7 @@ from deepinfer.checkpoint.tiny_v41 import (
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.engram import bucket_primes, compressed_token_map
 from deepinfer.models.deepseek_v41.layout import layer_specs
+from models.nemo_v41 import backend as nemo_backend
 
 FILE = "model.safetensors"
 SEED = 3
@@ -388,7 +389,6 @@ def nemo(tiny: Path) -> dict:
 
     try:
         ensure_nemo()
-        from nemo_automodel.components.models.common import BackendConfig
         from nemo_automodel.components.models.deepseek_v41 import config as ncfg
         from nemo_automodel.components.models.deepseek_v41 import state_dict_adapter as nsda
         from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -400,15 +400,7 @@ def nemo(tiny: Path) -> dict:
     cfg = ncfg.DeepseekV41Config(
         text_config=raw["text_config"], vision_config=raw["vision_config"], image_token_id=raw["image_token_id"]
     )
-    backend = BackendConfig(
-        attn="eager",
-        linear="torch",
-        rms_norm="torch_fp32",
-        experts="torch",
-        dispatcher="torch",
-        enable_hf_state_dict_adapter=False,
-        rope_fusion=False,
-    )
+    backend = nemo_backend()
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tiny / "tokenizer.json"))
     model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=tokenizer)
     t = cfg.text_config

@@ -26,6 +26,7 @@ from deepinfer.models.deepseek_v41.mhc import (
 )
 from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.ops import get_ops
+from models.nemo_v41 import backend
 from models.tiny_v41 import build_tokenizer, text_config
 
 ATOL = 1e-5
@@ -46,19 +47,6 @@ def _configs(nemo, tokenizer, name, **overrides):
     raw = dict(text_config(name, tokenizer), dtype="float32", **overrides)
     ncfg = nemo["config"].DeepseekV41TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     return DeepseekV41TextConfig.from_dict(raw), ncfg
-
-
-def _backend():
-    from nemo_automodel.components.models.common import BackendConfig
-
-    return BackendConfig(
-        attn="eager",
-        linear="torch",
-        rms_norm="torch_fp32",
-        experts="torch",
-        dispatcher="torch",
-        enable_hf_state_dict_adapter=False,
-    )
 
 
 def _moe_config(ncfg):
@@ -150,7 +138,7 @@ def _attend(attn: _StubAttention, norm: RMSNorm, ops, x: torch.Tensor) -> torch.
 def _nemo_block(nemo, cfg, ncfg, layer: int, g: torch.Generator):
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41Block
 
-    blk = DeepseekV41Block(ncfg, layer, _backend(), _moe_config(ncfg)).eval()
+    blk = DeepseekV41Block(ncfg, layer, backend(), _moe_config(ncfg)).eval()
     assert blk.engram is None, "pick layers without Engram"
     blk.attn = _StubAttention(cfg.hidden_size, g)
     _randomize_block(blk, g)

@@ -32,6 +32,7 @@ from deepinfer.models.deepseek_v41.image import (
     splice_image_embeddings,
 )
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionEncoder, VisionTransformer
+from models.nemo_v41 import backend
 from models.tiny_v41 import IMAGE_PLACEHOLDER, build_tokenizer, text_config
 
 ATOL = 1e-5
@@ -260,20 +261,11 @@ def test_v41_flash_shapes_match_checkpoint_names():
 # -- splice ------------------------------------------------------------------------------------------------------
 def test_v41_parity_image_embeddings(nemo, tokenizer, text_raw):
     """preprocess, expand, VisionEncoder, splice == NeMo DeepseekV41Model._image_embeddings (2 rows, 3 images)."""
-    from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from nemo_automodel.components.models.deepseek_v41.processing import DeepseekV41Processor
 
     ncfg = _nemo_config(tokenizer, text_raw, TINY_VISION)
-    backend = BackendConfig(
-        attn="eager",
-        linear="torch",
-        rms_norm="torch_fp32",
-        experts="torch",
-        dispatcher="torch",
-        enable_hf_state_dict_adapter=False,
-    )
-    model = DeepseekV41ForCausalLM(ncfg, backend=backend, tokenizer=tokenizer).model.eval()
+    model = DeepseekV41ForCausalLM(ncfg, backend=backend(), tokenizer=tokenizer).model.eval()
     g = torch.Generator().manual_seed(21)
     _randomize(model.vision, g)
     _randomize(model.aligner, g)
