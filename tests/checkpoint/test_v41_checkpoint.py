@@ -468,3 +468,29 @@ def test_v41_dequantization_matches_nemo(nemo: dict, tiny: Path, config: Deepsee
         )
         target, expert = released_to_internal(name)
         assert torch.equal(direct, params[target] if expert is None else params[target][expert])
+
+
+def test_v41_tiny_checkpoint_parity_with_nemo(nemo: dict, tiny: Path, config: DeepseekV41Config) -> None:
+    """The tiny checkpoint end to end: NeMo's model loaded through its own adapter and ours through
+    ``load_v41_checkpoint`` (with the Engram map of the real DeepSeek tokenizer) give the same prompt logprobs
+    (fp32, cache formats off, the documented top-k tie rule): every tensor lands where NeMo puts it."""
+    from tokenizers import Tokenizer
+
+    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+    from models.nemo_v41 import nemo_logits, reference_rules
+
+    theirs = nemo["model"]
+    missing, unexpected = theirs.load_state_dict(nemo["backbone"].from_hf(load_file(str(tiny / FILE))), strict=False)
+    assert not unexpected and all("e_score_correction_bias" in k or "bias_vl" in k for k in missing), missing
+    theirs.float().eval()
+    token_map = compressed_token_map(Tokenizer.from_file(str(tiny / "tokenizer.json")))[0]
+    ours = DeepseekV41Model(config, engram_token_map=token_map)
+    load_v41_checkpoint(ours, tiny, torch.float32)
+    ours.set_quant_sim(False)
+    ids = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+    with reference_rules():
+        ref = nemo_logits(theirs, torch.tensor([ids]))[0]
+    chunk = SeqChunk(SequenceState(), 0, len(ids), torch.arange(8))
+    got = ours.logits(ours(ForwardBatch.build([chunk], [ids]), PagedKVCache(config, 8, 16)))
+    assert float((got.log_softmax(-1) - ref.log_softmax(-1)).abs().max()) <= 1e-4
