@@ -77,6 +77,7 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
 
 import deepinfer  # noqa: E402
@@ -509,7 +510,8 @@ def copy_pages(cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> Non
 
 def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, Any]:
     """Where one decode step's time goes: wall time per region (device synchronised at each region's edges, so
-    regions add up to the step plus the syncs), then ``torch.profiler`` over one more step (op table)."""
+    regions add up to the step plus the syncs; an eager step), then ``torch.profiler`` over one more step as the op set
+    runs it (CUDA graphs included: op table, launch counts)."""
     spans: dict[str, float] = {}
     open_: dict[str, float] = {}
     hooks = []
@@ -557,6 +559,8 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
             if hasattr(c, "forward_many"):
                 undo.append(wrap(c, "forward_many", "attention.compressors"))
     ops = model.ops
+    graphs = getattr(ops, "cuda_graphs", False)
+    ops.cuda_graphs = False  # the regions' hooks and wrappers run only where the modules run: eagerly
     undo.append(wrap(ops, "moe", "moe.routed_experts"))
     undo.append(wrap(ops, "sparse_attention", "attention.sparse_attention"))
     if hasattr(ops, "sparse_attention_lists"):
@@ -564,6 +568,7 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
     try:
         total = timed(step, dev)
     finally:
+        ops.cuda_graphs = graphs
         for h in hooks:
             h.remove()
         for u in undo:
@@ -587,7 +592,8 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
         out["table_by_cpu_time"] = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
         counts: dict[str, int] = {}
         for e in ka:
-            for tag in ("LaunchKernel", "_local_scalar_dense", "cudaStreamSynchronize", "cudaMemcpyAsync", "aten::"):
+            for tag in ("LaunchKernel", "cudaGraphLaunch", "_local_scalar_dense", "cudaStreamSynchronize",
+                        "cudaMemcpyAsync", "aten::"):  # fmt: skip
                 if tag in e.key:
                     counts[tag] = counts.get(tag, 0) + e.count
         out["counts"] = counts
@@ -605,10 +611,12 @@ class Ours:
         ps = args.page_size
         self.steps = args.warmup + args.repeats + 4  # + the routing probe, two profiled steps and one spare
         self.profiles: dict[int, dict] = {}
+        self.ab: list[dict] = []  # --ab: before/after rows (decode_ab)
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         max_prefill = max(args.prefill_tokens, default=0)
-        n_dec = (self.n_tpl + max(batches, default=0)) * self.pages_per_seq
+        self.lanes = len(decode_ab.VARIANTS) if args.ab else 1  # --ab: one set of batch pages per variant
+        n_dec = (self.n_tpl + self.lanes * max(batches, default=0)) * self.pages_per_seq
         num_pages = n_dec + -(-max_prefill // ps)
         self.cache = PagedKVCache(c, num_pages, ps, torch.bfloat16, dev)
         pages = torch.arange(num_pages, device=dev)
@@ -627,6 +635,24 @@ class Ours:
             batch = ForwardBatch.build([SeqChunk(st, s, len(part), table)], [part], self.dev)
             h = self.model(batch, self.cache)
         return self.model.logits(h[-1:])
+
+    def make_step(self, b: int, n_steps: int, tokens: list[list[int]] | None = None, lane: int = 0):
+        """A decode step of ``b`` fresh copies of the templates (own states, own cache pages: the batch's pages of
+        ``lane``): each call advances every sequence by one token (the next of ``tokens``, else random) and returns
+        the logits of every row."""
+        tables = self.tables[self.n_tpl + lane * b : self.n_tpl + (lane + 1) * b]
+        states = [clone_state(self.templates[j % self.n_tpl]) for j in range(b)]
+        src = self.tables[torch.arange(b, device=self.dev) % self.n_tpl]
+        copy_pages(self.cache, src.flatten(), tables.flatten())
+        it = iter(tokens if tokens is not None else [self._ids(b) for _ in range(n_steps)])
+
+        def step():
+            ids = next(it)
+            chunks = [SeqChunk(s, s.num_tokens, 1, tb) for s, tb in zip(states, tables)]
+            batch = ForwardBatch.build(chunks, [[i] for i in ids], self.dev)
+            return self.model.logits(self.model(batch, self.cache))
+
+        return step
 
     def decode(self, batches: list[int], budget: Budget) -> tuple[list[dict], dict]:
         rows: list[dict] = []
@@ -650,24 +676,11 @@ class Ours:
         for b in batches:
             est = prev[1] * b / prev[0] if prev else None
             row: dict[str, Any] = {"batch": b}
-            states = None
+            step = None
             try:
                 if budget.left() <= 0:
                     raise Skip("skipped: section budget spent")
-                tables = self.tables[self.n_tpl : self.n_tpl + b]
-                states = [clone_state(self.templates[j % self.n_tpl]) for j in range(b)]
-                src = self.tables[torch.arange(b, device=self.dev) % self.n_tpl]
-                copy_pages(self.cache, src.flatten(), tables.flatten())
-                toks = [self._ids(b) for _ in range(self.steps)]
-                it = iter(toks)
-
-                def step(states=states, tables=tables, it=it):
-                    ids = next(it)
-                    chunks = [SeqChunk(s, s.num_tokens, 1, tb) for s, tb in zip(states, tables)]
-                    batch = ForwardBatch.build(chunks, [[i] for i in ids], self.dev)
-                    h = self.model(batch, self.cache)
-                    return self.model.logits(h)
-
+                step = self.make_step(b, self.steps)
                 row.update(run_timed(step, self.dev, self.args.warmup, self.args.repeats, budget, est))
                 row["distinct_experts"] = self._probe_routing(step)
                 prev = (b, row["ms"] / 1e3)
@@ -675,6 +688,20 @@ class Ours:
                 if b in self.args.profile:
                     self.profiles[b] = profile_step(self.model, step, self.dev)
                     log(f"  ours decode B={b} profiled: {self.profiles[b]['regions_ms']}")
+                if self.args.ab and hasattr(self.model.ops, "cuda_graphs"):
+                    del step
+                    step = None
+                    ab = decode_ab.ab_decode(self, b, timed, Budget(self.args.budget_s, budget.deadline))
+                    self.ab.append(ab)
+                    log(
+                        f"  ours decode B={b} before/after: "
+                        + ", ".join(
+                            f"{k} {v['ms']:.1f} ms, {v['counts']['LaunchKernel']} launches"
+                            for k, v in ab.items()
+                            if isinstance(v, dict) and "ms" in v
+                        )
+                        + f"; {ab.get('exactness')}"
+                    )
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours decode B={b}: {e}")
@@ -682,7 +709,7 @@ class Ours:
                 row.update(ms=None, note=failure(e, self.dev))
                 log(f"  ours decode B={b}: {row['note']}")
             finally:
-                del states
+                step = None
                 free(self.dev)
             rows.append(row)
         self.templates = []
@@ -695,9 +722,13 @@ class Ours:
             layer.ffn.gate.register_forward_hook(lambda m, i, o: seen.append(int(torch.unique(o[0]).numel())))
             for layer in self.model.layers
         ]
+        ops = self.model.ops
+        graphs = getattr(ops, "cuda_graphs", False)
+        ops.cuda_graphs = False  # module hooks run only where the modules run: eagerly
         try:
             step()
         finally:
+            ops.cuda_graphs = graphs
             for h in hooks:
                 h.remove()
         return statistics.mean(seen) if seen else None
@@ -976,6 +1007,8 @@ def markdown(res: dict[str, Any]) -> str:
         for who, x in (("ours", r), ("peer", p)):
             if x.get("note"):
                 notes.append(f"prefill {r['tokens']} {who}: {x['note']}")
+    if res.get("decode_ab"):
+        lines += ["", "Decode before/after (--ab; decode_ab.py)", "", decode_ab.markdown(res["decode_ab"])]
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines)
@@ -1070,6 +1103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (regions + torch.profiler)")
     ap.add_argument("--moe-backend", default="auto", help="NvidiaOps' MoE: auto | grouped_mm | triton")
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="before/after of the decode step: eager unfused / eager fused / CUDA graphs (decode_ab.py)",
+    )
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1142,8 +1180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["prefill"] = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
         add_roofline(work, res["decode"], res["prefill"], args.context, bw, peak)
         res["ops"] = {"class": type(model.ops).__name__, "moe_backend": getattr(model.ops, "moe_backend", None)}
+        res["ops"]["fused"] = getattr(model.ops, "fused", None)
+        res["ops"]["cuda_graphs"] = getattr(model.ops, "cuda_graphs", None)
         if ours.profiles:
             res["profile"] = {str(b): p for b, p in ours.profiles.items()}
+        if ours.ab:
+            res["decode_ab"] = ours.ab
         if dev.type == "cuda":
             res["peak_mem_GiB"] = torch.cuda.max_memory_allocated(dev) / 2**30
         del ours, model

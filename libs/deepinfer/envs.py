@@ -174,6 +174,16 @@ _declare("DEEPINFER_BATCH_INVARIANT", "bool", _NUM, """
     sits in the batch and however its prefill is chunked (fixed GEMM tiles, fixed reduction orders; cpu and
     nvidia). Costs throughput (measured: 0.94 of the default decode throughput at batch 64 on an H200, about
     0.55 on the cpu backend); reported by GetModelInfo. See docs/determinism.md.""", default=False)
+_declare("DEEPINFER_CUDA_GRAPHS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant), replay decode steps (one new token per sequence) from CUDA
+    graphs captured per batch-size bucket on first use: everything between the attention layers' state
+    bookkeeping (mHC, norms, projections, RoPE, router, MoE) runs as one graph per layer boundary, with the
+    results of eager execution at the same bucket size. Batches above `DEEPINFER_CUDA_GRAPH_MAX_BATCH` and
+    prefill chunks run eagerly.""", default=True)
+_declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
+    Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
+    bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
+    padding rows are computed and dropped.""", default=256, minimum=1)
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher
@@ -291,6 +301,8 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_USE_NEXTN_DECODE: int
     DEEPINFER_ENABLE_MTP_VARLEN: bool
     DEEPINFER_BATCH_INVARIANT: bool
+    DEEPINFER_CUDA_GRAPHS: bool
+    DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str

@@ -57,6 +57,19 @@ class Ops(Protocol):
         """mHC weights of streams ``h [T, N, D]``: ``pre [T, N]``, ``post [T, N]``, Sinkhorn ``comb [T, N, N]``."""
         ...
 
+    def hc_pre(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hc_mixes`` then ``hc_collapse`` with its ``pre``: ``(x [T, D], post [T, N], comb [T, N, N])``."""
+        ...
+
     def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """``Σ_j pre[:, j] · h[:, j]``: streams ``h [T, N, D]`` → ``[T, D]`` (fp32 sum, ``h.dtype`` out)."""
         ...

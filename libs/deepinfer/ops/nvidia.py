@@ -1,7 +1,10 @@
 """The op sets of the nvidia backend.
 
 * ``NvidiaOps`` (the default): the reference semantics with the MoE as sorted slots + grouped GEMMs
-  (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop).
+  (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
+  RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its
+  ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
+  (``deepinfer.models.deepseek_v4.graphs``).
 * ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
   runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
   rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
@@ -15,6 +18,7 @@ from deepinfer.ops.invariant import BatchInvariantOps
 from deepinfer.ops.reference import ReferenceOps
 
 MOE_BACKENDS = ("auto", "grouped_mm", "triton")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernels() -> tuple:
@@ -54,20 +58,71 @@ class NvidiaInvariantOps(_KernelAttention, BatchInvariantOps):
 class NvidiaOps(ReferenceOps):
     """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
-    CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise)."""
+    CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
+    RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
+    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``)."""
 
-    def __init__(self, moe_backend: str = "auto") -> None:
+    def __init__(self, moe_backend: str = "auto", fused: bool = True, cuda_graphs: bool | None = None) -> None:
         super().__init__("nvidia")
         if moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe_backend!r}")
         try:
-            from deepinfer.kernels import moe
+            from deepinfer.kernels import hc, moe, norm
         except ImportError as e:  # pragma: no cover - a CUDA host without triton
             raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
         self._moe, self.moe_backend = moe, moe_backend
+        self._hc, self._norm, self.fused = hc, norm, fused
+        if cuda_graphs is None:
+            from deepinfer import envs
+
+            cuda_graphs = bool(envs.get("DEEPINFER_CUDA_GRAPHS"))
+        self.cuda_graphs = cuda_graphs
         from deepinfer.kernels.attention import indexer_scores_ranges, sparse_attention_gather
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        if not self.fused or x.dtype not in _FLOATS:
+            return super().rms_norm(x, weight, eps)
+        return self._norm.rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if not self.fused or not self._norm.rope_supported(x, cos, sin):
+            return super().rope(x, cos, sin, inverse)
+        return self._norm.rope(x, cos, sin, inverse)
+
+    def hc_mixes(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.fused or h.dim() != 3 or h.dtype not in _FLOATS:
+            return super().hc_mixes(h, fn, scale, base, iters, eps, norm_eps)
+        return self._hc.hc_mixes(h, fn, scale, base, iters, eps, norm_eps)
+
+    def hc_pre(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.fused or h.dim() != 3 or h.dtype not in _FLOATS:
+            return super().hc_pre(h, fn, scale, base, iters, eps, norm_eps)
+        return self._hc.hc_pre(h, fn, scale, base, iters, eps, norm_eps)
+
+    def hc_expand(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if not self.fused or res.dim() != 3 or y.dtype not in _FLOATS:
+            return super().hc_expand(y, res, post, comb)
+        return self._hc.hc_expand(y, res, post, comb)
 
     def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """bf16 / fp16 on CUDA: one half-precision GEMM with fp32 accumulation and fp32 output (no fp32 copy of the

@@ -96,6 +96,19 @@ class ReferenceOps:
             comb = comb / (self._sum(comb, -2) + eps)
         return pre, post, comb
 
+    def hc_pre(
+        self,
+        h: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pre, post, comb = self.hc_mixes(h, fn, scale, base, iters, eps, norm_eps)
+        return self.hc_collapse(h, pre), post, comb
+
     def sparse_attention(
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
     ) -> torch.Tensor:

@@ -94,12 +94,15 @@ class Compressor(nn.Module):
         ``score`` (``spans[i] = (a, b, start, skip_rows)``) and the buffer ``bufs[i]``. The buffers advance one by one;
         the rows completed by all sequences are gathered, pooled, normalised and rotated as one batch."""
         m, d, dev = self.ratio, self.dim, kv.device
+        none = kv.new_zeros(0, d, dtype=dtype)  # the rows of every sequence that completes none (never written to)
         out: list[list] = []
         jobs = []
+        dst: list[torch.Tensor] = []  # each buffer + new rows: filled by one batched copy after the loop
+        src: list[torch.Tensor] = []
         for (a, b, start, skip), buf in zip(spans, bufs):
             k_i, s_i, base = kv[a:b], score[a:b], start
             if buf is not None:
-                k_i, s_i, base = torch.cat([buf.kv, k_i]), torch.cat([buf.score, s_i]), buf.start
+                k_i, s_i, base = _joined(buf.kv, k_i, dst, src), _joined(buf.score, s_i, dst, src), buf.start
             first, last = max(start // m, skip), (start + b - a) // m
             if last > first:
                 jobs.append((len(out), k_i, s_i, base, first, last))
@@ -107,7 +110,9 @@ class Compressor(nn.Module):
             nk, ns = k_i[keep - base :], s_i[keep - base :]
             if buf is None:  # views of the whole batch's projections: keep only this sequence's rows alive
                 nk, ns = nk.clone(), ns.clone()
-            out.append([kv.new_zeros(0, d, dtype=dtype), first, CompressorBuffer(kv=nk, score=ns, start=keep)])
+            out.append([none, first, CompressorBuffer(kv=nk, score=ns, start=keep)])
+        if dst:
+            torch._foreach_copy_(dst, src)
         if jobs:
             big_k = torch.cat([j[1] for j in jobs]) if len(jobs) > 1 else jobs[0][1]
             big_s = torch.cat([j[2] for j in jobs]) if len(jobs) > 1 else jobs[0][2]
@@ -286,6 +291,14 @@ class Attention(nn.Module):
         rope: RotaryTable,
         ops: Ops,
     ) -> torch.Tensor:
+        t = self.project(x, positions, rope, ops)
+        return self.output(self.attend(t, chunks, offsets, positions, cache, rope, ops), t, ops)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops) -> dict[str, torch.Tensor]:
+        """Everything before the state is touched, one row per token (``x`` the normalised input): ``x``, ``qr``,
+        ``q``, ``kv``, ``cos``, ``sin``, the compressors' projections (``main_kv`` / ``main_score``, ``index_kv`` /
+        ``index_score``) and, off the batch-invariant path, the indexer's queries (``iq``, ``iw``). A pure function of
+        its inputs (the decode CUDA graphs capture it)."""
         n_tok, h, d, rd = x.shape[0], self.n_heads, self.head_dim, self.rd
         qr = self.q_norm(self.wq_a(x, ops), ops)
         q = self.wq_b(qr, ops).view(n_tok, h, d)
@@ -295,11 +308,28 @@ class Attention(nn.Module):
         kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
         if self.quant_sim:
             kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], _qblock(d - rd)), kv[:, -rd:]], dim=-1)
-        proj = {}
+        t = {"x": x, "qr": qr, "q": q, "kv": kv, "cos": cos, "sin": sin}
         if self.compressor is not None:
-            proj["main"] = self.compressor.project(x, positions, ops)
+            t["main_kv"], t["main_score"] = self.compressor.project(x, positions, ops)
         if self.indexer is not None:
-            proj["index"] = self.indexer.compressor.project(x, positions, ops)
+            t["index_kv"], t["index_score"] = self.indexer.compressor.project(x, positions, ops)
+            if not ops.batch_invariant:
+                t["iq"], t["iw"] = self.indexer.queries(x, qr, positions, rope, ops)
+        return t
+
+    def attend(
+        self,
+        t: dict[str, torch.Tensor],
+        chunks: list[SeqChunk],
+        offsets: list[tuple[int, int]],
+        positions: torch.Tensor,
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """The attention output ``[T, H, d]`` of ``project``'s tensors; reads and advances each sequence's state."""
+        x, qr, q, kv = t["x"], t["qr"], t["q"], t["kv"]
+        proj = {k: (t[f"{k}_kv"], t[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in t}
         if ops.batch_invariant:
             out = torch.empty_like(q)
             for chunk, (a, b) in zip(chunks, offsets):
@@ -307,8 +337,13 @@ class Attention(nn.Module):
                 out[a:b] = self._attend_one(
                     x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops
                 )
-        else:
-            out = self._attend_batched(x, qr, q, kv, positions, proj, chunks, offsets, cache, rope, ops)
+            return out
+        iq = (t["iq"], t["iw"]) if "iq" in t else None
+        return self._attend_batched(x, q, kv, iq, proj, chunks, offsets, cache, rope, ops)
+
+    def output(self, out: torch.Tensor, t: dict[str, torch.Tensor], ops: Ops) -> torch.Tensor:
+        """Inverse RoPE, then the grouped ``wo_a`` and ``wo_b``: ``[T, hidden]``."""
+        n_tok, cos, sin = out.shape[0], t["cos"], t["sin"]
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         g = self.o_groups
         z = ops.grouped_linear(out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
@@ -355,10 +390,9 @@ class Attention(nn.Module):
     def _attend_batched(
         self,
         x: torch.Tensor,
-        qr: torch.Tensor,
         q: torch.Tensor,
         kv: torch.Tensor,
-        positions: torch.Tensor,
+        iq: tuple[torch.Tensor, torch.Tensor] | None,
         proj: dict[str, tuple[torch.Tensor, torch.Tensor]],
         chunks: list[SeqChunk],
         offsets: list[tuple[int, int]],
@@ -366,7 +400,8 @@ class Attention(nn.Module):
         rope: RotaryTable,
         ops: Ops,
     ) -> torch.Tensor:
-        """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``."""
+        """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``. ``iq``: the
+        indexer's queries and head weights (CSA layers)."""
         win, dev, n_tok = self.window, x.device, x.shape[0]
         # -- the window: each chunk's old rows (ring slots, in position order) then its new rows, in one pool
         pieces, lo, woff, o = [], [], [], 0
@@ -416,8 +451,7 @@ class Attention(nn.Module):
         w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
         r_width = max(counts, default=0)
         if self.indexer is not None:
-            iq, iw = self.indexer.queries(x, qr, positions, rope, ops)
-            sel, r_cnt = self.indexer.select_ranges(iq, iw, r_vis, ipool, meta_d[4], r_width, ops)
+            sel, r_cnt = self.indexer.select_ranges(iq[0], iq[1], r_vis, ipool, meta_d[4], r_width, ops)
             r_idx = sel + r_start.unsqueeze(1)
             c_width = sel.shape[1]
         else:
@@ -476,6 +510,17 @@ class Attention(nn.Module):
         store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor, dst: list[torch.Tensor], src: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([a, b])`` left unfilled: its two copies are queued in ``dst`` / ``src`` (one ``_foreach_copy_`` of
+    every sequence's pieces then takes a few launches instead of one per sequence)."""
+    out = b.new_empty((a.shape[0] + b.shape[0], *b.shape[1:]), dtype=torch.promote_types(a.dtype, b.dtype))
+    for part, lo in ((a, 0), (b, a.shape[0])):
+        if part.shape[0]:
+            dst.append(out[lo : lo + part.shape[0]])
+            src.append(part)
+    return out
 
 
 def _ring_span(ring: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:

@@ -61,7 +61,11 @@ class RotaryTable:
 
     def __init__(self, dim: int, base: float, yarn: YarnParams | None) -> None:
         self.inv_freq = rope_inv_freq(dim, base, yarn)
+        self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no host-to-device copy per call
 
     def __call__(self, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        f = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freq = self._on.get(positions.device)
+        if freq is None:
+            freq = self._on[positions.device] = self.inv_freq.to(positions.device)
+        f = positions.to(torch.float32).unsqueeze(-1) * freq
         return ops.pointwise(torch.cos, f), ops.pointwise(torch.sin, f)

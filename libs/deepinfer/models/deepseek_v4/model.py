@@ -41,7 +41,7 @@ class Block(nn.Module):
 
     def _hc(self, h: torch.Tensor, name: str, ops: Ops) -> tuple[torch.Tensor, ...]:
         c = self.config
-        pre, post, comb = ops.hc_mixes(
+        return ops.hc_pre(
             h,
             getattr(self, f"{name}_fn"),
             getattr(self, f"{name}_scale"),
@@ -50,7 +50,31 @@ class Block(nn.Module):
             c.hc_eps,
             c.rms_norm_eps,
         )
-        return ops.hc_collapse(h, pre), post, comb
+
+    def attn_in(
+        self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """mHC collapse, norm and the attention's projections (``Attention.project``), with the mHC ``post`` and
+        ``comb`` that ``ffn_out`` needs. Touches no state."""
+        x, post, comb = self._hc(h, "hc_attn", ops)
+        return self.attn.project(self.attn_norm(x, ops), positions, rope, ops), post, comb
+
+    def ffn_out(
+        self,
+        out: torch.Tensor,
+        t: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        token_ids: torch.Tensor | None,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """The attention output (``Attention.output``) expanded into the streams, then the MoE sublayer. Touches no
+        state."""
+        h = ops.hc_expand(self.attn.output(out, t, ops), h, post, comb)
+        x, post, comb = self._hc(h, "hc_ffn", ops)
+        x = self.ffn(self.ffn_norm(x, ops), token_ids, ops)
+        return ops.hc_expand(x, h, post, comb)
 
     def forward(
         self,
@@ -62,12 +86,9 @@ class Block(nn.Module):
         ops: Ops,
         token_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        x, post, comb = self._hc(h, "hc_attn", ops)
-        x = self.attn(self.attn_norm(x, ops), batch.chunks, offsets, batch.positions, cache, rope, ops)
-        h = ops.hc_expand(x, h, post, comb)
-        x, post, comb = self._hc(h, "hc_ffn", ops)
-        x = self.ffn(self.ffn_norm(x, ops), token_ids, ops)
-        return ops.hc_expand(x, h, post, comb)
+        t, post, comb = self.attn_in(h, batch.positions, rope, ops)
+        out = self.attn.attend(t, batch.chunks, offsets, batch.positions, cache, rope, ops)
+        return self.ffn_out(out, t, h, post, comb, token_ids, ops)
 
 
 class MTPBlock(Block):
@@ -103,6 +124,7 @@ class DeepseekV4Model(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(c, i) for i in c.mtp_layer_ids])
         self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
         self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
+        self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
 
     def set_quant_sim(self, enabled: bool) -> None:
         """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""
@@ -110,27 +132,39 @@ class DeepseekV4Model(nn.Module):
             if hasattr(m, "quant_sim"):
                 m.quant_sim = enabled
 
-    def _rope(self, layer_id: int) -> RotaryTable:
+    def rope_of(self, layer_id: int) -> RotaryTable:
+        """The rotary table of a layer (compressed layers use the compress flavour)."""
         return self.rope_compress if self.config.ratio(layer_id) else self.rope_main
+
+    def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The ``hc_mult`` input streams ``[T, hc_mult, D]`` of ``token_ids``."""
+        return self.embed(token_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
-        """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``."""
-        ops, offsets = self.ops, batch.offsets()
-        x = self.embed(batch.token_ids)
-        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            h = layer(h, batch, offsets, cache, self._rope(layer.layer_id), ops, batch.token_ids)
+        """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``. A decode step replays CUDA
+        graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``), with eager results."""
+        ops = self.ops
+        h = None
+        if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
+            if self.decode_graphs is None:
+                from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
+
+                self.decode_graphs = DecodeGraphs(self)
+            h = self.decode_graphs.run(batch, cache)  # None: not a graphed step
+        if h is None:
+            offsets = batch.offsets()
+            h = self.embed_streams(batch.token_ids)
+            for layer in self.layers:
+                h = layer(h, batch, offsets, cache, self.rope_of(layer.layer_id), ops, batch.token_ids)
         for c in batch.chunks:
             c.state.num_tokens = c.end
         return h
 
     def _head(self, h: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c, ops = self.config, self.ops
-        pre, _, _ = ops.hc_mixes(
-            h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, 0, c.hc_eps, c.rms_norm_eps
-        )
-        y = norm(ops.hc_collapse(h, pre), ops)
+        x, _, _ = ops.hc_pre(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, 0, c.hc_eps, c.rms_norm_eps)
+        y = norm(x, ops)
         return ops.logits_linear(y, self.head.weight)
 
     @torch.no_grad()

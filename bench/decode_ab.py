@@ -1,0 +1,131 @@
+"""Before/after of the decode step's host-launch work, in one run of ``bench/sweep.py`` (``--ab``).
+
+For each decode batch size, three variants of ``NvidiaOps`` decode the same kind of step from fresh copies of the
+same prefilled context (own states, own cache pages):
+
+* ``eager_unfused``: the op set as it was before the fused kernels and the graphs (the reference's torch ops for mHC,
+  RMSNorm and RoPE; every step eager);
+* ``eager_fused``: the fused Triton kernels (``kernels.hc``, ``kernels.norm``), every step eager;
+* ``graphs``: the fused kernels and the decode CUDA graphs (``models.deepseek_v4.graphs``), the default.
+
+Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
+rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
+median is reported), and one more step of each runs under ``torch.profiler``: kernel launches issued by the host
+(``cudaLaunchKernel`` and the driver's launch calls), graph launches, host-to-device copies, host syncs, and the
+device's busy time. ``exactness`` decodes the same tokens from the same state eagerly (fused) and from the graphs, three
+steps, and compares the logits bit for bit (bucket-sized batches
+only: a padded bucket runs other GEMM shapes).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from typing import Any
+
+import torch
+
+VARIANTS = {  # name -> (ops.fused, ops.cuda_graphs)
+    "eager_unfused": (False, False),
+    "eager_fused": (True, False),
+    "graphs": (True, True),
+}
+_TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
+
+
+def set_variant(ops: Any, name: str) -> tuple[bool, bool]:
+    """Switch ``ops`` to a variant; returns the previous ``(fused, cuda_graphs)``."""
+    prev = (getattr(ops, "fused", False), getattr(ops, "cuda_graphs", False))
+    ops.fused, ops.cuda_graphs = VARIANTS[name]
+    return prev
+
+
+def launch_profile(step, dev: torch.device) -> dict[str, Any]:
+    """Host-side launch counts and device busy time of one ``step()`` under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    counts = dict.fromkeys(_TAGS, 0)
+    busy = 0.0
+    for e in prof.key_averages():
+        for tag in _TAGS:
+            if tag in e.key:
+                counts[tag] += e.count
+        busy += getattr(e, "self_device_time_total", 0.0)
+    return {"counts": counts, "device_busy_ms": round(busy / 1e3, 3)}
+
+
+def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
+    """The three variants at batch ``b`` (module docstring) and the exactness check. ``ours`` is sweep's ``Ours``
+    (its templates prefilled, one lane of pages per variant), ``timed`` sweep's timer of one call. The timed steps
+    are interleaved (variant by variant within each round), so that drifts of the machine fall on all three alike."""
+    ops, dev, args = ours.model.ops, ours.dev, ours.args
+    out: dict[str, Any] = {"batch": b, "rounds": 0}
+    prev = (getattr(ops, "fused", False), getattr(ops, "cuda_graphs", False))
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    try:
+        steps = {name: ours.make_step(b, args.warmup + args.repeats + 1, lane=i) for i, name in enumerate(VARIANTS)}
+        for name, step in steps.items():
+            set_variant(ops, name)
+            for _ in range(args.warmup):
+                step()
+        gc.collect()
+        for _ in range(args.repeats):
+            if budget.left() <= 0:
+                break
+            for name, step in steps.items():
+                set_variant(ops, name)
+                times[name].append(timed(step, dev))
+            out["rounds"] += 1
+        for name, step in steps.items():
+            set_variant(ops, name)
+            ts = sorted(times[name]) or [float("nan")]
+            out[name] = {"ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * ts[0], **launch_profile(step, dev)}
+        steps.clear()
+        out["exactness"] = exactness(ours, b)
+    finally:
+        ops.fused, ops.cuda_graphs = prev
+    return out
+
+
+def exactness(ours: Any, b: int, steps: int = 3) -> dict[str, Any]:
+    """Logits of ``steps`` decode steps eagerly and from the graphs, from the same state with the same tokens."""
+    from deepinfer.models.deepseek_v4.graphs import BUCKETS
+
+    ops = ours.model.ops
+    if b not in BUCKETS:
+        return {"note": f"batch {b} is not a bucket size: a padded bucket runs other shapes"}
+    logits = {}
+    tokens = [ours._ids(b) for _ in range(steps)]
+    for graphs in (False, True):
+        ops.fused, ops.cuda_graphs = True, graphs
+        step = ours.make_step(b, steps, tokens=tokens)
+        logits[graphs] = torch.stack([step() for _ in range(steps)])
+    diff = (logits[True] - logits[False]).abs().max().item()
+    return {"steps": steps, "bit_identical": bool(torch.equal(logits[True], logits[False])), "max_abs_diff": diff}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The before/after table."""
+    head = ("| batch | variant | ms/step | host kernel launches | graph launches | H2D copies | device busy ms |\n"
+            "|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        for name in VARIANTS:
+            v = r.get(name)
+            if not isinstance(v, dict):
+                continue
+            c = v.get("counts", {})
+            lines.append(
+                f"| {r['batch']} | {name} | {v['ms']:.2f} | {c.get('LaunchKernel', 0)} | {c.get('cudaGraphLaunch', 0)} "
+                f"| {c.get('cudaMemcpyAsync', 0)} | {v.get('device_busy_ms', 0):.2f} |"
+            )
+    ex = [f"batch {r['batch']}: {r['exactness']}" for r in rows if "exactness" in r]
+    return "\n".join(lines) + ("\n\nGraphs against eager (fused):\n" + "\n".join(f"- {e}" for e in ex) if ex else "")
+
+
+__all__ = ["VARIANTS", "ab_decode", "exactness", "launch_profile", "markdown", "set_variant"]

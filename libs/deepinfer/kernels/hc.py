@@ -1,0 +1,219 @@
+"""Fused mHC (manifold-constrained hyper-connection) kernels: one launch where the reference takes ~130.
+
+The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.ops.reference``):
+
+* ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
+  (the ``[T, M]`` product is one fp32 GEMM, as the reference's ``F.linear``), then one Triton program per token that
+  computes ``pre = sigmoid(·) + eps``, ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a
+  column normalisation, then ``iters - 1`` row/column rounds, all in registers) and the collapse
+  ``x = Σ_j pre_j · h_j`` (fp32 sum, ``h.dtype`` out). A program takes one token on a GPU and up to
+  ``INTERPRET_ROWS`` in Triton's interpreter. With ``M == N`` (the head) only ``pre`` exists, and it is
+  returned as ``post`` and ``comb`` too (as ``hc_mixes`` does).
+* ``hc_expand(y, res, post, comb)``: ``out[:, k] = post[:, k] · y + Σ_j comb[:, j, k] · res[:, j]`` in fp32, one
+  program per (token, block of ``D``).
+
+Results agree with the reference to fp32 rounding (the reductions run in another order); the kernels never read a
+device value on the host and are safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
+EXPAND_BLOCK_D = 512
+INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["T", "iters"])
+def _hc_pre_kernel(
+    h_ptr,
+    mix_ptr,
+    scale_ptr,
+    base_ptr,
+    x_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    D,
+    iters,
+    eps,
+    norm_eps,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    M: tl.constexpr,
+    HEAD: tl.constexpr,
+    COLLAPSE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
+    offs = tl.arange(0, BLOCK_D)
+    # rsqrt(mean of squares) of each whole row (all N streams)
+    sq = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, N * D, BLOCK_D):
+        k = k0 + offs
+        m = mt[:, None] & (k < N * D)[None, :]
+        v = tl.load(h_ptr + t[:, None] * (N * D) + k[None, :], mask=m, other=0.0).to(tl.float32)
+        sq += v * v
+    rs = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / (N * D) + norm_eps)  # [BLOCK_T]
+    i = tl.arange(0, NP)
+    mi = i < N
+    ti = mt[:, None] & mi[None, :]
+    row = mix_ptr + t[:, None] * M
+    s0 = tl.load(scale_ptr)
+    pre = tl.load(row + i[None, :], mask=ti, other=0.0) * rs[:, None] * s0
+    pre = tl.sigmoid(pre + tl.load(base_ptr + i, mask=mi, other=0.0)[None, :]) + eps
+    pre = tl.where(ti, pre, 0.0)
+    tl.store(pre_ptr + t[:, None] * N + i[None, :], pre, mask=ti)
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        post = tl.load(row + N + i[None, :], mask=ti, other=0.0) * rs[:, None] * s1
+        post = post + tl.load(base_ptr + N + i, mask=mi, other=0.0)[None, :]
+        tl.store(post_ptr + t[:, None] * N + i[None, :], 2.0 * tl.sigmoid(post), mask=ti)
+        jk = 2 * N + i[:, None] * N + i[None, :]  # [j, k] offsets of comb in a row of mixes
+        mjk = mi[:, None] & mi[None, :]
+        m3 = mt[:, None, None] & mjk[None, :, :]
+        c = tl.load(mix_ptr + t[:, None, None] * M + jk[None, :, :], mask=m3, other=0.0) * rs[:, None, None] * s2
+        c = c + tl.load(base_ptr + jk, mask=mjk, other=0.0)[None, :, :]
+        c = tl.where(m3, c, -1e30)  # finite: a padded row's max stays finite (no inf - inf)
+        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+        c = tl.where(m3, c, 0.0)
+        den = tl.sum(c, axis=2)
+        den = tl.where(den > 0, den, 1.0)  # padded rows: 0 / 1, not 0 / 0
+        c = tl.where(m3, c / den[:, :, None] + eps, 0.0)  # softmax over k, + eps
+        c = tl.where(m3, c / (tl.sum(c, axis=1)[:, None, :] + eps), 0.0)  # normalise over j (dim -2)
+        for _ in range(iters - 1):  # padded lanes stay exact zeros (eps may be tiny: no 0/0)
+            c = tl.where(m3, c / (tl.sum(c, axis=2)[:, :, None] + eps), 0.0)
+            c = tl.where(m3, c / (tl.sum(c, axis=1)[:, None, :] + eps), 0.0)
+        tl.store(comb_ptr + t[:, None, None] * (N * N) + (i[:, None] * N + i[None, :])[None, :, :], c, mask=m3)
+    if COLLAPSE:  # x = Σ_j pre_j · h_j, j in order
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs
+            m = mt[:, None] & (d < D)[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for j in tl.static_range(N):
+                p = tl.sum(tl.where(i[None, :] == j, pre, 0.0), axis=1)  # exact: one term and zeros
+                hv = tl.load(h_ptr + t[:, None] * (N * D) + j * D + d[None, :], mask=m, other=0.0)
+                acc += p[:, None] * hv.to(tl.float32)
+            tl.store(x_ptr + t[:, None] * D + d[None, :], acc.to(x_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _hc_expand_kernel(
+    y_ptr,
+    res_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    T,
+    D,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < T
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = mt[:, None] & (d < D)[None, :]
+    k = tl.arange(0, NP)
+    mk = mt[:, None] & (k < N)[None, :]
+    y = tl.load(y_ptr + t[:, None] * D + d[None, :], mask=md, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t[:, None] * N + k[None, :], mask=mk, other=0.0)  # [T, k]
+    out = post[:, :, None] * y[:, None, :]  # [T, k, d]
+    for j in tl.static_range(N):
+        res = tl.load(res_ptr + t[:, None] * (N * D) + j * D + d[None, :], mask=md, other=0.0).to(tl.float32)
+        comb = tl.load(comb_ptr + t[:, None] * (N * N) + j * N + k[None, :], mask=mk, other=0.0)  # [T, k]
+        out += comb[:, :, None] * res[:, None, :]
+    m3 = mk[:, :, None] & md[:, None, :]
+    dst = out_ptr + t[:, None, None] * (N * D) + k[None, :, None] * D + d[None, None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m3)
+
+
+def _mixes(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    collapse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n, d = h.shape
+    m = fn.shape[0]
+    h = h.contiguous()
+    mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
+    head = m == n
+    pre = torch.empty((t, n), dtype=torch.float32, device=h.device)
+    x = torch.empty((t, d), dtype=h.dtype, device=h.device) if collapse else pre  # unused without the collapse
+    post = pre if head else torch.empty((t, n), dtype=torch.float32, device=h.device)
+    comb = pre if head else torch.empty((t, n, n), dtype=torch.float32, device=h.device)
+    if t:
+        bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
+        _hc_pre_kernel[(triton.cdiv(t, bt),)](
+            h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
+            t, d, int(iters), float(eps), float(norm_eps),
+            N=n, NP=triton.next_power_of_2(n), M=m, HEAD=head, COLLAPSE=collapse, BLOCK_T=bt,
+            BLOCK_D=min(HC_BLOCK_D, triton.next_power_of_2(d)), num_warps=4,
+        )  # fmt: skip
+    return x, pre, post, comb
+
+
+def hc_mixes(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ReferenceOps.hc_mixes``: ``(pre [T, N], post [T, N], comb [T, N, N])`` fp32 of streams ``h [T, N, D]``."""
+    _, pre, post, comb = _mixes(h, fn, scale, base, iters, eps, norm_eps, collapse=False)
+    return pre, post, comb
+
+
+def hc_pre(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hc_collapse(h, pre), post, comb)`` of ``hc_mixes`` (module docstring): ``h [T, N, D]`` → ``[T, D]`` in
+    ``h.dtype``, ``post [T, N]``, ``comb [T, N, N]`` fp32 (the head: ``M == N``, ``pre`` as ``post`` and ``comb``)."""
+    x, _, post, comb = _mixes(h, fn, scale, base, iters, eps, norm_eps, collapse=True)
+    return x, post, comb
+
+
+def hc_expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``ReferenceOps.hc_expand``: ``y [T, D]``, ``res [T, N, D]``, ``post [T, N]``, ``comb [T, N, N]`` →
+    ``[T, N, D]`` in ``y.dtype``."""
+    t, n, d = res.shape
+    out = torch.empty((t, n, d), dtype=y.dtype, device=y.device)
+    if t:
+        block = min(EXPAND_BLOCK_D, triton.next_power_of_2(d))
+        bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
+        _hc_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block))](
+            y.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, t, d,
+            N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+__all__ = ["hc_expand", "hc_mixes", "hc_pre"]

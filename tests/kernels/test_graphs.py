@@ -1,0 +1,163 @@
+"""Decode steps replayed from CUDA graphs (``deepinfer.models.deepseek_v4.graphs``) against eager steps.
+
+On CPU only the bucket rule and the eager fallback are checked; on a CUDA machine a tiny model decodes the same
+tokens from the same state eagerly and from graphs: bit-identical logits at a bucket's size, close ones in a padded
+bucket, eager runs for prefill chunks and batches past the largest bucket.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.models.deepseek_v4.graphs import BUCKETS, DecodeGraphs, bucket_for  # noqa: E402
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+
+
+def test_buckets():
+    assert [bucket_for(n, 256) for n in (1, 2, 3, 5, 17, 64, 65, 200, 256)] == [1, 2, 4, 8, 24, 64, 96, 256, 256]
+    assert bucket_for(0, 256) is None and bucket_for(257, 256) is None and bucket_for(33, 32) is None
+    assert bucket_for(300, 512) == 384 and list(BUCKETS) == sorted(BUCKETS)
+
+
+def _model(dtype: torch.dtype = torch.float32):
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
+    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
+    model.load_state_dict(random_weights(config, seed=0), strict=False)
+    return model.to(DEVICE, dtype)
+
+
+def test_prefill_and_cpu_steps_run_eagerly():
+    """``applies`` refuses prefill chunks, empty batches and host tensors: those steps take the eager path."""
+    g = DecodeGraphs.__new__(DecodeGraphs)
+    st = SequenceState()
+    one = ForwardBatch.build([SeqChunk(st, 0, 1, torch.arange(2))], [[5]])
+    two = ForwardBatch.build([SeqChunk(st, 0, 2, torch.arange(2))], [[5, 6]])
+    assert not DecodeGraphs.applies(g, one)  # on the host
+    assert not DecodeGraphs.applies(g, two)
+    assert not DecodeGraphs.applies(g, ForwardBatch(torch.zeros(0, dtype=torch.long), torch.zeros(0), []))
+
+
+def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    pages = -(-(context + 16) // 16)
+    cache = PagedKVCache(model.config, pages * n_seq, 16, dtype=model.embed.weight.dtype, device=dev)
+    states, tables = [], []
+    ops, model.ops.cuda_graphs = model.ops, False
+    for i in range(n_seq):
+        st, table = SequenceState(), torch.arange(i * pages, (i + 1) * pages, device=dev)
+        n = context - i  # different lengths: different window and compressor phases
+        ids = torch.randint(2, vocab, (n,), generator=gen).tolist()
+        model(ForwardBatch.build([SeqChunk(st, 0, n, table)], [ids], dev), cache)
+        states.append(st)
+        tables.append(table)
+    ops.cuda_graphs = True
+    steps = [torch.randint(2, vocab, (n_seq,), generator=gen).tolist() for _ in range(6)]
+    return cache, states, tables, steps
+
+
+def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE) -> torch.Tensor:
+    model.ops.cuda_graphs = graphs
+    cache, states = copy.deepcopy(cache), [s.clone() for s in states]
+    out = []
+    for ids in steps:
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        out.append(model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], dev), cache)))
+    model.ops.cuda_graphs = True
+    return torch.stack(out)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_eager_bit_for_bit(dtype):
+    model = _model(dtype)
+    for n_seq in (4, 1):  # bucket sizes: the replay runs the eager kernels on the eager shapes
+        cache, states, tables, steps = _setup(model, n_seq, 37, seed=n_seq)
+        eager = _decode(model, cache, states, tables, steps, graphs=False)
+        before = model.decode_graphs.replays if model.decode_graphs else 0
+        graphed = _decode(model, cache, states, tables, steps, graphs=True)
+        assert model.decode_graphs.replays == before + len(steps)
+        assert torch.equal(eager, graphed), (eager - graphed).abs().max().item()
+
+
+@gpu_only
+def test_a_padded_bucket_is_close_to_eager():
+    model = _model()
+    cache, states, tables, steps = _setup(model, 3, 41, seed=7)  # runs in bucket 4
+    eager = _decode(model, cache, states, tables, steps, graphs=False)
+    graphed = _decode(model, cache, states, tables, steps, graphs=True)
+    assert model.decode_graphs.replays == len(steps)
+    assert (eager - graphed).abs().max().item() < 1e-4
+
+
+@gpu_only
+def test_batches_past_the_largest_bucket_run_eagerly():
+    model = _model()
+    model.decode_graphs = DecodeGraphs(model, max_batch=2)
+    cache, states, tables, steps = _setup(model, 3, 20, seed=3)
+    eager = _decode(model, cache, states, tables, steps, graphs=False)
+    graphed = _decode(model, cache, states, tables, steps, graphs=True)
+    assert model.decode_graphs.replays == 0 and torch.equal(eager, graphed)
+
+
+class _Segments:
+    """Stands in for a captured graph: ``replay`` runs the segment eagerly."""
+
+    def __init__(self, seg) -> None:
+        self.replay = seg
+
+
+class EagerSegments(DecodeGraphs):
+    """``DecodeGraphs``' step plumbing (static inputs, segments, attention between them, padding) without CUDA: each
+    "graph" runs its segment eagerly, on any device."""
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        return bool(batch.chunks) and all(c.length == 1 for c in batch.chunks)
+
+    def _capture(self, size: int, device: torch.device):
+        bk = self._bucket(size, device)
+        bk.graphs = [_Segments(seg) for seg in self._segments(bk)]
+        return bk
+
+
+@pytest.mark.parametrize("name", ["base", "odd"])
+def test_the_segmented_step_equals_the_eager_step_on_cpu(name):
+    """Reference ops on the host: the segmented decode step (what the graphs capture) gives the eager logits bit for
+    bit at a bucket's size (4 sequences), and within fp32 rounding in a padded bucket (3 in 4)."""
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.ops.reference import ReferenceOps
+    from models.tiny_configs import CONFIGS
+
+    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], "num_nextn_predict_layers": 0})
+    ops = ReferenceOps()
+    ops.cuda_graphs = True
+    model = DeepseekV4Model(config, ops)
+    model.load_state_dict(random_weights(config, seed=1), strict=False)
+    model.decode_graphs = EagerSegments(model, max_batch=8)
+    for n_seq, exact in ((4, True), (3, False)):
+        cache, states, tables, steps = _setup(model, n_seq, 30, seed=n_seq, dev="cpu")
+        eager = _decode(model, cache, states, tables, steps, graphs=False, dev="cpu")
+        before = model.decode_graphs.replays
+        segmented = _decode(model, cache, states, tables, steps, graphs=True, dev="cpu")
+        assert model.decode_graphs.replays == before + len(steps)
+        if exact:
+            assert torch.equal(eager, segmented)
+        else:
+            assert (eager - segmented).abs().max().item() < 1e-4
