@@ -1,4 +1,4 @@
-"""Offline inference with deepinfer's LLM API on the tiny model (or the model in DEEPINFER_HF_MODEL_DIR).
+"""Offline inference with deepinfer's LLM API on a tiny DeepSeek-V4.1 model (or the model in DEEPINFER_HF_MODEL_DIR).
 
 python examples/offline_inference.py
 """
@@ -11,7 +11,9 @@ from deepinfer.checkpoint.tiny import make_tiny_model
 
 
 def main():
-    model = os.environ.get("DEEPINFER_HF_MODEL_DIR") or make_tiny_model(tempfile.mkdtemp(prefix="deepinfer-tiny-"))
+    model = os.environ.get("DEEPINFER_HF_MODEL_DIR") or make_tiny_model(
+        tempfile.mkdtemp(prefix="deepinfer-tiny-"), arch="deepseek_v41"
+    )
     llm = LLM(model=model)
 
     # plain prompts, greedy

@@ -27,3 +27,12 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {name: make_tiny_model(root / name, seed=i, overrides=o) for i, (name, o) in enumerate(CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dir(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """The tiny random DeepSeek-V4.1 checkpoint (``make_tiny_model(arch="deepseek_v41")``, seed 0): every CSA2 layer
+    kind, Engram, DSpark stages, a vision tower and the real DeepSeek tokenizer."""
+    from deepinfer.checkpoint.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_v41") / "m", arch="deepseek_v41", seed=0)

@@ -1,6 +1,6 @@
 """The ``deepinfer`` command line.
 
-deepinfer up                       # the embedded default: tiny model + offline generation
+deepinfer up                       # the mesh on the embedded default (a tiny DeepSeek-V4.1 model)
 deepinfer make-tiny-model DIR      # a random tiny checkpoint in the official formats
 deepinfer generate --prompt TEXT   # offline generation on a model directory or hub id
 deepinfer env                      # validate and print the DEEPINFER_* variables
@@ -26,15 +26,26 @@ DEMO_CONVERSATIONS = [
 
 
 def _default_model() -> Path:
-    """``DEEPINFER_HF_MODEL_DIR`` if set, else the tiny model under the cache dir (generated once)."""
+    """``DEEPINFER_HF_MODEL_DIR`` if set, else a tiny random DeepSeek-V4.1 model under the cache dir (generated
+    once)."""
     if envs.DEEPINFER_HF_MODEL_DIR is not None:
         return envs.DEEPINFER_HF_MODEL_DIR
     from deepinfer.checkpoint.tiny import make_tiny_model
 
-    path = envs.DEEPINFER_CACHE_DIR / "tiny-deepseek_v4-seed0"
+    path = envs.DEEPINFER_CACHE_DIR / "tiny-deepseek_v41-seed0"
     if not (path / "config.json").exists():
         print(f"No model configured (DEEPINFER_HF_MODEL_DIR is unset): generating a tiny model in {path}")
-        make_tiny_model(path, seed=0)
+        import shutil
+        import tempfile
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:  # written aside, then renamed: an interrupted run never leaves a partial model behind
+            make_tiny_model(tmp, arch="deepseek_v41", seed=0)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -193,10 +204,12 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4 models.")
+    p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4.1 and DeepSeek-V4 models.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("up", help="run the mesh (NATS, worker, scheduler, balancer) on one machine")
-    s.add_argument("--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR or a tiny model)")
+    s.add_argument(
+        "--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR or a tiny DeepSeek-V4.1 model)"
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--grpc-port", type=int, default=50051)
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")

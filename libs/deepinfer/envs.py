@@ -161,6 +161,17 @@ _declare("DEEPINFER_COMPACT_REPLAY_TOKENS", "int", _SCHED, """
     drift). DeepInfer uses 140 (window 128 + margin). 0: exact resume points (the default). It must cover
     the compressors' pending tokens (127 for V4's HCA layers); a worker refuses a smaller value.""",
     default=0, minimum=0)
+_declare("DEEPINFER_DECODER_REPLAY_TOKENS", "int", _SCHED, """
+    DeepSeek-V4.1's encoder/decoder split in prefill. 0: exact — the decoder layers (20-39 of V4.1-Flash) see every
+    prompt token, as in a plain forward. N > 0: bounded replay — the encoder layers still run on every prompt token
+    (and the layer-20 compressed rows cover the whole prompt), but the decoder layers run only on each prompt's last
+    N tokens, whose decoder window is cut at the replay's start: cheaper prefill, approximate by design (the first
+    generated tokens can differ from the exact mode's). However a prompt is chunked, its decoder sees the same tokens.
+    Requests that ask for prompt logprobs keep the exact mode, and generated tokens always run every layer. It is
+    part of the model fingerprint (resume points of the two modes are not shared). Unset: 0, or 140 (window 128 +
+    margin) when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0 (compact mode). DeepSeek-V4 models ignore it.""",
+    default=lambda: 140 if get("DEEPINFER_COMPACT_REPLAY_TOKENS") > 0 else 0,
+    default_doc="`0`; `140` when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0", minimum=0)
 _declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
     Maximum draft length of speculative decoding with the model's NextN (multi-token prediction) layer:
     each decode step proposes at most this many draft tokens per sequence.""",
@@ -187,7 +198,9 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher
-    precision, so that numerics match the reference.""", default=False)
+    precision, so that numerics match the reference. DeepSeek-V4 only: DeepSeek-V4.1's cache formats (FP8 window
+    KV, FP4 compressed rows and index keys) are part of the released model and stay on whatever this says (only
+    the offline API's `LLM(quant_sim=False)` turns them off, for diagnostics).""", default=False)
 _declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
     Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
@@ -298,6 +311,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_PREFIX_CACHE_RESUME_POINTS: int
     DEEPINFER_RESUME_INTERVAL: int
     DEEPINFER_COMPACT_REPLAY_TOKENS: int
+    DEEPINFER_DECODER_REPLAY_TOKENS: int
     DEEPINFER_USE_NEXTN_DECODE: int
     DEEPINFER_ENABLE_MTP_VARLEN: bool
     DEEPINFER_BATCH_INVARIANT: bool

@@ -11,6 +11,7 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 _PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model"]
+ARCHITECTURES = (V41_MODEL_TYPE, *SUPPORTED_MODEL_TYPES)  # model_type values this build serves
 
 
 class ModelUnavailable(RuntimeError):
@@ -20,8 +21,8 @@ class ModelUnavailable(RuntimeError):
 def _advice(what: str) -> str:
     return (
         f"{what} Point DEEPINFER_HF_MODEL_DIR at a local copy of a supported checkpoint "
-        "(a directory with config.json and *.safetensors), or generate a tiny random DeepSeek-V4 "
-        "checkpoint with `deepinfer make-tiny-model DIR` and pass that directory as the model."
+        "(a directory with config.json and *.safetensors), or generate a tiny random DeepSeek-V4.1 "
+        "checkpoint with `deepinfer make-tiny-model DIR --arch deepseek_v41` and pass that directory as the model."
     )
 
 
@@ -54,7 +55,8 @@ def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir
 
 
 def check_architecture(model_dir: Path) -> dict:
-    """The parsed config.json; refuses a missing config or an architecture this build does not run."""
+    """The parsed config.json; refuses a missing config, an architecture this build does not run, or a
+    DeepSeek-V4.1 config that does not validate."""
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
         raise ModelUnavailable(_advice(f"{model_dir} has no config.json."))
@@ -62,28 +64,20 @@ def check_architecture(model_dir: Path) -> dict:
         raw = json.load(f)
     mt = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
     if mt == V41_MODEL_TYPE:
-        _refuse_v41(model_dir, raw)
-    if mt not in SUPPORTED_MODEL_TYPES:
+        _check_v41(model_dir, raw)
+    elif mt not in SUPPORTED_MODEL_TYPES:
         raise ModelUnavailable(
             _advice(
                 f"The model in {model_dir} has model_type {mt!r}, which this build does not run yet "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
+                f"(supported: {', '.join(ARCHITECTURES)})."
             )
         )
     return raw
 
 
-def _refuse_v41(model_dir: Path, raw: dict) -> None:
-    """DeepSeek-V4.1 checkpoints parse, but cannot be served yet (issue 7): say what exists."""
+def _check_v41(model_dir: Path, raw: dict) -> None:
+    """A DeepSeek-V4.1 config must parse (composite config, layer typing, Engram sizes)."""
     try:
         DeepseekV41Config.from_dict(raw)
-    except ValueError as e:
+    except (ValueError, TypeError, KeyError) as e:
         raise ModelUnavailable(_advice(f"The DeepSeek-V4.1 config in {model_dir} is invalid: {e}")) from e
-    raise ModelUnavailable(
-        _advice(
-            f"The model in {model_dir} is DeepSeek-V4.1 (model_type 'deepseek_v41'). This build parses its config, "
-            "derives its CSA2 layer typing and computes its Engram hashes (deepinfer.models.deepseek_v41), but the "
-            "V4.1 model forward (CSA2 attention, lagged mHC, Engram update, DSpark, vision) and its checkpoint "
-            "loader are not there yet, so it cannot serve it."
-        )
-    )

@@ -15,9 +15,7 @@ vocabulary is derived from the tokenizer (cached) and the table sizes are the pr
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +26,7 @@ from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names_v41 import TensorSpec, expected_tensors, internal_parameters, released_to_internal
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
-from deepinfer.models.deepseek_v41.engram import bucket_primes, compressed_token_map
+from deepinfer.models.deepseek_v41.engram import bucket_primes
 from deepinfer.quant.formats import quantize_fp8_blocks, quantize_mxfp4
 
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
@@ -161,35 +159,13 @@ def _patched_tokenizer(src: str, _mtime: int) -> str:
 def compressed_vocab_size() -> int:
     """``engram_compressed_vocab_size`` of the tiny model's tokenizer: 99092, as released.
 
-    Decoding all 129280 ids takes ~1-2 s, so the result is cached in-process and in
-    ``$DEEPINFER_CACHE_DIR/engram_compressed_vocab.json`` under the tokenizer's sha256.
+    Decoding all 129280 ids takes ~1-2 s, so the token map is cached in-process and under
+    ``$DEEPINFER_CACHE_DIR/engram/`` by the tokenizer's sha256 (:mod:`deepinfer.checkpoint.engram_vocab`, which the
+    engine uses for any V4.1 checkpoint).
     """
-    return _compressed_vocab(v41_tokenizer_json())
+    from deepinfer.checkpoint.engram_vocab import engram_token_map
 
-
-@lru_cache(maxsize=2)
-def _compressed_vocab(tokenizer_json: str) -> int:
-    from tokenizers import Tokenizer
-
-    from deepinfer import envs
-
-    key = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-    cache = Path(envs.DEEPINFER_CACHE_DIR).expanduser() / "engram_compressed_vocab.json"
-    try:
-        known = json.loads(cache.read_text(encoding="utf-8"))
-        if isinstance(known.get(key), int):
-            return known[key]
-    except (OSError, ValueError, AttributeError):
-        known = {}
-    size = compressed_token_map(Tokenizer.from_str(tokenizer_json))[1]
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**known, key: size}), encoding="utf-8")
-        tmp.replace(cache)
-    except OSError:
-        pass  # a read-only cache directory only costs the recomputation
-    return size
+    return engram_token_map(v41_tokenizer_json())[1]
 
 
 # -- config ---------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,15 +12,13 @@ import torch
 from deepinfer import envs
 from deepinfer.chat.tokens import THINK_END
 from deepinfer.checkpoint.hub import check_architecture, resolve_model
-from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.determinism import Determinism, describe
+from deepinfer.engine.models import Model, ModelConfig, build_model, is_v41, model_type_of, parse_config
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, config_from_env
 from deepinfer.engine.worker import ModelRunner, min_replay
-from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import PagedKVCache
 from deepinfer.ops import get_ops
 from deepinfer.telemetry import get_logger
@@ -43,10 +42,10 @@ def parse_dtype(dtype: str | torch.dtype, accelerator: str) -> torch.dtype:
 @dataclass
 class EngineParts:
     path: Path
-    config: DeepseekV4Config
+    config: ModelConfig
     dtype: torch.dtype
     accelerator: str
-    model: DeepseekV4Model
+    model: Model
     runner: ModelRunner
     num_pages: int
     page_size: int
@@ -55,12 +54,13 @@ class EngineParts:
     fingerprint: str  # identifies the KV state this worker computes (prefix-cache hashes include it)
 
 
-def resolve_model_dir(model: str | Path | None) -> tuple[Path, DeepseekV4Config]:
-    """The model's local directory (downloading if ``model`` is a hub id) and its parsed config."""
+def resolve_model_dir(model: str | Path | None) -> tuple[Path, ModelConfig]:
+    """The model's local directory (downloading if ``model`` is a hub id) and its parsed config (DeepSeek-V4 or
+    V4.1, by config.json's ``model_type``)."""
     if model is None and envs.DEEPINFER_HF_MODEL_DIR is None:
         model = envs.DEEPINFER_MODEL
     path = resolve_model(model, envs.DEEPINFER_HF_MODEL_DIR, envs.DEEPINFER_CACHE_DIR)
-    return path, DeepseekV4Config.from_dict(check_architecture(path))
+    return path, parse_config(check_architecture(path))
 
 
 def build_worker(
@@ -74,7 +74,9 @@ def build_worker(
     batch_invariant: bool | None = None,
 ) -> EngineParts:
     """Load the model on the accelerator and size its paged KV cache. ``batch_invariant`` (default
-    ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md)."""
+    ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md). ``quant_sim``: V4's
+    quantisation simulation (default ``DEEPINFER_QUANT_SIM``); V4.1 keeps its cache formats on unless it is False
+    (:func:`~deepinfer.engine.models.build_model`)."""
     envs.validate_all()
     if envs.DEEPINFER_TORCH_THREADS is not None:
         torch.set_num_threads(envs.DEEPINFER_TORCH_THREADS)
@@ -85,10 +87,7 @@ def build_worker(
     path, config = resolve_model_dir(model)
     torch_dtype = parse_dtype(dtype, accelerator)
     device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
-    net = DeepseekV4Model(config, ops)
-    load_checkpoint(net, path, dtype=torch_dtype)
-    net.to(device)
-    net.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
+    net = build_model(path, config, ops, torch_dtype, device, quant_sim)
     page_size = page_size or envs.DEEPINFER_PAGE_SIZE
     limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or config.max_position_embeddings
     if limit > config.max_position_embeddings:
@@ -98,8 +97,8 @@ def build_worker(
         num_pages = envs.DEEPINFER_NUM_PAGES or max(16, min(65536, _KV_BUDGET_BYTES // max(per_page, 1)))
     cache = PagedKVCache(config, num_pages, page_size, torch_dtype, device)
     log.info(
-        "model_loaded", path=str(path), dtype=str(torch_dtype), pages=num_pages, page_size=page_size,
-        batch_invariant=ops.batch_invariant,
+        "model_loaded", path=str(path), model_type=config.model_type, dtype=str(torch_dtype), pages=num_pages,
+        page_size=page_size, batch_invariant=ops.batch_invariant,
     )  # fmt: skip
     runner = ModelRunner(net, cache, device)
     runner.constraints = constraint_set(path, config)
@@ -110,7 +109,9 @@ def build_worker(
             f"rebuild the compressors' pending tokens, at least {min_replay(config)}"
         )
     determinism = describe(ops, accelerator, torch_dtype)
-    fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant)
+    # V4.1's bounded decoder replay changes the decoder layers' window state that resume points hold
+    replay = envs.DEEPINFER_DECODER_REPLAY_TOKENS if is_v41(config) else 0
+    fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, replay)
     if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore
         from deepinfer.kvstore.remote import RemoteResumeStore
 
@@ -120,7 +121,7 @@ def build_worker(
     )
 
 
-def constraint_set(path: Path, config: DeepseekV4Config) -> ConstraintSet:
+def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:
     """The worker's structured-output matchers, against the model's tokenizer (loaded on first use)."""
     from deepinfer.grammar import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
 
@@ -136,23 +137,30 @@ def constraint_set(path: Path, config: DeepseekV4Config) -> ConstraintSet:
     )
 
 
-def net_quant_sim(net: DeepseekV4Model) -> bool:
+def net_quant_sim(net: Model) -> bool:
     return any(getattr(m, "quant_sim", False) for m in net.modules())
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool, invariant: bool) -> str:
-    """What makes two workers' KV state interchangeable: the checkpoint (its config and the names and sizes of
-    its weight files), the dtype, the page size and the numerics switches."""
+def model_fingerprint(
+    path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool, invariant: bool, decoder_replay: int = 0
+) -> str:
+    """What makes two workers' KV state interchangeable: the architecture, the checkpoint (its config and the
+    names and sizes of its weight files), the dtype, the page size and the numerics switches (V4.1: also the
+    bounded decoder replay, which changes the decoder layers' window state)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update((path / "config.json").read_bytes())
+    raw = (path / "config.json").read_bytes()
+    h.update(f"{model_type_of(json.loads(raw))}|".encode())
+    h.update(raw)
     for f in sorted(path.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size};".encode())
     h.update(f"{dtype}|{page_size}|{quant_sim}|{invariant}".encode())
+    if decoder_replay:
+        h.update(f"|decoder_replay={decoder_replay}".encode())
     return h.hexdigest()
 
 
 def build_scheduler(
-    config: DeepseekV4Config,
+    config: ModelConfig,
     num_pages: int,
     page_size: int,
     max_model_len: int,

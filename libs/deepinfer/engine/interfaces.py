@@ -18,7 +18,10 @@ from deepinfer.sampling_params import SamplingParams
 class ChunkPlan:
     """Run ``token_ids`` of request ``request_id`` at positions ``start ..``; sample after the last one
     when ``sample`` is set. ``block_table`` lists the physical pages of the whole sequence so far.
-    ``logprob_targets`` (prompt logprobs only) are the token ids each row is scored against."""
+    ``logprob_targets`` (prompt logprobs only) are the token ids each row is scored against. ``decoder_from``
+    (DeepSeek-V4.1's bounded decoder replay): the first position of the chunk that runs the decoder layers — rows
+    before it get no output, and it may lie past the chunk (no decoder rows at all); None: every row (exact). V4
+    models ignore it."""
 
     request_id: str
     token_ids: list[int]
@@ -33,6 +36,7 @@ class ChunkPlan:
     # tokens it already generated, which the worker's matcher accepts first
     constraint: Constraint | None = None
     constraint_history: list[int] | None = None
+    decoder_from: int | None = None
 
 
 @dataclass

@@ -20,6 +20,11 @@ a multiple of ``resume_interval``) and a finished sequence leave a resume point:
 referenced and the next plan asks the worker for a snapshot of the short-term state. An admitted
 request starts from the longest matching resume point; unused resume points are evicted (LRU) before
 any running request is preempted.
+
+Bounded decoder replay (DeepSeek-V4.1, ``decoder_replay`` = ``DEEPINFER_DECODER_REPLAY_TOKENS`` > 0): each prompt
+chunk's plan carries ``decoder_from``, the first position whose decoder layers run (the prompt's last
+``decoder_replay`` tokens), so however the prompt is chunked the decoder sees the same tokens; requests with prompt
+logprobs and generated tokens run every layer. V4 models ignore it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class SchedulerConfig:
     fingerprint: str = ""  # the model (weights, dtype, page size): part of every prefix hash
     remote_store: bool = False  # the worker moves resume points to and from a kvstore
     compact_replay: int = 0  # > 0: compact resume points, a hit replays this many tokens (approximate)
+    decoder_replay: int = 0  # > 0: V4.1's decoder layers see only each prompt's last this many tokens (approximate)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -59,6 +65,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.resume_interval < 0 or self.resume_interval % self.page_size:
             raise ValueError(f"resume_interval must be a multiple of page_size, got {self.resume_interval}")
+        if self.decoder_replay < 0:
+            raise ValueError(f"decoder_replay must be >= 0, got {self.decoder_replay}")
 
 
 def config_from_env(
@@ -86,6 +94,7 @@ def config_from_env(
         fingerprint=fingerprint,
         remote_store=remote_store,
         compact_replay=envs.DEEPINFER_COMPACT_REPLAY_TOKENS,
+        decoder_replay=envs.DEEPINFER_DECODER_REPLAY_TOKENS,
     )
 
 
@@ -344,4 +353,14 @@ class Scheduler(PrefixCaching):
             resume_from=resume,
             constraint=constraint,
             constraint_history=list(req.output_token_ids) if constraint is not None else None,
+            decoder_from=self._decoder_from(req, start),
         )
+
+    def _decoder_from(self, req: Request, start: int) -> int | None:
+        """Bounded decoder replay (V4.1): a prompt chunk runs the decoder layers from the prompt's last
+        ``decoder_replay`` tokens on; generated tokens, and every token of a request that scores its prompt
+        (prompt logprobs), run all layers (None)."""
+        n = self.config.decoder_replay
+        if not n or start >= req.num_prompt_tokens or req.wants_prompt_logprobs:
+            return None
+        return max(start, req.num_prompt_tokens - n)

@@ -16,8 +16,8 @@ import torch
 from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
+from deepinfer.engine.models import Model
 from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
-from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
@@ -37,7 +37,7 @@ def min_replay(config: object) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4Model, cache: PagedKVCache, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: Model, cache: PagedKVCache, device: torch.device | str = "cpu") -> None:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.sampler = Sampler()
         self.states: dict[str, SequenceState] = {}
@@ -108,8 +108,14 @@ class ModelRunner:
             st = self.states.setdefault(c.request_id, SequenceState())
             if st.num_tokens != c.start:
                 raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
+            if c.decoder_from is not None and (c.logprob_targets is not None or c.sample):
+                scored = [j for j, t in enumerate(c.logprob_targets or []) if t >= 0]
+                first = c.start + (scored[0] if scored else len(c.token_ids) - 1)
+                if first < c.decoder_from:  # a bounded decoder replay gives those rows no output
+                    raise RuntimeError(f"request {c.request_id}: logits asked at {first}, the decoder starts at "
+                                       f"{c.decoder_from}")  # fmt: skip
             self.tables[c.request_id] = table
-            chunks.append(SeqChunk(st, c.start, len(c.token_ids), table))
+            chunks.append(SeqChunk(st, c.start, len(c.token_ids), table, c.decoder_from))
         masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
         batch = ForwardBatch.build(chunks, [c.token_ids for c in plan.chunks], device=self.device)
         hidden = self.model(batch, self.cache)

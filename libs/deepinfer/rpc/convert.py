@@ -145,6 +145,8 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
             logprob_targets=c.logprob_targets or [],
             resume_from=c.resume_from or "",
         )
+        if c.decoder_from is not None:
+            chunk.decoder_from = c.decoder_from
         if c.constraint is not None:
             chunk.constraint.CopyFrom(constraint_to_proto(c.constraint))
             chunk.constraint_history.extend(c.constraint_history or [])
@@ -178,6 +180,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
                 resume_from=c.resume_from or None,
                 constraint=constraint_from_proto(c.constraint) if c.HasField("constraint") else None,
                 constraint_history=list(c.constraint_history) if c.HasField("constraint") else None,
+                decoder_from=c.decoder_from if c.HasField("decoder_from") else None,
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]

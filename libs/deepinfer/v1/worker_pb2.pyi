@@ -87,7 +87,7 @@ class SnapshotOrder(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ChunkPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history")
+    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history", "decoder_from")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class ChunkPlan(_message.Message):
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -117,7 +118,8 @@ class ChunkPlan(_message.Message):
     resume_from: str
     constraint: _common_pb2.Constraint
     constraint_history: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ...) -> None: ...
+    decoder_from: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "forward_ms", "fetched")
