@@ -161,6 +161,16 @@ def load_from_nemo(ours: DeepseekV41Model, theirs) -> None:
     missing = {k for k in set(params) - seen if not k.startswith("mtp.")}  # NeMo builds DSpark apart
     if missing:
         raise KeyError(f"our parameters not set from NeMo: {sorted(missing)}")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # the DSpark stages: random, not left as uninitialised memory
+        for k in sorted(set(params) - seen):
+            p = params[k]
+            if k.endswith(("norm.weight", ".scale")):
+                p.fill_(1.0)
+            elif p.dim() == 1 or k.endswith(".fn"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
 
 
 def build_pair(name: str, tokenizer, seed: int = 0, batch_invariant: bool = False, vision: bool = False, **overrides):
