@@ -20,6 +20,12 @@ The V4.1 counterpart of ``bench/sweep.py`` (whose timing, budget and ceiling hel
   the index keys the index sources score (68 B each; Reindex layers at most the candidate pool).
   ``roofline_ms = max(bytes / copy GB/s, FLOPs / FP8 TFLOP/s)`` with the ceilings measured in the same run.
 
+``--ab`` adds, per decode batch, the interleaved A/B of ``bench/decode_ab.py`` (eager unfused / eager fused / CUDA
+graphs, each on its own copy of the states and pages; one ``torch.profiler`` step each: host kernel launches, graph
+launches, host-to-device copies, host syncs, device busy time) and checks the graphs against eager bit for bit; the
+plain decode rows run the op set's default (graphs on with ``DEEPINFER_CUDA_GRAPHS``) and record the graph replays
+and any capture failure.
+
 Run on one GPU::
 
     PYTHONPATH=libs:tests:bench python bench/sweep_v41.py --out bench/results
@@ -46,8 +52,9 @@ for _p in (ROOT / "libs", ROOT / "tests", ROOT / "bench"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import decode_ab  # noqa: E402
 import torch  # noqa: E402
-from sweep import Budget, Skip, failure, free, gpu_name, log, probe_ceilings, run_timed, sync, versions  # noqa: E402
+from sweep import Budget, Skip, failure, free, gpu_name, log, probe_ceilings, run_timed, sync, timed, versions  # noqa: E402
 
 from deepinfer.checkpoint.names_v41 import expected_tensors  # noqa: E402
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
@@ -204,14 +211,19 @@ class Ours:
     def __init__(self, model: DeepseekV41Model, args: argparse.Namespace, dev: torch.device, batches: list[int]):
         self.model, self.args, self.dev, self.c = model, args, dev, model.config
         ps = args.page_size
-        self.pages_per_seq = -(-(args.context + args.warmup + args.repeats + 2) // ps)
-        n_dec = (args.contexts + max(batches, default=0)) * self.pages_per_seq
+        self.steps = args.warmup + args.repeats + 2  # + the profiled step (--ab) and one spare
+        self.pages_per_seq = -(-(args.context + self.steps) // ps)
+        self.n_tpl = args.contexts
+        self.lanes = len(decode_ab.VARIANTS) if args.ab else 1  # --ab: one set of batch pages per variant
+        self.ab: list[dict] = []  # --ab: eager / graphs rows (decode_ab)
+        n_dec = (self.n_tpl + self.lanes * max(batches, default=0)) * self.pages_per_seq
         num_pages = n_dec + -(-max(args.prefill_tokens, default=0) // ps)
         self.cache = PagedKVCache(self.c, num_pages, ps, torch.bfloat16, dev)
         pages = torch.arange(num_pages, device=dev)
-        self.tables = pages[:n_dec].view(-1, self.pages_per_seq)
+        self.tables = pages[:n_dec].view(-1, self.pages_per_seq)  # templates first, then the batch lanes
         self.prefill_table = pages[n_dec:]
         self.rng = random.Random(args.seed)
+        self.templates: list[SequenceState] = []
 
     def _ids(self, n: int) -> list[int]:
         return [self.rng.randrange(3, self.c.vocab_size) for _ in range(n)]
@@ -223,14 +235,37 @@ class Ours:
             h = self.model(ForwardBatch.build([SeqChunk(st, s, len(part), table)], [part], self.dev), self.cache)
         return self.model.logits(h[-1:])
 
+    def make_step(self, b: int, n_steps: int, tokens: list[list[int]] | None = None, lane: int = 0):
+        """A decode step of ``b`` fresh copies of the templates (own states, own cache pages: the batch's pages of
+        ``lane``): each call advances every sequence by one token (the next of ``tokens``, else random) and returns
+        the logits of every row. The interface of ``bench/decode_ab.py``."""
+        n = self.n_tpl
+        tables = self.tables[n + lane * b : n + (lane + 1) * b]
+        states = [self.templates[j % n].clone() for j in range(b)]
+        src = self.tables[torch.arange(b, device=self.dev) % n]
+        for store in list(self.cache.rows.values()) + list(self.cache.index_keys.values()):
+            store[tables.flatten()] = store[src.flatten()]
+        it = iter(tokens if tokens is not None else [self._ids(b) for _ in range(n_steps)])
+
+        def step() -> torch.Tensor:
+            chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+            batch = ForwardBatch.build(chunks, [[i] for i in next(it)], self.dev)
+            return self.model.logits(self.model(batch, self.cache))
+
+        return step
+
+    def _graphs(self) -> dict[str, Any]:
+        g = self.model.decode_graphs
+        return {} if g is None else {"graph_replays": g.replays, "graph_failures": dict(g.failures)}
+
     def decode(self, batches: list[int], budget: Budget) -> list[dict]:
         rows: list[dict] = []
         try:
-            tpl = []
-            for i in range(self.args.contexts):
+            self.templates = []
+            for i in range(self.n_tpl):
                 st = SequenceState()
                 self._prefill(st, self.tables[i], self._ids(self.args.context))
-                tpl.append(st)
+                self.templates.append(st)
             sync(self.dev)
         except Exception as e:  # noqa: BLE001
             note = failure(e, self.dev)
@@ -241,26 +276,25 @@ class Ours:
             try:
                 if budget.left() <= 0:
                     raise Skip("skipped: section budget spent")
-                n = self.args.contexts
-                tables = self.tables[n : n + b]
-                states = [tpl[j % n].clone() for j in range(b)]
-                src = self.tables[torch.arange(b, device=self.dev) % n]
-                for store in list(self.cache.rows.values()) + list(self.cache.index_keys.values()):
-                    store[tables.flatten()] = store[src.flatten()]
-
-                def step(states=states, tables=tables, b=b):
-                    chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
-                    batch = ForwardBatch.build(chunks, [[i] for i in self._ids(b)], self.dev)
-                    return self.model.logits(self.model(batch, self.cache))
-
+                step = self.make_step(b, self.steps)
                 row.update(run_timed(step, self.dev, self.args.warmup, self.args.repeats, budget, None))
-                log(f"  ours decode B={b}: {row['ms']:.1f} ms/step")
+                row.update(self._graphs())
+                log(f"  ours decode B={b}: {row['ms']:.1f} ms/step {self._graphs()}")
+                del step
+                if self.args.ab and hasattr(self.model.ops, "cuda_graphs"):
+                    ab = decode_ab.ab_decode(self, b, timed, Budget(self.args.budget_s, budget.deadline))
+                    ab.update(self._graphs())
+                    self.ab.append(ab)
+                    summary = ", ".join(f"{k} {v['ms']:.2f} ms, {v['counts']['LaunchKernel']} launches"
+                                        for k, v in ab.items() if isinstance(v, dict) and "ms" in v)  # fmt: skip
+                    log(f"  ours decode B={b} A/B: {summary}; {ab.get('exactness')}")
             except Skip as e:
                 row.update(ms=None, note=str(e))
             except Exception as e:  # noqa: BLE001
                 row.update(ms=None, note=failure(e, self.dev))
             free(self.dev)
             rows.append(row)
+        self.templates = []
         return rows
 
     def prefill(self, tokens: list[int], budget: Budget) -> list[dict]:
@@ -353,6 +387,11 @@ def markdown(res: dict[str, Any]) -> str:
     notes = [f"{k} {r.get('batch', r.get('tokens'))}: {r['note']}" for k in ("decode", "prefill") for r in res[k]
              if r.get("note")]  # fmt: skip
     notes += [f"peer prefill {r['tokens']}: {r['note']}" for r in res["peer"].get("prefill", []) if r.get("note")]
+    notes += [f"decode {r['batch']}: CUDA graph capture failed: {r['graph_failures']}" for r in res["decode"]
+              if r.get("graph_failures")]  # fmt: skip
+    if res.get("decode_ab"):
+        lines += ["", "Decode A/B (--ab; decode_ab.py: interleaved rounds, median ms; one profiled step each)", "",
+                  decode_ab.markdown(res["decode_ab"])]  # fmt: skip
     return "\n".join(lines + (["", "Notes:"] + [f"- {n}" for n in notes] if notes else []))
 
 
@@ -376,13 +415,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=60)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="decode A/B per batch: eager unfused / eager fused / CUDA graphs, interleaved (decode_ab.py)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.context = args.context or (256 if args.tiny else 4096)
-    args.prefill_tokens = args.prefill_tokens or ([256, 1024] if args.tiny else [1024, 4096])
+    if args.prefill_tokens is None:  # --prefill-tokens "": none
+        args.prefill_tokens = [256, 1024] if args.tiny else [1024, 4096]
     deadline = time.monotonic() + 10 * args.budget_s
     config = build_config(args)
     work = Work(config)
@@ -393,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ours = Ours(model, args, dev, args.batches)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
+    decode_ab_rows = ours.ab
     del ours, model
     free(dev)
     for r in decode:
@@ -406,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_peer:
         peer = peer_prefill(config, args, dev, Budget(args.budget_s, deadline))
     res = {"date": datetime.date.today().isoformat(), "gpu": gpu_name(dev), "tiny": args.tiny, "layers": args.layers,
-           "context": args.context, "ceilings": ceil, "decode": decode, "prefill": prefill, "peer": peer,
+           "context": args.context, "ceilings": ceil, "decode": decode, "decode_ab": decode_ab_rows, "prefill": prefill,
+           "peer": peer,
            "versions": versions(), "command": " ".join(sys.argv)}  # fmt: skip
     md = markdown(res)
     print(md)

@@ -91,19 +91,31 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
     b = packed.view(torch.uint8).long()
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).view(out, inp)
-    vals = FP4_VALUES.to(packed.device)[codes].view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float().unsqueeze(-1)
+    vals = _fp4_tables(packed.device)[0][codes].view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float().unsqueeze(-1)
     return vals.view(out, inp).to(dtype)
+
+
+_FP4_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FP4_VALUES`` and the even-code mask on ``device``, made once per device (no copy per call, so the rounding
+    can run inside a CUDA graph)."""
+    got = _FP4_ON.get(device)
+    if got is None:
+        got = _FP4_ON[device] = (FP4_VALUES.to(device), (torch.arange(8, device=device) & 1) == 0)
+    return got
 
 
 def fp4_codes(v: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value (ties to the even mantissa), saturating at ±6; returns codes."""
     mag = v.abs().clamp(max=FP4_MAX)
-    grid = FP4_VALUES[:8].to(v.device)
+    values, even = _fp4_tables(v.device)
+    grid = values[:8]
     dist = (mag.unsqueeze(-1) - grid).abs()
     best = dist.min(-1, keepdim=True).values
     tie = dist == best
     # among tied candidates prefer the even code (even mantissa bit); codes 0..7 have mantissa bit = code & 1
-    even = (torch.arange(8, device=v.device) & 1) == 0
     pick = torch.where(tie & even, 0, torch.where(tie, 1, 2))
     idx = pick.argmin(-1)
     sign = (v < 0) | ((v == 0) & torch.signbit(v))
@@ -112,4 +124,4 @@ def fp4_codes(v: torch.Tensor) -> torch.Tensor:
 
 def fp4_round(v: torch.Tensor) -> torch.Tensor:
     """Values rounded onto the e2m1 grid (for the quantisation simulation)."""
-    return FP4_VALUES.to(v.device)[fp4_codes(v)]
+    return _fp4_tables(v.device)[0][fp4_codes(v)]

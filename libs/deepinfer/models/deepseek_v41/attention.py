@@ -15,8 +15,10 @@ Cache representations (§2.5) are applied where the reference applies them when 
 default for V4.1: they are part of the released model): FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and
 queries. The paged cache stores the dequantized values in the model dtype.
 
-Each sequence attends alone (its keys and mask, one ``ops.sparse_attention`` call); projections, norms and the
-output projection run once for the whole batch.
+Each sequence attends alone (its keys and mask, one ``ops.sparse_attention`` call; the batch-invariant path) or the
+batch attends at once (``attention_batched``); projections, norms and the output projection run once for the whole
+batch. A layer is ``project`` (pure, fixed shapes) → ``attend`` (state bookkeeping) → ``output`` (pure): the decode
+CUDA graphs (``graphs``) capture the pure parts and run ``attend`` eagerly between them.
 """
 
 from __future__ import annotations
@@ -112,24 +114,37 @@ class Attention(SharedKVAttention):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, rope: RotaryTable, ops: Ops) -> torch.Tensor:
         """``x [T, hidden]`` (attention input, normed) of the step's tokens → ``[T, hidden]``."""
-        cos, sin = rope(ctx.positions, ops)
+        t = self.project(x, ctx.positions, rope, ops)
+        return self.output(self.attend(t, ctx, rope, ops), t["cos"], t["sin"], ops)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops) -> dict[str, torch.Tensor]:
+        """Everything before the state is touched, one row per token: ``cos`` / ``sin``, the rotated queries ``q``, the
+        window KV ``kv``, the compressor's projections (``ckv`` and, ratio 2, ``cgate``) and the rotated index queries
+        ``iq`` with their weights ``iw``. A pure function of its inputs (the decode CUDA graphs capture it)."""
+        cos, sin = rope(positions, ops)
         qlat, q = self.queries(x, cos, sin, ops)
-        kv = self.window_kv(x, cos, sin, ops)
-        proj = self.compressor.project(x, ops) if self.compressor is not None else None
-        iq = iw = None
+        t = {"cos": cos, "sin": sin, "q": q, "kv": self.window_kv(x, cos, sin, ops)}
+        if self.compressor is not None:
+            t["ckv"], gate = self.compressor.project(x, ops)
+            if gate is not None:
+                t["cgate"] = gate
         if self.indexer is not None:
-            iq, iw = self.indexer.queries(x, qlat, ops)
+            iq, t["iw"] = self.indexer.queries(x, qlat, ops)
             iq = ops.rope(iq, cos.unsqueeze(1), sin.unsqueeze(1))
-            iq = mxfp4_round(iq) if self.quant_sim else iq
+            t["iq"] = mxfp4_round(iq) if self.quant_sim else iq
+        return t
+
+    def attend(self, t: dict[str, torch.Tensor], ctx: StepContext, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+        """The attention output ``[T, H, d]`` of ``project``'s tensors: publishes the compressed rows and index keys,
+        selects, attends; reads and advances each sequence's state (the eager part of a graphed decode step)."""
         if self.ratio and ctx.cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
-        if proj is not None:
-            self._publish(proj, ctx, rope, ops, kv.dtype)
+        q, kv, iq, iw = t["q"], t["kv"], t.get("iq"), t.get("iw")
+        if "ckv" in t:
+            self._publish((t["ckv"], t.get("cgate")), ctx, rope, ops, kv.dtype)
         if ops.batch_invariant:
-            out = self._attend_each(q, kv, iq, iw, ctx, ops)
-        else:
-            out = attend_batched(self, q, kv, iq, iw, ctx, ops)
-        return self.output(out, cos, sin, ops)
+            return self._attend_each(q, kv, iq, iw, ctx, ops)
+        return attend_batched(self, q, kv, iq, iw, ctx, ops)
 
     def _attend_each(
         self,

@@ -25,7 +25,7 @@ from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import EngramHasher, engram_update
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
 from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
-from deepinfer.models.deepseek_v41.mhc import HyperConnection, embed_streams, final_collapse, initial_pre
+from deepinfer.models.deepseek_v41.mhc import HyperConnection, Mix, embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.mhc import lagged_sublayer as _lagged
 from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
@@ -60,7 +60,10 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
 
     def forward(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        e = self.embed.lookup(rows, h.device)
+        return self.update(h, self.embed.lookup(rows, h.device), token_mask, ops)
+
+    def update(self, h: torch.Tensor, e: torch.Tensor, token_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+        """The streams ``h`` updated with looked-up table rows ``e [T, hashes, head_dim]``."""
         return engram_update(h, e, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask, ops)
 
 
@@ -96,8 +99,31 @@ class Block(nn.Module):
             h = self.engram(h, engram_rows, text_mask, ops)
         if capture is not None:
             capture.append(h)
-        h, pre = _lagged(h, pre, self.hc_attn, lambda x: self.attn(self.attn_norm(x, ops), ctx, rope, ops), ops)
-        return _lagged(h, pre, self.hc_ffn, lambda x: self.ffn(self.ffn_norm(x, ops), image_mask, ops), ops)
+        mix, t = self.attn_in(h, pre, ctx.positions, rope, ops)
+        return self.ffn_out(self.attn.attend(t, ctx, rope, ops), t, h, mix, image_mask, ops)
+
+    def attn_in(
+        self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops
+    ) -> tuple[Mix, dict[str, torch.Tensor]]:
+        """The attention sublayer up to the state (lagged mHC, ``mhc.lagged_sublayer``): the mixes of the
+        (post-Engram) streams ``h``, and ``Attention.project`` of ``attn_norm(collapse(h, pre))``. Touches no state."""
+        mix = self.hc_attn(h, ops)
+        return mix, self.attn.project(self.attn_norm(ops.hc_collapse(h, pre), ops), positions, rope, ops)
+
+    def ffn_out(
+        self,
+        out: torch.Tensor,
+        t: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        mix: Mix,
+        image_mask: torch.Tensor | None,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output ``out [T, H, d]`` projected (``Attention.output``) and expanded into the streams
+        ``h`` with ``mix``, then the lagged FFN sublayer; returns the new streams and the FFN ``pre``. Touches no
+        state."""
+        h = ops.hc_expand(self.attn.output(out, t["cos"], t["sin"], ops), h, mix.post, mix.comb)
+        return _lagged(h, mix.pre, self.hc_ffn, lambda x: self.ffn(self.ffn_norm(x, ops), image_mask, ops), ops)
 
 
 class DeepseekV41Model(nn.Module):
@@ -127,12 +153,14 @@ class DeepseekV41Model(nn.Module):
                     "this DeepSeek-V4.1 config has Engram layers: pass engram_token_map (the tokenizer's compressed "
                     "vocabulary, deepinfer.models.deepseek_v41.engram.compressed_token_map)"
                 )
-            self.hasher = EngramHasher(c, engram_token_map)
+            with torch.device("cpu"):  # the hash runs on host token ids: its tables stay on the host whatever the
+                self.hasher = EngramHasher(c, engram_token_map)  # default device (no copy of them per sequence)
         self.mtp = None  # the DSpark stages (released mtp.{k}.*); ``self.dspark`` drafts with them
         if c.num_nextn_predict_layers > 0:
             drafter = DSparkDrafter(c)
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
+        self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
         self.vision = self.aligner = None
         if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
             self.vision = VisionTransformer(config.vision_config, torch.float32)
@@ -186,8 +214,13 @@ class DeepseekV41Model(nn.Module):
             if isinstance(m, SharedKVAttention):  # the DSpark stages' window KV too
                 m.quant_sim = enabled
 
-    def _engram_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Row ids ``[T, engram layers, hashes]`` of the step's tokens; advances each sequence's token history."""
+    def rope_of(self, layer: Block) -> RotaryTable:
+        """The rotary table of a layer (compressed layers use the compress flavour)."""
+        return self.rope_compress if layer.spec.compress_rope else self.rope_main
+
+    def _engram_rows(self, batch: ForwardBatch, device: torch.device | None = None) -> torch.Tensor | None:
+        """Row ids ``[T, engram layers, hashes]`` of the step's tokens (on ``device``, default the tokens' device);
+        advances each sequence's token history."""
         if self.hasher is None:
             return None
         ids = batch.token_ids.cpu()
@@ -201,7 +234,7 @@ class DeepseekV41Model(nn.Module):
             out.append(self.hasher.hash(seq, mask, hist))
             c.state.history = tuple(self.hasher.next_history(hist, seq, mask).tolist())
             o += c.length
-        return torch.cat(out).to(batch.token_ids.device)
+        return torch.cat(out).to(batch.token_ids.device if device is None else device)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool = False) -> torch.Tensor:
@@ -211,8 +244,21 @@ class DeepseekV41Model(nn.Module):
 
         Encoder/decoder split (MODEL_V41.md §6.2): a chunk with ``decoder_from`` runs the decoder layers only on
         positions ``>= decoder_from`` (rows before it get zeros); the first decoder layer still publishes its
-        compressed rows and index keys for every position, so the decoder's long-range memory is complete."""
+        compressed rows and index keys for every position, so the decoder's long-range memory is complete.
+
+        A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``),
+        with eager results; not with ``capture``."""
         ops, c = self.ops, self.text
+        if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
+            if self.decode_graphs is None:
+                from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
+
+                self.decode_graphs = DecodeGraphs(self)
+            y = self.decode_graphs.run(batch, cache)  # None: not a graphed step
+            if y is not None:
+                for chunk in batch.chunks:
+                    chunk.state.num_tokens = chunk.end
+                return y
         x = self.embed(batch.token_ids) if batch.input_embeds is None else batch.input_embeds
         h = embed_streams(x, c.hc_mult)
         pre = initial_pre(x.shape[0], c.hc_mult, x.device)
@@ -223,7 +269,7 @@ class DeepseekV41Model(nn.Module):
         targets = set(c.dspark_target_layer_ids) if capture else set()
         captured: list[torch.Tensor] = []
         for layer in self.layers:
-            rope = self.rope_compress if layer.spec.compress_rope else self.rope_main
+            rope = self.rope_of(layer)
             if layer.spec.index == self.decoder_start and any(ch.decoder_from is not None for ch in ctx.chunks):
                 active = self._split(layer, h, pre, ctx, rows, image, rope)
                 if active is not None and active.numel() == 0:  # no chunk reaches its decoder part yet

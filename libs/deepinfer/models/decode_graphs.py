@@ -1,0 +1,130 @@
+"""Model-agnostic part of the decode CUDA graphs: batch-size buckets, capture of a step's segments, failure fallback.
+
+A decode step (one new token per sequence) is bound by host launch time when run eagerly. A model splits it into
+``L + 1`` segments around the eager per-layer state bookkeeping (the attention's window rings, compressor buffers,
+paged cache, top-k selection: per-sequence work of changing shapes); each segment is a pure function of fixed-shape
+static inputs and is captured once per batch-size bucket, then replayed. A subclass provides ``_bucket`` (the static
+inputs of one bucket: an object with a ``graphs`` list) and ``_segments`` (the segment functions, which store their
+outputs in the bucket) and its own ``run`` (copy the step's inputs, replay, run the bookkeeping between segments).
+
+All buckets share one memory pool: no segment output may outlive the step that wrote it (a subclass clones what it
+returns), so graphs replayed in capture order may reuse each other's memory. A bucket whose capture fails (an op that
+cannot be captured) is remembered and runs eagerly (``run`` returns None). ``reset`` drops every graph (after
+replacing weights' storage, say). Used by ``deepseek_v4.graphs`` and ``deepseek_v41.graphs``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.models.deepseek_v4.state import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_for(n: int, max_batch: int) -> int | None:
+    """The bucket of a decode batch of ``n`` sequences (None: above ``max_batch`` or empty)."""
+    if n < 1 or n > max_batch:
+        return None
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    return -(-n // 128) * 128
+
+
+class SegmentGraphs:
+    """Per-bucket CUDA graphs of a model's decode-step segments (module docstring). ``model.ops`` is the op set."""
+
+    def __init__(self, model: nn.Module, max_batch: int | None = None) -> None:
+        if max_batch is None:
+            from deepinfer import envs
+
+            max_batch = int(envs.get("DEEPINFER_CUDA_GRAPH_MAX_BATCH"))
+        self.model, self.max_batch = model, max_batch
+        self.buckets: dict[tuple, Any] = {}
+        self.pool: tuple | None = None
+        self.replays = 0  # graphed steps run (for tests and benchmarks)
+        self.failures: dict[int, str] = {}  # bucket size -> why its capture failed (it runs eagerly)
+
+    def reset(self) -> None:
+        self.buckets.clear()
+        self.pool = None
+
+    def _key(self, size: int) -> tuple:
+        """What a captured bucket depends on besides the weights: its size and the op set's kernel choices."""
+        ops = self.model.ops
+        return size, id(ops), getattr(ops, "fused", None), getattr(ops, "moe_backend", None)
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` is a decode step this can replay (``graphable``, on CUDA, not capturing)."""
+        return batch.token_ids.is_cuda and not torch.cuda.is_current_stream_capturing() and self.graphable(batch)
+
+    def graphable(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` is a decode step (one token per chunk) whatever its device; a model may refuse more."""
+        return (
+            bool(batch.chunks)
+            and all(c.length == 1 for c in batch.chunks)
+            and batch.token_ids.shape[0] == len(batch.chunks)
+        )
+
+    def bucket(self, batch: ForwardBatch) -> Any | None:
+        """The captured bucket that runs ``batch`` (captured on first use), or None: no bucket holds it, or its
+        capture failed. Call after ``applies``."""
+        size = bucket_for(len(batch.chunks), self.max_batch)
+        if size is None:
+            return None
+        key = self._key(size)
+        if key not in self.buckets:
+            self.buckets[key] = self._capture(size, batch.token_ids.device)
+        return self.buckets[key]
+
+    # -- what a model provides ----------------------------------------------------------------------------------
+
+    def _bucket(self, size: int, device: torch.device) -> Any:
+        """A bucket's static inputs (zeros) with an empty ``graphs`` list."""
+        raise NotImplementedError
+
+    def _segments(self, bk: Any) -> list[Callable[[], None]]:
+        """The segment functions of a bucket, in replay order; each stores its outputs in ``bk``."""
+        raise NotImplementedError
+
+    # -- capture ------------------------------------------------------------------------------------------------
+
+    def _capture(self, size: int, device: torch.device) -> Any | None:
+        bk = self._bucket(size, device)
+        segs = self._segments(bk)
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: kernel compilation, library handles, lazy device tables
+                    for seg in segs:
+                        seg()
+                side.synchronize()
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                for seg in segs:
+                    g = torch.cuda.CUDAGraph()
+                    g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        seg()
+                    finally:
+                        g.capture_end()
+                    bk.graphs.append(g)
+            torch.cuda.current_stream(device).wait_stream(side)
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this bucket runs eagerly
+            log.warning("decode CUDA graphs: capture of batch size %d failed, running it eagerly: %s", size, e)
+            self.failures[size] = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.synchronize(device)
+            return None
+        return bk
+
+
+__all__ = ["BUCKETS", "SegmentGraphs", "bucket_for"]

@@ -1,0 +1,216 @@
+"""Decode steps of DeepSeek-V4.1 replayed from CUDA graphs (``deepinfer.models.deepseek_v41.graphs``) against eager
+steps.
+
+On CPU the plumbing is checked with the reference ops: each "graph" runs its segment eagerly (static inputs, Engram
+row ids or looked-up rows, segments, the attention bookkeeping between them, padding), bit-identical to the eager step
+at a bucket's size; which steps are refused. On a CUDA machine a tiny model (``tests/models/tiny_v41.py``, every
+layer kind and Engram) decodes the same tokens from the same state eagerly and from graphs: bit-identical logits at
+bucket sizes in fp32 and bf16, with the Engram tables on the device and on the host, close ones in a padded bucket.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.checkpoint.names_v41 import keeps_fp32  # noqa: E402
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
+from deepinfer.models.deepseek_v41.engram import compressed_token_map  # noqa: E402
+from deepinfer.models.deepseek_v41.graphs import DecodeGraphs  # noqa: E402
+from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
+from models.tiny_v41 import build_tokenizer, text_config  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.float32, dev: str = DEVICE):
+    raw = {"model_type": "deepseek_v41", "text_config": text_config(name, tokenizer),
+           "vision_config": {"num_hidden_layers": 0}, "image_token_id": 3}  # fmt: skip
+    m = DeepseekV41Model(DeepseekV41Config.from_dict(raw), ops, engram_token_map=compressed_token_map(tokenizer)[0])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith(("norm.weight", "q_weight", "k_weight")):
+                p.fill_(1.0)
+            elif n.endswith(("hc_attn.scale", "hc_ffn.scale")):
+                p.uniform_(0.5, 1.5, generator=g)
+            elif p.dim() == 1 or n.endswith(".fn"):
+                p.normal_(0, 0.3, generator=g)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
+    m = m.to(dev, dtype)
+    if dtype != torch.float32:
+        for n, p in m.named_parameters():
+            if keeps_fp32(n):
+                p.data = p.data.float()
+    return m.eval()
+
+
+def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
+    """``n_seq`` sequences of different lengths (other window, ring and ratio-2 phases) prefilled eagerly, and the
+    tokens of 6 decode steps."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.text.vocab_size
+    pages = -(-(context + 16) // 8)
+    cache = PagedKVCache(model.config, pages * n_seq, 8, dtype=model.embed.weight.dtype, device=dev)
+    states, tables = [], []
+    ops, prev = model.ops, model.ops.cuda_graphs
+    ops.cuda_graphs = False
+    for i in range(n_seq):
+        st, table = SequenceState(), torch.arange(i * pages, (i + 1) * pages, device=dev)
+        n = context - i
+        ids = torch.randint(5, vocab, (n,), generator=gen).tolist()
+        model(ForwardBatch.build([SeqChunk(st, 0, n, table)], [ids], dev), cache)
+        states.append(st)
+        tables.append(table)
+    ops.cuda_graphs = prev
+    steps = [torch.randint(5, vocab, (n_seq,), generator=gen).tolist() for _ in range(6)]
+    return cache, states, tables, steps
+
+
+def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE) -> torch.Tensor:
+    prev, model.ops.cuda_graphs = model.ops.cuda_graphs, graphs
+    cache, states = copy.deepcopy(cache), [s.clone() for s in states]
+    out = []
+    for ids in steps:
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        out.append(model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], dev), cache)))
+    model.ops.cuda_graphs = prev
+    return torch.stack(out)
+
+
+def _check(model, cases, dev: str = DEVICE) -> None:
+    """Eager against graphed logits for ``(n_seq, exact)`` cases; every graphed step replays."""
+    for n_seq, exact in cases:
+        cache, states, tables, steps = _setup(model, n_seq, 23, seed=n_seq, dev=dev)
+        eager = _decode(model, cache, states, tables, steps, graphs=False, dev=dev)
+        before = model.decode_graphs.replays if model.decode_graphs else 0
+        graphed = _decode(model, cache, states, tables, steps, graphs=True, dev=dev)
+        assert model.decode_graphs.failures == {}
+        assert model.decode_graphs.replays == before + len(steps)
+        if exact:
+            assert torch.equal(eager, graphed), (eager - graphed).abs().max().item()
+        else:
+            assert (eager - graphed).abs().max().item() < 1e-4
+
+
+# -- CPU: the plumbing ------------------------------------------------------------------------------------------
+
+
+class _Segment:
+    """Stands in for a captured graph: ``replay`` runs the segment eagerly."""
+
+    def __init__(self, seg) -> None:
+        self.replay = seg
+
+
+class EagerSegments(DecodeGraphs):
+    """``DecodeGraphs``' step plumbing without CUDA: each "graph" runs its segment eagerly, on any device."""
+
+    on_device = True
+
+    def tables_on_device(self, device: torch.device) -> bool:
+        return self.on_device
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        return self.graphable(batch)
+
+    def _capture(self, size: int, device: torch.device):
+        bk = self._bucket(size, device)
+        bk.graphs = [_Segment(seg) for seg in self._segments(bk)]
+        return bk
+
+
+def _reference_model(tokenizer, name: str):
+    from deepinfer.ops.reference import ReferenceOps
+
+    ops = ReferenceOps()
+    ops.cuda_graphs = True
+    model = _model(tokenizer, ops, name, dev="cpu")
+    model.decode_graphs = EagerSegments(model, max_batch=8)
+    return model
+
+
+@pytest.mark.parametrize("name", ["sketch", "mixed"])
+@pytest.mark.parametrize("tables", ["device", "host"])
+def test_the_segmented_v41_step_equals_the_eager_step_on_cpu(tokenizer, name, tables):
+    """Reference ops on the host: the segmented decode step (what the graphs capture) gives the eager logits bit for
+    bit at a bucket's size (4 and 1 sequences) and within fp32 rounding in a padded bucket (3 in 4); Engram from row
+    ids (tables on the device: the gather is captured) or from rows looked up before the replay."""
+    model = _reference_model(tokenizer, name)
+    model.decode_graphs.on_device = tables == "device"
+    _check(model, [(4, True), (1, True), (3, False)], dev="cpu")
+    bk = next(iter(model.decode_graphs.buckets.values()))
+    assert (bk.engram is None) == (tables == "host") and bool(bk.engram_rows) == (tables == "host")
+
+
+def test_v41_steps_the_graphs_refuse(tokenizer):
+    """Prefill chunks, image embeddings, a bounded decoder replay, host tensors and DSpark feature capture run
+    eagerly."""
+    model = _reference_model(tokenizer, "sketch")
+    graphs = model.decode_graphs
+    st = SequenceState(num_tokens=5)
+    one = ForwardBatch.build([SeqChunk(st, 5, 1, torch.arange(4))], [[7]])
+    assert graphs.applies(one) and not DecodeGraphs.applies(graphs, one)  # on the host
+    assert not graphs.applies(ForwardBatch.build([SeqChunk(st, 5, 2, torch.arange(4))], [[7, 8]]))
+    assert not graphs.applies(ForwardBatch(one.token_ids, one.positions, one.chunks, image_mask=torch.ones(1) > 0))
+    assert not graphs.applies(ForwardBatch(one.token_ids, one.positions, one.chunks, input_embeds=torch.zeros(1, 64)))
+    for d in (3, 6):  # the eager step checks the layout (and may skip rows) whenever decoder_from is set
+        assert not graphs.applies(ForwardBatch.build([SeqChunk(st, 5, 1, torch.arange(4), decoder_from=d)], [[7]]))
+    cache, states, tables, steps = _setup(model, 2, 15, seed=5, dev="cpu")
+    chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+    model(ForwardBatch.build(chunks, [[i] for i in steps[0]]), cache, capture=True)
+    assert graphs.replays == 0 and model.dspark_features.shape[0] == 2
+    chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+    model(ForwardBatch.build(chunks, [[i] for i in steps[1]]), cache)
+    assert graphs.replays == 1 and all(s.num_tokens == 15 - i + 2 for i, s in enumerate(states))
+
+
+# -- GPU: the graphs -------------------------------------------------------------------------------------------
+
+
+def _nvidia_model(tokenizer, dtype: torch.dtype, name: str = "sketch"):
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    return _model(tokenizer, NvidiaOps(cuda_graphs=True), name, dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v41_graph_replay_equals_eager_bit_for_bit(tokenizer, dtype):
+    """Bucket sizes (4 and 1 sequences): the replay runs the eager kernels on the eager shapes."""
+    _check(_nvidia_model(tokenizer, dtype), [(4, True), (1, True)])
+
+
+@gpu_only
+def test_v41_graphs_with_engram_tables_on_the_host(tokenizer):
+    """``place_engram_tables("cpu")``: the rows are looked up on the host before the replay, same logits."""
+    model = _nvidia_model(tokenizer, torch.float32, "mixed")
+    model.place_engram_tables("cpu")
+    _check(model, [(2, True)])
+    bk = next(iter(model.decode_graphs.buckets.values()))
+    assert bk.engram is None and len(bk.engram_rows) == 2
+
+
+@gpu_only
+def test_v41_padded_bucket_is_close_and_large_batches_run_eagerly(tokenizer):
+    model = _nvidia_model(tokenizer, torch.float32)
+    _check(model, [(3, False)])  # runs in bucket 4
+    model.decode_graphs = DecodeGraphs(model, max_batch=2)
+    cache, states, tables, steps = _setup(model, 3, 20, seed=3)
+    eager = _decode(model, cache, states, tables, steps, graphs=False)
+    graphed = _decode(model, cache, states, tables, steps, graphs=True)
+    assert model.decode_graphs.replays == 0 and torch.equal(eager, graphed)
