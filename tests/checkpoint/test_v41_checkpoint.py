@@ -494,3 +494,24 @@ def test_v41_tiny_checkpoint_parity_with_nemo(nemo: dict, tiny: Path, config: De
     chunk = SeqChunk(SequenceState(), 0, len(ids), torch.arange(8))
     got = ours.logits(ours(ForwardBatch.build([chunk], [ids]), PagedKVCache(config, 8, 16)))
     assert float((got.log_softmax(-1) - ref.log_softmax(-1)).abs().max()) <= 1e-4
+
+
+def test_v41_model_built_on_meta_loads_to_the_same_logits(tiny: Path, config: DeepseekV41Config) -> None:
+    """The engine builds the V4.1 model on the meta device (no host copy of weights before loading): the loader
+    materialises every tensor, the host-side tables (RoPE, Engram hash) are real, and the logits are those of a
+    model built in host memory."""
+    from tokenizers import Tokenizer
+
+    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+
+    token_map = compressed_token_map(Tokenizer.from_file(str(tiny / "tokenizer.json")))[0]
+    out = []
+    for meta in (False, True):
+        with torch.device("meta" if meta else "cpu"):
+            m = DeepseekV41Model(config, engram_token_map=token_map)
+        load_v41_checkpoint(m, tiny, torch.float32)
+        assert not any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+        chunk = SeqChunk(SequenceState(), 0, 29, torch.arange(8))
+        out.append(m.logits(m(ForwardBatch.build([chunk], [list(range(100, 129))]), PagedKVCache(config, 8, 16))))
+    assert torch.equal(out[0], out[1])

@@ -55,7 +55,8 @@ def build_model(
 
         has_engram = bool(config.text_config.engram_layer_ids)
         token_map = engram_token_map_of(path)[0] if has_engram else None
-        net: Model = DeepseekV41Model(config, ops, token_map)
+        with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
+            net: Model = DeepseekV41Model(config, ops, token_map)
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
         net.set_quant_sim(quant_sim is not False)

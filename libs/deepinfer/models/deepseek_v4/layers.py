@@ -60,7 +60,8 @@ class RotaryTable:
     """cos/sin of ``position · θ_i`` for one rope flavour (main or compress)."""
 
     def __init__(self, dim: int, base: float, yarn: YarnParams | None) -> None:
-        self.inv_freq = rope_inv_freq(dim, base, yarn)
+        with torch.device("cpu"):  # host values whatever the default device (a model built on "meta", say)
+            self.inv_freq = rope_inv_freq(dim, base, yarn)
         self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no host-to-device copy per call
 
     def __call__(self, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
