@@ -210,21 +210,24 @@ class Attention(SharedKVAttention):
         """Compress every chunk's tokens (``proj``: the batch's compressor projections); write the completed rows and
         index keys of all chunks to the paged cache in one batch."""
         key, m = (self.layer_id, "main"), self.ratio
-        lat_all = self.compressor.norm(proj[0], ops) if proj[1] is None else None  # ratio 1: a row per token
-        lats, pos, tables, firsts = [], [], [], []
-        for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
-            st, s = chunk.state, chunk.start
-            skip = st.replay_until // m
-            if lat_all is not None:
-                first = max(s, skip)
-                lat = lat_all[a + min(first - s, b - a) : b]
-            else:
-                lat, first, buf = self.compressor.latents(proj[0][a:b], proj[1][a:b], s, st.buffers.get(key), ops,
-                                                          dtype, skip)  # fmt: skip
+        if proj[1] is None:  # ratio 1: a row per token, from the first one not in the cache already
+            lat_all = self.compressor.norm(proj[0], ops)
+            done = []
+            for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
+                first = max(chunk.start, chunk.state.replay_until)
+                done.append((lat_all[a + min(first - chunk.start, b - a) : b], first))
+        else:  # ratio 2: every sequence's completed pairs pooled in one batch
+            spans = [(a, b, c.start, c.state.replay_until // m) for c, (a, b) in zip(ctx.chunks, ctx.offsets)]
+            done, bufs = self.compressor.latents_many(
+                proj[0], proj[1], spans, [c.state.buffers.get(key) for c in ctx.chunks], ops, dtype
+            )
+            for chunk, buf in zip(ctx.chunks, bufs):
                 if buf is None:
-                    st.buffers.pop(key, None)
+                    chunk.state.buffers.pop(key, None)
                 else:
-                    st.buffers[key] = buf
+                    chunk.state.buffers[key] = buf
+        lats, pos, tables, firsts = [], [], [], []
+        for chunk, (lat, first) in zip(ctx.chunks, done):
             if lat.shape[0]:
                 lats.append(lat)
                 pos.append(torch.arange(first, first + lat.shape[0]) * m)

@@ -46,40 +46,57 @@ class Compressor(nn.Module):
         xf = x.float()
         return ops.linear(xf, self.wkv.weight.float()), ops.linear(xf, self.wgate.weight.float())
 
-    def latents(
+    def latents_many(
         self,
         kv: torch.Tensor,
-        gate: torch.Tensor | None,
-        start: int,
-        buf: CompressorBuffer | None,
+        gate: torch.Tensor,
+        spans: list[tuple[int, int, int, int]],
+        bufs: list[CompressorBuffer | None],
         ops: Ops,
         dtype: torch.dtype,
-        skip_rows: int = 0,
-    ) -> tuple[torch.Tensor, int, CompressorBuffer | None]:
-        """One sequence's projections of tokens ``start ..``: the unrotated latents of the rows completed (from row
-        ``first``), ``first`` and the pending buffer (ratio 2: the first token of an open pair). Rows below
-        ``skip_rows`` are not computed (a bounded replay: they are in the cache already)."""
-        if gate is None:  # ratio 1: one row per token
-            first = max(start, skip_rows)
-            return self.norm(kv[first - start :], ops), first, None
+    ) -> tuple[list[tuple[torch.Tensor, int]], list[CompressorBuffer | None]]:
+        """Ratio 2, several sequences in one batch: sequence ``i`` owns rows ``a .. b`` of the fp32 projections ``kv``
+        / ``gate`` (``spans[i] = (a, b, start, skip_rows)``: its tokens ``start ..``) and the pending buffer
+        ``bufs[i]`` (the first token of an open pair). Returns per sequence the unrotated latents of the rows it
+        completes with the first row's index (rows below ``skip_rows`` are not computed: a bounded replay has them
+        in the cache already), and its new pending buffer. One gather pools every completed pair of the batch."""
         m = self.ratio
-        base = start
-        if buf is not None:
-            kv, gate, base = torch.cat([buf.kv, kv]), torch.cat([buf.score, gate]), buf.start
-        end = base + kv.shape[0]
-        first, last = max(start // m, skip_rows), end // m
-        if last > first:
-            lo = first * m - base
-            k = kv[lo : lo + (last - first) * m].unflatten(0, (-1, m))
-            s = gate[lo : lo + (last - first) * m].unflatten(0, (-1, m))
-            rows = self.norm(ops.softmax_pool(k, s).to(dtype), ops)
+        held = [b for b in bufs if b is not None]
+        n_held = sum(b.kv.shape[0] for b in held)
+        src_kv = torch.cat([b.kv for b in held] + [kv]) if held else kv
+        src_gate = torch.cat([b.score for b in held] + [gate]) if held else gate
+        group_idx, pend_idx, counts, firsts, pend = [], [], [], [], []
+        off = 0  # where this sequence's buffer rows sit in src
+        for (a, b, s, skip), buf in zip(spans, bufs):
+            base = s if buf is None else buf.start
+            end = s + b - a
+            first, last = max(s // m, skip), end // m
+            keep = max(last * m, base)
+
+            def where(p: torch.Tensor, a: int = a, s: int = s, base: int = base, off: int = off) -> torch.Tensor:
+                return torch.where(p < s, off + p - base, n_held + a + p - s)
+
+            group_idx.append(where(torch.arange(first * m, max(last, first) * m)))
+            pend_idx.append(where(torch.arange(keep, end)))
+            counts.append(max(last - first, 0))
+            firsts.append(first)
+            pend.append((keep, end - keep))
+            off += 0 if buf is None else buf.kv.shape[0]
+        dev = kv.device
+        gi = torch.cat(group_idx).to(dev, non_blocking=True)
+        pi = torch.cat(pend_idx).to(dev, non_blocking=True)
+        if gi.numel():
+            k, g = src_kv[gi].unflatten(0, (-1, m)), src_gate[gi].unflatten(0, (-1, m))
+            rows = self.norm(ops.softmax_pool(k, g).to(dtype), ops)
         else:
             rows = kv.new_zeros(0, kv.shape[-1], dtype=dtype)
-        keep = max(last * m, base)
-        pending = None
-        if end > keep:
-            pending = CompressorBuffer(kv=kv[keep - base :].clone(), score=gate[keep - base :].clone(), start=keep)
-        return rows, first, pending
+        pk, pg = src_kv[pi], src_gate[pi]
+        sizes = [n for _, n in pend]
+        new_bufs = [
+            CompressorBuffer(kv=k_, score=g_, start=keep) if n else None
+            for (keep, n), k_, g_ in zip(pend, pk.split(sizes), pg.split(sizes))
+        ]
+        return list(zip(rows.split(counts), firsts)), new_bufs
 
 
 class Indexer(nn.Module):
