@@ -8,6 +8,11 @@ same prefilled context (own states, own cache pages):
 * ``eager_fused``: the fused Triton kernels (``kernels.hc``, ``kernels.norm``), every step eager;
 * ``graphs``: the fused kernels and the decode CUDA graphs (``models.deepseek_v4.graphs``), the default.
 
+With a model that carries ``weight_sets`` (``--ab-weights``; ``bench/weight_sets.py``) the variants are instead
+``WEIGHT_VARIANTS``: ``bf16_graphs`` (every weight dequantised to bf16, graphs: the default before the FP8 / MXFP4
+kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts as stored: the default now), and
+``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels).
+
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
 rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
 median is reported), and one more step of each runs under ``torch.profiler``: kernel launches issued by the host
@@ -25,19 +30,32 @@ from typing import Any
 
 import torch
 
-VARIANTS = {  # name -> (ops.fused, ops.cuda_graphs)
-    "eager_unfused": (False, False),
-    "eager_fused": (True, False),
-    "graphs": (True, True),
+VARIANTS = {  # name -> (ops.fused, ops.cuda_graphs, weight set): the A/B of the fused kernels and the graphs
+    "eager_unfused": (False, False, None),
+    "eager_fused": (True, False, None),
+    "graphs": (True, True, None),
+}
+# the A/B of the weights kept as stored (``--ab-weights``; bench/weight_sets.py): bf16 weights with the graphs (the
+# default before), the stored formats eager, the stored formats with the graphs (the default now)
+WEIGHT_VARIANTS = {
+    "bf16_graphs": (True, True, "bf16"),
+    "native_eager": (True, False, "native"),
+    "native_graphs": (True, True, "native"),
 }
 _TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
 
 
-def set_variant(ops: Any, name: str) -> tuple[bool, bool]:
-    """Switch ``ops`` to a variant; returns the previous ``(fused, cuda_graphs)``."""
-    prev = (getattr(ops, "fused", False), getattr(ops, "cuda_graphs", False))
-    ops.fused, ops.cuda_graphs = VARIANTS[name]
-    return prev
+def variants_of(ours: Any) -> dict[str, tuple[bool, bool, str | None]]:
+    """The variants ``ours`` compares: ``WEIGHT_VARIANTS`` when it carries ``weight_sets``, else ``VARIANTS``."""
+    return WEIGHT_VARIANTS if getattr(ours, "weight_sets", None) is not None else VARIANTS
+
+
+def set_variant(ours: Any, name: str) -> None:
+    """Switch ``ours``' op flags (and weight set) to variant ``name``."""
+    ops = ours.model.ops
+    ops.fused, ops.cuda_graphs, weights = variants_of(ours)[name]
+    if weights is not None:
+        ours.weight_sets.use(weights)
 
 
 def launch_profile(step, dev: torch.device) -> dict[str, Any]:
@@ -66,11 +84,14 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
     ops, dev, args = ours.model.ops, ours.dev, ours.args
     out: dict[str, Any] = {"batch": b, "rounds": 0}
     prev = (getattr(ops, "fused", False), getattr(ops, "cuda_graphs", False))
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    sets = getattr(ours, "weight_sets", None)
+    prev_set = sets.current if sets is not None else None
+    variants = variants_of(ours)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     try:
-        steps = {name: ours.make_step(b, args.warmup + args.repeats + 1, lane=i) for i, name in enumerate(VARIANTS)}
+        steps = {name: ours.make_step(b, args.warmup + args.repeats + 1, lane=i) for i, name in enumerate(variants)}
         for name, step in steps.items():
-            set_variant(ops, name)
+            set_variant(ours, name)
             for _ in range(args.warmup):
                 step()
         gc.collect()
@@ -78,17 +99,21 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
             if budget.left() <= 0:
                 break
             for name, step in steps.items():
-                set_variant(ops, name)
+                set_variant(ours, name)
                 times[name].append(timed(step, dev))
             out["rounds"] += 1
         for name, step in steps.items():
-            set_variant(ops, name)
+            set_variant(ours, name)
             ts = sorted(times[name]) or [float("nan")]
             out[name] = {"ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * ts[0], **launch_profile(step, dev)}
         steps.clear()
         out["exactness"] = exactness(ours, b)
+        if sets is not None:
+            out["weights_vs_bf16"] = weights_vs_bf16(ours, b)
     finally:
         ops.fused, ops.cuda_graphs = prev
+        if sets is not None:
+            sets.use(prev_set)
     return out
 
 
@@ -109,13 +134,33 @@ def exactness(ours: Any, b: int, steps: int = 3) -> dict[str, Any]:
     return {"steps": steps, "bit_identical": bool(torch.equal(logits[True], logits[False])), "max_abs_diff": diff}
 
 
+def weights_vs_bf16(ours: Any, b: int, steps: int = 3) -> dict[str, Any]:
+    """Logits of ``steps`` graphed decode steps on the stored formats against the bf16 weights they decode to (same
+    values: only the kernels' summation order differs), from the same state with the same tokens."""
+    ops, sets = ours.model.ops, ours.weight_sets
+    tokens = [ours._ids(b) for _ in range(steps)]
+    logits = {}
+    for name in ("bf16", "native"):
+        sets.use(name)
+        ops.fused, ops.cuda_graphs = True, True
+        step = ours.make_step(b, steps, tokens=tokens)
+        logits[name] = torch.stack([step() for _ in range(steps)])
+    a, n = logits["bf16"], logits["native"]
+    return {
+        "steps": steps,
+        "max_abs_diff": (a - n).abs().max().item(),
+        "max_abs_logit": a.abs().max().item(),
+        "argmax_agreement": (a.argmax(-1) == n.argmax(-1)).float().mean().item(),
+    }
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The before/after table."""
     head = ("| batch | variant | ms/step | host kernel launches | graph launches | H2D copies | device busy ms |\n"
             "|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
     lines = [head]
     for r in rows:
-        for name in VARIANTS:
+        for name in list(VARIANTS) + list(WEIGHT_VARIANTS):
             v = r.get(name)
             if not isinstance(v, dict):
                 continue
@@ -125,7 +170,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 f"| {c.get('cudaMemcpyAsync', 0)} | {v.get('device_busy_ms', 0):.2f} |"
             )
     ex = [f"batch {r['batch']}: {r['exactness']}" for r in rows if "exactness" in r]
-    return "\n".join(lines) + ("\n\nGraphs against eager (fused):\n" + "\n".join(f"- {e}" for e in ex) if ex else "")
+    out = "\n".join(lines) + ("\n\nGraphs against eager (fused):\n" + "\n".join(f"- {e}" for e in ex) if ex else "")
+    wv = [f"batch {r['batch']}: {r['weights_vs_bf16']}" for r in rows if "weights_vs_bf16" in r]
+    return out + ("\n\nStored formats against bf16 weights:\n" + "\n".join(f"- {e}" for e in wv) if wv else "")
 
 
-__all__ = ["VARIANTS", "ab_decode", "exactness", "launch_profile", "markdown", "set_variant"]
+__all__ = [
+    "VARIANTS",
+    "WEIGHT_VARIANTS",
+    "ab_decode",
+    "exactness",
+    "launch_profile",
+    "markdown",
+    "set_variant",
+    "variants_of",
+    "weights_vs_bf16",
+]

@@ -79,6 +79,7 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
 
 import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
+from weight_sets import WeightSets  # noqa: E402 - bench/weight_sets.py
 
 import deepinfer  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
@@ -91,6 +92,7 @@ from deepinfer.models.deepseek_v4.state import (  # noqa: E402
     SequenceState,
 )
 from deepinfer.ops import get_ops  # noqa: E402
+from deepinfer.quant.native import prepare_native  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -605,7 +607,14 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
 
 
 class Ours:
-    def __init__(self, model: DeepseekV4Model, args: argparse.Namespace, dev: torch.device, batches: list[int]):
+    def __init__(
+        self,
+        model: DeepseekV4Model,
+        args: argparse.Namespace,
+        dev: torch.device,
+        batches: list[int],
+        weight_sets: WeightSets | None = None,
+    ):
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
         ps = args.page_size
@@ -615,7 +624,8 @@ class Ours:
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         max_prefill = max(args.prefill_tokens, default=0)
-        self.lanes = len(decode_ab.VARIANTS) if args.ab else 1  # --ab: one set of batch pages per variant
+        self.weight_sets = weight_sets
+        self.lanes = len(decode_ab.variants_of(self)) if args.ab else 1  # --ab: one set of batch pages per variant
         n_dec = (self.n_tpl + self.lanes * max(batches, default=0)) * self.pages_per_seq
         num_pages = n_dec + -(-max_prefill // ps)
         self.cache = PagedKVCache(c, num_pages, ps, torch.bfloat16, dev)
@@ -761,6 +771,42 @@ class Ours:
                 free(self.dev)
             rows.append(row)
         return rows
+
+    def prefill_ab(self, n: int, budget: Budget) -> dict[str, Any]:
+        """Prefill of ``n`` tokens on each weight set, interleaved: ``bf16``, ``native`` (bf16 activations: the FP8
+        linears run W8A16), and ``native_fp8_act`` (the official FP8 activation rounding of the quantised linears and
+        experts, ``quant_sim`` on those modules only: the FP8 linears run W8A8 on the FP8 tensor cores)."""
+        sets, ids = self.weight_sets, self._ids(n)
+        act_modules = [m for m in self.model.modules() if hasattr(m, "quant_sim") and (
+            getattr(m, "keeps_fp8", False) or hasattr(m, "w1_scale"))]  # fmt: skip
+        variants = {"bf16": ("bf16", False), "native": ("native", False), "native_fp8_act": ("native", True)}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+
+        def use(name: str) -> None:
+            weights, act = variants[name]
+            sets.use(weights)
+            for m in act_modules:
+                m.quant_sim = act
+
+        def run() -> torch.Tensor:
+            return self._prefill(SequenceState(), self.prefill_table, ids)
+
+        prev = sets.current
+        try:
+            for name in variants:
+                use(name)
+                run()
+            for _ in range(self.args.prefill_repeats):
+                if budget.left() <= 0:
+                    break
+                for name in variants:
+                    use(name)
+                    times[name].append(timed(run, self.dev))
+        finally:
+            use("native" if prev == "native" else "bf16")
+            for m in act_modules:
+                m.quant_sim = False
+        return {"tokens": n, **{k: 1e3 * statistics.median(v) if v else None for k, v in times.items()}}
 
 
 @torch.no_grad()
@@ -1009,6 +1055,14 @@ def markdown(res: dict[str, Any]) -> str:
                 notes.append(f"prefill {r['tokens']} {who}: {x['note']}")
     if res.get("decode_ab"):
         lines += ["", "Decode before/after (--ab; decode_ab.py)", "", decode_ab.markdown(res["decode_ab"])]
+    if res.get("prefill_ab"):
+        head = "| tokens | bf16 weights | native (W8A16) | native, FP8 activations (W8A8) |"
+        lines += ["", "Prefill A/B (--ab-weights; median ms, interleaved)", "", head, "|---:|---:|---:|---:|"]
+        for r in res["prefill_ab"]:
+            cells = " | ".join(_f(r.get(k), ".1f") for k in ("bf16", "native", "native_fp8_act"))
+            lines.append(f"| {r['tokens']} | {cells} |" + (f" {r['note']}" if r.get("note") else ""))
+    if res.get("weight_bytes"):
+        lines += ["", f"Bytes of the swapped weights: {res['weight_bytes']}"]
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines)
@@ -1108,6 +1162,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="before/after of the decode step: eager unfused / eager fused / CUDA graphs (decode_ab.py)",
     )
+    ap.add_argument(
+        "--weights",
+        choices=["auto", "native", "bf16"],
+        default="auto",
+        help="FP8 linears and MXFP4 experts as stored (native) or dequantised to bf16; auto: ops.native_weights",
+    )
+    ap.add_argument(
+        "--ab-weights",
+        action="store_true",
+        help="keep both weight sets and make --ab compare bf16 / native eager / native graphs (bench/weight_sets.py)",
+    )
+    ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1169,15 +1235,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"building our model ({work.total_params / 1e9:.2f} B params) on {dev} in bf16 ...")
         t = time.perf_counter()
         model = build_ours(config, dev, args.seed, args.moe_backend)
+        sets = None
+        native = args.weights == "native" or (args.weights == "auto" and getattr(model.ops, "native_weights", False))
+        if args.ab_weights:
+            sets = WeightSets(model, tuple(config.weight_block_size))
+            res["weight_bytes"] = {k: sets.bytes(k) for k in sets.sets}
+        elif native:
+            prepare_native(model, tuple(config.weight_block_size), quantize=True)
+        res["weights"] = "native" if native or args.ab_weights else "bf16"
         sync(dev)
         res["build_s"] = time.perf_counter() - t
         if dev.type == "cuda":
             log(f"  built in {res['build_s']:.1f} s; {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated")
-        ours = Ours(model, args, dev, args.batches)
+        ours = Ours(model, args, dev, args.batches, sets)
         log("ours: decode ...")
         res["decode"], res["decode_info"] = ours.decode(args.batches, Budget(args.budget_s, deadline))
         log("ours: prefill ...")
         res["prefill"] = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
+        if sets is not None:
+            res["prefill_ab"] = []
+            for n in args.ab_prefill:
+                try:
+                    res["prefill_ab"].append(ours.prefill_ab(n, Budget(args.budget_s, deadline)))
+                    log(f"  ours prefill A/B: {res['prefill_ab'][-1]}")
+                except Exception as e:  # noqa: BLE001 - one failed shape must not lose the run
+                    res["prefill_ab"].append({"tokens": n, "note": failure(e, dev)})
+                finally:
+                    free(dev)
         add_roofline(work, res["decode"], res["prefill"], args.context, bw, peak)
         res["ops"] = {"class": type(model.ops).__name__, "moe_backend": getattr(model.ops, "moe_backend", None)}
         res["ops"]["fused"] = getattr(model.ops, "fused", None)

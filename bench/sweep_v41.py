@@ -55,6 +55,7 @@ for _p in (ROOT / "libs", ROOT / "tests", ROOT / "bench"):
 import decode_ab  # noqa: E402
 import torch  # noqa: E402
 from sweep import Budget, Skip, failure, free, gpu_name, log, probe_ceilings, run_timed, sync, timed, versions  # noqa: E402
+from weight_sets import WeightSets  # noqa: E402
 
 from deepinfer.checkpoint.names_v41 import expected_tensors  # noqa: E402
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
@@ -63,6 +64,7 @@ from deepinfer.models.deepseek_v41.engram import bucket_primes  # noqa: E402
 from deepinfer.models.deepseek_v41.layout import layer_specs  # noqa: E402
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
 from deepinfer.ops import get_ops  # noqa: E402
+from deepinfer.quant.native import prepare_native  # noqa: E402
 
 COMPRESSED_VOCAB = 99092
 
@@ -208,13 +210,21 @@ def build_ours(config: DeepseekV41Config, dev: torch.device, seed: int) -> Deeps
 
 
 class Ours:
-    def __init__(self, model: DeepseekV41Model, args: argparse.Namespace, dev: torch.device, batches: list[int]):
+    def __init__(
+        self,
+        model: DeepseekV41Model,
+        args: argparse.Namespace,
+        dev: torch.device,
+        batches: list[int],
+        weight_sets: WeightSets | None = None,
+    ):
         self.model, self.args, self.dev, self.c = model, args, dev, model.config
+        self.weight_sets = weight_sets
         ps = args.page_size
         self.steps = args.warmup + args.repeats + 2  # + the profiled step (--ab) and one spare
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
-        self.lanes = len(decode_ab.VARIANTS) if args.ab else 1  # --ab: one set of batch pages per variant
+        self.lanes = len(decode_ab.variants_of(self)) if args.ab else 1  # --ab: one set of batch pages per variant
         self.ab: list[dict] = []  # --ab: eager / graphs rows (decode_ab)
         n_dec = (self.n_tpl + self.lanes * max(batches, default=0)) * self.pages_per_seq
         num_pages = n_dec + -(-max(args.prefill_tokens, default=0) // ps)
@@ -420,6 +430,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="decode A/B per batch: eager unfused / eager fused / CUDA graphs, interleaved (decode_ab.py)",
     )
+    ap.add_argument(
+        "--weights",
+        choices=["auto", "native", "bf16"],
+        default="auto",
+        help="FP8 linears and MXFP4 experts as stored (native) or bf16; auto: ops.native_weights",
+    )
+    ap.add_argument(
+        "--ab-weights",
+        action="store_true",
+        help="keep both weight sets; --ab then compares bf16 / native eager / native graphs",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -435,11 +456,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bw, peak = ceil["hbm_copy_GBps"] * 1e9, (ceil.get("fp8_TFLOPs") or ceil["bf16_TFLOPs"]) * 1e12
     log(f"ceilings: {ceil}")
     model = build_ours(config, dev, args.seed)
-    ours = Ours(model, args, dev, args.batches)
+    block = tuple(config.weight_block_size)
+    native = args.weights == "native" or (args.weights == "auto" and getattr(model.ops, "native_weights", False))
+    sets = WeightSets(model, block) if args.ab_weights else None
+    if native and sets is None:
+        prepare_native(model, block, quantize=True)
+    ours = Ours(model, args, dev, args.batches, sets)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
     decode_ab_rows = ours.ab
-    del ours, model
+    weights = "native" if native or sets is not None else "bf16"
+    del ours, model, sets
     free(dev)
     for r in decode:
         r.update(work.decode(r["batch"], args.context, bw, peak))
@@ -452,7 +479,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_peer:
         peer = peer_prefill(config, args, dev, Budget(args.budget_s, deadline))
     res = {"date": datetime.date.today().isoformat(), "gpu": gpu_name(dev), "tiny": args.tiny, "layers": args.layers,
-           "context": args.context, "ceilings": ceil, "decode": decode, "decode_ab": decode_ab_rows, "prefill": prefill,
+           "context": args.context, "ceilings": ceil, "weights": weights,
+           "decode": decode, "decode_ab": decode_ab_rows, "prefill": prefill,
            "peer": peer,
            "versions": versions(), "command": " ".join(sys.argv)}  # fmt: skip
     md = markdown(res)

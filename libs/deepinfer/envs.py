@@ -195,6 +195,12 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
+_declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant), keep the checkpoint's FP8 dense weights (e4m3 + block scales)
+    and MXFP4 routed experts as stored on the GPU and run them through the FP8 / MXFP4 kernels
+    (`deepinfer.quant.native`): a decode step reads half (dense) or about a quarter (experts) of the bytes of
+    bf16 weights, with the same values (the kernels decode exactly what load-time dequantisation would). Off:
+    dequantise everything to the model dtype at load time, as the cpu backend does.""", default=True)
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher
@@ -317,6 +323,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_CUDA_GRAPHS: bool
     DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
+    DEEPINFER_NATIVE_WEIGHTS: bool
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str

@@ -230,3 +230,37 @@ def test_the_output_head_in_half_precision_matches_the_fp32_reference():
     fast, ref = NvidiaOps().logits_linear(y, w), ReferenceOps("cpu").logits_linear(y, w)
     assert fast.dtype == torch.float32 and fast.shape == (2, 3, 1000)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_on_native_weights_matches_the_reference():
+    """NvidiaOps with the weights kept as stored (``quant.native``: FP8 linears through ``kernels.fp8_gemm``, MXFP4
+    experts through ``kernels.moe_mxfp4``; the interpreter on CPU) against the reference ops on the same stored
+    weights (which decode them per call), with the official FP8 activation rounding on and off."""
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.quant.native import prepare_native
+    from models.test_batch_invariance import tokens
+
+    dev = _device()
+    # three layers (SWA with hash routing, CSA, HCA): the interpreter runs every kernel of the model
+    config = DeepseekV4Config.from_dict(
+        {**TINY_V4, "num_hidden_layers": 3, "compress_ratios": [0, 4, 8, 0], "num_hash_layers": 1}
+    )
+    model = DeepseekV4Model(config, ReferenceOps())
+    model.load_state_dict(random_weights(config, seed=5))
+    prepare_native(model, tuple(config.weight_block_size), quantize=True)
+    vocab = model.config.vocab_size
+    seqs = [tokens(13, 1, vocab), tokens(4, 2, vocab)]
+    plans = [[12, 1], [3, 1]]  # a prefill chunk and a decode step of two sequences
+    for act in (False, True):
+        for m in model.modules():
+            if hasattr(m, "quant_sim") and (getattr(m, "keeps_fp8", False) or hasattr(m, "w1_scale")):
+                m.quant_sim = act
+        model.ops = ReferenceOps()
+        want = _run_on(model.to("cpu"), seqs, plans, "cpu")
+        model.to(dev).ops = NvidiaOps(native_weights=True)
+        got = _run_on(model, seqs, plans, dev)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max().item() < 1e-4, (act, (a - b).abs().max().item())

@@ -1,7 +1,8 @@
 """Load a DeepSeek-V4 safetensors checkpoint into :class:`DeepseekV4Model`.
 
 Accepts official and transformers tensor names, FP8 e4m3 weights with UE8M0 block scales and
-MXFP4 routed experts (dequantised here: the cpu backend computes in bf16/fp32). Every problem
+MXFP4 routed experts (dequantised here, unless the model was switched to the stored formats by
+``quant.native.prepare_native``: then they are kept as stored, with their scales). Every problem
 names the tensor and the file: a missing tensor, a wrong shape, an unreadable file.
 """
 
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
+from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
 
 class CheckpointError(ValueError):
@@ -100,6 +102,9 @@ def load_checkpoint(
             if re.match(r"^mtp\.(\d+)\.", name) and int(name.split(".")[1]) >= len(model.mtp):
                 return  # more MTP stages than this model runs
             raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
+        if is_fp8(p) or (is_mxfp4(p) and expert is not None):  # prepared for a format it is not stored in
+            params.pop(unprepare(model, target), None)
+            p.data = torch.empty(logical_shape(p), dtype=dtype, device=p.device)
         want = p.shape[1:] if expert is not None else p.shape
         if tuple(t.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(want)}")
@@ -117,8 +122,47 @@ def load_checkpoint(
                 p.data = value.contiguous()
                 filled.add(target)
 
+    def place_native(name: str, w: torch.Tensor, s: torch.Tensor, file: Path) -> bool:
+        """A weight whose parameter was switched to the stored format (``quant.native.prepare_native``) is kept as
+        stored, with its scales; False: decode it to the model dtype."""
+        target, expert = official_to_internal(name)
+        p = params.get(target)
+        if p is None:
+            return False
+        if is_fp8(p) and w.dtype == torch.float8_e4m3fn and expert is None:
+            want = (-(-p.shape[0] // block[0]), -(-p.shape[1] // block[1]))
+            if tuple(w.shape) != tuple(p.shape) or tuple(s.shape) != want:
+                raise CheckpointError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(w.shape)} / scale {tuple(s.shape)}, expected "
+                    f"{tuple(p.shape)} / {want}"
+                )
+            owner = target[: -len(".weight")]
+            with torch.no_grad():
+                p.data = w.contiguous()
+                params[f"{owner}.scale"].data = s.float().contiguous()
+            filled.update((target, f"{owner}.scale"))
+            return True
+        if is_mxfp4(p) and w.dtype == torch.int8 and expert is not None:
+            sp = params[f"{target}_scale"]
+            if tuple(w.shape) != tuple(p.shape[1:]) or tuple(s.shape) != tuple(sp.shape[1:]):
+                raise CheckpointError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(w.shape)} / scale {tuple(s.shape)}, expected "
+                    f"{tuple(p.shape[1:])} / {tuple(sp.shape[1:])}"
+                )
+            if expert >= n_experts:
+                raise CheckpointError(f"tensor {name!r} in {file.name}: expert {expert} >= {n_experts}")
+            with torch.no_grad():
+                p.data[expert] = w.view(p.dtype)
+                sp.data[expert] = s.view(torch.uint8)
+            expert_filled.setdefault(target, set()).add(expert)
+            filled.add(f"{target}_scale")
+            return True
+        return False
+
     def decode(name: str) -> None:
         (w, wf), (s, _) = pending.pop(name), scales.pop(name)
+        if place_native(name, w, s, wf):
+            return
         try:
             if w.dtype == torch.float8_e4m3fn:
                 t = dequantize_fp8_blocks(w, s, block=block)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.loader import CheckpointError
 from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
+from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
 __all__ = ["CheckpointError", "checkpoint_files", "decode_tensor", "load_v41_checkpoint"]
 
@@ -137,6 +138,42 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
+def _keep_native(
+    model: nn.Module,
+    target: str,
+    expert: int | None,
+    ref: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    experts: dict[str, torch.Tensor],
+    targets: dict[str, torch.Tensor],
+) -> list[str]:
+    """Store a quantized tensor as it is when its target was switched to the stored format
+    (``quant.native.prepare_native``); returns the targets it filled ([] = decode it instead)."""
+    dev = _device(ref)
+    if is_fp8(ref) and weight.dtype == torch.float8_e4m3fn and expert is None:
+        owner = target.removesuffix(".weight")
+        want = (-(-ref.shape[0] // block[0]), -(-ref.shape[1] // block[1]))
+        if tuple(weight.shape) != tuple(ref.shape) or tuple(scale.shape) != want:
+            return []
+        _set(model, target, weight.to(dev).contiguous())
+        _set(model, f"{owner}.scale", scale.float().to(dev).contiguous())
+        return [target, f"{owner}.scale"]
+    if is_mxfp4(ref) and weight.dtype == torch.int8 and expert is not None:
+        sref = targets[f"{target}_scale"]
+        if tuple(weight.shape) != tuple(ref.shape[1:]) or tuple(scale.shape) != tuple(sref.shape[1:]):
+            return []
+        if expert >= ref.shape[0]:
+            return []  # the caller reports it
+        for key, value, like in ((target, weight, ref), (f"{target}_scale", scale.view(torch.uint8), sref)):
+            if key not in experts:
+                experts[key] = torch.empty(tuple(like.shape), dtype=like.dtype, device=dev)
+            experts[key][expert] = value.view(like.dtype)
+        return [f"{target}_scale"]
+    return []
+
+
 def load_v41_checkpoint(
     model: nn.Module,
     path: str | Path,
@@ -180,16 +217,27 @@ def load_v41_checkpoint(
             t = reader.get(name)
             scale_name = name.removesuffix(".weight") + ".scale"
             if name.endswith(".weight") and scale_name in reader.where:
+                scale = reader.get(scale_name)
+                kept = _keep_native(model, target, expert, ref, t, scale, block, experts, targets)
+                if kept:
+                    filled.update(kept)
+                    if expert is not None:
+                        expert_rows.setdefault(target, set()).add(expert)
+                    continue
                 try:
-                    t = decode_tensor(name, t, reader.get(scale_name), block)
+                    t = decode_tensor(name, t, scale, block)
                 except ValueError as e:
                     raise CheckpointError(f"tensor {name!r} in {file}: {e}") from e
             elif t.dtype in (torch.float8_e4m3fn, torch.int8):
                 raise CheckpointError(f"quantized tensor {name!r} in {file} has no scale tensor {scale_name!r}")
-            want = tuple(ref.shape[1:]) if expert is not None else tuple(ref.shape)
+            shape = logical_shape(ref)
+            want = shape[1:] if expert is not None else shape
             if tuple(t.shape) != want:
                 raise CheckpointError(f"tensor {name!r} in {file} has shape {tuple(t.shape)}, expected {want}")
-            if not ref.dtype.is_floating_point:
+            if is_fp8(ref) or (is_mxfp4(ref) and expert is not None):  # prepared for a format it is not stored in
+                filled.add(unprepare(model, target))
+                out_dtype = dtype
+            elif not ref.dtype.is_floating_point:
                 out_dtype = ref.dtype
             else:
                 out_dtype = torch.float32 if keeps_fp32(target) else dtype
@@ -200,7 +248,7 @@ def load_v41_checkpoint(
             if expert >= ref.shape[0]:
                 raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {ref.shape[0]} experts")
             if target not in experts:
-                experts[target] = torch.empty(tuple(ref.shape), dtype=out_dtype, device=_device(ref))
+                experts[target] = torch.empty(shape, dtype=out_dtype, device=_device(ref))
             experts[target][expert] = t
             expert_rows.setdefault(target, set()).add(expert)
     for target, value in experts.items():

@@ -21,6 +21,7 @@ from deepinfer.models.deepseek_v41.config import MODEL_TYPE as V41_MODEL_TYPE
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.ops import Ops
+from deepinfer.quant.native import prepare_native
 
 ModelConfig: TypeAlias = DeepseekV4Config | DeepseekV41Config
 Model: TypeAlias = DeepseekV4Model | DeepseekV41Model
@@ -46,6 +47,7 @@ def build_model(
     path: Path, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device, quant_sim: bool | None
 ) -> Model:
     """Construct the model of ``config``, load the checkpoint at ``path`` in ``dtype`` and move it to ``device``.
+    With ``ops.native_weights`` the FP8 linears and MXFP4 experts stay in their stored formats (``quant.native``).
 
     ``quant_sim``: V4 simulates the official quantisation points only when asked (``DEEPINFER_QUANT_SIM`` when
     None); V4.1 keeps its cache formats on unless ``quant_sim`` is explicitly False (the variable does not apply)."""
@@ -57,6 +59,8 @@ def build_model(
         token_map = engram_token_map_of(path)[0] if has_engram else None
         with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
             net: Model = DeepseekV41Model(config, ops, token_map)
+            if getattr(ops, "native_weights", False):
+                prepare_native(net, tuple(config.weight_block_size), quantize=False)
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
         net.set_quant_sim(quant_sim is not False)
@@ -65,6 +69,8 @@ def build_model(
     from deepinfer.checkpoint.loader import load_checkpoint
 
     net = DeepseekV4Model(config, ops)
+    if getattr(ops, "native_weights", False):
+        prepare_native(net, tuple(config.weight_block_size), quantize=False)
     load_checkpoint(net, path, dtype=dtype)
     net.to(device)
     net.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)

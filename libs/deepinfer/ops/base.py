@@ -15,6 +15,7 @@ import torch
 class Ops(Protocol):
     name: str
     batch_invariant: bool  # results of a row never depend on the other rows of the call (ARCHITECTURE.md §4)
+    native_weights: bool  # keep FP8 / MXFP4 weights as stored (quant.native) and run fp8_linear / moe_mxfp4
 
     def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``fn(x)`` for an element-wise torch function (exp, sigmoid, silu, softplus, cos, sin, …).
@@ -129,6 +130,30 @@ class Ops(Protocol):
         """Routed SwiGLU experts (``w1/w3 [E, I, D]``, ``w2 [E, D, I]``): ``Σ_k weights[:, k] · expert(x)``.
 
         The routing weight multiplies the expert's hidden state before ``w2``; the sum is fp32."""
+        ...
+
+    def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
+        """``linear`` with an FP8 weight kept as stored: ``w [N, K]`` e4m3, ``scale [ceil(N/B0), ceil(K/B1)]`` float32
+        powers of two (``W = w · scale`` per block, exact in bf16). ``act_quant``: the input is first rounded as
+        ``act_quant_sim(x, 128)`` (the official FP8 activation). → ``[..., N]`` in ``x.dtype``."""
+        ...
+
+    def moe_mxfp4(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        s1: torch.Tensor,
+        w2: torch.Tensor,
+        s2: torch.Tensor,
+        w3: torch.Tensor,
+        s3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
+        uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
+        ``moe`` on the weights decoded to ``x.dtype``."""
         ...
 
     def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:

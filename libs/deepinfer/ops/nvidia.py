@@ -62,7 +62,13 @@ class NvidiaOps(ReferenceOps):
     RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
     graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``)."""
 
-    def __init__(self, moe_backend: str = "auto", fused: bool = True, cuda_graphs: bool | None = None) -> None:
+    def __init__(
+        self,
+        moe_backend: str = "auto",
+        fused: bool = True,
+        cuda_graphs: bool | None = None,
+        native_weights: bool | None = None,
+    ) -> None:
         super().__init__("nvidia")
         if moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe_backend!r}")
@@ -76,7 +82,11 @@ class NvidiaOps(ReferenceOps):
             from deepinfer import envs
 
             cuda_graphs = bool(envs.get("DEEPINFER_CUDA_GRAPHS"))
-        self.cuda_graphs = cuda_graphs
+        if native_weights is None:
+            from deepinfer import envs
+
+            native_weights = bool(envs.get("DEEPINFER_NATIVE_WEIGHTS"))
+        self.cuda_graphs, self.native_weights = cuda_graphs, native_weights
         from deepinfer.kernels.attention import indexer_scores_ranges, sparse_attention_gather
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
@@ -149,6 +159,28 @@ class NvidiaOps(ReferenceOps):
         self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
     ) -> torch.Tensor:
         return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width)
+
+    def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
+        from deepinfer.kernels.fp8_gemm import fp8_linear
+
+        return fp8_linear(x, w, scale, act_quant=act_quant)
+
+    def moe_mxfp4(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        s1: torch.Tensor,
+        w2: torch.Tensor,
+        s2: torch.Tensor,
+        w3: torch.Tensor,
+        s3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        from deepinfer.kernels.moe_mxfp4 import moe_mxfp4
+
+        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit)
 
     def moe(
         self,

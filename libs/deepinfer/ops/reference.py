@@ -11,11 +11,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.quant.formats import FP8_MAX, fp4_round, pow2_scale
+from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
 
 
 class ReferenceOps:
     batch_invariant = False
+    native_weights = False  # weights are dequantised at load time; fp8_linear / moe_mxfp4 decode per call
 
     def __init__(self, device_name: str = "cpu") -> None:
         self.name = device_name
@@ -180,6 +181,31 @@ class ReferenceOps:
             h = weights[rows, slot].unsqueeze(-1).float() * h
             y[rows] += self.linear(h.to(x.dtype), w2[e]).float()  # a token picks an expert at most once
         return y
+
+    def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
+        if act_quant:
+            x = self.act_quant_sim(x, 128)
+        return self.linear(x, dequantize_fp8_blocks(w, scale, dtype=x.dtype))
+
+    def moe_mxfp4(
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        s1: torch.Tensor,
+        w2: torch.Tensor,
+        s2: torch.Tensor,
+        w3: torch.Tensor,
+        s3: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:
+        """Decodes only the experts ``idx`` touches, then ``moe``."""
+        from deepinfer.quant.native import dequantize_experts
+
+        used, local = torch.unique(idx, return_inverse=True)
+        deq = [dequantize_experts(w[used], s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        return self.moe(x, local.view(idx.shape), weights, *deq, limit)
 
     def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
         xb = x.float().unflatten(-1, (-1, block))

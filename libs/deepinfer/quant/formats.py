@@ -45,7 +45,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     out, inp = w.shape
     nb0, nb1 = -(-out // block[0]), -(-inp // block[1])
     wf = w.float()
-    padded = torch.zeros(nb0 * block[0], nb1 * block[1])
+    padded = torch.zeros(nb0 * block[0], nb1 * block[1], device=w.device)
     padded[:out, :inp] = wf.abs()
     amax = padded.view(nb0, block[0], nb1, block[1]).amax(dim=(1, 3))
     scale = pow2_scale(amax, FP8_MAX, 1e-30)

@@ -13,16 +13,25 @@ from deepinfer.ops import Ops
 
 class Linear(nn.Module):
     """Bias-free linear. ``fp8`` marks weights the official checkpoint stores in FP8/FP4: with the
-    quantisation simulation on, their input is FP8-rounded per 1×128 block first (MODEL_V4.md §2.12)."""
+    quantisation simulation on, their input is FP8-rounded per 1×128 block first (MODEL_V4.md §2.12).
 
-    def __init__(self, in_features: int, out_features: int, fp8: bool = False) -> None:
+    ``keeps_fp8`` (default: ``fp8``): the weight is only consumed by ``forward``, so a backend with FP8 kernels may
+    keep it as stored, e4m3 plus a float32 block ``scale`` (``quant.native``); such a weight runs through
+    ``ops.fp8_linear``. A weight that other code reads directly (a grouped ``wo_a``) passes ``keeps_fp8=False``."""
+
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False, keeps_fp8: bool | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.register_buffer("scale", None)
         self.fp8 = fp8
+        self.keeps_fp8 = fp8 if keeps_fp8 is None else keeps_fp8
         self.quant_sim = False
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        if self.quant_sim and self.fp8 and x.shape[-1] % 128 == 0:
+        act_quant = self.quant_sim and self.fp8 and x.shape[-1] % 128 == 0
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return ops.fp8_linear(x, self.weight, self.scale, act_quant)
+        if act_quant:
             x = ops.act_quant_sim(x, 128)
         return ops.linear(x, self.weight)
 

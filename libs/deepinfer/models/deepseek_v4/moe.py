@@ -10,6 +10,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.ops import Ops
 from deepinfer.ops.reference import swiglu
+from deepinfer.quant.native import routed_experts
 
 
 class Gate(nn.Module):
@@ -50,6 +51,8 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
+        for name in ("w1_scale", "w2_scale", "w3_scale"):  # MXFP4 exponents when kept packed (quant.native)
+            self.register_buffer(name, None)
         self.shared_w1 = Linear(d, i * config.n_shared_experts, fp8=True)
         self.shared_w2 = Linear(i * config.n_shared_experts, d, fp8=True)
         self.shared_w3 = Linear(d, i * config.n_shared_experts, fp8=True)
@@ -58,7 +61,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         idx, w = self.gate(x, token_ids, ops)
         xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
-        y = ops.moe(xin, idx, w, self.w1, self.w2, self.w3, self.limit)
+        y = routed_experts(self, xin, idx, w, self.limit, ops)
         h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit, ops)
         y = y + self.shared_w2(h.to(x.dtype), ops).float()
         return y.to(x.dtype)

@@ -72,7 +72,9 @@ class SharedKVAttention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
         self.wkv = Linear(c.hidden_size, self.head_dim, fp8=True)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True)
+        self.wo_a = Linear(
+            self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True, keeps_fp8=False
+        )
         self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.quant_sim = True

@@ -55,7 +55,9 @@ class Engram(nn.Module):
         self.slot = tuple(c.engram_layer_ids).index(layer_id)
         self.eps = c.rms_norm_eps
         self.embed = EngramTable(c.engram_num_embeddings[self.slot], c.engram_head_dim)
-        self.wkv = Linear(c.num_engram_hashes * c.engram_head_dim, (c.hc_mult + 1) * c.hidden_size, fp8=True)
+        self.wkv = Linear(
+            c.num_engram_hashes * c.engram_head_dim, (c.hc_mult + 1) * c.hidden_size, fp8=True, keeps_fp8=False
+        )
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
 

@@ -19,6 +19,7 @@ from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
 from deepinfer.ops.reference import swiglu
+from deepinfer.quant.native import routed_experts
 
 RENORM_EPS = 1e-20  # literal in the reference; not rms_norm_eps
 
@@ -71,6 +72,8 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(e, i, d), requires_grad=False)
+        for name in ("w1_scale", "w2_scale", "w3_scale"):  # MXFP4 exponents when kept packed (quant.native)
+            self.register_buffer(name, None)
         self.shared_w1 = Linear(d, i * config.n_shared_experts, fp8=True)
         self.shared_w2 = Linear(i * config.n_shared_experts, d, fp8=True)
         self.shared_w3 = Linear(d, i * config.n_shared_experts, fp8=True)
@@ -83,7 +86,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """``x [T, D]`` (already ``ffn_norm``-ed) → ``[T, D]`` in ``x.dtype``."""
         idx, w = self.gate(x, image_mask, ops)
-        y = ops.moe(x, idx, w, self.w1, self.w2, self.w3, self.limit)
+        y = routed_experts(self, x, idx, w, self.limit, ops)
         h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit, ops)
         y = y + self.shared_w2(h.to(x.dtype), ops).float()
         return y.to(x.dtype)

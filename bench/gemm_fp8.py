@@ -1,0 +1,251 @@
+"""FP8 block-scaled dense GEMM micro-benchmark (deepinfer.kernels.fp8_gemm) on one GPU.
+
+For DeepSeek-V4-Flash's dense FP8 linears and M ∈ {1, 16, 64, 256, 1024, 4096} it times
+
+* ``fp8_linear(x, w, scale)`` (W8A16: gemv / Triton tensor cores / dequantise + cuBLAS from ``DEQUANT_MIN_M``
+  rows) and ``fp8_linear(..., act_quant=True)`` (W8A8 from ``W8A8_MIN_M`` rows), with the config each one picked,
+* the peer: bf16 ``F.linear`` with the dequantised weight (cuBLAS),
+* ``torch._scaled_mm`` with per-tensor scales (cuBLAS FP8, no block scales: a ceiling reference), where it runs,
+
+each as a CUDA graph of ``--calls`` back-to-back calls (no launch gaps) cycling through enough copies of the weight
+(> ``--cycle-mb`` MB) that none is L2-resident, so small M measures HBM traffic. Columns: µs per call, effective
+weight GB/s (weight bytes / time), TFLOP/s, and the roofline µs = max(weight bytes / HBM, 2·M·N·K / peak), with the
+peak 1979 TFLOP/s (FP8 dense) for ``act_quant`` and ``_scaled_mm``, 989 (bf16) otherwise, and HBM 4.8 TB/s.
+
+    PYTHONPATH=libs:tests:bench python bench/gemm_fp8.py --out /tmp/gemm_fp8          # ~1 min on an H200
+    PYTHONPATH=libs:tests:bench python bench/gemm_fp8.py --tune --shapes wkv,wq_a --ms 1,16
+
+``--tune`` sweeps tile configs of both paths instead and prints the best per (shape, M): the data behind
+``pick_config``'s heuristic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.kernels.fp8_gemm import GemmConfig, fp8_linear, pick_config
+from deepinfer.quant.formats import dequantize_fp8_blocks
+
+SHAPES = {  # DeepSeek-V4-Flash (N, K)
+    "wq_a": (1024, 4096),
+    "wq_b": (32768, 1024),
+    "wkv": (512, 4096),
+    "wo_b": (4096, 8192),
+    "shared_w13": (2048, 4096),
+    "shared_w2": (4096, 2048),
+    "idx_wq_b": (8192, 1024),
+}
+HBM_BPS = 4.8e12
+PEAK_FP8 = 1979e12
+PEAK_BF16 = 989e12
+
+
+def make_weights(n, k, copies, block=(128, 128)):
+    ws, ss = [], []
+    for _ in range(copies):
+        w = torch.randn(n, k, device="cuda") * k**-0.5
+        nb0, nb1 = -(-n // block[0]), -(-k // block[1])
+        s = torch.exp2(torch.randint(-10, -6, (nb0, nb1), device="cuda").float())
+        se = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+        ws.append((w / se).clamp(-448, 448).to(torch.float8_e4m3fn))
+        ss.append(s)
+    return ws, ss
+
+
+def time_graph(fn, copies, calls, reps):
+    """µs per call: a CUDA graph of ``calls`` calls (call i uses weight copy i % copies), best of ``reps`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(copies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return best
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def bench_shape(name, n, k, ms, args, rows):
+    wbytes = n * k
+    copies = max(2, math.ceil(args.cycle_mb * 1e6 / wbytes))
+    ws, ss = make_weights(n, k, copies)
+    wd = [dequantize_fp8_blocks(w, s, torch.bfloat16) for w, s in zip(ws, ss)]
+    ones = torch.ones((), device="cuda")
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * m * n * k
+        impls = {
+            "fp8_linear": (lambda i, x=x: fp8_linear(x, ws[i], ss[i]), PEAK_BF16),
+            "fp8_linear_aq": (lambda i, x=x: fp8_linear(x, ws[i], ss[i], act_quant=True), PEAK_FP8),
+            "bf16_F.linear": (lambda i, x=x: F.linear(x, wd[i]), PEAK_BF16),
+        }
+        if hasattr(torch, "_scaled_mm"):
+            x8 = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+            impls["_scaled_mm"] = (
+                lambda i, x8=x8: torch._scaled_mm(x8, ws[i].t(), scale_a=ones, scale_b=ones, out_dtype=torch.bfloat16),
+                PEAK_FP8,
+            )
+        ref = F.linear(x, wd[0])
+        for impl, (fn, peak) in impls.items():
+            bytes_ = wbytes * (2 if impl == "bf16_F.linear" else 1)
+            roof = max(bytes_ / HBM_BPS, flops / peak) * 1e6
+            try:
+                err = rel_err(fn(0), ref) if impl == "fp8_linear" else None
+                us = time_graph(fn, copies, args.calls, args.reps)
+            except Exception as e:  # e.g. _scaled_mm's shape limits
+                print(f"  {name} M={m} {impl}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            cfg = pick_config(m, n, k, (128, 128), impl == "fp8_linear_aq") if impl.startswith("fp8") else None
+            rows.append(
+                dict(shape=name, N=n, K=k, M=m, impl=impl, us=us, weight_GBps=bytes_ / us / 1e3,
+                     TFLOPs=flops / us / 1e6, roofline_us=roof, of_roofline=roof / us, rel_err=err,
+                     config=None if cfg is None else short(cfg))
+            )  # fmt: skip
+
+
+def candidates(m):
+    """W8A16 / gemv configs worth timing for ``m`` rows (the tensor-core tiles as in ``pick_config``'s range)."""
+    out = []
+    if m == 1:
+        for bn, bk, nw, sk in itertools.product([16, 32], [256, 512, 1024], [4, 8], [1, 2, 4, 8, 16]):
+            out.append(GemmConfig(1, bn, bk, split_k=sk, num_warps=nw, num_stages=1, path="gemv"))
+    top = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
+    splits = [1, 2, 4, 8, 16] if m <= 16 else [1, 4, 16] if m <= 64 else [1, 2, 4] if m <= 256 else [1]
+    for bm, bn, sk, nw, st, sc in itertools.product(
+        sorted({top, max(16, top // 2)}), [64, 128, 256], splits, [4, 8], [3, 4], [False, True]
+    ):
+        if bm * bn <= 128 * 128 and (nw == 4 or bm * bn >= 64 * 128):
+            out.append(GemmConfig(bm, bn, 128, split_k=sk, num_warps=nw, num_stages=st, scale_x=sc))
+    return out
+
+
+W8A8_CANDIDATES = [
+    GemmConfig(bm, bn, 128, num_warps=nw, num_stages=st, group_m=8, path="w8a8")
+    for bm, bn, nw, st in itertools.product([64, 128, 256], [64, 128, 256], [4, 8], [3, 4, 5])
+    if bm * bn <= 256 * 128 and (nw == 8 or bm * bn <= 128 * 128)
+]
+
+
+def short(c):
+    if c is None:
+        return "default"
+    pre = (" scale_x" if c.scale_x else "") + ("" if c.fuse_quant else " pre")
+    return f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}{pre}"
+
+
+def tune_shape(name, args, results):
+    n, k = SHAPES[name]
+    copies = max(2, math.ceil(args.cycle_mb * 1e6 / (n * k)))
+    ws, ss = make_weights(n, k, copies)
+    for m in args.ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for aq in {"both": (False, True), "off": (False,), "on": (True,)}[args.aq]:
+
+            def timed(cands, aq=aq, x=x):
+                res = []
+                for c in cands:
+                    try:
+                        fn = lambda i, c=c: fp8_linear(x, ws[i], ss[i], aq, config=c)  # noqa: E731
+                        res.append((time_graph(fn, copies, 10, 3), c))
+                    except Exception as e:  # out of shared memory / registers
+                        print(f"  {short(c)} failed: {type(e).__name__}: {str(e)[:100]}")
+                return sorted(res, key=lambda t: t[0])
+
+            default = timed([None])
+            best = timed(candidates(m) + (W8A8_CANDIDATES if aq and m >= 128 else []))
+            if aq:  # the best fused tiles again with an act-quant pre-pass
+                pre = timed([replace(c, fuse_quant=False) for _, c in best[:4] if c.path != "w8a8"])
+                best = sorted(best + pre, key=lambda t: t[0])
+            top = [(round(us, 2), short(c)) for us, c in best[:4]]
+            d = default[0][0] if default else math.nan
+            dflt = short(pick_config(m, n, k, (128, 128), aq))
+            print(f"{name} N={n} K={k} M={m} aq={aq}: default {d:.2f} us ({dflt}), best {top}", flush=True)
+            results.append(dict(shape=name, M=m, act_quant=aq, default_us=d, top=top))
+
+
+def tune(args):
+    results = []
+    for name in args.shapes:
+        tune_shape(name, args, results)
+        torch.cuda.empty_cache()
+    return results
+
+
+def markdown(rows):
+    out = [
+        "| shape (N×K) | M | impl | µs | weight GB/s | TFLOP/s | roofline µs | of roofline | config |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['shape']} ({r['N']}×{r['K']}) | {r['M']} | {r['impl']} | {r['us']:.1f} | {r['weight_GBps']:.0f} | "
+            f"{r['TFLOPs']:.1f} | {r['roofline_us']:.1f} | {100 * r['of_roofline']:.0f}% | {r['config'] or ''} |"
+        )
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="directory for gemm_fp8.json and gemm_fp8.md")
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=list(SHAPES))
+    p.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64, 256, 1024, 4096])
+    p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--reps", type=int, default=5, help="graph replays; the best is kept")
+    p.add_argument("--cycle-mb", type=float, default=150.0, help="weight copies cycled per shape (MB of FP8)")
+    p.add_argument("--tune", action="store_true", help="sweep tile configs instead")
+    p.add_argument("--aq", choices=["both", "off", "on"], default="both", help="--tune: act_quant values")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("gemm_fp8.py needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    torch.manual_seed(0)
+    t0 = time.time()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
+    if args.tune:
+        res = tune(args)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gemm_fp8_tune.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+        return
+    rows = []
+    for name in args.shapes:
+        bench_shape(name, *SHAPES[name], args.ms, args, rows)
+        torch.cuda.empty_cache()
+        print(f"  {name} done ({time.time() - t0:.0f} s)", flush=True)
+    table = markdown(rows)
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, {meta['date']}; CUDA graphs of {args.calls} calls\n\n{table}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gemm_fp8.json").write_text(json.dumps(dict(meta=meta, args=vars(args) | {"out": str(args.out)},
+                                                                 rows=rows), indent=1))  # fmt: skip
+        (args.out / "gemm_fp8.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

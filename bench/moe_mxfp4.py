@@ -1,0 +1,214 @@
+"""MXFP4 routed experts (W4A16, ``kernels.moe_mxfp4``) against the bf16 kernels on the decoded experts, one GPU.
+
+V4-Flash's expert shapes (E=256, D=4096, I=2048, top-6), random MXFP4 experts built on the GPU (every byte value,
+e8m0 exponents 116..122) and their bf16 decoding (``dequantize_experts``, the peer's weights: 12.9 GB). For each
+token count T, ``--calls`` routings drawn uniformly at random (top-6 of 256) are captured in one CUDA graph per
+implementation and the graph is replayed (CUDA events; the time per call is the replay's median over ``--reps``
+divided by the calls): launch overhead is amortised, and consecutive calls touch different experts, so at small T
+the weights come from HBM, not L2.
+
+Columns: ``moe_mxfp4``; the peers ``moe_triton`` and ``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the
+HBM roofline of the MXFP4 call (bytes of the distinct experts its routing touches, weights and scales, over
+``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline ``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the
+bandwidth the MXFP4 call reached; and ``roof/time`` = max(rooflines) / time. A device-to-device copy measured in the
+same run gives the copy bandwidth actually reachable. ``--sweep`` instead times ``moe_mxfp4`` under a list of
+configurations at every T (for tuning ``MX_DECODE`` / ``MX_PREFILL``).
+
+Run on one GPU from the repository root::
+
+    PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --out bench/results
+    PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --sweep --calls 4 --tokens 1,16,64,256,4096
+
+(``--sweep`` lists the µs of every candidate and its relative error against the portable decode.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from deepinfer.kernels.moe import MoEConfig, moe_grouped_mm, moe_triton
+from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4
+from deepinfer.quant.native import dequantize_experts
+
+E, D, I, K = 256, 4096, 2048, 6
+LIMIT = 10.0
+
+# --sweep: (config, swap) candidates, the decode ones timed for T <= 256, the
+# prefill ones for T >= 256
+SWEEP_DECODE = [(MoEConfig(*c), swap) for c, swap in [
+    ((16, 128, 128, 4, 3), 0), ((16, 64, 128, 4, 4), 1), ((16, 64, 256, 4, 3), 0), ((16, 256, 128, 8, 3), 0),
+    ((32, 128, 128, 4, 3), 0),
+]]  # fmt: skip
+SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
+    ((64, 128, 128, 8, 3), 1), ((128, 128, 128, 8, 3), 1), ((128, 256, 128, 8, 3), 1), ((128, 128, 256, 8, 3), 1),
+    ((64, 128, 64, 4, 4), 1),
+]]  # fmt: skip
+
+
+def sweep_variants(t):
+    if t <= 64:
+        return SWEEP_DECODE
+    if t <= 256:
+        return SWEEP_DECODE + SWEEP_PREFILL[:1]
+    return SWEEP_PREFILL
+
+
+def run_variant(cfg, swap, x, i, w, mx):
+    import deepinfer.kernels.moe_mxfp4 as mod
+
+    mod.SWAP_AB = bool(swap)
+    try:
+        return moe_mxfp4(x, i, w, *mx, LIMIT, config=cfg)
+    finally:
+        mod.SWAP_AB = None
+
+
+def experts(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def packed(n, k, lo, hi):
+        w = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8).view(torch.int8)
+        return w, torch.randint(lo, hi + 1, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+
+    (w1, s1), (w3, s3), (w2, s2) = packed(I, D, 118, 122), packed(I, D, 118, 122), packed(D, I, 116, 120)
+    return (w1, s1, w2, s2, w3, s3)
+
+
+def routings(t, n, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = (torch.randn(t, D, generator=g, device=dev) * 0.5).bfloat16()
+        idx = torch.rand(t, E, generator=g, device=dev).topk(K, dim=1).indices
+        w = torch.rand(t, K, generator=g, device=dev)
+        out.append((x, idx, w))
+    return out
+
+
+def expert_bytes(mx) -> int:
+    return sum(t[0].numel() * t.element_size() for t in mx)
+
+
+def time_graph(fn, inputs, reps) -> float:
+    """Median µs per call of ``fn`` over the ``inputs`` (one graph holds a call on each)."""
+    for args in inputs:
+        fn(*args)  # compile, and warm the allocator outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in inputs:
+            fn(*args)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(inputs))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(dev) -> float:
+    src = torch.empty(1 << 28, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), [()] * 8, 5)
+    return 2 * src.numel() * 4 / (us * 1e-6)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    p.add_argument("--calls", type=int, default=8, help="routings (calls) per CUDA graph")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s for the roofline")
+    p.add_argument("--flops", type=float, default=989e12, help="dense bf16 FLOP/s for the roofline")
+    p.add_argument("--sweep", action="store_true", help="time moe_mxfp4 under each config of SWEEP instead")
+    p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
+    p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    mx = experts(dev)
+    per_expert = expert_bytes(mx)
+    deq = None
+    if not (args.no_peers or args.sweep):
+        deq = tuple(dequantize_experts(w, s, torch.bfloat16) for w, s in (mx[0:2], mx[2:4], mx[4:6]))
+    copy_bw = copy_bandwidth(dev)
+    rows = []
+    for t in tokens:
+        inputs = routings(t, args.calls, dev, seed=t)
+        touched = statistics.mean(int(torch.unique(idx).numel()) for _, idx, _ in inputs)
+        row = {
+            "T": t,
+            "experts_touched": touched,
+            "config": str(pick_config_mxfp4(t * K, E)),
+            "roof_hbm_us": touched * per_expert / args.hbm * 1e6,
+            "roof_flop_us": 2 * 3 * t * K * D * I / args.flops * 1e6,
+        }
+        if args.sweep:
+            import deepinfer.kernels.moe_mxfp4 as mod
+
+            mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
+            ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
+            mod.FAST_DECODE = True
+            for cfg, swap in sweep_variants(t):
+                key = f"{tuple(vars(cfg).values())} swap={swap}"
+                try:
+                    row[key] = time_graph(lambda x, i, w, v=(cfg, swap): run_variant(*v, x, i, w, mx), inputs, 3)
+                except Exception as exc:  # a config the compiler rejects
+                    row[key] = None
+                    print(f"T={t} {key}: {type(exc).__name__}: {str(exc)[:200]}")
+                    torch.cuda.synchronize()
+                if row[key] is not None:
+                    out = run_variant(cfg, swap, *inputs[0], mx)
+                    row[key + " err"] = ((out - ref).norm() / ref.norm()).item()
+                print(f"T={t} {key}: {row[key]} err {row.get(key + ' err')}", flush=True)
+        else:
+            row["mxfp4_us"] = time_graph(lambda x, i, w: moe_mxfp4(x, i, w, *mx, LIMIT), inputs, args.reps)
+            if deq is not None:
+                out = moe_mxfp4(*inputs[0], *mx, LIMIT)
+                ref = moe_triton(*inputs[0], *deq, LIMIT)
+                row["rel_err_vs_triton"] = ((out - ref).norm() / ref.norm()).item()
+                row["triton_bf16_us"] = time_graph(lambda x, i, w: moe_triton(x, i, w, *deq, LIMIT), inputs, args.reps)
+                row["grouped_mm_bf16_us"] = time_graph(
+                    lambda x, i, w: moe_grouped_mm(x, i, w, *deq, LIMIT), inputs, args.reps
+                )
+            row["mxfp4_TBps"] = touched * per_expert / row["mxfp4_us"] / 1e6
+            row["roof_over_time"] = max(row["roof_hbm_us"], row["roof_flop_us"]) / row["mxfp4_us"]
+        rows.append(row)
+        del inputs
+        torch.cuda.empty_cache()
+
+    name = torch.cuda.get_device_name(dev)
+    print(f"\n{name}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {per_expert / 1e6:.2f} MB per expert")
+    if not args.sweep:
+        head = "| T | experts | mxfp4 µs | TB/s | triton bf16 µs | grouped_mm bf16 µs | HBM roof µs | FLOP roof µs |"
+        print(head + " roof/time |\n" + "|---" * 9 + "|")
+        for r in rows:
+            peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
+            print(
+                f"| {r['T']} | {r['experts_touched']:.1f} | {r['mxfp4_us']:.1f} | {r['mxfp4_TBps']:.2f} | "
+                f"{peers[0]} | {peers[1]} | {r['roof_hbm_us']:.1f} | {r['roof_flop_us']:.1f} | "
+                f"{r['roof_over_time']:.2f} |"
+            )
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+        path = args.out / f"moe_mxfp4-{'sweep-' if args.sweep else ''}{stamp}.json"
+        meta = {"command": " ".join(sys.argv), "device": name, "copy_Bps": copy_bw, "bytes_per_expert": per_expert}
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

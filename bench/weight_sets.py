@@ -1,0 +1,73 @@
+"""Two weight sets of one benchmark model, swapped in place: ``bf16`` (every weight dequantised, as the reference
+backend loads a checkpoint) and ``native`` (FP8 linears and MXFP4 experts as stored, ``deepinfer.quant.native``).
+
+The model's random weights are first encoded in the stored formats; the ``bf16`` set holds exactly the values they
+decode to, so the two sets compute the same function and differ only in what a step reads and in summation order.
+Each set keeps its own ``decode_graphs`` (a CUDA graph holds the addresses of the weights it was captured with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.quant.formats import dequantize_fp8_blocks
+from deepinfer.quant.native import EXPERT_WEIGHTS, dequantize_experts, expert_modules, fp8_linears, prepare_native
+
+
+class WeightSets:
+    def __init__(self, model: nn.Module, block: tuple[int, int]) -> None:
+        self.model = model
+        prepare_native(model, block, quantize=True)
+        self.linears = [m for _, m in fp8_linears(model)]
+        self.experts = [m for _, m in expert_modules(model)]
+        self.sets: dict[str, dict[str, Any]] = {"native": self._snapshot()}
+        dt = model.embed.weight.dtype
+        with torch.no_grad():
+            for m in self.linears:
+                m.weight = nn.Parameter(dequantize_fp8_blocks(m.weight, m.scale, dtype=dt), requires_grad=False)
+                m.scale = None
+            for m in self.experts:
+                for w in EXPERT_WEIGHTS:
+                    packed, scales = getattr(m, w), getattr(m, f"{w}_scale")
+                    value = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dt, device=packed.device)
+                    for lo in range(0, packed.shape[0], 8):  # a few experts at a time: no fp32 copy of a layer
+                        value[lo : lo + 8] = dequantize_experts(packed[lo : lo + 8], scales[lo : lo + 8], dt)
+                    setattr(m, w, nn.Parameter(value, requires_grad=False))
+                    setattr(m, f"{w}_scale", None)
+        self.sets["bf16"] = self._snapshot()
+        self.current = "bf16"
+        self.use("native")
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "linears": [(m.weight, m.scale) for m in self.linears],
+            "experts": [{w: (getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS} for m in self.experts],
+            "graphs": getattr(self.model, "decode_graphs", None),
+        }
+
+    def use(self, name: str) -> None:
+        """Make ``name`` the model's weights (and decode graphs)."""
+        if name == self.current:
+            return
+        self.sets[self.current]["graphs"] = getattr(self.model, "decode_graphs", None)
+        s = self.sets[name]
+        for m, (w, scale) in zip(self.linears, s["linears"]):
+            m.weight, m.scale = w, scale
+        for m, ws in zip(self.experts, s["experts"]):
+            for w, (value, scale) in ws.items():
+                setattr(m, w, value)
+                setattr(m, f"{w}_scale", scale)
+        self.model.decode_graphs = s["graphs"]
+        self.current = name
+
+    def bytes(self, name: str) -> int:
+        """Bytes of the swapped weights in set ``name``."""
+        s = self.sets[name]
+        ts = [t for pair in s["linears"] for t in pair] + [t for d in s["experts"] for p in d.values() for t in p]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+__all__ = ["WeightSets"]

@@ -1,0 +1,446 @@
+"""FP8 block-scaled dense GEMMs (Triton, tuned on an H200): ``y = x · Wᵀ``, e4m3 weight with UE8M0 block scales.
+
+Semantics (what the tests compare against): ``fp8_linear(x, w, scale, act_quant)`` equals
+``F.linear(xq, dequantize_fp8_blocks(w, scale, dtype=x.dtype))`` accumulated in fp32 and rounded to ``x.dtype`` once,
+with ``xq = ReferenceOps.act_quant_sim(x, 128)`` when ``act_quant`` (per 1×128 block of K: a power-of-two scale
+``s ≥ amax/448`` from ``amax`` clamped ≥ 1e-4, ``x/s`` clamped to ±448 and rounded to e4m3, nearest-even) else ``x``.
+Dequantised weights, quantised activations and their products are exact, so only the order of the fp32 sums differs.
+
+The path is picked from the shapes alone (``pick_config``; no host sync: CUDA-graph capturable, deterministic):
+
+* **W8A16** (weight-only, decode): e4m3 tiles converted in registers. One row (``_gemv_kernel``): FMAs on CUDA
+  cores with the weight scale folded into ``x``; more rows (``_w8a16_kernel``): the tile is dequantised into the
+  activation dtype and fed to ``tl.dot`` (fp32 accumulation), computed as ``yᵀ = W · xᵀ`` so the weight is the MMA's
+  wide operand. ``act_quant`` quantises ``x`` inside the kernel (small M) or in a pre-pass kernel. Few output tiles
+  use split-K: fp32 partials ``[S, M, N]`` summed in a fixed order by a second kernel (no atomics: bit-reproducible,
+  eager and graph replay alike). Many rows without ``act_quant`` (prefill): the weight is dequantised once by a
+  kernel and multiplied by cuBLAS (2.2× the Triton W8A16 GEMM at M = 1024 on an H200).
+* **W8A8** (``_w8a8_kernel``, prefill with ``act_quant`` and a 128-wide weight K block): ``act_quant_fp8`` writes the
+  e4m3 activation and its scales, then per 128-wide K block ``acc += dot(a8, w8) · (s_a ⊗ s_w)`` on FP8 tensor cores
+  (fp32 promotion every block, as DeepSeek's ``fp8_gemm``), programs in grouped order for L2 reuse.
+
+Under ``TRITON_INTERPRET=1`` every kernel runs in Triton's interpreter (which loads e4m3 and multiplies it with
+``tl.dot`` correctly, but rounds fp32→e4m3 casts wrongly: values are put on the e4m3 grid with exact fp32
+arithmetic first, on every device); CPU tensors without the interpreter take a torch fallback (the reference's math).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+ACT_BLOCK = 128
+W8A8_MIN_M = 256  # from this many rows (act_quant, 128-wide K blocks): FP8 tensor cores (H200: 1.4x W8A16 at 256)
+DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuBLAS (H200: 2.2x W8A16 at 1024)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PATHS = ("gemv", "w8a16", "w8a8", "dequant")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles and path of one call. ``path``: ``"gemv"`` (one row, CUDA cores), ``"w8a16"`` (bf16/fp32 tensor
+    cores), ``"w8a8"`` (FP8 tensor cores: act_quant, a 128-wide weight K block, block_k 128) or ``"dequant"`` (the
+    weight dequantised to ``x.dtype`` by a kernel, then ``F.linear``). ``scale_x`` (w8a16): multiply the weight
+    scale into the activation tile instead of the weight tile (block_n dividing the row block; gemv always does)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # K chunks of gemv / w8a16 (rounded so that none is empty)
+    num_warps: int = 4
+    num_stages: int = 3
+    path: str = "w8a16"
+    scale_x: bool = False
+    fuse_quant: bool = True  # act_quant on gemv / w8a16: quantise in the GEMM, else in a pre-pass
+    group_m: int = 8  # w8a8 program ordering
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132) -> GemmConfig:
+    """The tiles for ``[m, k] × [n, k]ᵀ`` from the shapes only (the same choice inside and outside a CUDA graph);
+    measured on an H200 at V4-Flash's shapes (``bench/gemm_fp8.py --tune``)."""
+    w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
+    if _interpret():
+        cfg = GemmConfig(16, 32, 128, num_stages=1, path="w8a8" if w8a8 else "gemv" if m == 1 else "w8a16")
+        return replace(cfg, split_k=2 if n <= 64 and k >= 512 else 1)
+    if w8a8:
+        return GemmConfig(64, 64 if m <= 512 else 128, 128, num_warps=4, num_stages=4, path="w8a8")
+    if m >= DEQUANT_MIN_M and not act_quant:
+        return GemmConfig(64, 128, 128, path="dequant")
+    if m == 1 and block[0] % 16 == 0:  # CUDA cores; ~1.5 waves of programs, several K tiles each when possible
+        bn, bk, warps = (32, 256, 4) if n >= 16384 and block[0] % 32 == 0 else (16, 512, 4)
+        if bn == 16 and k >= 2048 and n >= 16 * sms:
+            bk, warps = 1024, 8
+        tiles, steps, split = triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+        while 2 * tiles * split < 3 * sms and 2 * split <= steps:
+            split *= 2
+        return GemmConfig(1, bn, bk, split_k=split, num_warps=warps, num_stages=1, path="gemv")
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    bn = 64 if m <= 16 else 128
+    tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, 128), 1
+    while (
+        (tiles * split < sms and steps >= 8 * split) if bm <= 16 else (2 * tiles * split <= sms and steps >= 4 * split)
+    ):
+        split *= 2  # fill the SMs, keeping several K steps per chunk
+    warps = 4 if bm * bn < 64 * 128 else 8
+    return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=3, fuse_quant=bm <= 16)
+
+
+@triton.jit
+def _ue8m0_scale(amax):
+    """(s, 1/s): the smallest power of two with ``max(amax, 1e-4) <= 448·s`` (``pow2_scale``'s result, exactly)."""
+    a = tl.maximum(amax, 1e-4)
+    bits = (a / 448.0).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil to a power of two (a rounded quotient)
+    e = tl.where(a > 448.0 * (e << 23).to(tl.float32, bitcast=True), e + 1, e)  # exact fix-ups
+    e = tl.where(a <= 224.0 * (e << 23).to(tl.float32, bitcast=True), e - 1, e)
+    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(v):
+    """``v`` (fp32, |v| ≤ 448) rounded to the nearest e4m3 value, ties to even, sign kept (exact fp32 arithmetic)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) & 0xFF, 121)  # the ulp is 2^(e-130); below 2^-6 (subnormals) it stays 2^-9
+    inv = ((257 - e) << 23).to(tl.float32, bitcast=True)
+    ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(v) * inv + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: adding it rounds to an integer (RNE)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_sim(x, AXIS: tl.constexpr):
+    """``act_quant_sim`` of a tile whose whole quantisation block lies along ``AXIS`` → (rounded x/s, s)."""
+    s, inv = _ue8m0_scale(tl.max(tl.abs(x), axis=AXIS))
+    q = _e4m3_round(tl.minimum(tl.maximum(x * tl.expand_dims(inv, AXIS), -448.0), 448.0))
+    return q, s
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NB, stride_xm, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+                      DEQ: tl.constexpr):  # fmt: skip
+    """e4m3 values and scales, or (``DEQ``) ``act_quant_sim``'s output ``q·s`` in ``q_ptr``'s dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (g < NB)[:, None]
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_sim(x, 1)
+    if DEQ:
+        q = q * s[:, None]
+    else:
+        tl.store(s_ptr + row * NB + g, s, mask=g < NB)
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant(w, s, dt: tl.constexpr):
+    """``w · s`` in ``dt`` (exact for bf16 / fp32; fp16 rounds the fp32 product as dequantize_fp8_blocks does)."""
+    if dt == tl.float16:
+        return (w.to(tl.float32) * s).to(dt)
+    return w.to(dt) * s.to(dt)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_X: tl.constexpr, ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    xrow = (rm % M).to(tl.int64) * stride_xm  # rows / columns past the end re-read valid ones (stores are masked)
+    wrow = (rn % N).to(tl.int64) * K
+    srow = (rn % N) // B0 * stride_ws
+    stile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws  # SCALE_X: the tile's rows share one row block
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ tile: the weight is the MMA's wide operand
+    k_lo = pid_k * k_chunk
+    for k0 in range(k_lo, tl.minimum(k_lo + k_chunk, K), BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            xt = tl.load(x_ptr + xrow[None, :] + kk[:, None])
+            w = tl.load(w_ptr + wrow[:, None] + kk[None, :])
+        else:
+            xt = tl.load(x_ptr + xrow[None, :] + kk[:, None], mask=(kk < K)[:, None], other=0.0)
+            w = tl.load(w_ptr + wrow[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+        if ACT_QUANT:  # BLOCK_K == 128: each column of xt is one quantisation block
+            q, s = _quant_sim(xt.to(tl.float32), 0)
+            xt = q * s[None, :]
+        if SCALE_X:  # the weight scale on the activation: exact (powers of two)
+            xt = (xt.to(tl.float32) * tl.load(stile + tl.minimum(kk, K - 1) // B1)[:, None]).to(dt)
+            acc = tl.dot(w.to(dt), xt, acc, input_precision=PRECISION)
+        elif BLOCK_K <= B1:  # one scale per row of the tile
+            sw = tl.load(ws_ptr + srow + k0 // B1)
+            acc = tl.dot(_dequant(w, sw[:, None], dt), xt.to(dt), acc, input_precision=PRECISION)
+        else:  # BLOCK_K // B1 scale blocks along K, expanded to the columns
+            kb = tl.minimum(k0 // B1 + tl.arange(0, BLOCK_K // B1), (K - 1) // B1)
+            sw = tl.load(ws_ptr + srow[:, None] + kb[None, :])
+            sw = tl.reshape(tl.broadcast_to(sw[:, :, None], (BLOCK_N, BLOCK_K // B1, B1)), (BLOCK_N, BLOCK_K))
+            acc = tl.dot(_dequant(w, sw, dt), xt.to(dt), acc, input_precision=PRECISION)
+    o = out_ptr + pid_k * stride_split + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    wrow = (rn % N).to(tl.int64) * K
+    stile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_lo = pid_k * k_chunk
+    for k0 in range(k_lo, tl.minimum(k_lo + k_chunk, K), BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            x = tl.load(x_ptr + kk).to(tl.float32)
+            w = tl.load(w_ptr + wrow[:, None] + kk[None, :])
+        else:
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + wrow[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+        if ACT_QUANT:
+            q, s = _quant_sim(tl.reshape(x, (BLOCK_K // 128, 128)), 1)
+            x = tl.reshape(q * s[:, None], (BLOCK_K,))
+        xs = x * tl.load(stile + tl.minimum(kk, K - 1) // B1)
+        acc += w.to(tl.float32) * xs[None, :]
+    o = out_ptr + pid_k * stride_split + rn
+    tl.store(o, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, B0: tl.constexpr, B1: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``out = w · s`` for one ``[BLOCK_N, BLOCK_K]`` tile inside one scale block."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs = rn[:, None].to(tl.int64) * K + rk[None, :]
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    s = tl.load(s_ptr + pid_n * BLOCK_N // B0 * stride_s + pid_k * BLOCK_K // B1)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, _dequant(w, s, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_sum_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):  # a fixed order: bit-reproducible
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_ws,
+    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % gsize
+    pid_n = (pid % (GROUP_M * num_n)) // gsize
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nkb = K // BLOCK_K  # BLOCK_K == 128 == both scale blocks along K, K % 128 == 0
+    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * K + rk[:, None]
+    as_ptrs = as_ptr + (rm % M).to(tl.int64) * nkb
+    ws_ptrs = ws_ptr + (rn % N) // B0 * stride_ws
+    ws_tile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws  # the tile's rows in one row block (BLOCK_N divides B0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, nkb):
+        a = tl.load(a_ptrs + kb * BLOCK_K)
+        b = tl.load(w_ptrs + kb * BLOCK_K)
+        sa = tl.load(as_ptrs + kb)
+        if B0 % BLOCK_N == 0:
+            acc += tl.dot(a, b) * (sa * tl.load(ws_tile + kb))[:, None]
+        else:
+            acc += tl.dot(a, b) * (sa[:, None] * tl.load(ws_ptrs + kb)[None, :])
+    y = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _act_quant_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from deepinfer.quant.formats import pow2_scale
+
+    xb = x.float().unflatten(-1, (-1, block))
+    s = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
+    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s.squeeze(-1)
+
+
+def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` → (e4m3 ``[..., K]``, fp32 power-of-two scales ``[..., K/block]``) with
+    ``q.float() · s == ReferenceOps.act_quant_sim(x, block)`` (before its rounding to ``x.dtype``)."""
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"act_quant_fp8: x must be float32, bfloat16 or float16, got {x.dtype}")
+    k = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or block < 1 or block & (block - 1) or k % block:
+        raise ValueError(f"act_quant_fp8: the last dim ({k}) must be a multiple of the power-of-two block {block}")
+    if not x.is_cuda and not _interpret():
+        return _act_quant_torch(x, block)
+    x2 = x.reshape(-1, k).contiguous()
+    m, nb = x2.shape[0], k // block
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
+    if m and k:
+        groups = max(1, min(triton.next_power_of_2(nb), 2048 // block))
+        _act_quant_kernel[(m, triton.cdiv(nb, groups))](
+            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False
+        )
+    return q.view(x.shape), s.view(*x.shape[:-1], nb)
+
+
+def _act_quant_sim(x2: torch.Tensor) -> torch.Tensor:
+    """``act_quant_sim(x2, 128)`` for a 2-D CUDA / interpreter tensor, in one kernel."""
+    m, k = x2.shape
+    out = torch.empty_like(x2)
+    groups = max(1, min(triton.next_power_of_2(k // ACT_BLOCK), 16))
+    _act_quant_kernel[(m, triton.cdiv(k // ACT_BLOCK, groups))](
+        x2, out, out, k, k // ACT_BLOCK, x2.stride(0), BLOCK=ACT_BLOCK, GROUPS=groups, DEQ=True
+    )
+    return out
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, int]:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"fp8_linear: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear: w must be a 2-D float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not end in the weight's K = {k}")
+    if scale.dim() != 2 or scale.dtype not in (torch.float32, torch.float8_e8m0fnu):
+        raise ValueError(f"fp8_linear: scale must be a 2-D float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
+    if block is None and 0 not in scale.shape:  # as dequantize_fp8_blocks infers it
+        block = (_pow2_at_least(-(-n // scale.shape[0])), _pow2_at_least(-(-k // scale.shape[1])))
+    if block is None or tuple(scale.shape) != (-(-n // block[0]), -(-k // block[1])):
+        raise ValueError(f"fp8_linear: scale {tuple(scale.shape)} does not match weight {(n, k)} (block {block})")
+    if x.device != w.device or scale.device != w.device:
+        raise ValueError(f"fp8_linear: x, w and scale must share a device, got {x.device}, {w.device}, {scale.device}")
+    return block
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    act_quant: bool = False,
+    *,
+    block: tuple[int, int] | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``F.linear(xq, dequantize_fp8_blocks(w, scale, x.dtype))`` → ``[..., N]`` in ``x.dtype`` (module docstring).
+
+    ``block``: the weight's scale block (inferred from the shapes by default); ``config``: tiles and path to use."""
+    block = _check(x, w, scale, block)
+    n, k = w.shape
+    if act_quant and k % ACT_BLOCK:
+        raise ValueError(f"fp8_linear: act_quant needs K divisible by {ACT_BLOCK}, got {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m, dt = x2.shape[0], x.dtype
+    if m == 0 or n == 0:
+        return torch.zeros((*lead, n), dtype=dt, device=x.device)
+    scale = scale.float().contiguous()
+    if not x.is_cuda and not _interpret():  # plain CPU: the reference's math
+        from deepinfer.quant.formats import dequantize_fp8_blocks
+
+        xq = x2.float()
+        if act_quant:
+            q, s = _act_quant_torch(x2, ACT_BLOCK)
+            xq = (q.float().unflatten(-1, (-1, ACT_BLOCK)) * s[..., None]).flatten(-2)
+        return (xq @ dequantize_fp8_blocks(w, scale, torch.float32, block).t()).to(dt).view(*lead, n)
+    sms = _sm_count(x.device.index or 0) if x.is_cuda else 4
+    cfg = config or pick_config(m, n, k, block, act_quant, sms)
+    _check_config(cfg, m, block, act_quant, dt)
+    w = w.contiguous()
+    y = torch.empty((m, n), dtype=dt, device=x.device)
+    if cfg.path == "w8a8":
+        a, sa = act_quant_fp8(x2, ACT_BLOCK)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _w8a8_kernel[grid](
+            a, sa, w, scale, y, m, n, k, scale.stride(0),
+            B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return y.view(*lead, n)
+    fuse = act_quant and cfg.fuse_quant and cfg.path != "dequant"
+    if act_quant and not fuse:
+        x2 = _act_quant_sim(x2)
+    if cfg.path == "dequant":
+        wd = torch.empty((n, k), dtype=dt, device=x.device)
+        bn, bk = min(64, block[0]), min(128, block[1])
+        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            w, scale, wd, n, k, scale.stride(0), B0=block[0], B1=block[1], BLOCK_N=bn, BLOCK_K=bk
+        )
+        return torch.nn.functional.linear(x2, wd).view(*lead, n)
+    steps = triton.cdiv(k, cfg.block_k)
+    chunk = triton.cdiv(steps, max(1, cfg.split_k))
+    split = triton.cdiv(steps, chunk)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    common = dict(B0=block[0], B1=block[1], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ACT_QUANT=fuse,
+                  EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+    if cfg.path == "gemv":
+        grid = (triton.cdiv(n, cfg.block_n), split)
+        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, **common)
+    else:
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+        _w8a16_kernel[grid](
+            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n,
+            BLOCK_M=cfg.block_m, SCALE_X=cfg.scale_x, PRECISION="ieee" if dt == torch.float32 else "tf32", **common,
+        )  # fmt: skip
+    if split > 1:
+        _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
+    return y.view(*lead, n)
+
+
+def _check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bool, dt: torch.dtype) -> None:
+    bad = None
+    if cfg.path == "w8a8" and (not act_quant or block[1] != ACT_BLOCK or cfg.block_k != ACT_BLOCK):
+        bad = "w8a8 needs act_quant, a 128-wide weight K block and block_k 128"
+    elif cfg.path in ("gemv", "w8a16") and act_quant and cfg.fuse_quant and cfg.block_k % ACT_BLOCK:
+        bad = f"a fused act_quant needs block_k a multiple of {ACT_BLOCK}"
+    elif cfg.path == "w8a16" and act_quant and cfg.fuse_quant and cfg.block_k != ACT_BLOCK:
+        bad = f"w8a16 with a fused act_quant needs block_k {ACT_BLOCK}"
+    elif cfg.path == "gemv" and (m != 1 or block[0] % cfg.block_n):
+        bad = "gemv needs one row and block_n dividing the weight's row block"
+    elif cfg.path == "w8a16" and cfg.scale_x and (block[0] % cfg.block_n or dt == torch.float16):
+        bad = "scale_x needs block_n dividing the weight's row block and bf16 / fp32 activations"
+    elif cfg.path not in _PATHS:
+        bad = f"unknown path {cfg.path!r}"
+    if bad:
+        raise ValueError(f"fp8_linear: config {cfg}: {bad}")
+
+
+__all__ = ["GemmConfig", "act_quant_fp8", "fp8_linear", "pick_config"]

@@ -1,0 +1,320 @@
+"""Routed-expert MoE with MXFP4 expert weights, W4A16: the FP4 tiles are decoded inside the GEMM kernels.
+
+Semantics: ``moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit)`` is ``moe_triton(x, idx, weights,
+deq(w1, s1), deq(w2, s2), deq(w3, s3), limit)`` (``kernels.moe``, itself ``ReferenceOps.moe``) with ``deq`` =
+``dequantize_experts(·, ·, x.dtype)``: the same slot layout, the same roundings (gate and up to ``x.dtype``, the
+weighted SwiGLU to ``x.dtype``, each slot's down projection to ``x.dtype``, the ``k`` slots summed in fp32). Every
+decoded weight (an e2m1 value times a power of two) is exact in bf16 and fp32, so only the order of the fp32
+accumulation differs from the bf16 kernels run on decoded weights.
+
+Layout (``quant.formats``' MXFP4, one expert after another): ``w1``, ``w3`` ``[E, I, D/2]`` and ``w2`` ``[E, D, I/2]``
+bytes (int8 or uint8), element ``2j`` of a row in the low nibble of byte ``j`` and ``2j+1`` in the high nibble, e2m1
+codes with bit 3 the sign; ``s1``, ``s3`` ``[E, I, D/32]`` and ``s2`` ``[E, D, I/32]`` uint8 e8m0 exponents (a
+``float8_e8m0fnu`` tensor is read as its bits), one per 32 elements (16 bytes) of a row: value ``2^(s - 127)``.
+
+Kernels: those of ``moe_triton`` (gate+up with the weighted SwiGLU, then down, over the same padded slot blocks; a
+block past the last expert exits, so the grid depends on ``T·k`` alone and nothing reads a device value on the host:
+a call can be captured in a CUDA graph). The weight tiles are read as packed codes and decoded in registers:
+
+The tile becomes ``x.dtype`` and meets the activations in a ``tl.dot`` with fp32 accumulation (the weights as the
+MMA's operand ``A`` from ``block_m = 64`` on). On CUDA in bf16 a PTX block decodes one 32-bit word (8 codes) into 4
+bf16x2 by byte lookups (``prmt``) and multiplies them by the bf16x2 scale; otherwise (fp32, the interpreter) a code
+is decoded to the fp16 ``value · 2^-14`` in plain Triton, widened to fp32 and multiplied by ``2^(s - 113)``.
+
+Every decoded weight is exact for exponents 2 ≤ s ≤ 240 (block maxima between ``2^-124`` and ``2^114``; real
+weights are far inside), so the results differ from ``moe_triton`` on the decoded experts only by fp32 summation
+order. Without CUDA (or in Triton's interpreter) the same kernels decode in plain Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul, moe_layout, padded_blocks
+from deepinfer.quant.formats import MXFP4_BLOCK
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+# The config table (H200, V4-Flash experts, ``bench/moe_mxfp4.py --sweep``, bench/results/2026-11-30-moe-mxfp4.md):
+# 16-row tiles up to 8 slots per expert (T <= 341 at top-6 of 256), 128-row tiles above (weights on the MMA's M
+# side from 64 rows on). Smaller or larger tiles lost at every T measured (1, 16, 64, 256, 4096), and so did a
+# CUDA-core path for 1-4 rows (1.2-3.5x slower than the 16-row tl.dot tiles).
+MX_DECODE = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
+MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
+
+FAST_DECODE = True  # bf16 on CUDA: decode with the PTX below (False: the portable decode; for benchmarks)
+SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
+
+
+def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
+    if interpret:
+        return MX_INTERPRET
+    return MX_DECODE if slots <= 8 * experts else MX_PREFILL
+
+
+# 8 e2m1 codes (one 32-bit word, code i in bits 4i..4i+3) → 4 bf16x2 (codes 2b, 2b+1 in register b), each times the
+# bf16x2 scale $5: byte lookups (prmt) of the low and high bytes of |value|, the signs or-ed into the high bytes
+_E2M1_BF16_ASM = tl.constexpr("""{
+.reg .b32 m, mh, s, sh, l0, l1, h0, h1, g0, g1, p0, p1, p2, p3;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 l0, 0xC0800000, 0xC0804000, m;
+prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 l1, 0xC0800000, 0xC0804000, mh;
+prmt.b32 h1, 0x3F3F3F00, 0x40404040, mh;
+and.b32 s, $4, 0x88888888;
+shr.u32 s, s, 3;
+shr.u32 sh, s, 16;
+prmt.b32 g0, 0x00008000, 0, s;
+prmt.b32 g1, 0x00008000, 0, sh;
+or.b32 h0, h0, g0;
+or.b32 h1, h1, g1;
+prmt.b32 p0, l0, h0, 0x5140;
+prmt.b32 p1, l0, h0, 0x7362;
+prmt.b32 p2, l1, h1, 0x5140;
+prmt.b32 p3, l1, h1, 0x7362;
+mul.rn.bf16x2 $0, p0, $5;
+mul.rn.bf16x2 $1, p1, $5;
+mul.rn.bf16x2 $2, p2, $5;
+mul.rn.bf16x2 $3, p3, $5;
+}""")
+
+
+@triton.jit
+def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr):
+    """The exponents of the rows ``rn`` for the ``NB`` 32-column blocks from byte ``kb0``: ``[BLOCK_N, NB, 1]`` int32,
+    and the mask of the valid (row, block) pairs."""
+    rb = tl.arange(0, NB)
+    mask = mask_n[:, None, None]
+    if not EVEN_K:
+        mask = mask & (kb0 + rb * 16 < KH)[None, :, None]
+    s_off = sbase + rn[:, None, None].to(tl.int64) * stride_sn + (kb0 // 16 + rb)[None, :, None]
+    return tl.load(s_ptr + s_off, mask=mask, other=0).to(tl.int32), mask
+
+
+@triton.jit
+def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The codes of the rows ``rn`` from byte ``kb0`` (``NB`` blocks of 32) as fp32 ``value · 2^-14``, in column order:
+    ``[BLOCK_N, NB, 32]`` (plain Triton: the interpreter and fp32 activations)."""
+    row = wbase + rn[:, None, None].to(tl.int64) * stride_wn
+    u = tl.load(w_ptr + row + kb0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16), mask=mask, other=0)
+    u = u.to(tl.uint16)
+    lo = (((u & 0x8) << 12) | ((u & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, NB, 32))
+
+
+@triton.jit
+def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded: ``[BLOCK_N, BLOCK_K]`` in ``DT`` (``FAST``:
+    bf16 through the bf16 PTX)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
+    if FAST:
+        kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
+        q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [q, (s << 7) | (s << 23)], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+        )
+        p = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K // 2))
+        lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
+    w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N) * scale
+    return tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _mx_dot(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a·wᵀ`` (``a [BLOCK_M, K]``, ``w [BLOCK_N, K]``); ``SWAP``: the accumulator is held transposed,
+    ``[BLOCK_N, BLOCK_M]``, so that the weight rows fill the MMA's M dimension."""
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns ``2·kb0 ..+ BLOCK_K`` of the activation rows ``row``: ``[BLOCK_M, BLOCK_K]``."""
+    kk = 2 * kb0 + tl.arange(0, BLOCK_K)
+    mask = valid[:, None]
+    if not EVEN_K:
+        mask = mask & (kk < 2 * KH)[None, :]
+    return tl.load(a_ptr + row[:, None] * stride_am + kk[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, KH, stride_wn,
+          stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+          FAST: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over all K for the weight rows ``rn``:
+    ``[BLOCK_M, BLOCK_N]`` fp32 each, through ``tl.dot``, both matrices in one pass over K (one load of the
+    activations)."""
+    shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    acc_w = tl.zeros(shape, dtype=tl.float32)
+    acc_v = tl.zeros(shape, dtype=tl.float32)
+    for kb0 in range(0, KH, BLOCK_K // 2):
+        a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
+        w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
+                     BLOCK_K, EVEN_K, FAST)  # fmt: skip
+        acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
+        if TWO:
+            w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
+                         BLOCK_K, EVEN_K, FAST)  # fmt: skip
+            acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
+    if SWAP:
+        acc_w = tl.trans(acc_w)
+        acc_v = tl.trans(acc_v)
+    return acc_w, acc_v
+
+
+@triton.jit(do_not_specialize=["TK", "E"])
+def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr, bexp_ptr, h_ptr, TK, E, N, KH,
+                       stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       FAST: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    if e < E:
+        dt: tl.constexpr = DT  # x.dtype (x and h may be handed over in fp32)
+        slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slot < TK
+        tok = (slot // TOPK).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rn < N
+        wbase = e.to(tl.int64) * stride_we
+        sbase = e.to(tl.int64) * stride_se
+        acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, KH,
+                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SWAP, PRECISION,
+                             True)  # fmt: skip
+        g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
+        u = acc_u.to(dt).to(tl.float32)
+        rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
+        h = _silu_mul(g, u, limit) * rw[:, None]
+        h_off = slot.to(tl.int64)[:, None] * stride_hm + rn[None, :]
+        tl.store(h_ptr + h_off, h.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["TK", "E"])
+def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
+                    PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    if e < E:
+        dt: tl.constexpr = DT
+        slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slot < TK
+        row = slot.to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rn < N
+        acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, e.to(tl.int64) * stride_we,
+                       e.to(tl.int64) * stride_se, rn, mask_n, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K,
+                       EVEN_K, FAST, SWAP, PRECISION, False)  # fmt: skip
+        o_off = row[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+def _words(w: torch.Tensor) -> torch.Tensor:
+    w = w.contiguous()
+    if w.storage_offset() % 4:
+        w = w.clone()
+    return w.view(torch.int32)  # 8 codes a word; the strides count words
+
+
+def _bits(s: torch.Tensor) -> torch.Tensor:
+    return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
+
+
+def _check(x, idx, weights, w1, s1, w2, s2, w3, s3) -> None:
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"moe_mxfp4: x must be [T, D] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
+    t, d = x.shape
+    if w1.dim() != 3 or d % MXFP4_BLOCK:
+        raise ValueError(f"moe_mxfp4: w1 must be [E, I, D/2] with D a multiple of 32, got {tuple(w1.shape)}, D={d}")
+    e, i = w1.shape[:2]
+    want = {
+        "w1": (w1, (e, i, d // 2), (torch.int8, torch.uint8)),
+        "w3": (w3, (e, i, d // 2), (torch.int8, torch.uint8)),
+        "w2": (w2, (e, d, i // 2), (torch.int8, torch.uint8)),
+        "s1": (s1, (e, i, d // 32), (torch.uint8, torch.float8_e8m0fnu)),
+        "s3": (s3, (e, i, d // 32), (torch.uint8, torch.float8_e8m0fnu)),
+        "s2": (s2, (e, d, i // 32), (torch.uint8, torch.float8_e8m0fnu)),
+    }
+    for name, (ten, shape, dtypes) in want.items():
+        if tuple(ten.shape) != shape or ten.dtype not in dtypes or i % MXFP4_BLOCK:
+            raise ValueError(
+                f"moe_mxfp4: {name} must be {list(shape)} of {' or '.join(map(str, dtypes))} (I={i} a multiple of "
+                f"32), got {tuple(ten.shape)} {ten.dtype}"
+            )
+    if idx.dim() != 2 or idx.shape[0] != t or weights.shape != idx.shape:
+        raise ValueError(f"moe_mxfp4: idx and weights must be [{t}, k], got {tuple(idx.shape)}, {tuple(weights.shape)}")
+
+
+def moe_mxfp4(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    limit: float,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32."""
+    _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
+    t, k = idx.shape
+    e, inter, dh = w1.shape
+    d = 2 * dh
+    if t == 0:
+        return torch.zeros(0, d, dtype=torch.float32, device=x.device)
+    tk = t * k
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    cfg = config or pick_config_mxfp4(tk, e, interpret)
+    if cfg.block_k % 32:
+        raise ValueError(f"moe_mxfp4: block_k must be a multiple of 32, got {cfg.block_k}")
+    swap = cfg.block_m >= 64 if SWAP_AB is None else SWAP_AB
+    lay = moe_layout(idx, e)
+    slots, bexp = padded_blocks(lay, e, cfg.block_m)
+    if cfg.block_m < 16:
+        raise ValueError(f"moe_mxfp4: block_m must be at least 16 (tl.dot), got {cfg.block_m}")
+    fast = FAST_DECODE and x.is_cuda and not interpret and x.dtype == torch.bfloat16
+    xa = x.contiguous()
+    w1, w2, w3 = (_words(w) if fast else w.contiguous().view(torch.uint8) for w in (w1, w2, w3))
+    s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
+    rw = weights.reshape(-1).float().contiguous()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    nblocks = bexp.numel()
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SWAP=swap, PRECISION=prec)
+    meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
+    _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
+        xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
+        xa.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), float(limit),
+        TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch,
+    )  # fmt: skip
+    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
+    _mx_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
+        h, w2, s2, slots, bexp, o, tk, e, d, inter // 2,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), o.stride(0),
+        EVEN_K=inter % cfg.block_k == 0, **meta, **launch,
+    )  # fmt: skip
+    return _combine(o, t, k)
+
+
+__all__ = ["MX_DECODE", "MX_INTERPRET", "MX_PREFILL", "moe_mxfp4", "pick_config_mxfp4"]

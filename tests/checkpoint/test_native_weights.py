@@ -1,0 +1,125 @@
+"""Weights kept in the checkpoint's formats (``deepinfer.quant.native``): FP8 dense linears and MXFP4 experts stay as
+stored through both loaders, decode to exactly what load-time dequantisation gives, and a model run on them with the
+reference ops (which decode per call) gives bit-identical logits to one loaded dequantised. A checkpoint that stores
+a weight in another format (bf16, FP8 experts) still loads into a prepared model: that weight is decoded instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.engine.models import build_model, parse_config
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.ops.reference import ReferenceOps
+from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8_blocks
+from deepinfer.quant.native import (
+    dequantize_experts,
+    expert_modules,
+    fp8_linears,
+    prepare_native,
+    quantize_experts,
+)
+
+
+class NativeReferenceOps(ReferenceOps):
+    native_weights = True
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("native_v4") / "m", seed=3)
+
+
+def _config(path: Path):  # noqa: ANN202
+    import json
+
+    return parse_config(json.loads((path / "config.json").read_text()))
+
+
+def _build(path: Path, ops: ReferenceOps):  # noqa: ANN202
+    return build_model(path, _config(path), ops, torch.float32, torch.device("cpu"), quant_sim=False)
+
+
+def _logits(model, config, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    chunk = SeqChunk(SequenceState(), 0, len(ids), torch.arange(8))
+    return model.logits(model(ForwardBatch.build([chunk], [ids]), PagedKVCache(config, 8, 16)))
+
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_native_load_keeps_stored_formats_and_logits(arch: str, tiny_v4: Path, tiny_v41_dir: Path) -> None:
+    path = tiny_v4 if arch == "v4" else tiny_v41_dir
+    config = _config(path)
+    plain, native = _build(path, ReferenceOps()), _build(path, NativeReferenceOps())
+    linears, experts = dict(fp8_linears(native)), dict(expert_modules(native))
+    assert linears and experts
+    for name, m in linears.items():
+        assert m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float32, name
+        want = plain.get_submodule(name).weight
+        assert torch.equal(dequantize_fp8_blocks(m.weight, m.scale, dtype=torch.float32), want), name
+    for name, m in experts.items():
+        for w in ("w1", "w2", "w3"):
+            packed, scales = getattr(m, w), getattr(m, f"{w}_scale")
+            assert packed.dtype == torch.int8 and scales.dtype == torch.uint8, name
+            want = getattr(plain.get_submodule(name), w)
+            assert torch.equal(dequantize_experts(packed, scales, torch.float32), want), f"{name}.{w}"
+    # the grouped wo_a (V4.1 stores it FP8) and the V4.1 Engram projection are read directly: never kept FP8
+    assert not any(n.endswith(("wo_a", "engram.wkv")) for n in linears)
+    keys = [f"{n}.{w}" for n in linears for w in ("weight", "scale")]
+    keys += [f"{n}.{w}{s}" for n in experts for w in ("w1", "w2", "w3") for s in ("", "_scale")]
+    size = {m: {k: t.numel() * t.element_size() for k, t in m.state_dict().items()} for m in (native, plain)}
+    assert sum(size[native][k] for k in keys) < 0.3 * sum(size[plain].get(k, 0) for k in keys)  # 4 B vs ≤ 1.03 B
+    ids = list(range(100, 131))
+    assert torch.equal(_logits(native, config, ids), _logits(plain, config, ids))
+
+
+def test_checkpoint_in_other_formats_loads_into_a_prepared_model(tiny_v4: Path, tmp_path: Path) -> None:
+    """bf16-stored dense weights and routed experts (a conversion of the checkpoint) are decoded, not kept."""
+    stored = load_file(str(tiny_v4 / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for k, t in stored.items():
+        if k.endswith(".scale"):
+            continue
+        s = stored.get(k[: -len("weight")] + "scale") if k.endswith(".weight") else None
+        if s is None:
+            out[k] = t
+        elif t.dtype == torch.float8_e4m3fn:
+            out[k] = dequantize_fp8_blocks(t, s, dtype=torch.bfloat16)
+        else:
+            out[k] = dequantize_mxfp4(t, s, dtype=torch.bfloat16)
+    conv = tmp_path / "bf16"
+    conv.mkdir()
+    for f in tiny_v4.iterdir():
+        if f.suffix != ".safetensors":
+            (conv / f.name).write_bytes(f.read_bytes())
+    save_file(out, str(conv / "model.safetensors"))
+    config = _config(conv)
+    native, plain = _build(conv, NativeReferenceOps()), _build(tiny_v4, ReferenceOps())
+    assert not any(m.weight.dtype == torch.float8_e4m3fn for _, m in fp8_linears(native))
+    assert all(m.w1.dtype == torch.float32 and m.w1_scale is None for _, m in expert_modules(native))
+    ids = list(range(7, 40))
+    assert torch.equal(_logits(native, config, ids), _logits(plain, config, ids))
+
+
+def test_prepare_native_quantizes_in_place() -> None:
+    """``quantize=True`` (random benchmark models): the stored values are the weights' FP8 / MXFP4 encodings."""
+    from deepinfer.checkpoint.tiny import TINY_V4
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+
+    model = DeepseekV4Model(DeepseekV4Config.from_dict(dict(TINY_V4)))
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.05 if p.is_floating_point() else p.data
+    before = {n: m.weight.clone() for n, m in fp8_linears(model)}
+    w1 = {n: m.w1.clone() for n, m in expert_modules(model)}
+    prepare_native(model, (128, 128), quantize=True)
+    for n, m in fp8_linears(model):
+        q, s = quantize_fp8_blocks(before[n], (128, 128))
+        assert torch.equal(m.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.scale, s.float())
+    for n, m in expert_modules(model):
+        q, s = quantize_experts(w1[n])
+        assert torch.equal(m.w1, q) and torch.equal(m.w1_scale, s)

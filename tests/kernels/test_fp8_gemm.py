@@ -1,0 +1,239 @@
+"""FP8 block-scaled GEMMs (deepinfer.kernels.fp8_gemm) against ``F.linear`` on the dequantised weight.
+
+Without a GPU the Triton kernels run in the interpreter (fp32 activations, tiny shapes: the interpreter's bf16 math
+is wrong); on a CUDA machine with ``TRITON_INTERPRET`` unset the same tests compile for real, plus bf16 checks at
+DeepSeek-V4-Flash's dense shapes on both paths and bit-reproducibility of split-K (twice, and eager vs graph replay).
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.kernels.fp8_gemm import (  # noqa: E402
+    GemmConfig,
+    act_quant_fp8,
+    fp8_linear,
+    pick_config,
+)
+from deepinfer.ops.reference import ReferenceOps  # noqa: E402
+from deepinfer.quant.formats import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+
+# DeepSeek-V4-Flash dense FP8 linears (N, K)
+V4_SHAPES = {
+    "wq_a": (1024, 4096),
+    "wq_b": (32768, 1024),
+    "wkv": (512, 4096),
+    "wo_b": (4096, 8192),
+    "shared_w13": (2048, 4096),
+    "shared_w2": (4096, 2048),
+    "idx_wq_b": (8192, 1024),
+}
+
+
+@functools.lru_cache(maxsize=16)  # quantize_fp8_blocks runs on the CPU: the real shapes are made once
+def _weight(n, k, block, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device=DEVICE) * k**-0.5
+    # magnitudes that change every 32 rows / columns, so every scale block differs and a wrong scale index shows
+    rows = torch.randint(-3, 4, (-(-n // 32),), generator=g, device=DEVICE).repeat_interleave(32)[:n]
+    cols = torch.randint(-3, 4, (-(-k // 32),), generator=g, device=DEVICE).repeat_interleave(32)[:k]
+    w = w * torch.exp2((rows[:, None] + cols[None, :]).float())
+    q, s = quantize_fp8_blocks(w.cpu(), block)
+    return q.to(DEVICE), s.float().to(DEVICE)
+
+
+def _x(m, k, seed, dtype=torch.float32, lead=()):
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1000)
+    x = torch.randn(*lead, m, k, generator=g, device=DEVICE)
+    x[..., :7] *= 40.0  # outliers inside some quantisation blocks
+    return x.to(dtype)
+
+
+def _reference(x, w, s, act_quant):
+    xq = ReferenceOps().act_quant_sim(x, 128) if act_quant else x
+    wd = dequantize_fp8_blocks(w, s, dtype=torch.float32)
+    return (xq.float() @ wd.t()).to(x.dtype)  # fp32 accumulation, rounded once
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+CPU_CONFIGS = {  # every W8A16 variant at interpreter-sized tiles (None: pick_config's choice, gemv for one row)
+    "auto": None,
+    "weight": GemmConfig(16, 32, 128, num_stages=1),  # 128 > a 32 K block: scales expanded per column
+    "k32": GemmConfig(16, 32, 32, num_stages=1, fuse_quant=False),
+    "x": GemmConfig(16, 32, 128, num_stages=1, scale_x=True),
+    "dequant": GemmConfig(16, 32, 128, path="dequant"),
+    "prepass": GemmConfig(16, 32, 128, num_stages=1, fuse_quant=False),
+    "gemv": GemmConfig(1, 16, 256, num_stages=1, path="gemv"),
+}
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("variant", list(CPU_CONFIGS))
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 200, 256, 128), (5, 160, 384, 32), (33, 160, 256, 128)])
+def test_w8a16_matches_reference_fp32(m, n, k, block, act_quant, variant):
+    cfg = CPU_CONFIGS[variant]
+    if cfg is not None and cfg.path == "gemv" and m != 1:
+        pytest.skip("gemv is for one row")
+    w, s = _weight(n, k, (block, block), seed=m + n)
+    x = _x(m, k, seed=m)
+    out = fp8_linear(x, w, s, act_quant=act_quant, config=cfg)
+    ref = _reference(x, w, s, act_quant)
+    assert out.dtype == x.dtype and out.shape == (m, n)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_split_k_and_leading_dims():
+    w, s = _weight(40, 1024, (128, 128), seed=3)  # a K tail of N: 40 rows in one 128-row scale block
+    x = _x(3, 1024, seed=4, lead=(2,))[:, :, :]  # [2, 3, K]
+    cfg = pick_config(6, 40, 1024, (128, 128), act_quant=False)
+    assert cfg.split_k > 1 or not INTERPRET
+    for act_quant in (False, True):
+        for c in (None, GemmConfig(16, 32, 128, split_k=3, num_stages=1)):  # 8 K steps in 3 chunks: 3, 3, 2
+            out = fp8_linear(x, w, s, act_quant, config=c)
+            assert out.shape == (2, 3, 40)
+            assert _rel(out, _reference(x, w, s, act_quant)) < 1e-5
+
+
+@pytest.mark.parametrize(("block", "block_n"), [((128, 128), 32), ((32, 128), 64)])  # one / two row blocks a tile
+def test_w8a8_path_matches_reference_fp32(block, block_n):
+    w, s = _weight(160, 384, block, seed=5)
+    x = _x(20, 384, seed=6)
+    cfg = GemmConfig(16, block_n, 128, num_stages=1, path="w8a8")
+    out = fp8_linear(x, w, s, act_quant=True, config=cfg)
+    assert _rel(out, _reference(x, w, s, True)) < 1e-5
+
+
+def test_non_contiguous_input_and_empty_rows():
+    w, s = _weight(48, 256, (128, 128), seed=7)
+    xt = _x(256, 6, seed=8).t()  # [6, 256] with strides (1, 6)
+    assert not xt.is_contiguous()
+    assert _rel(fp8_linear(xt, w, s), _reference(xt, w, s, False)) < 1e-5
+    for aq in (False, True):
+        out = fp8_linear(torch.zeros(0, 256, device=DEVICE), w, s, act_quant=aq)
+        assert out.shape == (0, 48)
+        assert fp8_linear(torch.zeros(2, 0, 256, device=DEVICE), w, s).shape == (2, 0, 48)
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_act_quant_fp8_matches_act_quant_sim(block):
+    x = _x(3, 256, seed=9)
+    x[0, :128] *= 1e-9  # below the 1e-4 amax floor
+    x[1, 5] = 448.0 * 0.75  # amax exactly 448·2^k / the power-of-two edge
+    x[2, :64] = torch.tensor([1.0625, 1.1875, 17.0, 19.0, 2.0**-10, 3 * 2.0**-10, -(2.0**-11), -0.0] * 8) * 64
+    q, sc = act_quant_fp8(x, block)
+    assert q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32 and sc.shape == (3, 256 // block)
+    deq = (q.float().view(3, -1, block) * sc[..., None]).view(3, 256)
+    sim = ReferenceOps().act_quant_sim(x, block)
+    assert torch.equal(deq, sim)
+    assert torch.equal(torch.signbit(deq), torch.signbit(sim))
+    assert torch.equal(sc, torch.exp2(torch.log2(sc).round()))  # powers of two
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the torch fallback serves CPU tensors without the interpreter")
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w, s = _weight(48, 256, (128, 128), seed=10)
+    x = _x(3, 256, seed=10)
+    for act_quant in (False, True):
+        assert _rel(fp8_linear(x, w, s, act_quant), _reference(x, w, s, act_quant)) < 1e-6
+    q, sc = act_quant_fp8(x)
+    assert torch.equal((q.float().view(3, 2, 128) * sc[..., None]).view(3, 256), ReferenceOps().act_quant_sim(x, 128))
+
+
+def test_bad_inputs_raise():
+    w, s = _weight(48, 256, (128, 128), seed=1)
+    x = _x(2, 256, seed=1)
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        fp8_linear(x.double(), w, s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w.float(), s)
+    with pytest.raises(ValueError, match="does not end"):
+        fp8_linear(x[:, :128], w, s)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_linear(x, w, s[:, :1].contiguous(), block=(128, 128))
+    with pytest.raises(ValueError, match="scale"):
+        fp8_linear(x, w, s.double())
+    with pytest.raises(ValueError, match="act_quant needs K"):
+        w2, s2 = _weight(16, 96, (32, 32), seed=2)
+        fp8_linear(_x(2, 96, seed=2), w2, s2, act_quant=True)
+    with pytest.raises(ValueError, match="multiple"):
+        act_quant_fp8(x[:, :100])
+    for cfg in (
+        GemmConfig(16, 32, 128, path="w8a8"),
+        GemmConfig(1, 16, 256, path="gemv"),
+        GemmConfig(16, 256, 128, scale_x=True),
+    ):
+        with pytest.raises(ValueError, match="config"):
+            fp8_linear(x, w, s, config=cfg)  # no act_quant / two rows / 256 rows across a 128-row block
+
+
+@gpu_only
+@pytest.mark.parametrize("name", list(V4_SHAPES))
+@pytest.mark.parametrize("m", [1, 7, 64, 256, 1024])
+def test_gpu_bf16_v4_flash_shapes(name, m):
+    n, k = V4_SHAPES[name]
+    w, s = _weight(n, k, (128, 128), seed=n + k)
+    x = _x(m, k, seed=m, dtype=torch.bfloat16)
+    for act_quant in (False, True):
+        out, ref = fp8_linear(x, w, s, act_quant), _reference(x, w, s, act_quant)
+        assert out.dtype == torch.bfloat16 and _rel(out, ref) < 3e-3, (name, m, act_quant, _rel(out, ref))
+    if m >= 256:  # other FP8 tensor-core tiles, and the W8A16 kernel at large M
+        out = fp8_linear(x, w, s, True, config=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, path="w8a8"))
+        assert _rel(out, _reference(x, w, s, True)) < 3e-3, _rel(out, _reference(x, w, s, True))
+        out = fp8_linear(x, w, s, config=GemmConfig(128, 128, 128, num_warps=8))
+        assert _rel(out, _reference(x, w, s, False)) < 3e-3, _rel(out, _reference(x, w, s, False))
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 16, 96])
+def test_gpu_bf16_v41_blocks(m):
+    w, s = _weight(1024, 4096, (32, 32), seed=11)
+    x = _x(m, 4096, seed=m, dtype=torch.bfloat16)
+    for act_quant in (False, True):
+        out, ref = fp8_linear(x, w, s, act_quant), _reference(x, w, s, act_quant)
+        assert _rel(out, ref) < 3e-3, (m, act_quant, _rel(out, ref))
+
+
+@gpu_only
+def test_gpu_act_quant_exact():
+    x = _x(300, 4096, seed=12, dtype=torch.bfloat16)
+    q, sc = act_quant_fp8(x)
+    deq = (q.float().view(300, -1, 128) * sc[..., None]).view(300, 4096)
+    assert torch.equal(deq.to(x.dtype), ReferenceOps().act_quant_sim(x, 128))
+
+
+@gpu_only
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_gpu_split_k_bit_reproducible_and_graph_safe(act_quant):
+    n, k = V4_SHAPES["wkv"]
+    w, s = _weight(n, k, (128, 128), seed=13)
+    x = _x(4, k, seed=14, dtype=torch.bfloat16)
+    assert pick_config(4, n, k, (128, 128), act_quant).split_k > 1
+    a = fp8_linear(x, w, s, act_quant)
+    b = fp8_linear(x, w, s, act_quant)
+    assert torch.equal(a, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(x, w, s, act_quant)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w, s, act_quant)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a)
+    x.copy_(_x(4, k, seed=15, dtype=torch.bfloat16))  # new input, same buffers
+    graph.replay()
+    assert torch.equal(out, fp8_linear(x, w, s, act_quant))

@@ -1,0 +1,215 @@
+"""MXFP4 routed-expert MoE (deepinfer.kernels.moe_mxfp4) against ``ReferenceOps.moe`` and ``moe_triton`` run on the
+decoded experts.
+
+Without a GPU the kernels run in Triton's interpreter (fp32 activations, tiny shapes); on a CUDA machine with
+``TRITON_INTERPRET`` unset the same tests compile and run for real, plus bf16 checks at V4-Flash's expert shapes, a
+bit-identical eager vs CUDA-graph replay, no host syncs, and ``quantize_experts`` on a full-size CUDA tensor.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.kernels.moe import MoEConfig, moe_triton  # noqa: E402
+from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
+    MX_DECODE,
+    MX_PREFILL,
+    moe_mxfp4,
+)
+from deepinfer.ops.reference import ReferenceOps  # noqa: E402
+from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+
+
+def _packed(e, n, k, g, exp_lo=120, exp_hi=124):
+    """Random MXFP4 experts: every byte (so every pair of e2m1 codes, ±0 too) and exponents in [exp_lo, exp_hi]."""
+    w = torch.randint(0, 256, (e, n, k // 2), generator=g, device=DEVICE, dtype=torch.uint8).view(torch.int8)
+    s = torch.randint(exp_lo, exp_hi + 1, (e, n, k // 32), generator=g, device=DEVICE, dtype=torch.uint8)
+    return w, s
+
+
+def _problem(t, e, i, d, k, seed, dtype=torch.float32, hashed=False):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(t, d, generator=g, device=DEVICE).to(dtype)
+    (w1, s1), (w3, s3) = _packed(e, i, d, g, 122, 126), _packed(e, i, d, g, 122, 126)
+    w2, s2 = _packed(e, d, i, g, 118, 122)
+    pool = min(e, k + 1) if hashed else e  # hashed: few experts, heavily shared (a hash table's repeats)
+    idx = torch.rand(t, pool, generator=g, device=DEVICE).argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device=DEVICE) * 1.5
+    return x, idx, w, (w1, s1, w2, s2, w3, s3)
+
+
+def _decoded(mx, dtype):
+    w1, s1, w2, s2, w3, s3 = mx
+    return dequantize_experts(w1, s1, dtype), dequantize_experts(w2, s2, dtype), dequantize_experts(w3, s3, dtype)
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(("t", "i", "hashed"), [(1, 64, False), (7, 96, False), (40, 64, True)])
+def test_matches_reference_fp32(t, i, hashed):
+    x, idx, w, mx = _problem(t, 8, i, 64, 3, seed=t, hashed=hashed)
+    w1, w2, w3 = _decoded(mx, torch.float32)
+    out = moe_mxfp4(x, idx, w, *mx, 0.7)  # a tight limit: the clamps bite
+    ref = ReferenceOps("cpu").moe(x, idx, w, w1, w2, w3, 0.7)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert _rel(out, ref) < 1e-5
+    assert _rel(out, moe_triton(x, idx, w, w1, w2, w3, 0.7)) < 1e-5
+
+
+def test_config_bounds():
+    """Every table config is a tl.dot tile; a CUDA-core tile (fewer than 16 rows) is refused, not run."""
+    x, idx, w, mx = _problem(5, 4, 64, 64, 2, seed=11, hashed=True)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_mxfp4(x, idx, w, *mx, 0.7, config=MoEConfig(8, 16, 64, 4, 1))
+
+
+def test_quantized_weights_and_dtypes_of_the_inputs():
+    """Experts from ``quantize_experts``; uint8 bytes and float8_e8m0fnu scales read the same as int8 and uint8."""
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    e, i, d, t, k = 4, 64, 64, 5, 2
+    ws = [torch.randn(e, *shape, generator=g, device=DEVICE) * 0.05 for shape in ((i, d), (d, i), (i, d))]
+    (w1, s1), (w2, s2), (w3, s3) = (quantize_experts(w) for w in ws)
+    x = torch.randn(t, d, generator=g, device=DEVICE)
+    idx = torch.rand(t, e, generator=g, device=DEVICE).argsort(dim=1)[:, :k]
+    rw = torch.rand(t, k, generator=g, device=DEVICE)
+    out = moe_mxfp4(x, idx, rw, w1, s1, w2, s2, w3, s3, 5.0)
+    ref = ReferenceOps("cpu").moe(x, idx, rw, *_decoded((w1, s1, w2, s2, w3, s3), torch.float32), 5.0)
+    assert _rel(out, ref) < 1e-5
+    e8 = torch.float8_e8m0fnu
+    alt = moe_mxfp4(x, idx, rw, w1.view(torch.uint8), s1.view(e8), w2.view(torch.uint8), s2, w3, s3.view(e8), 5.0)
+    assert torch.equal(alt, out)
+
+
+def test_empty_batch():
+    x, idx, w, mx = _problem(0, 4, 64, 64, 2, seed=0)
+    assert moe_mxfp4(x, idx, w, *mx, 1.0).shape == (0, 64)
+
+
+def test_bad_inputs_raise():
+    x, idx, w, (w1, s1, w2, s2, w3, s3) = _problem(3, 4, 64, 64, 2, seed=1)
+    bad = [
+        (x.double(), idx, w, w1, s1, w2, s2, w3, s3),  # activation dtype
+        (x, idx, w, w1, s1.float(), w2, s2, w3, s3),  # scale dtype
+        (x, idx, w, w1, s1, w2.transpose(1, 2), s2, w3, s3),  # down weight not [E, D, I/2]
+        (x, idx, w, w1.float(), s1, w2, s2, w3, s3),  # weights not bytes
+        (x, idx, w, w1, s1, w2, s2[:, :, :1], w3, s3),  # down scales not [E, D, I/32]
+        (x, idx[:, :1], w, w1, s1, w2, s2, w3, s3),  # idx / weights mismatch
+        (x[:, :48], idx, w, w1, s1, w2, s2, w3, s3),  # D not 2 × w1's last dim
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            moe_mxfp4(*args, 1.0)
+    with pytest.raises(ValueError):
+        quantize_experts(torch.randn(2, 4, 48))
+    with pytest.raises(ValueError):
+        dequantize_experts(w1, s1[:, :, :1], torch.float32)
+
+
+def test_quantize_dequantize_match_formats():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 8, 96, generator=g) * torch.logspace(-3, 1, 8).view(1, 8, 1)
+    q, s = quantize_experts(w)
+    assert q.dtype == torch.int8 and q.shape == (3, 8, 48) and s.dtype == torch.uint8 and s.shape == (3, 8, 3)
+    for e in range(3):
+        q0, s0 = quantize_mxfp4(w[e])
+        assert torch.equal(q[e], q0) and torch.equal(s[e], s0.view(torch.uint8))
+    deq = dequantize_experts(q, s, torch.float32)
+    for e in range(3):
+        assert torch.equal(deq[e], dequantize_mxfp4(q[e], s[e].view(torch.float8_e8m0fnu)))
+    assert torch.equal(dequantize_experts(q, s, torch.bfloat16), deq.bfloat16())  # exact in bf16
+    assert _rel(deq, w) < 0.2  # e2m1 keeps ~2 significant bits: a coarse round trip
+    # decoded values are on the grid: quantising them again keeps them (the codes may move to a smaller scale)
+    assert torch.equal(dequantize_experts(*quantize_experts(deq), torch.float32), deq)
+
+
+# ---- GPU: V4-Flash expert shapes (E=256, D=4096, I=2048, top-6), bf16 -------------------------------------------
+
+V4 = dict(e=256, i=2048, d=4096, k=6)
+
+
+@pytest.fixture(scope="module")
+def v4_experts():
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    (w1, s1), (w3, s3) = _packed(V4["e"], V4["i"], V4["d"], g, 118, 122), _packed(V4["e"], V4["i"], V4["d"], g)
+    w2, s2 = _packed(V4["e"], V4["d"], V4["i"], g, 116, 120)
+    mx = (w1, s1, w2, s2, w3, s3)
+    return mx, _decoded(mx, torch.bfloat16)
+
+
+def _routing(t, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(t, V4["d"], generator=g, device=DEVICE).bfloat16()
+    idx = torch.rand(t, V4["e"], generator=g, device=DEVICE).argsort(dim=1)[:, : V4["k"]]
+    return x, idx, torch.rand(t, V4["k"], generator=g, device=DEVICE) * 1.5
+
+
+@gpu_only
+@pytest.mark.parametrize("t", [1, 64, 700])
+def test_gpu_bf16_real_shapes(v4_experts, t):
+    mx, deq = v4_experts
+    x, idx, w = _routing(t, t)
+    ref = moe_triton(x, idx, w, *deq, 10.0)
+    for cfg in (None, MX_DECODE, MX_PREFILL):
+        out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
+        assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
+    big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32 sanity
+    assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
+
+
+@gpu_only
+def test_gpu_graph_replay_bit_identical(v4_experts):
+    mx, _ = v4_experts
+    for t in (1, 37):
+        x, idx, w = _routing(t, 100 + t)
+        eager = moe_mxfp4(x, idx, w, *mx, 10.0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe_mxfp4(x, idx, w, *mx, 10.0)  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_mxfp4(x, idx, w, *mx, 10.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        x2, idx2, w2 = _routing(t, 200 + t)  # new inputs in the captured buffers: the replay follows them
+        x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_mxfp4(x2, idx2, w2, *mx, 10.0))
+
+
+@gpu_only
+def test_gpu_no_host_sync(v4_experts):
+    mx, _ = v4_experts
+    x, idx, w = _routing(33, 3)
+    moe_mxfp4(x, idx, w, *mx, 10.0)  # compile / load first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_mxfp4(x, idx, w, *mx, 10.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@gpu_only
+def test_gpu_quantize_experts_full_size():
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    w = (torch.randn(V4["e"], V4["i"], V4["d"], generator=g, device=DEVICE) * 0.02).bfloat16()
+    q, s = quantize_experts(w)
+    for e in (0, 255):
+        q0, s0 = quantize_mxfp4(w[e].cpu())
+        assert torch.equal(q[e].cpu(), q0) and torch.equal(s[e].cpu(), s0.view(torch.uint8))
+    deq = dequantize_experts(q, s, torch.bfloat16)
+    assert deq.shape == w.shape and _rel(deq[::17], w[::17]) < 0.2
