@@ -4,7 +4,9 @@
   (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
   RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its
   ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
-  (``deepinfer.models.deepseek_v4.graphs``).
+  (``deepinfer.models.deepseek_v4.graphs``). Its ``native_weights`` flag (``DEEPINFER_NATIVE_WEIGHTS``) keeps the
+  checkpoint's FP8 linears and MXFP4 experts as stored (``deepinfer.quant.native``) and runs them through
+  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
 * ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
   runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
   rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
@@ -60,7 +62,8 @@ class NvidiaOps(ReferenceOps):
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
     RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
-    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``)."""
+    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``). ``native_weights``: the engine keeps FP8 / MXFP4
+    weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``)."""
 
     def __init__(
         self,
