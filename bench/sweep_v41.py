@@ -397,6 +397,7 @@ def markdown(res: dict[str, Any]) -> str:
     notes = [f"{k} {r.get('batch', r.get('tokens'))}: {r['note']}" for k in ("decode", "prefill") for r in res[k]
              if r.get("note")]  # fmt: skip
     notes += [f"peer prefill {r['tokens']}: {r['note']}" for r in res["peer"].get("prefill", []) if r.get("note")]
+    notes += res.get("notes", [])
     notes += [f"decode {r['batch']}: CUDA graph capture failed: {r['graph_failures']}" for r in res["decode"]
               if r.get("graph_failures")]  # fmt: skip
     if res.get("decode_ab"):
@@ -458,7 +459,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build_ours(config, dev, args.seed)
     block = tuple(config.weight_block_size)
     native = args.weights == "native" or (args.weights == "auto" and getattr(model.ops, "native_weights", False))
-    sets = WeightSets(model, block) if args.ab_weights else None
+    sets, notes = None, []
+    if args.ab_weights:
+        try:
+            sets = WeightSets(model, block)
+        except torch.OutOfMemoryError:
+            free(dev)
+            notes.append("--ab-weights: the bf16 twin of the weights does not fit beside them; stored formats only")
+            log(notes[-1])
+            native = True
     if native and sets is None:
         prepare_native(model, block, quantize=True)
     ours = Ours(model, args, dev, args.batches, sets)
@@ -479,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_peer:
         peer = peer_prefill(config, args, dev, Budget(args.budget_s, deadline))
     res = {"date": datetime.date.today().isoformat(), "gpu": gpu_name(dev), "tiny": args.tiny, "layers": args.layers,
-           "context": args.context, "ceilings": ceil, "weights": weights,
+           "context": args.context, "ceilings": ceil, "weights": weights, "notes": notes,
            "decode": decode, "decode_ab": decode_ab_rows, "prefill": prefill,
            "peer": peer,
            "versions": versions(), "command": " ".join(sys.argv)}  # fmt: skip

@@ -24,7 +24,17 @@ class WeightSets:
         self.linears = [m for _, m in fp8_linears(model)]
         self.experts = [m for _, m in expert_modules(model)]
         self.sets: dict[str, dict[str, Any]] = {"native": self._snapshot()}
-        dt = model.embed.weight.dtype
+        self.current = "native"
+        try:
+            self._build_bf16(model.embed.weight.dtype)
+        except torch.OutOfMemoryError:  # both sets do not fit: leave the model on the stored formats
+            self._apply(self.sets["native"])
+            raise
+        self.sets["bf16"] = self._snapshot()
+        self.current = "bf16"
+        self.use("native")
+
+    def _build_bf16(self, dt: torch.dtype) -> None:
         with torch.no_grad():
             for m in self.linears:
                 m.weight = nn.Parameter(dequantize_fp8_blocks(m.weight, m.scale, dtype=dt), requires_grad=False)
@@ -37,9 +47,6 @@ class WeightSets:
                         value[lo : lo + 8] = dequantize_experts(packed[lo : lo + 8], scales[lo : lo + 8], dt)
                     setattr(m, w, nn.Parameter(value, requires_grad=False))
                     setattr(m, f"{w}_scale", None)
-        self.sets["bf16"] = self._snapshot()
-        self.current = "bf16"
-        self.use("native")
 
     def _snapshot(self) -> dict[str, Any]:
         return {
@@ -53,7 +60,10 @@ class WeightSets:
         if name == self.current:
             return
         self.sets[self.current]["graphs"] = getattr(self.model, "decode_graphs", None)
-        s = self.sets[name]
+        self._apply(self.sets[name])
+        self.current = name
+
+    def _apply(self, s: dict[str, Any]) -> None:
         for m, (w, scale) in zip(self.linears, s["linears"]):
             m.weight, m.scale = w, scale
         for m, ws in zip(self.experts, s["experts"]):
@@ -61,7 +71,6 @@ class WeightSets:
                 setattr(m, w, value)
                 setattr(m, f"{w}_scale", scale)
         self.model.decode_graphs = s["graphs"]
-        self.current = name
 
     def bytes(self, name: str) -> int:
         """Bytes of the swapped weights in set ``name``."""
