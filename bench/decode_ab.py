@@ -11,7 +11,8 @@ same prefilled context (own states, own cache pages):
 With a model that carries ``weight_sets`` (``--ab-weights``; ``bench/weight_sets.py``) the variants are instead
 ``WEIGHT_VARIANTS``: ``bf16_graphs`` (every weight dequantised to bf16, graphs: the default before the FP8 / MXFP4
 kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts as stored: the default now), and
-``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels).
+``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels). ``--ab-pool`` compares
+``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed.
 
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
 rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
@@ -42,11 +43,19 @@ WEIGHT_VARIANTS = {
     "native_eager": (True, False, "native"),
     "native_graphs": (True, True, "native"),
 }
+# the A/B of the pooled decode state (``--ab-pool``; models/deepseek_v4/state_pool.py), both with the graphs
+POOL_VARIANTS = {
+    "graphs_per_sequence": (True, True, None),
+    "graphs_pooled": (True, True, None),
+}
 _TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
 
 
 def variants_of(ours: Any) -> dict[str, tuple[bool, bool, str | None]]:
-    """The variants ``ours`` compares: ``WEIGHT_VARIANTS`` when it carries ``weight_sets``, else ``VARIANTS``."""
+    """The variants ``ours`` compares: ``POOL_VARIANTS`` with ``--ab-pool``, ``WEIGHT_VARIANTS`` when it carries
+    ``weight_sets``, else ``VARIANTS``."""
+    if getattr(ours.args, "ab_pool", False):
+        return POOL_VARIANTS
     return WEIGHT_VARIANTS if getattr(ours, "weight_sets", None) is not None else VARIANTS
 
 
@@ -56,6 +65,8 @@ def set_variant(ours: Any, name: str) -> None:
     ops.fused, ops.cuda_graphs, weights = variants_of(ours)[name]
     if weights is not None:
         ours.weight_sets.use(weights)
+    if hasattr(ours.model, "pooled_decode"):
+        ours.model.pooled_decode = name != "graphs_per_sequence"
 
 
 def launch_profile(step, dev: torch.device) -> dict[str, Any]:
@@ -114,6 +125,8 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
         ops.fused, ops.cuda_graphs = prev
         if sets is not None:
             sets.use(prev_set)
+        if hasattr(ours.model, "pooled_decode"):
+            ours.model.pooled_decode = True
     return out
 
 
@@ -160,7 +173,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
     lines = [head]
     for r in rows:
-        for name in list(VARIANTS) + list(WEIGHT_VARIANTS):
+        for name in list(VARIANTS) + list(WEIGHT_VARIANTS) + list(POOL_VARIANTS):
             v = r.get(name)
             if not isinstance(v, dict):
                 continue

@@ -1173,6 +1173,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="keep both weight sets and make --ab compare bf16 / native eager / native graphs (bench/weight_sets.py)",
     )
+    ap.add_argument(
+        "--ab-pool",
+        action="store_true",
+        help="make --ab compare the decode state per sequence against the pooled state (state_pool.py), with graphs",
+    )
     ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")

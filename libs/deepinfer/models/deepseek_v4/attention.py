@@ -10,7 +10,9 @@ other op set takes the batched path (``_attend_batched``): the state bookkeeping
 compressor buffers, page writes: cheap views and copies), while the work runs once for the whole batch: one pool of
 window rows, one gather of every sequence's compressed rows (``PagedKVCache.read_many``), one indexer scoring and
 top-k over per-query row ranges, and one ``ops.sparse_attention_lists`` over per-query key lists (window rows by
-position, then compressed rows by index).
+position, then compressed rows by index). A decode step (one token per sequence) keeps the bookkeeping off the
+per-sequence loop too: the windows and compressor buffers live in the model's ``StatePool`` (a slot per sequence),
+written and read by index arithmetic on all slots at once (``_attend_decode``, ``Compressor.forward_pooled``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops
 
 
@@ -50,6 +53,7 @@ class Attention(nn.Module):
             if self.kind == "csa":
                 self.indexer = Indexer(c, self.ratio)
         self.quant_sim = False
+        self.state_pool: StatePool | None = None  # set by the model (decode steps on pooled state)
 
     def forward(
         self,
@@ -171,8 +175,14 @@ class Attention(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:
         """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``. ``iq``: the
-        indexer's queries and head weights (CSA layers)."""
-        win, dev, n_tok = self.window, x.device, x.shape[0]
+        indexer's queries and head weights (CSA layers). A decode step of states that a ``StatePool`` can hold takes
+        ``_attend_decode`` (the same keys in the same order)."""
+        if self.compressor is not None and cache is None:
+            raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+        pool = self.state_pool
+        if pool is not None and chunks and all(c.length == 1 and c.state.replay_until <= c.start for c in chunks):
+            return self._attend_decode(pool, q, kv, iq, proj, chunks, cache, rope, ops)
+        win = self.window
         # -- the window: each chunk's old rows (ring slots, in position order) then its new rows, in one pool
         pieces, lo, woff, o = [], [], [], 0
         for chunk, (a, b) in zip(chunks, offsets):
@@ -196,31 +206,90 @@ class Attention(nn.Module):
         # -- per-token metadata (host-side ints, one copy to the device)
         lens = [b - a for a, b in offsets]
         cid = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens, dtype=torch.long))
-        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+        pos = torch.tensor([p for c in chunks for p in range(c.start, c.end)], dtype=torch.long)
         lo_t = torch.tensor(lo, dtype=torch.long)[cid]
         w_first = torch.maximum(pos - win + 1, lo_t)
-        meta = [torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1]
-        width = int(meta[1].max()) if n_tok else 0
-        if self.compressor is None:
-            w_start, w_cnt = torch.stack(meta).to(dev, non_blocking=True)
+        w_start, w_cnt = torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1
+        rows = index = None
+        if self.compressor is not None:
+            rows = self._compress_batched(self.compressor, proj["main"], chunks, offsets, "main", cache, rope, ops,
+                                          kv.dtype)  # fmt: skip
+        if self.indexer is not None:
+            index = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index", cache,
+                                           rope, ops, kv.dtype)  # fmt: skip
+        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops)
+
+    def _attend_decode(
+        self,
+        pool: StatePool,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        iq: tuple[torch.Tensor, torch.Tensor] | None,
+        proj: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        chunks: list[SeqChunk],
+        cache: PagedKVCache | None,
+        rope: RotaryTable,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """``_attend_batched`` for one new token per sequence, on the pooled state (``state_pool``): the window ring
+        is written and read for all sequences by one scatter and one gather (rows in position order), the compressor
+        buffers advance by index arithmetic on their slots."""
+        win, dev, n = self.window, kv.device, len(chunks)
+        states = [c.state for c in chunks]
+        slots = pool.slots(states)
+        ring = pool.ring(self.layer_id, states, slots, win, self.head_dim, kv.dtype)
+        start = [c.start for c in chunks]
+        first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
+        host = torch.tensor([slots, start, first], dtype=torch.long)
+        slot_d, pos_d, first_d = host.to(dev, non_blocking=True)
+        ring[slot_d, pos_d % win] = kv  # the new row first: the window then reads positions first .. pos
+        j = torch.arange(win, device=dev)
+        window_pool = ring[slot_d.unsqueeze(1), (first_d.unsqueeze(1) + j) % win].flatten(0, 1)
+        pos, cid = host[1], torch.arange(n)
+        w_start, w_cnt = cid * win, pos - host[2] + 1
+        rows = index = None
+        if self.compressor is not None:
+            rows = self._compress_pooled(self.compressor, proj["main"], chunks, slots, slot_d, "main", pool, cache,
+                                         rope, ops, kv.dtype)  # fmt: skip
+        if self.indexer is not None:
+            index = self._compress_pooled(self.indexer.compressor, proj["index"], chunks, slots, slot_d, "index",
+                                          pool, cache, rope, ops, kv.dtype)  # fmt: skip
+        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops)
+
+    def _attend_pools(
+        self,
+        q: torch.Tensor,
+        iq: tuple[torch.Tensor, torch.Tensor] | None,
+        window_pool: torch.Tensor,
+        w_start: torch.Tensor,
+        w_cnt: torch.Tensor,
+        pos: torch.Tensor,
+        cid: torch.Tensor,
+        chunks: list[SeqChunk],
+        rows: tuple[torch.Tensor, list[int]] | None,
+        index: tuple[torch.Tensor, list[int]] | None,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]``, host tensors
+        per token) and, in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA:
+        the indexer's choice among them, scored on ``index``)."""
+        dev, n_tok = q.device, q.shape[0]
+        width = int(w_cnt.max()) if n_tok else 0
+        if rows is None:
+            w_start, w_cnt = torch.stack([w_start, w_cnt]).to(dev, non_blocking=True)
             idx = w_start.unsqueeze(1) + torch.arange(width, device=dev)
             return ops.sparse_attention_lists(q, window_pool, idx, w_cnt, self.attn_sink, self.head_dim**-0.5)
-        if cache is None:
-            raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         m = self.ratio
-        rows_pool, roff = self._compress_batched(self.compressor, proj["main"], chunks, offsets, "main", cache, rope,
-                                                 ops, kv.dtype)  # fmt: skip
+        rows_pool, roff = rows
         counts = [c.end // m for c in chunks]
-        visible = (pos + 1) // m
-        meta += [torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], visible]
-        if self.indexer is not None:
-            ipool, ioff = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index",
-                                                 cache, rope, ops, kv.dtype)  # fmt: skip
+        meta = [w_start, w_cnt, torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], (pos + 1) // m]
+        if index is not None:
+            ipool, ioff = index
             meta.append(torch.tensor(ioff, dtype=torch.long)[cid])
         meta_d = torch.stack(meta).to(dev, non_blocking=True)
         w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
         r_width = max(counts, default=0)
-        if self.indexer is not None:
+        if index is not None:
             sel, r_cnt = self.indexer.select_ranges(iq[0], iq[1], r_vis, ipool, meta_d[4], r_width, ops)
             r_idx = sel + r_start.unsqueeze(1)
             c_width = sel.shape[1]
@@ -233,6 +302,27 @@ class Attention(nn.Module):
         comp = torch.gather(r_idx, 1, (j - cw).clamp(0, max(c_width - 1, 0))) if c_width else torch.zeros_like(j)
         idx = torch.where(j < cw, w_start.unsqueeze(1) + j, comp)
         return ops.sparse_attention_lists(q, keys, idx, w_cnt + r_cnt, self.attn_sink, self.head_dim**-0.5)
+
+    def _compress_pooled(
+        self,
+        comp: Compressor,
+        proj: tuple[torch.Tensor, torch.Tensor],
+        chunks: list[SeqChunk],
+        slots: list[int],
+        slot_d: torch.Tensor,
+        name: str,
+        pool: StatePool,
+        cache: PagedKVCache,
+        rope: RotaryTable,
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """``_compress_batched`` for one new token per sequence, on the pooled buffers (``forward_pooled``)."""
+        key, store = (self.layer_id, name), "rows" if name == "main" else "index"
+        done = comp.forward_pooled(proj[0], proj[1], chunks, slots, slot_d, pool, key, rope, ops, dtype)
+        cache.write_many(store, self.layer_id, [(chunks[i].block_table, w, row) for i, w, row in done])
+        tables, counts = [c.block_table for c in chunks], [c.end // self.ratio for c in chunks]
+        return cache.read_many(store, self.layer_id, tables, counts, pool.tables(tables))
 
     def _compress_batched(
         self,

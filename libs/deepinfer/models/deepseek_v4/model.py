@@ -15,6 +15,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops, get_ops
 
 
@@ -125,6 +126,8 @@ class DeepseekV4Model(nn.Module):
         self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
         self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
+        self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
+        self.state_pool: StatePool | None = None
 
     def set_quant_sim(self, enabled: bool) -> None:
         """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""
@@ -145,6 +148,9 @@ class DeepseekV4Model(nn.Module):
         """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``. A decode step replays CUDA
         graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``), with eager results."""
         ops = self.ops
+        self._use_pool(not ops.batch_invariant and self.pooled_decode)
+        if self.state_pool is not None:
+            self.state_pool.begin_step()
         h = None
         if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
             if self.decode_graphs is None:
@@ -160,6 +166,18 @@ class DeepseekV4Model(nn.Module):
         for c in batch.chunks:
             c.state.num_tokens = c.end
         return h
+
+    def _use_pool(self, on: bool) -> None:
+        """Give every attention layer the model's ``StatePool`` (made on the weights' device), or none."""
+        dev = self.embed.weight.device
+        if on and (self.state_pool is None or self.state_pool.device != dev):
+            self.state_pool = StatePool(dev)
+        pool = self.state_pool if on else None
+        if self.__dict__.get("_pool_given", False) is not pool:  # walk the modules only when it changes
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.state_pool = pool
+            self.__dict__["_pool_given"] = pool
 
     def _head(self, h: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c, ops = self.config, self.ops

@@ -50,6 +50,8 @@ class SequenceState:
     replay_until: int = 0  # compressed rows below this position are in the cache already: not rewritten
     history: tuple[int, ...] = ()  # the last few token ids (V4.1 Engram n-grams; -1 = blocked), oldest first
     decoder_start: int = 0  # V4.1 bounded replay: the decoder layers' window rows below this position do not exist
+    # (StatePool, slot) once a decode step pooled this state's windows and buffers (state_pool.py); not copied
+    pool_slot: tuple | None = field(default=None, compare=False, repr=False)
 
     def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self.windows.get(layer)
@@ -171,12 +173,27 @@ class PagedKVCache:
         return self._store(kind, layer)[pages, slots]
 
     def read_many(
-        self, kind: str, layer: int, block_tables: list[torch.Tensor], counts: list[int]
+        self,
+        kind: str,
+        layer: int,
+        block_tables: list[torch.Tensor],
+        counts: list[int],
+        stacked: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Rows ``0 .. counts[i]`` of several sequences in one gather: ``(pool, offsets)``, sequence ``i``'s row ``r``
-        at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data."""
+        at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data.
+        ``stacked``: the same tables padded into one ``[B, P]`` tensor (no slice per sequence; every sequence then
+        holds as many pages in the pool as the longest needs)."""
         per_page = self.page_size // self.ratios[layer]
         store = self._store(kind, layer)
+        if stacked is not None:  # [B, P] tables padded to one width: one gather of each sequence's first pages
+            n = max(-(-max(counts, default=0) // per_page), 1)
+            for table, count in zip(block_tables, counts):
+                if -(-count // per_page) > table.numel():
+                    raise IndexError(
+                        f"block table has {table.numel()} pages, row {count - 1} of layer {layer} needs more"
+                    )
+            return store[stacked[:, :n]].flatten(0, 2), [i * n * per_page for i in range(len(counts))]
         pages, offsets, o = [], [], 0
         for table, count in zip(block_tables, counts):
             n = -(-count // per_page)

@@ -1,0 +1,162 @@
+"""The short-term state of many sequences as one tensor per layer, one slot per sequence, for decode steps.
+
+A decode step (one new token per sequence) touches every sequence's window ring and compressor buffers. Kept as
+separate tensors per sequence (``SequenceState.windows`` / ``.buffers``), that costs a handful of host-side tensor
+operations per sequence and layer (slices, allocations, copies), which is what bounds a graphed decode step at large
+batches. ``StatePool`` holds them stacked instead:
+
+* ``rings[layer]`` ``[S, W, d]``: slot ``i``'s window ring (row ``pos % W``); the sequence's ``windows[layer]`` is
+  the view ``rings[layer][i]``, so every other path reads and writes the same memory;
+* ``bufs[(layer, name)]`` ``([S, cap, D], [S, cap, D])``: the compressor's pending fp32 projections and scores
+  (``cap`` = 2·ratio for the overlapping CSA compressors, ratio otherwise); the sequence's ``buffers[key]`` is a
+  ``PooledBuffer`` (``kv`` / ``score`` views of its first ``length`` rows, ``start``), which the per-sequence code
+  reads like a ``CompressorBuffer``. When that code replaces it with a plain buffer, the next pooled step copies it
+  back in.
+
+A state gets a slot on its first pooled step (its existing window and buffers are copied in) and gives it back when
+it is garbage-collected; its clones (snapshots) are plain tensors. The pool grows by doubling, re-pointing the
+views of the states it holds. Index arithmetic on all slots at once replaces the per-sequence work
+(``attention.Attention._attend_decode``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.models.deepseek_v4.state import SequenceState
+
+
+@dataclass
+class PooledBuffer:
+    """A compressor buffer living in a pool slot: positions ``start .. start + length`` (``CompressorBuffer``'s
+    interface: ``kv``, ``score``, ``start``)."""
+
+    pool: StatePool = field(repr=False)
+    key: tuple[int, str]
+    slot: int
+    length: int
+    start: int
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.pool.bufs[self.key][0][self.slot, : self.length]
+
+    @property
+    def score(self) -> torch.Tensor:
+        return self.pool.bufs[self.key][1][self.slot, : self.length]
+
+
+class StatePool:
+    def __init__(self, device: torch.device | str, initial: int = 8) -> None:
+        self.device = torch.device(device)
+        self.capacity = 0
+        self.free: list[int] = []
+        self.owners: list[weakref.ref | None] = []
+        self.rings: dict[int, torch.Tensor] = {}
+        self.bufs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._initial = initial
+
+    # -- the step ----------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Forget the previous forward's block tables (``tables``)."""
+        self._tables = None
+
+    def tables(self, tables: list[torch.Tensor]) -> torch.Tensor:
+        """This forward's block tables padded into one ``[B, P]`` tensor (made once, shared by every layer)."""
+        if getattr(self, "_tables", None) is None:
+            self._tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+        return self._tables
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def slots(self, states: list[SequenceState]) -> list[int]:
+        """Each state's slot, assigning free slots (growing the pool) to states that have none here."""
+        out = []
+        for st in states:
+            got = st.pool_slot
+            if got is None or got[0] is not self:
+                got = st.pool_slot = (self, self._take(st))
+            out.append(got[1])
+        return out
+
+    def _take(self, st: SequenceState) -> int:
+        if not self.free:
+            self._grow(max(self._initial, 2 * self.capacity))
+        slot = self.free.pop()
+        self.owners[slot] = weakref.ref(st, lambda _, s=slot: self._release(s))
+        return slot
+
+    def _release(self, slot: int) -> None:
+        self.owners[slot] = None
+        self.free.append(slot)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            new = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            new[:old] = t
+            return new
+
+        self.rings = {k: grown(v) for k, v in self.rings.items()}
+        self.bufs = {k: (grown(a), grown(b)) for k, (a, b) in self.bufs.items()}
+        self.free += range(capacity - 1, old - 1, -1)
+        self.owners += [None] * (capacity - old)
+        self.capacity = capacity
+        for slot, ref in enumerate(self.owners):  # re-point the live states' window views
+            st = ref() if ref is not None else None
+            if st is not None:
+                for layer, ring in self.rings.items():
+                    if layer in st.windows:
+                        st.windows[layer] = ring[slot]
+
+    # -- windows ----------------------------------------------------------------------------------------
+    def ring(self, layer: int, states: list[SequenceState], slots: list[int], size: int, dim: int,
+             dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """The rings of ``layer`` ``[S, size, dim]``, every state's window adopted into its slot."""
+        ring = self.rings.get(layer)
+        if ring is None:
+            ring = self.rings[layer] = torch.zeros(self.capacity, size, dim, dtype=dtype, device=self.device)
+        base, step = ring.data_ptr(), ring.stride(0) * ring.element_size()
+        for st, slot in zip(states, slots):
+            w = st.windows.get(layer)
+            if w is None or w.data_ptr() != base + slot * step:  # not this slot's view yet
+                view = ring[slot]
+                if w is None:
+                    view.zero_()
+                else:
+                    view.copy_(w)
+                st.windows[layer] = view
+        return ring
+
+    # -- compressor buffers -----------------------------------------------------------------------------
+    def buffers(self, key: tuple[int, str], states: list[SequenceState], slots: list[int], starts: list[int],
+                cap: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, list[PooledBuffer]]:  # fmt: skip
+        """The pooled buffers of ``key`` (``kv``, ``score`` ``[S, cap, dim]``) and every state's ``PooledBuffer``
+        (a plain buffer is copied in; none starts empty at the state's next position ``starts[i]``)."""
+        pair = self.bufs.get(key)
+        if pair is None:
+            pair = self.bufs[key] = tuple(
+                torch.zeros(self.capacity, cap, dim, dtype=torch.float32, device=self.device) for _ in range(2)
+            )
+        out = []
+        for st, slot, start in zip(states, slots, starts):
+            b = st.buffers.get(key)
+            if type(b) is PooledBuffer and b.pool is self and b.slot == slot:
+                out.append(b)
+                continue
+            n = 0 if b is None else b.kv.shape[0]
+            if n > cap:
+                raise ValueError(f"compressor buffer {key} holds {n} rows, more than the pool's {cap}")
+            if n:
+                pair[0][slot, :n] = b.kv
+                pair[1][slot, :n] = b.score
+            pb = PooledBuffer(self, key, slot, n, start if b is None else b.start)
+            st.buffers[key] = pb
+            out.append(pb)
+        return pair[0], pair[1], out
+
+
+__all__ = ["PooledBuffer", "StatePool"]

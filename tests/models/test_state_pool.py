@@ -1,0 +1,72 @@
+"""Decode steps on pooled state (``models.deepseek_v4.state_pool``): the same logits, bit for bit, as the per-sequence
+bookkeeping, through prefill chunks, decodes across compressor row boundaries, mixed steps, a bounded replay, a
+snapshot taken and resumed, more sequences than the pool's first size, and slots given back."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+from deepinfer.models.deepseek_v4.state_pool import PooledBuffer
+from deepinfer.ops.reference import ReferenceOps
+from models.test_batch_invariance import tokens
+
+N_SEQ, PAGES = 11, 6  # 11 sequences: the pool (8 slots at first) grows once
+
+
+def _model() -> DeepseekV4Model:
+    config = DeepseekV4Config.from_dict(TINY_V4)
+    model = DeepseekV4Model(config, ReferenceOps())
+    model.load_state_dict(random_weights(config, seed=7))
+    return model
+
+
+def _run(model: DeepseekV4Model, pooled: bool) -> tuple[torch.Tensor, DeepseekV4Model]:
+    model.pooled_decode = pooled
+    cache = PagedKVCache(model.config, N_SEQ * PAGES, 16)
+    vocab = model.config.vocab_size
+    seqs = [tokens(70, 100 + i, vocab) for i in range(N_SEQ)]
+    states = [SequenceState() for _ in seqs]
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(N_SEQ)]
+    out = []
+
+    def step(plan: dict[int, int]) -> None:
+        chunks = [SeqChunk(states[i], states[i].num_tokens, n, tables[i]) for i, n in plan.items()]
+        ids = [seqs[i][c.start : c.end] for i, c in zip(plan, chunks)]
+        out.append(model.logits(model(ForwardBatch.build(chunks, ids), cache)))
+
+    step({i: 5 + i for i in range(N_SEQ)})  # prefill chunks of 5..15 tokens
+    for _ in range(9):  # decodes of everyone: compressor rows complete (ratios 4 and 8) at different steps
+        step(dict.fromkeys(range(N_SEQ), 1))
+    step({0: 1, 1: 3, 2: 1, 3: 1})  # a mixed step: the per-sequence path on pooled states
+    for _ in range(4):
+        step(dict.fromkeys(range(N_SEQ), 1))
+    # a bounded replay of sequence 4 from a compact snapshot, then a full snapshot of sequence 5 resumed
+    snap = StateSnapshot.take(states[4], cache, tables[4], compact=True)
+    states[4] = snap.restore_replay(cache, tables[4], "cpu", states[4].num_tokens - 6)
+    step({4: 6})
+    full = StateSnapshot.take(states[5], cache, tables[5])
+    states[5] = full.restore(cache, tables[5], "cpu")
+    for _ in range(5):
+        step(dict.fromkeys(range(N_SEQ), 1))
+    if pooled:
+        assert all(type(b) is PooledBuffer for st in states for b in st.buffers.values())
+    del states
+    return torch.cat(out), model
+
+
+def test_pooled_decode_gives_the_same_logits():
+    model = _model()
+    want, _ = _run(model, pooled=False)
+    assert model.state_pool is None
+    got, model = _run(model, pooled=True)
+    assert torch.equal(got, want)
+    pool = model.state_pool
+    assert pool.capacity == 16  # grown from 8
+    gc.collect()
+    assert len(pool.free) == pool.capacity  # every state gone: every slot given back
