@@ -56,7 +56,7 @@ def _run(model: DeepseekV4Model, pooled: bool) -> tuple[torch.Tensor, DeepseekV4
         step(dict.fromkeys(range(N_SEQ), 1))
     if pooled:
         assert all(type(b) is PooledBuffer for st in states for b in st.buffers.values())
-    del states
+    states.clear()  # every state gone: their slots go back to the pool
     return torch.cat(out), model
 
 
