@@ -128,6 +128,7 @@ class DeepseekV4Model(nn.Module):
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
+        self._pool_given: StatePool | None = None  # the pool the attention layers hold
 
     def set_quant_sim(self, enabled: bool) -> None:
         """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""
@@ -173,11 +174,11 @@ class DeepseekV4Model(nn.Module):
         if on and (self.state_pool is None or self.state_pool.device != dev):
             self.state_pool = StatePool(dev)
         pool = self.state_pool if on else None
-        if self.__dict__.get("_pool_given", False) is not pool:  # walk the modules only when it changes
+        if self._pool_given is not pool:  # walk the modules only when it changes
             for m in self.modules():
                 if isinstance(m, Attention):
                     m.state_pool = pool
-            self.__dict__["_pool_given"] = pool
+            self._pool_given = pool
 
     def _head(self, h: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c, ops = self.config, self.ops
