@@ -41,10 +41,7 @@ class WeightSets:
                 m.scale = None
             for m in self.experts:
                 for w in EXPERT_WEIGHTS:
-                    packed, scales = getattr(m, w), getattr(m, f"{w}_scale")
-                    value = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dt, device=packed.device)
-                    for lo in range(0, packed.shape[0], 8):  # a few experts at a time: no fp32 copy of a layer
-                        value[lo : lo + 8] = dequantize_experts(packed[lo : lo + 8], scales[lo : lo + 8], dt)
+                    value = dequantize_experts(getattr(m, w), getattr(m, f"{w}_scale"), dt)  # a few experts at a time
                     setattr(m, w, nn.Parameter(value, requires_grad=False))
                     setattr(m, f"{w}_scale", None)
 

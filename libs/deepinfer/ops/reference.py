@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
+from deepinfer.quant.native import dequantize_experts
 
 
 class ReferenceOps:
@@ -201,8 +202,6 @@ class ReferenceOps:
         limit: float,
     ) -> torch.Tensor:
         """Decodes only the experts ``idx`` touches, then ``moe``."""
-        from deepinfer.quant.native import dequantize_experts
-
         used, local = torch.unique(idx, return_inverse=True)
         deq = [dequantize_experts(w[used], s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
         return self.moe(x, local.view(idx.shape), weights, *deq, limit)

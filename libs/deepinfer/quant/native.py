@@ -145,8 +145,3 @@ def routed_experts(
     if is_mxfp4(m.w1):
         return ops.moe_mxfp4(x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit)
     return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit)
-
-
-def native_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (what the device holds for the weights)."""
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

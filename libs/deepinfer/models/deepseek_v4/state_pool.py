@@ -58,6 +58,7 @@ class StatePool:
         self.rings: dict[int, torch.Tensor] = {}
         self.bufs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._initial = initial
+        self._tables: torch.Tensor | None = None  # this forward's stacked block tables
 
     # -- the step ----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -66,7 +67,7 @@ class StatePool:
 
     def tables(self, tables: list[torch.Tensor]) -> torch.Tensor:
         """This forward's block tables padded into one ``[B, P]`` tensor (made once, shared by every layer)."""
-        if getattr(self, "_tables", None) is None:
+        if self._tables is None:
             self._tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
         return self._tables
 
