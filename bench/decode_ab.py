@@ -12,7 +12,9 @@ With a model that carries ``weight_sets`` (``--ab-weights``; ``bench/weight_sets
 ``WEIGHT_VARIANTS``: ``bf16_graphs`` (every weight dequantised to bf16, graphs: the default before the FP8 / MXFP4
 kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts as stored: the default now), and
 ``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels). ``--ab-pool`` compares
-``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed.
+``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed;
+``--ab-h2d`` compares ``H2D_VARIANTS``: the step's host-to-device copies synchronous against asynchronous from pinned
+memory (``deepinfer/host_copy.py``).
 
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
 rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
@@ -31,6 +33,8 @@ from typing import Any
 
 import torch
 
+from deepinfer import host_copy
+
 VARIANTS = {  # name -> (ops.fused, ops.cuda_graphs, weight set): the A/B of the fused kernels and the graphs
     "eager_unfused": (False, False, None),
     "eager_fused": (True, False, None),
@@ -48,12 +52,21 @@ POOL_VARIANTS = {
     "graphs_per_sequence": (True, True, None),
     "graphs_pooled": (True, True, None),
 }
+# the A/B of the host-to-device copies (``--ab-h2d``; deepinfer/host_copy.py): the step's metadata copied
+# synchronously (the host waits for the queued GPU work, as ForwardBatch.build did) against asynchronously from pinned
+# memory, both with pooled state and graphs
+H2D_VARIANTS = {
+    "blocking_copies": (True, True, None),
+    "async_copies": (True, True, None),
+}
 _TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
 
 
 def variants_of(ours: Any) -> dict[str, tuple[bool, bool, str | None]]:
     """The variants ``ours`` compares: ``POOL_VARIANTS`` with ``--ab-pool``, ``WEIGHT_VARIANTS`` when it carries
     ``weight_sets``, else ``VARIANTS``."""
+    if getattr(ours.args, "ab_h2d", False):
+        return H2D_VARIANTS
     if getattr(ours.args, "ab_pool", False):
         return POOL_VARIANTS
     return WEIGHT_VARIANTS if getattr(ours, "weight_sets", None) is not None else VARIANTS
@@ -67,6 +80,7 @@ def set_variant(ours: Any, name: str) -> None:
         ours.weight_sets.use(weights)
     if hasattr(ours.model, "pooled_decode"):
         ours.model.pooled_decode = name != "graphs_per_sequence"
+    host_copy.BLOCKING = name == "blocking_copies"
 
 
 def launch_profile(step, dev: torch.device) -> dict[str, Any]:
@@ -127,6 +141,7 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
             sets.use(prev_set)
         if hasattr(ours.model, "pooled_decode"):
             ours.model.pooled_decode = True
+        host_copy.BLOCKING = False
     return out
 
 
@@ -173,7 +188,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
     lines = [head]
     for r in rows:
-        for name in list(VARIANTS) + list(WEIGHT_VARIANTS) + list(POOL_VARIANTS):
+        for name in list(VARIANTS) + list(WEIGHT_VARIANTS) + list(POOL_VARIANTS) + list(H2D_VARIANTS):
             v = r.get(name)
             if not isinstance(v, dict):
                 continue
@@ -189,6 +204,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
+    "H2D_VARIANTS",
     "VARIANTS",
     "WEIGHT_VARIANTS",
     "ab_decode",

@@ -603,7 +603,46 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
         out["device_busy_ms"] = round(dev_total / 1e3, 3)
     except Exception as e:  # noqa: BLE001 - the profile is informative only
         out["profiler_error"] = f"{type(e).__name__}: {e}"[:300]
+    out["host_python"] = host_profile(step, dev)
     return out
+
+
+def profile_prefill(run, dev: torch.device) -> dict[str, Any]:
+    """``torch.profiler`` over one more prefill: the kernels by device time, and the device's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    try:
+        with profile(activities=acts) as prof:
+            run()
+            sync(dev)
+        ka = prof.key_averages()
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
+        table = ka.table(sort_by=key, row_limit=40, max_name_column_width=70)
+        return {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3)}
+    except Exception as e:  # noqa: BLE001 - the profile is informative only
+        return {"profiler_error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def host_profile(step, dev: torch.device, steps: int = 3) -> str:
+    """Where the host's time goes in ``steps`` decode steps as the op set runs them (graphs included): cProfile's
+    top functions by own time, then by cumulative time (the Python side that torch.profiler does not show)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync(dev)
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf).strip_dirs()
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    return buf.getvalue()[-24000:]
 
 
 class Ours:
@@ -618,7 +657,8 @@ class Ours:
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
         ps = args.page_size
-        self.steps = args.warmup + args.repeats + 4  # + the routing probe, two profiled steps and one spare
+        # + the routing probe, two profiled steps, three host-profiled ones and a spare
+        self.steps = args.warmup + args.repeats + 7
         self.profiles: dict[int, dict] = {}
         self.ab: list[dict] = []  # --ab: before/after rows (decode_ab)
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
@@ -761,6 +801,8 @@ class Ours:
                 row.update(run_timed(run, self.dev, 1, self.args.prefill_repeats, budget, est))
                 prev = (n, row["ms"] / 1e3)
                 log(f"  ours prefill {n}: {row['ms']:.1f} ms ({row['runs']} runs)")
+                if n in self.args.profile_prefill:
+                    self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev)
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours prefill {n}: {e}")
@@ -1156,6 +1198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None, help="no new work after this (default 420; tiny 150)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (regions + torch.profiler)")
+    ap.add_argument("--profile-prefill", type=ints, default=[], help="prefill lengths to profile (torch.profiler)")
     ap.add_argument("--moe-backend", default="auto", help="NvidiaOps' MoE: auto | grouped_mm | triton")
     ap.add_argument(
         "--ab",
@@ -1177,6 +1220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ab-pool",
         action="store_true",
         help="make --ab compare the decode state per sequence against the pooled state (state_pool.py), with graphs",
+    )
+    ap.add_argument(
+        "--ab-h2d",
+        action="store_true",
+        help="make --ab compare the step's host-to-device copies synchronous against asynchronous (host_copy.py)",
     )
     ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")

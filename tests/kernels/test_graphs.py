@@ -161,3 +161,33 @@ def test_the_segmented_step_equals_the_eager_step_on_cpu(name):
             assert torch.equal(eager, segmented)
         else:
             assert (eager - segmented).abs().max().item() < 1e-4
+
+
+@gpu_only
+def test_a_decode_step_never_waits_for_the_gpu():
+    """The host issues a whole decode step (pooled state, graphs, eager attention between them, the logits) while
+    the GPU is still busy with work queued before it: no synchronising call (sync debug mode "error"), and the work
+    queued ahead is still running when the step returns. Synchronous metadata copies (``host_copy.BLOCKING``, as
+    ``ForwardBatch.build`` made them before) make it fail."""
+    model = _model(torch.bfloat16)
+    cache, states, tables, steps = _setup(model, 4, 37, seed=11)
+    steps = steps + [s[::-1] for s in steps]  # 12 steps: every compressor completes rows on the way
+
+    def step(ids):
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        return model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], DEVICE), cache))
+
+    for ids in steps[:4]:  # capture the bucket, fill the pinned-memory cache
+        step(ids)
+    torch.cuda.synchronize()
+    for ids in steps[4:]:
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued ahead of the step
+        queued = torch.cuda.Event()
+        queued.record()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert not queued.query(), "the host waited for the GPU during a decode step"
+        torch.cuda.synchronize()

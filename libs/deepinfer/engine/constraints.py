@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.host_copy import to_device
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -169,7 +170,7 @@ class ConstraintSet:
     @staticmethod
     def allowed(bitmask: torch.Tensor, vocab: int, device: torch.device | str) -> torch.Tensor:
         """Unpack ``bitmask`` to a bool ``[n, vocab]`` on ``device`` (columns past the mask: refused)."""
-        b = bitmask.to(device)
+        b = to_device(bitmask, device)
         bits = (b.unsqueeze(-1) >> _BITS.to(device)) & 1
         flat = bits.flatten(1).bool()
         if flat.shape[1] >= vocab:

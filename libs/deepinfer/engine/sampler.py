@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.host_copy import tensor
 from deepinfer.sampling_params import SamplingParams
 
 _TOP_P_EPS = 1e-6
@@ -111,7 +112,7 @@ class Sampler:
 
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=device, dtype=torch.long)
+            idx = tensor(rows, device, torch.long)
             probs = self._filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])
             q = self._exponentials(probs.shape, device, [generators[i] for i in rows])
             token_ids[idx] = torch.argmax(probs / q, dim=-1)
@@ -121,7 +122,7 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
             k = max(params[i].logprobs for i in want)
-            widx = torch.tensor(want, device=device, dtype=torch.long)
+            widx = tensor(want, device, torch.long)
             vals, ids = _top_sorted(raw_lp.index_select(0, widx), k)
             vals, ids = vals.tolist(), ids.tolist()
             for j, i in enumerate(want):
@@ -134,7 +135,7 @@ class Sampler:
         """Temperature, top-k, top-p and min-p applied; returns renormalised probs [R, V]."""
         R, V = logits.shape
         device = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        temp = tensor([p.temperature for p in params], device, torch.float32)
         # Shift by the row max before scaling: softmax-invariant and avoids inf - inf for tiny T.
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp.view(-1, 1)
         keep = torch.ones_like(scaled, dtype=torch.bool)
@@ -144,17 +145,17 @@ class Sampler:
         if any(k < V for k in top_k) or any(tp < 1.0 for tp in top_p):
             s_vals, s_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
             pos = torch.arange(V, device=device).view(1, -1)
-            k_t = torch.tensor(top_k, device=device).view(-1, 1)
+            k_t = tensor(top_k, device, torch.long).view(-1, 1)
             s_keep = pos < k_t
             s_probs = torch.softmax(s_vals.masked_fill(~s_keep, float("-inf")), dim=-1)
             excl_cum = torch.cumsum(s_probs, dim=-1) - s_probs  # mass strictly before each token
-            p_t = torch.tensor(top_p, device=device, dtype=torch.float32).view(-1, 1)
+            p_t = tensor(top_p, device, torch.float32).view(-1, 1)
             s_keep &= (excl_cum < p_t - _TOP_P_EPS) | (p_t >= 1.0) | (pos == 0)
             keep = torch.zeros_like(keep).scatter(1, s_ids, s_keep)
 
         min_p = [float(p.min_p) for p in params]
         if any(mp > 0 for mp in min_p):
-            mp_t = torch.tensor(min_p, device=device, dtype=torch.float32).view(-1, 1)
+            mp_t = tensor(min_p, device, torch.float32).view(-1, 1)
             # prob / max_prob == exp(scaled - 0) since scaled has max 0 (max token is always kept).
             keep &= torch.exp(scaled) >= mp_t
 
@@ -173,7 +174,7 @@ class Sampler:
                 q.exponential_()
             else:
                 noise = torch.empty((len(unseeded), V), device=device, dtype=torch.float32).exponential_()
-                q[torch.tensor(unseeded, device=device, dtype=torch.long)] = noise
+                q[tensor(unseeded, device, torch.long)] = noise
         for j, g in enumerate(generators):
             if g is not None:
                 row = torch.empty(V, device=g.device, dtype=torch.float32).exponential_(generator=g)

@@ -18,6 +18,7 @@ from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
 from deepinfer.engine.models import Model
 from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
+from deepinfer.host_copy import tensor
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
@@ -68,7 +69,7 @@ class ModelRunner:
         for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
             snap = self.snapshots.pop(o.snapshot_id, None)
             if snap is not None and self.remote is not None:
-                pages = self.cache.read_pages(torch.tensor(o.pages, dtype=torch.long, device=self.device))
+                pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
                 self.remote.put(o.key, resume_format.encode(snap, pages), o.meta)
         for f in plan.fetches:
             if self.remote is None:
@@ -101,8 +102,9 @@ class ModelRunner:
         if not plan.chunks:
             return result
         chunks = []
-        for c in plan.chunks:
-            table = torch.tensor(c.block_table, dtype=torch.long, device=self.device)
+        flat = tensor([p for c in plan.chunks for p in c.block_table], self.device, torch.long)  # one copy
+        tables = flat.split([len(c.block_table) for c in plan.chunks])
+        for c, table in zip(plan.chunks, tables):
             if c.resume_from is not None:
                 self.states[c.request_id] = self._resume(c.request_id, c.resume_from, c.start, table)
             st = self.states.setdefault(c.request_id, SequenceState())
@@ -132,7 +134,7 @@ class ModelRunner:
                 owners.append((i, None))
         per_seq = [SeqResult(c.request_id) for c in plan.chunks]
         if rows:
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.logits(hidden[tensor(rows, self.device, torch.long)])
             self._prompt_logprobs(logits, owners, plan, per_seq)
             self._sample(logits, owners, plan, per_seq, masks)
         result.results = per_seq
@@ -160,7 +162,7 @@ class ModelRunner:
             sel = [k for k, (o, t) in enumerate(owners) if o == i and t is not None]
             if not sel:
                 continue
-            targets = torch.tensor([owners[k][1] for k in sel], device=logits.device)
+            targets = tensor([owners[k][1] for k in sel], logits.device, torch.long)
             out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
 
     def _start_masks(self, plan: StepPlan) -> tuple[list[str], Future] | None:

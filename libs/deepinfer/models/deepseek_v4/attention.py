@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
@@ -241,7 +242,7 @@ class Attention(nn.Module):
         start = [c.start for c in chunks]
         first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
         host = torch.tensor([slots, start, first], dtype=torch.long)
-        slot_d, pos_d, first_d = host.to(dev, non_blocking=True)
+        slot_d, pos_d, first_d = to_device(host, dev)
         ring[slot_d, pos_d % win] = kv  # the new row first: the window then reads positions first .. pos
         j = torch.arange(win, device=dev)
         window_pool = ring[slot_d.unsqueeze(1), (first_d.unsqueeze(1) + j) % win].flatten(0, 1)
@@ -276,7 +277,7 @@ class Attention(nn.Module):
         dev, n_tok = q.device, q.shape[0]
         width = int(w_cnt.max()) if n_tok else 0
         if rows is None:
-            w_start, w_cnt = torch.stack([w_start, w_cnt]).to(dev, non_blocking=True)
+            w_start, w_cnt = to_device(torch.stack([w_start, w_cnt]), dev)
             idx = w_start.unsqueeze(1) + torch.arange(width, device=dev)
             return ops.sparse_attention_lists(q, window_pool, idx, w_cnt, self.attn_sink, self.head_dim**-0.5)
         m = self.ratio
@@ -286,7 +287,7 @@ class Attention(nn.Module):
         if index is not None:
             ipool, ioff = index
             meta.append(torch.tensor(ioff, dtype=torch.long)[cid])
-        meta_d = torch.stack(meta).to(dev, non_blocking=True)
+        meta_d = to_device(torch.stack(meta), dev)
         w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
         r_width = max(counts, default=0)
         if index is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk
@@ -119,9 +120,9 @@ class Compressor(nn.Module):
                 off += k_i.shape[0]
             w = torch.cat(ws)
             meta = torch.stack([torch.cat(cur), torch.cat(prev), (w > 0).long().unsqueeze(1).expand(-1, m)])
-            cur_d, prev_d, has_prev = meta.to(dev, non_blocking=True)
+            cur_d, prev_d, has_prev = to_device(meta, dev)
             has_prev = has_prev[:, :1].bool().unsqueeze(-1)
-            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, w.to(dev, non_blocking=True), rope, ops, dtype)
+            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, to_device(w, dev), rope, ops, dtype)
             for job, part in zip(jobs, rows.split([j[5] - j[4] for j in jobs])):
                 out[job[0]][0] = part
         return [(r, f, nb) for r, f, nb in out]
@@ -151,7 +152,7 @@ class Compressor(nn.Module):
         if max(at) >= cap:
             raise ValueError(f"compressor buffer {key} would exceed its {cap} rows (at {max(at)})")
         dev = slot_d.device
-        at_d = torch.tensor(at, dtype=torch.long).to(dev, non_blocking=True)
+        at_d = to_device(torch.tensor(at, dtype=torch.long), dev)
         bkv[slot_d, at_d], bsc[slot_d, at_d] = kv, score
         done = []  # (chunk number, completed row)
         for i, c in enumerate(chunks):
@@ -165,11 +166,11 @@ class Compressor(nn.Module):
             base = torch.tensor([bufs[i].start for i in sel], dtype=torch.long)
             cur = w.unsqueeze(1) * m + torch.arange(m) - base.unsqueeze(1) + torch.arange(len(sel)).unsqueeze(1) * cap
             meta = torch.stack([cur, (cur - m).clamp_min(0), (w > 0).long().unsqueeze(1).expand(-1, m)])
-            cur_d, prev_d, has_prev = meta.to(dev, non_blocking=True)
-            sel_d = slot_d[torch.tensor(sel, device=dev)]
+            cur_d, prev_d, has_prev = to_device(meta, dev)
+            sel_d = slot_d[to_device(torch.tensor(sel, dtype=torch.long), dev)]
             big_k, big_s = bkv[sel_d].flatten(0, 1), bsc[sel_d].flatten(0, 1)
             has_prev = has_prev[:, :1].bool().unsqueeze(-1)
-            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, w.to(dev), rope, ops, dtype)
+            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, to_device(w, dev), rope, ops, dtype)
             shift = []
             for (i, wi), row in zip(done, rows.split(1)):
                 out.append((i, wi, row))
@@ -180,7 +181,7 @@ class Compressor(nn.Module):
                 b.start = keep
             if any(shift):  # the kept rows move to the slot's front
                 src = (torch.tensor(shift, dtype=torch.long).unsqueeze(1) + torch.arange(cap)).clamp(max=cap - 1)
-                src_d = src.to(dev, non_blocking=True)
+                src_d = to_device(src, dev)
                 bkv[sel_d] = bkv[sel_d.unsqueeze(1), src_d]
                 bsc[sel_d] = bsc[sel_d.unsqueeze(1), src_d]
         for b in bufs:

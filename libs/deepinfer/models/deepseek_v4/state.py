@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.config import CacheStore
 
 
@@ -163,7 +164,7 @@ class PagedKVCache:
             slots.append(w % per_page)
             o += table.numel()
         tables = torch.cat([t for t, _, _ in writes])
-        idx = torch.stack([torch.cat(pages), torch.cat(slots)]).to(tables.device, non_blocking=True)
+        idx = to_device(torch.stack([torch.cat(pages), torch.cat(slots)]), tables.device)
         store = self._store(kind, layer)
         store[tables[idx[0]], idx[1]] = torch.cat([r for _, _, r in writes]).to(store.dtype)
 
@@ -322,8 +323,8 @@ class ForwardBatch:
             ids.extend(t)
             pos.extend(range(c.start, c.end))
         return cls(
-            token_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            token_ids=to_device(torch.tensor(ids, dtype=torch.long), device),
+            positions=to_device(torch.tensor(pos, dtype=torch.long), device),
             chunks=chunks,
         )
 

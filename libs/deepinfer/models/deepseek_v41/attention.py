@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v41.attention_batched import attend_batched
@@ -241,7 +242,7 @@ class Attention(SharedKVAttention):
         if not lats:
             return
         lat = torch.cat(lats) if len(lats) > 1 else lats[0]
-        cos, sin = rope(torch.cat(pos).to(lat.device, non_blocking=True), ops)
+        cos, sin = rope(to_device(torch.cat(pos), lat.device), ops)
         rows = ops.rope(lat, cos, sin)
         ik = ops.rope(self.indexer.keys(lat, ops), cos, sin)
         if self.quant_sim:

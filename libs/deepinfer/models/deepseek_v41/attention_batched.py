@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import ring_span
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.ops import Ops
@@ -58,7 +59,7 @@ def _window(
     w_first = torch.maximum(pos - win + 1, lo)
     start = torch.tensor(offs, dtype=torch.long)[cid] + (w_first - lo)
     count = pos - w_first + 1
-    meta = torch.stack([start, count]).to(kv.device, non_blocking=True)
+    meta = to_device(torch.stack([start, count]), kv.device)
     return pool, meta[0], meta[1], int(count.max()) if count.numel() else 0
 
 
@@ -74,7 +75,7 @@ def _owner_pool(attn: Attention, ctx: StepContext, kind: str) -> tuple[torch.Ten
     pool, offsets = got
     lens = torch.tensor([b - a for a, b in ctx.offsets], dtype=torch.long)
     tok_off = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long), lens)
-    return pool, tok_off.to(pool.device, non_blocking=True)
+    return pool, to_device(tok_off, pool.device)
 
 
 def _select(

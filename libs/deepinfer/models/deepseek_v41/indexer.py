@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm
 from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
@@ -83,8 +84,8 @@ class Compressor(nn.Module):
             pend.append((keep, end - keep))
             off += 0 if buf is None else buf.kv.shape[0]
         dev = kv.device
-        gi = torch.cat(group_idx).to(dev, non_blocking=True)
-        pi = torch.cat(pend_idx).to(dev, non_blocking=True)
+        gi = to_device(torch.cat(group_idx), dev)
+        pi = to_device(torch.cat(pend_idx), dev)
         if gi.numel():
             k, g = src_kv[gi].unflatten(0, (-1, m)), src_gate[gi].unflatten(0, (-1, m))
             rows = self.norm(ops.softmax_pool(k, g).to(dtype), ops)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
@@ -43,7 +44,7 @@ class EngramTable(nn.Module):
 
     def lookup(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Table rows ``[..., n, dim]`` for row ids ``rows [..., n]``, on ``device``."""
-        return self.weight[rows.to(self.weight.device)].to(device, non_blocking=True)
+        return to_device(self.weight[rows.to(self.weight.device)], device)
 
 
 class Engram(nn.Module):
