@@ -237,3 +237,24 @@ def test_gpu_split_k_bit_reproducible_and_graph_safe(act_quant):
     x.copy_(_x(4, k, seed=15, dtype=torch.bfloat16))  # new input, same buffers
     graph.replay()
     assert torch.equal(out, fp8_linear(x, w, s, act_quant))
+
+
+@gpu_only
+def test_gpu_prefill_w8a8_takes_the_vendor_gemm():
+    """From ``SCALED_MM_MIN_M`` rows, ``act_quant`` with 128×128 blocks runs ``torch._scaled_mm`` on an SM90 GPU
+    (``fp8_scaled_mm``), within bf16 rounding of the reference and of the Triton W8A8 kernel."""
+    from deepinfer.kernels import fp8_scaled_mm
+    from deepinfer.kernels.fp8_gemm import SCALED_MM_MIN_M
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block-scaled _scaled_mm is an SM90 (Hopper) kernel")
+    assert fp8_scaled_mm.available(torch.device(DEVICE))
+    n, k = V4_SHAPES["wo_b"]
+    w, s = _weight(n, k, (128, 128), seed=21)
+    x = _x(SCALED_MM_MIN_M, k, seed=22, dtype=torch.bfloat16)
+    q, sa = act_quant_fp8(x)
+    vendor = fp8_scaled_mm.block_scaled_mm(q, sa, w, s, torch.bfloat16)
+    assert torch.equal(fp8_linear(x, w, s, True), vendor)  # the path taken
+    ref = _reference(x, w, s, True)
+    triton_w8a8 = fp8_linear(x, w, s, True, config=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, path="w8a8"))
+    assert _rel(vendor, ref) < 3e-3 and _rel(vendor, triton_w8a8) < 3e-3
