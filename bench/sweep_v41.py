@@ -442,6 +442,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="keep both weight sets; --ab then compares bf16 / native eager / native graphs",
     )
+    ap.add_argument(
+        "--ab-pool",
+        action="store_true",
+        help="make --ab compare the decode state per sequence against the pooled state (StatePool), with graphs",
+    )
+    ap.add_argument(
+        "--ab-h2d",
+        action="store_true",
+        help="make --ab compare the step's host-to-device copies synchronous against asynchronous (host_copy.py)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)

@@ -307,6 +307,7 @@ class ForwardBatch:
     chunks: list[SeqChunk]
     input_embeds: torch.Tensor | None = None  # [T, hidden] in place of the token embeddings (image features)
     image_mask: torch.Tensor | None = None  # [T] bool: image-span tokens (V4.1: bias_vl routing, no Engram)
+    host_token_ids: torch.Tensor | None = None  # token_ids in host memory, where the batch was built from host lists
 
     @classmethod
     def build(
@@ -322,10 +323,12 @@ class ForwardBatch:
                 raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
             ids.extend(t)
             pos.extend(range(c.start, c.end))
+        host = torch.tensor(ids, dtype=torch.long)
         return cls(
-            token_ids=to_device(torch.tensor(ids, dtype=torch.long), device),
+            token_ids=to_device(host, device),
             positions=to_device(torch.tensor(pos, dtype=torch.long), device),
             chunks=chunks,
+            host_token_ids=host,
         )
 
     def offsets(self) -> list[tuple[int, int]]:

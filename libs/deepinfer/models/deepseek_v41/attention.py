@@ -31,6 +31,7 @@ from torch import nn
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.attention_batched import attend_batched
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
@@ -108,6 +109,7 @@ class Attention(SharedKVAttention):
         super().__init__(config)
         c = config
         self.spec, self.layer_id, self.ratio, self.window = spec, spec.index, spec.ratio, c.sliding_window
+        self.state_pool: StatePool | None = None  # the model's, for decode steps (attention_batched._window)
         self.compressor = Compressor(c, self.ratio) if spec.kind == "full" else None
         self.indexer = (
             Indexer(c, spec.kind == "full", spec.candidate_source, spec.uses_candidates)
@@ -219,6 +221,10 @@ class Attention(SharedKVAttention):
             for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
                 first = max(chunk.start, chunk.state.replay_until)
                 done.append((lat_all[a + min(first - chunk.start, b - a) : b], first))
+        elif self.state_pool is not None and all(
+            c.length == 1 and c.decoder_from is None and c.state.replay_until <= c.start for c in ctx.chunks
+        ):  # ratio 2, a decode step: the pairs on the pooled buffers
+            done = self.compressor.latents_pooled(proj[0], proj[1], ctx.chunks, self.state_pool, key, ops, dtype)
         else:  # ratio 2: every sequence's completed pairs pooled in one batch
             spans = [(a, b, c.start, c.state.replay_until // m) for c, (a, b) in zip(ctx.chunks, ctx.offsets)]
             done, bufs = self.compressor.latents_many(

@@ -23,7 +23,8 @@ from torch import nn
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm
-from deepinfer.models.deepseek_v4.state import CompressorBuffer
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
 
@@ -98,6 +99,43 @@ class Compressor(nn.Module):
             for (keep, n), k_, g_ in zip(pend, pk.split(sizes), pg.split(sizes))
         ]
         return list(zip(rows.split(counts), firsts)), new_bufs
+
+    def latents_pooled(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        chunks: list[SeqChunk],
+        pool: StatePool,
+        key: tuple[int, str],
+        ops: Ops,
+        dtype: torch.dtype,
+    ) -> list[tuple[torch.Tensor, int]]:
+        """``latents_many`` for one new token per sequence (no bounded replay), on buffers pooled in ``pool`` (a
+        slot of ``ratio`` rows per sequence): one scatter appends every new row, the pairs that complete are pooled
+        as one batch (the same groups in the same order), and the completed slots empty. Returns per sequence its
+        completed latents (none or one) and the first one's row index."""
+        m, dev = self.ratio, kv.device
+        states = [c.state for c in chunks]
+        slots = pool.slots(states)
+        bkv, bsc, bufs = pool.buffers(key, states, slots, [c.start for c in chunks], m, kv.shape[-1])
+        at = [c.start - b.start for c, b in zip(chunks, bufs)]  # each new row's index in its slot
+        if max(at) >= m:
+            raise ValueError(f"compressor buffer {key} would exceed its {m} rows (at {max(at)})")
+        done = [i for i, c in enumerate(chunks) if (c.start + 1) % m == 0]
+        host = torch.tensor([slots, at], dtype=torch.long)
+        slot_d, at_d = to_device(host, dev)
+        bkv[slot_d, at_d], bsc[slot_d, at_d] = kv, gate
+        out = [(kv.new_zeros(0, kv.shape[-1], dtype=dtype), c.start // m) for c in chunks]
+        if done:
+            sel = slot_d[to_device(torch.tensor(done, dtype=torch.long), dev)]
+            rows = self.norm(ops.softmax_pool(bkv[sel], bsc[sel]).to(dtype), ops)
+            for i, row in zip(done, rows.split(1)):
+                out[i] = (row, chunks[i].start // m)
+        for b, a in zip(bufs, at):
+            b.length = a + 1
+        for i in done:
+            bufs[i].start, bufs[i].length = chunks[i].start + 1, 0
+        return out
 
 
 class Indexer(nn.Module):

@@ -20,6 +20,7 @@ from torch import nn
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
@@ -164,6 +165,9 @@ class DeepseekV41Model(nn.Module):
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
+        self.pooled_decode = True  # decode steps keep the window rings in a StatePool (attention_batched.py)
+        self.state_pool: StatePool | None = None
+        self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.vision = self.aligner = None
         if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
             self.vision = VisionTransformer(config.vision_config, torch.float32)
@@ -226,8 +230,11 @@ class DeepseekV41Model(nn.Module):
         advances each sequence's token history."""
         if self.hasher is None:
             return None
-        ids = batch.token_ids.cpu()
+        ids = batch.host_token_ids if batch.host_token_ids is not None else batch.token_ids.cpu()
         text = None if batch.image_mask is None else ~batch.image_mask.cpu()
+        dev = batch.token_ids.device if device is None else device
+        if all(c.length == 1 for c in batch.chunks):  # a decode step: every sequence's n-grams in one call
+            return to_device(self._engram_decode(batch.chunks, ids, text), dev)
         out, o = [], 0
         for c in batch.chunks:
             seq = ids[o : o + c.length]
@@ -237,7 +244,20 @@ class DeepseekV41Model(nn.Module):
             out.append(self.hasher.hash(seq, mask, hist))
             c.state.history = tuple(self.hasher.next_history(hist, seq, mask).tolist())
             o += c.length
-        return torch.cat(out).to(batch.token_ids.device if device is None else device)
+        return to_device(torch.cat(out), dev)
+
+    def _engram_decode(self, chunks: list[SeqChunk], ids: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+        """``_engram_rows`` of one token per sequence: the histories stacked ``[B, h]`` (left-padded with the empty
+        history), one ``hash`` and one ``next_history`` for the batch (the same integer ops, row by row)."""
+        h = self.hasher.history_len
+        empty = self.hasher.empty_history().tolist()
+        hist = torch.tensor([(empty + list(c.state.history))[-h:] for c in chunks], dtype=torch.long).view(-1, h)
+        seq = ids.view(-1, 1)
+        mask = None if text is None else text.view(-1, 1)
+        rows = self.hasher.hash(seq, mask, hist).flatten(0, 1)
+        for c, nxt in zip(chunks, self.hasher.next_history(hist, seq, mask).tolist()):
+            c.state.history = tuple(nxt)
+        return rows
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool = False) -> torch.Tensor:
@@ -252,6 +272,7 @@ class DeepseekV41Model(nn.Module):
         A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``),
         with eager results; not with ``capture``."""
         ops, c = self.ops, self.text
+        self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
             if self.decode_graphs is None:
                 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
@@ -292,6 +313,18 @@ class DeepseekV41Model(nn.Module):
             return final_collapse(h, pre, ops)
         y = final_collapse(h, pre, ops) if active.numel() else h[:0, 0]
         return y.new_zeros(batch.token_ids.shape[0], y.shape[-1]).index_copy_(0, active, y)
+
+    def _use_pool(self, on: bool) -> None:
+        """Give every attention layer the model's ``StatePool`` (made on the weights' device), or none."""
+        dev = self.embed.weight.device
+        if on and (self.state_pool is None or self.state_pool.device != dev):
+            self.state_pool = StatePool(dev)
+        pool = self.state_pool if on else None
+        if self._pool_given is not pool:  # walk the modules only when it changes
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.state_pool = pool
+            self._pool_given = pool
 
     def _keep_features(self, captured: list[torch.Tensor], active: torch.Tensor | None, n: int) -> None:
         if self.mtp is None:
