@@ -17,6 +17,9 @@ written and read by index arithmetic on all slots at once (``_attend_decode``, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -235,19 +238,14 @@ class Attention(nn.Module):
         """``_attend_batched`` for one new token per sequence, on the pooled state (``state_pool``): the window ring
         is written and read for all sequences by one scatter and one gather (rows in position order), the compressor
         buffers advance by index arithmetic on their slots."""
-        win, dev, n = self.window, kv.device, len(chunks)
+        win, dev = self.window, kv.device
         states = [c.state for c in chunks]
         slots = pool.slots(states)
         ring = pool.ring(self.layer_id, states, slots, win, self.head_dim, kv.dtype)
-        start = [c.start for c in chunks]
-        first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
-        host = torch.tensor([slots, start, first], dtype=torch.long)
-        slot_d, pos_d, first_d = to_device(host, dev)
-        ring[slot_d, pos_d % win] = kv  # the new row first: the window then reads positions first .. pos
-        j = torch.arange(win, device=dev)
-        window_pool = ring[slot_d.unsqueeze(1), (first_d.unsqueeze(1) + j) % win].flatten(0, 1)
-        pos, cid = host[1], torch.arange(n)
-        w_start, w_cnt = cid * win, pos - host[2] + 1
+        w = pool.memo(("window", win), lambda: _WindowPlan.of(chunks, slots, win, dev))
+        slot_d = w.slot
+        ring[w.slot, w.at] = kv  # the new row first: the window then reads positions first .. pos
+        window_pool = ring[w.slot.unsqueeze(1), w.cols].flatten(0, 1)
         rows = index = None
         if self.compressor is not None:
             rows = self._compress_pooled(self.compressor, proj["main"], chunks, slots, slot_d, "main", pool, cache,
@@ -255,7 +253,8 @@ class Attention(nn.Module):
         if self.indexer is not None:
             index = self._compress_pooled(self.indexer.compressor, proj["index"], chunks, slots, slot_d, "index",
                                           pool, cache, rope, ops, kv.dtype)  # fmt: skip
-        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops)
+        return self._attend_pools(q, iq, window_pool, w.start, w.count, w.pos, w.cid, chunks, rows, index, ops,
+                                  pool.memo)  # fmt: skip
 
     def _attend_pools(
         self,
@@ -270,39 +269,52 @@ class Attention(nn.Module):
         rows: tuple[torch.Tensor, list[int]] | None,
         index: tuple[torch.Tensor, list[int]] | None,
         ops: Ops,
+        memo: Callable | None = None,
     ) -> torch.Tensor:
         """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]``, host tensors
         per token) and, in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA:
-        the indexer's choice among them, scored on ``index``)."""
+        the indexer's choice among them, scored on ``index``). ``memo`` (a decode step's ``StatePool.memo``): the
+        metadata, the same for every layer of a kind in one step, is made and copied to the device once."""
         dev, n_tok = q.device, q.shape[0]
         width = int(w_cnt.max()) if n_tok else 0
+        once = memo or (lambda _key, make: make())
         if rows is None:
-            w_start, w_cnt = to_device(torch.stack([w_start, w_cnt]), dev)
-            idx = w_start.unsqueeze(1) + torch.arange(width, device=dev)
-            return ops.sparse_attention_lists(q, window_pool, idx, w_cnt, self.attn_sink, self.head_dim**-0.5)
+
+            def window_lists() -> tuple[torch.Tensor, torch.Tensor]:
+                start_d, cnt_d = to_device(torch.stack([w_start, w_cnt]), dev)
+                return start_d.unsqueeze(1) + torch.arange(width, device=dev), cnt_d
+
+            idx, cnt = once(("window lists",), window_lists)
+            return ops.sparse_attention_lists(q, window_pool, idx, cnt, self.attn_sink, self.head_dim**-0.5)
         m = self.ratio
         rows_pool, roff = rows
         counts = [c.end // m for c in chunks]
-        meta = [w_start, w_cnt, torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], (pos + 1) // m]
-        if index is not None:
-            ipool, ioff = index
-            meta.append(torch.tensor(ioff, dtype=torch.long)[cid])
-        meta_d = to_device(torch.stack(meta), dev)
+
+        def metadata() -> torch.Tensor:
+            meta = [w_start, w_cnt, torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], (pos + 1) // m]
+            if index is not None:
+                meta.append(torch.tensor(index[1], dtype=torch.long)[cid])
+            return to_device(torch.stack(meta), dev)
+
+        meta_d = once(("metadata", m, index is not None), metadata)
         w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
         r_width = max(counts, default=0)
+
+        def key_lists(r_idx: torch.Tensor, r_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c_width = r_idx.shape[1]
+            j = torch.arange(width + c_width, device=dev).unsqueeze(0)
+            cw = w_cnt.unsqueeze(1)
+            comp = torch.gather(r_idx, 1, (j - cw).clamp(0, max(c_width - 1, 0))) if c_width else torch.zeros_like(j)
+            return torch.where(j < cw, w_start.unsqueeze(1) + j, comp), w_cnt + r_cnt
+
         if index is not None:
-            sel, r_cnt = self.indexer.select_ranges(iq[0], iq[1], r_vis, ipool, meta_d[4], r_width, ops)
-            r_idx = sel + r_start.unsqueeze(1)
-            c_width = sel.shape[1]
-        else:
-            r_cnt, c_width = r_vis, r_width
-            r_idx = r_start.unsqueeze(1) + torch.arange(c_width, device=dev)
+            sel, r_cnt = self.indexer.select_ranges(iq[0], iq[1], r_vis, index[0], meta_d[4], r_width, ops)
+            idx, cnt = key_lists(sel + r_start.unsqueeze(1), r_cnt)
+        else:  # every row visible: the same lists in every layer of this ratio
+            idx, cnt = once(("all rows", m), lambda: key_lists(r_start.unsqueeze(1) + torch.arange(r_width, device=dev),
+                                                               r_vis))  # fmt: skip
         keys = torch.cat([window_pool, rows_pool])
-        j = torch.arange(width + c_width, device=dev).unsqueeze(0)
-        cw = w_cnt.unsqueeze(1)
-        comp = torch.gather(r_idx, 1, (j - cw).clamp(0, max(c_width - 1, 0))) if c_width else torch.zeros_like(j)
-        idx = torch.where(j < cw, w_start.unsqueeze(1) + j, comp)
-        return ops.sparse_attention_lists(q, keys, idx, w_cnt + r_cnt, self.attn_sink, self.head_dim**-0.5)
+        return ops.sparse_attention_lists(q, keys, idx, cnt, self.attn_sink, self.head_dim**-0.5)
 
     def _compress_pooled(
         self,
@@ -371,6 +383,32 @@ class Attention(nn.Module):
         store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)
+
+
+@dataclass
+class _WindowPlan:
+    """A decode step's window indices, the same in every layer (one ring row per position, ``win`` rows per
+    sequence): ``slot``, ``at`` (the new row's ring row) and ``cols`` (``[B, win]`` ring rows of positions
+    ``first ..``) on the device; ``pos``, ``cid``, ``start``, ``count`` (each token's window rows in the gathered
+    pool) on the host."""
+
+    slot: torch.Tensor
+    at: torch.Tensor
+    cols: torch.Tensor
+    pos: torch.Tensor
+    cid: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def of(cls, chunks: list[SeqChunk], slots: list[int], win: int, dev: torch.device) -> _WindowPlan:
+        start = [c.start for c in chunks]
+        first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
+        host = torch.tensor([slots, start, first], dtype=torch.long)
+        slot_d, pos_d, first_d = to_device(host, dev)
+        cols = (first_d.unsqueeze(1) + torch.arange(win, device=dev)) % win
+        cid = torch.arange(len(chunks))
+        return cls(slot_d, pos_d % win, cols, host[1], cid, cid * win, host[1] - host[2] + 1)
 
 
 def _split_like(x: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:

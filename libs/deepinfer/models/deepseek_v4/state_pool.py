@@ -22,11 +22,15 @@ views of the states it holds. Index arithmetic on all slots at once replaces the
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from deepinfer.models.deepseek_v4.state import SequenceState
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,18 +62,24 @@ class StatePool:
         self.rings: dict[int, torch.Tensor] = {}
         self.bufs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._initial = initial
-        self._tables: torch.Tensor | None = None  # this forward's stacked block tables
+        self._memo: dict = {}  # this forward's tensors shared by every layer (``memo``)
 
     # -- the step ----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Forget the previous forward's block tables (``tables``)."""
-        self._tables = None
+        """Forget the previous forward's shared tensors (``memo``, ``tables``)."""
+        self._memo.clear()
+
+    def memo(self, key: object, make: Callable[[], T]) -> T:
+        """``make()`` once per forward under ``key``: what every layer of a decode step derives alike from the same
+        sequences (slot and window indices, block tables, attention metadata), built and copied to the device once."""
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
 
     def tables(self, tables: list[torch.Tensor]) -> torch.Tensor:
         """This forward's block tables padded into one ``[B, P]`` tensor (made once, shared by every layer)."""
-        if self._tables is None:
-            self._tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
-        return self._tables
+        return self.memo("tables", lambda: torch.nn.utils.rnn.pad_sequence(tables, batch_first=True))
 
     # -- slots ------------------------------------------------------------------------------------------
     def slots(self, states: list[SequenceState]) -> list[int]:
