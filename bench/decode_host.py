@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=4, help="SWA, SWA, then CSA (ratio 4) and HCA (128) alternating")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = DeepseekV4Config.from_dict({**TINY_V4, "num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128, 0],
+    ratios = ([0, 0] + [4, 128] * args.layers)[: args.layers] + [0]
+    cfg = DeepseekV4Config.from_dict({**TINY_V4, "num_hidden_layers": args.layers, "compress_ratios": ratios,
                                       "sliding_window": 128, "num_hash_layers": 2, "index_topk": 64})  # fmt: skip
     model = DeepseekV4Model(cfg, ReferenceOps())
     model.load_state_dict(random_weights(cfg, seed=0))
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"batch {b}: per-sequence {row['per_sequence_ms']:.1f} ms, {row['per_sequence_aten_calls']} aten ops; "
               f"pooled {row['pooled_ms']:.1f} ms, {row['pooled_aten_calls']} aten ops", flush=True)  # fmt: skip
     res = {"command": " ".join([Path(sys.executable).name] + sys.argv), "torch": torch.__version__, "rows": rows,
-           "context": args.context, "rounds": args.rounds}  # fmt: skip
+           "context": args.context, "rounds": args.rounds, "layers": args.layers}  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode-host-cpu.json").write_text(json.dumps(res, indent=2))
