@@ -70,3 +70,31 @@ def test_pooled_decode_gives_the_same_logits():
     assert pool.capacity == 16  # grown from 8
     gc.collect()
     assert len(pool.free) == pool.capacity  # every state gone: every slot given back
+
+
+def test_an_mtp_block_in_the_same_step_gets_its_own_plan():
+    """A decode step shares its window plan and attention metadata among its layers (``StatePool.memo``); an MTP
+    block run in the same step on other positions (here 0, 1, ...: it has not run since the prefill) builds its own.
+    Its logits equal those of the per-sequence state, bit for bit."""
+    model = _model()
+    vocab = model.config.vocab_size
+
+    def run(pooled: bool) -> torch.Tensor:
+        model.pooled_decode = pooled
+        cache = PagedKVCache(model.config, 3 * PAGES, 16)
+        seqs = [tokens(40, 300 + i, vocab) for i in range(3)]
+        states = [SequenceState() for _ in seqs]
+        tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(3)]
+        out = []
+        for n in (20, 1, 1, 1):
+            chunks = [SeqChunk(s, s.num_tokens, n, t) for s, t in zip(states, tables)]
+            batch = ForwardBatch.build(chunks, [q[c.start : c.end] for q, c in zip(seqs, chunks)])
+            h = model(batch, cache)
+            out.append(model.logits(h))
+            if n == 1:
+                nxt = torch.tensor([q[c.end] for q, c in zip(seqs, chunks)])
+                out.append(model.mtp_forward(h, nxt, batch)[1])
+        assert [s.mtp_tokens for s in states] == [3, 3, 3]  # the block ran on positions 0, 1, 2
+        return torch.cat(out)
+
+    assert torch.equal(run(pooled=True), run(pooled=False))

@@ -242,7 +242,7 @@ class Attention(nn.Module):
         states = [c.state for c in chunks]
         slots = pool.slots(states)
         ring = pool.ring(self.layer_id, states, slots, win, self.head_dim, kv.dtype)
-        w = pool.memo(("window", win), lambda: _WindowPlan.of(chunks, slots, win, dev))
+        w = pool.memo(chunks, ("window", win), lambda: _WindowPlan.of(chunks, slots, win, dev))
         slot_d = w.slot
         ring[w.slot, w.at] = kv  # the new row first: the window then reads positions first .. pos
         window_pool = ring[w.slot.unsqueeze(1), w.cols].flatten(0, 1)
@@ -254,7 +254,7 @@ class Attention(nn.Module):
             index = self._compress_pooled(self.indexer.compressor, proj["index"], chunks, slots, slot_d, "index",
                                           pool, cache, rope, ops, kv.dtype)  # fmt: skip
         return self._attend_pools(q, iq, window_pool, w.start, w.count, w.pos, w.cid, chunks, rows, index, ops,
-                                  pool.memo)  # fmt: skip
+                                  lambda key, make: pool.memo(chunks, key, make))  # fmt: skip
 
     def _attend_pools(
         self,
@@ -335,7 +335,7 @@ class Attention(nn.Module):
         done = comp.forward_pooled(proj[0], proj[1], chunks, slots, slot_d, pool, key, rope, ops, dtype)
         cache.write_many(store, self.layer_id, [(chunks[i].block_table, w, row) for i, w, row in done])
         tables, counts = [c.block_table for c in chunks], [c.end // self.ratio for c in chunks]
-        return cache.read_many(store, self.layer_id, tables, counts, pool.tables(tables))
+        return cache.read_many(store, self.layer_id, tables, counts, pool.tables(chunks, tables))
 
     def _compress_batched(
         self,

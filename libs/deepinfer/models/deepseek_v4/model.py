@@ -166,6 +166,8 @@ class DeepseekV4Model(nn.Module):
                 h = layer(h, batch, offsets, cache, self.rope_of(layer.layer_id), ops, batch.token_ids)
         for c in batch.chunks:
             c.state.num_tokens = c.end
+        if self.state_pool is not None:
+            self.state_pool.end_step()
         return h
 
     def _use_pool(self, on: bool) -> None:
@@ -200,6 +202,8 @@ class DeepseekV4Model(nn.Module):
 
         The block keeps its own window in each sequence's state (layer id ``num_hidden_layers+depth``)."""
         ops, blk = self.ops, self.mtp[depth]
+        if self.state_pool is not None:
+            self.state_pool.begin_step()
         e = blk.enorm(self.embed(next_ids), ops)
         x = blk.e_proj(e, ops).unsqueeze(1) + blk.h_proj(blk.hnorm(h, ops), ops)
         chunks = [SeqChunk(c.state, c.state.mtp_tokens, c.length, c.block_table) for c in batch.chunks]
@@ -207,4 +211,6 @@ class DeepseekV4Model(nn.Module):
         x = blk(x, mbatch, mbatch.offsets(), None, self.rope_main, ops, next_ids)
         for c in chunks:
             c.state.mtp_tokens = c.end
+        if self.state_pool is not None:
+            self.state_pool.end_step()
         return x, self._head(x, blk, blk.norm)

@@ -66,20 +66,26 @@ class StatePool:
 
     # -- the step ----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Forget the previous forward's shared tensors (``memo``, ``tables``)."""
+        """Forget what an earlier forward shared (``memo``, ``tables``); the model calls it when a forward (its
+        trunk, an MTP block) starts and when it ends."""
         self._memo.clear()
 
-    def memo(self, key: object, make: Callable[[], T]) -> T:
-        """``make()`` once per forward under ``key``: what every layer of a decode step derives alike from the same
-        sequences (slot and window indices, block tables, attention metadata), built and copied to the device once."""
-        got = self._memo.get(key)
+    end_step = begin_step
+
+    def memo(self, chunks: list, key: object, make: Callable[[], T]) -> T:
+        """``make()`` once per forward and chunk list under ``key``: what every layer of a decode step derives alike
+        from the same chunks (window indices, block tables, attention metadata), built and copied to the device
+        once. Valid within one forward only (``begin_step`` / ``end_step``), while ``chunks`` is alive."""
+        full = (id(chunks), key)
+        got = self._memo.get(full)
         if got is None:
-            got = self._memo[key] = make()
+            got = self._memo[full] = make()
         return got
 
-    def tables(self, tables: list[torch.Tensor]) -> torch.Tensor:
-        """This forward's block tables padded into one ``[B, P]`` tensor (made once, shared by every layer)."""
-        return self.memo("tables", lambda: torch.nn.utils.rnn.pad_sequence(tables, batch_first=True))
+    def tables(self, chunks: list, tables: list[torch.Tensor]) -> torch.Tensor:
+        """The block tables of ``chunks`` padded into one ``[B, P]`` tensor (made once per step, shared by every
+        layer)."""
+        return self.memo(chunks, "tables", lambda: torch.nn.utils.rnn.pad_sequence(tables, batch_first=True))
 
     # -- slots ------------------------------------------------------------------------------------------
     def slots(self, states: list[SequenceState]) -> list[int]:
