@@ -165,7 +165,7 @@ class DeepseekV41Model(nn.Module):
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
-        self.pooled_decode = True  # decode steps keep the window rings in a StatePool (attention_batched.py)
+        self.pooled_decode = True  # decode steps keep window rings and compressor pairs in a StatePool
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.vision = self.aligner = None
