@@ -91,37 +91,46 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
     b = packed.view(torch.uint8).long()
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).view(out, inp)
-    vals = _fp4_tables(packed.device)[0][codes].view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float().unsqueeze(-1)
+    vals = _fp4_values(packed.device)[codes].view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float().unsqueeze(-1)
     return vals.view(out, inp).to(dtype)
 
 
-_FP4_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_FP4_ON: dict[torch.device, torch.Tensor] = {}
+_FP4_EDGES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# the magnitudes between consecutive e2m1 values, with where each tie goes: to the even code (0, 1, 2, 4, 6 are
+# the even codes' values), so ties at 0.25, 1.25, 2.5 and 5 round down and those at 0.75, 1.75 and 3.5 round up
+_FP4_MIDPOINTS = ((0.25, "down"), (0.75, "up"), (1.25, "down"), (1.75, "up"), (2.5, "down"), (3.5, "up"), (5.0, "down"))
 
 
-def _fp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FP4_VALUES`` and the even-code mask on ``device``, made once per device (no copy per call, so the rounding
-    can run inside a CUDA graph)."""
+def _fp4_values(device: torch.device) -> torch.Tensor:
+    """``FP4_VALUES`` on ``device``, made once per device (no copy per call, so the rounding can run inside a CUDA
+    graph)."""
     got = _FP4_ON.get(device)
     if got is None:
-        got = _FP4_ON[device] = (FP4_VALUES.to(device), (torch.arange(8, device=device) & 1) == 0)
+        got = _FP4_ON[device] = FP4_VALUES.to(device)
+    return got
+
+
+def _fp4_edges(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``bucketize`` boundaries (``right=True``) of the e2m1 magnitudes in ``dtype``, made once per device and dtype:
+    a tie that rounds down sits below its boundary (the midpoint's next representable value up), one that rounds up
+    on it."""
+    got = _FP4_EDGES.get((device, dtype))
+    if got is None:
+        mid = torch.tensor([m for m, _ in _FP4_MIDPOINTS], dtype=dtype)
+        down = torch.tensor([d == "down" for _, d in _FP4_MIDPOINTS])
+        edges = torch.where(down, torch.nextafter(mid, torch.full_like(mid, float("inf"))), mid)
+        got = _FP4_EDGES[(device, dtype)] = edges.to(device)
     return got
 
 
 def fp4_codes(v: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest e2m1 value (ties to the even mantissa), saturating at ±6; returns codes."""
-    mag = v.abs().clamp(max=FP4_MAX)
-    values, even = _fp4_tables(v.device)
-    grid = values[:8]
-    dist = (mag.unsqueeze(-1) - grid).abs()
-    best = dist.min(-1, keepdim=True).values
-    tie = dist == best
-    # among tied candidates prefer the even code (even mantissa bit); codes 0..7 have mantissa bit = code & 1
-    pick = torch.where(tie & even, 0, torch.where(tie, 1, 2))
-    idx = pick.argmin(-1)
-    sign = (v < 0) | ((v == 0) & torch.signbit(v))
-    return (idx | (sign.long() << 3)).long()
+    """Round to the nearest e2m1 value (ties to the even mantissa), saturating at ±6; returns codes (bit 3 the sign,
+    from the sign bit: ``-0.0`` and the negative values that round to zero keep it)."""
+    idx = torch.bucketize(v.abs(), _fp4_edges(v.device, v.dtype), right=True)
+    return idx | (torch.signbit(v).long() << 3)
 
 
 def fp4_round(v: torch.Tensor) -> torch.Tensor:
     """Values rounded onto the e2m1 grid (for the quantisation simulation)."""
-    return _fp4_tables(v.device)[0][fp4_codes(v)]
+    return _fp4_values(v.device)[fp4_codes(v)]
