@@ -309,6 +309,17 @@ def test_mxfp4_ties_round_to_even(value, expected):
     assert d[0, :3].tolist() == [6.0, expected, -expected]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp4_rounds_to_nearest_one_ulp_beside_every_tie(dtype):
+    """One ulp below a midpoint rounds down, one ulp above rounds up, whichever way the tie itself goes."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(grid, grid[1:])], dtype=dtype)
+    below = torch.nextafter(mids, torch.zeros_like(mids))
+    above = torch.nextafter(mids, torch.full_like(mids, 10.0))
+    assert fp4_round(below).tolist() == grid[:-1] and fp4_round(above).tolist() == grid[1:]
+    assert fp4_round(-above).tolist() == [-g for g in grid[1:]]
+
+
 @pytest.mark.parametrize("value", [6.0, 6.5, 7.0, 100.0, float("inf")])
 def test_fp4_saturates_at_6(value):
     assert fp4_round(torch.tensor([value, -value])).tolist() == [6.0, -6.0]
