@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,36 +65,34 @@ class Mesh:
             self.ports["grammar"] = free_port()
             self.start_grammar()
             self.extra_env["DEEPINFER_GRAMMAR_URL"] = self.address("grammar")
-        for n in (
-            "worker",
-            "scheduler",
-            "balancer",
-            "worker_metrics",
-            "scheduler_metrics",
-            *(["http"] if http else []),
-        ):
-            self.ports[n] = free_port()
-        self.start(
-            "worker",
-            ["services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
-             "--page-size", "16", "--num-pages", str(num_pages), "--metrics-port", str(self.ports["worker_metrics"])],
-        )  # fmt: skip
-        wait_serving(self.address("worker"))
-        self.start(
-            "scheduler",
-            ["services.scheduler", "--worker", self.address("worker"), "--port", str(self.ports["scheduler"]),
-             "--max-queued", str(max_queued), "--grace", str(grace_s),
-             "--metrics-port", str(self.ports["scheduler_metrics"])],
-        )  # fmt: skip
-        wait_serving(self.address("scheduler"))
-        self.start(
-            "balancer",
-            ["services.balancer", "--model", str(self.model),
-             *([] if self.discover else ["--scheduler", self.address("scheduler")]),
-             "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0))],
-        )  # fmt: skip
-        wait_serving(self.address("balancer"))  # the HTTP server listens before gRPC reports SERVING
-        return self
+        self._serve("worker", ("worker", "worker_metrics"), lambda: [
+            "services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
+            "--page-size", "16", "--num-pages", str(num_pages),
+            "--metrics-port", str(self.ports["worker_metrics"])])  # fmt: skip
+        self._serve("scheduler", ("scheduler", "scheduler_metrics"), lambda: [
+            "services.scheduler", "--worker", self.address("worker"), "--port", str(self.ports["scheduler"]),
+            "--max-queued", str(max_queued), "--grace", str(grace_s),
+            "--metrics-port", str(self.ports["scheduler_metrics"])])  # fmt: skip
+        self._serve("balancer", ("balancer", *(["http"] if http else [])), lambda: [
+            "services.balancer", "--model", str(self.model),
+            *([] if self.discover else ["--scheduler", self.address("scheduler")]),
+            "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0))])  # fmt: skip
+        return self  # the balancer's HTTP server listens before its gRPC server reports SERVING
+
+    def _serve(self, name: str, ports: tuple[str, ...], args: Callable[[], list[str]], attempts: int = 3) -> None:
+        """Start ``name`` on fresh ``ports`` and wait until it serves. A port found free can be taken by another
+        process (an outgoing connection's ephemeral port) before the service binds it; the service then exits, and
+        it is started again on other ports."""
+        for attempt in range(attempts):
+            for n in ports:
+                self.ports[n] = free_port()
+            self.start(name, args())
+            try:
+                wait_serving(self.address(name), proc=self.procs[name])
+                return
+            except RuntimeError:  # it exited before serving
+                if attempt == attempts - 1:
+                    raise
 
     def start_grammar(self) -> None:
         """(Re)start the grammar service on its port."""
