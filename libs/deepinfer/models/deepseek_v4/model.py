@@ -15,7 +15,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
-from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
 
 
@@ -172,15 +172,7 @@ class DeepseekV4Model(nn.Module):
 
     def _use_pool(self, on: bool) -> None:
         """Give every attention layer the model's ``StatePool`` (made on the weights' device), or none."""
-        dev = self.embed.weight.device
-        if on and (self.state_pool is None or self.state_pool.device != dev):
-            self.state_pool = StatePool(dev)
-        pool = self.state_pool if on else None
-        if self._pool_given is not pool:  # walk the modules only when it changes
-            for m in self.modules():
-                if isinstance(m, Attention):
-                    m.state_pool = pool
-            self._pool_given = pool
+        use_pool(self, on, Attention)
 
     def _head(self, h: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c, ops = self.config, self.ops

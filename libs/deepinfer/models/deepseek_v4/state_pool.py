@@ -176,4 +176,19 @@ class StatePool:
         return pair[0], pair[1], out
 
 
-__all__ = ["PooledBuffer", "StatePool"]
+def use_pool(model: torch.nn.Module, on: bool, holder: type) -> None:
+    """Give every ``holder`` module of ``model`` (its attention layers) the model's ``StatePool``, made on the weights'
+    device, or none; the model keeps ``state_pool`` and the pool its layers hold (``_pool_given``), so the modules
+    are walked only when that changes."""
+    dev = model.embed.weight.device
+    if on and (model.state_pool is None or model.state_pool.device != dev):
+        model.state_pool = StatePool(dev)
+    pool = model.state_pool if on else None
+    if model._pool_given is not pool:
+        for m in model.modules():
+            if isinstance(m, holder):
+                m.state_pool = pool
+        model._pool_given = pool
+
+
+__all__ = ["PooledBuffer", "StatePool", "use_pool"]

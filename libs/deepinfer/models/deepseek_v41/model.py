@@ -20,7 +20,7 @@ from torch import nn
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
-from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
@@ -316,15 +316,7 @@ class DeepseekV41Model(nn.Module):
 
     def _use_pool(self, on: bool) -> None:
         """Give every attention layer the model's ``StatePool`` (made on the weights' device), or none."""
-        dev = self.embed.weight.device
-        if on and (self.state_pool is None or self.state_pool.device != dev):
-            self.state_pool = StatePool(dev)
-        pool = self.state_pool if on else None
-        if self._pool_given is not pool:  # walk the modules only when it changes
-            for m in self.modules():
-                if isinstance(m, Attention):
-                    m.state_pool = pool
-            self._pool_given = pool
+        use_pool(self, on, Attention)
 
     def _keep_features(self, captured: list[torch.Tensor], active: torch.Tensor | None, n: int) -> None:
         if self.mtp is None:
