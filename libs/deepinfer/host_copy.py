@@ -23,9 +23,7 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``; a host tensor bound for a CUDA device goes through pinned memory, asynchronously (the
     copy is ordered on the current stream like any other work, so later kernels see the data)."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    if BLOCKING:
+    if device.type != "cuda" or t.device.type != "cpu" or BLOCKING:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
