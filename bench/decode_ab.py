@@ -14,7 +14,8 @@ kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts 
 ``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels). ``--ab-pool`` compares
 ``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed;
 ``--ab-h2d`` compares ``H2D_VARIANTS``: the step's host-to-device copies synchronous against asynchronous from pinned
-memory (``deepinfer/host_copy.py``).
+memory (``deepinfer/host_copy.py``); ``--ab-order`` compares ``ORDER_VARIANTS``: the MXFP4 experts' codes as stored
+against the shift order (``quant/nibble_order.py``).
 
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
 rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
@@ -59,6 +60,12 @@ H2D_VARIANTS = {
     "blocking_copies": (True, True, None),
     "async_copies": (True, True, None),
 }
+# the A/B of the MXFP4 experts' nibble order (``--ab-order``; quant/nibble_order.py, bench/weight_sets.py OrderSets):
+# the byte-lookup decode of the codes as stored against the shift decode, both with pooled state and graphs
+ORDER_VARIANTS = {
+    "plain_order": (True, True, None),
+    "shift_order": (True, True, None),
+}
 _TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
 
 
@@ -67,6 +74,8 @@ def variants_of(ours: Any) -> dict[str, tuple[bool, bool, str | None]]:
     ``weight_sets``, else ``VARIANTS``."""
     if getattr(ours.args, "ab_h2d", False):
         return H2D_VARIANTS
+    if getattr(ours, "order_sets", None) is not None:
+        return ORDER_VARIANTS
     if getattr(ours.args, "ab_pool", False):
         return POOL_VARIANTS
     return WEIGHT_VARIANTS if getattr(ours, "weight_sets", None) is not None else VARIANTS
@@ -81,6 +90,8 @@ def set_variant(ours: Any, name: str) -> None:
     if hasattr(ours.model, "pooled_decode"):
         ours.model.pooled_decode = name != "graphs_per_sequence"
     host_copy.BLOCKING = name == "blocking_copies"
+    if name in ORDER_VARIANTS:
+        ours.order_sets.use(name.removesuffix("_order"))
 
 
 def launch_profile(step, dev: torch.device) -> dict[str, Any]:
@@ -135,6 +146,8 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
         out["exactness"] = exactness(ours, b)
         if sets is not None:
             out["weights_vs_bf16"] = weights_vs_bf16(ours, b)
+        if getattr(ours, "order_sets", None) is not None:
+            out["orders_bit_identical"] = orders_bit_identical(ours, b)
     finally:
         ops.fused, ops.cuda_graphs = prev
         if sets is not None:
@@ -142,6 +155,8 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
         if hasattr(ours.model, "pooled_decode"):
             ours.model.pooled_decode = True
         host_copy.BLOCKING = False
+        if getattr(ours, "order_sets", None) is not None:
+            ours.order_sets.use("shift")  # what NvidiaOps.prepare_weights makes
     return out
 
 
@@ -182,13 +197,26 @@ def weights_vs_bf16(ours: Any, b: int, steps: int = 3) -> dict[str, Any]:
     }
 
 
+def orders_bit_identical(ours: Any, b: int, steps: int = 3) -> bool:
+    """Whether ``steps`` graphed decode steps give the same logits, bit for bit, on the plain and the shift order of
+    the experts' codes (the two decodes give the same bf16 tiles), from the same state with the same tokens."""
+    ops, tokens = ours.model.ops, [ours._ids(b) for _ in range(steps)]
+    logits = []
+    for order in ("plain", "shift"):
+        ours.order_sets.use(order)
+        ops.fused, ops.cuda_graphs = True, True
+        step = ours.make_step(b, steps, tokens=tokens)
+        logits.append(torch.stack([step() for _ in range(steps)]))
+    return torch.equal(*logits)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The before/after table."""
     head = ("| batch | variant | ms/step | host kernel launches | graph launches | H2D copies | device busy ms |\n"
             "|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
     lines = [head]
     for r in rows:
-        for name in list(VARIANTS) + list(WEIGHT_VARIANTS) + list(POOL_VARIANTS) + list(H2D_VARIANTS):
+        for name in [*VARIANTS, *WEIGHT_VARIANTS, *POOL_VARIANTS, *H2D_VARIANTS, *ORDER_VARIANTS]:
             v = r.get(name)
             if not isinstance(v, dict):
                 continue

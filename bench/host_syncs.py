@@ -53,6 +53,7 @@ def main() -> None:
         model = sweep.build_ours(config, dev, 0)
         if getattr(model.ops, "native_weights", False):
             sweep.prepare_native(model, tuple(config.weight_block_size), quantize=True)
+            model.ops.prepare_weights(model)
         ours = sweep.Ours(model, args, dev, batches)
         st = SequenceState()
         ours._prefill(st, ours.tables[0], ours._ids(a.context))

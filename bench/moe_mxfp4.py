@@ -7,25 +7,29 @@ implementation and the graph is replayed (CUDA events; the time per call is the 
 divided by the calls): launch overhead is amortised, and consecutive calls touch different experts, so at small T
 the weights come from HBM, not L2.
 
-Columns: ``moe_mxfp4``; the peers ``moe_triton`` and ``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the
-HBM roofline of the MXFP4 call (bytes of the distinct experts its routing touches, weights and scales, over
-``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline ``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the
-bandwidth the MXFP4 call reached; and ``roof/time`` = max(rooflines) / time. A device-to-device copy measured in the
-same run gives the copy bandwidth actually reachable. ``--sweep`` instead times ``moe_mxfp4`` under a list of
-configurations at every T (for tuning ``MX_DECODE`` / ``MX_PREFILL``).
+Columns: ``moe_mxfp4`` (timed on the plain nibble order, then on a copy in the shift order, ``quant.nibble_order``,
+then plain again, with whether the two orders give bit-identical outputs); the peers ``moe_triton`` and
+``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the HBM roofline of the MXFP4 call (bytes of the distinct
+experts its routing touches, weights and scales, over ``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline
+``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the bandwidth the MXFP4 call reached; and ``roof/time`` =
+max(rooflines) / time. A device-to-device copy measured in the same run gives the copy bandwidth actually reachable.
+``--sweep`` instead times ``moe_mxfp4`` under a list of configurations at every T (for tuning ``MX_DECODE`` /
+``MX_PREFILL``).
 
 Run on one GPU from the repository root::
 
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --out bench/results
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --sweep --calls 4 --tokens 1,16,64,256,4096
 
-(``--sweep`` lists the µs of every candidate and its relative error against the portable decode.)
+(``--sweep`` lists the µs of every candidate, in both nibble orders of the codes, and its relative error against
+the portable decode. ``--profile 1,64`` first prints the CUDA time of each kernel of a call at those T.)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -36,6 +40,7 @@ import torch
 from deepinfer.kernels.moe import MoEConfig, moe_grouped_mm, moe_triton
 from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4
 from deepinfer.quant.native import dequantize_experts
+from deepinfer.quant.nibble_order import to_shift_order
 
 E, D, I, K = 256, 4096, 2048, 6
 LIMIT = 10.0
@@ -43,8 +48,8 @@ LIMIT = 10.0
 # --sweep: (config, swap) candidates, the decode ones timed for T <= 256, the
 # prefill ones for T >= 256
 SWEEP_DECODE = [(MoEConfig(*c), swap) for c, swap in [
-    ((16, 128, 128, 4, 3), 0), ((16, 64, 128, 4, 4), 1), ((16, 64, 256, 4, 3), 0), ((16, 256, 128, 8, 3), 0),
-    ((32, 128, 128, 4, 3), 0),
+    ((16, 128, 128, 4, 3), 0), ((16, 64, 128, 2, 3), 0), ((16, 128, 128, 2, 3), 0), ((16, 64, 256, 2, 3), 0),
+    ((16, 64, 128, 2, 4), 0), ((16, 32, 128, 1, 3), 0),
 ]]  # fmt: skip
 SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
     ((64, 128, 128, 8, 3), 1), ((128, 128, 128, 8, 3), 1), ((128, 256, 128, 8, 3), 1), ((128, 128, 256, 8, 3), 1),
@@ -60,14 +65,41 @@ def sweep_variants(t):
     return SWEEP_PREFILL
 
 
-def run_variant(cfg, swap, x, i, w, mx):
+def run_variant(cfg, swap, x, i, w, mx, order="plain"):
     import deepinfer.kernels.moe_mxfp4 as mod
 
     mod.SWAP_AB = bool(swap)
     try:
-        return moe_mxfp4(x, i, w, *mx, LIMIT, config=cfg)
+        return moe_mxfp4(x, i, w, *mx, LIMIT, config=cfg, order=order)
     finally:
         mod.SWAP_AB = None
+
+
+def shifted(mx):
+    """Copies of the experts with their codes in the shift order (``quant.nibble_order``)."""
+    out = list(mx)
+    for j in (0, 2, 4):
+        out[j] = mx[j].clone()
+        to_shift_order(out[j])
+    return tuple(out)
+
+
+def profile(t, mx, sx, dev) -> None:
+    """The kernels of ``moe_mxfp4`` at ``t`` tokens, plain and shift order: CUDA µs per call by kernel name."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    inputs = routings(t, 8, dev, seed=7 + t)
+    for order, weights in (("plain", mx), ("shift", sx)):
+        for x, i, w in inputs:
+            moe_mxfp4(x, i, w, *weights, LIMIT, order=order)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for x, i, w in inputs:
+                moe_mxfp4(x, i, w, *weights, LIMIT, order=order)
+            torch.cuda.synchronize()
+        print(f"\nT={t}, {order} order: CUDA time per call by kernel")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def experts(dev):
@@ -134,12 +166,16 @@ def main() -> None:
     p.add_argument("--flops", type=float, default=989e12, help="dense bf16 FLOP/s for the roofline")
     p.add_argument("--sweep", action="store_true", help="time moe_mxfp4 under each config of SWEEP instead")
     p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
+    p.add_argument("--profile", default="", help="token counts to profile by kernel (both nibble orders), e.g. 1,64")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
     args = p.parse_args()
     dev = torch.device("cuda")
     tokens = [int(t) for t in args.tokens.split(",")]
     mx = experts(dev)
+    sx = shifted(mx)
     per_expert = expert_bytes(mx)
+    for t in [int(t) for t in args.profile.split(",") if t]:
+        profile(t, mx, sx, dev)
     deq = None
     if not (args.no_peers or args.sweep):
         deq = tuple(dequantize_experts(w, s, torch.bfloat16) for w, s in (mx[0:2], mx[2:4], mx[4:6]))
@@ -161,20 +197,27 @@ def main() -> None:
             mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
             ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
             mod.FAST_DECODE = True
-            for cfg, swap in sweep_variants(t):
-                key = f"{tuple(vars(cfg).values())} swap={swap}"
+            for (cfg, swap), order in itertools.product(sweep_variants(t), ("plain", "shift")):
+                key = f"{tuple(vars(cfg).values())} swap={swap} {order}"
+                ws = sx if order == "shift" else mx
                 try:
-                    row[key] = time_graph(lambda x, i, w, v=(cfg, swap): run_variant(*v, x, i, w, mx), inputs, 3)
+                    row[key] = time_graph(
+                        lambda x, i, w, v=(cfg, swap, ws, order): run_variant(v[0], v[1], x, i, w, *v[2:]), inputs, 3
+                    )
                 except Exception as exc:  # a config the compiler rejects
                     row[key] = None
                     print(f"T={t} {key}: {type(exc).__name__}: {str(exc)[:200]}")
                     torch.cuda.synchronize()
                 if row[key] is not None:
-                    out = run_variant(cfg, swap, *inputs[0], mx)
+                    out = run_variant(cfg, swap, *inputs[0], ws, order)
                     row[key + " err"] = ((out - ref).norm() / ref.norm()).item()
                 print(f"T={t} {key}: {row[key]} err {row.get(key + ' err')}", flush=True)
         else:
             row["mxfp4_us"] = time_graph(lambda x, i, w: moe_mxfp4(x, i, w, *mx, LIMIT), inputs, args.reps)
+            shift = lambda x, i, w: moe_mxfp4(x, i, w, *sx, LIMIT, order="shift")  # noqa: E731
+            row["mxfp4_shift_us"] = time_graph(shift, inputs, args.reps)
+            row["shift_bit_identical"] = torch.equal(shift(*inputs[0]), moe_mxfp4(*inputs[0], *mx, LIMIT))
+            row["mxfp4_plain_again_us"] = time_graph(lambda x, i, w: moe_mxfp4(x, i, w, *mx, LIMIT), inputs, args.reps)
             if deq is not None:
                 out = moe_mxfp4(*inputs[0], *mx, LIMIT)
                 ref = moe_triton(*inputs[0], *deq, LIMIT)
@@ -192,12 +235,13 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev)
     print(f"\n{name}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {per_expert / 1e6:.2f} MB per expert")
     if not args.sweep:
-        head = "| T | experts | mxfp4 µs | TB/s | triton bf16 µs | grouped_mm bf16 µs | HBM roof µs | FLOP roof µs |"
-        print(head + " roof/time |\n" + "|---" * 9 + "|")
+        head = "| T | experts | mxfp4 µs (plain, shift, plain) | TB/s | triton bf16 µs | grouped_mm bf16 µs |"
+        print(head + " HBM roof µs | FLOP roof µs | roof/time |\n" + "|---" * 9 + "|")
         for r in rows:
             peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
+            ab = f"{r['mxfp4_us']:.1f}, {r['mxfp4_shift_us']:.1f}, {r['mxfp4_plain_again_us']:.1f}"
             print(
-                f"| {r['T']} | {r['experts_touched']:.1f} | {r['mxfp4_us']:.1f} | {r['mxfp4_TBps']:.2f} | "
+                f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['mxfp4_TBps']:.2f} | "
                 f"{peers[0]} | {peers[1]} | {r['roof_hbm_us']:.1f} | {r['roof_flop_us']:.1f} | "
                 f"{r['roof_over_time']:.2f} |"
             )

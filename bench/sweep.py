@@ -79,7 +79,7 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
 
 import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
-from weight_sets import WeightSets  # noqa: E402 - bench/weight_sets.py
+from weight_sets import OrderSets, WeightSets  # noqa: E402 - bench/weight_sets.py
 
 import deepinfer  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
@@ -653,6 +653,7 @@ class Ours:
         dev: torch.device,
         batches: list[int],
         weight_sets: WeightSets | None = None,
+        order_sets: OrderSets | None = None,
     ):
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
@@ -664,7 +665,7 @@ class Ours:
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         max_prefill = max(args.prefill_tokens, default=0)
-        self.weight_sets = weight_sets
+        self.weight_sets, self.order_sets = weight_sets, order_sets
         self.lanes = len(decode_ab.variants_of(self)) if args.ab else 1  # --ab: one set of batch pages per variant
         n_dec = (self.n_tpl + self.lanes * max(batches, default=0)) * self.pages_per_seq
         num_pages = n_dec + -(-max_prefill // ps)
@@ -1226,6 +1227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="make --ab compare the step's host-to-device copies synchronous against asynchronous (host_copy.py)",
     )
+    ap.add_argument(
+        "--ab-order",
+        action="store_true",
+        help="make --ab compare the MXFP4 experts' codes as stored against the shift order (quant/nibble_order.py)",
+    )
     ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
@@ -1295,12 +1301,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["weight_bytes"] = {k: sets.bytes(k) for k in sets.sets}
         elif native:
             prepare_native(model, tuple(config.weight_block_size), quantize=True)
+        orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
+        if orders is None:
+            model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
         res["weights"] = "native" if native or args.ab_weights else "bf16"
         sync(dev)
         res["build_s"] = time.perf_counter() - t
         if dev.type == "cuda":
             log(f"  built in {res['build_s']:.1f} s; {torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB allocated")
-        ours = Ours(model, args, dev, args.batches, sets)
+        ours = Ours(model, args, dev, args.batches, sets, orders)
         log("ours: decode ...")
         res["decode"], res["decode_info"] = ours.decode(args.batches, Budget(args.budget_s, deadline))
         log("ours: prefill ...")

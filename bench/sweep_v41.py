@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             native = True
     if native and sets is None:
         prepare_native(model, block, quantize=True)
+    model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
     ours = Ours(model, args, dev, args.batches, sets)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))

@@ -14,7 +14,17 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import dequantize_fp8_blocks
-from deepinfer.quant.native import EXPERT_WEIGHTS, dequantize_experts, expert_modules, fp8_linears, prepare_native
+from deepinfer.quant.native import (
+    EXPERT_WEIGHTS,
+    ORDER_ATTR,
+    dequantize_experts,
+    expert_modules,
+    expert_order,
+    fp8_linears,
+    is_mxfp4,
+    prepare_native,
+)
+from deepinfer.quant.nibble_order import to_shift_order
 
 
 class WeightSets:
@@ -76,4 +86,39 @@ class WeightSets:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-__all__ = ["WeightSets"]
+class OrderSets:
+    """The MXFP4 experts of a model in both nibble orders of their codes, swapped in place (``--ab-order``): ``plain``
+    (as stored) and ``shift`` (``quant.nibble_order``, what ``NvidiaOps.prepare_weights`` makes on a GPU: a copy
+    here). Each order keeps its own ``decode_graphs`` (a graph holds the kernels it was captured with)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.experts = [m for _, m in expert_modules(model) if is_mxfp4(m.w1)]
+        if any(expert_order(m) != "plain" for m in self.experts):
+            raise ValueError("OrderSets: the experts must be in the plain order (before prepare_weights)")
+        plain = [{w: getattr(m, w) for w in EXPERT_WEIGHTS} for m in self.experts]
+        shift = []
+        for ws in plain:
+            copies = {w: nn.Parameter(t.detach().clone(), requires_grad=False) for w, t in ws.items()}
+            for t in copies.values():
+                to_shift_order(t.data)
+            shift.append(copies)
+        self.sets: dict[str, dict[str, Any]] = {"plain": {"experts": plain, "graphs": None}}
+        self.sets["shift"] = {"experts": shift, "graphs": None}
+        self.current = "plain"
+        self.sets["plain"]["graphs"] = getattr(model, "decode_graphs", None)
+
+    def use(self, name: str) -> None:
+        """Make the experts (and decode graphs) of order ``name`` the model's."""
+        if name == self.current:
+            return
+        self.sets[self.current]["graphs"] = getattr(self.model, "decode_graphs", None)
+        for m, ws in zip(self.experts, self.sets[name]["experts"], strict=True):
+            for w, t in ws.items():
+                setattr(m, w, t)
+            setattr(m, ORDER_ATTR, name)
+        self.model.decode_graphs = self.sets[name]["graphs"]
+        self.current = name
+
+
+__all__ = ["OrderSets", "WeightSets"]

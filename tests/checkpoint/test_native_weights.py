@@ -19,9 +19,11 @@ from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, qua
 from deepinfer.quant.native import (
     dequantize_experts,
     expert_modules,
+    expert_order,
     fp8_linears,
     prepare_native,
     quantize_experts,
+    shift_experts,
 )
 
 
@@ -137,12 +139,43 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
         pytest.skip("CPU tensors through the interpreter; on a GPU bench/sweep_v41.py runs the kernels")
     config = _config(tiny_v41_dir)
     model = _build(tiny_v41_dir, NativeReferenceOps())
-    out = []
-    for ops in (ReferenceOps(), NvidiaOps(native_weights=True, cuda_graphs=False)):
+
+    def run(ops: ReferenceOps) -> torch.Tensor:
         model.ops = ops
         st, table = SequenceState(), torch.arange(8)
         cache = PagedKVCache(config, 8, 16)
         first = model.logits(model(ForwardBatch.build([SeqChunk(st, 0, 11, table)], [list(range(50, 61))]), cache))
         nxt = model.logits(model(ForwardBatch.build([SeqChunk(st, 11, 1, table)], [[77]]), cache))
-        out.append(torch.cat([first, nxt]))
+        return torch.cat([first, nxt])
+
+    op_sets = (ReferenceOps(), NvidiaOps(native_weights=True, cuda_graphs=False))
+    out = [run(ops) for ops in op_sets]
     assert (out[0] - out[1]).abs().max().item() < 1e-4
+    # the experts' codes rearranged into the shift order (what NvidiaOps.prepare_weights does on a GPU): both op sets
+    # read them to the same logits, bit for bit
+    op_sets[1].prepare_weights(model)  # CPU tensors: left as they are
+    assert all(expert_order(m) == "plain" for _, m in expert_modules(model))
+    w1 = {n: m.w1.clone() for n, m in expert_modules(model)}
+    assert shift_experts(model) == len(w1) > 0
+    assert all(expert_order(m) == "shift" and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
+    assert shift_experts(model) == 0  # once
+    for ops, before in zip(op_sets, out, strict=True):
+        assert torch.equal(run(ops), before)
+
+
+def test_shift_experts_keeps_experts_whose_scales_do_not_fit() -> None:
+    """An expert module with a scale outside ``nibble_order.SCALE_RANGE`` (2^1 and up) stays in the plain order."""
+    from deepinfer.checkpoint.tiny import TINY_V4
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+
+    model = DeepseekV4Model(DeepseekV4Config.from_dict(dict(TINY_V4)))
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.05 if p.is_floating_point() else p.data
+    prepare_native(model, (128, 128), quantize=True)
+    mods = [m for _, m in expert_modules(model)]
+    mods[0].w2_scale[0, 0, 0] = 129
+    before = mods[0].w1.clone()
+    assert shift_experts(model) == len(mods) - 1
+    assert expert_order(mods[0]) == "plain" and torch.equal(mods[0].w1, before)

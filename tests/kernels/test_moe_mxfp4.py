@@ -22,6 +22,7 @@ from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
+from deepinfer.quant.nibble_order import plain, shift_order_fits, to_shift_order  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -64,6 +65,66 @@ def test_matches_reference_fp32(t, i, hashed):
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert _rel(out, ref) < 1e-5
     assert _rel(out, moe_triton(x, idx, w, w1, w2, w3, 0.7)) < 1e-5
+
+
+def _shifted(mx):
+    """The same experts with every weight's codes in the shift order (copies)."""
+    w1, s1, w2, s2, w3, s3 = mx
+    out = []
+    for w in (w1, w2, w3):
+        w = w.clone()
+        to_shift_order(w)
+        out.append(w)
+    return out[0], s1, out[1], s2, out[2], s3
+
+
+def test_shift_order_decodes_to_the_same_weights():
+    """The decode the PTX does on a shift-ordered word, in torch: ``(q << 4b) & 0x80008000`` (signs) or
+    ``(q >> (6 - 4b)) & 0x01C001C0`` (exponent, mantissa) read as two bf16, times the bf16 ``2^(s - 1)``, give codes
+    ``2b`` and ``2b + 1`` of the word exactly as ``quant.formats`` decodes them; ``plain`` undoes the order."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randint(0, 256, (6, 64), generator=g, dtype=torch.uint8).view(torch.int8)
+    s = torch.randint(0, 129, (6, 4), generator=g, dtype=torch.uint8)
+    s[0, 0], s[0, 1] = 0, 128  # the ends of the range
+    ref = dequantize_mxfp4(w, s.view(torch.float8_e8m0fnu), torch.float32)
+    sw = w.clone()
+    to_shift_order(sw)
+    assert not torch.equal(sw, w) and torch.equal(plain(sw), w)
+    q = sw.view(torch.int32).long() & 0xFFFFFFFF  # [6, 16] words
+    pairs = []
+    for b in range(4):
+        mag = (q >> (6 - 4 * b)) if b < 2 else (q << (4 * b - 6))
+        bits = (mag & 0x01C001C0) | ((q << (4 * b)) & 0x80008000)
+        pairs.append(torch.stack([bits & 0xFFFF, bits >> 16], -1))  # codes 2b (low half), 2b + 1
+    raw = torch.stack(pairs, -2).reshape(6, 128).to(torch.int16).view(torch.bfloat16)  # value · 2^-126
+    scale = ((s.long() + 126) << 7).to(torch.int16).view(torch.bfloat16).repeat_interleave(32, dim=1)  # 2^(s - 1)
+    assert torch.equal((raw * scale).float(), ref)
+
+
+def test_shift_order_in_the_kernels_and_the_reference():
+    """The kernels read shift-ordered codes to the same results, bit for bit (the same decoded tiles); so does
+    ``ReferenceOps.moe_mxfp4``. An unknown order is refused."""
+    x, idx, w, mx = _problem(9, 8, 64, 64, 3, seed=4)
+    sx = _shifted(mx)
+    out = moe_mxfp4(x, idx, w, *mx, 0.7)
+    assert torch.equal(moe_mxfp4(x, idx, w, *sx, 0.7, order="shift"), out)
+    assert not torch.equal(moe_mxfp4(x, idx, w, *sx, 0.7), out)  # read as plain: other weights
+    ref = ReferenceOps("cpu")
+    assert torch.equal(ref.moe_mxfp4(x, idx, w, *sx, 0.7, order="shift"), ref.moe_mxfp4(x, idx, w, *mx, 0.7))
+    for fn in (moe_mxfp4, ref.moe_mxfp4):
+        with pytest.raises(ValueError, match="order"):
+            fn(x, idx, w, *mx, 0.7, order="shuffled")
+
+
+def test_shift_order_fits_only_exact_scales_and_whole_words():
+    w = torch.zeros(2, 4, 16, dtype=torch.int8, device=DEVICE)
+    s = torch.full((2, 4, 1), 128, dtype=torch.uint8, device=DEVICE)
+    assert shift_order_fits(w, s) and shift_order_fits(w, s.view(torch.float8_e8m0fnu))
+    assert not shift_order_fits(w, s + 1)  # 2^128: no bf16 scale 2^(s - 1)
+    assert shift_order_fits(w, s * 0)  # 2^-127: the scale 2^-1
+    assert not shift_order_fits(w[..., :6], s)  # rows not whole words
+    with pytest.raises(ValueError, match="whole words"):
+        to_shift_order(w[..., :6])
 
 
 def test_config_bounds():
@@ -162,6 +223,8 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
     for cfg in (None, MX_DECODE, MX_PREFILL):
         out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
         assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
+        shift = moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, config=cfg, order="shift")
+        assert torch.equal(shift, out)  # the shift decode's tiles are the byte-lookup decode's, bit for bit
     big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32 sanity
     assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
 

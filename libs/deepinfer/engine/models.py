@@ -47,7 +47,8 @@ def build_model(
     path: Path, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device, quant_sim: bool | None
 ) -> Model:
     """Construct the model of ``config``, load the checkpoint at ``path`` in ``dtype`` and move it to ``device``.
-    With ``ops.native_weights`` the FP8 linears and MXFP4 experts stay in their stored formats (``quant.native``).
+    With ``ops.native_weights`` the FP8 linears and MXFP4 experts stay in their stored formats (``quant.native``),
+    then ``ops.prepare_weights`` arranges them for its kernels.
 
     ``quant_sim``: V4 simulates the official quantisation points only when asked (``DEEPINFER_QUANT_SIM`` when
     None); V4.1 keeps its cache formats on unless ``quant_sim`` is explicitly False (the variable does not apply)."""
@@ -63,6 +64,7 @@ def build_model(
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
+        ops.prepare_weights(net)
         net.set_quant_sim(quant_sim is not False)
         return net
     from deepinfer import envs
@@ -73,5 +75,6 @@ def build_model(
         prepare_native(net, tuple(config.weight_block_size), quantize=False)
     load_checkpoint(net, path, dtype=dtype)
     net.to(device)
+    ops.prepare_weights(net)
     net.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
     return net

@@ -36,14 +36,15 @@ import triton.language as tl
 
 from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul, moe_layout, padded_blocks
 from deepinfer.quant.formats import MXFP4_BLOCK
+from deepinfer.quant.nibble_order import check_order
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
-# The config table (H200, V4-Flash experts, ``bench/moe_mxfp4.py --sweep``, bench/results/2026-11-30-moe-mxfp4.md):
-# 16-row tiles up to 8 slots per expert (T <= 341 at top-6 of 256), 128-row tiles above (weights on the MMA's M
-# side from 64 rows on). Smaller or larger tiles lost at every T measured (1, 16, 64, 256, 4096), and so did a
-# CUDA-core path for 1-4 rows (1.2-3.5x slower than the 16-row tl.dot tiles).
-MX_DECODE = MoEConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
+# The config table (H200, V4-Flash experts, ``bench/moe_mxfp4.py --sweep``, bench/results/2026-11-30-moe-mxfp4.md and
+# 2026-11-30-moe-mxfp4-shift.md): 16-row tiles up to 8 slots per expert (T <= 341 at top-6 of 256), 64 weight rows
+# on 2 warps (8-10% ahead of 128 rows on 4 warps from T = 16 on, 4% behind at T = 1); 128-row tiles above (weights
+# on the MMA's M side from 64 rows on). A CUDA-core path for 1-4 rows was 1.2-3.5x slower than the 16-row tiles.
+MX_DECODE = MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)
 MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 
@@ -85,6 +86,37 @@ mul.rn.bf16x2 $3, p3, $5;
 }""")
 
 
+# 8 e2m1 codes of a word in the shuffled order (nibble j holds code ``_SHUFFLE[j]``) → 4 bf16x2 (codes 2b, 2b+1 in
+# register b) as ``value · 2^-126`` by shifts and masks (sign to bit 15, e1 e0 m to bits 8..6: the bf16 with exponent
+# field e, subnormal for e = 0), each times the bf16x2 scale $5 = 2^(s - 1)
+_E2M1_SHIFT_ASM = tl.constexpr("""{
+.reg .b32 m0, m1, m2, m3, g0, g1, g2, g3;
+shr.b32 m0, $4, 6;
+shr.b32 m1, $4, 2;
+shl.b32 m2, $4, 2;
+shl.b32 m3, $4, 6;
+shl.b32 g1, $4, 4;
+shl.b32 g2, $4, 8;
+shl.b32 g3, $4, 12;
+and.b32 m0, m0, 0x01C001C0;
+and.b32 m1, m1, 0x01C001C0;
+and.b32 m2, m2, 0x01C001C0;
+and.b32 m3, m3, 0x01C001C0;
+and.b32 g0, $4, 0x80008000;
+and.b32 g1, g1, 0x80008000;
+and.b32 g2, g2, 0x80008000;
+and.b32 g3, g3, 0x80008000;
+or.b32 m0, m0, g0;
+or.b32 m1, m1, g1;
+or.b32 m2, m2, g2;
+or.b32 m3, m3, g3;
+mul.rn.bf16x2 $0, m0, $5;
+mul.rn.bf16x2 $1, m1, $5;
+mul.rn.bf16x2 $2, m2, $5;
+mul.rn.bf16x2 $3, m3, $5;
+}""")
+
+
 @triton.jit
 def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr):
     """The exponents of the rows ``rn`` for the ``NB`` 32-column blocks from byte ``kb0``: ``[BLOCK_N, NB, 1]`` int32,
@@ -98,36 +130,47 @@ def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN
 
 
 @triton.jit
-def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr):
+def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr, SHIFT: tl.constexpr):
     """The codes of the rows ``rn`` from byte ``kb0`` (``NB`` blocks of 32) as fp32 ``value · 2^-14``, in column order:
-    ``[BLOCK_N, NB, 32]`` (plain Triton: the interpreter and fp32 activations)."""
-    row = wbase + rn[:, None, None].to(tl.int64) * stride_wn
-    u = tl.load(w_ptr + row + kb0 + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16), mask=mask, other=0)
-    u = u.to(tl.uint16)
-    lo = (((u & 0x8) << 12) | ((u & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, NB, 32))
+    ``[BLOCK_N, NB, 32]`` (plain Triton: the interpreter and fp32 activations). ``w_ptr`` points to 32-bit words;
+    code ``v`` of a word is in nibble ``v``, or in the shift order (``SHIFT``) in nibble ``SHIFT_ORDER.index(v)``."""
+    kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
+    q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
+    v = tl.arange(0, 8)
+    if SHIFT:
+        v = 4 * (v & 1) + 3 - 2 * ((v >> 2) & 1) - ((v >> 1) & 1)
+    c = ((q[:, :, :, None] >> (4 * v)[None, None, None, :]) & 0xF).to(tl.uint16)
+    w = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(w, (BLOCK_N, NB, 32))
 
 
 @triton.jit
 def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
-    """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded: ``[BLOCK_N, BLOCK_K]`` in ``DT`` (``FAST``:
-    bf16 through the bf16 PTX)."""
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
+             SHIFT: tl.constexpr):  # fmt: skip
+    """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded from the 32-bit words at ``w_ptr``:
+    ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' nibble order (``SHIFT``: the shift
+    order), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
     NB: tl.constexpr = BLOCK_K // 32
     s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
     if FAST:
         kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
         q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [q, (s << 7) | (s << 23)], dtype=(tl.int32,) * 4, is_pure=True, pack=1
-        )
+        if SHIFT:  # the bf16x2 scale 2^(s - 1)
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _E2M1_SHIFT_ASM, "=r,=r,=r,=r,r,r", [q, (s + 126) * 0x800080], dtype=(tl.int32,) * 4, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        else:  # the bf16x2 scale 2^(s - 127)
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [q, s * 0x800080], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+            )
         p = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K // 2))
         lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
-    w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N) * scale
+    w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, SHIFT) * scale
     return tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
 
 
@@ -154,7 +197,8 @@ def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: t
 @triton.jit
 def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, KH, stride_wn,
           stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          FAST: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+          FAST: tl.constexpr, SHIFT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+          TWO: tl.constexpr):  # fmt: skip
     """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over all K for the weight rows ``rn``:
     ``[BLOCK_M, BLOCK_N]`` fp32 each, through ``tl.dot``, both matrices in one pass over K (one load of the
     activations)."""
@@ -164,11 +208,11 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
     for kb0 in range(0, KH, BLOCK_K // 2):
         a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
         w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                     BLOCK_K, EVEN_K, FAST)  # fmt: skip
+                     BLOCK_K, EVEN_K, FAST, SHIFT)  # fmt: skip
         acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
         if TWO:
             w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                         BLOCK_K, EVEN_K, FAST)  # fmt: skip
+                         BLOCK_K, EVEN_K, FAST, SHIFT)  # fmt: skip
             acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
     if SWAP:
         acc_w = tl.trans(acc_w)
@@ -180,7 +224,8 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
 def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr, bexp_ptr, h_ptr, TK, E, N, KH,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       FAST: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                       FAST: tl.constexpr, SHIFT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+                       DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -194,8 +239,8 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         wbase = e.to(tl.int64) * stride_we
         sbase = e.to(tl.int64) * stride_se
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, KH,
-                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SWAP, PRECISION,
-                             True)  # fmt: skip
+                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, SWAP,
+                             PRECISION, True)  # fmt: skip
         g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
         u = acc_u.to(dt).to(tl.float32)
         rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
@@ -207,8 +252,8 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
 @triton.jit(do_not_specialize=["TK", "E"])
 def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SWAP: tl.constexpr,
-                    PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
+                    SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -221,7 +266,7 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
         mask_n = rn < N
         acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, e.to(tl.int64) * stride_we,
                        e.to(tl.int64) * stride_se, rn, mask_n, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, FAST, SWAP, PRECISION, False)  # fmt: skip
+                       EVEN_K, FAST, SHIFT, SWAP, PRECISION, False)  # fmt: skip
         o_off = row[:, None] * stride_om + rn[None, :]
         tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
 
@@ -274,9 +319,12 @@ def moe_mxfp4(
     s3: torch.Tensor,
     limit: float,
     config: MoEConfig | None = None,
+    order: str = "plain",
 ) -> torch.Tensor:
-    """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32."""
+    """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32. ``order``: the
+    nibble order of all three weights' codes (``quant.nibble_order``)."""
     _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
+    check_order(order)
     t, k = idx.shape
     e, inter, dh = w1.shape
     d = 2 * dh
@@ -294,12 +342,14 @@ def moe_mxfp4(
         raise ValueError(f"moe_mxfp4: block_m must be at least 16 (tl.dot), got {cfg.block_m}")
     fast = FAST_DECODE and x.is_cuda and not interpret and x.dtype == torch.bfloat16
     xa = x.contiguous()
-    w1, w2, w3 = (_words(w) if fast else w.contiguous().view(torch.uint8) for w in (w1, w2, w3))
+    shift = order == "shift"
+    w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
     rw = weights.reshape(-1).float().contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     nblocks = bexp.numel()
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SWAP=swap, PRECISION=prec)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SHIFT=shift, SWAP=swap)
+    meta["PRECISION"] = prec
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)

@@ -150,10 +150,17 @@ class Ops(Protocol):
         w3: torch.Tensor,
         s3: torch.Tensor,
         limit: float,
+        order: str = "plain",
     ) -> torch.Tensor:
         """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
         uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
-        ``moe`` on the weights decoded to ``x.dtype``."""
+        ``moe`` on the weights decoded to ``x.dtype``. ``order``: the nibble order of the codes, ``plain`` or
+        ``shift`` (``quant.nibble_order``)."""
+        ...
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Rearrange the weights a model keeps in their stored formats for this op set's kernels, once, after they
+        are loaded and placed (before any CUDA graph is captured). The reference op set leaves them as they are."""
         ...
 
     def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:

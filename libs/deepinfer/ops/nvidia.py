@@ -180,10 +180,19 @@ class NvidiaOps(ReferenceOps):
         w3: torch.Tensor,
         s3: torch.Tensor,
         limit: float,
+        order: str = "plain",
     ) -> torch.Tensor:
         from deepinfer.kernels.moe_mxfp4 import moe_mxfp4
 
-        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit)
+        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order)
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """The MXFP4 experts on a GPU go into the shift order (``quant.nibble_order``: a cheaper decode in
+        ``kernels.moe_mxfp4``)."""
+        from deepinfer.quant.native import shift_experts
+
+        if any(p.is_cuda for p in model.parameters()):
+            shift_experts(model)
 
     def moe(
         self,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
 from deepinfer.quant.native import dequantize_experts
+from deepinfer.quant.nibble_order import check_order, plain
 
 
 class ReferenceOps:
@@ -200,11 +201,17 @@ class ReferenceOps:
         w3: torch.Tensor,
         s3: torch.Tensor,
         limit: float,
+        order: str = "plain",
     ) -> torch.Tensor:
         """Decodes only the experts ``idx`` touches, then ``moe``."""
+        check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
-        deq = [dequantize_experts(w[used], s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        unshift = plain if order == "shift" else (lambda w: w)
+        deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
         return self.moe(x, local.view(idx.shape), weights, *deq, limit)
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        return None
 
     def act_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
         xb = x.float().unflatten(-1, (-1, block))

@@ -8,7 +8,9 @@ them as stored instead, so a decode step reads 1 byte (FP8) or 0.53 byte (MXFP4)
 * a dense ``Linear`` whose weight goes through its ``forward`` (``Linear.keeps_fp8``) holds an e4m3 ``weight`` and a
   float32 ``scale`` buffer ``[ceil(N/B0), ceil(K/B1)]`` and calls ``ops.fp8_linear``;
 * a routed-expert module holds int8 ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` and uint8 ``w1_scale/w3_scale
-  [E, I, D/32]``, ``w2_scale [E, D, I/32]`` (the e8m0 exponent bits) and calls ``ops.moe_mxfp4``.
+  [E, I, D/32]``, ``w2_scale [E, D, I/32]`` (the e8m0 exponent bits) and calls ``ops.moe_mxfp4``; an op set may
+  rearrange the codes of each word for its kernels once they are loaded (``shift_experts``: the module's
+  ``mx_order`` says which order they are in).
 
 Both decode exactly to the values the reference dequantises to (UE8M0 scales are powers of two), so the kernels are
 the reference's products in another summation order. ``prepare_native(model, block)`` switches a model built with
@@ -25,9 +27,11 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_fp8_blocks, quantize_mxfp4
+from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
 
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+ORDER_ATTR = "mx_order"  # set on a routed-expert module by shift_experts
 
 
 def is_fp8(w: torch.Tensor) -> bool:
@@ -138,10 +142,37 @@ def unprepare(model: nn.Module, target: str) -> str:
     return f"{owner}.{key}" if owner else key
 
 
+def expert_order(m: nn.Module) -> str:
+    """The nibble order of a routed-expert module's MXFP4 codes (``quant.nibble_order``): ``plain`` as stored, or
+    ``shift`` once ``shift_experts`` rearranged them."""
+    return getattr(m, ORDER_ATTR, "plain")
+
+
+def shift_experts(model: nn.Module) -> int:
+    """Rearrange the MXFP4 codes of every routed-expert module whose three weights fit the shift order (their
+    scales in ``nibble_order.SCALE_RANGE``) into that order, in place, and mark the module; returns how many were
+    rearranged. Reads each module's scale range (one device sync per weight): call it once, after loading."""
+    done = 0
+    with torch.no_grad():
+        for _, m in expert_modules(model):
+            if expert_order(m) == "shift" or not is_mxfp4(m.w1):
+                continue
+            pairs = [(getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS]
+            if not all(is_mxfp4(w) and shift_order_fits(w, s) for w, s in pairs):
+                continue
+            for w, _ in pairs:
+                to_shift_order(w.data)
+            setattr(m, ORDER_ATTR, "shift")
+            done += 1
+    return done
+
+
 def routed_experts(
     m: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float, ops: object
 ) -> torch.Tensor:
     """``ops.moe`` or ``ops.moe_mxfp4`` over ``m``'s experts, whichever format they are stored in → ``[T, D]`` fp32."""
     if is_mxfp4(m.w1):
-        return ops.moe_mxfp4(x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit)
+        return ops.moe_mxfp4(
+            x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m)
+        )
     return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit)
