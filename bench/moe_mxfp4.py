@@ -7,8 +7,9 @@ implementation and the graph is replayed (CUDA events; the time per call is the 
 divided by the calls): launch overhead is amortised, and consecutive calls touch different experts, so at small T
 the weights come from HBM, not L2.
 
-Columns: ``moe_mxfp4`` (timed on the plain nibble order, then on a copy in the shift order, ``quant.nibble_order``,
-then plain again, with whether the two orders give bit-identical outputs); the peers ``moe_triton`` and
+Columns: ``moe_mxfp4`` (``VARIANTS``, interleaved: the codes as stored, a copy in the shift order of
+``quant.nibble_order``, and that with the weight tiles read by the TMA unit, the default; with whether all three
+give bit-identical outputs); the peers ``moe_triton`` and
 ``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the HBM roofline of the MXFP4 call (bytes of the distinct
 experts its routing touches, weights and scales, over ``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline
 ``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the bandwidth the MXFP4 call reached; and ``roof/time`` =
@@ -73,6 +74,32 @@ def run_variant(cfg, swap, x, i, w, mx, order="plain"):
         return moe_mxfp4(x, i, w, *mx, LIMIT, config=cfg, order=order)
     finally:
         mod.SWAP_AB = None
+
+
+VARIANTS = {  # name -> (nibble order, TMA weight tiles): the codes as stored, the shift decode, then with TMA
+    "plain": ("plain", False),
+    "shift": ("shift", False),
+    "shift_tma": ("shift", True),
+}
+
+
+def variants(inputs, mx, sx, reps):
+    """µs per call of each of ``VARIANTS`` (the best of two interleaved rounds) and their outputs on ``inputs[0]``."""
+    import deepinfer.kernels.moe_mxfp4 as mod
+
+    times, outs = {}, {}
+    try:
+        for _ in range(2):
+            for name, (order, tma) in VARIANTS.items():
+                mod.TMA_WEIGHTS = tma
+                ws = sx if order == "shift" else mx
+                fn = lambda x, i, w, ws=ws, order=order: moe_mxfp4(x, i, w, *ws, LIMIT, order=order)  # noqa: E731
+                us = time_graph(fn, inputs, reps)
+                times[name] = min(us, times.get(name, us))
+                outs[name] = fn(*inputs[0])
+    finally:
+        mod.TMA_WEIGHTS = True
+    return times, outs
 
 
 def shifted(mx):
@@ -213,11 +240,10 @@ def main() -> None:
                     row[key + " err"] = ((out - ref).norm() / ref.norm()).item()
                 print(f"T={t} {key}: {row[key]} err {row.get(key + ' err')}", flush=True)
         else:
-            row["mxfp4_us"] = time_graph(lambda x, i, w: moe_mxfp4(x, i, w, *mx, LIMIT), inputs, args.reps)
-            shift = lambda x, i, w: moe_mxfp4(x, i, w, *sx, LIMIT, order="shift")  # noqa: E731
-            row["mxfp4_shift_us"] = time_graph(shift, inputs, args.reps)
-            row["shift_bit_identical"] = torch.equal(shift(*inputs[0]), moe_mxfp4(*inputs[0], *mx, LIMIT))
-            row["mxfp4_plain_again_us"] = time_graph(lambda x, i, w: moe_mxfp4(x, i, w, *mx, LIMIT), inputs, args.reps)
+            times, outs = variants(inputs, mx, sx, args.reps)
+            row.update({f"{name}_us": us for name, us in times.items()})
+            row["mxfp4_us"] = times["shift_tma"]
+            row["variants_bit_identical"] = all(torch.equal(o, outs["plain"]) for o in outs.values())
             if deq is not None:
                 out = moe_mxfp4(*inputs[0], *mx, LIMIT)
                 ref = moe_triton(*inputs[0], *deq, LIMIT)
@@ -235,11 +261,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev)
     print(f"\n{name}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {per_expert / 1e6:.2f} MB per expert")
     if not args.sweep:
-        head = "| T | experts | mxfp4 µs (plain, shift, plain) | TB/s | triton bf16 µs | grouped_mm bf16 µs |"
+        head = "| T | experts | mxfp4 µs (plain, shift, shift+TMA) | TB/s | triton bf16 µs | grouped_mm bf16 µs |"
         print(head + " HBM roof µs | FLOP roof µs | roof/time |\n" + "|---" * 9 + "|")
         for r in rows:
             peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
-            ab = f"{r['mxfp4_us']:.1f}, {r['mxfp4_shift_us']:.1f}, {r['mxfp4_plain_again_us']:.1f}"
+            ab = ", ".join(f"{r[name + '_us']:.1f}" for name in VARIANTS)
             print(
                 f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['mxfp4_TBps']:.2f} | "
                 f"{peers[0]} | {peers[1]} | {r['roof_hbm_us']:.1f} | {r['roof_flop_us']:.1f} | "

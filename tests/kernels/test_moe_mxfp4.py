@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer.kernels.moe import MoEConfig, moe_triton  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
     MX_DECODE,
@@ -225,6 +226,11 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
         assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
         shift = moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, config=cfg, order="shift")
         assert torch.equal(shift, out)  # the shift decode's tiles are the byte-lookup decode's, bit for bit
+        mod.TMA_WEIGHTS = False  # the weight tiles through per-thread copies instead of the TMA unit: the same tiles
+        try:
+            assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
+        finally:
+            mod.TMA_WEIGHTS = True
     big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32 sanity
     assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
 

@@ -18,12 +18,17 @@ a call can be captured in a CUDA graph). The weight tiles are read as packed cod
 
 The tile becomes ``x.dtype`` and meets the activations in a ``tl.dot`` with fp32 accumulation (the weights as the
 MMA's operand ``A`` from ``block_m = 64`` on). On CUDA in bf16 a PTX block decodes one 32-bit word (8 codes) into 4
-bf16x2 by byte lookups (``prmt``) and multiplies them by the bf16x2 scale; otherwise (fp32, the interpreter) a code
-is decoded to the fp16 ``value · 2^-14`` in plain Triton, widened to fp32 and multiplied by ``2^(s - 113)``.
+bf16x2 and multiplies them by the bf16x2 scale: by byte lookups (``prmt``) for codes as stored, or, for codes in
+the shift order (``order="shift"``, ``quant.nibble_order``, made once at load by ``NvidiaOps.prepare_weights``), by
+shifts and masks, 19% fewer instructions a tile (the kernels issue-bound at decode sizes: 1.2x at T = 16-256). The
+weight tiles then come through the TMA unit when whole tiles fit (``TMA_WEIGHTS``; another 1.3x at T = 16-256:
+fewer load instructions and L2 requests than per-thread copies). Otherwise (fp32, the interpreter) a code is decoded
+to the fp16 ``value · 2^-14`` in plain Triton, widened to fp32 and multiplied by ``2^(s - 113)``.
 
 Every decoded weight is exact for exponents 2 ≤ s ≤ 240 (block maxima between ``2^-124`` and ``2^114``; real
-weights are far inside), so the results differ from ``moe_triton`` on the decoded experts only by fp32 summation
-order. Without CUDA (or in Triton's interpreter) the same kernels decode in plain Triton.
+weights are far inside; the shift order takes s ≤ 128), so the results differ from ``moe_triton`` on the decoded
+experts only by fp32 summation order, and the two orders give the same tiles, bit for bit. Without CUDA (or in
+Triton's interpreter) the same kernels decode in plain Triton.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_s
 MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 
 FAST_DECODE = True  # bf16 on CUDA: decode with the PTX below (False: the portable decode; for benchmarks)
+TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 
 
@@ -147,15 +153,18 @@ def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-             SHIFT: tl.constexpr):  # fmt: skip
+             SHIFT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded from the 32-bit words at ``w_ptr``:
     ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' nibble order (``SHIFT``: the shift
     order), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
     NB: tl.constexpr = BLOCK_K // 32
     s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
     if FAST:
-        kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
-        q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
+        if TMA:  # w_ptr: a descriptor of the words [E·N, KH/4], wbase: the tile's first row
+            q = tl.reshape(w_ptr.load([wbase, kb0 // 4]), (BLOCK_N, NB, 4))
+        else:
+            kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] words
+            q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
         if SHIFT:  # the bf16x2 scale 2^(s - 1)
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _E2M1_SHIFT_ASM, "=r,=r,=r,=r,r,r", [q, (s + 126) * 0x800080], dtype=(tl.int32,) * 4, is_pure=True,
@@ -168,10 +177,12 @@ def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_
         p = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K // 2))
         lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-    scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
-    w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, SHIFT) * scale
-    return tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    else:
+        scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
+        w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, SHIFT) * scale
+        w = tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
+    return w
 
 
 @triton.jit
@@ -197,7 +208,7 @@ def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: t
 @triton.jit
 def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, KH, stride_wn,
           stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          FAST: tl.constexpr, SHIFT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+          FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
           TWO: tl.constexpr):  # fmt: skip
     """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over all K for the weight rows ``rn``:
     ``[BLOCK_M, BLOCK_N]`` fp32 each, through ``tl.dot``, both matrices in one pass over K (one load of the
@@ -208,11 +219,11 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
     for kb0 in range(0, KH, BLOCK_K // 2):
         a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
         w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                     BLOCK_K, EVEN_K, FAST, SHIFT)  # fmt: skip
+                     BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
         acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
         if TWO:
             w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                         BLOCK_K, EVEN_K, FAST, SHIFT)  # fmt: skip
+                         BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
             acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
     if SWAP:
         acc_w = tl.trans(acc_w)
@@ -224,8 +235,8 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
 def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr, bexp_ptr, h_ptr, TK, E, N, KH,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       FAST: tl.constexpr, SHIFT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                       DT: tl.constexpr):  # fmt: skip
+                       FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
+                       PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -236,10 +247,10 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         tok = (slot // TOPK).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rn < N
-        wbase = e.to(tl.int64) * stride_we
+        wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         sbase = e.to(tl.int64) * stride_se
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, KH,
-                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, SWAP,
+                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP,
                              PRECISION, True)  # fmt: skip
         g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
         u = acc_u.to(dt).to(tl.float32)
@@ -253,7 +264,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
 def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
-                    SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                    TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -264,9 +275,10 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
         row = slot.to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rn < N
-        acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, e.to(tl.int64) * stride_we,
+        wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
+        acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, wbase,
                        e.to(tl.int64) * stride_se, rn, mask_n, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, FAST, SHIFT, SWAP, PRECISION, False)  # fmt: skip
+                       EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
         o_off = row[:, None] * stride_om + rn[None, :]
         tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
 
@@ -276,6 +288,18 @@ def _words(w: torch.Tensor) -> torch.Tensor:
     if w.storage_offset() % 4:
         w = w.clone()
     return w.view(torch.int32)  # 8 codes a word; the strides count words
+
+
+def _tma_fits(w: torch.Tensor, rows: int, cfg: MoEConfig) -> bool:
+    """Whether the words ``w [E, rows, K/8]`` can be read in whole ``[block_n, block_k/8]`` tiles by the TMA unit (a
+    tile never straddles two experts or a row's end; 16-byte aligned base and rows)."""
+    return rows % cfg.block_n == 0 and (8 * w.shape[-1]) % cfg.block_k == 0 and w.data_ptr() % 16 == 0
+
+
+def _descriptor(w: torch.Tensor, cfg: MoEConfig):  # noqa: ANN202
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg.block_n, cfg.block_k // 8])
 
 
 def _bits(s: torch.Tensor) -> torch.Tensor:
@@ -344,24 +368,28 @@ def moe_mxfp4(
     xa = x.contiguous()
     shift = order == "shift"
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
+    (sw1e, sw1n), (sw2e, sw2n) = w1.stride()[:2], w2.stride()[:2]  # w3 is laid out as w1
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
     rw = weights.reshape(-1).float().contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     nblocks = bexp.numel()
+    tma = fast and TMA_WEIGHTS and all(_tma_fits(w, n, cfg) for w, n in ((w1, inter), (w3, inter), (w2, d)))
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SHIFT=shift, SWAP=swap)
-    meta["PRECISION"] = prec
+    meta.update(PRECISION=prec, TMA=tma)
+    if tma:  # the words as 2-D tensors [E·N, K/8] read a tile at a time by the TMA unit
+        w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
     _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
         xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
-        xa.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), float(limit),
+        xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1), h.stride(0), float(limit),
         TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch,
     )  # fmt: skip
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     _mx_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, s2, slots, bexp, o, tk, e, d, inter // 2,
-        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), o.stride(0),
+        h.stride(0), sw2e, sw2n, s2.stride(0), s2.stride(1), o.stride(0),
         EVEN_K=inter % cfg.block_k == 0, **meta, **launch,
     )  # fmt: skip
     return _combine(o, t, k)
