@@ -5,7 +5,7 @@
 2. One decode step of ``bench/sweep.py``'s model (V4-Flash width, ``--layers``) at each ``--batches`` size, warmed
    up, then run under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising call is printed with the
    frames of this repository that led to it, and the step's host time with the GPU kept busy before it (a step
-   that never waits returns long before the GPU work queued ahead of it is done).
+   that never waits returns long before the GPU work queued ahead of it is done: the median of ``--repeats``).
 
     PYTHONPATH=libs:tests:bench python bench/host_syncs.py --batches 1,16
 """
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import traceback
 import warnings
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7, help="host-timed steps a batch size (the median is printed)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     print("H2D copy with 25 ms of GPU work queued:", copy_probe(dev), flush=True)
@@ -79,14 +81,18 @@ def main() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
                 warnings.showwarning = old
-            torch.cuda.synchronize(dev)
-            torch.cuda._sleep(100_000_000)  # ~50 ms queued: a step that never waits returns well before it ends
-            t = time.perf_counter()
-            step()
-            host = time.perf_counter() - t
-            torch.cuda.synchronize(dev)
-            total = time.perf_counter() - t
-            print(f"batch {b}: {len(seen)} synchronising calls; step host {1e3 * host:.2f} ms of {1e3 * total:.2f}")
+            hosts, totals = [], []
+            for _ in range(a.repeats):
+                torch.cuda.synchronize(dev)
+                torch.cuda._sleep(100_000_000)  # ~50 ms queued: a step that never waits returns well before it ends
+                t = time.perf_counter()
+                step()
+                hosts.append(time.perf_counter() - t)
+                torch.cuda.synchronize(dev)
+                totals.append(time.perf_counter() - t)
+            host, total = statistics.median(hosts), statistics.median(totals)
+            print(f"batch {b}: {len(seen)} synchronising calls; step host {1e3 * host:.2f} ms of {1e3 * total:.2f} "
+                  f"(median of {a.repeats})")  # fmt: skip
             for s in seen:
                 print("   ", s)
 

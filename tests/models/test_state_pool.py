@@ -12,7 +12,7 @@ from deepinfer.checkpoint.tiny import TINY_V4, random_weights
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
-from deepinfer.models.deepseek_v4.state_pool import PooledBuffer
+from deepinfer.models.deepseek_v4.state_pool import PooledBuffer, stacked_rows
 from deepinfer.ops.reference import ReferenceOps
 from models.test_batch_invariance import tokens
 
@@ -98,3 +98,40 @@ def test_an_mtp_block_in_the_same_step_gets_its_own_plan():
         return torch.cat(out)
 
     assert torch.equal(run(pooled=True), run(pooled=False))
+
+
+def test_stacked_rows_views_the_matrix_the_tables_are_rows_of():
+    """The block tables of a step as one ``[B, P]`` matrix: the worker's zero-padded matrix itself when the tables
+    are leading slices of its consecutive rows (no copy), else a copy; always what ``pad_sequence`` gives, padding
+    aside (a view keeps the matrix's own padding)."""
+    lens = [3, 5, 2]
+    padded = torch.tensor([[*range(10 * i, 10 * i + n), *[0] * (5 - n)] for i, n in enumerate(lens)])
+    rows = [row[:n] for row, n in zip(padded, lens)]
+    ref = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    got = stacked_rows(rows)
+    assert torch.equal(got, ref) and got.data_ptr() == padded.data_ptr()  # a view
+    assert stacked_rows(rows[1:]).data_ptr() == padded[1].data_ptr()  # from a later row on
+    for other in ([rows[0], rows[2]], [rows[1], rows[0]], [r.clone() for r in rows]):  # not consecutive rows: a copy
+        got = stacked_rows(other)
+        assert torch.equal(got, torch.nn.utils.rnn.pad_sequence(other, batch_first=True))
+        assert got.data_ptr() != padded.data_ptr()
+    same = [torch.arange(4) + i for i in range(3)]  # equal lengths: stacked
+    assert torch.equal(stacked_rows(same), torch.stack(same))
+
+
+def test_write_many_is_each_write():
+    """One scatter for several sequences' rows (prefill-sized and decode-sized writes) stores what a ``write`` per
+    sequence stores."""
+    cfg = DeepseekV4Config.from_dict(dict(TINY_V4))
+    layer = next(i for i, r in enumerate(cfg.compress_ratios) if r)
+    a, b = PagedKVCache(cfg, 12, 16), PagedKVCache(cfg, 12, 16)
+    g = torch.Generator().manual_seed(0)
+    dim = a.rows[layer].shape[-1]
+    writes = [(torch.tensor([3, 7, 1]), 0, torch.randn(9, dim, generator=g)),
+              (torch.tensor([4, 0]), 5, torch.randn(1, dim, generator=g)),
+              (torch.tensor([11, 2, 9, 8]), 2, torch.randn(0, dim, generator=g)),
+              (torch.tensor([5, 6]), 1, torch.randn(2, dim, generator=g))]  # fmt: skip
+    a.write_many("rows", layer, writes)
+    for table, first, rows in writes:
+        b.write("rows", layer, table, first, rows)
+    assert torch.equal(a.rows[layer], b.rows[layer])

@@ -102,8 +102,12 @@ class ModelRunner:
         if not plan.chunks:
             return result
         chunks = []
-        flat = tensor([p for c in plan.chunks for p in c.block_table], self.device, torch.long)  # one copy
-        tables = flat.split([len(c.block_table) for c in plan.chunks])
+        # one copy of the step's tables as a zero-padded [B, P] matrix: each chunk's table is a leading slice of its
+        # row, and the model's pooled decode takes the matrix as is (state_pool.stacked_rows)
+        width = max(len(c.block_table) for c in plan.chunks)
+        padded = tensor([[*c.block_table, *[0] * (width - len(c.block_table))] for c in plan.chunks], self.device,
+                        torch.long)  # fmt: skip
+        tables = [row[: len(c.block_table)] for row, c in zip(padded, plan.chunks)]
         for c, table in zip(plan.chunks, tables):
             if c.resume_from is not None:
                 self.states[c.request_id] = self._resume(c.request_id, c.resume_from, c.start, table)

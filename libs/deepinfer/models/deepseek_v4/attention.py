@@ -244,8 +244,9 @@ class Attention(nn.Module):
         ring = pool.ring(self.layer_id, states, slots, win, self.head_dim, kv.dtype)
         w = pool.memo(chunks, ("window", win), lambda: _WindowPlan.of(chunks, slots, win, dev))
         slot_d = w.slot
-        ring[w.slot, w.at] = kv  # the new row first: the window then reads positions first .. pos
-        window_pool = ring[w.slot.unsqueeze(1), w.cols].flatten(0, 1)
+        flat = ring.view(-1, ring.shape[-1])  # one row a (slot, ring row): flat indices, one kernel each way
+        flat.index_copy_(0, w.put, kv.to(flat.dtype))  # the new row first: the window reads positions first .. pos
+        window_pool = flat.index_select(0, w.take)
         rows = index = None
         if self.compressor is not None:
             rows = self._compress_pooled(self.compressor, proj["main"], chunks, slots, slot_d, "main", pool, cache,
@@ -388,13 +389,13 @@ class Attention(nn.Module):
 @dataclass
 class _WindowPlan:
     """A decode step's window indices, the same in every layer (one ring row per position, ``win`` rows per
-    sequence): ``slot``, ``at`` (the new row's ring row) and ``cols`` (``[B, win]`` ring rows of positions
-    ``first ..``) on the device; ``pos``, ``cid``, ``start``, ``count`` (each token's window rows in the gathered
-    pool) on the host."""
+    sequence): ``slot``, ``put`` (the new row's row in the rings ``[S·win, d]``) and ``take`` (``[B·win]`` rows of
+    positions ``first ..``, sequence after sequence) on the device; ``pos``, ``cid``, ``start``, ``count`` (each
+    token's window rows in the gathered pool) on the host."""
 
     slot: torch.Tensor
-    at: torch.Tensor
-    cols: torch.Tensor
+    put: torch.Tensor
+    take: torch.Tensor
     pos: torch.Tensor
     cid: torch.Tensor
     start: torch.Tensor
@@ -406,9 +407,10 @@ class _WindowPlan:
         first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
         host = torch.tensor([slots, start, first], dtype=torch.long)
         slot_d, pos_d, first_d = to_device(host, dev)
-        cols = (first_d.unsqueeze(1) + torch.arange(win, device=dev)) % win
+        base = slot_d.unsqueeze(1) * win
+        take = (base + (first_d.unsqueeze(1) + torch.arange(win, device=dev)) % win).flatten()
         cid = torch.arange(len(chunks))
-        return cls(slot_d, pos_d % win, cols, host[1], cid, cid * win, host[1] - host[2] + 1)
+        return cls(slot_d, base[:, 0] + pos_d % win, take, host[1], cid, cid * win, host[1] - host[2] + 1)
 
 
 def _split_like(x: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -152,19 +152,20 @@ class PagedKVCache:
                 self.write(kind, layer, table, first, rows)
             return
         per_page = self.page_size // self.ratios[layer]
-        pages, slots, o = [], [], 0
+        meta, o = [], 0  # (first row, rows, the table's offset in the joined tables) a write
         for table, first, rows in writes:
             n = rows.shape[0]
             if (first + n - 1) // per_page >= table.numel():
                 raise IndexError(
                     f"block table has {table.numel()} pages, row {first + n - 1} of layer {layer} needs more"
                 )
-            w = torch.arange(first, first + n)
-            pages.append(w // per_page + o)
-            slots.append(w % per_page)
+            meta.append((first, n, o))
             o += table.numel()
+        first, n, off = torch.tensor(meta, dtype=torch.long).unbind(1)  # the rows of every write at once
+        start = torch.cumsum(n, 0) - n
+        w = torch.arange(int(n.sum())) + torch.repeat_interleave(first - start, n)
         tables = torch.cat([t for t, _, _ in writes])
-        idx = to_device(torch.stack([torch.cat(pages), torch.cat(slots)]), tables.device)
+        idx = to_device(torch.stack([w // per_page + torch.repeat_interleave(off, n), w % per_page]), tables.device)
         store = self._store(kind, layer)
         store[tables[idx[0]], idx[1]] = torch.cat([r for _, _, r in writes]).to(store.dtype)
 

@@ -84,8 +84,9 @@ class StatePool:
 
     def tables(self, chunks: list, tables: list[torch.Tensor]) -> torch.Tensor:
         """The block tables of ``chunks`` padded into one ``[B, P]`` tensor (made once per step, shared by every
-        layer)."""
-        return self.memo(chunks, "tables", lambda: torch.nn.utils.rnn.pad_sequence(tables, batch_first=True))
+        layer): the rows they are views of when they are consecutive rows of one matrix (the worker's one copy of a
+        step's tables), else stacked or padded (a copy)."""
+        return self.memo(chunks, "tables", lambda: stacked_rows(tables))
 
     # -- slots ------------------------------------------------------------------------------------------
     def slots(self, states: list[SequenceState]) -> list[int]:
@@ -176,6 +177,24 @@ class StatePool:
         return pair[0], pair[1], out
 
 
+def stacked_rows(tables: list[torch.Tensor]) -> torch.Tensor:
+    """``tables`` (1-D) as one ``[B, P]`` tensor, padded with zeros where they are shorter than the longest: a view
+    of the matrix they are leading slices of consecutive rows of, if they are (no copy), else one copy."""
+    base = tables[0]._base if tables else None
+    longest = max((t.numel() for t in tables), default=0)
+    if base is not None and base.dim() == 2 and base.is_contiguous() and base.shape[1] >= longest:
+        width, off = base.shape[1], base.storage_offset()
+        first, rem = divmod(tables[0].storage_offset() - off, width)
+        if not rem and all(
+            t._base is base and t.stride(0) == 1 and t.storage_offset() - off == (first + i) * width
+            for i, t in enumerate(tables)
+        ):
+            return base[first : first + len(tables), :longest]
+    if all(t.numel() == tables[0].numel() for t in tables):
+        return torch.stack(tables)
+    return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+
+
 def use_pool(model: torch.nn.Module, on: bool, holder: type) -> None:
     """Give every ``holder`` module of ``model`` (its attention layers) the model's ``StatePool``, made on the weights'
     device, or none; the model keeps ``state_pool`` and the pool its layers hold (``_pool_given``), so the modules
@@ -191,4 +210,4 @@ def use_pool(model: torch.nn.Module, on: bool, holder: type) -> None:
         model._pool_given = pool
 
 
-__all__ = ["PooledBuffer", "StatePool", "use_pool"]
+__all__ = ["PooledBuffer", "StatePool", "stacked_rows", "use_pool"]
