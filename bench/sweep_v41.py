@@ -55,7 +55,7 @@ for _p in (ROOT / "libs", ROOT / "tests", ROOT / "bench"):
 import decode_ab  # noqa: E402
 import torch  # noqa: E402
 from sweep import Budget, Skip, failure, free, gpu_name, log, probe_ceilings, run_timed, sync, timed, versions  # noqa: E402
-from weight_sets import WeightSets  # noqa: E402
+from weight_sets import OrderSets, WeightSets  # noqa: E402
 
 from deepinfer.checkpoint.names_v41 import expected_tensors  # noqa: E402
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
@@ -217,9 +217,10 @@ class Ours:
         dev: torch.device,
         batches: list[int],
         weight_sets: WeightSets | None = None,
+        order_sets: OrderSets | None = None,
     ):
         self.model, self.args, self.dev, self.c = model, args, dev, model.config
-        self.weight_sets = weight_sets
+        self.weight_sets, self.order_sets = weight_sets, order_sets
         ps = args.page_size
         self.steps = args.warmup + args.repeats + 2  # + the profiled step (--ab) and one spare
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
@@ -443,6 +444,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="keep both weight sets; --ab then compares bf16 / native eager / native graphs",
     )
     ap.add_argument(
+        "--ab-order",
+        action="store_true",
+        help="--ab compares the MXFP4 experts' codes as stored against the shift order (quant/nibble_order.py)",
+    )
+    ap.add_argument(
         "--ab-pool",
         action="store_true",
         help="make --ab compare the decode state per sequence against the pooled state (StatePool), with graphs",
@@ -480,8 +486,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             native = True
     if native and sets is None:
         prepare_native(model, block, quantize=True)
-    model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
-    ours = Ours(model, args, dev, args.batches, sets)
+    orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
+    if orders is None:
+        model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
+    ours = Ours(model, args, dev, args.batches, sets, orders)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
     decode_ab_rows = ours.ab

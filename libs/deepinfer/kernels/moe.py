@@ -293,8 +293,9 @@ def moe_triton(
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
     cfg = config or pick_config(tk, e, os.environ.get("TRITON_INTERPRET") == "1")
-    lay = moe_layout(idx, e)
-    slots, bexp = padded_blocks(lay, e, cfg.block_m)
+    from deepinfer.kernels.moe_align import padded_slots  # it builds on moe_layout / padded_blocks here
+
+    slots, bexp = padded_slots(idx, e, cfg.block_m)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     rw = weights.reshape(-1).float().contiguous()

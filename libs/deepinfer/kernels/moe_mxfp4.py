@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul, moe_layout, padded_blocks
+from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul
+from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
 
@@ -360,8 +361,7 @@ def moe_mxfp4(
     if cfg.block_k % 32:
         raise ValueError(f"moe_mxfp4: block_k must be a multiple of 32, got {cfg.block_k}")
     swap = cfg.block_m >= 64 if SWAP_AB is None else SWAP_AB
-    lay = moe_layout(idx, e)
-    slots, bexp = padded_blocks(lay, e, cfg.block_m)
+    slots, bexp = padded_slots(idx, e, cfg.block_m)
     if cfg.block_m < 16:
         raise ValueError(f"moe_mxfp4: block_m must be at least 16 (tl.dot), got {cfg.block_m}")
     fast = FAST_DECODE and x.is_cuda and not interpret and x.dtype == torch.bfloat16
