@@ -6,7 +6,8 @@ reference's ``F.linear`` returns them; ``w = weights[t, j]`` applied in fp32 bef
 to ``x.dtype``, ``o = h·w2[e]ᵀ`` in ``x.dtype``, and ``y[t] = Σ_j o`` accumulated in fp32.
 
 Two implementations share the slot layout (``moe_layout``: one stable sort of the ``T·k`` slots by expert id and
-per-expert offsets found by ``searchsorted``; nothing reads a device value on the host, so a step never waits):
+per-expert offsets found by ``searchsorted``; nothing reads a device value on the host, so a step never waits; at
+decode sizes ``kernels.moe_align`` builds the padded layout of ``moe_triton`` in one Triton program):
 
 * ``moe_grouped_mm``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper, a torch fallback elsewhere) for gate,
   up and down, and ``swiglu_weighted`` (one Triton pass on CUDA) in between;
