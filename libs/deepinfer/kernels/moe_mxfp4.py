@@ -93,9 +93,9 @@ mul.rn.bf16x2 $3, p3, $5;
 }""")
 
 
-# 8 e2m1 codes of a word in the shuffled order (nibble j holds code ``_SHUFFLE[j]``) → 4 bf16x2 (codes 2b, 2b+1 in
-# register b) as ``value · 2^-126`` by shifts and masks (sign to bit 15, e1 e0 m to bits 8..6: the bf16 with exponent
-# field e, subnormal for e = 0), each times the bf16x2 scale $5 = 2^(s - 1)
+# 8 e2m1 codes of a word in the shift order (nibble j holds code ``nibble_order.SHIFT_ORDER[j]``) → 4 bf16x2 (codes
+# 2b, 2b+1 in register b) as ``value · 2^-126`` by shifts and masks (sign to bit 15, e1 e0 m to bits 8..6: the bf16
+# with exponent field e, subnormal for e = 0), each times the bf16x2 scale $5 = 2^(s - 1)
 _E2M1_SHIFT_ASM = tl.constexpr("""{
 .reg .b32 m0, m1, m2, m3, g0, g1, g2, g3;
 shr.b32 m0, $4, 6;
