@@ -170,3 +170,9 @@ class Ops(Protocol):
     def fp4_quant_sim(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """MXFP4 (e2m1) round-trip with per-``block`` UE8M0 scales along the last dim."""
         ...
+
+    def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        """DeepSeek-V4.1's cache round trip ``fmt`` over the last dim, in ``x.dtype``: ``fp8`` (window KV,
+        ``quant.cache.fp8_window_round``), ``nvfp4`` (compressed rows, ``nvfp4_round``) or ``mxfp4`` (index keys and
+        queries, ``mxfp4_round``)."""
+        ...

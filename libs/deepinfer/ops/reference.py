@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from deepinfer.quant.cache import fp8_window_round, mxfp4_round, nvfp4_round
 from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
 from deepinfer.quant.native import dequantize_experts
 from deepinfer.quant.nibble_order import check_order, plain
@@ -223,6 +224,12 @@ class ReferenceOps:
         xb = x.float().unflatten(-1, (-1, block))
         s = pow2_scale(xb.abs().amax(-1, keepdim=True), 6.0, 6 * 2.0**-126)
         return (fp4_round(xb / s) * s).flatten(-2).to(x.dtype)
+
+    def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        rounds = {"fp8": fp8_window_round, "nvfp4": nvfp4_round, "mxfp4": mxfp4_round}
+        if fmt not in rounds:
+            raise ValueError(f"cache_round: format must be one of {sorted(rounds)}, got {fmt!r}")
+        return rounds[fmt](x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, ops: ReferenceOps | None = None) -> torch.Tensor:

@@ -37,7 +37,6 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
 from deepinfer.ops import Ops
-from deepinfer.quant.cache import fp8_window_round, mxfp4_round, nvfp4_round
 
 
 @dataclass
@@ -92,7 +91,7 @@ class SharedKVAttention(nn.Module):
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Rotated window KV rows ``[T, d]``, FP8-rounded when ``quant_sim``."""
         kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
-        return fp8_window_round(kv) if self.quant_sim else kv
+        return ops.cache_round(kv, "fp8") if self.quant_sim else kv
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Attention output ``[T, H, d]`` → ``[T, hidden]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
@@ -136,7 +135,7 @@ class Attention(SharedKVAttention):
         if self.indexer is not None:
             iq, t["iw"] = self.indexer.queries(x, qlat, ops)
             iq = ops.rope(iq, cos.unsqueeze(1), sin.unsqueeze(1))
-            t["iq"] = mxfp4_round(iq) if self.quant_sim else iq
+            t["iq"] = ops.cache_round(iq, "mxfp4") if self.quant_sim else iq
         return t
 
     def attend(self, t: dict[str, torch.Tensor], ctx: StepContext, rope: RotaryTable, ops: Ops) -> torch.Tensor:
@@ -252,7 +251,7 @@ class Attention(SharedKVAttention):
         rows = ops.rope(lat, cos, sin)
         ik = ops.rope(self.indexer.keys(lat, ops), cos, sin)
         if self.quant_sim:
-            rows, ik = nvfp4_round(rows), mxfp4_round(ik)
+            rows, ik = ops.cache_round(rows, "nvfp4"), ops.cache_round(ik, "mxfp4")
         sizes = [t.shape[0] for t in lats]
         for kind, data in (("rows", rows), ("index", ik)):
             parts = data.split(sizes)
