@@ -24,7 +24,7 @@ from deepinfer.quant.native import (
     is_mxfp4,
     prepare_native,
 )
-from deepinfer.quant.nibble_order import to_shift_order
+from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
 
 
 class WeightSets:
@@ -96,6 +96,9 @@ class OrderSets:
         self.experts = [m for _, m in expert_modules(model) if is_mxfp4(m.w1)]
         if any(expert_order(m) != "plain" for m in self.experts):
             raise ValueError("OrderSets: the experts must be in the plain order (before prepare_weights)")
+        pairs = [(getattr(m, w), getattr(m, f"{w}_scale")) for m in self.experts for w in EXPERT_WEIGHTS]
+        if not all(shift_order_fits(w, s) for w, s in pairs):
+            raise ValueError("OrderSets: some experts' scales do not fit the shift order (nibble_order.SCALE_RANGE)")
         plain = [{w: getattr(m, w) for w in EXPERT_WEIGHTS} for m in self.experts]
         shift = []
         for ws in plain:
