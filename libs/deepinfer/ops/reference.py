@@ -16,6 +16,8 @@ from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, p
 from deepinfer.quant.native import dequantize_experts
 from deepinfer.quant.nibble_order import check_order, plain
 
+_CACHE_ROUNDS = {"fp8": fp8_window_round, "nvfp4": nvfp4_round, "mxfp4": mxfp4_round}  # ReferenceOps.cache_round
+
 
 class ReferenceOps:
     batch_invariant = False
@@ -226,10 +228,9 @@ class ReferenceOps:
         return (fp4_round(xb / s) * s).flatten(-2).to(x.dtype)
 
     def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        rounds = {"fp8": fp8_window_round, "nvfp4": nvfp4_round, "mxfp4": mxfp4_round}
-        if fmt not in rounds:
-            raise ValueError(f"cache_round: format must be one of {sorted(rounds)}, got {fmt!r}")
-        return rounds[fmt](x)
+        if fmt not in _CACHE_ROUNDS:
+            raise ValueError(f"cache_round: format must be one of {sorted(_CACHE_ROUNDS)}, got {fmt!r}")
+        return _CACHE_ROUNDS[fmt](x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, ops: ReferenceOps | None = None) -> torch.Tensor:
