@@ -71,7 +71,8 @@ def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
     return cache, states, tables, steps
 
 
-def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE) -> torch.Tensor:
+def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE, keep: bool = False):
+    """The logits of ``steps`` from copies of ``cache`` and ``states`` (and, with ``keep``, the copies after them)."""
     model.ops.cuda_graphs = graphs
     cache, states = copy.deepcopy(cache), [s.clone() for s in states]
     out = []
@@ -79,7 +80,24 @@ def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE
         chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
         out.append(model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], dev), cache)))
     model.ops.cuda_graphs = True
-    return torch.stack(out)
+    return (torch.stack(out), cache, states) if keep else torch.stack(out)
+
+
+def _same_state(a, b, exact: bool) -> None:
+    """Two runs' caches (every page a block table may name) and sequence states agree."""
+    same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=1e-4, rtol=1e-4))
+    (ca, sa), (cb, sb) = a, b
+    for kind, layer in ca.stores():
+        assert same(ca._store(kind, layer)[: ca.num_pages], cb._store(kind, layer)[: cb.num_pages]), (kind, layer)
+    for x, y in zip(sa, sb):
+        assert x.num_tokens == y.num_tokens and x.windows.keys() == y.windows.keys()
+        assert all(same(x.windows[k], y.windows[k]) for k in x.windows)
+        for k, buf in x.buffers.items():
+            assert (
+                buf.start == y.buffers[k].start
+                and same(buf.kv, y.buffers[k].kv)
+                and same(buf.score, y.buffers[k].score)
+            )
 
 
 @gpu_only
@@ -123,44 +141,55 @@ class _Segments:
 
 
 class EagerSegments(DecodeGraphs):
-    """``DecodeGraphs``' step plumbing (static inputs, segments, attention between them, padding) without CUDA: each
-    "graph" runs its segment eagerly, on any device."""
+    """``DecodeGraphs``' step plumbing (static inputs, the plan, padding) without CUDA: each "graph" runs its
+    segment eagerly, on any device."""
 
     def applies(self, batch: ForwardBatch) -> bool:
         return bool(batch.chunks) and all(c.length == 1 for c in batch.chunks)
 
-    def _capture(self, size: int, device: torch.device):
-        bk = self._bucket(size, device)
+    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
+        bk = self._bucket(size, device, *extra)
+        if before is not None:
+            before(bk)
         bk.graphs = [_Segments(seg) for seg in self._segments(bk)]
         return bk
 
 
-@pytest.mark.parametrize("name", ["base", "odd"])
-def test_the_segmented_step_equals_the_eager_step_on_cpu(name):
-    """Reference ops on the host: the segmented decode step (what the graphs capture) gives the eager logits bit for
-    bit at a bucket's size (4 sequences), and within fp32 rounding in a padded bucket (3 in 4)."""
+@pytest.mark.parametrize(("name", "kernels"), [("base", False), ("odd", False), ("base", True)])
+def test_the_graphed_step_equals_the_eager_step_on_cpu(name, kernels):
+    """The whole-step function the graphs capture, run eagerly on the host, against the eager steps: at a bucket's
+    size (4 sequences) with the Triton kernels (``NvidiaOps`` in the interpreter) the same logits, caches and states
+    bit for bit (its lists are as wide as the bucket's span, the kernels read only the listed rows); with the
+    reference ops within rounding (torch's reductions over the wider lists round differently). In a padded bucket (3
+    in 4) within rounding: the padding rows write only to the scratch slot and page."""
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.ops.nvidia import NvidiaOps
     from deepinfer.ops.reference import ReferenceOps
     from models.tiny_configs import CONFIGS
 
+    if kernels and not INTERPRET:
+        pytest.skip("the Triton kernels on the host need TRITON_INTERPRET=1")
     config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], "num_nextn_predict_layers": 0})
-    ops = ReferenceOps()
+    ops = NvidiaOps(cuda_graphs=True) if kernels else ReferenceOps()
     ops.cuda_graphs = True
     model = DeepseekV4Model(config, ops)
     model.load_state_dict(random_weights(config, seed=1), strict=False)
     model.decode_graphs = EagerSegments(model, max_batch=8)
-    for n_seq, exact in ((4, True), (3, False)):
+    for n_seq, exact in ((4, True), (3, False))[: 1 if kernels else 2]:  # the interpreter is slow: one bucket
         cache, states, tables, steps = _setup(model, n_seq, 30, seed=n_seq, dev="cpu")
-        eager = _decode(model, cache, states, tables, steps, graphs=False, dev="cpu")
+        steps = steps[:4] if kernels else steps  # every sequence completes a group of 4 (positions 27 .. 33)
+        exact = exact and kernels
+        eager, *a = _decode(model, cache, states, tables, steps, graphs=False, dev="cpu", keep=True)
         before = model.decode_graphs.replays
-        segmented = _decode(model, cache, states, tables, steps, graphs=True, dev="cpu")
+        graphed, *b = _decode(model, cache, states, tables, steps, graphs=True, dev="cpu", keep=True)
         assert model.decode_graphs.replays == before + len(steps)
         if exact:
-            assert torch.equal(eager, segmented)
+            assert torch.equal(eager, graphed)
         else:
-            assert (eager - segmented).abs().max().item() < 1e-4
+            assert (eager - graphed).abs().max().item() < 1e-4
+        _same_state(a, b, exact)
 
 
 @gpu_only

@@ -128,8 +128,10 @@ class EagerSegments(DecodeGraphs):
     def applies(self, batch: ForwardBatch) -> bool:
         return self.graphable(batch)
 
-    def _capture(self, size: int, device: torch.device):
-        bk = self._bucket(size, device)
+    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
+        bk = self._bucket(size, device, *extra)
+        if before is not None:
+            before(bk)
         bk.graphs = [_Segment(seg) for seg in self._segments(bk)]
         return bk
 

@@ -74,21 +74,22 @@ class SegmentGraphs:
             and batch.token_ids.shape[0] == len(batch.chunks)
         )
 
-    def bucket(self, batch: ForwardBatch) -> Any | None:
+    def bucket(self, batch: ForwardBatch, extra: tuple = (), before: Callable[[Any], None] | None = None) -> Any | None:
         """The captured bucket that runs ``batch`` (captured on first use), or None: no bucket holds it, or its
-        capture failed. Call after ``applies``."""
+        capture failed. Call after ``applies``. ``extra``: more of the key, passed to ``_bucket``; ``before(bk)``
+        loads a new bucket's static inputs before its capture (its warm-up runs then compute this step)."""
         size = bucket_for(len(batch.chunks), self.max_batch)
         if size is None:
             return None
-        key = self._key(size)
+        key = self._key(size) + extra
         if key not in self.buckets:
-            self.buckets[key] = self._capture(size, batch.token_ids.device)
+            self.buckets[key] = self._capture(size, batch.token_ids.device, extra, before)
         return self.buckets[key]
 
     # -- what a model provides ----------------------------------------------------------------------------------
 
-    def _bucket(self, size: int, device: torch.device) -> Any:
-        """A bucket's static inputs (zeros) with an empty ``graphs`` list."""
+    def _bucket(self, size: int, device: torch.device, *extra: Any) -> Any:
+        """A bucket's static inputs (zeros) with an empty ``graphs`` list (``extra``: ``bucket``'s)."""
         raise NotImplementedError
 
     def _segments(self, bk: Any) -> list[Callable[[], None]]:
@@ -97,10 +98,14 @@ class SegmentGraphs:
 
     # -- capture ------------------------------------------------------------------------------------------------
 
-    def _capture(self, size: int, device: torch.device) -> Any | None:
-        bk = self._bucket(size, device)
+    def _capture(
+        self, size: int, device: torch.device, extra: tuple = (), before: Callable[[Any], None] | None = None
+    ) -> Any | None:
+        bk = self._bucket(size, device, *extra)
         segs = self._segments(bk)
         try:
+            if before is not None:
+                before(bk)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):

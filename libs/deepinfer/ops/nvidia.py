@@ -163,6 +163,16 @@ class NvidiaOps(ReferenceOps):
     ) -> torch.Tensor:
         return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width)
 
+    def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        """FP8 and MXFP4 on CUDA: one Triton kernel (``kernels.cache_round``, the torch round trips bit for bit on an
+        H200); NVFP4 and elsewhere: the torch versions (the kernel's NVFP4 differs from them on the GPU, not yet
+        understood)."""
+        if x.is_cuda and x.dtype in _FLOATS and fmt in ("fp8", "mxfp4"):
+            from deepinfer.kernels.cache_round import cache_round
+
+            return cache_round(x, fmt)
+        return super().cache_round(x, fmt)
+
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
         from deepinfer.kernels.fp8_gemm import fp8_linear
 

@@ -46,7 +46,10 @@ class ReferenceOps:
         return out.to(y.dtype)
 
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        return (kv * score.softmax(dim=1)).sum(dim=1)
+        # the softmax over the last dim (a middle-dim softmax on the CPU rounds a row differently with the number of
+        # rows): a decode step pools every sequence's group, the per-sequence path only the completed ones
+        p = score.transpose(1, 2).softmax(-1).transpose(1, 2)
+        return (kv * p).sum(dim=1)
 
     # reductions the batch-invariant set replaces (ops/invariant.py); everything else is shared
     def _mean_sq(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,20 +12,19 @@ window rows, one gather of every sequence's compressed rows (``PagedKVCache.read
 top-k over per-query row ranges, and one ``ops.sparse_attention_lists`` over per-query key lists (window rows by
 position, then compressed rows by index). A decode step (one token per sequence) keeps the bookkeeping off the
 per-sequence loop too: the windows and compressor buffers live in the model's ``StatePool`` (a slot per sequence),
-written and read by index arithmetic on all slots at once (``_attend_decode``, ``Compressor.forward_pooled``).
+and ``decode_step.attend`` runs the step in fixed shapes from a ``StepPlan`` (what the decode CUDA graph captures).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
+from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.decode_step import StepPlan
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
@@ -116,8 +115,24 @@ class Attention(nn.Module):
                     x[a:b], qr[a:b], q[a:b], kv[a:b], positions[a:b], part, chunk, cache, rope, ops
                 )
             return out
+        pool = self.state_pool
+        if pool is not None and pool.memo(chunks, "decode", lambda: _pooled_decode(chunks)):
+            if self.compressor is not None and cache is None:
+                raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
+            plan = pool.memo(chunks, "plan", lambda: StepPlan.of(pool, cache, self.window, chunks))
+            return decode_step.attend(self, t, plan, rope, ops)
         iq = (t["iq"], t["iw"]) if "iq" in t else None
         return self._attend_batched(x, q, kv, iq, proj, chunks, offsets, cache, rope, ops)
+
+    def pool_specs(self) -> tuple[dict, dict]:
+        """This layer's window ring ``{layer: (rows, dim)}`` and compressor rings ``{(layer, name): (cap, dim, ratio,
+        overlap)}`` (``StatePool.register``)."""
+        bufs = {}
+        for name, comp in (("main", self.compressor), ("index", self.indexer and self.indexer.compressor)):
+            if comp is not None:
+                m = comp.ratio
+                bufs[(self.layer_id, name)] = (2 * m if comp.overlap else m, comp.wkv.weight.shape[0], m, comp.overlap)
+        return {self.layer_id: (self.window, self.head_dim)}, bufs
 
     def output(self, out: torch.Tensor, t: dict[str, torch.Tensor], ops: Ops) -> torch.Tensor:
         """Inverse RoPE, then the grouped ``wo_a`` and ``wo_b``: ``[T, hidden]``."""
@@ -179,13 +194,9 @@ class Attention(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:
         """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``. ``iq``: the
-        indexer's queries and head weights (CSA layers). A decode step of states that a ``StatePool`` can hold takes
-        ``_attend_decode`` (the same keys in the same order)."""
+        indexer's queries and head weights (CSA layers)."""
         if self.compressor is not None and cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
-        pool = self.state_pool
-        if pool is not None and chunks and all(c.length == 1 and c.state.replay_until <= c.start for c in chunks):
-            return self._attend_decode(pool, q, kv, iq, proj, chunks, cache, rope, ops)
         win = self.window
         # -- the window: each chunk's old rows (ring slots, in position order) then its new rows, in one pool
         pieces, lo, woff, o = [], [], [], 0
@@ -223,40 +234,6 @@ class Attention(nn.Module):
                                            rope, ops, kv.dtype)  # fmt: skip
         return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops)
 
-    def _attend_decode(
-        self,
-        pool: StatePool,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        iq: tuple[torch.Tensor, torch.Tensor] | None,
-        proj: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        chunks: list[SeqChunk],
-        cache: PagedKVCache | None,
-        rope: RotaryTable,
-        ops: Ops,
-    ) -> torch.Tensor:
-        """``_attend_batched`` for one new token per sequence, on the pooled state (``state_pool``): the window ring
-        is written and read for all sequences by one scatter and one gather (rows in position order), the compressor
-        buffers advance by index arithmetic on their slots."""
-        win, dev = self.window, kv.device
-        states = [c.state for c in chunks]
-        slots = pool.slots(states)
-        ring = pool.ring(self.layer_id, states, slots, win, self.head_dim, kv.dtype)
-        w = pool.memo(chunks, ("window", win), lambda: _WindowPlan.of(chunks, slots, win, dev))
-        slot_d = w.slot
-        flat = ring.view(-1, ring.shape[-1])  # one row a (slot, ring row): flat indices, one kernel each way
-        flat.index_copy_(0, w.put, kv.to(flat.dtype))  # the new row first: the window reads positions first .. pos
-        window_pool = flat.index_select(0, w.take)
-        rows = index = None
-        if self.compressor is not None:
-            rows = self._compress_pooled(self.compressor, proj["main"], chunks, slots, slot_d, "main", pool, cache,
-                                         rope, ops, kv.dtype)  # fmt: skip
-        if self.indexer is not None:
-            index = self._compress_pooled(self.indexer.compressor, proj["index"], chunks, slots, slot_d, "index",
-                                          pool, cache, rope, ops, kv.dtype)  # fmt: skip
-        return self._attend_pools(q, iq, window_pool, w.start, w.count, w.pos, w.cid, chunks, rows, index, ops,
-                                  lambda key, make: pool.memo(chunks, key, make))  # fmt: skip
-
     def _attend_pools(
         self,
         q: torch.Tensor,
@@ -270,36 +247,24 @@ class Attention(nn.Module):
         rows: tuple[torch.Tensor, list[int]] | None,
         index: tuple[torch.Tensor, list[int]] | None,
         ops: Ops,
-        memo: Callable | None = None,
     ) -> torch.Tensor:
         """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]``, host tensors
         per token) and, in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA:
-        the indexer's choice among them, scored on ``index``). ``memo`` (a decode step's ``StatePool.memo``): the
-        metadata, the same for every layer of a kind in one step, is made and copied to the device once."""
+        the indexer's choice among them, scored on ``index``)."""
         dev, n_tok = q.device, q.shape[0]
         width = int(w_cnt.max()) if n_tok else 0
-        once = memo or (lambda _key, make: make())
         if rows is None:
-
-            def window_lists() -> tuple[torch.Tensor, torch.Tensor]:
-                start_d, cnt_d = to_device(torch.stack([w_start, w_cnt]), dev)
-                return start_d.unsqueeze(1) + torch.arange(width, device=dev), cnt_d
-
-            idx, cnt = once(("window lists",), window_lists)
+            start_d, cnt = to_device(torch.stack([w_start, w_cnt]), dev)
+            idx = start_d.unsqueeze(1) + torch.arange(width, device=dev)
             return ops.sparse_attention_lists(q, window_pool, idx, cnt, self.attn_sink, self.head_dim**-0.5)
         m = self.ratio
         rows_pool, roff = rows
-        counts = [c.end // m for c in chunks]
-
-        def metadata() -> torch.Tensor:
-            meta = [w_start, w_cnt, torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], (pos + 1) // m]
-            if index is not None:
-                meta.append(torch.tensor(index[1], dtype=torch.long)[cid])
-            return to_device(torch.stack(meta), dev)
-
-        meta_d = once(("metadata", m, index is not None), metadata)
+        r_width = max((c.end // m for c in chunks), default=0)
+        meta = [w_start, w_cnt, torch.tensor(roff, dtype=torch.long)[cid] + window_pool.shape[0], (pos + 1) // m]
+        if index is not None:
+            meta.append(torch.tensor(index[1], dtype=torch.long)[cid])
+        meta_d = to_device(torch.stack(meta), dev)
         w_start, w_cnt, r_start, r_vis = meta_d[0], meta_d[1], meta_d[2], meta_d[3]
-        r_width = max(counts, default=0)
 
         def key_lists(r_idx: torch.Tensor, r_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c_width = r_idx.shape[1]
@@ -311,32 +276,10 @@ class Attention(nn.Module):
         if index is not None:
             sel, r_cnt = self.indexer.select_ranges(iq[0], iq[1], r_vis, index[0], meta_d[4], r_width, ops)
             idx, cnt = key_lists(sel + r_start.unsqueeze(1), r_cnt)
-        else:  # every row visible: the same lists in every layer of this ratio
-            idx, cnt = once(("all rows", m), lambda: key_lists(r_start.unsqueeze(1) + torch.arange(r_width, device=dev),
-                                                               r_vis))  # fmt: skip
+        else:  # every row visible
+            idx, cnt = key_lists(r_start.unsqueeze(1) + torch.arange(r_width, device=dev), r_vis)
         keys = torch.cat([window_pool, rows_pool])
         return ops.sparse_attention_lists(q, keys, idx, cnt, self.attn_sink, self.head_dim**-0.5)
-
-    def _compress_pooled(
-        self,
-        comp: Compressor,
-        proj: tuple[torch.Tensor, torch.Tensor],
-        chunks: list[SeqChunk],
-        slots: list[int],
-        slot_d: torch.Tensor,
-        name: str,
-        pool: StatePool,
-        cache: PagedKVCache,
-        rope: RotaryTable,
-        ops: Ops,
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """``_compress_batched`` for one new token per sequence, on the pooled buffers (``forward_pooled``)."""
-        key, store = (self.layer_id, name), "rows" if name == "main" else "index"
-        done = comp.forward_pooled(proj[0], proj[1], chunks, slots, slot_d, pool, key, rope, ops, dtype)
-        cache.write_many(store, self.layer_id, [(chunks[i].block_table, w, row) for i, w, row in done])
-        tables, counts = [c.block_table for c in chunks], [c.end // self.ratio for c in chunks]
-        return cache.read_many(store, self.layer_id, tables, counts, pool.tables(chunks, tables))
 
     def _compress_batched(
         self,
@@ -358,7 +301,7 @@ class Attention(nn.Module):
         done = comp.forward_many(proj[0], proj[1], spans, [c.state.buffers.get(key) for c in chunks], rope, ops, dtype)
         writes = []
         for chunk, (rows, first, buf) in zip(chunks, done):
-            chunk.state.buffers[key] = buf
+            chunk.state.set_buffer(key, buf)
             if rows.shape[0]:
                 writes.append((chunk.block_table, first, rows))
         cache.write_many(store, self.layer_id, writes)
@@ -380,37 +323,16 @@ class Attention(nn.Module):
         key = (self.layer_id, name)
         buf = chunk.state.buffers.get(key)
         skip = chunk.state.replay_until // self.ratio
-        rows, first, chunk.state.buffers[key] = comp(proj[0], proj[1], chunk.start, buf, rope, ops, dtype, skip)
+        rows, first, buf = comp(proj[0], proj[1], chunk.start, buf, rope, ops, dtype, skip)
+        chunk.state.set_buffer(key, buf)
         store = "rows" if name == "main" else "index"
         cache.write(store, self.layer_id, chunk.block_table, first, rows)
         return cache.read(store, self.layer_id, chunk.block_table, chunk.end // self.ratio)
 
 
-@dataclass
-class _WindowPlan:
-    """A decode step's window indices, the same in every layer (one ring row per position, ``win`` rows per
-    sequence): ``slot``, ``put`` (the new row's row in the rings ``[S·win, d]``) and ``take`` (``[B·win]`` rows of
-    positions ``first ..``, sequence after sequence) on the device; ``pos``, ``cid``, ``start``, ``count`` (each
-    token's window rows in the gathered pool) on the host."""
-
-    slot: torch.Tensor
-    put: torch.Tensor
-    take: torch.Tensor
-    pos: torch.Tensor
-    cid: torch.Tensor
-    start: torch.Tensor
-    count: torch.Tensor
-
-    @classmethod
-    def of(cls, chunks: list[SeqChunk], slots: list[int], win: int, dev: torch.device) -> _WindowPlan:
-        start = [c.start for c in chunks]
-        first = [max(c.state.window_start, c.start - win + 1, 0) for c in chunks]
-        host = torch.tensor([slots, start, first], dtype=torch.long)
-        slot_d, pos_d, first_d = to_device(host, dev)
-        base = slot_d.unsqueeze(1) * win
-        take = (base + (first_d.unsqueeze(1) + torch.arange(win, device=dev)) % win).flatten()
-        cid = torch.arange(len(chunks))
-        return cls(slot_d, base[:, 0] + pos_d % win, take, host[1], cid, cid * win, host[1] - host[2] + 1)
+def _pooled_decode(chunks: list[SeqChunk]) -> bool:
+    """Whether a step is a decode step that ``decode_step`` runs: one new token per sequence, no bounded replay."""
+    return bool(chunks) and all(c.length == 1 and c.state.replay_until <= c.start for c in chunks)
 
 
 def _split_like(x: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,8 +13,7 @@ from torch import nn
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
-from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk
-from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.ops import Ops
 from deepinfer.ops.reference import hadamard
 
@@ -126,67 +125,6 @@ class Compressor(nn.Module):
             for job, part in zip(jobs, rows.split([j[5] - j[4] for j in jobs])):
                 out[job[0]][0] = part
         return [(r, f, nb) for r, f, nb in out]
-
-    def forward_pooled(
-        self,
-        kv: torch.Tensor,
-        score: torch.Tensor,
-        chunks: list[SeqChunk],
-        slots: list[int],
-        slot_d: torch.Tensor,
-        pool: StatePool,
-        key: tuple[int, str],
-        rope: RotaryTable,
-        ops: Ops,
-        dtype: torch.dtype,
-    ) -> list[tuple[int, int, torch.Tensor]]:
-        """``forward_many`` for one new token per sequence (``chunks``, rows of ``kv`` / ``score``), on the buffers
-        pooled in ``pool`` (slots ``slots``, on the device ``slot_d``): one scatter appends every new row, the groups
-        that complete are pooled as one batch, their kept rows move to their slots' front. Returns ``(chunk number,
-        row index, row [1, d])`` of every completed row."""
-        m = self.ratio
-        cap = 2 * m if self.overlap else m
-        states = [c.state for c in chunks]
-        bkv, bsc, bufs = pool.buffers(key, states, slots, [c.start for c in chunks], cap, kv.shape[-1])
-        at = [c.start - b.start for c, b in zip(chunks, bufs)]  # each new row's index in its slot
-        if max(at) >= cap:
-            raise ValueError(f"compressor buffer {key} would exceed its {cap} rows (at {max(at)})")
-        dev = slot_d.device
-        at_d = to_device(torch.tensor(at, dtype=torch.long), dev)
-        bkv[slot_d, at_d], bsc[slot_d, at_d] = kv, score
-        done = []  # (chunk number, completed row)
-        for i, c in enumerate(chunks):
-            last = (c.start + 1) // m
-            if last > max(c.start // m, c.state.replay_until // m):
-                done.append((i, last - 1))
-        out = []
-        if done:
-            sel = [i for i, _ in done]
-            w = torch.tensor([w for _, w in done], dtype=torch.long)
-            base = torch.tensor([bufs[i].start for i in sel], dtype=torch.long)
-            cur = w.unsqueeze(1) * m + torch.arange(m) - base.unsqueeze(1) + torch.arange(len(sel)).unsqueeze(1) * cap
-            meta = torch.stack([cur, (cur - m).clamp_min(0), (w > 0).long().unsqueeze(1).expand(-1, m)])
-            cur_d, prev_d, has_prev = to_device(meta, dev)
-            sel_d = slot_d[to_device(torch.tensor(sel, dtype=torch.long), dev)]
-            big_k, big_s = bkv[sel_d].flatten(0, 1), bsc[sel_d].flatten(0, 1)
-            has_prev = has_prev[:, :1].bool().unsqueeze(-1)
-            rows = self._rows(big_k, big_s, cur_d, prev_d, has_prev, to_device(w, dev), rope, ops, dtype)
-            shift = []
-            for (i, wi), row in zip(done, rows.split(1)):
-                out.append((i, wi, row))
-                b = bufs[i]
-                keep = max(max(wi + 1 - (1 if self.overlap else 0), 0) * m, b.start)
-                shift.append(keep - b.start)
-                b.length -= keep - b.start
-                b.start = keep
-            if any(shift):  # the kept rows move to the slot's front
-                src = (torch.tensor(shift, dtype=torch.long).unsqueeze(1) + torch.arange(cap)).clamp(max=cap - 1)
-                src_d = to_device(src, dev)
-                bkv[sel_d] = bkv[sel_d.unsqueeze(1), src_d]
-                bsc[sel_d] = bsc[sel_d.unsqueeze(1), src_d]
-        for b in bufs:
-            b.length += 1
-        return out
 
     def _rows(
         self,

@@ -1,24 +1,24 @@
-"""CUDA graphs for the decode steps of ``DeepseekV4Model`` (one new token per sequence).
+"""CUDA graphs for the decode steps of ``DeepseekV4Model`` (one new token per sequence): the whole step, one graph.
 
-An eager decode step is bound by host launch time: a layer is hundreds of small kernels. Everything of a layer except
-the attention's state bookkeeping is a pure function of fixed-shape tensors, so it is captured once per batch-size
-bucket and replayed:
+An eager decode step is bound by host launch time: a layer is hundreds of small kernels. ``decode_step`` makes a
+step's attention a function of fixed-shape device tensors (a ``StepPlan``: each row's pool slot, position, window
+start, liveness and block table), so everything from the token ids to the final streams is captured once per
+bucket and replayed: the embedding, and per layer ``Block.attn_in`` (mHC collapse, norm, projections, RoPE,
+compressor projections, indexer queries), ``decode_step.attend`` (window ring, compressor rings, completed rows
+written to the paged cache, indexer top-k, sparse attention) and ``Block.ffn_out`` (output projections, mHC
+expand, the MoE sublayer).
 
-* segment 0: the embedding and layer 0's ``Block.attn_in`` (mHC collapse, norm, q / kv projections, RoPE, compressor
-  projections, indexer queries);
-* segment i (1 ≤ i < L): layer i-1's ``Block.ffn_out`` (inverse RoPE, output projections, mHC expand, the MoE
-  sublayer) and layer i's ``attn_in``;
-* segment L: layer L-1's ``ffn_out``.
+A bucket is a batch size (``decode_graphs.BUCKETS``) and a span (``decode_step.span_for``: the positions its lists
+cover, a few per doubling of the context). Before a replay the host loads the plan (``StepPlan.fill``: one copy of
+``[4, size]`` integers, the block tables) and the token ids; a batch of ``B`` sequences runs in the smallest bucket
+``≥ B`` and its padding rows write to the pool's scratch slot and the cache's scratch page. The replay's results
+are the eager step's (``decode_step`` with the bucket's widths: the kernels read only the listed rows), bit for bit
+at a bucket's size (``tests/kernels/test_graphs.py`` checks this on a GPU). A bucket's capture runs the step twice
+and captures it: the step's writes are idempotent, so the state advances once.
 
-Between segments ``Attention.attend`` runs eagerly on the first ``B`` rows (window ring, compressor buffers, paged
-cache, indexer top-k, sparse attention: per-sequence state of changing shapes) and its output is copied into the
-static input of the next segment. The step's token ids and positions are copied into static buffers; a batch of
-``B`` sequences runs in the smallest bucket ``≥ B`` and its padding rows (stale ids and positions) are computed and
-dropped. With ``B`` equal to the bucket size the replay runs the kernels of the eager step on the same shapes, so its
-results are the eager results bit for bit (``tests/kernels/test_graphs.py`` checks this on a GPU).
-
-Buckets, capture, the shared memory pool and the eager fallback of a bucket whose capture fails are the model-agnostic
-``models.decode_graphs.SegmentGraphs``. ``reset`` drops every graph (after replacing weights' storage, say).
+A graph holds the pool's and the cache's tensors: the buckets are dropped when the pool reallocates
+(``StatePool.generation``) or another cache comes. Buckets, capture, the shared memory pool and the eager fallback of a
+bucket whose capture fails are the model-agnostic ``models.decode_graphs.SegmentGraphs``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.models.decode_graphs import BUCKETS, SegmentGraphs, bucket_for
+from deepinfer.models.deepseek_v4 import decode_step
+from deepinfer.models.deepseek_v4.decode_step import StepPlan, span_for
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
 
 if TYPE_CHECKING:
@@ -37,91 +39,74 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Carry:
-    """What one segment hands to the next: the streams and the layer's ``attn_in`` results."""
-
-    h: torch.Tensor
-    t: dict[str, torch.Tensor]
-    post: torch.Tensor
-    comb: torch.Tensor
-
-
-@dataclass
 class _Bucket:
     size: int
     token_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_out: list[torch.Tensor]  # static inputs: each layer's attention output
+    plan: StepPlan  # its meta[1] is the step's positions
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
-    carries: list[_Carry] = field(default_factory=list)  # outputs of segments 0 .. L-1
-    h: torch.Tensor | None = None  # output of segment L
+    h: torch.Tensor | None = None  # the step's output
 
 
 class DecodeGraphs(SegmentGraphs):
-    """Per-bucket CUDA graphs of a ``DeepseekV4Model``'s decode steps (module docstring)."""
+    """Per-bucket CUDA graphs of a ``DeepseekV4Model``'s whole decode steps (module docstring)."""
 
     model: DeepseekV4Model
+    _owner: tuple = ()  # (pool, its generation, cache) the buckets were captured over
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The final streams ``[B, hc_mult, D]`` of a decode step, or None when the step is not graphed (the caller
         then runs it eagerly). Advances the attention state as the eager step does (not ``num_tokens``)."""
-        if not self.applies(batch):
+        model, chunks = self.model, batch.chunks
+        pool = model.state_pool
+        if pool is None or not self.applies(batch) or not all(c.state.replay_until <= c.start for c in chunks):
             return None
-        bk = self.bucket(batch)
+        if cache is None and any(layer.attn.compressor is not None for layer in model.layers):
+            return None  # the eager step says what is missing
+        pool.adopt([c.state for c in chunks])  # new states get slots now: the pool may grow (new tensors)
+        owner = (pool, pool.generation, cache)
+        if len(self._owner) != 3 or any(a is not b for a, b in zip(owner, self._owner)):
+            self.reset()  # the graphs hold another pool's or cache's tensors
+            self._owner = owner
+        span = span_for(max(c.start for c in chunks) + 1, cache.page_size) if cache is not None else 0
+        n = len(chunks)
+
+        def load(bk: _Bucket) -> None:
+            bk.plan.fill(chunks)
+            bk.token_ids[:n].copy_(batch.token_ids)
+
+        bk = self.bucket(batch, (span, cache), before=load)
         if bk is None:
             return None
-        n, size = len(batch.chunks), bk.size
-        model, ops = self.model, self.model.ops
-        bk.token_ids[:n].copy_(batch.token_ids)
-        bk.positions[:n].copy_(batch.positions)
-        offsets = batch.offsets()
-        for i, layer in enumerate(model.layers):
-            bk.graphs[i].replay()
-            c = bk.carries[i]
-            t = c.t if n == size else {k: v[:n] for k, v in c.t.items()}
-            out = layer.attn.attend(t, batch.chunks, offsets, batch.positions, cache, model.rope_of(i), ops)
-            bk.attn_out[i][:n].copy_(out)
-        bk.graphs[-1].replay()
+        load(bk)
+        bk.graphs[0].replay()
         self.replays += 1
         return bk.h[:n].clone()
 
     # -- capture ------------------------------------------------------------------------------------------------
 
     def _segments(self, bk: _Bucket) -> list[Callable[[], None]]:
-        """The segment functions of a bucket; each stores its outputs in ``bk``."""
+        """The whole step, one segment: it stores its output in ``bk.h``."""
         model, ops, layers = self.model, self.model.ops, self.model.layers
-        ids, pos = bk.token_ids, bk.positions
+        ids, plan = bk.token_ids, bk.plan
+        pos = plan.meta[1]
 
-        def first() -> None:
+        def step() -> None:
+            plan.derived.clear()  # what the layers share is recomputed (and captured) in every run
             h = model.embed_streams(ids)
-            bk.carries[0] = _Carry(h, *layers[0].attn_in(h, pos, model.rope_of(0), ops))
+            for i, layer in enumerate(layers):
+                rope = model.rope_of(i)
+                t, post, comb = layer.attn_in(h, pos, rope, ops)
+                out = decode_step.attend(layer.attn, t, plan, rope, ops)
+                h = layer.ffn_out(out, t, h, post, comb, ids, ops)
+            bk.h = h
 
-        def middle(i: int) -> Callable[[], None]:
-            def seg() -> None:
-                p = bk.carries[i - 1]
-                h = layers[i - 1].ffn_out(bk.attn_out[i - 1], p.t, p.h, p.post, p.comb, ids, ops)
-                bk.carries[i] = _Carry(h, *layers[i].attn_in(h, pos, model.rope_of(i), ops))
+        return [step]
 
-            return seg
-
-        def last() -> None:
-            p = bk.carries[-1]
-            bk.h = layers[-1].ffn_out(bk.attn_out[-1], p.t, p.h, p.post, p.comb, ids, ops)
-
-        return [first] + [middle(i) for i in range(1, len(layers))] + [last]
-
-    def _bucket(self, size: int, device: torch.device) -> _Bucket:
+    def _bucket(self, size: int, device: torch.device, span: int = 0, cache: PagedKVCache | None = None) -> _Bucket:
         """A bucket's static inputs (zeros) and no graphs yet."""
-        c, layers = self.model.config, self.model.layers
-        dtype = self.model.embed.weight.dtype
-        bk = _Bucket(
-            size=size,
-            token_ids=torch.zeros(size, dtype=torch.long, device=device),
-            positions=torch.zeros(size, dtype=torch.long, device=device),
-            attn_out=[torch.zeros(size, c.num_attention_heads, c.head_dim, dtype=dtype, device=device) for _ in layers],
-        )
-        bk.carries = [None] * len(layers)  # type: ignore[list-item]
-        return bk
+        pool, window = self.model.state_pool, self.model.config.sliding_window
+        plan = StepPlan.empty(pool, cache, window, size, span)
+        return _Bucket(size=size, token_ids=torch.zeros(size, dtype=torch.long, device=device), plan=plan)
 
 
 __all__ = ["BUCKETS", "DecodeGraphs", "bucket_for"]

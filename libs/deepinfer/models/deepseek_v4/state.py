@@ -51,8 +51,17 @@ class SequenceState:
     replay_until: int = 0  # compressed rows below this position are in the cache already: not rewritten
     history: tuple[int, ...] = ()  # the last few token ids (V4.1 Engram n-grams; -1 = blocked), oldest first
     decoder_start: int = 0  # V4.1 bounded replay: the decoder layers' window rows below this position do not exist
-    # (StatePool, slot) once a decode step pooled this state's windows and buffers (state_pool.py); not copied
+    # (StatePool, slot[, True once adopted whole]) once a decode step pooled its windows and buffers (state_pool.py)
     pool_slot: tuple | None = field(default=None, compare=False, repr=False)
+
+    def set_buffer(self, key: tuple[int, str], buf: CompressorBuffer) -> None:
+        """Replace a compressor buffer: a buffer living in a ``StatePool`` (``state_pool.RingBuffer``) takes the
+        rows in place, so the state stays pooled; otherwise ``buf`` is stored."""
+        cur = self.buffers.get(key)
+        if cur is not None and hasattr(cur, "assign"):
+            cur.assign(buf)
+        else:
+            self.buffers[key] = buf
 
     def window(self, layer: int, size: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self.windows.get(layer)
@@ -108,17 +117,19 @@ class PagedKVCache:
                 f"(the least common multiple of the model's compression ratios)"
             )
         self.config, self.num_pages, self.page_size = config, num_pages, page_size
+        # one more page than the block tables may name: a decode step's masked writes (rows not completed, the
+        # padding rows of a graphed step) land there, and its padded tables point there (decode_step.py)
+        self.scratch_page = num_pages
         self.ratios: dict[int, int] = {}
         self.rows: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         for store in config.cache_layout():
             m, layer = store.ratio, store.layer
             self.ratios[layer] = m
-            self.rows[layer] = torch.zeros(num_pages, page_size // m, store.row_dim, dtype=dtype, device=device)
+            shape = (num_pages + 1, page_size // m)
+            self.rows[layer] = torch.zeros(*shape, store.row_dim, dtype=dtype, device=device)
             if store.index_dim:
-                self.index_keys[layer] = torch.zeros(
-                    num_pages, page_size // m, store.index_dim, dtype=dtype, device=device
-                )
+                self.index_keys[layer] = torch.zeros(*shape, store.index_dim, dtype=dtype, device=device)
 
     def bytes_per_page(self) -> int:
         t = list(self.rows.values()) + list(self.index_keys.values())
