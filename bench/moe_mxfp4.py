@@ -7,9 +7,11 @@ implementation and the graph is replayed (CUDA events; the time per call is the 
 divided by the calls): launch overhead is amortised, and consecutive calls touch different experts, so at small T
 the weights come from HBM, not L2.
 
-Columns: ``moe_mxfp4`` (``VARIANTS``, interleaved: the codes as stored, a copy in the shift order of
-``quant.nibble_order``, and that with the weight tiles read by the TMA unit, the default; with whether all three
-give bit-identical outputs); the peers ``moe_triton`` and
+Columns: ``moe_mxfp4`` (``VARIANTS``, interleaved: unsplit, the codes as stored, a copy in the shift order of
+``quant.nibble_order``, and that with the weight tiles read by the TMA unit, with whether all three give
+bit-identical outputs; then split-K, ``kernels.moe_mxfp4_split``, on shift+TMA: ``SPLIT_K`` = None, the auto rule and
+the default, with its (gate/up, down) pieces, and forced 2, 4, 8 pieces, with their largest relative difference from
+the unsplit shift+TMA output); the peers ``moe_triton`` and
 ``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the HBM roofline of the MXFP4 call (bytes of the distinct
 experts its routing touches, weights and scales, over ``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline
 ``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the bandwidth the MXFP4 call reached; and ``roof/time`` =
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.kernels.moe import MoEConfig, moe_grouped_mm, moe_triton
-from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4
+from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4, splits_mxfp4
 from deepinfer.quant.native import dequantize_experts
 from deepinfer.quant.nibble_order import to_shift_order
 
@@ -76,11 +78,18 @@ def run_variant(cfg, swap, x, i, w, mx, order="plain"):
         mod.SWAP_AB = None
 
 
-VARIANTS = {  # name -> (nibble order, TMA weight tiles): the codes as stored, the shift decode, then with TMA
-    "plain": ("plain", False),
-    "shift": ("shift", False),
-    "shift_tma": ("shift", True),
+VARIANTS = {  # name -> (nibble order, TMA weight tiles, SPLIT_K): unsplit (the codes as stored, the shift decode,
+    # then with TMA), then split-K on shift+TMA: the auto rule (the default), then forced
+    "plain": ("plain", False, 1),
+    "shift": ("shift", False, 1),
+    "shift_tma": ("shift", True, 1),
+    "split_auto": ("shift", True, None),
+    "split2": ("shift", True, 2),
+    "split4": ("shift", True, 4),
+    "split8": ("shift", True, 8),
 }
+UNSPLIT = ("plain", "shift", "shift_tma")
+DEFAULT = "split_auto"
 
 
 def variants(inputs, mx, sx, reps):
@@ -90,15 +99,15 @@ def variants(inputs, mx, sx, reps):
     times, outs = {}, {}
     try:
         for _ in range(2):
-            for name, (order, tma) in VARIANTS.items():
-                mod.TMA_WEIGHTS = tma
+            for name, (order, tma, split) in VARIANTS.items():
+                mod.TMA_WEIGHTS, mod.SPLIT_K = tma, split
                 ws = sx if order == "shift" else mx
                 fn = lambda x, i, w, ws=ws, order=order: moe_mxfp4(x, i, w, *ws, LIMIT, order=order)  # noqa: E731
                 us = time_graph(fn, inputs, reps)
                 times[name] = min(us, times.get(name, us))
                 outs[name] = fn(*inputs[0])
     finally:
-        mod.TMA_WEIGHTS = True
+        mod.TMA_WEIGHTS, mod.SPLIT_K = True, None
     return times, outs
 
 
@@ -215,6 +224,7 @@ def main() -> None:
             "T": t,
             "experts_touched": touched,
             "config": str(pick_config_mxfp4(t * K, E)),
+            "auto_split": [p for p, _ in splits_mxfp4(t * K, E, I, D, pick_config_mxfp4(t * K, E))],  # gate/up, down
             "roof_hbm_us": touched * per_expert / args.hbm * 1e6,
             "roof_flop_us": 2 * 3 * t * K * D * I / args.flops * 1e6,
         }
@@ -242,8 +252,12 @@ def main() -> None:
         else:
             times, outs = variants(inputs, mx, sx, args.reps)
             row.update({f"{name}_us": us for name, us in times.items()})
-            row["mxfp4_us"] = times["shift_tma"]
-            row["variants_bit_identical"] = all(torch.equal(o, outs["plain"]) for o in outs.values())
+            row["mxfp4_us"] = times[DEFAULT]
+            row["variants_bit_identical"] = all(torch.equal(outs[name], outs["plain"]) for name in UNSPLIT)
+            unsplit = outs["shift_tma"]
+            row["split_max_rel_diff"] = max(
+                ((outs[name] - unsplit).norm() / unsplit.norm()).item() for name in VARIANTS if name not in UNSPLIT
+            )
             if deq is not None:
                 out = moe_mxfp4(*inputs[0], *mx, LIMIT)
                 ref = moe_triton(*inputs[0], *deq, LIMIT)
@@ -261,15 +275,17 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev)
     print(f"\n{name}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {per_expert / 1e6:.2f} MB per expert")
     if not args.sweep:
-        head = "| T | experts | mxfp4 µs (plain, shift, shift+TMA) | TB/s | triton bf16 µs | grouped_mm bf16 µs |"
-        print(head + " HBM roof µs | FLOP roof µs | roof/time |\n" + "|---" * 9 + "|")
+        head = f"| T | experts | mxfp4 µs ({', '.join(VARIANTS)}) | auto split | unsplit/auto | split rel diff |"
+        print(head + " TB/s | triton bf16 µs | grouped_mm bf16 µs | HBM roof µs | FLOP roof µs | roof/time |")
+        print("|---" * 12 + "|")
         for r in rows:
             peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
             ab = ", ".join(f"{r[name + '_us']:.1f}" for name in VARIANTS)
+            gain = r["shift_tma_us"] / r[DEFAULT + "_us"]
             print(
-                f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['mxfp4_TBps']:.2f} | "
-                f"{peers[0]} | {peers[1]} | {r['roof_hbm_us']:.1f} | {r['roof_flop_us']:.1f} | "
-                f"{r['roof_over_time']:.2f} |"
+                f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['auto_split']} | {gain:.2f} | "
+                f"{r['split_max_rel_diff']:.1e} | {r['mxfp4_TBps']:.2f} | {peers[0]} | {peers[1]} | "
+                f"{r['roof_hbm_us']:.1f} | {r['roof_flop_us']:.1f} | {r['roof_over_time']:.2f} |"
             )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

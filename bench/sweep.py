@@ -99,10 +99,9 @@ T0 = time.monotonic()
 # H200 SXM datasheet (PERF_ANCHORS.md §1), for reference next to the measured ceilings
 H200_DATASHEET = {"hbm_GBps": 4800.0, "bf16_TFLOPs": 989.0, "fp8_TFLOPs": 1979.0}
 
-# parameters our engine keeps in fp32 whatever the model dtype (as deepinfer.checkpoint.loader._FP32)
-OURS_FP32 = re.compile(
-    r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight|compressor\.w(kv|gate)\.weight)$"
-)
+# parameters our engine keeps in fp32 whatever the model dtype (as deepinfer.checkpoint.loader._FP32; the
+# compressors' projections stay bf16, as the checkpoint stores them, and run in fp32 through ops.linear_fp32)
+OURS_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight)$")
 # native checkpoint formats (MODEL_V4.md §4.1/§4.2), by internal parameter name
 NATIVE_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|ffn\.shared_w[123])\.weight$")
 NATIVE_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias)$")

@@ -80,7 +80,7 @@ def test_attention_matches_reference_fp32(H, d):
     idx, count = _idx(n, W, K, counts, seed=d + 2, dtype=torch.int64 if d == 16 else torch.int32)
     sink = _randn(H, seed=d + 3)
     scale = d**-0.5
-    out = sparse_attention_gather(q, keys, idx, count, sink, scale)
+    out = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False)
     assert out.shape == (n, H, d) and out.dtype == torch.float32
     ref = _ref_attention(q, keys, idx, count, sink, scale)
     _close(out, ref, 2e-5)
@@ -94,13 +94,14 @@ def test_attention_large_sink_and_sharp_scores():
     idx, count = _idx(n, W, K, [40, 33], seed=3)
     for sink in (torch.tensor([60.0, -60.0]), torch.tensor([-1e4, 1e4])):
         sink = sink.to(DEVICE)
-        out = sparse_attention_gather(q, keys, idx, count, sink, 1.0)
+        out = sparse_attention_gather(q, keys, idx, count, sink, 1.0, split=False)
         ref = _ref_attention(q, keys, idx, count, sink, 1.0)
         assert torch.isfinite(out).all()
         _close(out, ref, 2e-5)
 
 
-def _check_attention_invariance(n, H, d, K, W, counts, dtype):
+def _check_attention_invariance(n, H, d, K, W, counts, dtype, split=False):
+    """Query ``n // 2`` alone, in the batch, and in another batch with wider lists: the same bits (a fixed mode)."""
     q = _randn(n, H, d, seed=50, dtype=dtype)
     keys = _randn(K, d, seed=51, dtype=dtype)
     idx, count = _idx(n, W, K, counts, seed=52)
@@ -108,9 +109,9 @@ def _check_attention_invariance(n, H, d, K, W, counts, dtype):
     scale = d**-0.5
     pos = n // 2
     alone = sparse_attention_gather(
-        q[pos : pos + 1], keys, idx[pos : pos + 1, : counts[pos]], count[pos : pos + 1], sink, scale
+        q[pos : pos + 1], keys, idx[pos : pos + 1, : counts[pos]], count[pos : pos + 1], sink, scale, split=split
     )
-    full = sparse_attention_gather(q, keys, idx, count, sink, scale)
+    full = sparse_attention_gather(q, keys, idx, count, sink, scale, split=split)
     assert torch.equal(full[pos : pos + 1], alone)
     # the same query at another position of a different batch, its key list padded wider with garbage
     wide_idx, _ = _idx(n + 1, W + 2 * ATTN_BLOCK_N + 3, K, [0] * (n + 1), seed=54)
@@ -119,7 +120,7 @@ def _check_attention_invariance(n, H, d, K, W, counts, dtype):
     wide_idx[n, : counts[pos]] = idx[pos, : counts[pos]]
     q2 = torch.cat([_randn(n, H, d, seed=55, dtype=dtype), q[pos : pos + 1]])
     count2 = torch.cat([count, count[pos : pos + 1]])
-    assert torch.equal(sparse_attention_gather(q2, keys, wide_idx, count2, sink, scale)[n:], alone)
+    assert torch.equal(sparse_attention_gather(q2, keys, wide_idx, count2, sink, scale, split=split)[n:], alone)
 
 
 def test_attention_batch_invariant_fp32():
@@ -216,12 +217,13 @@ def test_gpu_bf16_attention_real_shapes():
     idx, count = _idx(n, W, K, counts, seed=72)
     sink = _randn(H, seed=73)
     scale = d**-0.5
-    out = sparse_attention_gather(q, keys, idx, count, sink, scale)
+    out = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False)
     assert out.dtype == torch.bfloat16
     ref = _ref_attention(q, keys, idx, count, sink, scale)
     rel, rel_max = _rel(out, ref)
     assert rel < 2e-2 and rel_max < 5e-2, (rel, rel_max)
-    _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16)
+    _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16, split=False)
+    _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16, split=True)
 
 
 @gpu_only
@@ -233,7 +235,7 @@ def test_gpu_fp32_attention_real_head_dim():
     idx, count = _idx(n, W, K, [0, 1, 333, 640], seed=76)
     sink = _randn(H, seed=77)
     scale = d**-0.5
-    out32 = sparse_attention_gather(q, keys, idx, count, sink, scale)
+    out32 = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False)
     _close(out32, _ref_attention(q, keys, idx, count, sink, scale), 2e-5)
 
 

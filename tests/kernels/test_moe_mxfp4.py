@@ -2,8 +2,9 @@
 decoded experts.
 
 Without a GPU the kernels run in Triton's interpreter (fp32 activations, tiny shapes); on a CUDA machine with
-``TRITON_INTERPRET`` unset the same tests compile and run for real, plus bf16 checks at V4-Flash's expert shapes, a
-bit-identical eager vs CUDA-graph replay, no host syncs, and ``quantize_experts`` on a full-size CUDA tensor.
+``TRITON_INTERPRET`` unset the same tests compile and run for real, plus bf16 checks at V4-Flash's expert shapes (the
+split-K kernels of ``kernels.moe_mxfp4_split`` too), a bit-identical eager vs CUDA-graph replay, no host syncs, and
+``quantize_experts`` on a full-size CUDA tensor.
 """
 
 import os
@@ -19,7 +20,10 @@ from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
     MX_DECODE,
     MX_PREFILL,
     moe_mxfp4,
+    pick_config_mxfp4,
+    splits_mxfp4,
 )
+from deepinfer.kernels.moe_mxfp4_split import pick_split, split_steps  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
@@ -152,6 +156,62 @@ def test_quantized_weights_and_dtypes_of_the_inputs():
     assert torch.equal(alt, out)
 
 
+def test_split_k_matches_unsplit_and_reference_fp32(monkeypatch):
+    """Forced split-K (``SPLIT_K``) against the unsplit kernels and the reference. ``block_k = 64``, split 2: K = D =
+    160 is 3 steps (the last half a tile) cut into pieces of 2 and 1 steps, K = I = 96 two steps (the last half a tile)
+    into 1 and 1; ``block_k = 32``, split 3: D is 5 steps, pieces of 2, 2 and 1, I 3 steps, 1 each. ``SPLIT_K = 1``
+    runs the unsplit kernels alone (the split launchers are never called)."""
+    x, idx, w, mx = _problem(2, 2, 96, 160, 2, seed=21)  # both experts in every token: k = 2 slots to sum
+    ref = ReferenceOps("cpu").moe(x, idx, w, *_decoded(mx, torch.float32), 0.7)
+    wide, narrow = MoEConfig(16, 64, 64, 4, 1), MoEConfig(16, 64, 32, 4, 1)  # 64-row tiles: fewer programs to interpret
+    calls = []
+
+    def spy(name):  # noqa: ANN001, ANN202
+        real = getattr(mod, name)
+        return lambda *a, **kw: (calls.append(name), real(*a, **kw))[1]
+
+    monkeypatch.setattr(mod, "gate_up_split", spy("gate_up_split"))
+    monkeypatch.setattr(mod, "down_split", spy("down_split"))
+    with monkeypatch.context() as m:
+        m.setattr(mod, "SPLIT_K", 1)
+        base = moe_mxfp4(x, idx, w, *mx, 0.7, config=wide)
+    assert calls == []  # SPLIT_K = 1: the unsplit kernels alone
+    assert _rel(base, ref) < 1e-5
+    for split, cfg, pieces in ((2, wide, ((2, 2), (2, 1))), (3, narrow, ((3, 2), (3, 1)))):
+        monkeypatch.setattr(mod, "SPLIT_K", split)
+        assert splits_mxfp4(4, 2, 96, 160, cfg) == pieces  # (pieces, steps a piece) of gate/up and of down
+        out = moe_mxfp4(x, idx, w, *mx, 0.7, config=cfg)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert _rel(out, base) < 1e-6 and _rel(out, ref) < 1e-5  # only the fp32 summation order differs
+    assert calls == ["gate_up_split", "down_split"] * 2
+
+
+def test_split_k_picking_on_the_host(monkeypatch):
+    """``pick_split`` (sizes only, no kernel): at V4-Flash's shapes one token (6 slot blocks × 32 gate/up tiles, × 64
+    down tiles) splits gate/up in 4 and down in 2 (≈ 6 programs an SM of 132); 2 tokens split gate/up only; from 16
+    tokens on the grid is large enough. A piece keeps ``MIN_STEPS`` steps of ``block_k``. ``SPLIT_K``: None takes the
+    rule on a GPU (``auto``), 1 in the interpreter; n forces at most n pieces (no empty one)."""
+    e, inter, hidden = 256, 2048, 4096
+    assert pick_split(6, e, inter, hidden, MX_DECODE) == 4 and pick_split(6, e, hidden, inter, MX_DECODE) == 2
+    assert pick_split(12, e, inter, hidden, MX_DECODE) == 2 and pick_split(12, e, hidden, inter, MX_DECODE) == 1
+    for t in (16, 64, 256, 4096):
+        cfg = pick_config_mxfp4(6 * t, e)
+        assert pick_split(6 * t, e, inter, hidden, cfg) == 1 == pick_split(6 * t, e, hidden, inter, cfg)
+    assert pick_split(6, e, inter, 7 * 128, MX_DECODE) == 1  # 7 steps: two pieces would keep fewer than 4 steps
+    assert pick_split(6, e, inter, 8 * 128, MX_DECODE) == 2
+    assert split_steps(4096, 128, 3) == (3, 11) and split_steps(2048, 128, 3) == (3, 6)  # 11, 11, 10 and 6, 6, 4
+    assert split_steps(160, 32, 8) == (5, 1) and split_steps(160, 32, 1) == (1, 5)
+    assert splits_mxfp4(6, e, inter, hidden, MX_DECODE) == ((4, 8), (2, 8))
+    assert splits_mxfp4(6, e, inter, hidden, MX_DECODE, auto=False) == ((1, 32), (1, 16))
+    monkeypatch.setattr(mod, "SPLIT_K", 1)
+    assert splits_mxfp4(6, e, inter, hidden, MX_DECODE) == ((1, 32), (1, 16))
+    monkeypatch.setattr(mod, "SPLIT_K", 3)
+    assert splits_mxfp4(6000, e, inter, hidden, MX_PREFILL, auto=False) == ((3, 11), (3, 6))
+    monkeypatch.setattr(mod, "SPLIT_K", 0)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        splits_mxfp4(6, e, inter, hidden, MX_DECODE)
+
+
 def test_empty_batch():
     x, idx, w, mx = _problem(0, 4, 64, 64, 2, seed=0)
     assert moe_mxfp4(x, idx, w, *mx, 1.0).shape == (0, 64)
@@ -236,33 +296,64 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
 
 
 @gpu_only
-def test_gpu_graph_replay_bit_identical(v4_experts):
-    mx, _ = v4_experts
-    for t in (1, 37):
-        x, idx, w = _routing(t, 100 + t)
-        eager = moe_mxfp4(x, idx, w, *mx, 10.0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            moe_mxfp4(x, idx, w, *mx, 10.0)  # warm-up on the capture stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_mxfp4(x, idx, w, *mx, 10.0)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        x2, idx2, w2 = _routing(t, 200 + t)  # new inputs in the captured buffers: the replay follows them
-        x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, moe_mxfp4(x2, idx2, w2, *mx, 10.0))
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_gpu_split_k(v4_experts, t, monkeypatch):
+    """Split-K at V4-Flash's shapes in bf16 (the PTX decode): the auto rule (T = 1: 4 and 2 pieces) and forced 2, 3
+    (pieces of 11, 11, 10 and 6, 6, 4 steps) and 8, on the decode tiles and split 2 on the prefill tiles (weights on
+    the MMA's M side), against the unsplit kernels and ``moe_triton`` on the decoded experts; within a split the shift
+    order and the pointer loads (TMA off) give the same results, bit for bit."""
+    mx, deq = v4_experts
+    sx = _shifted(mx)
+    x, idx, w = _routing(t, 300 + t)
+    ref = moe_triton(x, idx, w, *deq, 10.0)
+    monkeypatch.setattr(mod, "SPLIT_K", 1)
+    base = moe_mxfp4(x, idx, w, *mx, 10.0)
+    for split, cfg in ((None, None), (2, None), (3, None), (8, None), (2, MX_PREFILL)):
+        monkeypatch.setattr(mod, "SPLIT_K", split)
+        out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
+        assert _rel(out, ref) < 5e-3 and _rel(out, base) < 5e-3  # the fp32 order (and the bf16 roundings it moves)
+        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)
+        monkeypatch.setattr(mod, "TMA_WEIGHTS", False)
+        assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
+        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)
+        monkeypatch.setattr(mod, "TMA_WEIGHTS", True)
+    monkeypatch.setattr(mod, "SPLIT_K", 3)
+    big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32, split too
+    assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
 
 
 @gpu_only
-def test_gpu_no_host_sync(v4_experts):
+@pytest.mark.parametrize(("t", "split"), [(1, None), (37, None), (37, 3)])
+def test_gpu_graph_replay_bit_identical(v4_experts, t, split, monkeypatch):
+    """Eager vs a replayed CUDA graph, bit for bit, unsplit and split (T = 1: the auto split)."""
     mx, _ = v4_experts
-    x, idx, w = _routing(33, 3)
+    monkeypatch.setattr(mod, "SPLIT_K", split)
+    x, idx, w = _routing(t, 100 + t)
+    eager = moe_mxfp4(x, idx, w, *mx, 10.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_mxfp4(x, idx, w, *mx, 10.0)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_mxfp4(x, idx, w, *mx, 10.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    x2, idx2, w2 = _routing(t, 200 + t)  # new inputs in the captured buffers: the replay follows them
+    x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_mxfp4(x2, idx2, w2, *mx, 10.0))
+
+
+@gpu_only
+@pytest.mark.parametrize(("t", "split"), [(33, None), (1, None), (33, 2)])
+def test_gpu_no_host_sync(v4_experts, t, split, monkeypatch):
+    mx, _ = v4_experts
+    monkeypatch.setattr(mod, "SPLIT_K", split)
+    x, idx, w = _routing(t, 3)
     moe_mxfp4(x, idx, w, *mx, 10.0)  # compile / load first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -28,7 +28,10 @@ class CheckpointError(ValueError):
 
 
 # parameters the reference keeps in fp32 whatever the model dtype (MODEL_V4.md §4.2)
-_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight|compressor\.w(kv|gate)\.weight)$")
+_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight)$")
+# the compressors' projections run in fp32 (``ops.linear_fp32``) on values the checkpoint stores in bf16: loaded in
+# the model dtype when it holds them exactly (a GPU multiplies them on the tensor cores with fp32 sums), else fp32
+_FP32_IF_INEXACT = re.compile(r"compressor\.w(kv|gate)\.weight$")
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -109,6 +112,8 @@ def load_checkpoint(
         if tuple(t.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(want)}")
         keep32 = p.dtype == torch.long or _FP32.search(target)
+        if not keep32 and t.dtype == torch.float32 and _FP32_IF_INEXACT.search(target):
+            keep32 = not torch.equal(t.to(dtype).to(t.dtype), t)
         value = t.to(p.dtype if p.dtype == torch.long else (torch.float32 if keep32 else dtype))
         with torch.no_grad():
             if expert is not None:

@@ -10,6 +10,8 @@ padded einsums of ``BatchInvariantOps``; the semantics are those of ``ReferenceO
   (query, block of ``ATTN_BLOCK_H`` heads) runs an online softmax (running max seeded with the sink, fp32 running
   denominator and accumulator) over the query's keys in blocks of ``ATTN_BLOCK_N``, from j = 0 upward, each block
   one gather and two ``tl.dot`` of fixed shape. The loop is bounded by ``count[i]``, not by the padded width ``W``.
+  For few queries (``split``) the key lists are instead cut at fixed list positions, multiples of
+  ``attention_split.SPLIT_CHUNK``, into partials merged in a fixed order (``deepinfer.kernels.attention_split``).
 * ``indexer_scores_fixed``: ``scores[i, r] = Σ_h weights[i, h] · relu(q[i, h] · keys[r])``. One program per
   (query, block of ``INDEXER_BLOCK_R`` keys): one ``tl.dot`` ``[h, d] x [d, BLOCK_R]``, relu, weights, then a
   fixed-shape ``tl.sum`` over the heads.
@@ -18,8 +20,10 @@ Why invariant: every output element's reduction order is fixed by constexpr tile
 query's own key list), never by the number of queries, the padded width or the other rows. A query's program reads
 only its own ``q``, ``idx``, ``count`` rows; a ``tl.dot`` reduces every output lane the same way, and masked heads,
 keys and padded ``d`` lanes are exact zeros (keys past ``count``: ``-inf`` logits, ``p = 0``) that touch no other lane.
-There is no autotuning and no split over keys, and the runtime sizes (``W``, ``R``) are ``do_not_specialize``, so
-every batch size and padding width runs the same compiled binary.
+There is no autotuning, the runtime sizes (``W``, ``R``) are ``do_not_specialize``, so every batch size and padding
+width runs the same compiled binary, and the split of the attention over the key list, where on, is at fixed list
+positions. Each attention mode (split or not) is batch-invariant; the automatic choice between them (``split=None``)
+looks at ``n``, so callers that need invariance fix the mode (``split=False``).
 """
 
 from __future__ import annotations
@@ -28,11 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import attention_split
+
 ATTN_BLOCK_H = 16  # heads per program (the smallest tl.dot M)
 ATTN_BLOCK_N = 32  # keys per step: a [32, 512] bf16 gathered tile is 32 KB of shared memory
 # sm_90, bf16, d=512 (ptxas -v, compiled offline): 234 registers, no spills, 56 KB shared memory, mma.sync
 ATTN_NUM_WARPS = 4
 ATTN_NUM_STAGES = 2
+# split=None splits the key lists when n · cdiv(H, ATTN_BLOCK_H) programs would be fewer than this: one wave of a
+# 132-SM H200 (for H = 64: n <= 32)
+ATTN_SPLIT_MAX_PROGRAMS = 132
+ATTN_SPLIT_DEFAULT: bool | None = None  # benchmarks: the mode split=None takes (None: the rule above)
 INDEXER_BLOCK_R = 64  # keys per program
 INDEXER_NUM_WARPS = 4
 INDEXER_NUM_STAGES = 1
@@ -168,8 +178,23 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # bf16 ignores it; fp32 gets true fp32 products (no TF32)
 
 
+def use_split(n: int, H: int) -> bool:
+    """The mode ``sparse_attention_gather(split=None)`` takes for ``n`` queries of ``H`` heads: ``ATTN_SPLIT_DEFAULT``
+    if set, else split when the unsplit grid ``n · cdiv(H, ATTN_BLOCK_H)`` is below ``ATTN_SPLIT_MAX_PROGRAMS``."""
+    if ATTN_SPLIT_DEFAULT is not None:
+        return ATTN_SPLIT_DEFAULT
+    return n * triton.cdiv(H, ATTN_BLOCK_H) < ATTN_SPLIT_MAX_PROGRAMS
+
+
 def sparse_attention_gather(
-    q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    idx: torch.Tensor,
+    count: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``.
 
@@ -177,8 +202,15 @@ def sparse_attention_gather(
     order, the key rows query ``i`` attends to, of which the first ``count[i]`` (``count [n]`` int32/int64, clamped
     to ``[0, W]``) are used and the rest never read; ``sink [H]`` is a per-head logit in the denominator with no
     value. Valid ``idx`` entries must be in ``[0, K)`` (not checked: that would sync the host). A query with
-    ``count == 0`` gets zeros. Accumulation is fp32; fp32 inputs use IEEE fp32 products. Query ``i``'s output depends
-    only on ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other queries.
+    ``count == 0`` gets zeros. Accumulation is fp32; fp32 inputs use IEEE fp32 products.
+
+    ``split``: ``False``, one program per (query, head block) walks the whole list; ``True``, the lists are cut into
+    splits of ``attention_split.SPLIT_CHUNK`` entries at fixed list positions, one program each, their fp32 partials
+    merged in split order (more parallelism for few queries; other rounding when ``count > SPLIT_CHUNK``); ``None``
+    (default), ``use_split(n, H)`` picks from ``n`` and ``H`` only. In either fixed mode query ``i``'s output depends
+    only on ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other
+    queries. With ``None`` the mode, hence the rounding, may change with ``n``: batch-invariant callers pass
+    ``split=False``. No mode reads ``count`` on the host (capturable in CUDA graphs).
     """
     if q.dtype not in _DTYPES or keys.dtype != q.dtype:
         raise ValueError(
@@ -206,8 +238,23 @@ def sparse_attention_gather(
     W = idx.shape[1]
     if n == 0 or H == 0 or d == 0 or W == 0 or keys.shape[0] == 0:
         return torch.zeros((n, H, d), dtype=q.dtype, device=q.device)
-    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
     q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
+    if use_split(n, H) if split is None else split:
+        return attention_split.sparse_attention_split(
+            q,
+            keys,
+            idx,
+            count,
+            sink,
+            scale,
+            block_h=ATTN_BLOCK_H,
+            block_n=ATTN_BLOCK_N,
+            block_d=_pow2(d),
+            precision=_precision(q.dtype),
+            num_warps=ATTN_NUM_WARPS,
+            num_stages=ATTN_NUM_STAGES,
+        )
+    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
     grid = (n, triton.cdiv(H, ATTN_BLOCK_H))
     _sparse_attention_kernel[grid](
         q,
@@ -321,4 +368,4 @@ def indexer_scores_ranges(
     return out
 
 
-__all__ = ["indexer_scores_fixed", "indexer_scores_ranges", "sparse_attention_gather"]
+__all__ = ["indexer_scores_fixed", "indexer_scores_ranges", "sparse_attention_gather", "use_split"]

@@ -13,10 +13,9 @@ instruction (ties to even, saturating at 448 as torch's cast does: the interpret
 rounding by thresholds (ties to the even code, the sign from the sign bit) and the product with the scale, exact in
 ``x.dtype``.
 
-Bit-identical to the torch round trips run on the CPU in Triton's interpreter (``tests/kernels/test_cache_round.py``);
-on an H200 FP8 and MXFP4 are, NVFP4 is not (3 of the 10 cases differ: its scale is the only non-power-of-two one, so
-its divisions are the only inexact ones; not yet understood), so ``NvidiaOps.cache_round`` calls it for FP8 and MXFP4
-on CUDA and keeps the torch NVFP4.
+Bit-identical to the torch round trips run on the CPU, in Triton's interpreter and on an H200
+(``tests/kernels/test_cache_round.py``); ``NvidiaOps.cache_round`` calls it for CUDA tensors. (The NVFP4 scale
+saturates at 448, as ``quant.cache.nvfp4_round`` now says explicitly: torch 2.11's cast to E4M3 gave NaN past it.)
 """
 
 from __future__ import annotations

@@ -28,7 +28,15 @@ to the fp16 ``value · 2^-14`` in plain Triton, widened to fp32 and multiplied b
 Every decoded weight is exact for exponents 2 ≤ s ≤ 240 (block maxima between ``2^-124`` and ``2^114``; real
 weights are far inside; the shift order takes s ≤ 128), so the results differ from ``moe_triton`` on the decoded
 experts only by fp32 summation order, and the two orders give the same tiles, bit for bit. Without CUDA (or in
-Triton's interpreter) the same kernels decode in plain Triton.
+Triton's interpreter) the same kernels decode in plain Triton. The decode and the K loop are in
+``kernels.moe_mxfp4_gemm``.
+
+Split-K (``kernels.moe_mxfp4_split``): at decode sizes the grid (slot blocks × N tiles) is too small for the GPU
+(6 × 32 gate/up programs at one token), so each GEMM may also be cut over K into pieces whose fp32 partials a
+finishing kernel sums in a fixed order before the same epilogue (for down: the rounding of each slot to ``x.dtype``
+and the fp32 sum of a token's slots, in place of ``_combine``). The number of pieces comes from sizes alone
+(``pick_split``, on a GPU; ``SPLIT_K`` forces it); one piece runs the unsplit kernels above. A split changes only
+the order of the fp32 accumulation over K.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import triton.language as tl
 
 from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul
 from deepinfer.kernels.moe_align import padded_slots
+from deepinfer.kernels.moe_mxfp4_gemm import _gemm
+from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, split_steps
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
 
@@ -54,9 +64,10 @@ MX_DECODE = MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stag
 MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 
-FAST_DECODE = True  # bf16 on CUDA: decode with the PTX below (False: the portable decode; for benchmarks)
+FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the portable decode; for benchmarks)
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
+SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
 
 
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
@@ -65,171 +76,19 @@ def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEC
     return MX_DECODE if slots <= 8 * experts else MX_PREFILL
 
 
-# 8 e2m1 codes (one 32-bit word, code i in bits 4i..4i+3) → 4 bf16x2 (codes 2b, 2b+1 in register b), each times the
-# bf16x2 scale $5: byte lookups (prmt) of the low and high bytes of |value|, the signs or-ed into the high bytes
-_E2M1_BF16_ASM = tl.constexpr("""{
-.reg .b32 m, mh, s, sh, l0, l1, h0, h1, g0, g1, p0, p1, p2, p3;
-and.b32 m, $4, 0x77777777;
-shr.u32 mh, m, 16;
-prmt.b32 l0, 0xC0800000, 0xC0804000, m;
-prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;
-prmt.b32 l1, 0xC0800000, 0xC0804000, mh;
-prmt.b32 h1, 0x3F3F3F00, 0x40404040, mh;
-and.b32 s, $4, 0x88888888;
-shr.u32 s, s, 3;
-shr.u32 sh, s, 16;
-prmt.b32 g0, 0x00008000, 0, s;
-prmt.b32 g1, 0x00008000, 0, sh;
-or.b32 h0, h0, g0;
-or.b32 h1, h1, g1;
-prmt.b32 p0, l0, h0, 0x5140;
-prmt.b32 p1, l0, h0, 0x7362;
-prmt.b32 p2, l1, h1, 0x5140;
-prmt.b32 p3, l1, h1, 0x7362;
-mul.rn.bf16x2 $0, p0, $5;
-mul.rn.bf16x2 $1, p1, $5;
-mul.rn.bf16x2 $2, p2, $5;
-mul.rn.bf16x2 $3, p3, $5;
-}""")
-
-
-# 8 e2m1 codes of a word in the shift order (nibble j holds code ``nibble_order.SHIFT_ORDER[j]``) → 4 bf16x2 (codes
-# 2b, 2b+1 in register b) as ``value · 2^-126`` by shifts and masks (sign to bit 15, e1 e0 m to bits 8..6: the bf16
-# with exponent field e, subnormal for e = 0), each times the bf16x2 scale $5 = 2^(s - 1)
-_E2M1_SHIFT_ASM = tl.constexpr("""{
-.reg .b32 m0, m1, m2, m3, g0, g1, g2, g3;
-shr.b32 m0, $4, 6;
-shr.b32 m1, $4, 2;
-shl.b32 m2, $4, 2;
-shl.b32 m3, $4, 6;
-shl.b32 g1, $4, 4;
-shl.b32 g2, $4, 8;
-shl.b32 g3, $4, 12;
-and.b32 m0, m0, 0x01C001C0;
-and.b32 m1, m1, 0x01C001C0;
-and.b32 m2, m2, 0x01C001C0;
-and.b32 m3, m3, 0x01C001C0;
-and.b32 g0, $4, 0x80008000;
-and.b32 g1, g1, 0x80008000;
-and.b32 g2, g2, 0x80008000;
-and.b32 g3, g3, 0x80008000;
-or.b32 m0, m0, g0;
-or.b32 m1, m1, g1;
-or.b32 m2, m2, g2;
-or.b32 m3, m3, g3;
-mul.rn.bf16x2 $0, m0, $5;
-mul.rn.bf16x2 $1, m1, $5;
-mul.rn.bf16x2 $2, m2, $5;
-mul.rn.bf16x2 $3, m3, $5;
-}""")
-
-
-@triton.jit
-def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr):
-    """The exponents of the rows ``rn`` for the ``NB`` 32-column blocks from byte ``kb0``: ``[BLOCK_N, NB, 1]`` int32,
-    and the mask of the valid (row, block) pairs."""
-    rb = tl.arange(0, NB)
-    mask = mask_n[:, None, None]
-    if not EVEN_K:
-        mask = mask & (kb0 + rb * 16 < KH)[None, :, None]
-    s_off = sbase + rn[:, None, None].to(tl.int64) * stride_sn + (kb0 // 16 + rb)[None, :, None]
-    return tl.load(s_ptr + s_off, mask=mask, other=0).to(tl.int32), mask
-
-
-@triton.jit
-def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr, SHIFT: tl.constexpr):
-    """The codes of the rows ``rn`` from byte ``kb0`` (``NB`` blocks of 32) as fp32 ``value · 2^-14``, in column order:
-    ``[BLOCK_N, NB, 32]`` (plain Triton: the interpreter and fp32 activations). ``w_ptr`` points to 32-bit words;
-    code ``v`` of a word is in nibble ``v``, or in the shift order (``SHIFT``) in nibble ``SHIFT_ORDER.index(v)``."""
-    kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
-    q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
-    v = tl.arange(0, 8)
-    if SHIFT:
-        v = 4 * (v & 1) + 3 - 2 * ((v >> 2) & 1) - ((v >> 1) & 1)
-    c = ((q[:, :, :, None] >> (4 * v)[None, None, None, :]) & 0xF).to(tl.uint16)
-    w = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.reshape(w, (BLOCK_N, NB, 32))
-
-
-@triton.jit
-def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-             SHIFT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
-    """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded from the 32-bit words at ``w_ptr``:
-    ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' nibble order (``SHIFT``: the shift
-    order), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
-    NB: tl.constexpr = BLOCK_K // 32
-    s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
-    if FAST:
-        if TMA:  # w_ptr: a descriptor of the words [E·N, KH/4], wbase: the tile's first row
-            q = tl.reshape(w_ptr.load([wbase, kb0 // 4]), (BLOCK_N, NB, 4))
-        else:
-            kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] words
-            q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
-        if SHIFT:  # the bf16x2 scale 2^(s - 1)
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _E2M1_SHIFT_ASM, "=r,=r,=r,=r,r,r", [q, (s + 126) * 0x800080], dtype=(tl.int32,) * 4, is_pure=True,
-                pack=1,
-            )  # fmt: skip
-        else:  # the bf16x2 scale 2^(s - 127)
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [q, s * 0x800080], dtype=(tl.int32,) * 4, is_pure=True, pack=1
-            )
-        p = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K // 2))
-        lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-    else:
-        scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
-        w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, SHIFT) * scale
-        w = tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
-    return w
-
-
-@triton.jit
-def _mx_dot(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + a·wᵀ`` (``a [BLOCK_M, K]``, ``w [BLOCK_N, K]``); ``SWAP``: the accumulator is held transposed,
-    ``[BLOCK_N, BLOCK_M]``, so that the weight rows fill the MMA's M dimension."""
-    if SWAP:
-        return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Columns ``2·kb0 ..+ BLOCK_K`` of the activation rows ``row``: ``[BLOCK_M, BLOCK_K]``."""
-    kk = 2 * kb0 + tl.arange(0, BLOCK_K)
-    mask = valid[:, None]
-    if not EVEN_K:
-        mask = mask & (kk < 2 * KH)[None, :]
-    return tl.load(a_ptr + row[:, None] * stride_am + kk[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, KH, stride_wn,
-          stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-          TWO: tl.constexpr):  # fmt: skip
-    """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over all K for the weight rows ``rn``:
-    ``[BLOCK_M, BLOCK_N]`` fp32 each, through ``tl.dot``, both matrices in one pass over K (one load of the
-    activations)."""
-    shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc_w = tl.zeros(shape, dtype=tl.float32)
-    acc_v = tl.zeros(shape, dtype=tl.float32)
-    for kb0 in range(0, KH, BLOCK_K // 2):
-        a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
-        w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                     BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
-        acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
-        if TWO:
-            w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                         BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
-            acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
-    if SWAP:
-        acc_w = tl.trans(acc_w)
-        acc_v = tl.trans(acc_v)
-    return acc_w, acc_v
+def splits_mxfp4(
+    slots: int, experts: int, inter: int, hidden: int, cfg: MoEConfig, auto: bool = True
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(pieces, steps a piece)`` (``moe_mxfp4_split.split_steps``) of the gate/up GEMM (K = ``hidden``) and of the
+    down GEMM (K = ``inter``) under ``SPLIT_K``: ``n`` forces at most ``n`` pieces, ``None`` takes ``pick_split``'s
+    when ``auto`` and 1 otherwise. One piece: the unsplit kernels. Host arithmetic on sizes only."""
+    if SPLIT_K is not None and SPLIT_K < 1:
+        raise ValueError(f"moe_mxfp4: SPLIT_K must be None or at least 1, got {SPLIT_K}")
+    out = []
+    for n, k in ((inter, hidden), (hidden, inter)):
+        want = SPLIT_K if SPLIT_K is not None else pick_split(slots, experts, n, k, cfg) if auto else 1
+        out.append(split_steps(k, cfg.block_k, want))
+    return out[0], out[1]
 
 
 @triton.jit(do_not_specialize=["TK", "E"])
@@ -250,9 +109,9 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         mask_n = rn < N
         wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         sbase = e.to(tl.int64) * stride_se
-        acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, KH,
-                             stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP,
-                             PRECISION, True)  # fmt: skip
+        acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, 0,
+                             KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA,
+                             SWAP, PRECISION, True)  # fmt: skip
         g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
         u = acc_u.to(dt).to(tl.float32)
         rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
@@ -278,8 +137,8 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
         mask_n = rn < N
         wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, wbase,
-                       e.to(tl.int64) * stride_se, rn, mask_n, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
+                       e.to(tl.int64) * stride_se, rn, mask_n, 0, KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N,
+                       BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
         o_off = row[:, None] * stride_om + rn[None, :]
         tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
 
@@ -380,12 +239,19 @@ def moe_mxfp4(
         w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    (split_gu, piece_gu), (split_dn, piece_dn) = splits_mxfp4(tk, e, inter, d, cfg, x.is_cuda and not interpret)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
-    _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
-        xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
-        xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1), h.stride(0), float(limit),
-        TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch,
-    )  # fmt: skip
+    if split_gu > 1:
+        gate_up_split(xa, w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit), split_gu, piece_gu, sw1e, sw1n, meta,
+                      launch)  # fmt: skip
+    else:
+        _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
+            xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
+            xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1), h.stride(0), float(limit),
+            TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch,
+        )  # fmt: skip
+    if split_dn > 1:
+        return down_split(h, w2, s2, slots, bexp, t, k, split_dn, piece_dn, sw2e, sw2n, meta, launch)
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     _mx_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, s2, slots, bexp, o, tk, e, d, inter // 2,
@@ -395,4 +261,4 @@ def moe_mxfp4(
     return _combine(o, t, k)
 
 
-__all__ = ["MX_DECODE", "MX_INTERPRET", "MX_PREFILL", "moe_mxfp4", "pick_config_mxfp4"]
+__all__ = ["MX_DECODE", "MX_INTERPRET", "MX_PREFILL", "moe_mxfp4", "pick_config_mxfp4", "splits_mxfp4"]

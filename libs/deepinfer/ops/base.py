@@ -83,6 +83,27 @@ class Ops(Protocol):
         """Compressor pooling: ``Σ_m softmax_m(score) · kv`` over dim 1 of ``[k, m, d]`` → ``[k, d]`` fp32."""
         ...
 
+    def group_pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        cur: torch.Tensor,
+        prev: torch.Tensor | None,
+        has_prev: torch.Tensor,
+        live: torch.Tensor,
+        d: int,
+    ) -> torch.Tensor:
+        """A compressor's groups pooled from its pending rows by index (``kernels.group_pool``): ``kv``, ``score``
+        ``[N, C]`` fp32; row ``s`` pools rows ``cur[s]`` ``[S, m]`` and, overlapping (``prev`` given, ``C = 2d``),
+        first the first ``d`` channels of rows ``prev[s]`` where ``has_prev[s]`` (else value 0, score ``-inf``), then
+        the last ``d`` of ``cur[s]``; ``softmax_pool`` of that → ``[S, d]`` fp32, zeros where ``live`` is False."""
+        ...
+
+    def linear_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x · wᵀ`` computed in fp32 whatever the dtypes (the official fp32 GEMMs of the compressors and the
+        router): exact products of the values, fp32 sums → fp32."""
+        ...
+
     def sparse_attention(
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -115,6 +136,14 @@ class Ops(Protocol):
 
     def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """Top-``k`` column indices per row; ties go to the lower index (documented tie rule)."""
+        ...
+
+    def select_rows(self, scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The visible rows among each row's ``topk_indices(scores, k)``, in ascending order: ``scores [..., W]`` (any
+        float dtype) and bool ``visible`` of the same shape → ``(rows [..., min(k, W)] long, count [...] long)``, where
+        ``rows[..., :count]`` are the chosen visible rows ascending and ``count`` how many there are. Entries at and
+        past ``count`` are never read by the callers; they are row indices in ``[0, W)``, but which ones is up to the
+        backend (the reference lists the rows it did not choose, ascending)."""
         ...
 
     def moe(

@@ -6,7 +6,8 @@
   ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
   (``deepinfer.models.deepseek_v4.graphs``). Its ``native_weights`` flag (``DEEPINFER_NATIVE_WEIGHTS``) keeps the
   checkpoint's FP8 linears and MXFP4 experts as stored (``deepinfer.quant.native``) and runs them through
-  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
+  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``. ``topk_indices`` and ``select_rows`` over wide
+  rows take one ``torch.topk`` of packed unique keys (``packed_keys``) instead of full stable sorts.
 * ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
   runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
   rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
@@ -21,6 +22,54 @@ from deepinfer.ops.reference import ReferenceOps
 
 MOE_BACKENDS = ("auto", "grouped_mm", "triton")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_NAN_MAGNITUDE = 0x7F800001  # one past the bits of +inf: the magnitude every NaN is given in packed_keys
+_COLUMN_MAX = (1 << 32) - 1  # the low 32 bits of a packed key: _COLUMN_MAX - column
+
+
+def packed_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ``[..., W]`` of ``scores [..., W]`` (float32 / bfloat16 / float16, compared in fp32, which holds them
+    exactly), unique within a row and ordered as the reference's stable descending sort orders the scores: a higher
+    score has the larger key and, among equal scores, the lower column has the larger key.
+
+    ``key = v · 2³² + (2³² − 1 − column)`` with ``v`` the order-preserving int32 of the score: ``+bits(|s|)`` for
+    ``s ≥ 0``, ``−bits(|s|)`` for ``s < 0``. So ``−0.0`` and ``+0.0`` get the same ``v = 0`` (a sort compares them
+    equal: they tie and the lower column wins), ``±inf`` get ``±0x7f800000``, and every NaN, whatever its sign and
+    payload, gets ``0x7f800001``: above ``+inf`` and tied with the other NaNs, as the CPU's ``torch.sort`` orders NaN
+    (larger than every number, equal to each other; CUDA's radix-sort path of ``torch.sort`` may place negative-sign
+    NaNs elsewhere, pytorch#190781 — the CPU order is the one followed here). Scores are never NaN in practice.
+    Element-wise ops only: no host sync, no data-dependent shape (CUDA-graph capturable)."""
+    s = scores.float()
+    magnitude = s.abs().view(torch.int32).clamp_(max=_NAN_MAGNITUDE)
+    value = torch.where(s < 0, -magnitude, magnitude)
+    low = torch.arange(_COLUMN_MAX, _COLUMN_MAX - s.shape[-1], -1, dtype=torch.int64, device=s.device)
+    return torch.add(low, value, alpha=1 << 32)  # int64 arithmetic (the int32 operand is promoted)
+
+
+def packed_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``ReferenceOps.topk_indices`` (the first ``k`` of a stable descending sort over the last dim) as one
+    ``torch.topk`` of ``packed_keys``: the keys are unique, so the selection and its order are fully determined and
+    equal the stable sort's first ``min(k, W)`` columns exactly, in the same order. Any device (the tests run it on
+    the CPU); ``scores`` in float32 / bfloat16 / float16."""
+    k = min(k, scores.shape[-1])
+    return torch.topk(packed_keys(scores), k, dim=-1, largest=True, sorted=True).indices
+
+
+def packed_select_rows(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ReferenceOps.select_rows`` without full-width sorts: the top ``min(k, W)`` columns by ``packed_keys``
+    (unordered), then one sort of those ``k`` indices with the invisible ones pushed after the visible ones.
+    ``rows[..., :count]`` (the chosen visible rows, ascending) and ``count`` equal the reference's exactly; the entries
+    past ``count`` are the chosen invisible rows, ascending (the reference lists the rows it did not choose there):
+    valid row indices in ``[0, W)``, never read by the callers. Any device; no host sync."""
+    width = scores.shape[-1]
+    k = min(k, width)
+    if k == 0:
+        rows = torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+        return rows, rows.sum(-1)
+    top = torch.topk(packed_keys(scores), k, dim=-1, largest=True, sorted=False).indices
+    shown = visible.gather(-1, top)
+    # visible rows shifted to [-W, 0) sort before the invisible ones in [0, W); the remainder undoes the shift
+    rows = torch.add(top, shown, alpha=-width).sort(dim=-1).values.remainder(width)
+    return rows, shown.sum(-1)
 
 
 def _kernels() -> tuple:
@@ -45,7 +94,7 @@ class _KernelAttention:
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
     ) -> torch.Tensor:
         idx, count = visible_keys(mask)
-        return self._attend(q, keys.to(q.dtype), idx, count, sink.float(), scale)
+        return self._attend(q, keys.to(q.dtype), idx, count, sink.float(), scale, split=False)
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self._index(q, keys.to(q.dtype), weights.float())
@@ -63,7 +112,16 @@ class NvidiaOps(ReferenceOps):
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
     RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
     graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``). ``native_weights``: the engine keeps FP8 / MXFP4
-    weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``)."""
+    weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``).
+    ``packed_topk``: ``topk_indices`` / ``select_rows`` through ``packed_keys`` and one ``torch.topk`` (same results
+    as the reference's stable sorts): ``None`` (default) for float rows on CUDA wider than ``packed_above``, ``True``
+    for float rows on any device (the tests), ``False`` never."""
+
+    # rows up to this width keep the reference's sorts: torch.sort on CUDA sorts a row of at most 4096 in one kernel,
+    # cheaper than packing + topk for short rows such as the MoE router's 256 experts. H200, k = 512, CUDA graphs:
+    # packed 1.7x faster at 64 rows of 5120 and 32768, 1.8x at 256 of 32768; slower at 1280 and for one row
+    packed_above: int = 4096
+    packed_rows: int = 16  # and with at least this many rows (H200: a single row of 32768 is faster sorted)
 
     def __init__(
         self,
@@ -71,8 +129,10 @@ class NvidiaOps(ReferenceOps):
         fused: bool = True,
         cuda_graphs: bool | None = None,
         native_weights: bool | None = None,
+        packed_topk: bool | None = None,
     ) -> None:
         super().__init__("nvidia")
+        self.packed_topk = packed_topk
         if moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe_backend!r}")
         try:
@@ -93,6 +153,30 @@ class NvidiaOps(ReferenceOps):
         from deepinfer.kernels.attention import indexer_scores_ranges, sparse_attention_gather
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
+
+    def _packs(self, scores: torch.Tensor) -> bool:
+        """Whether ``topk_indices`` / ``select_rows`` of ``scores`` take the packed-key path (``packed_topk``); decided
+        from shapes, dtype and device only (no sync)."""
+        if self.packed_topk is False or scores.dtype not in _FLOATS or scores.numel() == 0:
+            return False
+        if self.packed_topk:
+            return True
+        wide = scores.shape[-1] > self.packed_above and scores.numel() >= self.packed_rows * scores.shape[-1]
+        return scores.is_cuda and wide
+
+    def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """The reference's stable-sort top-``k`` (ties to the lower index), bit-identical: ``packed_topk_indices`` for
+        wide float rows on CUDA, the reference sort otherwise."""
+        if self._packs(scores):
+            return packed_topk_indices(scores, k)
+        return super().topk_indices(scores, k)
+
+    def select_rows(self, scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``packed_select_rows`` for wide float rows on CUDA (``rows[..., :count]`` and ``count`` as the reference's;
+        the entries past ``count`` differ but are never read), the reference otherwise."""
+        if self._packs(scores):
+            return packed_select_rows(scores, visible, k)
+        return super().select_rows(scores, visible, k)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         if not self.fused or x.dtype not in _FLOATS:
@@ -147,6 +231,35 @@ class NvidiaOps(ReferenceOps):
                 pass
         return super().logits_linear(y, w)
 
+    def linear_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """bf16 / fp16 ``x`` and ``w`` on CUDA: one half-precision GEMM with fp32 accumulation and output (the
+        products of half-precision values are exact in fp32: the reference's fp32 GEMM up to the order of the sums,
+        on the tensor cores and without an fp32 copy of the weight); the reference elsewhere."""
+        if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            try:
+                return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+            except (TypeError, RuntimeError):  # a torch without out_dtype for mm
+                pass
+        return super().linear_fp32(x, w)
+
+    def group_pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        cur: torch.Tensor,
+        prev: torch.Tensor | None,
+        has_prev: torch.Tensor,
+        live: torch.Tensor,
+        d: int,
+    ) -> torch.Tensor:
+        """One Triton kernel on CUDA (``kernels.group_pool``: the rows gathered by index, rows not ``live`` skipped),
+        the reference elsewhere."""
+        if kv.is_cuda and kv.dtype == torch.float32 and score.dtype == torch.float32:
+            from deepinfer.kernels.group_pool import group_pool
+
+            return group_pool(kv, score, cur, prev, has_prev.view(-1), live.view(-1), d)
+        return super().group_pool(kv, score, cur, prev, has_prev, live, d)
+
     def sparse_attention_lists(
         self,
         q: torch.Tensor,
@@ -164,10 +277,9 @@ class NvidiaOps(ReferenceOps):
         return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width)
 
     def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        """FP8 and MXFP4 on CUDA: one Triton kernel (``kernels.cache_round``, the torch round trips bit for bit on an
-        H200); NVFP4 and elsewhere: the torch versions (the kernel's NVFP4 differs from them on the GPU, not yet
-        understood)."""
-        if x.is_cuda and x.dtype in _FLOATS and fmt in ("fp8", "mxfp4"):
+        """One Triton kernel on CUDA (``kernels.cache_round``: the torch round trips bit for bit), the torch versions
+        elsewhere."""
+        if x.is_cuda and x.dtype in _FLOATS:
             from deepinfer.kernels.cache_round import cache_round
 
             return cache_round(x, fmt)

@@ -45,6 +45,27 @@ class ReferenceOps:
         out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("tjk,tjd->tkd", comb, res.float())
         return out.to(y.dtype)
 
+    def group_pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        cur: torch.Tensor,
+        prev: torch.Tensor | None,
+        has_prev: torch.Tensor,
+        live: torch.Tensor,
+        d: int,
+    ) -> torch.Tensor:
+        if prev is not None:
+            hp = has_prev.view(-1, 1, 1)
+            k_all = torch.cat([torch.where(hp, kv[prev][..., :d], 0.0), kv[cur][..., d:]], dim=1)
+            s_all = torch.cat([torch.where(hp, score[prev][..., :d], float("-inf")), score[cur][..., d:]], dim=1)
+        else:
+            k_all, s_all = kv[cur], score[cur]
+        return torch.where(live.view(-1, 1), self.softmax_pool(k_all, s_all), 0.0)
+
+    def linear_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float(), w.float())
+
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         # the softmax over the last dim (a middle-dim softmax on the CPU rounds a row differently with the number of
         # rows): a decode step pools every sequence's group, the per-sequence path only the completed ones
@@ -170,6 +191,13 @@ class ReferenceOps:
     def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         # stable descending sort: equal scores keep ascending index order
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+    def select_rows(self, scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the chosen visible rows first (a stable sort keeps them ascending), then the rows not chosen, ascending
+        top = self.topk_indices(scores, k)
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True) & visible
+        rows = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[..., :k]
+        return rows, chosen.sum(-1)
 
     def moe(
         self,

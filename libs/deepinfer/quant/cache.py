@@ -51,9 +51,11 @@ def fp8_window_round(x: torch.Tensor, block: int = FP8_WINDOW_BLOCK) -> torch.Te
 
 
 def nvfp4_round(x: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
-    """Compressed-KV round trip: E2M1 with an E4M3 scale per ``block`` channels (no tensor-level scale)."""
+    """Compressed-KV round trip: E2M1 with an E4M3 scale per ``block`` channels (no tensor-level scale). The scale
+    saturates at 448 (blocks past ``6 · 448``): torch's own cast to E4M3 gives NaN there in some versions (2.11)
+    and saturates in others (2.13)."""
     g = _blocks(x, block)
-    scale = (g.abs().amax(-1, keepdim=True).clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
+    scale = (g.abs().amax(-1, keepdim=True).clamp_min(6 * 2**-9) / 6).clamp(max=448).to(torch.float8_e4m3fn).float()
     return _unblocks(fp4_round((g / scale).clamp(-6, 6)) * scale, x)
 
 

@@ -34,9 +34,8 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of a whole batch: ``kv`` and ``score`` (gate + position bias)."""
-        xf = x.float()
-        kv = ops.linear(xf, self.wkv.weight.float())
-        score = ops.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
+        kv = ops.linear_fp32(x, self.wkv.weight)
+        score = ops.linear_fp32(x, self.wgate.weight) + self.ape.float()[positions % self.ratio]
         return kv, score
 
     def forward(
@@ -137,19 +136,16 @@ class Compressor(nn.Module):
         rope: RotaryTable,
         ops: Ops,
         dtype: torch.dtype,
+        live: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Compressed rows ``w`` from the pending projections: group ``cur [k, m]`` (indices into ``kv`` /
         ``score``), with the overlapping CSA compressor also the first half of the previous group ``prev`` where
-        ``has_prev [k, 1, 1]``; softmax pool, norm, RoPE at position ``w · m``, optional quantisation."""
-        d = self.dim
-        if self.overlap:
-            kp = torch.where(has_prev, kv[prev][..., :d], 0.0)
-            sp = torch.where(has_prev, score[prev][..., :d], float("-inf"))
-            k_all = torch.cat([kp, kv[cur][..., d:]], dim=1)
-            s_all = torch.cat([sp, score[cur][..., d:]], dim=1)
-        else:
-            k_all, s_all = kv[cur], score[cur]
-        rows = self.norm(ops.softmax_pool(k_all, s_all).to(dtype), ops)
+        ``has_prev [k, 1, 1]``; softmax pool (``ops.group_pool``; rows not ``live`` [k] are pooled as zeros, and a
+        kernel skips them), norm, RoPE at position ``w · m``, optional quantisation."""
+        if live is None:
+            live = torch.ones(cur.shape[0], dtype=torch.bool, device=cur.device)
+        pooled = ops.group_pool(kv, score, cur, prev if self.overlap else None, has_prev.view(-1), live, self.dim)
+        rows = self.norm(pooled.to(dtype), ops)
         cos, sin = rope(w * self.ratio, ops)
         rows = ops.rope(rows, cos, sin)
         return self._quant(rows, ops) if self.quant_sim else rows
@@ -209,7 +205,8 @@ class Indexer(nn.Module):
         ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows each query keeps when query ``t`` sees rows ``0 .. visible_rows[t]`` of its sequence, stored at
-        ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``)."""
+        ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``; the entries past
+        ``count`` are never read, ``ops.select_rows``)."""
         n = q.shape[0]
         k = min(self.topk, width)
         if n == 0 or k == 0:
@@ -217,10 +214,7 @@ class Indexer(nn.Module):
             return none, none.sum(1)
         visible = torch.arange(width, device=q.device).unsqueeze(0) < visible_rows.unsqueeze(1)
         scores = ops.indexer_scores_ranges(q, keys, w, start, width).masked_fill(~visible, float("-inf"))
-        top = ops.topk_indices(scores, k)
-        chosen = torch.zeros_like(visible).scatter_(1, top, True) & visible
-        rows = torch.sort((~chosen).to(torch.uint8), dim=1, stable=True).indices[:, :k]
-        return rows, chosen.sum(1)
+        return ops.select_rows(scores, visible, k)
 
     def select(
         self,

@@ -9,9 +9,9 @@ kernels whatever each sequence's phase, and a whole step can be captured as one 
   maxima in a graphed one, ``span_for``).
 * the window: the new row goes to ring row ``pos % W`` of the row's slot, then all ``W`` ring rows are read in
   position order; the last ``pos - first + 1`` of them are the row's window;
-* the compressors: the new projections go to ring row ``pos % cap`` (``StatePool.rbufs``), and every row's group
-  is pooled (``Compressor._rows``: rows not completing a group compute a row nobody reads); a completed row is
-  written to its page, the others to the scratch page;
+* the compressors: the new projections go to ring row ``pos % cap`` (``StatePool.rbufs``), and the groups that
+  complete are pooled (``Compressor._rows`` over every row, ``ops.group_pool`` skipping the others: they pool zeros);
+  a completed row is written to its page, the others to the scratch page;
 * the compressed rows: each row's first pages are gathered (``PagedKVCache`` stores, ``pages`` per row: the rows
   past its count are other data, never listed), the indexer scores them and keeps its top-k (CSA), and one
   ``ops.sparse_attention_lists`` runs over the per-row key lists (window rows by position, then compressed rows).
@@ -95,55 +95,49 @@ class StepPlan:
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> StepPlan:
         """An eager step's plan: exactly as many rows as ``chunks``, exact widths."""
-        host, widths, pages = cls._host(pool, cache, window, chunks)
-        pos, first = host[1], torch.maximum(host[2], (host[1] - window + 1).clamp_min(0))
-        meta = to_device(host, pool.device)
-        tables = None
-        if cache is not None:
-            tables = cls._tables(chunks, pages, cache)
-        return cls(pool, cache, window, meta, tables, int((pos - first).max()) + 1, widths)
+        slots = pool.adopt([c.state for c in chunks])
+        pos, floor = [c.start for c in chunks], [c.state.window_start for c in chunks]
+        widths, pages = cls._widths(cache, max(pos) + 1)
+        meta = to_device(torch.tensor([slots, pos, floor, [1] * len(pos)], dtype=torch.long), pool.device)
+        tables = None if cache is None else cls._tables(chunks, pos, pages, cache)
+        win_width = max(p - max(f, p - window + 1, 0) for p, f in zip(pos, floor)) + 1
+        return cls(pool, cache, window, meta, tables, win_width, widths)
 
-    def fill(self, chunks: list[SeqChunk]) -> None:
+    def fill(self, chunks: list[SeqChunk], slots: list[int]) -> None:
         """Load a graphed bucket's plan with the step of ``chunks`` (at most ``size`` of them, positions below its
-        span); the rows past them are padding (the scratch slot and page)."""
-        n, cache = len(chunks), self.cache
-        host, _, pages = self._host(self.pool, cache, self.window, chunks)
-        if cache is not None and pages > self.tables.shape[1]:
-            raise ValueError(f"decode step: {pages} pages per sequence needed, the bucket holds {self.tables.shape[1]}")
-        full = torch.zeros(4, self.size, dtype=torch.long)
-        full[0] = self.pool.scratch
-        full[:, :n] = host
-        _copy_in(self.meta, full)
+        span; ``slots``: their pool slots, ``StatePool.adopt``). The rows past them are padding: the scratch slot,
+        not live (so they write only there and to the scratch page), stale block tables (valid page ids, read and
+        never listed)."""
+        n, pad, cache = len(chunks), self.size - len(chunks), self.cache
+        pos = [c.start for c in chunks]
+        host = [slots + [self.pool.scratch] * pad, pos + [0] * pad, [c.state.window_start for c in chunks] + [0] * pad,
+                [1] * n + [0] * pad]  # fmt: skip
+        _copy_in(self.meta, torch.tensor(host, dtype=torch.long))
         if cache is not None:
-            tables = self._tables(chunks, pages, cache)
-            self.tables[:n, :pages].copy_(tables)
-            self.tables[:n, pages:] = cache.scratch_page
-            self.tables[n:] = cache.scratch_page
+            pages, held = self._widths(cache, max(pos) + 1)[1], self.tables.shape[1]
+            if pages > held:
+                raise ValueError(f"decode step: {pages} pages a sequence needed, the bucket holds {held}")
+            self.tables[:n, :pages].copy_(self._tables(chunks, pos, pages, cache))
 
     @staticmethod
-    def _host(pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]
-              ) -> tuple[torch.Tensor, dict[int, tuple[int, int]], int]:  # fmt: skip
-        """``[4, n]`` host rows (slot, position, window start, live), exact widths and pages per row."""
-        states = [c.state for c in chunks]
-        slots = pool.adopt(states)
-        pos = [c.start for c in chunks]
-        host = torch.tensor([slots, pos, [st.window_start for st in states], [1] * len(pos)], dtype=torch.long)
+    def _widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[int, int]], int]:
+        """Exact widths for positions below ``top``: per ratio (rows, pages), and the most pages of any ratio."""
         widths, pages = {}, 1
         if cache is not None:
-            top = max(pos) + 1
             for m in sorted(set(cache.ratios.values())):
-                per_page = cache.page_size // m
-                widths[m] = (top // m, max(-(-(top // m) // per_page), 1))
+                rows = top // m
+                widths[m] = (rows, max(-(-rows // (cache.page_size // m)), 1))
                 pages = max(pages, widths[m][1])
-        return host, widths, pages
+        return widths, pages
 
     @staticmethod
-    def _tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
+    def _tables(chunks: list[SeqChunk], pos: list[int], pages: int, cache: PagedKVCache) -> torch.Tensor:
         """The block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
-        for c in chunks:
-            need = -(-(c.start + 1) // cache.page_size) if c.start + 1 >= min(cache.ratios.values()) else 0
+        m, ps = min(cache.ratios.values()), cache.page_size
+        for c, p in zip(chunks, pos):
+            need = -(-((p + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
             if need > c.block_table.numel():
-                raise IndexError(f"block table has {c.block_table.numel()} pages, position {c.start} needs {need}")
+                raise IndexError(f"block table has {c.block_table.numel()} pages, position {p} needs {need}")
         t = stacked_rows([c.block_table for c in chunks])
         if t.shape[1] < pages:
             t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
@@ -265,14 +259,14 @@ def _compress(
         prev = base + torch.maximum((w.unsqueeze(1) - 1) * m + j, first) % cap
         done = live & ((pos + 1) % m == 0)
         page = torch.where(done, plan.tables.gather(1, (w // per_page).unsqueeze(1)).squeeze(1), cache.scratch_page)
-        return base.squeeze(1) + pos % cap, cur, prev, (w > 0).view(-1, 1, 1), w, page, w % per_page
+        return base.squeeze(1) + pos % cap, cur, prev, (w > 0).view(-1, 1, 1), w, done, page, w % per_page
 
-    at, cur, prev, has_prev, w, page, row = plan.once(("groups", m, cap), groups)
+    at, cur, prev, has_prev, w, done, page, row = plan.once(("groups", m, cap), groups)
     fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
     fk.index_copy_(0, at, kv.float())
     fs.index_copy_(0, at, score.float())
-    done = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype)
-    store[page, row] = done.to(store.dtype)
+    rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done)
+    store[page, row] = rows.to(store.dtype)
     return store[plan.tables[:, : plan.widths[m][1]]].flatten(0, 2)
 
 

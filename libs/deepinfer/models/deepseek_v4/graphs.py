@@ -62,7 +62,7 @@ class DecodeGraphs(SegmentGraphs):
             return None
         if cache is None and any(layer.attn.compressor is not None for layer in model.layers):
             return None  # the eager step says what is missing
-        pool.adopt([c.state for c in chunks])  # new states get slots now: the pool may grow (new tensors)
+        slots = pool.adopt([c.state for c in chunks])  # new states get slots now: the pool may grow (new tensors)
         owner = (pool, pool.generation, cache)
         if len(self._owner) != 3 or any(a is not b for a, b in zip(owner, self._owner)):
             self.reset()  # the graphs hold another pool's or cache's tensors
@@ -71,7 +71,7 @@ class DecodeGraphs(SegmentGraphs):
         n = len(chunks)
 
         def load(bk: _Bucket) -> None:
-            bk.plan.fill(chunks)
+            bk.plan.fill(chunks, slots)
             bk.token_ids[:n].copy_(batch.token_ids)
 
         bk = self.bucket(batch, (span, cache), before=load)
