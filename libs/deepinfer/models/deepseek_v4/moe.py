@@ -29,7 +29,7 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(e), requires_grad=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = ops.pointwise(F.softplus, ops.linear(x.float(), self.weight.float())).sqrt()
+        scores = ops.pointwise(F.softplus, ops.linear_fp32(x, self.weight)).sqrt()
         if self.hashed:
             if token_ids is None:
                 raise ValueError("hash-routed MoE layers need the input token ids")

@@ -39,7 +39,7 @@ class Gate(nn.Module):
 
     def scores(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Unbiased fp32 scores ``[T, E]`` of ``x [T, D]``."""
-        return ops.pointwise(F.softplus, ops.linear(x.float(), self.weight.float())).sqrt()
+        return ops.pointwise(F.softplus, ops.linear_fp32(x, self.weight)).sqrt()
 
     def selection_bias(self, image_mask: torch.Tensor | None) -> torch.Tensor:
         """``[E]`` (all text) or ``[T, E]``: ``bias_vl`` on image-span rows, ``bias`` elsewhere."""
