@@ -185,9 +185,11 @@ def test_indexer_select_ranges_keeps_its_results():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,width,k", [(1, 1280, 512), (3, 5120, 512), (2, 32768, 512), (64, 256, 6), (5, 300, 512)])
 def test_cuda_path_matches_the_cpu_reference(dtype: torch.dtype, n: int, width: int, k: int):
-    """The packed path on CUDA (forced for every width; the default takes it above ``packed_above``) against the
+    """The packed path on CUDA (forced for every width; the default takes it above ``packed_above`` for
+    ``topk_indices``; ``select_rows`` on CUDA defaults to the kernel, ``tests/kernels/test_topk.py``) against the
     reference on the CPU (the CPU's stable sort defines the tie rule, ±0.0 included)."""
     ops = NvidiaOps(packed_topk=True)
+    ops.select_backend = "packed"
     assert NvidiaOps()._packs(torch.zeros(1, width, device="cuda", dtype=dtype)) == (width > NvidiaOps.packed_above)
     for seed in range(2):
         levels = 3 if seed == 0 else 1000  # heavy ties, then few
@@ -201,6 +203,7 @@ def test_cuda_path_matches_the_cpu_reference(dtype: torch.dtype, n: int, width: 
 @needs_gpu
 def test_cuda_select_rows_captures_in_a_graph():
     ops = NvidiaOps(packed_topk=True)
+    ops.select_backend = "packed"
     scores, visible = masked(tied_scores((4, 8192), 0, levels=50), 1)
     cuda_scores, cuda_visible = scores.cuda(), visible.cuda()
     side = torch.cuda.Stream()

@@ -72,8 +72,9 @@ def _split_partial_kernel(
     cnt = tl.minimum(tl.maximum(cnt, 0), W).to(tl.int32)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, cnt)  # <= lo for an empty split: the loop below runs no step
-    live = lo < cnt
-    q = tl.load(q_ptr + row * (H * D) + hd, mask=mask_hd & live, other=0.0)
+    # per head, not a scalar: Triton 3.9's interpreter turns `tensor & scalar comparison` into an int32 mask
+    live = (offs_h * 0 + lo) < cnt
+    q = tl.load(q_ptr + row * (H * D) + hd, mask=mask_hd & live[:, None], other=0.0)
     sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     m = sink  # running max, seeded with the sink: finite, so masked logits give exp(-inf) = 0
     den = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -94,7 +95,7 @@ def _split_partial_kernel(
     part = (row * S + split) * H + offs_h  # [n, S, H] for m and l, [n, S, H, D] for acc
     tl.store(m_ptr + part, m, mask=mask_h & live)
     tl.store(l_ptr + part, den, mask=mask_h & live)
-    tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_hd & live)
+    tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_hd & live[:, None])
 
 
 @triton.jit(do_not_specialize=["W", "S"])

@@ -57,7 +57,8 @@ def _group_pool_kernel(kv_ptr, sc_ptr, cur_ptr, prev_ptr, hp_ptr, live_ptr, out_
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if tl.load(live_ptr + s) != 0:
         if OVERLAP:
-            hp = tl.load(hp_ptr + s) != 0
+            # a vector, not a scalar: Triton 3.9's interpreter turns `tensor & scalar comparison` into an int32 mask
+            hp = (tl.zeros([BLOCK_R], tl.int32) + tl.load(hp_ptr + s).to(tl.int32)) != 0
             ccol = c + D  # the current group's half of the channels
         else:
             hp = False

@@ -3,9 +3,11 @@
 The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.ops.reference``):
 
 * ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
-  (the ``[T, M]`` product is one fp32 GEMM, as the reference's ``F.linear``), then one Triton program per token that
-  computes ``pre = sigmoid(·) + eps``, ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a
-  column normalisation, then ``iters - 1`` row/column rounds, all in registers) and the collapse
+  (the ``[T, M]`` product is ``hc_mixes.mixes_gemm``: fp32 products and sums read straight from ``h`` in its dtype,
+  the reference's fp32 ``F.linear`` up to summation order; ``MIXES_KERNEL = False`` takes ``h.float()`` and
+  ``torch.mm`` instead), then one Triton program per token that computes ``pre = sigmoid(·) + eps``,
+  ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a column normalisation, then
+  ``iters - 1`` row/column rounds, all in registers) and the collapse
   ``x = Σ_j pre_j · h_j`` (fp32 sum, ``h.dtype`` out). A program takes one token on a GPU and up to
   ``INTERPRET_ROWS`` in Triton's interpreter. With ``M == N`` (the head) only ``pre`` exists, and it is
   returned as ``post`` and ``comb`` too (as ``hc_mixes`` does).
@@ -24,8 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.hc_mixes import mixes_gemm
+
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
 EXPAND_BLOCK_D = 512
+MIXES_KERNEL = True  # the mixes by ``hc_mixes.mixes_gemm``; False: ``h.float()`` + ``torch.mm`` (benchmarks)
 INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
 
 
@@ -155,7 +160,10 @@ def _mixes(
     t, n, d = h.shape
     m = fn.shape[0]
     h = h.contiguous()
-    mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
+    if MIXES_KERNEL and (h.is_cuda or _interpret()):
+        mixes = mixes_gemm(h, fn)
+    else:
+        mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
     head = m == n
     pre = torch.empty((t, n), dtype=torch.float32, device=h.device)
     x = torch.empty((t, d), dtype=h.dtype, device=h.device) if collapse else pre  # unused without the collapse

@@ -6,8 +6,9 @@
   ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
   (``deepinfer.models.deepseek_v4.graphs``). Its ``native_weights`` flag (``DEEPINFER_NATIVE_WEIGHTS``) keeps the
   checkpoint's FP8 linears and MXFP4 experts as stored (``deepinfer.quant.native``) and runs them through
-  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``. ``topk_indices`` and ``select_rows`` over wide
-  rows take one ``torch.topk`` of packed unique keys (``packed_keys``) instead of full stable sorts.
+  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``. ``select_rows`` (the indexer's top-k) is one
+  Triton program a row on CUDA (``deepinfer.kernels.topk``), ``topk_indices`` over wide rows one ``torch.topk`` of
+  packed unique keys (``packed_keys``), instead of full stable sorts.
 * ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
   runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
   rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
@@ -21,6 +22,7 @@ from deepinfer.ops.invariant import BatchInvariantOps
 from deepinfer.ops.reference import ReferenceOps
 
 MOE_BACKENDS = ("auto", "grouped_mm", "triton")
+SELECT_BACKENDS = ("auto", "kernel", "packed", "reference")  # NvidiaOps.select_backend
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _NAN_MAGNITUDE = 0x7F800001  # one past the bits of +inf: the magnitude every NaN is given in packed_keys
 _COLUMN_MAX = (1 << 32) - 1  # the low 32 bits of a packed key: _COLUMN_MAX - column
@@ -122,6 +124,10 @@ class NvidiaOps(ReferenceOps):
     # packed 1.7x faster at 64 rows of 5120 and 32768, 1.8x at 256 of 32768; slower at 1280 and for one row
     packed_above: int = 4096
     packed_rows: int = 16  # and with at least this many rows (H200: a single row of 32768 is faster sorted)
+    # select_rows' implementation (set on an instance to compare them): "auto" (the Triton kernel for float scores on
+    # CUDA, otherwise as packed_topk decides), "kernel" (deepinfer.kernels.topk for float scores on any device: off
+    # CUDA only in Triton's interpreter), "packed" (packed_select_rows for float scores) or "reference"
+    select_backend: str = "auto"
 
     def __init__(
         self,
@@ -172,9 +178,19 @@ class NvidiaOps(ReferenceOps):
         return super().topk_indices(scores, k)
 
     def select_rows(self, scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``packed_select_rows`` for wide float rows on CUDA (``rows[..., :count]`` and ``count`` as the reference's;
-        the entries past ``count`` differ but are never read), the reference otherwise."""
-        if self._packs(scores):
+        """``rows[..., :count]`` and ``count`` as the reference's, by ``select_backend``: ``auto`` takes
+        ``kernels.topk.select_rows`` (one Triton launch; the entries past ``count`` are the chosen invisible rows,
+        descending) for float scores on CUDA, and elsewhere ``packed_select_rows`` where ``_packs`` says so (the
+        chosen invisible rows ascending past ``count``), else the reference. Entries past ``count`` are never read."""
+        backend = self.select_backend
+        if backend not in SELECT_BACKENDS:
+            raise ValueError(f"select_backend must be one of {SELECT_BACKENDS}, got {backend!r}")
+        floats = scores.dtype in _FLOATS and scores.numel() > 0
+        if floats and (backend == "kernel" or (backend == "auto" and scores.is_cuda)):
+            from deepinfer.kernels.topk import select_rows
+
+            return select_rows(scores, visible, k)
+        if (floats and backend == "packed") or (backend == "auto" and self._packs(scores)):
             return packed_select_rows(scores, visible, k)
         return super().select_rows(scores, visible, k)
 
