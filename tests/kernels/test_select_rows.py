@@ -190,7 +190,8 @@ def test_cuda_path_matches_the_cpu_reference(dtype: torch.dtype, n: int, width: 
     reference on the CPU (the CPU's stable sort defines the tie rule, ±0.0 included)."""
     ops = NvidiaOps(packed_topk=True)
     ops.select_backend = "packed"
-    assert NvidiaOps()._packs(torch.zeros(1, width, device="cuda", dtype=dtype)) == (width > NvidiaOps.packed_above)
+    rows = NvidiaOps.packed_rows  # the default packs from this many rows of more than packed_above columns
+    assert NvidiaOps()._packs(torch.zeros(rows, width, device="cuda", dtype=dtype)) == (width > NvidiaOps.packed_above)
     for seed in range(2):
         levels = 3 if seed == 0 else 1000  # heavy ties, then few
         scores, visible = masked(tied_scores((n, width), seed, levels=levels, dtype=dtype), seed + 11)

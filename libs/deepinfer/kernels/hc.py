@@ -3,9 +3,9 @@
 The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.ops.reference``):
 
 * ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
-  (the ``[T, M]`` product is ``hc_mixes.mixes_gemm``: fp32 products and sums read straight from ``h`` in its dtype,
-  the reference's fp32 ``F.linear`` up to summation order; ``MIXES_KERNEL = False`` takes ``h.float()`` and
-  ``torch.mm`` instead), then one Triton program per token that computes ``pre = sigmoid(·) + eps``,
+  (the ``[T, M]`` product is ``h.float()`` and one fp32 ``torch.mm``, as the reference's ``F.linear``; with
+  ``MIXES_KERNEL`` it is ``hc_mixes.mixes_gemm``, read straight from ``h`` in its dtype, slower on an H200 so far),
+  then one Triton program per token that computes ``pre = sigmoid(·) + eps``,
   ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a column normalisation, then
   ``iters - 1`` row/column rounds, all in registers) and the collapse
   ``x = Σ_j pre_j · h_j`` (fp32 sum, ``h.dtype`` out). A program takes one token on a GPU and up to
@@ -30,7 +30,10 @@ from deepinfer.kernels.hc_mixes import mixes_gemm
 
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
 EXPAND_BLOCK_D = 512
-MIXES_KERNEL = True  # the mixes by ``hc_mixes.mixes_gemm``; False: ``h.float()`` + ``torch.mm`` (benchmarks)
+# the mixes by ``hc_mixes.mixes_gemm`` (True) or ``h.float()`` + ``torch.mm`` (False, the default: on an H200 the
+# kernel took 2.1-2.7x longer, 18.7 against 6.8 µs at T = 1 and 710 against 333 µs at T = 4096;
+# bench/decode_kernels.py, bench/results/2026-11-30-whole-step-graph.md)
+MIXES_KERNEL = False
 INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
 
 
