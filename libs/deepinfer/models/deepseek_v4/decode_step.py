@@ -240,9 +240,9 @@ def _compress(
     ops: Ops,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Append the step's projections to the compressor's rings, pool every row's group and store the completed rows
-    in the cache (the rest in the scratch page); return every row's first ``pages`` pages of rows ``[S·pages·per
-    page, dim]``."""
+    """Append the step's projections to the compressor's rings, pool the groups that complete (``ops.group_pool``:
+    the other rows pool zeros) and store every row's result, the completed ones in their pages, the rest in the
+    scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
