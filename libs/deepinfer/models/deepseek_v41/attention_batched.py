@@ -125,11 +125,9 @@ def _select(
         if ctx.cand is None or ctx.cand.shape != scores.shape:
             raise ValueError("a candidate-restricted index source needs the candidate source's selection")
         scores = scores.masked_fill(~ctx.cand, float("-inf"))
-    k = min(ix.topk, width)
-    top = ops.topk_indices(scores, k)
-    chosen = torch.zeros_like(allowed).scatter_(1, top, True) & torch.isfinite(scores)
-    rows = torch.sort((~chosen).to(torch.uint8), dim=1, stable=True).indices[:, :k]
-    return rows, chosen.sum(1)
+    # the top-k of the finite scores, ascending (``ops.select_rows``: the reference's stable sorts, one Triton
+    # program a row on CUDA); entries past a row's count are never read
+    return ops.select_rows(scores, torch.isfinite(scores), min(ix.topk, width))
 
 
 def attend_batched(
