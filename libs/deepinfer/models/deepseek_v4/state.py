@@ -191,22 +191,11 @@ class PagedKVCache:
         layer: int,
         block_tables: list[torch.Tensor],
         counts: list[int],
-        stacked: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Rows ``0 .. counts[i]`` of several sequences in one gather: ``(pool, offsets)``, sequence ``i``'s row ``r``
-        at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data.
-        ``stacked``: the same tables padded into one ``[B, P]`` tensor (no slice per sequence; every sequence then
-        holds as many pages in the pool as the longest needs)."""
+        at ``pool[offsets[i] + r]``. The pool holds each sequence's pages whole, so rows past a count are other data."""
         per_page = self.page_size // self.ratios[layer]
         store = self._store(kind, layer)
-        if stacked is not None:  # [B, P] tables padded to one width: one gather of each sequence's first pages
-            n = max(-(-max(counts, default=0) // per_page), 1)
-            for table, count in zip(block_tables, counts):
-                if -(-count // per_page) > table.numel():
-                    raise IndexError(
-                        f"block table has {table.numel()} pages, row {count - 1} of layer {layer} needs more"
-                    )
-            return store[stacked[:, :n]].flatten(0, 2), [i * n * per_page for i in range(len(counts))]
         pages, offsets, o = [], [], 0
         for table, count in zip(block_tables, counts):
             n = -(-count // per_page)

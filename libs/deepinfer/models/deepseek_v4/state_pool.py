@@ -146,12 +146,6 @@ class StatePool:
             got = self._memo[full] = make()
         return got
 
-    def tables(self, chunks: list, tables: list[torch.Tensor]) -> torch.Tensor:
-        """The block tables of ``chunks`` padded into one ``[B, P]`` tensor (made once per step, shared by every
-        layer): the rows they are views of when they are consecutive rows of one matrix (the worker's one copy of a
-        step's tables), else stacked or padded (a copy)."""
-        return self.memo(chunks, "tables", lambda: stacked_rows(tables))
-
     # -- slots ------------------------------------------------------------------------------------------
     def slots(self, states: list[SequenceState]) -> list[int]:
         """Each state's slot, assigning free slots (growing the pool) to states that have none here."""
