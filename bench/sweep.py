@@ -587,7 +587,7 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
         ka = prof.key_averages()
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         try:
-            out["table_by_device_time"] = ka.table(sort_by=key, row_limit=30, max_name_column_width=60)
+            out["table_by_device_time"] = ka.table(sort_by=key, row_limit=60, max_name_column_width=60)
         except Exception:  # noqa: BLE001 - older sort keys
             out["table_by_device_time"] = ka.table(sort_by="self_cuda_time_total", row_limit=30)
         out["table_by_cpu_time"] = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
@@ -606,20 +606,27 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
     return out
 
 
-def profile_prefill(run, dev: torch.device) -> dict[str, Any]:
-    """``torch.profiler`` over one more prefill: the kernels by device time, and the device's busy time."""
+def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, Any]:
+    """``torch.profiler`` over one more prefill: the kernels by device time, and the device's busy time; with
+    ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     try:
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=shapes) as prof:
             run()
             sync(dev)
         ka = prof.key_averages()
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
-        table = ka.table(sort_by=key, row_limit=40, max_name_column_width=70)
-        return {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3)}
+        table = ka.table(sort_by=key, row_limit=60, max_name_column_width=60)
+        out = {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3)}
+        if shapes:
+            by_shape = prof.key_averages(group_by_input_shape=True)
+            out["table_by_input_shape"] = by_shape.table(
+                sort_by=key, row_limit=60, max_name_column_width=40, max_shapes_column_width=90
+            )
+        return out
     except Exception as e:  # noqa: BLE001 - the profile is informative only
         return {"profiler_error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -802,7 +809,7 @@ class Ours:
                 prev = (n, row["ms"] / 1e3)
                 log(f"  ours prefill {n}: {row['ms']:.1f} ms ({row['runs']} runs)")
                 if n in self.args.profile_prefill:
-                    self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev)
+                    self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev, self.args.profile_shapes)
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours prefill {n}: {e}")
@@ -1199,6 +1206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (regions + torch.profiler)")
     ap.add_argument("--profile-prefill", type=ints, default=[], help="prefill lengths to profile (torch.profiler)")
+    ap.add_argument("--profile-shapes", action="store_true", help="--profile-prefill: also group the ops by shape")
     ap.add_argument("--moe-backend", default="auto", help="NvidiaOps' MoE: auto | grouped_mm | triton")
     ap.add_argument(
         "--ab",

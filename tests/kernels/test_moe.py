@@ -116,3 +116,20 @@ def test_gpu_no_host_sync():
             ops.moe(x, idx, w, w1, w2, w3, 10.0)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("t", "k", "d"), [(1, 1, 8), (3, 6, 40), (5, 8, 1500)])
+def test_combine_sums_each_tokens_slots_in_order(t: int, k: int, d: int):
+    """``_combine`` (one kernel on CUDA / in the interpreter) equals the fp32 sum of a token's slots taken in slot
+    order, bit for bit, for bf16 and fp32 slot outputs."""
+    from deepinfer.kernels.moe import _combine
+
+    g = torch.Generator().manual_seed(t * k)
+    for dtype in (torch.float32, torch.bfloat16):
+        o = (torch.randn(t * k, d, generator=g) * 100).to(dtype)
+        want = o.view(t, k, d)[:, 0].float()
+        for j in range(1, k):
+            want = want + o.view(t, k, d)[:, j].float()
+        got = _combine(o.to(DEVICE), t, k)
+        assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)

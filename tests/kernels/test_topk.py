@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.kernels.topk import select_rows  # noqa: E402
-from deepinfer.ops.nvidia import NvidiaOps  # noqa: E402
+from deepinfer.kernels.topk import select_rows, topk_rows  # noqa: E402
+from deepinfer.ops.nvidia import NvidiaOps, packed_topk_indices  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 REF = ReferenceOps()
@@ -212,3 +212,53 @@ def test_cuda_graph_capture_and_replay():
         ref_rows, ref_count = REF.select_rows(fresh, seen, 512)
         valid = torch.arange(512) < ref_count.unsqueeze(-1)
         assert torch.equal(count.cpu(), ref_count) and torch.equal(rows.cpu()[valid], ref_rows[valid])
+
+
+# topk_rows: the routers' small top-k (one program a row)
+
+
+@host
+@pytest.mark.parametrize(("n", "width", "k"), [(1, 1, 1), (3, 7, 6), (5, 256, 6), (4, 384, 8), (2, 300, 32)])
+def test_topk_rows_ties_match_the_stable_sort(n: int, width: int, k: int):
+    for levels in (1, 3, 1000):
+        scores = tied((n, width), seed=width + levels, levels=levels)
+        assert torch.equal(topk_rows(scores, k), REF.topk_indices(scores, k))
+
+
+@host
+def test_topk_rows_special_values_and_dtypes():
+    row = [0.0, -0.0, 1.0, -0.0, NAN, POS, NEG, -NAN, 1e-45, -1e-45, -1.0, 0.0, POS, NEG, 3e38, -3e38]
+    scores = torch.tensor([row, row[::-1], [-0.0, 0.0] * 8])
+    for k in (1, 6, 16):
+        got = topk_rows(scores, k)
+        # NaN above +inf and tied with the other NaNs, as packed_keys (the CPU sort's order)
+        assert torch.equal(got, packed_topk_indices(scores, k))
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        s = torch.randn(6, 256, generator=g).to(dtype)
+        assert torch.equal(topk_rows(s, 6), REF.topk_indices(s, 6))
+    assert topk_rows(torch.randn(2, 3, 40), 6).shape == (2, 3, 6)
+    assert topk_rows(torch.randn(0, 40), 6).shape == (0, 6)
+    with pytest.raises(ValueError, match="at most"):
+        topk_rows(torch.randn(2, 5000), 6)
+    with pytest.raises(ValueError, match="k <= 32"):
+        topk_rows(torch.randn(2, 50), 33)
+    with pytest.raises(TypeError):
+        topk_rows(torch.zeros(2, 5, dtype=torch.int32), 2)
+
+
+@needs_gpu
+def test_cuda_topk_rows_router_shapes_and_graph():
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 64, 4096):
+        scores = tied((n, 256), seed=n, levels=20) + torch.rand(n, 256, generator=g) * 0.5
+        assert torch.equal(NvidiaOps().topk_indices(scores.cuda(), 6).cpu(), REF.topk_indices(scores, 6))
+    s = torch.randn(64, 384, device="cuda")
+    topk_rows(s, 6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = topk_rows(s, 6)
+    fresh = torch.randn(64, 384)
+    s.copy_(fresh.cuda())
+    graph.replay()
+    assert torch.equal(out.cpu(), REF.topk_indices(fresh, 6))

@@ -3,7 +3,8 @@
 The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.ops.reference``):
 
 * ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
-  (the ``[T, M]`` product is ``h.float()`` and one fp32 ``torch.mm``, as the reference's ``F.linear``; with
+  (the ``[T, M]`` product: bf16 streams on CUDA, one bf16 GEMM against ``fn`` split into three exact bf16 parts,
+  ``split_mixes``; otherwise ``h.float()`` and one fp32 ``torch.mm``, as the reference's ``F.linear``; with
   ``MIXES_KERNEL`` it is ``hc_mixes.mixes_gemm``, read straight from ``h`` in its dtype, slower on an H200 so far),
   then one Triton program per token that computes ``pre = sigmoid(·) + eps``,
   ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a column normalisation, then
@@ -21,6 +22,7 @@ device value on the host and are safe to capture in a CUDA graph.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -29,12 +31,52 @@ import triton.language as tl
 from deepinfer.kernels.hc_mixes import mixes_gemm
 
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
+# decode sizes (at most SMALL_T tokens: fewer programs than SMs): wider steps on more warps, so that a token's two
+# passes over its streams take 4 + 1 loads of the row instead of 16 + 4 (the program's latency is the step's)
+SMALL_T, SMALL_BLOCK_D, SMALL_WARPS = 132, 4096, 8
 EXPAND_BLOCK_D = 512
 # the mixes by ``hc_mixes.mixes_gemm`` (True) or ``h.float()`` + ``torch.mm`` (False, the default: on an H200 the
 # kernel took 2.1-2.7x longer, 18.7 against 6.8 µs at T = 1 and 710 against 333 µs at T = 4096;
 # bench/decode_kernels.py, bench/results/2026-11-30-whole-step-graph.md)
 MIXES_KERNEL = False
 INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
+# bf16 streams on CUDA: the mixes as one bf16 GEMM against fn split into three bf16 parts (``split_mixes``) instead of
+# an fp32 copy of the streams and an fp32 GEMM
+SPLIT_MIXES = True
+_SPLITS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(fn) -> (fn, its version, split3(fn))
+
+
+def split3(w: torch.Tensor) -> torch.Tensor:
+    """``w [M, K]`` fp32 → ``[3M, K]`` bf16 ``(hi; mid; lo)`` with ``hi + mid + lo == w`` exactly (each part the
+    nearest bf16 of what the previous ones leave: 8 + 8 + 8 significant bits hold fp32's 24, away from the bottom of
+    bf16's exponent range, which it shares with fp32)."""
+    w = w.float()
+    hi = w.to(torch.bfloat16)
+    r = w - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo]).contiguous()
+
+
+def cached_split3(fn: torch.Tensor) -> torch.Tensor:
+    """``split3(fn)``, made once per weight tensor: the object itself and its version, not its address (a new tensor
+    may reuse a freed one's address and id)."""
+    ref, version, w3 = _SPLITS.get(id(fn), (None, -1, None))
+    if ref is None or ref() is not fn or version != fn._version:
+        if len(_SPLITS) > 1024:
+            _SPLITS.clear()
+        w3 = split3(fn)
+        _SPLITS[id(fn)] = (weakref.ref(fn), fn._version, w3)
+    return w3
+
+
+def split_mixes(h2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """``h2 [T, K] bf16 · fnᵀ`` (``fn [M, K]`` fp32) in fp32 as one bf16 GEMM with fp32 accumulation against
+    ``split3(fn)`` (each product of two bf16 values is exact in fp32), the three column groups summed in fp32: the
+    fp32 GEMM's result up to the order of its sums, reading the streams once in bf16 (``cached_split3``)."""
+    m = fn.shape[0]
+    r = torch.mm(h2, cached_split3(fn).t(), out_dtype=torch.float32)
+    return ((r[:, :m] + r[:, m : 2 * m]) + r[:, 2 * m :]).contiguous()
 
 
 def _interpret() -> bool:
@@ -165,6 +207,8 @@ def _mixes(
     h = h.contiguous()
     if MIXES_KERNEL and (h.is_cuda or _interpret()):
         mixes = mixes_gemm(h, fn)
+    elif SPLIT_MIXES and h.is_cuda and h.dtype == torch.bfloat16:
+        mixes = split_mixes(h.view(t, n * d), fn)
     else:
         mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
     head = m == n
@@ -174,11 +218,13 @@ def _mixes(
     comb = pre if head else torch.empty((t, n, n), dtype=torch.float32, device=h.device)
     if t:
         bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
+        small = t <= SMALL_T and not _interpret()
+        block, warps = (SMALL_BLOCK_D, SMALL_WARPS) if small else (HC_BLOCK_D, 4)
         _hc_pre_kernel[(triton.cdiv(t, bt),)](
             h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
             t, d, int(iters), float(eps), float(norm_eps),
             N=n, NP=triton.next_power_of_2(n), M=m, HEAD=head, COLLAPSE=collapse, BLOCK_T=bt,
-            BLOCK_D=min(HC_BLOCK_D, triton.next_power_of_2(d)), num_warps=4,
+            BLOCK_D=min(block, triton.next_power_of_2(d)), num_warps=warps,
         )  # fmt: skip
     return x, pre, post, comb
 

@@ -22,6 +22,7 @@ slot order (the reference adds them in expert-id order: results agree to fp32 ro
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -245,8 +246,36 @@ def swiglu_weighted(
     return (w.float().unsqueeze(-1) * h).to(dtype)
 
 
+COMBINE_BLOCK = 1024
+
+
+def _interpret_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _combine_kernel(o_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = d < D
+    acc = tl.load(o_ptr + t * K * D + d, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, K):
+        acc += tl.load(o_ptr + (t * K + j) * D + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + d, acc, mask=mask)
+
+
 def _combine(o: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    return o.view(t, k, -1).float().sum(1)
+    """``y[t] = Σ_j o[t·k + j]`` in fp32, ``j = 0 .. k-1`` in order: ``o [T·k, D]`` → ``[T, D]`` fp32. On CUDA (and in
+    Triton's interpreter) one pass that reads ``o`` in its dtype (the torch form wrote an fp32 copy of it first: 1.2
+    of 48 ms of a 4k prefill on an H200)."""
+    d = o.shape[-1]
+    if not (o.is_cuda or _interpret_on()) or k == 0 or t == 0:
+        return o.view(t, k, d).float().sum(1)
+    o = o.contiguous()
+    y = torch.empty((t, d), dtype=torch.float32, device=o.device)
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(d))
+    _combine_kernel[(t, triton.cdiv(d, block))](o, y, d, K=k, BLOCK=block, num_warps=4)
+    return y
 
 
 def moe_grouped_mm(
@@ -285,7 +314,6 @@ def moe_triton(
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """``ReferenceOps.moe`` in two Triton kernels (module docstring) → ``[T, D]`` fp32."""
-    import os
 
     _check(x, idx, weights, w1, w2, w3)
     t, k = idx.shape
@@ -293,7 +321,7 @@ def moe_triton(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    cfg = config or pick_config(tk, e, os.environ.get("TRITON_INTERPRET") == "1")
+    cfg = config or pick_config(tk, e, _interpret_on())
     from deepinfer.kernels.moe_align import padded_slots  # it builds on moe_layout / padded_blocks here
 
     slots, bexp = padded_slots(idx, e, cfg.block_m)

@@ -161,6 +161,18 @@ class Ops(Protocol):
         The routing weight multiplies the expert's hidden state before ``w2``; the sum is fp32."""
         ...
 
+    def route(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's router after its fp32 GEMM: ``s = sqrt(softplus(logits))`` ``[T, E]``; the experts ``idx`` given (hash
+        layers) or ``topk_indices(s + bias, k)``; weights ``s[idx] / Σ s[idx] · scaling`` → ``(idx [T, k] long,
+        weights [T, k] fp32)``."""
+        ...
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+        """``silu(min(gate, limit)) · clamp(up, ±limit)`` in fp32, rounded to ``dtype`` (the shared expert)."""
+        ...
+
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
         """``linear`` with an FP8 weight kept as stored: ``w [N, K]`` e4m3, ``scale [ceil(N/B0), ceil(K/B1)]`` float32
         powers of two (``W = w · scale`` per block, exact in bf16). ``act_quant``: the input is first rounded as

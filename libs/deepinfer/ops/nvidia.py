@@ -171,11 +171,39 @@ class NvidiaOps(ReferenceOps):
         return scores.is_cuda and wide
 
     def topk_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        """The reference's stable-sort top-``k`` (ties to the lower index), bit-identical: ``packed_topk_indices`` for
-        wide float rows on CUDA, the reference sort otherwise."""
+        """The reference's stable-sort top-``k`` (ties to the lower index), bit-identical: ``kernels.topk.topk_rows``
+        for small ``k`` of float rows up to 4096 wide on CUDA (the routers), ``packed_topk_indices`` for wide float
+        rows on CUDA, the reference sort otherwise."""
+        from deepinfer.kernels import topk
+
+        small = scores.shape[-1] <= topk.SMALL_WIDTH and 0 < min(k, scores.shape[-1]) <= topk.SMALL_K
+        if self.packed_topk is not True and scores.is_cuda and scores.dtype in _FLOATS and scores.numel() and small:
+            return topk.topk_rows(scores, k)
         if self._packs(scores):
             return packed_topk_indices(scores, k)
         return super().topk_indices(scores, k)
+
+    def route(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA one kernel (``kernels.routing.route``: the same scores and experts, the weights' ``k``-term sum in
+        pick order) for up to 4096 experts and ``k <= 32``; the reference's torch ops elsewhere."""
+        from deepinfer.kernels import routing, topk
+
+        fits = (
+            logits.dim() == 2 and logits.shape[-1] <= topk.SMALL_WIDTH and 0 < k <= min(topk.SMALL_K, logits.shape[-1])
+        )
+        if self.fused and logits.is_cuda and fits:
+            return routing.route(logits, bias, k, scaling, idx)
+        return super().route(logits, bias, k, scaling, idx)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+        """On CUDA one kernel (``kernels.routing.swiglu``) in place of the casts, clamps, silu and product."""
+        if self.fused and gate.is_cuda and gate.dtype in _FLOATS:
+            from deepinfer.kernels.routing import swiglu
+
+            return swiglu(gate, up, limit, dtype)
+        return super().swiglu(gate, up, limit, dtype)
 
     def select_rows(self, scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows[..., :count]`` and ``count`` as the reference's, by ``select_backend``: ``auto`` takes

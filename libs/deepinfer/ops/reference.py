@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from deepinfer.quant.cache import fp8_window_round, mxfp4_round, nvfp4_round
 from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
 from deepinfer.quant.native import dequantize_experts
-from deepinfer.quant.nibble_order import check_order, plain
+from deepinfer.quant.nibble_order import check_order, plain, scale_rows
 
 _CACHE_ROUNDS = {"fp8": fp8_window_round, "nvfp4": nvfp4_round, "mxfp4": mxfp4_round}  # ReferenceOps.cache_round
 
@@ -218,6 +218,18 @@ class ReferenceOps:
             y[rows] += self.linear(h.to(x.dtype), w2[e]).float()  # a token picks an expert at most once
         return y
 
+    def route(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, k: int, scaling: float, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.pointwise(F.softplus, logits).sqrt()
+        if idx is None:
+            idx = self.topk_indices(scores + bias.float() if bias is not None else scores, k)
+        w = scores.gather(1, idx)
+        return idx, w / w.sum(-1, keepdim=True) * scaling
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+        return swiglu(gate.float(), up.float(), limit, self).to(dtype)
+
     def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
         if act_quant:
             x = self.act_quant_sim(x, 128)
@@ -240,8 +252,9 @@ class ReferenceOps:
         """Decodes only the experts ``idx`` touches, then ``moe``."""
         check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
-        unshift = plain if order == "shift" else (lambda w: w)
-        deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        unshift = plain if order in ("shift", "tiled") else (lambda w: w)
+        rows = scale_rows if order == "tiled" else (lambda s: s)
+        deq = [dequantize_experts(unshift(w[used]), rows(s)[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
         return self.moe(x, local.view(idx.shape), weights, *deq, limit)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

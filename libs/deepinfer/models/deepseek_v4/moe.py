@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.ops import Ops
-from deepinfer.ops.reference import swiglu
 from deepinfer.quant.native import routed_experts
 
 
@@ -29,16 +27,12 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(e), requires_grad=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = ops.pointwise(F.softplus, ops.linear_fp32(x, self.weight)).sqrt()
+        logits = ops.linear_fp32(x, self.weight)
         if self.hashed:
             if token_ids is None:
                 raise ValueError("hash-routed MoE layers need the input token ids")
-            idx = self.tid2eid[token_ids].long()
-        else:
-            idx = ops.topk_indices(scores + self.bias.float(), self.topk)
-        w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True)
-        return idx, w * self.scaling
+            return ops.route(logits, None, self.topk, self.scaling, self.tid2eid[token_ids].long())
+        return ops.route(logits, self.bias, self.topk, self.scaling)
 
 
 class MoE(nn.Module):
@@ -62,6 +56,6 @@ class MoE(nn.Module):
         idx, w = self.gate(x, token_ids, ops)
         xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
         y = routed_experts(self, xin, idx, w, self.limit, ops)
-        h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit, ops)
-        y = y + self.shared_w2(h.to(x.dtype), ops).float()
+        h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
+        y = y + self.shared_w2(h, ops).float()
         return y.to(x.dtype)

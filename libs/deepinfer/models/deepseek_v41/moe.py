@@ -18,7 +18,6 @@ from torch import nn
 from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
-from deepinfer.ops.reference import swiglu
 from deepinfer.quant.native import routed_experts
 
 RENORM_EPS = 1e-20  # literal in the reference; not rms_norm_eps
@@ -87,6 +86,6 @@ class MoE(nn.Module):
         """``x [T, D]`` (already ``ffn_norm``-ed) → ``[T, D]`` in ``x.dtype``."""
         idx, w = self.gate(x, image_mask, ops)
         y = routed_experts(self, x, idx, w, self.limit, ops)
-        h = swiglu(self.shared_w1(x, ops).float(), self.shared_w3(x, ops).float(), self.limit, ops)
-        y = y + self.shared_w2(h.to(x.dtype), ops).float()
+        h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
+        y = y + self.shared_w2(h, ops).float()
         return y.to(x.dtype)
