@@ -43,7 +43,7 @@ import torch
 from deepinfer.kernels.moe import MoEConfig, moe_grouped_mm, moe_triton
 from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4, splits_mxfp4
 from deepinfer.quant.native import dequantize_experts
-from deepinfer.quant.nibble_order import to_scale_tiles, to_shift_order
+from deepinfer.quant.nibble_order import to_shift_order
 
 E, D, I, K = 256, 4096, 2048, 6
 LIMIT = 10.0
@@ -56,8 +56,7 @@ SWEEP_DECODE = [(MoEConfig(*c), swap) for c, swap in [
 ]]  # fmt: skip
 SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
     ((64, 128, 128, 8, 3), 1), ((128, 128, 128, 8, 3), 1), ((128, 256, 128, 8, 3), 1), ((128, 128, 256, 8, 3), 1),
-    ((64, 128, 64, 4, 4), 1), ((64, 64, 128, 4, 3), 1), ((64, 64, 128, 4, 4), 1), ((128, 64, 128, 4, 3), 1),
-    ((64, 64, 256, 4, 3), 1), ((128, 128, 64, 8, 4), 1),
+    ((64, 128, 64, 4, 4), 1),
 ]]  # fmt: skip
 
 
@@ -88,11 +87,9 @@ VARIANTS = {  # name -> (nibble order, TMA weight tiles, SPLIT_K): unsplit (the 
     "split2": ("shift", True, 2),
     "split4": ("shift", True, 4),
     "split8": ("shift", True, 8),
-    "tiled_tma": ("tiled", True, 1),  # the shift order with the scales in tiles (quant.nibble_order.to_scale_tiles)
-    "tiled_auto": ("tiled", True, None),
 }
-UNSPLIT = ("plain", "shift", "shift_tma", "tiled_tma")
-DEFAULT = "tiled_auto"
+UNSPLIT = ("plain", "shift", "shift_tma")
+DEFAULT = "split_auto"
 
 
 def variants(inputs, mx, sx, reps):
@@ -104,7 +101,7 @@ def variants(inputs, mx, sx, reps):
         for _ in range(2):
             for name, (order, tma, split) in VARIANTS.items():
                 mod.TMA_WEIGHTS, mod.SPLIT_K = tma, split
-                ws = {"shift": sx, "tiled": tiled(sx)}.get(order, mx)
+                ws = sx if order == "shift" else mx
                 fn = lambda x, i, w, ws=ws, order=order: moe_mxfp4(x, i, w, *ws, LIMIT, order=order)  # noqa: E731
                 us = time_graph(fn, inputs, reps)
                 times[name] = min(us, times.get(name, us))
@@ -112,18 +109,6 @@ def variants(inputs, mx, sx, reps):
     finally:
         mod.TMA_WEIGHTS, mod.SPLIT_K = True, None
     return times, outs
-
-
-def tiled(sx):
-    """The shift-ordered experts ``sx`` with their scales in tiles (``order="tiled"``): made once per ``sx``."""
-    key = id(sx)
-    if _TILED.get(key, (None,))[0] is not sx:
-        w1, s1, w2, s2, w3, s3 = sx
-        _TILED[key] = (sx, (w1, to_scale_tiles(s1), w2, to_scale_tiles(s2), w3, to_scale_tiles(s3)))
-    return _TILED[key][1]
-
-
-_TILED: dict[int, tuple] = {}
 
 
 def shifted(mx):
@@ -249,9 +234,9 @@ def main() -> None:
             mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
             ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
             mod.FAST_DECODE = True
-            for (cfg, swap), order in itertools.product(sweep_variants(t), ("plain", "shift", "tiled")):
+            for (cfg, swap), order in itertools.product(sweep_variants(t), ("plain", "shift")):
                 key = f"{tuple(vars(cfg).values())} swap={swap} {order}"
-                ws = {"shift": sx, "tiled": tiled(sx)}.get(order, mx)
+                ws = sx if order == "shift" else mx
                 try:
                     row[key] = time_graph(
                         lambda x, i, w, v=(cfg, swap, ws, order): run_variant(v[0], v[1], x, i, w, *v[2:]), inputs, 3
@@ -296,7 +281,7 @@ def main() -> None:
         for r in rows:
             peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
             ab = ", ".join(f"{r[name + '_us']:.1f}" for name in VARIANTS)
-            gain = r["shift_tma_us"] / r["split_auto_us"]
+            gain = r["shift_tma_us"] / r[DEFAULT + "_us"]
             print(
                 f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['auto_split']} | {gain:.2f} | "
                 f"{r['split_max_rel_diff']:.1e} | {r['mxfp4_TBps']:.2f} | {peers[0]} | {peers[1]} | "

@@ -151,13 +151,13 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
     op_sets = (ReferenceOps(), NvidiaOps(native_weights=True, cuda_graphs=False))
     out = [run(ops) for ops in op_sets]
     assert (out[0] - out[1]).abs().max().item() < 1e-4
-    # the experts' codes rearranged into the shift order, their scales into tiles where they fit (what
-    # NvidiaOps.prepare_weights does on a GPU): both op sets read them to the same logits, bit for bit
+    # the experts' codes rearranged into the shift order (what NvidiaOps.prepare_weights does on a GPU): both op sets
+    # read them to the same logits, bit for bit
     op_sets[1].prepare_weights(model)  # CPU tensors: left as they are
     assert all(expert_order(m) == "plain" for _, m in expert_modules(model))
     w1 = {n: m.w1.clone() for n, m in expert_modules(model)}
     assert shift_experts(model) == len(w1) > 0
-    assert all(expert_order(m) in ("shift", "tiled") and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
+    assert all(expert_order(m) == "shift" and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
     assert shift_experts(model) == 0  # once
     for ops, before in zip(op_sets, out, strict=True):
         assert torch.equal(run(ops), before)

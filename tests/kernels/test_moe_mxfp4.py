@@ -27,14 +27,7 @@ from deepinfer.kernels.moe_mxfp4_split import pick_split, split_steps  # noqa: E
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
-from deepinfer.quant.nibble_order import (  # noqa: E402
-    plain,
-    scale_rows,
-    scale_tiles_fit,
-    shift_order_fits,
-    to_scale_tiles,
-    to_shift_order,
-)
+from deepinfer.quant.nibble_order import plain, shift_order_fits, to_shift_order  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -90,27 +83,6 @@ def _shifted(mx):
     return out[0], s1, out[1], s2, out[2], s3
 
 
-def _tiled(mx):
-    """The shift-ordered experts with their scales in tiles (``order="tiled"``, copies)."""
-    w1, s1, w2, s2, w3, s3 = _shifted(mx)
-    return w1, to_scale_tiles(s1), w2, to_scale_tiles(s2), w3, to_scale_tiles(s3)
-
-
-def test_scale_tiles_round_trip_and_layout():
-    """``to_scale_tiles`` puts element ``(e, n, j)`` at the offset the kernels read it from; ``scale_rows`` undoes it;
-    shapes that are not whole tiles are refused."""
-    g = torch.Generator().manual_seed(2)
-    s = torch.randint(0, 256, (3, 128, 8), generator=g, dtype=torch.uint8)
-    t = to_scale_tiles(s)
-    assert t.shape == s.shape and torch.equal(scale_rows(t), s) and not torch.equal(t, s)
-    e, n, j = torch.meshgrid(torch.arange(3), torch.arange(128), torch.arange(8), indexing="ij")
-    off = e * 128 * 8 + (n // 64) * (8 * 64) + (j // 4) * 256 + (n % 64) * 4 + j % 4
-    assert torch.equal(t.view(-1)[off], s)
-    assert scale_tiles_fit(s) and not scale_tiles_fit(s[:, :96]) and not scale_tiles_fit(s[..., :6])
-    with pytest.raises(ValueError, match="tiles"):
-        to_scale_tiles(s[:, :96])
-
-
 def test_shift_order_decodes_to_the_same_weights():
     """The decode the PTX does on a shift-ordered word, in torch: ``(q << 4b) & 0x80008000`` (signs) or
     ``(q >> (6 - 4b)) & 0x01C001C0`` (exponent, mantissa) read as two bf16, times the bf16 ``2^(s - 1)``, give codes
@@ -147,27 +119,6 @@ def test_shift_order_in_the_kernels_and_the_reference():
     for fn in (moe_mxfp4, ref.moe_mxfp4):
         with pytest.raises(ValueError, match="order"):
             fn(x, idx, w, *mx, 0.7, order="shuffled")
-
-
-def test_tiled_scales_in_the_kernels_and_the_reference():
-    """Scales in tiles (``order="tiled"``) give the shift order's results, bit for bit, in the kernels (split-K too)
-    and the reference; read as rows they are other weights. Scales that are not whole tiles are refused."""
-    x, idx, w, mx = _problem(9, 8, 128, 256, 3, seed=5)  # w1, w3: 8 scale blocks a row (with 4, tiles are rows)
-    tx = _tiled(mx)
-    out = moe_mxfp4(x, idx, w, *mx, 0.7)
-    assert torch.equal(moe_mxfp4(x, idx, w, *tx, 0.7, order="tiled"), out)
-    assert not torch.equal(moe_mxfp4(x, idx, w, *tx, 0.7, order="shift"), out)
-    old = mod.SPLIT_K
-    mod.SPLIT_K = 2
-    try:
-        assert torch.equal(moe_mxfp4(x, idx, w, *tx, 0.7, order="tiled"), moe_mxfp4(x, idx, w, *mx, 0.7))
-    finally:
-        mod.SPLIT_K = old
-    ref = ReferenceOps("cpu")
-    assert torch.equal(ref.moe_mxfp4(x, idx, w, *tx, 0.7, order="tiled"), ref.moe_mxfp4(x, idx, w, *mx, 0.7))
-    xs, idx2, w2, small = _problem(3, 8, 64, 64, 3, seed=6)  # D = 64: w1's rows hold 2 scale blocks, not 4
-    with pytest.raises(ValueError, match="tiles"):
-        moe_mxfp4(xs, idx2, w2, *_shifted(small), 0.7, order="tiled")
 
 
 def test_shift_order_fits_only_exact_scales_and_whole_words():
@@ -335,7 +286,6 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
         assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
         shift = moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, config=cfg, order="shift")
         assert torch.equal(shift, out)  # the shift decode's tiles are the byte-lookup decode's, bit for bit
-        assert torch.equal(moe_mxfp4(x, idx, w, *_tiled(mx), 10.0, config=cfg, order="tiled"), out)
         mod.TMA_WEIGHTS = False  # the weight tiles through per-thread copies instead of the TMA unit: the same tiles
         try:
             assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
@@ -353,7 +303,7 @@ def test_gpu_split_k(v4_experts, t, monkeypatch):
     the MMA's M side), against the unsplit kernels and ``moe_triton`` on the decoded experts; within a split the shift
     order and the pointer loads (TMA off) give the same results, bit for bit."""
     mx, deq = v4_experts
-    sx, tx = _shifted(mx), _tiled(mx)
+    sx = _shifted(mx)
     x, idx, w = _routing(t, 300 + t)
     ref = moe_triton(x, idx, w, *deq, 10.0)
     monkeypatch.setattr(mod, "SPLIT_K", 1)
@@ -363,7 +313,6 @@ def test_gpu_split_k(v4_experts, t, monkeypatch):
         out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
         assert _rel(out, ref) < 5e-3 and _rel(out, base) < 5e-3  # the fp32 order (and the bf16 roundings it moves)
         assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)
-        assert torch.equal(moe_mxfp4(x, idx, w, *tx, 10.0, config=cfg, order="tiled"), out)
         monkeypatch.setattr(mod, "TMA_WEIGHTS", False)
         assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
         assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)

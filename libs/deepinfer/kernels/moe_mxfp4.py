@@ -52,7 +52,7 @@ from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, split_steps
 from deepinfer.quant.formats import MXFP4_BLOCK
-from deepinfer.quant.nibble_order import check_order, scale_tiles_fit
+from deepinfer.quant.nibble_order import check_order
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -96,7 +96,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
-                       PRECISION: tl.constexpr, DT: tl.constexpr, TILED: tl.constexpr = False):  # fmt: skip
+                       PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -111,7 +111,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         sbase = e.to(tl.int64) * stride_se
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, 0,
                              KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA,
-                             SWAP, PRECISION, True, TILED)  # fmt: skip
+                             SWAP, PRECISION, True)  # fmt: skip
         g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
         u = acc_u.to(dt).to(tl.float32)
         rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
@@ -124,8 +124,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
 def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
-                    TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
-                    TILED: tl.constexpr = False):  # fmt: skip
+                    TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -139,7 +138,7 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
         wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, wbase,
                        e.to(tl.int64) * stride_se, rn, mask_n, 0, KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False, TILED)  # fmt: skip
+                       BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
         o_off = row[:, None] * stride_om + rn[None, :]
         tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
 
@@ -226,9 +225,7 @@ def moe_mxfp4(
         raise ValueError(f"moe_mxfp4: block_m must be at least 16 (tl.dot), got {cfg.block_m}")
     fast = FAST_DECODE and x.is_cuda and not interpret and x.dtype == torch.bfloat16
     xa = x.contiguous()
-    shift = order in ("shift", "tiled")
-    if order == "tiled" and not all(scale_tiles_fit(sc) for sc in (s1, s2, s3)):
-        raise ValueError("moe_mxfp4: order='tiled' needs scales of whole 64-row × 4-block tiles")
+    shift = order == "shift"
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
     (sw1e, sw1n), (sw2e, sw2n) = w1.stride()[:2], w2.stride()[:2]  # w3 is laid out as w1
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
@@ -237,7 +234,7 @@ def moe_mxfp4(
     nblocks = bexp.numel()
     tma = fast and TMA_WEIGHTS and all(_tma_fits(w, n, cfg) for w, n in ((w1, inter), (w3, inter), (w2, d)))
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SHIFT=shift, SWAP=swap)
-    meta.update(PRECISION=prec, TMA=tma, TILED=order == "tiled")
+    meta.update(PRECISION=prec, TMA=tma)
     if tma:  # the words as 2-D tensors [E·N, K/8] read a tile at a time by the TMA unit
         w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32

@@ -74,21 +74,14 @@ mul.rn.bf16x2 $3, m3, $5;
 
 
 @triton.jit
-def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr,
-            TILED: tl.constexpr):  # fmt: skip
+def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr):
     """The exponents of the rows ``rn`` for the ``NB`` 32-column blocks from byte ``kb0``: ``[BLOCK_N, NB, 1]`` int32,
-    and the mask of the valid (row, block) pairs. ``TILED``: the scales in ``quant.scale_tiles``' layout (``stride_sn``
-    is still a row's block count ``J``): a tile's 64 rows × 4 blocks are 256 contiguous bytes."""
+    and the mask of the valid (row, block) pairs."""
     rb = tl.arange(0, NB)
     mask = mask_n[:, None, None]
     if not EVEN_K:
         mask = mask & (kb0 + rb * 16 < KH)[None, :, None]
-    jb = (kb0 // 16 + rb)[None, :, None]
-    r = rn[:, None, None].to(tl.int64)
-    if TILED:
-        s_off = sbase + (r // 64) * (stride_sn * 64) + (jb // 4) * 256 + (r % 64) * 4 + jb % 4
-    else:
-        s_off = sbase + r * stride_sn + jb
+    s_off = sbase + rn[:, None, None].to(tl.int64) * stride_sn + (kb0 // 16 + rb)[None, :, None]
     return tl.load(s_ptr + s_off, mask=mask, other=0).to(tl.int32), mask
 
 
@@ -110,12 +103,12 @@ def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-             SHIFT: tl.constexpr, TMA: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
+             SHIFT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded from the 32-bit words at ``w_ptr``:
     ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' nibble order (``SHIFT``: the shift
     order), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
     NB: tl.constexpr = BLOCK_K // 32
-    s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K, TILED)
+    s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
     if FAST:
         if TMA:  # w_ptr: a descriptor of the words [E·N, KH/4], wbase: the tile's first row
             q = tl.reshape(w_ptr.load([wbase, kb0 // 4]), (BLOCK_N, NB, 4))
@@ -166,7 +159,7 @@ def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: t
 def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, k_lo, k_hi, KH,
           stride_wn, stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
-          PRECISION: tl.constexpr, TWO: tl.constexpr, TILED: tl.constexpr = False):  # fmt: skip
+          PRECISION: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
     """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over the row bytes ``k_lo ..< k_hi``
     (``k_lo`` a multiple of ``BLOCK_K / 2``; ``KH`` the bytes of a whole row) for the weight rows ``rn``:
     ``[BLOCK_M, BLOCK_N]`` fp32 each, through ``tl.dot``, both matrices in one pass over K (one load of the
@@ -177,11 +170,11 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
     for kb0 in range(k_lo, k_hi, BLOCK_K // 2):
         a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
         w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                     BLOCK_K, EVEN_K, FAST, SHIFT, TMA, TILED)  # fmt: skip
+                     BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
         acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
         if TWO:
             w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                         BLOCK_K, EVEN_K, FAST, SHIFT, TMA, TILED)  # fmt: skip
+                         BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
             acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
     if SWAP:
         acc_w = tl.trans(acc_w)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from deepinfer.quant.cache import fp8_window_round, mxfp4_round, nvfp4_round
 from deepinfer.quant.formats import FP8_MAX, dequantize_fp8_blocks, fp4_round, pow2_scale
 from deepinfer.quant.native import dequantize_experts
-from deepinfer.quant.nibble_order import check_order, plain, scale_rows
+from deepinfer.quant.nibble_order import check_order, plain
 
 _CACHE_ROUNDS = {"fp8": fp8_window_round, "nvfp4": nvfp4_round, "mxfp4": mxfp4_round}  # ReferenceOps.cache_round
 
@@ -252,9 +252,8 @@ class ReferenceOps:
         """Decodes only the experts ``idx`` touches, then ``moe``."""
         check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
-        unshift = plain if order in ("shift", "tiled") else (lambda w: w)
-        rows = scale_rows if order == "tiled" else (lambda s: s)
-        deq = [dequantize_experts(unshift(w[used]), rows(s)[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        unshift = plain if order == "shift" else (lambda w: w)
+        deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
         return self.moe(x, local.view(idx.shape), weights, *deq, limit)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_fp8_blocks, quantize_mxfp4
-from deepinfer.quant.nibble_order import scale_tiles_fit, shift_order_fits, to_scale_tiles, to_shift_order
+from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
 
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -144,31 +144,25 @@ def unprepare(model: nn.Module, target: str) -> str:
 
 def expert_order(m: nn.Module) -> str:
     """The nibble order of a routed-expert module's MXFP4 codes (``quant.nibble_order``): ``plain`` as stored, or
-    ``shift`` / ``tiled`` (the shift order, and the scales in tiles) once ``shift_experts`` rearranged them."""
+    ``shift`` once ``shift_experts`` rearranged them."""
     return getattr(m, ORDER_ATTR, "plain")
 
 
 def shift_experts(model: nn.Module) -> int:
     """Rearrange the MXFP4 codes of every routed-expert module whose three weights fit the shift order (their
-    scales in ``nibble_order.SCALE_RANGE``) into that order, in place, and, where they make whole tiles, their scales
-    into tiles (``nibble_order.to_scale_tiles``: order ``tiled``); mark the module; returns how many were
+    scales in ``nibble_order.SCALE_RANGE``) into that order, in place, and mark the module; returns how many were
     rearranged. Reads each module's scale range (one device sync per weight): call it once, after loading."""
     done = 0
     with torch.no_grad():
         for _, m in expert_modules(model):
-            if expert_order(m) != "plain" or not is_mxfp4(m.w1):
+            if expert_order(m) == "shift" or not is_mxfp4(m.w1):
                 continue
             pairs = [(getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS]
             if not all(is_mxfp4(w) and shift_order_fits(w, s) for w, s in pairs):
                 continue
             for w, _ in pairs:
                 to_shift_order(w.data)
-            order = "shift"
-            if all(scale_tiles_fit(s) for _, s in pairs):  # and the scales in tiles, where whole tiles fit
-                for _, s in pairs:
-                    s.data.copy_(to_scale_tiles(s.data))
-                order = "tiled"
-            setattr(m, ORDER_ATTR, order)
+            setattr(m, ORDER_ATTR, "shift")
             done += 1
     return done
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 SHIFT_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)  # nibble j of a word holds the word's code SHIFT_ORDER[j]
-ORDERS = ("plain", "shift", "tiled")  # tiled: the shift order, and the scales in tiles (``to_scale_tiles``)
-TILE_ROWS, TILE_BLOCKS = 64, 4  # the tiled scale layout: a GEMM step's exponents, 64 rows × 4 blocks of 32 codes
+ORDERS = ("plain", "shift")
 SCALE_RANGE = (0, 128)  # UE8M0 exponents the shift decode takes exactly (2^(s-1) is a normal bfloat16)
 _CHUNK_WORDS = 1 << 24  # words rearranged per step (64 MiB of int32 temporaries)
 
@@ -78,41 +77,4 @@ def plain(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def scale_tiles_fit(scales: torch.Tensor) -> bool:
-    """Whether the exponents ``[E, N, J]`` (``J`` blocks of 32 codes a row) can be laid out in tiles: whole tiles of
-    ``TILE_ROWS`` rows and ``TILE_BLOCKS`` blocks."""
-    return scales.dim() == 3 and scales.shape[1] % TILE_ROWS == 0 and scales.shape[2] % TILE_BLOCKS == 0
-
-
-def to_scale_tiles(scales: torch.Tensor) -> torch.Tensor:
-    """The exponents ``[E, N, J]`` in the tiled layout, same shape and dtype: each expert's ``[N, J]`` cut into
-    ``TILE_ROWS × TILE_BLOCKS`` tiles (64 rows, the blocks of 128 codes), tile-row-major, each tile's bytes row-major,
-    so the scales a GEMM step reads (a weight tile's rows × 4 blocks) are 256 contiguous bytes instead of one 4-byte
-    piece per row (each its own 32-byte sector request): the element ``(e, n, j)`` at
-    ``((e·N/64 + n/64)·J/4 + j/4)·256 + (n%64)·4 + j%4``."""
-    if not scale_tiles_fit(scales):
-        raise ValueError(f"to_scale_tiles: needs [E, N, J] with N % {TILE_ROWS} == 0 and J % {TILE_BLOCKS} == 0")
-    e, n, j = scales.shape
-    t = scales.reshape(e, n // TILE_ROWS, TILE_ROWS, j // TILE_BLOCKS, TILE_BLOCKS).transpose(2, 3)
-    return t.contiguous().view(e, n, j)
-
-
-def scale_rows(scales: torch.Tensor) -> torch.Tensor:
-    """``to_scale_tiles``' inverse: the exponents of the tiled layout back in rows, ``[E, N, J]``."""
-    e, n, j = scales.shape
-    t = scales.reshape(e, n // TILE_ROWS, j // TILE_BLOCKS, TILE_ROWS, TILE_BLOCKS).transpose(2, 3)
-    return t.contiguous().view(e, n, j)
-
-
-__all__ = [
-    "ORDERS",
-    "SCALE_RANGE",
-    "SHIFT_ORDER",
-    "check_order",
-    "plain",
-    "scale_rows",
-    "scale_tiles_fit",
-    "shift_order_fits",
-    "to_scale_tiles",
-    "to_shift_order",
-]
+__all__ = ["ORDERS", "SCALE_RANGE", "SHIFT_ORDER", "check_order", "plain", "shift_order_fits", "to_shift_order"]
