@@ -105,10 +105,11 @@ def test_cached_split3_follows_the_tensor_not_its_address():
 
 @gpu_only
 def test_split_mixes_against_the_fp32_gemm():
-    """``hc.split_mixes`` (one bf16 GEMM against the split weight) against the exact product of the same bf16 streams:
-    the products are exact, so the error is the fp32 sums' (measured on an H200: at most 3e-7 of ``Σ|h·fn|``, where
-    a weight rounded to bf16 would give ~1e-5); fresh weights each time (their split must not be a stale one)."""
-    from deepinfer.kernels.hc import split_mixes
+    """``hc.split_mixes_parts`` (one bf16 GEMM against the split weight, its three column groups summed) against the
+    exact product of the same bf16 streams: the products are exact, so the error is the fp32 sums' (measured on an
+    H200: at most 3e-7 of ``Σ|h·fn|``, where a weight rounded to bf16 would give ~1e-5); fresh weights each time
+    (their split must not be a stale one)."""
+    from deepinfer.kernels.hc import split_mixes_parts
 
     for t in (1, 2, 8, 64, 4096):
         g = torch.Generator().manual_seed(t)
@@ -116,5 +117,26 @@ def test_split_mixes_against_the_fp32_gemm():
         fn = (torch.randn(24, 4 * 4096, generator=g) * 0.01).cuda()
         want = h.double() @ fn.double().t()
         scale = h.double().abs() @ fn.double().abs().t()
-        got = split_mixes(h, fn).double()
+        r = split_mixes_parts(h, fn).double()
+        got = (r[:, :24] + r[:, 24:48]) + r[:, 48:]
         assert ((got - want).abs() <= 2e-6 * scale).all(), t
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
+def test_hc_pre_sums_the_three_column_groups_of_split_mixes():
+    """``_hc_pre_kernel`` reading mixes in three column groups (``split_mixes_parts``' layout) gives what it gives on
+    their sum: groups ``(a, b, 0)`` with ``a + b`` the mixes exactly, bit for bit."""
+    from deepinfer.kernels import hc
+
+    g = torch.Generator().manual_seed(8)
+    t, n, d = 5, 4, 64
+    h = torch.randn(t, n, d, generator=g).to(DEVICE)
+    for m in ((2 + n) * n, n):  # a layer, the head
+        mixes = torch.randn(t, m, generator=g).to(DEVICE)
+        a = mixes.bfloat16().float()
+        parts = torch.cat([a, mixes - a, torch.zeros_like(a)], dim=1)
+        scale, base = torch.rand(3, generator=g).to(DEVICE), torch.randn(m, generator=g).to(DEVICE)
+        one = hc._from_mixes(h, mixes, 1, m, scale, base, 20, 1e-6, 1e-6, True)
+        three = hc._from_mixes(h, parts, 3, m, scale, base, 20, 1e-6, 1e-6, True)
+        for x, y in zip(one, three, strict=True):
+            assert torch.equal(x, y)

@@ -4,7 +4,7 @@ The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (`
 
 * ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
   (the ``[T, M]`` product: bf16 streams on CUDA, one bf16 GEMM against ``fn`` split into three exact bf16 parts,
-  ``split_mixes``; otherwise ``h.float()`` and one fp32 ``torch.mm``, as the reference's ``F.linear``; with
+  ``split_mixes_parts``; otherwise ``h.float()`` and one fp32 ``torch.mm``, as the reference's ``F.linear``; with
   ``MIXES_KERNEL`` it is ``hc_mixes.mixes_gemm``, read straight from ``h`` in its dtype, slower on an H200 so far),
   then one Triton program per token that computes ``pre = sigmoid(·) + eps``,
   ``post = 2 · sigmoid(·)`` and the Sinkhorn ``comb`` (row softmax + eps, a column normalisation, then
@@ -40,8 +40,8 @@ EXPAND_BLOCK_D = 512
 # bench/decode_kernels.py, bench/results/2026-11-30-whole-step-graph.md)
 MIXES_KERNEL = False
 INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
-# bf16 streams on CUDA: the mixes as one bf16 GEMM against fn split into three bf16 parts (``split_mixes``) instead of
-# an fp32 copy of the streams and an fp32 GEMM
+# bf16 streams on CUDA: the mixes as one bf16 GEMM against fn split into three bf16 parts (``split_mixes_parts``)
+# instead of an fp32 copy of the streams and an fp32 GEMM
 SPLIT_MIXES = True
 _SPLITS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(fn) -> (fn, its version, split3(fn))
 
@@ -70,17 +70,26 @@ def cached_split3(fn: torch.Tensor) -> torch.Tensor:
     return w3
 
 
-def split_mixes(h2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """``h2 [T, K] bf16 · fnᵀ`` (``fn [M, K]`` fp32) in fp32 as one bf16 GEMM with fp32 accumulation against
-    ``split3(fn)`` (each product of two bf16 values is exact in fp32), the three column groups summed in fp32: the
-    fp32 GEMM's result up to the order of its sums, reading the streams once in bf16 (``cached_split3``)."""
-    m = fn.shape[0]
-    r = torch.mm(h2, cached_split3(fn).t(), out_dtype=torch.float32)
-    return ((r[:, :m] + r[:, m : 2 * m]) + r[:, 2 * m :]).contiguous()
+def split_mixes_parts(h2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """``h2 [T, K] bf16 · fnᵀ`` (``fn [M, K]`` fp32) as one bf16 GEMM with fp32 accumulation against
+    ``cached_split3(fn)`` (each product of two bf16 values is exact in fp32), reading the streams once in bf16:
+    ``[T, 3M]`` fp32, whose three column groups summed in fp32, ``(a + b) + c``, are the fp32 GEMM's result up to
+    the order of its sums. ``_hc_pre_kernel`` adds them as it reads them (``PARTS = 3``)."""
+    return torch.mm(h2, cached_split3(fn).t(), out_dtype=torch.float32)
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _mix(ptr, offs, mask, M: tl.constexpr, PARTS: tl.constexpr):
+    """Mixes at ``offs`` of a row: one value, or (``PARTS = 3``, ``split_mixes_parts``' GEMM) the sum of its three
+    column groups ``(a + b) + c`` in fp32."""
+    v = tl.load(ptr + offs, mask=mask, other=0.0)
+    if PARTS == 3:
+        v = (v + tl.load(ptr + M + offs, mask=mask, other=0.0)) + tl.load(ptr + 2 * M + offs, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit(do_not_specialize=["T", "iters"])
@@ -101,6 +110,7 @@ def _hc_pre_kernel(
     N: tl.constexpr,
     NP: tl.constexpr,
     M: tl.constexpr,
+    PARTS: tl.constexpr,
     HEAD: tl.constexpr,
     COLLAPSE: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -120,22 +130,22 @@ def _hc_pre_kernel(
     i = tl.arange(0, NP)
     mi = i < N
     ti = mt[:, None] & mi[None, :]
-    row = mix_ptr + t[:, None] * M
+    row = mix_ptr + t[:, None] * (M * PARTS)
     s0 = tl.load(scale_ptr)
-    pre = tl.load(row + i[None, :], mask=ti, other=0.0) * rs[:, None] * s0
+    pre = _mix(row, i[None, :], ti, M, PARTS) * rs[:, None] * s0
     pre = tl.sigmoid(pre + tl.load(base_ptr + i, mask=mi, other=0.0)[None, :]) + eps
     pre = tl.where(ti, pre, 0.0)
     tl.store(pre_ptr + t[:, None] * N + i[None, :], pre, mask=ti)
     if not HEAD:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        post = tl.load(row + N + i[None, :], mask=ti, other=0.0) * rs[:, None] * s1
+        post = _mix(row, N + i[None, :], ti, M, PARTS) * rs[:, None] * s1
         post = post + tl.load(base_ptr + N + i, mask=mi, other=0.0)[None, :]
         tl.store(post_ptr + t[:, None] * N + i[None, :], 2.0 * tl.sigmoid(post), mask=ti)
         jk = 2 * N + i[:, None] * N + i[None, :]  # [j, k] offsets of comb in a row of mixes
         mjk = mi[:, None] & mi[None, :]
         m3 = mt[:, None, None] & mjk[None, :, :]
-        c = tl.load(mix_ptr + t[:, None, None] * M + jk[None, :, :], mask=m3, other=0.0) * rs[:, None, None] * s2
+        c = _mix(mix_ptr + t[:, None, None] * (M * PARTS), jk[None, :, :], m3, M, PARTS) * rs[:, None, None] * s2
         c = c + tl.load(base_ptr + jk, mask=mjk, other=0.0)[None, :, :]
         c = tl.where(m3, c, -1e30)  # finite: a padded row's max stays finite (no inf - inf)
         c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
@@ -205,12 +215,30 @@ def _mixes(
     t, n, d = h.shape
     m = fn.shape[0]
     h = h.contiguous()
+    parts = 1  # column groups of the mixes the kernel sums as it reads them
     if MIXES_KERNEL and (h.is_cuda or _interpret()):
         mixes = mixes_gemm(h, fn)
     elif SPLIT_MIXES and h.is_cuda and h.dtype == torch.bfloat16:
-        mixes = split_mixes(h.view(t, n * d), fn)
+        mixes, parts = split_mixes_parts(h.view(t, n * d), fn), 3
     else:
         mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
+    return _from_mixes(h, mixes, parts, m, scale, base, iters, eps, norm_eps, collapse)
+
+
+def _from_mixes(
+    h: torch.Tensor,
+    mixes: torch.Tensor,
+    parts: int,
+    m: int,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    collapse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_hc_pre_kernel`` on the mixes ``[T, parts · M]`` (``parts`` column groups it sums as it reads them)."""
+    t, n, d = h.shape
     head = m == n
     pre = torch.empty((t, n), dtype=torch.float32, device=h.device)
     x = torch.empty((t, d), dtype=h.dtype, device=h.device) if collapse else pre  # unused without the collapse
@@ -223,7 +251,7 @@ def _mixes(
         _hc_pre_kernel[(triton.cdiv(t, bt),)](
             h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
             t, d, int(iters), float(eps), float(norm_eps),
-            N=n, NP=triton.next_power_of_2(n), M=m, HEAD=head, COLLAPSE=collapse, BLOCK_T=bt,
+            N=n, NP=triton.next_power_of_2(n), M=m, PARTS=parts, HEAD=head, COLLAPSE=collapse, BLOCK_T=bt,
             BLOCK_D=min(block, triton.next_power_of_2(d)), num_warps=warps,
         )  # fmt: skip
     return x, pre, post, comb
