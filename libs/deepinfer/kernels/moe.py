@@ -314,7 +314,6 @@ def moe_triton(
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """``ReferenceOps.moe`` in two Triton kernels (module docstring) → ``[T, D]`` fp32."""
-
     _check(x, idx, weights, w1, w2, w3)
     t, k = idx.shape
     e, inter, d = w1.shape

@@ -29,13 +29,11 @@ from triton.language.extra import libdevice
 from deepinfer.kernels.topk import SMALL_K, SMALL_WIDTH, _value
 
 _NEG = tl.constexpr(-9223372036854775807)
+SWIGLU_BLOCK = 1024
 
 
 def _cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-SWIGLU_BLOCK = 1024
 
 
 @triton.jit
