@@ -207,13 +207,23 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     flat = ring.view(-1, ring.shape[-1])
     put, take, _, _ = plan.window_rows()
     flat.index_copy_(0, put, kv.to(flat.dtype))  # the new row first: the window reads positions first .. pos
-    window_pool = flat.index_select(0, take)
     sink, scale = attn.attn_sink, attn.head_dim**-0.5
     if attn.compressor is None:
         idx, cnt = plan.window_lists()
-        return ops.sparse_attention_lists(q, window_pool, idx, cnt, sink, scale)
+        return ops.sparse_attention_lists(q, flat.index_select(0, take), idx, cnt, sink, scale)
     m = attn.ratio
-    rows = _compress(attn.compressor, attn.layer_id, "main", t["main_kv"], t["main_score"], plan, rope, ops, kv.dtype)
+    # one key pool: the window rows, then every row's compressed rows, each gathered straight into its place
+    store, nw = plan.cache.rows[attn.layer_id], take.numel()
+    keys = into = None
+    if store.dtype == flat.dtype:
+        size = plan.size * plan.widths[m][1]  # pages
+        keys = torch.empty(nw + size * store.shape[1], flat.shape[-1], dtype=flat.dtype, device=flat.device)
+        torch.index_select(flat, 0, take, out=keys[:nw])
+        into = keys[nw:].view(size, *store.shape[1:])
+    rows = _compress(attn.compressor, attn.layer_id, "main", t["main_kv"], t["main_score"], plan, rope, ops, kv.dtype,
+                     into)  # fmt: skip
+    if keys is None:  # a store of another dtype: the pool is their concatenation (with its type promotion)
+        keys = torch.cat([flat.index_select(0, take), rows])
     count, r_start = plan.ratio_rows(m)
     width = plan.widths[m][0]
     if attn.indexer is not None:
@@ -225,7 +235,6 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     else:  # every visible row: the same lists in every layer of this ratio
         idx, cnt = plan.once(("all rows", m), lambda: plan.key_lists(
             r_start.unsqueeze(1) + torch.arange(width, device=q.device), count))  # fmt: skip
-    keys = torch.cat([window_pool, rows])
     return ops.sparse_attention_lists(q, keys, idx, cnt, sink, scale)
 
 
@@ -239,10 +248,12 @@ def _compress(
     rope: RotaryTable,
     ops: Ops,
     dtype: torch.dtype,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append the step's projections to the compressor's rings, pool the groups that complete (``ops.group_pool``:
     the other rows pool zeros) and store every row's result, the completed ones in their pages, the rest in the
-    scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``."""
+    scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``, gathered into
+    ``into`` (``[S·pages, per page, dim]`` of the store's dtype) when given."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
@@ -267,7 +278,8 @@ def _compress(
     fs.index_copy_(0, at, score.float())
     rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done)
     store[page, row] = rows.to(store.dtype)
-    return store[plan.tables[:, : plan.widths[m][1]]].flatten(0, 2)
+    pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
+    return torch.index_select(store, 0, pages, out=into).flatten(0, 1)
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
