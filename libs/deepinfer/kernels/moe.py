@@ -22,12 +22,13 @@ slot order (the reference adds them in expert-id order: results agree to fp32 ro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer.kernels.fp8_gemm_config import _interpret
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -249,10 +250,6 @@ def swiglu_weighted(
 COMBINE_BLOCK = 1024
 
 
-def _interpret_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @triton.jit
 def _combine_kernel(o_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -269,7 +266,7 @@ def _combine(o: torch.Tensor, t: int, k: int) -> torch.Tensor:
     Triton's interpreter) one pass that reads ``o`` in its dtype (the torch form wrote an fp32 copy of it first: 1.2
     of 48 ms of a 4k prefill on an H200)."""
     d = o.shape[-1]
-    if not (o.is_cuda or _interpret_on()) or k == 0 or t == 0:
+    if not (o.is_cuda or _interpret()) or k == 0 or t == 0:
         return o.view(t, k, d).float().sum(1)
     o = o.contiguous()
     y = torch.empty((t, d), dtype=torch.float32, device=o.device)
@@ -320,7 +317,7 @@ def moe_triton(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    cfg = config or pick_config(tk, e, _interpret_on())
+    cfg = config or pick_config(tk, e, _interpret())
     from deepinfer.kernels.moe_align import padded_slots  # it builds on moe_layout / padded_blocks here
 
     slots, bexp = padded_slots(idx, e, cfg.block_m)

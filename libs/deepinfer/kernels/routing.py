@@ -19,13 +19,12 @@ data-dependent shape: capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from deepinfer.kernels.fp8_gemm_config import _interpret
 from deepinfer.kernels.topk import SMALL_K, SMALL_WIDTH, _value
 
 _NEG = tl.constexpr(-9223372036854775807)
@@ -33,7 +32,7 @@ SWIGLU_BLOCK = 1024
 
 
 def _cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    return t.is_cuda and not _interpret()
 
 
 @triton.jit
