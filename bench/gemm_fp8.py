@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels.fp8_gemm import GemmConfig, fp8_linear, pick_config
+import deepinfer.kernels.fp8_gemm_config as fc
+from deepinfer.kernels.fp8_gemm import GemmConfig, fp8_grouped_linear, fp8_linear, pick_config
 from deepinfer.quant.formats import dequantize_fp8_blocks
 
 SHAPES = {  # DeepSeek-V4-Flash (N, K)
@@ -206,10 +207,40 @@ W8A8_CANDIDATES = [
 ]
 
 
+def swap_candidates(m):
+    """W8A8 with the weight on the MMA's wide side (``swap_ab``), for 16 <= m < W8A8_MIN_M."""
+    top = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
+    return [
+        GemmConfig(top, bn, 128, split_k=sk, num_warps=nw, num_stages=st, path="w8a8", swap_ab=True)
+        for bn, sk, nw, st in itertools.product([64, 128], [1, 2, 4, 8], [4, 8], [3, 5])
+        if nw == 4 or bn * top >= 128 * 64
+    ]
+
+
+def bench_grouped(args):
+    """V4-Flash's ``wo_a`` (8 groups of 1024 rows, K = 4096 each): ``fp8_grouped_linear`` against the bf16 einsum on
+    the dequantised weight (what the model ran before it kept ``wo_a`` in FP8)."""
+    g, r, k = 8, 1024, 4096
+    copies = max(2, math.ceil(args.cycle_mb * 1e6 / (g * r * k)))
+    ws, ss = make_weights(g * r, k, copies)
+    wd = [dequantize_fp8_blocks(w, s, torch.bfloat16).view(g, r, k) for w, s in zip(ws, ss)]
+    rows = []
+    for m in args.ms:
+        x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
+        ours = time_graph(lambda i, x=x: fp8_grouped_linear(x, ws[i], ss[i]), copies, args.calls, args.reps)
+        peer = time_graph(lambda i, x=x: torch.einsum("tgk,grk->tgr", x, wd[i]), copies, args.calls, args.reps)
+        err = rel_err(fp8_grouped_linear(x, ws[0], ss[0]), torch.einsum("tgk,grk->tgr", x.float(), wd[0].float()))
+        roof = g * r * k / HBM_BPS * 1e6
+        print(f"wo_a grouped M={m}: fp8 {ours:.2f} us, bf16 einsum {peer:.2f} us, FP8 roofline {roof:.2f} us, "
+              f"rel err {err:.1e}", flush=True)  # fmt: skip
+        rows.append(dict(M=m, fp8_us=ours, bf16_einsum_us=peer, roofline_us=roof, rel_err=err))
+    return rows
+
+
 def short(c):
     if c is None:
         return "default"
-    pre = (" scale_x" if c.scale_x else "") + ("" if c.fuse_quant else " pre")
+    pre = (" scale_x" if c.scale_x else "") + ("" if c.fuse_quant else " pre") + (" swap" if c.swap_ab else "")
     return f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}{pre}"
 
 
@@ -232,15 +263,24 @@ def tune_shape(name, args, results):
                 return sorted(res, key=lambda t: t[0])
 
             default = timed([None])
-            best = timed(candidates(m) + (W8A8_CANDIDATES if aq and m >= 128 else []))
-            if aq:  # the best fused tiles again with an act-quant pre-pass
+            if args.swap_only:  # the W8A16 tiles pick_config gives without the swap path
+                old, fc.SWAP_W8A8_MIN_M = fc.SWAP_W8A8_MIN_M, 1 << 30
+                base = pick_config(m, n, k, (128, 128), aq)
+                fc.SWAP_W8A8_MIN_M = old
+                default += timed([base])
+            swaps = swap_candidates(m) if aq and 16 <= m < 256 else []
+            best = timed(
+                swaps if args.swap_only else candidates(m) + swaps + (W8A8_CANDIDATES if aq and m >= 128 else [])
+            )
+            if aq and not args.swap_only:  # the best fused tiles again with an act-quant pre-pass
                 pre = timed([replace(c, fuse_quant=False) for _, c in best[:4] if c.path != "w8a8"])
                 best = sorted(best + pre, key=lambda t: t[0])
             top = [(round(us, 2), short(c)) for us, c in best[:4]]
             d = default[0][0] if default else math.nan
             dflt = short(pick_config(m, n, k, (128, 128), aq))
-            print(f"{name} N={n} K={k} M={m} aq={aq}: default {d:.2f} us ({dflt}), best {top}", flush=True)
-            results.append(dict(shape=name, M=m, act_quant=aq, default_us=d, top=top))
+            was = f", without swap {default[1][0]:.2f} us ({short(default[1][1])})" if len(default) > 1 else ""
+            print(f"{name} N={n} K={k} M={m} aq={aq}: default {d:.2f} us ({dflt}){was}, best {top}", flush=True)
+            results.append(dict(shape=name, M=m, act_quant=aq, default_us=d, top=top, baseline=was))
 
 
 def tune(args):
@@ -274,12 +314,20 @@ def main():
     p.add_argument("--cycle-mb", type=float, default=150.0, help="weight copies cycled per shape (MB of FP8)")
     p.add_argument("--tune", action="store_true", help="sweep tile configs instead")
     p.add_argument("--aq", choices=["both", "off", "on"], default="both", help="--tune: act_quant values")
+    p.add_argument("--swap-only", action="store_true", help="--tune: only the W8A8 swap_ab tiles (16 <= M < 256)")
+    p.add_argument("--grouped", action="store_true", help="time the grouped wo_a (fp8_grouped_linear) instead")
     args = p.parse_args()
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gemm_fp8.py needs a CUDA GPU (and TRITON_INTERPRET unset)")
     torch.manual_seed(0)
     t0 = time.time()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
+    if args.grouped:
+        rows = bench_grouped(args)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gemm_fp8_grouped.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        return
     if args.tune:
         res = tune(args)
         if args.out:

@@ -68,8 +68,9 @@ def test_native_load_keeps_stored_formats_and_logits(arch: str, tiny_v4: Path, t
             assert packed.dtype == torch.int8 and scales.dtype == torch.uint8, name
             want = getattr(plain.get_submodule(name), w)
             assert torch.equal(dequantize_experts(packed, scales, torch.float32), want), f"{name}.{w}"
-    # the grouped wo_a (V4.1 stores it FP8) and the V4.1 Engram projection are read directly: never kept FP8
-    assert not any(n.endswith(("wo_a", "engram.wkv")) for n in linears)
+    # the grouped wo_a stays FP8 (ops.fp8_grouped_linear); the V4.1 Engram projection is read directly: never kept
+    assert any(n.endswith("wo_a") for n in linears)
+    assert not any(n.endswith("engram.wkv") for n in linears)
     keys = [f"{n}.{w}" for n in linears for w in ("weight", "scale")]
     keys += [f"{n}.{w}{s}" for n in experts for w in ("w1", "w2", "w3") for s in ("", "_scale")]
     size = {m: {k: t.numel() * t.element_size() for k, t in m.state_dict().items()} for m in (native, plain)}

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from deepinfer.kernels.fp8_gemm import (  # noqa: E402
     GemmConfig,
     act_quant_fp8,
+    fp8_grouped_linear,
     fp8_linear,
     pick_config,
 )
@@ -105,13 +106,17 @@ def test_split_k_and_leading_dims():
             assert _rel(out, _reference(x, w, s, act_quant)) < 1e-5
 
 
+@pytest.mark.parametrize(("swap", "split"), [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize(("block", "block_n"), [((128, 128), 32), ((32, 128), 64)])  # one / two row blocks a tile
-def test_w8a8_path_matches_reference_fp32(block, block_n):
+def test_w8a8_path_matches_reference_fp32(block, block_n, swap, split):
+    """Both W8A8 kernels: tokens on the MMA's M side, or (``swap_ab``, few rows) the weight, split over K."""
     w, s = _weight(160, 384, block, seed=5)
     x = _x(20, 384, seed=6)
-    cfg = GemmConfig(16, block_n, 128, num_stages=1, path="w8a8")
+    cfg = GemmConfig(16, block_n, 128, split_k=split, num_stages=1, path="w8a8", swap_ab=swap)
     out = fp8_linear(x, w, s, act_quant=True, config=cfg)
-    assert _rel(out, _reference(x, w, s, True)) < 1e-5
+    # Hopper's FP8 MMA (wgmma, from 64 weight rows a tile) adds its products in less than fp32 within each 128-wide
+    # K block, as in DeepSeek's fp8_gemm, which also promotes to fp32 once a block: not an fp32 tolerance on a GPU
+    assert _rel(out, _reference(x, w, s, True)) < (1e-5 if INTERPRET or DEVICE == "cpu" else 1e-3)
 
 
 def test_non_contiguous_input_and_empty_rows():
@@ -180,7 +185,7 @@ def test_bad_inputs_raise():
 
 @gpu_only
 @pytest.mark.parametrize("name", list(V4_SHAPES))
-@pytest.mark.parametrize("m", [1, 7, 64, 256, 1024])
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
 def test_gpu_bf16_v4_flash_shapes(name, m):
     n, k = V4_SHAPES[name]
     w, s = _weight(n, k, (128, 128), seed=n + k)
@@ -188,6 +193,10 @@ def test_gpu_bf16_v4_flash_shapes(name, m):
     for act_quant in (False, True):
         out, ref = fp8_linear(x, w, s, act_quant), _reference(x, w, s, act_quant)
         assert out.dtype == torch.bfloat16 and _rel(out, ref) < 3e-3, (name, m, act_quant, _rel(out, ref))
+    if 16 <= m < 256:  # the W8A8 swap tiles against the W8A16 path's result
+        cfg = GemmConfig(16 if m < 32 else 64, 128, 128, split_k=2, num_stages=4, path="w8a8", swap_ab=True)
+        out = fp8_linear(x, w, s, True, config=cfg)
+        assert _rel(out, _reference(x, w, s, True)) < 3e-3, _rel(out, _reference(x, w, s, True))
     if m >= 256:  # other FP8 tensor-core tiles, and the W8A16 kernel at large M
         out = fp8_linear(x, w, s, True, config=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, path="w8a8"))
         assert _rel(out, _reference(x, w, s, True)) < 3e-3, _rel(out, _reference(x, w, s, True))
@@ -258,3 +267,47 @@ def test_gpu_prefill_w8a8_takes_the_vendor_gemm():
     ref = _reference(x, w, s, True)
     triton_w8a8 = fp8_linear(x, w, s, True, config=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, path="w8a8"))
     assert _rel(vendor, ref) < 3e-3 and _rel(vendor, triton_w8a8) < 3e-3
+
+
+def _grouped_reference(x, w, s):
+    g, k = x.shape[1], x.shape[2]
+    wd = dequantize_fp8_blocks(w, s, dtype=torch.float32).view(g, -1, k)
+    return torch.einsum("tgk,grk->tgr", x.float(), wd).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [None, GemmConfig(1, 16, 128, split_k=2, num_stages=1, path="gemv"), GemmConfig(16, 32, 128, num_stages=1),
+     GemmConfig(16, 32, 128, split_k=2, num_stages=1), GemmConfig(16, 32, 128, path="dequant")],
+)  # fmt: skip
+@pytest.mark.parametrize("t", [1, 5])
+def test_grouped_linear_matches_einsum(t, cfg):
+    """``wo_a``: each group of 64 weight rows meets its own 256 columns of x (4 groups, 32-row scale blocks)."""
+    if cfg is not None and cfg.path == "gemv" and t != 1:
+        pytest.skip("gemv is for one row")
+    w, s = _weight(4 * 64, 256, (32, 32), seed=21)
+    x = _x(t, 4 * 256, seed=22).view(t, 4, 256)
+    out = fp8_grouped_linear(x, w, s, config=cfg)
+    assert out.shape == (t, 4, 64) and out.dtype == x.dtype
+    assert _rel(out, _grouped_reference(x, w, s)) < 1e-5
+    ops = ReferenceOps()
+    assert _rel(ops.fp8_grouped_linear(x, w, s), _grouped_reference(x, w, s)) < 1e-5
+
+
+def test_grouped_linear_bad_inputs():
+    w, s = _weight(4 * 64, 256, (32, 32), seed=21)
+    with pytest.raises(ValueError, match="T, G, K"):
+        fp8_grouped_linear(_x(2, 256, seed=1), w, s)
+    with pytest.raises(ValueError, match="groups"):
+        fp8_grouped_linear(_x(2, 3 * 256, seed=1).view(2, 3, 256), w, s)
+    assert fp8_grouped_linear(torch.zeros(0, 4, 256, device=DEVICE), w, s).shape == (0, 4, 64)
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+def test_gpu_grouped_linear_v4_wo_a(m):
+    """V4-Flash's ``wo_a``: 8 groups of 1024 rows over 4096 columns each, bf16, against the bf16 einsum."""
+    w, s = _weight(8 * 1024, 4096, (128, 128), seed=23)
+    x = _x(m, 8 * 4096, seed=24, dtype=torch.bfloat16).view(m, 8, 4096)
+    out = fp8_grouped_linear(x, w, s)
+    assert out.dtype == torch.bfloat16 and _rel(out, _grouped_reference(x, w, s)) < 3e-3

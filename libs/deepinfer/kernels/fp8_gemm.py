@@ -19,8 +19,15 @@ deterministic):
 * **W8A8** (``_w8a8_kernel``, prefill with ``act_quant`` and a 128-wide weight K block): ``act_quant_fp8`` writes the
   e4m3 activation and its scales, then per 128-wide K block ``acc += dot(a8, w8) · (s_a ⊗ s_w)`` on FP8 tensor cores
   (fp32 promotion every block, as DeepSeek's ``fp8_gemm``), programs in grouped order for L2 reuse. From
+  ``SWAP_W8A8_MIN_M`` rows up to ``W8A8_MIN_M`` (decode batches) ``_w8a8_swap_kernel`` computes ``yᵀ = W · aᵀ`` so
+  that the weight's e4m3 bytes are the MMA's wide operand as loaded, split over K like W8A16 (H200, V4-Flash shapes:
+  1.2-1.6x the W8A16 kernel at 16 and 64 rows). From
   ``SCALED_MM_MIN_M`` rows with 128×128 weight blocks the product goes to ``torch._scaled_mm`` instead
   (``fp8_scaled_mm``: cuBLAS / CUTLASS with the same block scales) where this torch build and GPU run it.
+
+``fp8_grouped_linear`` (V4's ``wo_a``: ``G`` groups of weight rows, each meeting its own slice of the input, no
+activation rounding) runs the gemv / W8A16 kernels with the group's input offset in the kernel (``GROUPED``), or from
+``DEQUANT_MIN_M`` rows dequantises the weight once for ``torch.bmm``.
 
 Under ``TRITON_INTERPRET=1`` every kernel runs in Triton's interpreter (which loads e4m3 and multiplies it with
 ``tl.dot`` correctly, but rounds fp32→e4m3 casts wrongly: values are put on the e4m3 grid with exact fp32
@@ -107,11 +114,14 @@ def _dequant(w, s, dt: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split,
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split, group_rows,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_X: tl.constexpr, ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if GROUPED:  # as _gemv_kernel: the tile's weight rows are in one group, which reads its own K columns of x
+        x_ptr += (pid_n * BLOCK_N // group_rows).to(tl.int64) * K
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -150,12 +160,15 @@ def _w8a16_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split,
+    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split, group_rows,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr,
+    ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
-    """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0)."""
+    """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0). ``GROUPED``:
+    weight rows ``[g·R, (g+1)·R)`` (``R = group_rows``, a multiple of BLOCK_N) read ``x[g·K:(g+1)·K]``."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if GROUPED:
+        x_ptr += (pid_n * BLOCK_N // group_rows).to(tl.int64) * K
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     wrow = (rn % N).to(tl.int64) * K
@@ -234,6 +247,38 @@ def _w8a8_kernel(
             acc += tl.dot(a, b) * (sa[:, None] * tl.load(ws_ptrs + kb)[None, :])
     y = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_swap_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_ws, kb_chunk, stride_split,
+    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``_w8a8_kernel`` for few rows: the tile is ``yᵀ [BLOCK_N, BLOCK_M]``, the weight the FP8 MMA's wide operand
+    (its e4m3 bytes straight from memory) and the tokens its narrow one; split over K in chunks of ``kb_chunk``
+    128-wide blocks, the fp32 partials summed by ``_splitk_sum_kernel``."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nkb = K // BLOCK_K  # BLOCK_K == 128 == both scale blocks along K, K % 128 == 0
+    at_ptrs = a_ptr + (rm % M).to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_M]: K-major
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * K + rk[None, :]
+    as_ptrs = as_ptr + (rm % M).to(tl.int64) * nkb
+    ws_rows = ws_ptr + (rn % N) // B0 * stride_ws
+    ws_tile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws  # the tile's rows in one row block (BLOCK_N divides B0)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    kb_lo = pid_k * kb_chunk
+    for kb in range(kb_lo, tl.minimum(kb_lo + kb_chunk, nkb)):
+        w = tl.load(w_ptrs + kb * BLOCK_K)
+        at = tl.load(at_ptrs + kb * BLOCK_K)
+        sa = tl.load(as_ptrs + kb)
+        if B0 % BLOCK_N == 0:
+            acc += tl.dot(w, at) * (sa * tl.load(ws_tile + kb))[None, :]
+        else:
+            acc += tl.dot(w, at) * (sa[None, :] * tl.load(ws_rows + kb)[:, None])
+    o = out_ptr + pid_k * stride_split + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
 
 
 def _act_quant_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,6 +387,20 @@ def fp8_linear(
             out = block_scaled_mm(a, sa, w, scale, dt)  # the vendor library's FP8 GEMM, where it runs
             if out is not None:
                 return out.view(*lead, n)
+        if cfg.swap_ab:
+            nkb = k // ACT_BLOCK
+            chunk = triton.cdiv(nkb, max(1, cfg.split_k))
+            split = triton.cdiv(nkb, chunk)
+            out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+            grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+            _w8a8_swap_kernel[grid](
+                a, sa, w, scale, out, m, n, k, scale.stride(0), chunk, m * n,
+                B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            if split > 1:
+                _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
+            return y.view(*lead, n)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _w8a8_kernel[grid](
             a, sa, w, scale, y, m, n, k, scale.stride(0),
@@ -353,30 +412,91 @@ def fp8_linear(
     if act_quant and not fuse:
         x2 = _act_quant_sim(x2)
     if cfg.path == "dequant":
-        wd = torch.empty((n, k), dtype=dt, device=x.device)
-        bn, bk = min(64, block[0]), min(128, block[1])
-        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            w, scale, wd, n, k, scale.stride(0), B0=block[0], B1=block[1], BLOCK_N=bn, BLOCK_K=bk
-        )
-        return torch.nn.functional.linear(x2, wd).view(*lead, n)
+        return torch.nn.functional.linear(x2, _dequantized(w, scale, block, dt)).view(*lead, n)
+    _weight_only(x2, w, scale, y, cfg, block, fuse)
+    return y.view(*lead, n)
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dt: torch.dtype) -> torch.Tensor:
+    """``w · scale`` in ``dt`` by one kernel (CUDA or the interpreter)."""
+    n, k = w.shape
+    wd = torch.empty((n, k), dtype=dt, device=w.device)
+    bn, bk = min(64, block[0]), min(128, block[1])
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        w, scale, wd, n, k, scale.stride(0), B0=block[0], B1=block[1], BLOCK_N=bn, BLOCK_K=bk
+    )
+    return wd
+
+
+def _weight_only(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    y: torch.Tensor,
+    cfg: GemmConfig,
+    block: tuple[int, int],
+    fuse: bool,
+    group_rows: int = 0,
+) -> None:
+    """The gemv / w8a16 paths into ``y [m, n]``: ``x2 [m, K]``, or with ``group_rows = R`` ``x2 [m, (n/R)·K]`` whose
+    group ``g`` meets weight rows ``[g·R, (g+1)·R)`` (``R`` a multiple of ``cfg.block_n``)."""
+    (n, k), m, dt = w.shape, x2.shape[0], x2.dtype
     steps = triton.cdiv(k, cfg.block_k)
     chunk = triton.cdiv(steps, max(1, cfg.split_k))
     split = triton.cdiv(steps, chunk)
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     common = dict(B0=block[0], B1=block[1], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ACT_QUANT=fuse,
-                  EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+                  EVEN_K=k % cfg.block_k == 0, GROUPED=group_rows > 0, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)  # fmt: skip
+    rows = max(group_rows, 1)
     if cfg.path == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), split)
-        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, **common)
+        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, **common)
     else:
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
         _w8a16_kernel[grid](
-            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n,
+            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows,
             BLOCK_M=cfg.block_m, SCALE_X=cfg.scale_x, PRECISION="ieee" if dt == torch.float32 else "tf32", **common,
         )  # fmt: skip
     if split > 1:
         _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
-    return y.view(*lead, n)
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """Per-group products with an FP8 weight kept as stored (V4's ``wo_a``): ``x [T, G, K]``, ``w [G·R, K]`` e4m3
+    with its block ``scale`` → ``[T, G, R]`` in ``x.dtype``, ``einsum("tgk,grk->tgr", x, W)`` for ``W`` the
+    dequantised weight viewed ``[G, R, K]`` (exact products, fp32 sums; no activation rounding). Few rows run the
+    gemv / w8a16 kernels with each weight-row group reading its own slice of ``x``; many rows (or groups that do
+    not split into the kernel's tiles) dequantise the weight once and use ``torch.bmm``."""
+    if x.dim() != 3:
+        raise ValueError(f"fp8_grouped_linear: x must be [T, G, K], got {tuple(x.shape)}")
+    t, g, k = x.shape
+    block = _check(x, w, scale, None)
+    n = w.shape[0]
+    if g == 0 or n % g:
+        raise ValueError(f"fp8_grouped_linear: {n} weight rows do not split into {g} groups")
+    r = n // g
+    if t == 0 or n == 0:
+        return torch.zeros((t, g, r), dtype=x.dtype, device=x.device)
+    scale = scale.float().contiguous()
+    cfg = None
+    if x.is_cuda or _interpret():
+        sms = _sm_count(x.device.index or 0) if x.is_cuda else 4
+        cfg = config or pick_config(t, n, k, block, False, sms)
+        _check_config(cfg, t, block, False, x.dtype)
+    if cfg is None or cfg.path not in ("gemv", "w8a16") or r % cfg.block_n:
+        if cfg is None:
+            from deepinfer.quant.formats import dequantize_fp8_blocks
+
+            wd = dequantize_fp8_blocks(w, scale, x.dtype, block)
+        else:
+            wd = _dequantized(w.contiguous(), scale, block, x.dtype)
+        return torch.bmm(x.transpose(0, 1), wd.view(g, r, k).transpose(1, 2)).transpose(0, 1)
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    _weight_only(x.reshape(t, g * k).contiguous(), w.contiguous(), scale, y, cfg, block, False, group_rows=r)
+    return y.view(t, g, r)
 
 
 __all__ = [
@@ -386,6 +506,7 @@ __all__ = [
     "W8A8_MIN_M",
     "GemmConfig",
     "act_quant_fp8",
+    "fp8_grouped_linear",
     "fp8_linear",
     "pick_config",
 ]

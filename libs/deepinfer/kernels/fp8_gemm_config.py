@@ -14,6 +14,7 @@ import triton
 ACT_BLOCK = 128
 W8A8_MIN_M = 256  # from this many rows (act_quant, 128-wide K blocks): FP8 tensor cores (H200: 1.4x W8A16 at 256)
 SCALED_MM_MIN_M = 1024  # from this many rows on the W8A8 path: torch._scaled_mm (H200: 1.3-1.6x the Triton W8A8)
+SWAP_W8A8_MIN_M = 16  # from this many rows up to W8A8_MIN_M (act_quant, 128-wide K blocks): w8a8 with swap_ab
 DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuBLAS (H200: 2.2x W8A16 at 1024)
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 
@@ -35,6 +36,7 @@ class GemmConfig:
     scale_x: bool = False
     fuse_quant: bool = True  # act_quant on gemv / w8a16: quantise in the GEMM, else in a pre-pass
     group_m: int = 8  # w8a8 program ordering
+    swap_ab: bool = False  # w8a8 for few rows: the weight as the MMA's wide operand, split-K as split_k
 
 
 @functools.lru_cache(maxsize=8)
@@ -55,6 +57,12 @@ def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool,
         return replace(cfg, split_k=2 if n <= 64 and k >= 512 else 1)
     if w8a8:
         return GemmConfig(64, 64 if m <= 512 else 128, 128, num_warps=4, num_stages=4, path="w8a8")
+    if act_quant and block[1] == ACT_BLOCK and SWAP_W8A8_MIN_M <= m:  # few rows: FP8 MMA, weights on the wide side
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, 128), k // ACT_BLOCK, 1
+        while tiles * split < sms and steps >= 8 * split:
+            split *= 2
+        return GemmConfig(bm, 128, 128, split_k=split, num_warps=4, num_stages=4, path="w8a8", swap_ab=True)
     if m >= DEQUANT_MIN_M and not act_quant:
         return GemmConfig(64, 128, 128, path="dequant")
     if m == 1 and block[0] % 16 == 0:  # CUDA cores; ~1.5 waves of programs, several K tiles each when possible
@@ -94,4 +102,12 @@ def _check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bo
         raise ValueError(f"fp8_linear: config {cfg}: {bad}")
 
 
-__all__ = ["ACT_BLOCK", "DEQUANT_MIN_M", "SCALED_MM_MIN_M", "W8A8_MIN_M", "GemmConfig", "pick_config"]
+__all__ = [
+    "ACT_BLOCK",
+    "DEQUANT_MIN_M",
+    "SCALED_MM_MIN_M",
+    "SWAP_W8A8_MIN_M",
+    "W8A8_MIN_M",
+    "GemmConfig",
+    "pick_config",
+]

@@ -179,6 +179,11 @@ class Ops(Protocol):
         ``act_quant_sim(x, 128)`` (the official FP8 activation). → ``[..., N]`` in ``x.dtype``."""
         ...
 
+    def fp8_grouped_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``grouped_linear`` with an FP8 weight kept as stored: ``x [T, G, K]``, ``w [G·R, K]`` e4m3 and its block
+        ``scale`` (as ``fp8_linear``), the dequantised weight viewed ``[G, R, K]`` → ``[T, G, R]`` in ``x.dtype``."""
+        ...
+
     def moe_mxfp4(
         self,
         x: torch.Tensor,

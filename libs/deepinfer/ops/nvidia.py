@@ -334,6 +334,13 @@ class NvidiaOps(ReferenceOps):
 
         return fp8_linear(x, w, scale, act_quant=act_quant)
 
+    def fp8_grouped_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return super().fp8_grouped_linear(x, w, scale)
+        from deepinfer.kernels.fp8_gemm import fp8_grouped_linear
+
+        return fp8_grouped_linear(x, w, scale)
+
     def moe_mxfp4(
         self,
         x: torch.Tensor,

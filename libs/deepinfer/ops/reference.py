@@ -235,6 +235,10 @@ class ReferenceOps:
             x = self.act_quant_sim(x, 128)
         return self.linear(x, dequantize_fp8_blocks(w, scale, dtype=x.dtype))
 
+    def fp8_grouped_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        wd = dequantize_fp8_blocks(w, scale, dtype=x.dtype)
+        return self.grouped_linear(x, wd.view(x.shape[1], -1, x.shape[-1]))
+
     def moe_mxfp4(
         self,
         x: torch.Tensor,

@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
         self.wkv = Linear(c.hidden_size, self.head_dim, fp8=True)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True)
         self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.compressor = None
@@ -138,8 +138,7 @@ class Attention(nn.Module):
         """Inverse RoPE, then the grouped ``wo_a`` and ``wo_b``: ``[T, hidden]``."""
         n_tok, cos, sin = out.shape[0], t["cos"], t["sin"]
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        g = self.o_groups
-        z = ops.grouped_linear(out.view(n_tok, g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        z = self.wo_a.grouped(out.view(n_tok, self.o_groups, -1), ops)
         return self.wo_b(z.flatten(1), ops)
 
     def _attend_one(

@@ -17,7 +17,8 @@ class Linear(nn.Module):
 
     ``keeps_fp8`` (default: ``fp8``): the weight is only consumed by ``forward``, so a backend with FP8 kernels may
     keep it as stored, e4m3 plus a float32 block ``scale`` (``quant.native``); such a weight runs through
-    ``ops.fp8_linear``. A weight that other code reads directly (a grouped ``wo_a``) passes ``keeps_fp8=False``."""
+    ``ops.fp8_linear``; a grouped projection (``wo_a``) runs through ``grouped`` (``ops.fp8_grouped_linear``). A
+    weight that other code reads directly passes ``keeps_fp8=False``."""
 
     def __init__(self, in_features: int, out_features: int, fp8: bool = False, keeps_fp8: bool | None = None) -> None:
         super().__init__()
@@ -34,6 +35,13 @@ class Linear(nn.Module):
         if act_quant:
             x = ops.act_quant_sim(x, 128)
         return ops.linear(x, self.weight)
+
+    def grouped(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """Per-group products ``x [T, G, K]`` × the weight viewed ``[G, R, K]`` → ``[T, G, R]`` (no activation
+        rounding: the official grouped ``wo_a`` is a bf16 einsum)."""
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return ops.fp8_grouped_linear(x, self.weight, self.scale)
+        return ops.grouped_linear(x, self.weight.view(x.shape[1], -1, x.shape[-1]))
 
 
 class RMSNorm(nn.Module):

@@ -73,9 +73,7 @@ class SharedKVAttention(nn.Module):
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fp8=True)
         self.wkv = Linear(c.hidden_size, self.head_dim, fp8=True)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(
-            self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True, keeps_fp8=False
-        )
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank, fp8=True)
         self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.quant_sim = True
@@ -96,8 +94,7 @@ class SharedKVAttention(nn.Module):
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Attention output ``[T, H, d]`` → ``[T, hidden]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-        g = self.o_groups
-        z = ops.grouped_linear(out.view(out.shape[0], g, -1), self.wo_a.weight.view(g, self.o_lora_rank, -1))
+        z = self.wo_a.grouped(out.view(out.shape[0], self.o_groups, -1), ops)
         return self.wo_b(z.flatten(1), ops)
 
 
