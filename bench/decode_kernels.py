@@ -8,9 +8,12 @@ interleaved in one process, beside the HBM roofline of the bytes the kernel must
 * ``attention``: ``sparse_attention_gather`` split over the key list (``kernels/attention_split.py``) against the
   unsplit kernel, H = 64 heads of 512, bf16, random key rows;
 * ``select_rows``: the indexer's top-k (k = 512) by ``NvidiaOps`` against ``ReferenceOps`` (two stable sorts);
-* ``hc_mixes``: the mHC mixes GEMM from bf16 streams (``kernels/hc_mixes.py``) against ``h.float() @ fnᵀ``.
+* ``hc_mixes``: the mHC mixes GEMM from bf16 streams (``kernels/hc_mixes.py``) against ``h.float() @ fnᵀ``;
+* ``small_mm``: decode's bf16 GEMMs with fp32 output (``kernels/small_gemm.py``: one launch, in-kernel split-K)
+  against ``torch.mm(x, w.t(), out_dtype=torch.float32)`` (cuBLAS: a split-K GEMM and its reduction), at the
+  routers', compressors' and mHC mixes' widths of V4-Flash and V4.1-Flash, M = 1, 16, 64.
 
-    PYTHONPATH=libs:tests:bench python3 bench/decode_kernels.py [--out DIR]
+    PYTHONPATH=libs:tests:bench python3 bench/decode_kernels.py [--out DIR] [--only small_mm,hc_mixes]
 """
 
 from __future__ import annotations
@@ -129,18 +132,54 @@ def hc_mixes_rows(bw: float) -> list[dict]:
     return rows
 
 
+def small_mm_rows(bw: float) -> list[dict]:
+    from deepinfer.kernels.small_gemm import plan, small_mm_fp32
+
+    torch.manual_seed(0)
+    shapes = [("V4 router / indexer compressor", 4096, 256), ("V4 CSA compressor", 4096, 1024),
+              ("V4 HCA compressor", 4096, 512), ("V4 mHC mixes (3 parts)", 16384, 72),
+              ("V4 head mixes (3 parts)", 16384, 12), ("V4.1 router", 5120, 384),
+              ("V4.1 mHC mixes (3 parts)", 20480, 72)]  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, k, n in shapes:
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+
+            def peer(x=x, w=w):
+                return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+            def ours(x=x, w=w):
+                return small_mm_fp32(x, w)
+
+            got = ours()
+            err = (got - peer()).abs().max().item()
+            nbytes = (n + m) * k * 2 + m * n * 4
+            _, s, _ = plan(m, n, k, sms)
+            rows.append(row("small_mm", f"{name} M={m} K={k} N={n} S={s}", peer, ours, nbytes, bw,
+                            max_abs_diff=err, same=torch.equal(got, ours())))  # fmt: skip
+    return rows
+
+
+PARTS = {"group_pool": group_pool_rows, "attention": attention_rows, "select_rows": select_rows_rows,
+         "hc_mixes": hc_mixes_rows, "small_mm": small_mm_rows}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated cases of {', '.join(PARTS)}")
     a = ap.parse_args()
     dev = torch.device("cuda")
     bw = hbm_bw(dev)
     rows = []
-    for part in (group_pool_rows, attention_rows, select_rows_rows, hc_mixes_rows):
+    for part in (PARTS[p] for p in a.only.split(",")):
         got = part(bw)
         rows += got
         for r in got:
-            extra = f"diff {r['max_abs_diff']:.1e}" if "max_abs_diff" in r else f"same {r['same']}"
+            extra = " ".join(([f"diff {r['max_abs_diff']:.1e}"] if "max_abs_diff" in r else [])
+                             + ([f"same {r['same']}"] if "same" in r else []))  # fmt: skip
             print(f"{r['kernel']:12s} {r['case']:44s} peer {r['peer_us']:8.1f} us  ours {r['us']:8.1f} us  "
                   f"roofline {r['roofline_us']:7.1f} us  {extra}", flush=True)  # fmt: skip
     if a.out:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import small_gemm
 from deepinfer.kernels.hc_mixes import mixes_gemm
 
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
@@ -74,8 +75,13 @@ def split_mixes_parts(h2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """``h2 [T, K] bf16 · fnᵀ`` (``fn [M, K]`` fp32) as one bf16 GEMM with fp32 accumulation against
     ``cached_split3(fn)`` (each product of two bf16 values is exact in fp32), reading the streams once in bf16:
     ``[T, 3M]`` fp32, whose three column groups summed in fp32, ``(a + b) + c``, are the fp32 GEMM's result up to
-    the order of its sums. ``_hc_pre_kernel`` adds them as it reads them (``PARTS = 3``)."""
-    return torch.mm(h2, cached_split3(fn).t(), out_dtype=torch.float32)
+    the order of its sums. ``_hc_pre_kernel`` adds them as it reads them (``PARTS = 3``). Up to
+    ``small_gemm.MAX_M`` tokens (decode) the GEMM is ``small_gemm.small_mm_fp32`` (one launch, deterministic split-K)
+    instead of cuBLAS's split-K GEMM and its reduction kernel."""
+    w3 = cached_split3(fn)
+    if small_gemm.applies(h2, w3):
+        return small_gemm.small_mm_fp32(h2, w3)
+    return torch.mm(h2, w3.t(), out_dtype=torch.float32)
 
 
 def _interpret() -> bool:

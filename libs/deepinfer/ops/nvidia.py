@@ -278,8 +278,14 @@ class NvidiaOps(ReferenceOps):
     def linear_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """bf16 / fp16 ``x`` and ``w`` on CUDA: one half-precision GEMM with fp32 accumulation and output (the
         products of half-precision values are exact in fp32: the reference's fp32 GEMM up to the order of the sums,
-        on the tensor cores and without an fp32 copy of the weight); the reference elsewhere."""
+        on the tensor cores and without an fp32 copy of the weight); up to ``small_gemm.MAX_M`` rows (decode) one
+        Triton launch with a deterministic in-kernel split-K (``kernels.small_gemm``) instead of cuBLAS's split-K GEMM
+        and its reduction kernel; the reference elsewhere."""
         if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            from deepinfer.kernels import small_gemm
+
+            if small_gemm.applies(x, w):
+                return small_gemm.small_mm_fp32(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
             try:
                 return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
             except (TypeError, RuntimeError):  # a torch without out_dtype for mm
