@@ -29,6 +29,9 @@ deterministic):
 activation rounding) runs the gemv / W8A16 kernels with the group's input offset in the kernel (``GROUPED``), or from
 ``DEQUANT_MIN_M`` rows dequantises the weight once for ``torch.bmm``.
 
+The activation quantisation is in ``fp8_quant``, the W8A8 kernels in ``fp8_w8a8``, the tile choice in
+``fp8_gemm_config``.
+
 Under ``TRITON_INTERPRET=1`` every kernel runs in Triton's interpreter (which loads e4m3 and multiplies it with
 ``tl.dot`` correctly, but rounds fp32→e4m3 casts wrongly: values are put on the e4m3 grid with exact fp32
 arithmetic first, on every device); CPU tensors without the interpreter take a torch fallback (the reference's math).
@@ -51,57 +54,11 @@ from deepinfer.kernels.fp8_gemm_config import (
     _sm_count,
     pick_config,
 )
+from deepinfer.kernels.fp8_quant import _act_quant_sim, _act_quant_torch, _quant_sim, act_quant_fp8
 from deepinfer.kernels.fp8_scaled_mm import block_scaled_mm
+from deepinfer.kernels.fp8_w8a8 import _splitk_sum_kernel, w8a8
 
-FP8_MAX = 448.0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _ue8m0_scale(amax):
-    """(s, 1/s): the smallest power of two with ``max(amax, 1e-4) <= 448·s`` (``pow2_scale``'s result, exactly)."""
-    a = tl.maximum(amax, 1e-4)
-    bits = (a / 448.0).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil to a power of two (a rounded quotient)
-    e = tl.where(a > 448.0 * (e << 23).to(tl.float32, bitcast=True), e + 1, e)  # exact fix-ups
-    e = tl.where(a <= 224.0 * (e << 23).to(tl.float32, bitcast=True), e - 1, e)
-    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_round(v):
-    """``v`` (fp32, |v| ≤ 448) rounded to the nearest e4m3 value, ties to even, sign kept (exact fp32 arithmetic)."""
-    bits = v.to(tl.int32, bitcast=True)
-    e = tl.maximum((bits >> 23) & 0xFF, 121)  # the ulp is 2^(e-130); below 2^-6 (subnormals) it stays 2^-9
-    inv = ((257 - e) << 23).to(tl.float32, bitcast=True)
-    ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)
-    r = ((tl.abs(v) * inv + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: adding it rounds to an integer (RNE)
-    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_sim(x, AXIS: tl.constexpr):
-    """``act_quant_sim`` of a tile whose whole quantisation block lies along ``AXIS`` → (rounded x/s, s)."""
-    s, inv = _ue8m0_scale(tl.max(tl.abs(x), axis=AXIS))
-    q = _e4m3_round(tl.minimum(tl.maximum(x * tl.expand_dims(inv, AXIS), -448.0), 448.0))
-    return q, s
-
-
-@triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NB, stride_xm, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                      DEQ: tl.constexpr):  # fmt: skip
-    """e4m3 values and scales, or (``DEQ``) ``act_quant_sim``'s output ``q·s`` in ``q_ptr``'s dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = (g < NB)[:, None]
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    q, s = _quant_sim(x, 1)
-    if DEQ:
-        q = q * s[:, None]
-    else:
-        tl.store(s_ptr + row * NB + g, s, mask=g < NB)
-    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -206,123 +163,6 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, B0: tl.constexpr, B1:
     tl.store(out_ptr + offs, _dequant(w, s, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _splitk_sum_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, S):  # a fixed order: bit-reproducible
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w8a8_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_ws,
-    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    first_m = pid // (GROUP_M * num_n) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % gsize
-    pid_n = (pid % (GROUP_M * num_n)) // gsize
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    nkb = K // BLOCK_K  # BLOCK_K == 128 == both scale blocks along K, K % 128 == 0
-    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * K + rk[None, :]
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * K + rk[:, None]
-    as_ptrs = as_ptr + (rm % M).to(tl.int64) * nkb
-    ws_ptrs = ws_ptr + (rn % N) // B0 * stride_ws
-    ws_tile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws  # the tile's rows in one row block (BLOCK_N divides B0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, nkb):
-        a = tl.load(a_ptrs + kb * BLOCK_K)
-        b = tl.load(w_ptrs + kb * BLOCK_K)
-        sa = tl.load(as_ptrs + kb)
-        if B0 % BLOCK_N == 0:
-            acc += tl.dot(a, b) * (sa * tl.load(ws_tile + kb))[:, None]
-        else:
-            acc += tl.dot(a, b) * (sa[:, None] * tl.load(ws_ptrs + kb)[None, :])
-    y = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w8a8_swap_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_ws, kb_chunk, stride_split,
-    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``_w8a8_kernel`` for few rows: the tile is ``yᵀ [BLOCK_N, BLOCK_M]``, the weight the FP8 MMA's wide operand
-    (its e4m3 bytes straight from memory) and the tokens its narrow one; split over K in chunks of ``kb_chunk``
-    128-wide blocks, the fp32 partials summed by ``_splitk_sum_kernel``."""
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    nkb = K // BLOCK_K  # BLOCK_K == 128 == both scale blocks along K, K % 128 == 0
-    at_ptrs = a_ptr + (rm % M).to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_M]: K-major
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * K + rk[None, :]
-    as_ptrs = as_ptr + (rm % M).to(tl.int64) * nkb
-    ws_rows = ws_ptr + (rn % N) // B0 * stride_ws
-    ws_tile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws  # the tile's rows in one row block (BLOCK_N divides B0)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    kb_lo = pid_k * kb_chunk
-    for kb in range(kb_lo, tl.minimum(kb_lo + kb_chunk, nkb)):
-        w = tl.load(w_ptrs + kb * BLOCK_K)
-        at = tl.load(at_ptrs + kb * BLOCK_K)
-        sa = tl.load(as_ptrs + kb)
-        if B0 % BLOCK_N == 0:
-            acc += tl.dot(w, at) * (sa * tl.load(ws_tile + kb))[None, :]
-        else:
-            acc += tl.dot(w, at) * (sa[None, :] * tl.load(ws_rows + kb)[:, None])
-    o = out_ptr + pid_k * stride_split + rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
-
-
-def _act_quant_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from deepinfer.quant.formats import pow2_scale
-
-    xb = x.float().unflatten(-1, (-1, block))
-    s = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
-    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), s.squeeze(-1)
-
-
-def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` → (e4m3 ``[..., K]``, fp32 power-of-two scales ``[..., K/block]``) with
-    ``q.float() · s == ReferenceOps.act_quant_sim(x, block)`` (before its rounding to ``x.dtype``)."""
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"act_quant_fp8: x must be float32, bfloat16 or float16, got {x.dtype}")
-    k = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or block < 1 or block & (block - 1) or k % block:
-        raise ValueError(f"act_quant_fp8: the last dim ({k}) must be a multiple of the power-of-two block {block}")
-    if not x.is_cuda and not _interpret():
-        return _act_quant_torch(x, block)
-    x2 = x.reshape(-1, k).contiguous()
-    m, nb = x2.shape[0], k // block
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
-    if m and k:
-        groups = max(1, min(triton.next_power_of_2(nb), 2048 // block))
-        _act_quant_kernel[(m, triton.cdiv(nb, groups))](
-            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False
-        )
-    return q.view(x.shape), s.view(*x.shape[:-1], nb)
-
-
-def _act_quant_sim(x2: torch.Tensor) -> torch.Tensor:
-    """``act_quant_sim(x2, 128)`` for a 2-D CUDA / interpreter tensor, in one kernel."""
-    m, k = x2.shape
-    out = torch.empty_like(x2)
-    groups = max(1, min(triton.next_power_of_2(k // ACT_BLOCK), 16))
-    _act_quant_kernel[(m, triton.cdiv(k // ACT_BLOCK, groups))](
-        x2, out, out, k, k // ACT_BLOCK, x2.stride(0), BLOCK=ACT_BLOCK, GROUPS=groups, DEQ=True
-    )
-    return out
-
-
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -387,26 +227,7 @@ def fp8_linear(
             out = block_scaled_mm(a, sa, w, scale, dt)  # the vendor library's FP8 GEMM, where it runs
             if out is not None:
                 return out.view(*lead, n)
-        if cfg.swap_ab:
-            nkb = k // ACT_BLOCK
-            chunk = triton.cdiv(nkb, max(1, cfg.split_k))
-            split = triton.cdiv(nkb, chunk)
-            out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-            grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-            _w8a8_swap_kernel[grid](
-                a, sa, w, scale, out, m, n, k, scale.stride(0), chunk, m * n,
-                B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
-            if split > 1:
-                _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
-            return y.view(*lead, n)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _w8a8_kernel[grid](
-            a, sa, w, scale, y, m, n, k, scale.stride(0),
-            B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        w8a8(a, sa, w, scale, y, cfg, block)
         return y.view(*lead, n)
     fuse = act_quant and cfg.fuse_quant and cfg.path != "dequant"
     if act_quant and not fuse:
