@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.ops.invariant import BatchInvariantOps
+from deepinfer.ops.nvidia_glue import StepGlueOps
 from deepinfer.ops.reference import ReferenceOps
 
 MOE_BACKENDS = ("auto", "grouped_mm", "triton")
@@ -108,7 +109,7 @@ class NvidiaInvariantOps(_KernelAttention, BatchInvariantOps):
         self._load_kernels()
 
 
-class NvidiaOps(ReferenceOps):
+class NvidiaOps(StepGlueOps, ReferenceOps):
     """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and

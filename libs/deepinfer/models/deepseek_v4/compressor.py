@@ -35,8 +35,7 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of a whole batch: ``kv`` and ``score`` (gate + position bias)."""
         kv = ops.linear_fp32(x, self.wkv.weight)
-        score = ops.linear_fp32(x, self.wgate.weight) + self.ape.float()[positions % self.ratio]
-        return kv, score
+        return kv, ops.compress_score(ops.linear_fp32(x, self.wgate.weight), self.ape, positions, self.ratio)
 
     def forward(
         self,
@@ -137,16 +136,18 @@ class Compressor(nn.Module):
         ops: Ops,
         dtype: torch.dtype,
         live: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Compressed rows ``w`` from the pending projections: group ``cur [k, m]`` (indices into ``kv`` /
         ``score``), with the overlapping CSA compressor also the first half of the previous group ``prev`` where
         ``has_prev [k, 1, 1]``; softmax pool (``ops.group_pool``; rows not ``live`` [k] are pooled as zeros, and a
-        kernel skips them), norm, RoPE at position ``w · m``, optional quantisation."""
+        kernel skips them), norm, RoPE at position ``w · m`` (``cos_sin``: ``rope(w · m)`` when the caller has it),
+        optional quantisation."""
         if live is None:
             live = torch.ones(cur.shape[0], dtype=torch.bool, device=cur.device)
         pooled = ops.group_pool(kv, score, cur, prev if self.overlap else None, has_prev.view(-1), live, self.dim)
         rows = self.norm(pooled.to(dtype), ops)
-        cos, sin = rope(w * self.ratio, ops)
+        cos, sin = cos_sin if cos_sin is not None else rope(w * self.ratio, ops)
         rows = ops.rope(rows, cos, sin)
         return self._quant(rows, ops) if self.quant_sim else rows
 
@@ -203,17 +204,20 @@ class Indexer(nn.Module):
         start: torch.Tensor,
         width: int,
         ops: Ops,
+        visible: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows each query keeps when query ``t`` sees rows ``0 .. visible_rows[t]`` of its sequence, stored at
         ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``; the entries past
-        ``count`` are never read, ``ops.select_rows``)."""
+        ``count`` are never read, ``ops.select_rows``). ``visible``: the mask ``[n, width]`` of those rows when the
+        caller has it (a decode step's ``StepPlan.indices``)."""
         n = q.shape[0]
         k = min(self.topk, width)
         if n == 0 or k == 0:
             none = torch.zeros(n, 0, dtype=torch.long, device=q.device)
             return none, none.sum(1)
-        visible = torch.arange(width, device=q.device).unsqueeze(0) < visible_rows.unsqueeze(1)
-        scores = ops.indexer_scores_ranges(q, keys, w, start, width).masked_fill(~visible, float("-inf"))
+        if visible is None:
+            visible = torch.arange(width, device=q.device).unsqueeze(0) < visible_rows.unsqueeze(1)
+        scores = torch.where(visible, ops.indexer_scores_ranges(q, keys, w, start, width), float("-inf"))
         return ops.select_rows(scores, visible, k)
 
     def select(

@@ -18,7 +18,10 @@ kernels whatever each sequence's phase, and a whole step can be captured as one 
 
 An eager step takes the same path (``Attention._attend_batched`` builds the plan once per step, ``StatePool.memo``),
 with exact widths, so it gives the per-sequence path's results. What every layer derives alike from the plan (window
-indices, key lists of the HCA layers, per ratio) is made once per step (``StepPlan.once``).
+indices, key lists of the HCA layers, per ratio, per compressor ring) is made once per step (``StepPlan.indices``:
+``ops.step_indices``, one kernel on a GPU), as are the compressors' rotations of each ratio (``StepPlan.once``); a
+layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes and gather one
+``ops.store_rows``.
 """
 
 from __future__ import annotations
@@ -144,97 +147,85 @@ class StepPlan:
         return t[:, :pages]
 
     # -- what every layer derives alike -----------------------------------------------------------------------
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``slot``, ``pos``, ``first`` (first window position) and ``live`` on the device."""
+    def indices(self, ops: Ops) -> StepIndices:
+        """Every index tensor the layers derive alike from the plan, once per step (``ops.step_indices``: one kernel
+        on a GPU): the window's, per compression ratio (the mask of visible rows for the CSA layers' indexer, the key
+        lists of every visible row for the HCA layers) and per compressor ring (``pool.ring_specs``)."""
 
-        def make() -> tuple[torch.Tensor, ...]:
-            slot, pos, floor, live = self.meta
-            return slot, pos, torch.maximum(floor, (pos - self.window + 1).clamp_min(0)), live.bool()
+        def make() -> StepIndices:
+            ratios, rings = (), ()
+            if self.cache is not None:
+                specs = self.pool.ring_specs
+                csa = {r for (_, name), (_, _, r, _) in specs.items() if name == "index"}
+                hca = {r for (i, name), (_, _, r, _) in specs.items() if name == "main" and (i, "index") not in specs}
+                ratios = tuple((m, rows, pages, m in hca, m in csa) for m, (rows, pages) in self.widths.items())
+                rings = tuple(sorted({(r, cap) for cap, _, r, _ in specs.values()}))
+            page_size, scratch = (self.cache.page_size, self.cache.scratch_page) if self.cache is not None else (1, 0)
+            win, per_ratio, per_ring = ops.step_indices(self.meta, self.tables, self.window, self.win_width, ratios,
+                                                        rings, page_size, scratch)  # fmt: skip
+            return StepIndices(*win, dict(zip([r[0] for r in ratios], per_ratio)), dict(zip(rings, per_ring)))
 
-        return self.once("rows", make)
+        return self.once("indices", make)
 
-    def window_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``put [S]`` (the new row's row in the rings viewed ``[slots·W, d]``), ``take [S·W]`` (each row's ring rows
-        in position order, ending at ``pos``), and per row its window's first row in the gathered pool and count."""
 
-        def make() -> tuple[torch.Tensor, ...]:
-            slot, pos, first, _ = self.rows()
-            w = self.window
-            base = slot * w
-            j = torch.arange(w, device=pos.device)
-            take = (base.unsqueeze(1) + (pos.unsqueeze(1) - w + 1 + j) % w).flatten()
-            count = pos - first + 1
-            start = torch.arange(self.size, device=pos.device) * w + (w - count)
-            return base + pos % w, take, start, count
+@dataclass(frozen=True, eq=False)
+class StepIndices:
+    """``ops.step_indices`` of a step (``StepPlan.indices``). The window: ``first`` (first window position), ``live``,
+    ``put [S]`` (the new row's row in the rings viewed ``[slots·W, d]``), ``take [S·W]`` (each row's ring rows in
+    position order, ending at ``pos``), per row its window's first row in the gathered pool and count, and the key
+    lists of a layer with no compressed rows (``lists``). ``ratios[m]``: ``(count, r_start, i_start, visible, idx,
+    cnt)``: per row its visible compressed rows ``(pos + 1) // m`` and its row 0 in the gathered pool (after the
+    ``S·W`` window rows) and in the index pool, the indexer's mask, the HCA layers' lists. ``rings[(m, cap)]``: a
+    compressor ring's ``(at, cur, prev, has_prev, w, done, page, row)`` (``_compress``)."""
 
-        return self.once("window", make)
-
-    def window_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key lists of a layer with no compressed rows: each row's window rows."""
-
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            _, _, start, count = self.window_rows()
-            return start.unsqueeze(1) + torch.arange(self.win_width, device=start.device), count
-
-        return self.once("window lists", make)
-
-    def ratio_rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row its visible compressed rows of ratio ``m`` (``(pos + 1) // m``) and its row 0 in the gathered pool
-        (after the ``S·W`` window rows)."""
-
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            _, pos, _, _ = self.rows()
-            per_row = self.widths[m][1] * (self.cache.page_size // m)
-            return (pos + 1) // m, self.size * self.window + torch.arange(self.size, device=pos.device) * per_row
-
-        return self.once(("ratio", m), make)
-
-    def key_lists(self, r_idx: torch.Tensor, r_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window rows then the compressed rows ``r_idx [S, R]`` (pool rows, the first ``r_cnt`` valid)."""
-        _, _, w_start, w_cnt = self.window_rows()
-        width, c_width = self.win_width, r_idx.shape[1]
-        j = torch.arange(width + c_width, device=r_idx.device).unsqueeze(0)
-        cw = w_cnt.unsqueeze(1)
-        comp = torch.gather(r_idx, 1, (j - cw).clamp(0, max(c_width - 1, 0))) if c_width else torch.zeros_like(j)
-        return torch.where(j < cw, w_start.unsqueeze(1) + j, comp), w_cnt + r_cnt
+    first: torch.Tensor
+    live: torch.Tensor
+    put: torch.Tensor
+    take: torch.Tensor
+    w_start: torch.Tensor
+    w_count: torch.Tensor
+    lists: torch.Tensor
+    ratios: dict[int, tuple]
+    rings: dict[tuple[int, int], tuple]
 
 
 def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops) -> torch.Tensor:
     """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``project``'s tensors ``t``): writes the
     new window row and compressor projections, completes the groups that close, reads every row's keys."""
-    q, kv, pool = t["q"], t["kv"], plan.pool
+    q, kv, pool, ix = t["q"], t["kv"], plan.pool, plan.indices(ops)
     ring = pool.rings[attn.layer_id]
     flat = ring.view(-1, ring.shape[-1])
-    put, take, _, _ = plan.window_rows()
-    flat.index_copy_(0, put, kv.to(flat.dtype))  # the new row first: the window reads positions first .. pos
-    sink, scale = attn.attn_sink, attn.head_dim**-0.5
+    # the new rows first (the window reads positions first .. pos): the window's and the compressors', and the window
+    # rows gathered after them, one call
+    dsts, idxs, srcs = [flat], [ix.put], [kv]
+    for name, comp in (("main", attn.compressor), ("index", attn.indexer and attn.indexer.compressor)):
+        if comp is not None:
+            bkv, bsc = pool.rbufs[(attn.layer_id, name)]
+            at = ix.rings[(comp.ratio, bkv.shape[1])][0]
+            dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
+            idxs += [at, at]
+            srcs += [t[f"{name}_kv"], t[f"{name}_score"]]
+    sink, scale, m, nw = attn.attn_sink, attn.head_dim**-0.5, attn.ratio, ix.take.numel()
     if attn.compressor is None:
-        idx, cnt = plan.window_lists()
-        return ops.sparse_attention_lists(q, flat.index_select(0, take), idx, cnt, sink, scale)
-    m = attn.ratio
+        window = ops.append_rows(dsts, idxs, srcs, ix.take)
+        return ops.sparse_attention_lists(q, window, ix.lists, ix.w_count, sink, scale)
     # one key pool: the window rows, then every row's compressed rows, each gathered straight into its place
-    store, nw = plan.cache.rows[attn.layer_id], take.numel()
+    store = plan.cache.rows[attn.layer_id]
     keys = into = None
     if store.dtype == flat.dtype:
         size = plan.size * plan.widths[m][1]  # pages
         keys = torch.empty(nw + size * store.shape[1], flat.shape[-1], dtype=flat.dtype, device=flat.device)
-        torch.index_select(flat, 0, take, out=keys[:nw])
         into = keys[nw:].view(size, *store.shape[1:])
-    rows = _compress(attn.compressor, attn.layer_id, "main", t["main_kv"], t["main_score"], plan, rope, ops, kv.dtype,
-                     into)  # fmt: skip
+    window = ops.append_rows(dsts, idxs, srcs, ix.take, None if keys is None else keys[:nw])
+    rows = _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype, into)
     if keys is None:  # a store of another dtype: the pool is their concatenation (with its type promotion)
-        keys = torch.cat([flat.index_select(0, take), rows])
-    count, r_start = plan.ratio_rows(m)
-    width = plan.widths[m][0]
-    if attn.indexer is not None:
-        index = _compress(attn.indexer.compressor, attn.layer_id, "index", t["index_kv"], t["index_score"], plan,
-                          rope, ops, kv.dtype)  # fmt: skip
-        i_start = r_start - plan.size * plan.window  # the index pool holds no window rows
-        sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index, i_start, width, ops)
-        idx, cnt = plan.key_lists(sel + r_start.unsqueeze(1), r_cnt)
-    else:  # every visible row: the same lists in every layer of this ratio
-        idx, cnt = plan.once(("all rows", m), lambda: plan.key_lists(
-            r_start.unsqueeze(1) + torch.arange(width, device=q.device), count))  # fmt: skip
+        keys = torch.cat([window, rows])
+    count, r_start, i_start, visible, idx, cnt = ix.ratios[m]
+    if attn.indexer is not None:  # the indexer's rows; the HCA layers' lists (every visible row) are the plan's
+        index = _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype)
+        sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index, i_start, plan.widths[m][0], ops,
+                                                visible)  # fmt: skip
+        idx, cnt = ops.key_lists(ix.w_start, ix.w_count, plan.win_width, sel, r_start, r_cnt)
     return ops.sparse_attention_lists(q, keys, idx, cnt, sink, scale)
 
 
@@ -242,44 +233,25 @@ def _compress(
     comp: Compressor,
     layer: int,
     name: str,
-    kv: torch.Tensor,
-    score: torch.Tensor,
     plan: StepPlan,
     rope: RotaryTable,
     ops: Ops,
     dtype: torch.dtype,
     into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Append the step's projections to the compressor's rings, pool the groups that complete (``ops.group_pool``:
-    the other rows pool zeros) and store every row's result, the completed ones in their pages, the rest in the
-    scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``, gathered into
-    ``into`` (``[S·pages, per page, dim]`` of the store's dtype) when given."""
+    """Pool the groups that complete (``ops.group_pool`` over the compressor's rings, where ``attend`` appended the
+    step's projections: the other rows pool zeros) and store every row's result, the completed ones in their pages,
+    the rest in the scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``,
+    gathered into ``into`` (``[S·pages, per page, dim]`` of the store's dtype) when given (``ops.store_rows``)."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
-    cap, per_page = bkv.shape[1], cache.page_size // m
-
-    def groups() -> tuple[torch.Tensor, ...]:  # the same for every compressor of this ratio and width
-        slot, pos, _, live = plan.rows()
-        floor = plan.meta[2]  # the state's window_start: a bounded replay's buffers start there
-        base = (slot * cap).unsqueeze(1)
-        w = ((pos + 1) // m - 1).clamp_min(0)
-        j = torch.arange(m, device=pos.device)
-        first = floor.unsqueeze(1)  # positions below it clamp to it, as the per-sequence path's indices do
-        cur = base + torch.maximum(w.unsqueeze(1) * m + j, first) % cap
-        prev = base + torch.maximum((w.unsqueeze(1) - 1) * m + j, first) % cap
-        done = live & ((pos + 1) % m == 0)
-        page = torch.where(done, plan.tables.gather(1, (w // per_page).unsqueeze(1)).squeeze(1), cache.scratch_page)
-        return base.squeeze(1) + pos % cap, cur, prev, (w > 0).view(-1, 1, 1), w, done, page, w % per_page
-
-    at, cur, prev, has_prev, w, done, page, row = plan.once(("groups", m, cap), groups)
+    _, cur, prev, has_prev, w, done, page, row = plan.indices(ops).rings[(m, bkv.shape[1])]
     fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
-    fk.index_copy_(0, at, kv.float())
-    fs.index_copy_(0, at, score.float())
-    rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done)
-    store[page, row] = rows.to(store.dtype)
+    cos_sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))  # the same for every compressor of this ratio
+    rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done, cos_sin=cos_sin)
     pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
-    return torch.index_select(store, 0, pages, out=into).flatten(0, 1)
+    return ops.store_rows(store, page, row, rows, pages, into).flatten(0, 1)
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -287,4 +259,4 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(to_device(src, dst.device))
 
 
-__all__ = ["SPAN_MIN", "StepPlan", "attend", "span_for"]
+__all__ = ["SPAN_MIN", "StepIndices", "StepPlan", "attend", "span_for"]

@@ -57,5 +57,4 @@ class MoE(nn.Module):
         xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
         y = routed_experts(self, xin, idx, w, self.limit, ops)
         h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
-        y = y + self.shared_w2(h, ops).float()
-        return y.to(x.dtype)
+        return ops.moe_combine(y, self.shared_w2(h, ops), x.dtype)  # (y + shared.float()).to(x.dtype)
