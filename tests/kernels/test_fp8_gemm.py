@@ -106,6 +106,23 @@ def test_split_k_and_leading_dims():
             assert _rel(out, _reference(x, w, s, act_quant)) < 1e-5
 
 
+@pytest.mark.parametrize("cfg", [GemmConfig(1, 16, 128, split_k=3, num_stages=1, path="gemv"),
+                                 GemmConfig(16, 32, 128, split_k=3, num_stages=1)])  # fmt: skip
+def test_split_k_tickets_match_the_sum_kernel(cfg, monkeypatch):
+    """Split-K summed by each tile's last program (tickets, ``SPLIT_TICKETS``) is the sum kernel's result bit for bit
+    (the same order), and leaves the shared ticket counters at zero."""
+    from deepinfer.kernels import fp8_gemm, small_gemm
+
+    m = 1 if cfg.path == "gemv" else 5
+    w, s = _weight(96, 1024, (128, 128), seed=31)
+    x = _x(m, 1024, seed=32)
+    fused = fp8_linear(x, w, s, config=cfg)
+    assert not small_gemm.counters(x.device).any()
+    monkeypatch.setattr(fp8_gemm, "SPLIT_TICKETS", False)
+    assert torch.equal(fused, fp8_linear(x, w, s, config=cfg))
+    assert _rel(fused, _reference(x, w, s, False)) < 1e-5
+
+
 @pytest.mark.parametrize(("swap", "split"), [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize(("block", "block_n"), [((128, 128), 32), ((32, 128), 64)])  # one / two row blocks a tile
 def test_w8a8_path_matches_reference_fp32(block, block_n, swap, split):

@@ -13,9 +13,11 @@ deterministic):
   cores with the weight scale folded into ``x``; more rows (``_w8a16_kernel``): the tile is dequantised into the
   activation dtype and fed to ``tl.dot`` (fp32 accumulation), computed as ``yᵀ = W · xᵀ`` so the weight is the MMA's
   wide operand. ``act_quant`` quantises ``x`` inside the kernel (small M) or in a pre-pass kernel. Few output tiles
-  use split-K: fp32 partials ``[S, M, N]`` summed in a fixed order by a second kernel (no atomics: bit-reproducible,
-  eager and graph replay alike). Many rows without ``act_quant`` (prefill): the weight is dequantised once by a
-  kernel and multiplied by cuBLAS (2.2× the Triton W8A16 GEMM at M = 1024 on an H200).
+  use split-K: fp32 partials ``[S, M, N]`` summed in a fixed order, bit-reproducible eager and in graph replay alike,
+  by the tile's last program in the same launch (``_split_finish``: ``small_gemm``'s tickets and counters; not yet
+  run on a GPU) or, with ``SPLIT_TICKETS`` off or the counters not ready, by a second kernel. Many rows without
+  ``act_quant`` (prefill): the weight is dequantised once by a kernel and multiplied by cuBLAS (2.2× the Triton W8A16
+  GEMM at M = 1024 on an H200).
 * **W8A8** (``_w8a8_kernel``, prefill with ``act_quant`` and a 128-wide weight K block): ``act_quant_fp8`` writes the
   e4m3 activation and its scales, then per 128-wide K block ``acc += dot(a8, w8) · (s_a ⊗ s_w)`` on FP8 tensor cores
   (fp32 promotion every block, as DeepSeek's ``fp8_gemm``), programs in grouped order for L2 reuse. From
@@ -39,10 +41,13 @@ arithmetic first, on every device); CPU tensors without the interpreter take a t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import small_gemm
 from deepinfer.kernels.fp8_gemm_config import (
     ACT_BLOCK,
     DEQUANT_MIN_M,
@@ -59,6 +64,7 @@ from deepinfer.kernels.fp8_scaled_mm import block_scaled_mm
 from deepinfer.kernels.fp8_w8a8 import _splitk_sum_kernel, w8a8
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SPLIT_TICKETS = True  # gemv / W8A16 split-K summed in the GEMM's launch (False: by _splitk_sum_kernel; benchmarks)
 
 
 @triton.jit
@@ -69,12 +75,27 @@ def _dequant(w, s, dt: tl.constexpr):
     return w.to(dt) * s.to(dt)
 
 
+@triton.jit
+def _split_finish(part_ptr, y_ptr, cnt_ptr, tile, offs, mask, MN, S):
+    """Split-K in the GEMM's own launch (``small_gemm``'s tickets): once a program has stored its partial (at
+    ``part_ptr + pid_k·MN + offs``), it takes a ticket for its output tile; the tile's last program sums the ``S``
+    partials in the fixed order ``s = 0, 1, …`` (read past L1), stores ``y`` and sets the ticket back to 0."""
+    tl.debug_barrier()  # every thread's partial is stored before the ticket's release
+    ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == S - 1:
+        total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, S):
+            total += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split, group_rows,
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_X: tl.constexpr, ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, TICKETS: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:  # as _gemv_kernel: the tile's weight rows are in one group, which reads its own K columns of x
@@ -111,15 +132,19 @@ def _w8a16_kernel(
             sw = tl.load(ws_ptr + srow[:, None] + kb[None, :])
             sw = tl.reshape(tl.broadcast_to(sw[:, :, None], (BLOCK_N, BLOCK_K // B1, B1)), (BLOCK_N, BLOCK_K))
             acc = tl.dot(_dequant(w, sw, dt), xt.to(dt), acc, input_precision=PRECISION)
-    o = out_ptr + pid_k * stride_split + rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+    offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+    mask = (rm < M)[None, :] & (rn < N)[:, None]
+    tl.store(out_ptr + pid_k * stride_split + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if TICKETS:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        _split_finish(out_ptr, y_ptr, cnt_ptr, tile, offs, mask, stride_split, tl.num_programs(2))
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split, group_rows,
+    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, GROUPED: tl.constexpr,
+    ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, GROUPED: tl.constexpr, TICKETS: tl.constexpr,
 ):  # fmt: skip
     """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0). ``GROUPED``:
     weight rows ``[g·R, (g+1)·R)`` (``R = group_rows``, a multiple of BLOCK_N) read ``x[g·K:(g+1)·K]``."""
@@ -145,8 +170,9 @@ def _gemv_kernel(
             x = tl.reshape(q * s[:, None], (BLOCK_K,))
         xs = x * tl.load(stile + tl.minimum(kk, K - 1) // B1)
         acc += w.to(tl.float32) * xs[None, :]
-    o = out_ptr + pid_k * stride_split + rn
-    tl.store(o, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(out_ptr + pid_k * stride_split + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+    if TICKETS:
+        _split_finish(out_ptr, y_ptr, cnt_ptr, pid_n, rn, rn < N, stride_split, tl.num_programs(1))
 
 
 @triton.jit
@@ -266,20 +292,23 @@ def _weight_only(
     chunk = triton.cdiv(steps, max(1, cfg.split_k))
     split = triton.cdiv(steps, chunk)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(n, cfg.block_n), split) if cfg.path == "gemv" else (
+        triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)  # fmt: skip
+    # split-K summed by each tile's last program (tickets) where the counters allow, else by _splitk_sum_kernel
+    tickets = split > 1 and SPLIT_TICKETS and math.prod(grid[:-1]) <= small_gemm.COUNTERS and small_gemm.ready(y.device)
+    cnt = small_gemm.counters(y.device) if tickets else y
     common = dict(B0=block[0], B1=block[1], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ACT_QUANT=fuse,
-                  EVEN_K=k % cfg.block_k == 0, GROUPED=group_rows > 0, num_warps=cfg.num_warps,
+                  EVEN_K=k % cfg.block_k == 0, GROUPED=group_rows > 0, TICKETS=tickets, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)  # fmt: skip
     rows = max(group_rows, 1)
     if cfg.path == "gemv":
-        grid = (triton.cdiv(n, cfg.block_n), split)
-        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, **common)
+        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, y, cnt, **common)
     else:
-        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
         _w8a16_kernel[grid](
-            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows,
+            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows, y, cnt,
             BLOCK_M=cfg.block_m, SCALE_X=cfg.scale_x, PRECISION="ieee" if dt == torch.float32 else "tf32", **common,
         )  # fmt: skip
-    if split > 1:
+    if split > 1 and not tickets:
         _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
 
 
