@@ -88,10 +88,10 @@ class DecodeGraphs(SegmentGraphs):
         """The whole step, one segment: it stores its output in ``bk.h``."""
         model, ops, layers = self.model, self.model.ops, self.model.layers
         ids, plan = bk.token_ids, bk.plan
-        pos = plan.meta[1]
 
         def step() -> None:
             plan.derived.clear()  # what the layers share is recomputed (and captured) in every run
+            pos = plan.meta[1]  # a new view each run: the rotary tables' cache (RotaryTable) starts afresh in each
             h = model.embed_streams(ids)
             for i, layer in enumerate(layers):
                 rope = model.rope_of(i)

@@ -79,25 +79,36 @@ class RotaryTable:
 
     The last result is kept for its ``positions`` tensor (the object, through a weak reference, and its version
     counter: an in-place write makes it stale): every layer of a forward passes the same positions, so a step computes
-    the tables once instead of once a layer (four kernels each; in a captured decode graph, once per replay)."""
+    the tables once instead of once a layer (four kernels each; in a captured decode graph, once per replay). A result
+    is never reused across the start or end of a CUDA-graph capture (a graph must compute its own tables), and a
+    graphed step passes a new positions view in each run (``graphs.py``)."""
 
     def __init__(self, dim: int, base: float, yarn: YarnParams | None) -> None:
         with torch.device("cpu"):  # host values whatever the default device (a model built on "meta", say)
             self.inv_freq = rope_inv_freq(dim, base, yarn)
         self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no host-to-device copy per call
-        self._last: tuple[weakref.ref, int | None, object, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last: tuple | None = None  # (weakref to positions, its version, ops, capturing, (cos, sin))
 
     def __call__(self, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        last, version = self._last, _version(positions)
-        if last is not None and last[0]() is positions and last[1] == version is not None and last[2] is ops:
-            return last[3]
+        last, version, capturing = self._last, _version(positions), _capturing(positions)
+        if (
+            last is not None
+            and version is not None
+            and last[0]() is positions
+            and last[1:4] == (version, ops, capturing)
+        ):
+            return last[4]
         freq = self._on.get(positions.device)
         if freq is None:
             freq = self._on[positions.device] = self.inv_freq.to(positions.device)
         f = positions.to(torch.float32).unsqueeze(-1) * freq
         out = ops.pointwise(torch.cos, f), ops.pointwise(torch.sin, f)
-        self._last = (weakref.ref(positions), version, ops, out)
+        self._last = (weakref.ref(positions), version, ops, capturing, out)
         return out
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _version(t: torch.Tensor) -> int | None:
