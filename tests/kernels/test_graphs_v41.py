@@ -1,10 +1,13 @@
 """Decode steps of DeepSeek-V4.1 replayed from CUDA graphs (``deepinfer.models.deepseek_v41.graphs``) against eager
 steps.
 
-On CPU the plumbing is checked with the reference ops: each "graph" runs its segment eagerly (static inputs, Engram
-row ids or looked-up rows, segments, the attention bookkeeping between them, padding), bit-identical to the eager step
-at a bucket's size; which steps are refused. On a CUDA machine a tiny model (``tests/models/tiny_v41.py``, every
-layer kind and Engram) decodes the same tokens from the same state eagerly and from graphs: bit-identical logits at
+A step is one graph (``decode_step``: the attention bookkeeping in fixed shapes from a ``StepPlan``). On CPU the
+plumbing is checked with the reference ops: the "graph" runs the whole-step function eagerly (static inputs, the plan
+loaded for the bucket, Engram row ids or looked-up rows, padding rows on the scratch slot and page), bit-identical to
+the eager step at a bucket's size (logits, every page a block table may name, windows and compressor rings; the lists
+of the bucket's span select what the exact ones select: every compressed layer attends to a top-k), within rounding
+in a padded bucket; which steps are refused. On a CUDA machine a tiny model (``tests/models/tiny_v41.py``, every layer
+kind and Engram) decodes the same tokens from the same state eagerly and from graphs: bit-identical logits and state at
 bucket sizes in fp32 and bf16, with the Engram tables on the device and on the host, close ones in a padded bucket.
 """
 
@@ -59,9 +62,10 @@ def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.floa
     return m.eval()
 
 
-def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
+def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE, split: bool = False):
     """``n_seq`` sequences of different lengths (other window, ring and ratio-2 phases) prefilled eagerly, and the
-    tokens of 6 decode steps."""
+    tokens of 6 decode steps. ``split``: the first sequence's prefill is a bounded decoder replay of its last 2
+    tokens (its decoder layers' windows start there)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.text.vocab_size
     pages = -(-(context + 16) // 8)
@@ -73,7 +77,8 @@ def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
         st, table = SequenceState(), torch.arange(i * pages, (i + 1) * pages, device=dev)
         n = context - i
         ids = torch.randint(5, vocab, (n,), generator=gen).tolist()
-        model(ForwardBatch.build([SeqChunk(st, 0, n, table)], [ids], dev), cache)
+        d = n - 2 if split and i == 0 else None
+        model(ForwardBatch.build([SeqChunk(st, 0, n, table, decoder_from=d)], [ids], dev), cache)
         states.append(st)
         tables.append(table)
     ops.cuda_graphs = prev
@@ -81,7 +86,8 @@ def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
     return cache, states, tables, steps
 
 
-def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE) -> torch.Tensor:
+def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE, keep: bool = False):
+    """The logits of ``steps`` from copies of ``cache`` and ``states`` (and, with ``keep``, the copies after them)."""
     prev, model.ops.cuda_graphs = model.ops.cuda_graphs, graphs
     cache, states = copy.deepcopy(cache), [s.clone() for s in states]
     out = []
@@ -89,20 +95,37 @@ def _decode(model, cache, states, tables, steps, graphs: bool, dev: str = DEVICE
         chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
         out.append(model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], dev), cache)))
     model.ops.cuda_graphs = prev
-    return torch.stack(out)
+    return (torch.stack(out), cache, states) if keep else torch.stack(out)
 
 
-def _check(model, cases, dev: str = DEVICE) -> None:
-    """Eager against graphed logits for ``(n_seq, exact)`` cases; every graphed step replays."""
+def _same_state(a, b) -> None:
+    """Two runs' caches (every page a block table may name) and sequence states agree bit for bit."""
+    (ca, sa), (cb, sb) = a, b
+    for kind, layer in ca.stores():
+        assert torch.equal(ca._store(kind, layer)[: ca.num_pages], cb._store(kind, layer)[: cb.num_pages]), kind
+    for x, y in zip(sa, sb):
+        assert x.num_tokens == y.num_tokens and x.history == y.history and x.windows.keys() == y.windows.keys()
+        assert all(torch.equal(x.windows[k], y.windows[k]) for k in x.windows)
+        assert x.buffers.keys() == y.buffers.keys()
+        for k, buf in x.buffers.items():
+            other = y.buffers[k]
+            assert buf.start == other.start and torch.equal(buf.kv, other.kv) and torch.equal(buf.score, other.score)
+
+
+def _check(model, cases, dev: str = DEVICE, split: bool = False, context: int = 23, n_steps: int = 6) -> None:
+    """Eager against graphed logits for ``(n_seq, exact)`` cases (and, exact, the caches and states after them);
+    every graphed step replays."""
     for n_seq, exact in cases:
-        cache, states, tables, steps = _setup(model, n_seq, 23, seed=n_seq, dev=dev)
-        eager = _decode(model, cache, states, tables, steps, graphs=False, dev=dev)
+        cache, states, tables, steps = _setup(model, n_seq, context, seed=n_seq, dev=dev, split=split)
+        steps = steps[:n_steps]
+        eager, *a = _decode(model, cache, states, tables, steps, graphs=False, dev=dev, keep=True)
         before = model.decode_graphs.replays if model.decode_graphs else 0
-        graphed = _decode(model, cache, states, tables, steps, graphs=True, dev=dev)
+        graphed, *b = _decode(model, cache, states, tables, steps, graphs=True, dev=dev, keep=True)
         assert model.decode_graphs.failures == {}
         assert model.decode_graphs.replays == before + len(steps)
         if exact:
             assert torch.equal(eager, graphed), (eager - graphed).abs().max().item()
+            _same_state(a, b)
         else:
             assert (eager - graphed).abs().max().item() < 1e-4
 
@@ -148,15 +171,45 @@ def _reference_model(tokenizer, name: str):
 
 @pytest.mark.parametrize("name", ["sketch", "mixed"])
 @pytest.mark.parametrize("tables", ["device", "host"])
-def test_the_segmented_v41_step_equals_the_eager_step_on_cpu(tokenizer, name, tables):
-    """Reference ops on the host: the segmented decode step (what the graphs capture) gives the eager logits bit for
-    bit at a bucket's size (4 and 1 sequences) and within fp32 rounding in a padded bucket (3 in 4); Engram from row
-    ids (tables on the device: the gather is captured) or from rows looked up before the replay."""
+def test_the_whole_v41_step_equals_the_eager_step_on_cpu(tokenizer, name, tables):
+    """Reference ops on the host: the whole decode step (what the graph captures) gives the eager logits, caches and
+    states bit for bit at a bucket's size (4 and 1 sequences) and logits within fp32 rounding in a padded bucket (3 in
+    4); Engram from row ids (tables on the device: the gather is captured) or from rows looked up before the replay."""
     model = _reference_model(tokenizer, name)
     model.decode_graphs.on_device = tables == "device"
     _check(model, [(4, True), (1, True), (3, False)], dev="cpu")
     bk = next(iter(model.decode_graphs.buckets.values()))
     assert (bk.engram is None) == (tables == "host") and bool(bk.engram_rows) == (tables == "host")
+    assert len(bk.graphs) == 1 and bk.plan.widths  # one graph a step, the lists of the bucket's span
+
+
+def test_v41_whole_step_after_a_bounded_decoder_replay_on_cpu(tokenizer):
+    """A sequence whose decoder layers' windows start later than its encoder layers' (a bounded decoder replay): the
+    plan's two window floors, bit for bit."""
+    _check(_reference_model(tokenizer, "sketch"), [(4, True)], dev="cpu", split=True)
+
+
+def test_v41_whole_step_across_spans_on_cpu(tokenizer):
+    """Positions 1021 .. 1026: the first steps in the smallest span's graphs (1024 positions), the next in the next
+    span's (1280), bit for bit; the largest sequence fills its lists."""
+    model = _reference_model(tokenizer, "sketch")
+    _check(model, [(2, True)], dev="cpu", context=1022)
+    assert sorted(k[-2] for k in model.decode_graphs.buckets) == [1024, 1280]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on the host need TRITON_INTERPRET=1")
+def test_the_whole_v41_step_with_the_kernels_on_cpu(tokenizer):
+    """``NvidiaOps`` in Triton's interpreter (the list attention, the indexer's scores and its top-k kernels): the whole
+    step at a bucket's size (4 sequences) gives the eager step's logits, caches and states bit for bit, the eager
+    step's lists being narrower (exact widths; at these positions some rows see fewer compressed rows than the
+    top-k): the kernels read only the listed rows."""
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    ops = NvidiaOps(cuda_graphs=True)
+    ops.select_backend = "kernel"
+    model = _model(tokenizer, ops, "sketch", dev="cpu")
+    model.decode_graphs = EagerSegments(model, max_batch=8)
+    _check(model, [(4, True)], dev="cpu", context=7, n_steps=3)  # the interpreter is slow: 3 short steps
 
 
 def test_v41_steps_the_graphs_refuse(tokenizer):
@@ -179,6 +232,13 @@ def test_v41_steps_the_graphs_refuse(tokenizer):
     chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
     model(ForwardBatch.build(chunks, [[i] for i in steps[1]]), cache)
     assert graphs.replays == 1 and all(s.num_tokens == 15 - i + 2 for i, s in enumerate(states))
+    # the whole-step graph needs the pooled state; a sequence still in a bounded replay runs eagerly
+    for pooled, ahead in ((False, 0), (True, 1)):
+        model.pooled_decode, states[0].replay_until = pooled, (states[0].num_tokens + 1) * ahead
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        model(ForwardBatch.build(chunks, [[i] for i in steps[2]]), cache)
+        assert graphs.replays == 1
+    model.pooled_decode = True
 
 
 # -- GPU: the graphs -------------------------------------------------------------------------------------------
@@ -205,6 +265,44 @@ def test_v41_graphs_with_engram_tables_on_the_host(tokenizer):
     _check(model, [(2, True)])
     bk = next(iter(model.decode_graphs.buckets.values()))
     assert bk.engram is None and len(bk.engram_rows) == 2
+
+
+@gpu_only
+def test_v41_graphs_across_spans(tokenizer):
+    """Positions 1021 .. 1026 in bf16: the graphs of two spans, bit-identical logits and state."""
+    model = _nvidia_model(tokenizer, torch.bfloat16)
+    _check(model, [(2, True)], context=1022)
+    assert sorted(k[-2] for k in model.decode_graphs.buckets) == [1024, 1280]
+
+
+@gpu_only
+def test_v41_decode_step_never_waits_for_the_gpu(tokenizer):
+    """The host issues a whole decode step (the plan, the Engram rows, one graph, the logits) while the GPU is still
+    busy with work queued before it: no synchronising call (sync debug mode "error"), and the work queued ahead is
+    still running when the step returns."""
+    model = _nvidia_model(tokenizer, torch.bfloat16)
+    cache, states, tables, steps = _setup(model, 4, 23, seed=11)
+    steps = steps + [s[::-1] for s in steps]
+
+    def step(ids):
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        return model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], DEVICE), cache))
+
+    for ids in steps[:4]:  # capture the bucket, fill the pinned-memory cache
+        step(ids)
+    torch.cuda.synchronize()
+    for ids in steps[4:]:
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued ahead of the step
+        queued = torch.cuda.Event()
+        queued.record()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert not queued.query(), "the host waited for the GPU during a decode step"
+        torch.cuda.synchronize()
+    assert model.decode_graphs.replays == len(steps)
 
 
 @gpu_only

@@ -17,21 +17,25 @@ queries. The paged cache stores the dequantized values in the model dtype.
 
 Each sequence attends alone (its keys and mask, one ``ops.sparse_attention`` call; the batch-invariant path) or the
 batch attends at once (``attention_batched``); projections, norms and the output projection run once for the whole
-batch. A layer is ``project`` (pure, fixed shapes) → ``attend`` (state bookkeeping) → ``output`` (pure): the decode
-CUDA graphs (``graphs``) capture the pure parts and run ``attend`` eagerly between them.
+batch. A layer is ``project`` (pure, fixed shapes) → ``attend`` (state bookkeeping) → ``output`` (pure). A decode step
+(one token per sequence) on the model's ``StatePool`` takes ``decode_step.attend``: the whole bookkeeping in fixed
+shapes from a ``StepPlan`` made once per step (``StepContext.plan``), what the decode CUDA graph (``graphs``)
+captures with the rest of the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
-from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, PagedKVCache, SeqChunk, SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v41 import decode_step
 from deepinfer.models.deepseek_v41.attention_batched import attend_batched
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
@@ -57,6 +61,7 @@ class StepContext:
     sel_rows: torch.Tensor | None = None  # [T, k] owner rows, valid first
     sel_count: torch.Tensor | None = None  # [T]
     cand: torch.Tensor | None = None  # [T, width] bool
+    plan: Any = None  # a decode step on pooled state: its decode_step.StepPlan, made by the first layer
 
 
 class SharedKVAttention(nn.Module):
@@ -105,7 +110,7 @@ class Attention(SharedKVAttention):
         super().__init__(config)
         c = config
         self.spec, self.layer_id, self.ratio, self.window = spec, spec.index, spec.ratio, c.sliding_window
-        self.state_pool: StatePool | None = None  # the model's, for decode steps (attention_batched._window)
+        self.state_pool: StatePool | None = None  # the model's, for decode steps (decode_step.py)
         self.compressor = Compressor(c, self.ratio) if spec.kind == "full" else None
         self.indexer = (
             Indexer(c, spec.kind == "full", spec.candidate_source, spec.uses_candidates)
@@ -141,11 +146,24 @@ class Attention(SharedKVAttention):
         if self.ratio and ctx.cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         q, kv, iq, iw = t["q"], t["kv"], t.get("iq"), t.get("iw")
+        pool = self.state_pool
+        if pool is not None and not ops.batch_invariant and decode_step.pooled_decode(ctx.chunks):
+            if ctx.plan is None:
+                ctx.plan = decode_step.StepPlan.of(pool, ctx.cache, self.window, ctx.chunks)
+            return decode_step.attend(self, t, ctx.plan, rope, ops)
         if "ckv" in t:
             self._publish((t["ckv"], t.get("cgate")), ctx, rope, ops, kv.dtype)
         if ops.batch_invariant:
             return self._attend_each(q, kv, iq, iw, ctx, ops)
         return attend_batched(self, q, kv, iq, iw, ctx, ops)
+
+    def pool_specs(self) -> tuple[dict, dict]:
+        """This layer's window ring ``{layer: (rows, dim)}`` and, a ratio-2 KV source, its compressor ring
+        ``{(layer, "main"): (cap, dim, ratio, overlap)}`` (``StatePool.register``; ``decode_step``)."""
+        bufs = {}
+        if self.compressor is not None and self.ratio > 1:
+            bufs[(self.layer_id, "main")] = (self.ratio, self.head_dim, self.ratio, False)
+        return {self.layer_id: (self.window, self.head_dim)}, bufs
 
     def _attend_each(
         self,
@@ -217,20 +235,13 @@ class Attention(SharedKVAttention):
             for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
                 first = max(chunk.start, chunk.state.replay_until)
                 done.append((lat_all[a + min(first - chunk.start, b - a) : b], first))
-        elif self.state_pool is not None and all(
-            c.length == 1 and c.decoder_from is None and c.state.replay_until <= c.start for c in ctx.chunks
-        ):  # ratio 2, a decode step: the pairs on the pooled buffers
-            done = self.compressor.latents_pooled(proj[0], proj[1], ctx.chunks, self.state_pool, key, ops, dtype)
         else:  # ratio 2: every sequence's completed pairs pooled in one batch
             spans = [(a, b, c.start, c.state.replay_until // m) for c, (a, b) in zip(ctx.chunks, ctx.offsets)]
             done, bufs = self.compressor.latents_many(
                 proj[0], proj[1], spans, [c.state.buffers.get(key) for c in ctx.chunks], ops, dtype
             )
             for chunk, buf in zip(ctx.chunks, bufs):
-                if buf is None:
-                    chunk.state.buffers.pop(key, None)
-                else:
-                    chunk.state.buffers[key] = buf
+                _keep_buffer(chunk.state, key, buf, chunk.end, proj[0])
         lats, pos, tables, firsts = [], [], [], []
         for chunk, (lat, first) in zip(ctx.chunks, done):
             if lat.shape[0]:
@@ -246,7 +257,7 @@ class Attention(SharedKVAttention):
         lat = torch.cat(lats) if len(lats) > 1 else lats[0]
         cos, sin = rope(to_device(torch.cat(pos), lat.device), ops)
         rows = ops.rope(lat, cos, sin)
-        ik = ops.rope(self.indexer.keys(lat, ops), cos, sin)
+        ik = ops.rope(self.indexer.keys(lat, ops, rowwise=m > 1), cos, sin)
         if self.quant_sim:
             rows, ik = ops.cache_round(rows, "nvfp4"), ops.cache_round(ik, "mxfp4")
         sizes = [t.shape[0] for t in lats]
@@ -262,3 +273,17 @@ class Attention(SharedKVAttention):
         if got is None:
             got = memo[(owner, i)] = ctx.cache.read(kind, owner, chunk.block_table, chunk.end // self.ratio)
         return got
+
+
+def _keep_buffer(
+    state: SequenceState, key: tuple[int, str], buf: CompressorBuffer | None, end: int, like: torch.Tensor
+) -> None:
+    """A ratio-2 compressor's pending rows after a step (``buf``; None: none pending at ``end``). A buffer living in
+    the pool's ring (``state_pool.RingBuffer``, the decode step's) takes them in place, so the state stays pooled."""
+    cur = state.buffers.get(key)
+    if cur is not None and hasattr(cur, "assign"):
+        cur.assign(buf if buf is not None else CompressorBuffer(like[:0], like[:0], end))
+    elif buf is None:
+        state.buffers.pop(key, None)
+    else:
+        state.buffers[key] = buf

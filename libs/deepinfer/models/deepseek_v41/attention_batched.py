@@ -21,7 +21,6 @@ from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.ops import Ops
 
 if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v4.state_pool import StatePool
     from deepinfer.models.deepseek_v41.attention import Attention, StepContext
 
 
@@ -29,11 +28,9 @@ def _window(
     attn: Attention, kv: torch.Tensor, ctx: StepContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The window pool of the batch, each query's first pool row and row count, and the largest count (a host int);
-    then the rings keep the last ``W`` rows of every chunk. A decode step on the model's ``StatePool`` takes
-    ``_window_pooled`` (the same rows in the same order)."""
+    then the rings keep the last ``W`` rows of every chunk (a decode step on the model's ``StatePool`` takes
+    ``decode_step`` instead)."""
     win, lid, decoder = attn.window, attn.layer_id, attn.spec.stage == "decoder"
-    if attn.state_pool is not None and all(c.length == 1 and c.decoder_from is None for c in ctx.chunks):
-        return _window_pooled(attn, attn.state_pool, kv, ctx)
     pieces, first_pos, offs, o = [], [], [], 0
     for chunk, (a, b) in zip(ctx.chunks, ctx.offsets):
         st, s = chunk.state, chunk.start
@@ -65,27 +62,6 @@ def _window(
     count = pos - w_first + 1
     meta = to_device(torch.stack([start, count]), kv.device)
     return pool, meta[0], meta[1], int(count.max()) if count.numel() else 0
-
-
-def _window_pooled(
-    attn: Attention, pool: StatePool, kv: torch.Tensor, ctx: StepContext
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``_window`` for one new token per sequence, on the pooled rings: one scatter writes every new row (position
-    ``p`` at ring row ``p % W``), one gather reads every sequence's rows ``first .. p`` in position order (``W``
-    pool rows per sequence; the new row cannot overwrite a row still read, which would be ``p - W < first``)."""
-    win, decoder, dev = attn.window, attn.spec.stage == "decoder", kv.device
-    states = [c.state for c in ctx.chunks]
-    slots = pool.slots(states)
-    ring = pool.ring(attn.layer_id, states, slots, win, attn.head_dim, kv.dtype)
-    first = [max(st.window_start, st.decoder_start if decoder else 0, c.start - win + 1, 0)
-             for st, c in zip(states, ctx.chunks)]  # fmt: skip
-    host = torch.tensor([slots, [c.start for c in ctx.chunks], first], dtype=torch.long)
-    count = host[1] - host[2] + 1
-    host = torch.cat([host, (torch.arange(len(states)) * win).unsqueeze(0), count.unsqueeze(0)])
-    slot_d, pos_d, first_d, start_d, count_d = to_device(host, dev)
-    ring[slot_d, pos_d % win] = kv
-    rows = ring[slot_d.unsqueeze(1), (first_d.unsqueeze(1) + torch.arange(win, device=dev)) % win].flatten(0, 1)
-    return rows, start_d, count_d, int(count.max())
 
 
 def _owner_pool(attn: Attention, ctx: StepContext, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,7 @@ from torch import nn
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm
-from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk
-from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
 
@@ -100,43 +99,6 @@ class Compressor(nn.Module):
         ]
         return list(zip(rows.split(counts), firsts)), new_bufs
 
-    def latents_pooled(
-        self,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        chunks: list[SeqChunk],
-        pool: StatePool,
-        key: tuple[int, str],
-        ops: Ops,
-        dtype: torch.dtype,
-    ) -> list[tuple[torch.Tensor, int]]:
-        """``latents_many`` for one new token per sequence (no bounded replay), on buffers pooled in ``pool`` (a
-        slot of ``ratio`` rows per sequence): one scatter appends every new row, the pairs that complete are pooled
-        as one batch (the same groups in the same order), and the completed slots empty. Returns per sequence its
-        completed latents (none or one) and the first one's row index."""
-        m, dev = self.ratio, kv.device
-        states = [c.state for c in chunks]
-        slots = pool.slots(states)
-        bkv, bsc, bufs = pool.buffers(key, states, slots, [c.start for c in chunks], m, kv.shape[-1])
-        at = [c.start - b.start for c, b in zip(chunks, bufs)]  # each new row's index in its slot
-        if max(at) >= m:
-            raise ValueError(f"compressor buffer {key} would exceed its {m} rows (at {max(at)})")
-        done = [i for i, c in enumerate(chunks) if (c.start + 1) % m == 0]
-        host = torch.tensor([slots, at], dtype=torch.long)
-        slot_d, at_d = to_device(host, dev)
-        bkv[slot_d, at_d], bsc[slot_d, at_d] = kv, gate
-        out = [(kv.new_zeros(0, kv.shape[-1], dtype=dtype), c.start // m) for c in chunks]
-        if done:
-            sel = slot_d[to_device(torch.tensor(done, dtype=torch.long), dev)]
-            rows = self.norm(ops.softmax_pool(bkv[sel], bsc[sel]).to(dtype), ops)
-            for i, row in zip(done, rows.split(1)):
-                out[i] = (row, chunks[i].start // m)
-        for b, a in zip(bufs, at):
-            b.length = a + 1
-        for i in done:
-            bufs[i].start, bufs[i].length = chunks[i].start + 1, 0
-        return out
-
 
 class Indexer(nn.Module):
     """``layers.{i}.attn.indexer``: ``wq_b`` and ``weights_proj`` in every index source; ``wk`` and ``k_norm`` in
@@ -153,8 +115,12 @@ class Indexer(nn.Module):
         self.wk = Linear(c.head_dim, self.head_dim) if owns_keys else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if owns_keys else None
 
-    def keys(self, latent: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """Unrotated index keys ``[k, index_head_dim]`` of compressed latents."""
+    def keys(self, latent: torch.Tensor, ops: Ops, rowwise: bool = False) -> torch.Tensor:
+        """Unrotated index keys ``[k, index_head_dim]`` of compressed latents. ``rowwise``: ``wk`` one row at a time
+        (``rowwise_linear``: each row's key whatever rows are computed with it; a ratio-2 KV source's decode step
+        computes every sequence's key, the per-sequence path only the completed ones)."""
+        if rowwise and self.wk.weight.dtype != torch.float8_e4m3fn:
+            return self.k_norm(rowwise_linear(latent, self.wk.weight), ops)
         return self.k_norm(self.wk(latent, ops), ops)
 
     def queries(self, x: torch.Tensor, qlat: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,4 +169,13 @@ def candidate_blocks(
     b = b.masked_fill(ids == last, float("inf"))
     top = ops.topk_indices(b, min(topk_blocks, b.shape[-1]))
     keep = torch.zeros_like(b, dtype=torch.bool).scatter_(1, top, b.gather(1, top) > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[:, :width]
+    return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[:, :width]  # no host sync (CUDA graphs)
+
+
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` as a batch of one-row products: a row's result does not depend on the rows computed with it (a
+    GEMM's blocking, on the CPU and in cuBLAS, changes with the number of rows, and so does its rounding)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[0])
+    wt = w.to(x.dtype).t().unsqueeze(0).expand(x.shape[0], -1, -1)
+    return torch.bmm(x.unsqueeze(1), wt).squeeze(1)

@@ -165,7 +165,7 @@ class DeepseekV41Model(nn.Module):
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
-        self.pooled_decode = True  # decode steps keep window rings and compressor pairs in a StatePool
+        self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.vision = self.aligner = None
@@ -269,8 +269,8 @@ class DeepseekV41Model(nn.Module):
         positions ``>= decoder_from`` (rows before it get zeros); the first decoder layer still publishes its
         compressed rows and index keys for every position, so the decoder's long-range memory is complete.
 
-        A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``),
-        with eager results; not with ``capture``."""
+        A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``:
+        the whole step, one graph per batch bucket and context span), with eager results; not with ``capture``."""
         ops, c = self.ops, self.text
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:

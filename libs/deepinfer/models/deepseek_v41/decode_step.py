@@ -1,0 +1,304 @@
+"""DeepSeek-V4.1's attention for a decode step (one new token per sequence) on pooled state, in fixed shapes.
+
+The V4.1 port of ``deepseek_v4.decode_step``: every per-sequence decision of a step is made on the device from a few
+integers per sequence, so the step is the same kernels whatever each sequence's phase, and a whole step can be
+captured as one CUDA graph (``graphs.py``).
+
+* ``StepPlan``: per row (sequence) its pool slot, position, the lowest window position of the encoder layers
+  (``window_start``) and of the decoder layers (``decoder_start`` too: a bounded decoder replay started there) and
+  whether it is live (the padding rows of a graphed bucket are not: they use the pool's ``scratch`` slot and the
+  cache's ``scratch_page``), its block table, and the widths of the step's lists (host ints: the exact maxima in an
+  eager step, a bucket's maxima in a graphed one, ``deepseek_v4.decode_step.span_for``).
+* what every layer derives alike (window indices per stage, per ratio its visible rows and list offsets, per ratio
+  the compressed row a token falls in and the page it goes to, the ratio-2 rings' groups) is made once per step by
+  ``ops.step_indices`` (V4's, one kernel on a GPU): once over the encoder rows of ``meta``, once over the decoder rows
+  (their window floor);
+* the window of every layer: the new row goes to ring row ``pos % W`` of the row's slot, then all ``W`` ring rows are
+  read in position order; the last ``pos - first + 1`` of them are the row's window (with a ratio-2 KV source's ring
+  appends, one ``ops.append_rows``);
+* the KV sources (Full layers): a ratio-2 compressor's projections go to ring row ``pos % 2`` (``StatePool.rbufs``,
+  registered by ``Attention.pool_specs``), and every row's group is pooled (``ops.group_pool``: the rows that complete
+  nothing pool zeros); ratio 1 emits a row per token. Every row's compressed row and index key (rotated, rounded) is
+  written to its page, or to the scratch page when it completes nothing, and every row's first pages gathered
+  (``ops.store_rows``): the rows straight into the key pool after the window rows (``PagedKVCache`` stores, ``pages``
+  per row: the rows past its count are other data, never listed), the index keys into the index pool; both are kept
+  for the layers reading this owner;
+* an index source scores the owner's index keys (``ops.indexer_scores_ranges``), the candidate source keeps its
+  candidate blocks, later index sources restrict to them, and the top-k (``ops.select_rows``) is handed to the Reuse
+  layers after it; one ``ops.sparse_attention_lists`` runs over the per-row key lists (``ops.key_lists``: window rows
+  by position, then the selected rows).
+
+An eager step takes the same path (``Attention.attend`` builds the plan once per step, ``StepContext.plan``) with
+exact widths, so it gives the per-sequence path's results bit for bit (``tests/models/test_v41_state_pool.py``).
+The index keys of a ratio-2 owner are projected one row at a time in every path (``Indexer.keys``' ``rowwise``):
+this step computes every row's key, the per-sequence path only the completed ones, and a GEMM's rows round with the
+number of rows computed together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from deepinfer.host_copy import to_device
+from deepinfer.models.deepseek_v4.decode_step import SPAN_MIN, StepIndices, span_for
+from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
+from deepinfer.models.deepseek_v41.indexer import candidate_blocks
+from deepinfer.ops import Ops
+
+if TYPE_CHECKING:
+    from deepinfer.models.deepseek_v4.layers import RotaryTable
+    from deepinfer.models.deepseek_v41.attention import Attention
+
+T = TypeVar("T")
+POS = 1  # ``StepPlan.meta``: rows 0-3 slot, position, encoder window floor, live; rows 4-7 the same, decoder floor
+
+
+def pooled_decode(chunks: list[SeqChunk]) -> bool:
+    """Whether a step is a decode step this module runs: one new token per sequence, no bounded (decoder) replay."""
+    return bool(chunks) and all(
+        c.length == 1 and c.decoder_from is None and c.state.replay_until <= c.start for c in chunks
+    )
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """One decode step's rows (module docstring). ``meta [8, S]`` on the device: slot, position, lowest window
+    position and liveness of the encoder layers (rows 0-3: V4's ``meta``) and of the decoder layers (rows 4-7);
+    ``tables [S, P]``. Host ints: ``win_widths`` (window entries listed per row, encoder and decoder layers) and
+    ``widths`` (per compression ratio: rows listed per row, pages gathered per row)."""
+
+    pool: StatePool
+    cache: PagedKVCache | None
+    window: int
+    meta: torch.Tensor
+    tables: torch.Tensor | None
+    win_widths: tuple[int, int]
+    widths: dict[int, tuple[int, int]]
+    derived: dict = field(default_factory=dict)  # what the layers share within one step (``once``)
+
+    @property
+    def size(self) -> int:
+        return self.meta.shape[1]
+
+    def once(self, key: object, make: Callable[[], T]) -> T:
+        """``make()`` once per step (``derived`` is cleared when a graphed step starts; an eager step has its own
+        plan)."""
+        got = self.derived.get(key)
+        if got is None:
+            got = self.derived[key] = make()
+        return got
+
+    # -- building ------------------------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
+        """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
+        dev = pool.device
+        widths, pages = {}, 1
+        if cache is not None:
+            pages = span // cache.page_size
+            widths = {m: (span // m, pages) for m in sorted(set(cache.ratios.values()))}
+        tables = None if cache is None else torch.full((size, pages), cache.scratch_page, dtype=torch.long, device=dev)
+        meta = torch.zeros(8, size, dtype=torch.long, device=dev)
+        return cls(pool, cache, window, meta, tables, (window, window), widths)
+
+    @classmethod
+    def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
+           span: int | None = None) -> StepPlan:  # fmt: skip
+        """An eager step's plan: exactly as many rows as ``chunks``, exact widths (``span``: a graphed bucket's
+        widths instead, for positions below it)."""
+        slots = pool.adopt([c.state for c in chunks])
+        host = cls._host_meta(chunks, slots, 0)
+        pos = host[POS]
+        widths, pages = cls._widths(cache, int(pos.max()) + 1)
+        if span is not None and cache is not None:
+            pages = max(span // cache.page_size, pages)
+            widths = {m: (span // m, pages) for m in widths}
+        tables = None if cache is None else cls._tables(chunks, pages, cache)
+        if span is not None:
+            win_widths = (window, window)
+        else:
+            first = [torch.maximum(host[f], (pos - window + 1).clamp_min(0)) for f in (2, 6)]
+            win_widths = tuple(int((pos - f).max()) + 1 for f in first)
+        return cls(pool, cache, window, to_device(host, pool.device), tables, win_widths, widths)
+
+    def fill(self, chunks: list[SeqChunk], slots: list[int]) -> None:
+        """Load a graphed bucket's plan with the step of ``chunks`` (at most ``size`` of them, positions below its
+        span; ``slots``: their pool slots, ``StatePool.adopt``). The rows past them are padding: the scratch slot,
+        not live (so they write only there and to the scratch page), stale block tables (valid page ids, read and
+        never listed)."""
+        n, cache = len(chunks), self.cache
+        host = self._host_meta(chunks, slots, self.size - n, self.pool.scratch)
+        self.meta.copy_(to_device(host, self.meta.device))
+        if cache is not None:
+            pages, held = self._widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
+            if pages > held:
+                raise ValueError(f"decode step: {pages} pages a sequence needed, the bucket holds {held}")
+            self.tables[:n, :pages].copy_(self._tables(chunks, pages, cache))
+
+    @staticmethod
+    def _host_meta(chunks: list[SeqChunk], slots: list[int], pad: int, scratch: int = 0) -> torch.Tensor:
+        """``meta`` in host memory: ``pad`` padding rows after the chunks' (slot ``scratch``, position 0, not live)."""
+        rows = []
+        for c, s in zip(chunks, slots):
+            st = c.state
+            rows.append((s, c.start, st.window_start, 1, s, c.start, max(st.window_start, st.decoder_start), 1))
+        rows += [(scratch, 0, 0, 0, scratch, 0, 0, 0)] * pad
+        return torch.tensor(rows, dtype=torch.long).t().contiguous()
+
+    @staticmethod
+    def _widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[int, int]], int]:
+        """Exact widths for positions below ``top``: per ratio (rows, pages), and the most pages of any ratio."""
+        widths, pages = {}, 1
+        if cache is not None:
+            for m in sorted(set(cache.ratios.values())):
+                rows = top // m
+                widths[m] = (rows, max(-(-rows // (cache.page_size // m)), 1))
+                pages = max(pages, widths[m][1])
+        return widths, pages
+
+    @staticmethod
+    def _tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
+        """The block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
+        m, ps = min(cache.ratios.values()), cache.page_size
+        for c in chunks:
+            need = -(-((c.start + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
+            if need > c.block_table.numel():
+                raise IndexError(f"block table has {c.block_table.numel()} pages, position {c.start} needs {need}")
+        t = stacked_rows([c.block_table for c in chunks])
+        if t.shape[1] < pages:
+            t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
+        return t[:, :pages]
+
+    # -- what every layer derives alike (once per step) -------------------------------------------------------
+    def indices(self, ops: Ops) -> StepIndices:
+        """``ops.step_indices`` over the encoder rows of ``meta``: the window's (encoder layers), per compression
+        ratio (visible rows, list offsets, the indexer's mask) and per ratio a ring of ``m`` rows (the compressed row
+        each token falls in, whether it completes it, its page and row; the ratio-2 compressors' groups)."""
+
+        def make() -> StepIndices:
+            ratios = tuple((m, rows, pages, False, True) for m, (rows, pages) in self.widths.items())
+            rings = tuple((m, m) for m in self.widths)
+            page_size, scratch = (self.cache.page_size, self.cache.scratch_page) if self.cache is not None else (1, 0)
+            win, per_ratio, per_ring = ops.step_indices(self.meta[:4], self.tables, self.window, self.win_widths[0],
+                                                        ratios, rings, page_size, scratch)  # fmt: skip
+            return StepIndices(*win, dict(zip(self.widths, per_ratio)), dict(zip(rings, per_ring)))
+
+        return self.once("indices", make)
+
+    def window_lists(self, ops: Ops, decoder: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row its window's first row in the gathered ``[S·W]`` rows, its count and its window key list
+        ``[S, width]`` (``start + j``; entries past the count are never read), of the encoder or decoder layers."""
+        if not decoder:
+            ix = self.indices(ops)
+            return ix.w_start, ix.w_count, ix.lists
+
+        def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            win = ops.step_indices(self.meta[4:], None, self.window, self.win_widths[1], (), (), 1, 0)[0]
+            return win[4], win[5], win[6]
+
+        return self.once("decoder window", make)
+
+
+def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+    """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``Attention.project``'s tensors ``t``):
+    writes the new window row (and, in a KV source, the compressed row and index key), selects (index sources) or
+    reuses the latest selection, and attends over every row's keys."""
+    q, kv, pool, ix, m = t["q"], t["kv"], plan.pool, plan.indices(ops), attn.ratio
+    ring = pool.rings[attn.layer_id]
+    flat = ring.view(-1, ring.shape[-1])
+    w_start, w_cnt, w_idx = plan.window_lists(ops, attn.spec.stage == "decoder")
+    # the new rows first (the window reads positions first .. pos): the window's and a ratio-2 compressor's, and the
+    # window rows gathered after them, one call
+    dsts, idxs, srcs = [flat], [ix.put], [kv]
+    if attn.compressor is not None and m > 1:
+        bkv, bsc = pool.rbufs[(attn.layer_id, "main")]
+        at = ix.rings[(m, m)][0]
+        dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
+        idxs += [at, at]
+        srcs += [t["ckv"], t["cgate"]]
+    sink, scale, nw = attn.attn_sink, attn.head_dim**-0.5, ix.take.numel()
+    if not m:
+        return ops.sparse_attention_lists(q, ops.append_rows(dsts, idxs, srcs, ix.take), w_idx, w_cnt, sink, scale)
+    if plan.cache is None:
+        raise ValueError(f"layer {attn.layer_id} is compressed and needs a PagedKVCache")
+    owner = attn.spec.kv_source
+    keys = plan.once(("keys", owner), lambda: _key_pool(plan, owner, m, flat.dtype))
+    ops.append_rows(dsts, idxs, srcs, ix.take, keys[:nw])  # this layer's window rows, before the owner's rows
+    if attn.compressor is not None:
+        _publish(attn, t, plan, keys[nw:], rope, ops, kv.dtype)
+    if attn.indexer is not None:
+        plan.derived["selection"] = _select(attn, t["iq"], t["iw"], plan, ops)
+    got = plan.derived.get("selection")
+    if got is None or got[0].shape[0] != q.shape[0]:
+        raise ValueError(f"layer {attn.layer_id} reuses a selection no index source made for this step")
+    sel, cnt = got
+    idx, cnt = ops.key_lists(w_start, w_cnt, w_idx.shape[1], sel, ix.ratios[m][1], cnt)
+    return ops.sparse_attention_lists(q, keys, idx, cnt, sink, scale)
+
+
+def _key_pool(plan: StepPlan, owner: int, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """The key pool of the layers reading ``owner``'s rows (allocated once per step and owner): ``S·W`` rows where
+    each layer gathers its window, then every row's first ``pages`` pages of the owner's rows (the owner's
+    ``_publish`` gathers them there, after writing this step's rows)."""
+    store = plan.cache.rows[owner]
+    rows = plan.size * plan.widths[m][1] * store.shape[1]
+    return torch.empty(plan.size * plan.window + rows, store.shape[-1], dtype=dtype, device=store.device)
+
+
+def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, into: torch.Tensor, rope: RotaryTable,
+             ops: Ops, dtype: torch.dtype) -> None:  # fmt: skip
+    """A KV source's compressed row and index key of every row (``Attention._publish``'s values for the rows that
+    complete one) written to its page, the others to the scratch page; then every row's pages gathered: the rows
+    into ``into`` (the key pool past the window rows), the index keys into the step's index pool of this owner."""
+    comp, m, layer, cache = attn.compressor, attn.ratio, attn.layer_id, plan.cache
+    _, cur, _, has_prev, w, done, page, row = plan.indices(ops).rings[(m, m)]
+    if m == 1:  # a row per token
+        lat = comp.norm(t["ckv"], ops)
+    else:  # every row's group pooled from the ring (``attend`` appended this step's projections; rows not done: 0)
+        bkv, bsc = plan.pool.rbufs[(layer, "main")]
+        d = bkv.shape[-1]
+        lat = comp.norm(ops.group_pool(bkv.view(-1, d), bsc.view(-1, d), cur, None, has_prev, done, d).to(dtype), ops)
+    cos, sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))
+    rows = ops.rope(lat, cos, sin)
+    ik = ops.rope(attn.indexer.keys(lat, ops, rowwise=m > 1), cos, sin)
+    if attn.quant_sim:
+        rows, ik = ops.cache_round(rows, "nvfp4"), ops.cache_round(ik, "mxfp4")
+    pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
+    store = cache.rows[layer]
+    if store.dtype == into.dtype:
+        ops.store_rows(store, page, row, rows, pages, into.view(pages.numel(), *store.shape[1:]))
+    else:
+        into.copy_(ops.store_rows(store, page, row, rows, pages).flatten(0, 1))
+    plan.derived[("index", layer)] = ops.store_rows(cache.index_keys[layer], page, row, ik, pages).flatten(0, 1)
+
+
+def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan, ops: Ops
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """An index source's selection for every row: owner rows ``[S, k]`` (ascending, valid first) and counts
+    (``attention_batched._select`` over the plan's pools)."""
+    ix, m = attn.indexer, attn.ratio
+    width = plan.widths[m][0]
+    visible, _, start, allowed, _, _ = plan.indices(ops).ratios[m]
+    if width == 0:
+        if ix.candidate_source:
+            plan.derived["candidates"] = allowed
+        none = torch.zeros(iq.shape[0], 0, dtype=torch.long, device=iq.device)
+        return none, none.sum(1)
+    keys = plan.derived[("index", attn.spec.kv_source)]
+    scores = ops.indexer_scores_ranges(iq, keys, iw, start, width).masked_fill(~allowed, float("-inf"))
+    if ix.candidate_source:
+        plan.derived["candidates"] = candidate_blocks(scores, visible, ix.topk_blocks, ix.block_size, ops) & allowed
+    elif ix.uses_candidates:
+        cand = plan.derived.get("candidates")
+        if cand is None or cand.shape != scores.shape:
+            raise ValueError("a candidate-restricted index source needs the candidate source's selection")
+        scores = scores.masked_fill(~cand, float("-inf"))
+    return ops.select_rows(scores, torch.isfinite(scores), min(ix.topk, width))
+
+
+__all__ = ["SPAN_MIN", "StepPlan", "attend", "pooled_decode", "span_for"]
