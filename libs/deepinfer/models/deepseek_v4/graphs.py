@@ -58,7 +58,9 @@ class DecodeGraphs(SegmentGraphs):
         then runs it eagerly). Advances the attention state as the eager step does (not ``num_tokens``)."""
         model, chunks = self.model, batch.chunks
         pool = model.state_pool
-        if pool is None or not self.applies(batch) or not all(c.state.replay_until <= c.start for c in chunks):
+        if pool is None or not model.pooled_decode or not self.applies(batch):
+            return None  # the pool stays once made: pooled_decode turned off runs eagerly
+        if not all(c.state.replay_until <= c.start for c in chunks):
             return None
         if cache is None and any(layer.attn.compressor is not None for layer in model.layers):
             return None  # the eager step says what is missing

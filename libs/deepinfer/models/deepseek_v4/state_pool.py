@@ -7,20 +7,15 @@ batches. ``StatePool`` holds them stacked instead:
 
 * ``rings[layer]`` ``[S, W, d]``: slot ``i``'s window ring (row ``pos % W``); the sequence's ``windows[layer]`` is
   the view ``rings[layer][i]``, so every other path reads and writes the same memory;
-* ``bufs[(layer, name)]`` ``([S, cap, D], [S, cap, D])``: the compressor's pending fp32 projections and scores
-  (``cap`` = 2·ratio for the overlapping CSA compressors, ratio otherwise); the sequence's ``buffers[key]`` is a
-  ``PooledBuffer`` (``kv`` / ``score`` views of its first ``length`` rows, ``start``), which the per-sequence code
-  reads like a ``CompressorBuffer``. When that code replaces it with a plain buffer, the next pooled step copies it
-  back in.
+* ``rbufs[key]``: the compressors' buffers, as rings (below).
 
-A state gets a slot on its first pooled step (its existing window and buffers are copied in) and gives it back when
-it is garbage-collected; its clones (snapshots) are plain tensors. The pool grows by doubling, re-pointing the
-views of the states it holds. Index arithmetic on all slots at once replaces the per-sequence work.
+The pool grows by doubling, re-pointing the views of the states it holds; a state gives its slot back when it is
+garbage-collected, and its clones (snapshots) are plain tensors.
 
-DeepSeek-V4's decode step (``decode_step.py``) keeps its compressor buffers as rings instead (``rbufs[key]``
+The decode steps (V4's and V4.1's ``decode_step.py``) keep the compressor buffers as rings (``rbufs[key]``
 ``([S, cap, D], [S, cap, D])``, position ``p`` at row ``p % cap``; the state's ``buffers[key]`` a ``RingBuffer``), so
 that a step is the same kernels whatever each sequence's phase: nothing moves when a group completes, and the host
-keeps no per-buffer counters (a ``RingBuffer`` derives its rows from the state's ``num_tokens``). Its attention
+keeps no per-buffer counters (a ``RingBuffer`` derives its rows from the state's ``num_tokens``). The attention
 layers ``register`` their rings and buffers with the pool, and ``adopt`` moves a state's whole short-term state into
 a slot at once, on its first pooled step; the per-sequence paths then write through ``SequenceState.set_buffer``
 (into the ring) and the window views, so the state stays pooled. Slot ``scratch`` belongs to no state: the padding
@@ -31,7 +26,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -39,26 +33,6 @@ import torch
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
 
 T = TypeVar("T")
-
-
-@dataclass
-class PooledBuffer:
-    """A compressor buffer living in a pool slot: positions ``start .. start + length`` (``CompressorBuffer``'s
-    interface: ``kv``, ``score``, ``start``)."""
-
-    pool: StatePool = field(repr=False)
-    key: tuple[int, str]
-    slot: int
-    length: int
-    start: int
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.pool.bufs[self.key][0][self.slot, : self.length]
-
-    @property
-    def score(self) -> torch.Tensor:
-        return self.pool.bufs[self.key][1][self.slot, : self.length]
 
 
 class RingBuffer:
@@ -118,7 +92,6 @@ class StatePool:
         self.free: list[int] = []
         self.owners: list[weakref.ref | None] = []
         self.rings: dict[int, torch.Tensor] = {}
-        self.bufs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.ring_specs: dict[tuple[int, str], tuple[int, int, int, bool]] = {}  # key -> (cap, dim, ratio, overlap)
         self.rbufs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.window_specs: dict[int, tuple[int, int]] = {}  # layer -> (rows, dim) of the registered window rings
@@ -147,16 +120,6 @@ class StatePool:
         return got
 
     # -- slots ------------------------------------------------------------------------------------------
-    def slots(self, states: list[SequenceState]) -> list[int]:
-        """Each state's slot, assigning free slots (growing the pool) to states that have none here."""
-        out = []
-        for st in states:
-            got = st.pool_slot
-            if got is None or got[0] is not self:
-                got = st.pool_slot = (self, self._take(st))
-            out.append(got[1])
-        return out
-
     def _take(self, st: SequenceState) -> int:
         if not self.free:
             self._grow(max(self._initial, 2 * self.capacity))
@@ -177,7 +140,6 @@ class StatePool:
             return new
 
         self.rings = {k: grown(v) for k, v in self.rings.items()}
-        self.bufs = {k: (grown(a), grown(b)) for k, (a, b) in self.bufs.items()}
         self.rbufs = {k: (grown(a), grown(b)) for k, (a, b) in self.rbufs.items()}
         self.generation += 1
         self.free += range(capacity - 1, old - 1, -1)
@@ -233,52 +195,6 @@ class StatePool:
                 rb.assign(CompressorBuffer(b.kv, b.score, b.start))  # a copy first: b may read this slot
             st.buffers[key] = rb
 
-    # -- windows ----------------------------------------------------------------------------------------
-    def ring(self, layer: int, states: list[SequenceState], slots: list[int], size: int, dim: int,
-             dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        """The rings of ``layer`` ``[S, size, dim]``, every state's window adopted into its slot."""
-        ring = self.rings.get(layer)
-        if ring is None:
-            ring = self.rings[layer] = torch.zeros(self.capacity, size, dim, dtype=dtype, device=self.device)
-        base, step = ring.data_ptr(), ring.stride(0) * ring.element_size()
-        for st, slot in zip(states, slots):
-            w = st.windows.get(layer)
-            if w is None or w.data_ptr() != base + slot * step:  # not this slot's view yet
-                view = ring[slot]
-                if w is None:
-                    view.zero_()
-                else:
-                    view.copy_(w)
-                st.windows[layer] = view
-        return ring
-
-    # -- compressor buffers -----------------------------------------------------------------------------
-    def buffers(self, key: tuple[int, str], states: list[SequenceState], slots: list[int], starts: list[int],
-                cap: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, list[PooledBuffer]]:  # fmt: skip
-        """The pooled buffers of ``key`` (``kv``, ``score`` ``[S, cap, dim]``) and every state's ``PooledBuffer``
-        (a plain buffer is copied in; none starts empty at the state's next position ``starts[i]``)."""
-        pair = self.bufs.get(key)
-        if pair is None:
-            pair = self.bufs[key] = tuple(
-                torch.zeros(self.capacity, cap, dim, dtype=torch.float32, device=self.device) for _ in range(2)
-            )
-        out = []
-        for st, slot, start in zip(states, slots, starts):
-            b = st.buffers.get(key)
-            if type(b) is PooledBuffer and b.pool is self and b.slot == slot:
-                out.append(b)
-                continue
-            n = 0 if b is None else b.kv.shape[0]
-            if n > cap:
-                raise ValueError(f"compressor buffer {key} holds {n} rows, more than the pool's {cap}")
-            if n:
-                pair[0][slot, :n] = b.kv
-                pair[1][slot, :n] = b.score
-            pb = PooledBuffer(self, key, slot, n, start if b is None else b.start)
-            st.buffers[key] = pb
-            out.append(pb)
-        return pair[0], pair[1], out
-
 
 def stacked_rows(tables: list[torch.Tensor]) -> torch.Tensor:
     """``tables`` (1-D) as one ``[B, P]`` tensor, padded with zeros where they are shorter than the longest: a view
@@ -315,4 +231,4 @@ def use_pool(model: torch.nn.Module, on: bool, holder: type) -> None:
         model._pool_given = pool
 
 
-__all__ = ["PooledBuffer", "RingBuffer", "StatePool", "stacked_rows", "use_pool"]
+__all__ = ["RingBuffer", "StatePool", "stacked_rows", "use_pool"]
