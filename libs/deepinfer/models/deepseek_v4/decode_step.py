@@ -86,13 +86,8 @@ class StepPlan:
     @classmethod
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
-        dev = pool.device
-        widths, pages = {}, 1
-        if cache is not None:
-            pages = span // cache.page_size
-            widths = {m: (span // m, pages) for m in sorted(set(cache.ratios.values()))}
-        tables = None if cache is None else torch.full((size, pages), cache.scratch_page, dtype=torch.long, device=dev)
-        meta = torch.zeros(4, size, dtype=torch.long, device=dev)
+        widths, tables = bucket_widths(cache, size, span, pool.device)
+        meta = torch.zeros(4, size, dtype=torch.long, device=pool.device)
         return cls(pool, cache, window, meta, tables, window, widths)
 
     @classmethod
@@ -100,9 +95,9 @@ class StepPlan:
         """An eager step's plan: exactly as many rows as ``chunks``, exact widths."""
         slots = pool.adopt([c.state for c in chunks])
         pos, floor = [c.start for c in chunks], [c.state.window_start for c in chunks]
-        widths, pages = cls._widths(cache, max(pos) + 1)
+        widths, pages = step_widths(cache, max(pos) + 1)
         meta = to_device(torch.tensor([slots, pos, floor, [1] * len(pos)], dtype=torch.long), pool.device)
-        tables = None if cache is None else cls._tables(chunks, pos, pages, cache)
+        tables = None if cache is None else block_tables(chunks, pages, cache)
         win_width = max(p - max(f, p - window + 1, 0) for p, f in zip(pos, floor)) + 1
         return cls(pool, cache, window, meta, tables, win_width, widths)
 
@@ -117,34 +112,10 @@ class StepPlan:
                 [1] * n + [0] * pad]  # fmt: skip
         _copy_in(self.meta, torch.tensor(host, dtype=torch.long))
         if cache is not None:
-            pages, held = self._widths(cache, max(pos) + 1)[1], self.tables.shape[1]
+            pages, held = step_widths(cache, max(pos) + 1)[1], self.tables.shape[1]
             if pages > held:
                 raise ValueError(f"decode step: {pages} pages a sequence needed, the bucket holds {held}")
-            self.tables[:n, :pages].copy_(self._tables(chunks, pos, pages, cache))
-
-    @staticmethod
-    def _widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[int, int]], int]:
-        """Exact widths for positions below ``top``: per ratio (rows, pages), and the most pages of any ratio."""
-        widths, pages = {}, 1
-        if cache is not None:
-            for m in sorted(set(cache.ratios.values())):
-                rows = top // m
-                widths[m] = (rows, max(-(-rows // (cache.page_size // m)), 1))
-                pages = max(pages, widths[m][1])
-        return widths, pages
-
-    @staticmethod
-    def _tables(chunks: list[SeqChunk], pos: list[int], pages: int, cache: PagedKVCache) -> torch.Tensor:
-        """The block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
-        m, ps = min(cache.ratios.values()), cache.page_size
-        for c, p in zip(chunks, pos):
-            need = -(-((p + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
-            if need > c.block_table.numel():
-                raise IndexError(f"block table has {c.block_table.numel()} pages, position {p} needs {need}")
-        t = stacked_rows([c.block_table for c in chunks])
-        if t.shape[1] < pages:
-            t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
-        return t[:, :pages]
+            self.tables[:n, :pages].copy_(block_tables(chunks, pages, cache))
 
     # -- what every layer derives alike -----------------------------------------------------------------------
     def indices(self, ops: Ops) -> StepIndices:
@@ -166,6 +137,42 @@ class StepPlan:
             return StepIndices(*win, dict(zip([r[0] for r in ratios], per_ratio)), dict(zip(rings, per_ring)))
 
         return self.once("indices", make)
+
+
+def bucket_widths(
+    cache: PagedKVCache | None, size: int, span: int, device: torch.device
+) -> tuple[dict[int, tuple[int, int]], torch.Tensor | None]:
+    """A graphed bucket's widths for positions below ``span`` (per ratio: rows, pages) and its block tables
+    ``[size, pages]`` (the scratch page until a step fills them)."""
+    if cache is None:
+        return {}, None
+    pages = span // cache.page_size
+    widths = {m: (span // m, pages) for m in sorted(set(cache.ratios.values()))}
+    return widths, torch.full((size, pages), cache.scratch_page, dtype=torch.long, device=device)
+
+
+def step_widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[int, int]], int]:
+    """Exact widths of a step for positions below ``top``: per ratio (rows, pages), and the most pages of any ratio."""
+    widths, pages = {}, 1
+    if cache is not None:
+        for m in sorted(set(cache.ratios.values())):
+            rows = top // m
+            widths[m] = (rows, max(-(-rows // (cache.page_size // m)), 1))
+            pages = max(pages, widths[m][1])
+    return widths, pages
+
+
+def block_tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
+    """The chunks' block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
+    m, ps = min(cache.ratios.values()), cache.page_size
+    for c in chunks:
+        need = -(-((c.start + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
+        if need > c.block_table.numel():
+            raise IndexError(f"block table has {c.block_table.numel()} pages, position {c.start} needs {need}")
+    t = stacked_rows([c.block_table for c in chunks])
+    if t.shape[1] < pages:
+        t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
+    return t[:, :pages]
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,4 +266,4 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(to_device(src, dst.device))
 
 
-__all__ = ["SPAN_MIN", "StepIndices", "StepPlan", "attend", "span_for"]
+__all__ = ["SPAN_MIN", "StepIndices", "StepPlan", "attend", "block_tables", "bucket_widths", "span_for", "step_widths"]

@@ -44,9 +44,16 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from deepinfer.host_copy import to_device
-from deepinfer.models.deepseek_v4.decode_step import SPAN_MIN, StepIndices, span_for
+from deepinfer.models.deepseek_v4.decode_step import (
+    SPAN_MIN,
+    StepIndices,
+    block_tables,
+    bucket_widths,
+    span_for,
+    step_widths,
+)
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
-from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.ops import Ops
 
@@ -97,13 +104,8 @@ class StepPlan:
     @classmethod
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
-        dev = pool.device
-        widths, pages = {}, 1
-        if cache is not None:
-            pages = span // cache.page_size
-            widths = {m: (span // m, pages) for m in sorted(set(cache.ratios.values()))}
-        tables = None if cache is None else torch.full((size, pages), cache.scratch_page, dtype=torch.long, device=dev)
-        meta = torch.zeros(8, size, dtype=torch.long, device=dev)
+        widths, tables = bucket_widths(cache, size, span, pool.device)
+        meta = torch.zeros(8, size, dtype=torch.long, device=pool.device)
         return cls(pool, cache, window, meta, tables, (window, window), widths)
 
     @classmethod
@@ -114,11 +116,11 @@ class StepPlan:
         slots = pool.adopt([c.state for c in chunks])
         host = cls._host_meta(chunks, slots, 0)
         pos = host[POS]
-        widths, pages = cls._widths(cache, int(pos.max()) + 1)
+        widths, pages = step_widths(cache, int(pos.max()) + 1)
         if span is not None and cache is not None:
             pages = max(span // cache.page_size, pages)
             widths = {m: (span // m, pages) for m in widths}
-        tables = None if cache is None else cls._tables(chunks, pages, cache)
+        tables = None if cache is None else block_tables(chunks, pages, cache)
         if span is not None:
             win_widths = (window, window)
         else:
@@ -135,10 +137,10 @@ class StepPlan:
         host = self._host_meta(chunks, slots, self.size - n, self.pool.scratch)
         self.meta.copy_(to_device(host, self.meta.device))
         if cache is not None:
-            pages, held = self._widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
+            pages, held = step_widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
             if pages > held:
                 raise ValueError(f"decode step: {pages} pages a sequence needed, the bucket holds {held}")
-            self.tables[:n, :pages].copy_(self._tables(chunks, pages, cache))
+            self.tables[:n, :pages].copy_(block_tables(chunks, pages, cache))
 
     @staticmethod
     def _host_meta(chunks: list[SeqChunk], slots: list[int], pad: int, scratch: int = 0) -> torch.Tensor:
@@ -149,30 +151,6 @@ class StepPlan:
             rows.append((s, c.start, st.window_start, 1, s, c.start, max(st.window_start, st.decoder_start), 1))
         rows += [(scratch, 0, 0, 0, scratch, 0, 0, 0)] * pad
         return torch.tensor(rows, dtype=torch.long).t().contiguous()
-
-    @staticmethod
-    def _widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[int, int]], int]:
-        """Exact widths for positions below ``top``: per ratio (rows, pages), and the most pages of any ratio."""
-        widths, pages = {}, 1
-        if cache is not None:
-            for m in sorted(set(cache.ratios.values())):
-                rows = top // m
-                widths[m] = (rows, max(-(-rows // (cache.page_size // m)), 1))
-                pages = max(pages, widths[m][1])
-        return widths, pages
-
-    @staticmethod
-    def _tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
-        """The block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
-        m, ps = min(cache.ratios.values()), cache.page_size
-        for c in chunks:
-            need = -(-((c.start + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
-            if need > c.block_table.numel():
-                raise IndexError(f"block table has {c.block_table.numel()} pages, position {c.start} needs {need}")
-        t = stacked_rows([c.block_table for c in chunks])
-        if t.shape[1] < pages:
-            t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
-        return t[:, :pages]
 
     # -- what every layer derives alike (once per step) -------------------------------------------------------
     def indices(self, ops: Ops) -> StepIndices:
