@@ -322,17 +322,12 @@ def main():
     torch.manual_seed(0)
     t0 = time.time()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
-    if args.grouped:
-        rows = bench_grouped(args)
+    if args.grouped or args.tune:  # one JSON file of the variant's rows
+        name, key, fn = ("grouped", "rows", bench_grouped) if args.grouped else ("tune", "results", tune)
+        res = fn(args)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gemm_fp8_grouped.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        return
-    if args.tune:
-        res = tune(args)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gemm_fp8_tune.json").write_text(json.dumps(dict(meta=meta, results=res), indent=1))
+            (args.out / f"gemm_fp8_{name}.json").write_text(json.dumps({"meta": meta, key: res}, indent=1))
         return
     rows = []
     for name in args.shapes:
