@@ -201,8 +201,7 @@ def run(batch: int, steps: int, kind: str, dtype: torch.dtype, context: int = 30
             from deepinfer.models.deepseek_v4.decode_step import span_for
 
             bk = graphs._bucket(batch, torch.device("cpu"), span_for(span, cache.page_size), cache)
-            bk.plan.fill(chunks, slots)
-            bk.token_ids.copy_(b.token_ids)
+            bk.plan.fill(chunks, slots, b)
             (seg,) = graphs._segments(bk)
             pool.begin_step()
             census.on = True

@@ -323,6 +323,9 @@ def timed(fn, dev: torch.device) -> float:
     return time.perf_counter() - t
 
 
+PIPELINED_STEPS = 8  # host_and_pipelined's back-to-back steps
+
+
 def run_timed(fn, dev, warmup: int, repeats: int, budget: Budget, estimate: float | None) -> dict[str, Any]:
     """Median of up to ``repeats`` timed runs after ``warmup`` runs, fewer when the budget runs short."""
     if estimate is not None and estimate * (warmup + 1) > budget.left():
@@ -343,6 +346,25 @@ def run_timed(fn, dev, warmup: int, repeats: int, budget: Budget, estimate: floa
     if note:
         out["note"] = note
     return out
+
+
+def host_and_pipelined(fn, dev, steps: int = PIPELINED_STEPS) -> dict[str, float]:
+    """``host_ms``: the host's time to queue one step on an idle GPU (median of 3; the part of ``ms`` no kernel
+    overlaps when every step waits for the previous one). ``pipelined_ms``: ``steps`` steps queued back to back with
+    one wait at the end, per step: what a scheduler that prepares step n+1 while step n runs would see (the step
+    never waits for the GPU: ``tests/kernels/test_graphs.py``)."""
+    hosts = []
+    for _ in range(3):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        hosts.append(time.perf_counter() - t)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(dev)
+    return {"host_ms": 1e3 * statistics.median(hosts), "pipelined_ms": 1e3 * (time.perf_counter() - t) / steps}
 
 
 def free(dev: torch.device) -> None:
@@ -664,8 +686,8 @@ class Ours:
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
         ps = args.page_size
-        # + the routing probe, two profiled steps, three host-profiled ones and a spare
-        self.steps = args.warmup + args.repeats + 7
+        # + the routing probe, two profiled steps, three host-profiled ones, a spare and host_and_pipelined's
+        self.steps = args.warmup + args.repeats + 7 + 3 + PIPELINED_STEPS
         self.profiles: dict[int, dict] = {}
         self.ab: list[dict] = []  # --ab: before/after rows (decode_ab)
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
@@ -739,9 +761,12 @@ class Ours:
                     raise Skip("skipped: section budget spent")
                 step = self.make_step(b, self.steps)
                 row.update(run_timed(step, self.dev, self.args.warmup, self.args.repeats, budget, est))
+                if budget.left() > row["ms"] * (PIPELINED_STEPS + 3) / 1e3:
+                    row.update(host_and_pipelined(step, self.dev))
                 row["distinct_experts"] = self._probe_routing(step)
                 prev = (b, row["ms"] / 1e3)
-                log(f"  ours decode B={b}: {row['ms']:.1f} ms/step ({row['runs']} runs)")
+                timing = {k: round(row[k], 2) for k in ("host_ms", "pipelined_ms") if k in row}
+                log(f"  ours decode B={b}: {row['ms']:.2f} ms/step ({row['runs']} runs); {timing}")
                 if b in self.args.profile:
                     self.profiles[b] = profile_step(self.model, step, self.dev)
                     log(f"  ours decode B={b} profiled: {self.profiles[b]['regions_ms']}")
@@ -1068,8 +1093,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"Decode (context {res['decode_context']} tokens per sequence; ms per step of the whole batch)",
         "",
         "| batch | ours ms | peer ms | roofline ms | ours × roofline | peer × roofline | ours tok/s | peer tok/s | "
-        "experts/layer (model / ours / peer) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "experts/layer (model / ours / peer) | ours host ms | ours back to back ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     notes = []
     for r in res["decode"]:
@@ -1078,7 +1103,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['batch']} | {_f(r.get('ms'), '.1f')} | {_f(p.get('ms'), '.1f')} | {r['roofline_ms']:.3f} | "
             f"{_f(r.get('x_roofline'), '.1f')} | {_f(p.get('x_roofline'), '.1f')} | {_f(r.get('tok_s'), '.1f')} | "
             f"{_f(p.get('tok_s'), '.1f')} | {r['unique_experts_per_layer']:.1f} / "
-            f"{_f(r.get('distinct_experts'), '.1f')} / {_f(p.get('distinct_experts'), '.1f')} |"
+            f"{_f(r.get('distinct_experts'), '.1f')} / {_f(p.get('distinct_experts'), '.1f')} | "
+            f"{_f(r.get('host_ms'), '.2f')} | {_f(r.get('pipelined_ms'), '.2f')} |"
         )
         for who, x in (("ours", r), ("peer", p)):
             if x.get("note"):

@@ -54,7 +54,21 @@ for _p in (ROOT / "libs", ROOT / "tests", ROOT / "bench"):
 
 import decode_ab  # noqa: E402
 import torch  # noqa: E402
-from sweep import Budget, Skip, failure, free, gpu_name, log, probe_ceilings, run_timed, sync, timed, versions  # noqa: E402
+from sweep import (  # noqa: E402
+    PIPELINED_STEPS,
+    Budget,
+    Skip,
+    failure,
+    free,
+    gpu_name,
+    host_and_pipelined,
+    log,
+    probe_ceilings,
+    run_timed,
+    sync,
+    timed,
+    versions,
+)
 from weight_sets import OrderSets, WeightSets  # noqa: E402
 
 from deepinfer.checkpoint.names_v41 import expected_tensors  # noqa: E402
@@ -222,7 +236,8 @@ class Ours:
         self.model, self.args, self.dev, self.c = model, args, dev, model.config
         self.weight_sets, self.order_sets = weight_sets, order_sets
         ps = args.page_size
-        self.steps = args.warmup + args.repeats + 2  # + the profiled step (--ab) and one spare
+        # + the profiled step (--ab), one spare and host_and_pipelined's
+        self.steps = args.warmup + args.repeats + 2 + 3 + PIPELINED_STEPS
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         self.lanes = len(decode_ab.variants_of(self)) if args.ab else 1  # --ab: one set of batch pages per variant
@@ -289,8 +304,11 @@ class Ours:
                     raise Skip("skipped: section budget spent")
                 step = self.make_step(b, self.steps)
                 row.update(run_timed(step, self.dev, self.args.warmup, self.args.repeats, budget, None))
+                if budget.left() > row["ms"] * (PIPELINED_STEPS + 3) / 1e3:
+                    row.update(host_and_pipelined(step, self.dev))
                 row.update(self._graphs())
-                log(f"  ours decode B={b}: {row['ms']:.1f} ms/step {self._graphs()}")
+                timing = {k: round(row[k], 2) for k in ("host_ms", "pipelined_ms") if k in row}
+                log(f"  ours decode B={b}: {row['ms']:.2f} ms/step {timing} {self._graphs()}")
                 del step
                 if self.args.ab and hasattr(self.model.ops, "cuda_graphs"):
                     ab = decode_ab.ab_decode(self, b, timed, Budget(self.args.budget_s, budget.deadline))
@@ -380,13 +398,14 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Decode (context {res['context']} tokens per sequence; ms per step of the whole batch)",
         "",
-        "| batch | ours ms | roofline ms | × roofline | tok/s | experts/layer (model) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | ours ms | roofline ms | × roofline | tok/s | experts/layer (model) | host ms | back to back ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["decode"]:
         lines.append(f"| {r['batch']} | {f(r.get('ms'), '.1f')} | {r['roofline_ms']:.3f} | "
                      f"{f(r.get('x_roofline'), '.1f')} | {f(r.get('tok_s'), '.1f')} | "
-                     f"{r['unique_experts_per_layer']:.1f} |")  # fmt: skip
+                     f"{r['unique_experts_per_layer']:.1f} | {f(r.get('host_ms'), '.2f')} | "
+                     f"{f(r.get('pipelined_ms'), '.2f')} |")  # fmt: skip
     lines += ["", "Prefill (one sequence, exact)", "", "| tokens | ours ms | peer ms | FP8 FLOP roofline ms | "
               "ours frac. of FP8 peak | peer frac. of FP8 peak |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in res["prefill"]:

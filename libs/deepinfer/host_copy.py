@@ -28,9 +28,47 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class StagedCopy:
+    """``dst[:len(src)].copy_(src)`` from host memory through pinned buffers kept for it: a decode step's fixed-shape
+    metadata, copied every step. ``to_device`` takes a pinned block from PyTorch's caching host allocator per copy
+    (``is_pinned``, ``pin_memory`` and the copy: about 0.09 ms of host time each on an H200 machine, several a
+    step before the graph's launch). Here the host writes into one of ``depth`` pinned buffers of ``dst``'s shape,
+    round robin, and queues one copy; a buffer is written again only once the copy that last read it has run (its
+    event), and when none is free the copy goes through ``to_device``: the host never waits for the GPU."""
+
+    def __init__(self, dst: torch.Tensor, depth: int = 4) -> None:
+        self.dst = dst
+        cuda = dst.device.type == "cuda"
+        self._bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(depth)] if cuda else []
+        self._events: list[torch.cuda.Event | None] = [None] * len(self._bufs)
+        self._next = 0
+        self.fallbacks = 0  # copies that found no free buffer (tests, benchmarks)
+
+    def copy(self, src: torch.Tensor) -> None:
+        n = src.shape[0]
+        dst = self.dst[:n]
+        if not self._bufs or BLOCKING or src.device.type != "cpu" or torch.cuda.is_current_stream_capturing():
+            dst.copy_(to_device(src, dst.device))
+            return
+        for _ in range(len(self._bufs)):
+            i = self._next
+            self._next = (i + 1) % len(self._bufs)
+            ev = self._events[i]
+            if ev is None or ev.query():
+                buf = self._bufs[i][:n]
+                buf.copy_(src)
+                dst.copy_(buf, non_blocking=True)
+                if ev is None:
+                    ev = self._events[i] = torch.cuda.Event()
+                ev.record()
+                return
+        self.fallbacks += 1
+        dst.copy_(to_device(src, dst.device))
+
+
 def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(data, dtype=dtype, device=device)`` without waiting for the GPU (``to_device``)."""
     return to_device(torch.tensor(data, dtype=dtype), device)
 
 
-__all__ = ["tensor", "to_device"]
+__all__ = ["StagedCopy", "tensor", "to_device"]

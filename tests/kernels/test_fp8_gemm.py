@@ -91,7 +91,9 @@ def test_w8a16_matches_reference_fp32(m, n, k, block, act_quant, variant):
     out = fp8_linear(x, w, s, act_quant=act_quant, config=cfg)
     ref = _reference(x, w, s, act_quant)
     assert out.dtype == x.dtype and out.shape == (m, n)
-    assert _rel(out, ref) < 1e-5
+    picked = cfg or pick_config(m, n, k, (block, block), act_quant)
+    # "auto" with act_quant from 16 rows is the FP8 MMA (swap_ab W8A8): its tolerance on a GPU (see the W8A8 test)
+    assert _rel(out, ref) < (1e-3 if picked.path == "w8a8" and DEVICE == "cuda" else 1e-5)
 
 
 def test_split_k_and_leading_dims():

@@ -64,15 +64,11 @@ class SegmentGraphs:
 
     def applies(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a decode step this can replay (``graphable``, on CUDA, not capturing)."""
-        return batch.token_ids.is_cuda and not torch.cuda.is_current_stream_capturing() and self.graphable(batch)
+        return batch.device.type == "cuda" and not torch.cuda.is_current_stream_capturing() and self.graphable(batch)
 
     def graphable(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a decode step (one token per chunk) whatever its device; a model may refuse more."""
-        return (
-            bool(batch.chunks)
-            and all(c.length == 1 for c in batch.chunks)
-            and batch.token_ids.shape[0] == len(batch.chunks)
-        )
+        return bool(batch.chunks) and all(c.length == 1 for c in batch.chunks) and batch.num_tokens == len(batch.chunks)
 
     def bucket(self, batch: ForwardBatch, extra: tuple = (), before: Callable[[Any], None] | None = None) -> Any | None:
         """The captured bucket that runs ``batch`` (captured on first use), or None: no bucket holds it, or its
@@ -83,7 +79,7 @@ class SegmentGraphs:
             return None
         key = self._key(size) + extra
         if key not in self.buckets:
-            self.buckets[key] = self._capture(size, batch.token_ids.device, extra, before)
+            self.buckets[key] = self._capture(size, batch.device, extra, before)
         return self.buckets[key]
 
     # -- what a model provides ----------------------------------------------------------------------------------

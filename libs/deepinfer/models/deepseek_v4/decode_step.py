@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from deepinfer.host_copy import to_device
-from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.host_copy import StagedCopy, to_device
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
 from deepinfer.ops import Ops
 
@@ -70,6 +70,8 @@ class StepPlan:
     win_width: int
     widths: dict[int, tuple[int, int]]
     derived: dict = field(default_factory=dict)
+    ids: torch.Tensor | None = None  # a graphed bucket's token ids [S]: the row after ``meta`` in one buffer
+    stage: StagedCopy | None = None  # the buffer's host copies (``fill``)
 
     @property
     def size(self) -> int:
@@ -87,8 +89,8 @@ class StepPlan:
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
-        meta = torch.zeros(4, size, dtype=torch.long, device=pool.device)
-        return cls(pool, cache, window, meta, tables, window, widths)
+        buf = torch.zeros(5, size, dtype=torch.long, device=pool.device)  # meta, then the token ids: one copy a step
+        return cls(pool, cache, window, buf[:4], tables, window, widths, ids=buf[4], stage=StagedCopy(buf))
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> StepPlan:
@@ -101,16 +103,21 @@ class StepPlan:
         win_width = max(p - max(f, p - window + 1, 0) for p, f in zip(pos, floor)) + 1
         return cls(pool, cache, window, meta, tables, win_width, widths)
 
-    def fill(self, chunks: list[SeqChunk], slots: list[int]) -> None:
-        """Load a graphed bucket's plan with the step of ``chunks`` (at most ``size`` of them, positions below its
-        span; ``slots``: their pool slots, ``StatePool.adopt``). The rows past them are padding: the scratch slot,
-        not live (so they write only there and to the scratch page), stale block tables (valid page ids, read and
-        never listed)."""
+    def fill(self, chunks: list[SeqChunk], slots: list[int], batch: ForwardBatch) -> None:
+        """Load a graphed bucket's plan and token ids (``ids``) with the step ``batch`` of ``chunks`` (at most
+        ``size`` of them, positions below its span; ``slots``: their pool slots, ``StatePool.adopt``): one host copy
+        (``stage``) when the batch's ids are in host memory. The rows past them are padding: the scratch slot, not
+        live (so they write only there and to the scratch page), token 0, stale block tables (valid page ids, read
+        and never listed)."""
         n, pad, cache = len(chunks), self.size - len(chunks), self.cache
         pos = [c.start for c in chunks]
         host = [slots + [self.pool.scratch] * pad, pos + [0] * pad, [c.state.window_start for c in chunks] + [0] * pad,
                 [1] * n + [0] * pad]  # fmt: skip
-        _copy_in(self.meta, torch.tensor(host, dtype=torch.long))
+        if batch.host_token_ids is not None:
+            self.stage.copy(torch.tensor(host + [batch.host_token_ids.tolist() + [0] * pad], dtype=torch.long))
+        else:  # ids already on the device (a previous step's samples)
+            self.stage.copy(torch.tensor(host, dtype=torch.long))
+            self.ids[:n].copy_(batch.token_ids)
         if cache is not None:
             pages, held = step_widths(cache, max(pos) + 1)[1], self.tables.shape[1]
             if pages > held:
@@ -259,11 +266,6 @@ def _compress(
     rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done, cos_sin=cos_sin)
     pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
     return ops.store_rows(store, page, row, rows, pages, into).flatten(0, 1)
-
-
-def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` from host memory without waiting for the GPU (``host_copy.to_device``)."""
-    dst.copy_(to_device(src, dst.device))
 
 
 __all__ = ["SPAN_MIN", "StepIndices", "StepPlan", "attend", "block_tables", "bucket_widths", "span_for", "step_widths"]

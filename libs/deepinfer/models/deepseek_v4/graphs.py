@@ -9,9 +9,10 @@ written to the paged cache, indexer top-k, sparse attention) and ``Block.ffn_out
 expand, the MoE sublayer).
 
 A bucket is a batch size (``decode_graphs.BUCKETS``) and a span (``decode_step.span_for``: the positions its lists
-cover, a few per doubling of the context). Before a replay the host loads the plan (``StepPlan.fill``: one copy of
-``[4, size]`` integers, the block tables) and the token ids; a batch of ``B`` sequences runs in the smallest bucket
-``≥ B`` and its padding rows write to the pool's scratch slot and the cache's scratch page. The replay's results
+cover, a few per doubling of the context). Before a replay the host loads the plan and the token ids
+(``StepPlan.fill``: one copy of ``[5, size]`` integers from pinned memory, and the block tables); a batch of ``B``
+sequences runs in the smallest bucket ``≥ B`` and its padding rows write to the pool's scratch slot and the cache's
+scratch page. The replay's results
 are the eager step's (``decode_step`` with the bucket's widths: the kernels read only the listed rows), bit for bit
 at a bucket's size (``tests/kernels/test_graphs.py`` checks this on a GPU). A bucket's capture runs the step twice
 and captures it: the step's writes are idempotent, so the state advances once.
@@ -73,8 +74,7 @@ class DecodeGraphs(SegmentGraphs):
         n = len(chunks)
 
         def load(bk: _Bucket) -> None:
-            bk.plan.fill(chunks, slots)
-            bk.token_ids[:n].copy_(batch.token_ids)
+            bk.plan.fill(chunks, slots, batch)
 
         bk = self.bucket(batch, (span, cache), before=load)
         if bk is None:
@@ -108,7 +108,7 @@ class DecodeGraphs(SegmentGraphs):
         """A bucket's static inputs (zeros) and no graphs yet."""
         pool, window = self.model.state_pool, self.model.config.sliding_window
         plan = StepPlan.empty(pool, cache, window, size, span)
-        return _Bucket(size=size, token_ids=torch.zeros(size, dtype=torch.long, device=device), plan=plan)
+        return _Bucket(size=size, token_ids=plan.ids, plan=plan)
 
 
 __all__ = ["BUCKETS", "DecodeGraphs", "bucket_for"]

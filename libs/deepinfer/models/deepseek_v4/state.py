@@ -299,16 +299,57 @@ class SeqChunk:
         return self.start + self.length
 
 
-@dataclass
-class ForwardBatch:
-    """One step: the new tokens of several sequences, concatenated in ``chunks`` order."""
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index, as a tensor made there reports it (``cuda`` → ``cuda:0``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    chunks: list[SeqChunk]
-    input_embeds: torch.Tensor | None = None  # [T, hidden] in place of the token embeddings (image features)
-    image_mask: torch.Tensor | None = None  # [T] bool: image-span tokens (V4.1: bias_vl routing, no Engram)
-    host_token_ids: torch.Tensor | None = None  # token_ids in host memory, where the batch was built from host lists
+
+class ForwardBatch:
+    """One step: the new tokens of several sequences, concatenated in ``chunks`` order.
+
+    ``token_ids`` and ``positions`` are device tensors. A batch built from host lists (``build``) keeps them in host
+    memory (``host_token_ids``, ``host_positions``) and copies them to ``device`` together, once, when one is first
+    read: a graphed decode step reads the host ids alone (into its bucket's one metadata copy) and never needs them."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        chunks: list[SeqChunk],
+        input_embeds: torch.Tensor | None = None,  # [T, hidden] in place of the token embeddings (image features)
+        image_mask: torch.Tensor | None = None,  # [T] bool: image-span tokens (V4.1: bias_vl routing, no Engram)
+        host_token_ids: torch.Tensor | None = None,  # token_ids in host memory, where the batch was built from lists
+        host_positions: torch.Tensor | None = None,
+        device: torch.device | str | None = None,  # where token_ids / positions go when they are made lazily
+    ) -> None:
+        if token_ids is None and (host_token_ids is None or host_positions is None or device is None):
+            raise ValueError("ForwardBatch: token_ids, or host_token_ids, host_positions and device")
+        self._token_ids, self._positions = token_ids, positions
+        self.chunks, self.input_embeds, self.image_mask = chunks, input_embeds, image_mask
+        self.host_token_ids, self.host_positions = host_token_ids, host_positions
+        self.device = token_ids.device if token_ids is not None else _indexed(torch.device(device))
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        if self._token_ids is None:
+            self._to_device()
+        return self._token_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            self._to_device()
+        return self._positions
+
+    @property
+    def num_tokens(self) -> int:
+        return (self._token_ids if self._token_ids is not None else self.host_token_ids).shape[0]
+
+    def _to_device(self) -> None:
+        both = to_device(torch.stack([self.host_token_ids, self.host_positions]), self.device)  # one copy
+        self._token_ids, self._positions = both[0], both[1]
 
     @classmethod
     def build(
@@ -324,13 +365,8 @@ class ForwardBatch:
                 raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
             ids.extend(t)
             pos.extend(range(c.start, c.end))
-        host = torch.tensor(ids, dtype=torch.long)
-        return cls(
-            token_ids=to_device(host, device),
-            positions=to_device(torch.tensor(pos, dtype=torch.long), device),
-            chunks=chunks,
-            host_token_ids=host,
-        )
+        host = torch.tensor([ids, pos], dtype=torch.long)
+        return cls(None, None, chunks, host_token_ids=host[0], host_positions=host[1], device=device)
 
     def offsets(self) -> list[tuple[int, int]]:
         out, o = [], 0

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from deepinfer.host_copy import to_device
+from deepinfer.host_copy import StagedCopy, to_device
 from deepinfer.models.deepseek_v4.decode_step import (
     SPAN_MIN,
     StepIndices,
@@ -52,7 +52,7 @@ from deepinfer.models.deepseek_v4.decode_step import (
     span_for,
     step_widths,
 )
-from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.ops import Ops
@@ -87,6 +87,8 @@ class StepPlan:
     win_widths: tuple[int, int]
     widths: dict[int, tuple[int, int]]
     derived: dict = field(default_factory=dict)  # what the layers share within one step (``once``)
+    ids: torch.Tensor | None = None  # a graphed bucket's token ids [S]: the row after ``meta`` in one buffer
+    stage: StagedCopy | None = None  # the buffer's host copies (``fill``)
 
     @property
     def size(self) -> int:
@@ -105,8 +107,8 @@ class StepPlan:
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
-        meta = torch.zeros(8, size, dtype=torch.long, device=pool.device)
-        return cls(pool, cache, window, meta, tables, (window, window), widths)
+        buf = torch.zeros(9, size, dtype=torch.long, device=pool.device)  # meta, then the token ids: one copy a step
+        return cls(pool, cache, window, buf[:8], tables, (window, window), widths, ids=buf[8], stage=StagedCopy(buf))
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
@@ -128,14 +130,21 @@ class StepPlan:
             win_widths = tuple(int((pos - f).max()) + 1 for f in first)
         return cls(pool, cache, window, to_device(host, pool.device), tables, win_widths, widths)
 
-    def fill(self, chunks: list[SeqChunk], slots: list[int]) -> None:
-        """Load a graphed bucket's plan with the step of ``chunks`` (at most ``size`` of them, positions below its
-        span; ``slots``: their pool slots, ``StatePool.adopt``). The rows past them are padding: the scratch slot,
-        not live (so they write only there and to the scratch page), stale block tables (valid page ids, read and
-        never listed)."""
+    def fill(self, chunks: list[SeqChunk], slots: list[int], batch: ForwardBatch) -> None:
+        """Load a graphed bucket's plan and token ids (``ids``) with the step ``batch`` of ``chunks`` (at most
+        ``size`` of them, positions below its span; ``slots``: their pool slots, ``StatePool.adopt``): one host copy
+        (``stage``) when the batch's ids are in host memory. The rows past them are padding: the scratch slot, not
+        live (so they write only there and to the scratch page), token 0, stale block tables (valid page ids, read
+        and never listed)."""
         n, cache = len(chunks), self.cache
         host = self._host_meta(chunks, slots, self.size - n, self.pool.scratch)
-        self.meta.copy_(to_device(host, self.meta.device))
+        if batch.host_token_ids is not None:
+            ids = torch.zeros(1, self.size, dtype=torch.long)
+            ids[0, :n] = batch.host_token_ids
+            self.stage.copy(torch.cat([host, ids]))
+        else:  # ids already on the device (a previous step's samples)
+            self.stage.copy(host)
+            self.ids[:n].copy_(batch.token_ids)
         if cache is not None:
             pages, held = step_widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
             if pages > held:

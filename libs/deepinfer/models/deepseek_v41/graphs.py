@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.host_copy import to_device
+from deepinfer.host_copy import StagedCopy
 from deepinfer.models.decode_graphs import SegmentGraphs
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
 from deepinfer.models.deepseek_v41 import decode_step
@@ -55,6 +55,7 @@ class _Bucket:
     engram_rows: dict[int, torch.Tensor]  # layer -> looked-up rows [size, hashes, dim], with the tables elsewhere
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
     y: torch.Tensor | None = None  # the step's output
+    engram_stage: StagedCopy | None = None  # the host copies into ``engram``
 
 
 class DecodeGraphs(SegmentGraphs):
@@ -98,10 +99,9 @@ class DecodeGraphs(SegmentGraphs):
         rows = model._engram_rows(batch, torch.device("cpu"))  # advances the histories
 
         def load(bk: _Bucket) -> None:
-            bk.plan.fill(chunks, slots)
-            bk.token_ids[:n].copy_(batch.token_ids)
+            bk.plan.fill(chunks, slots, batch)
             if bk.engram is not None:
-                bk.engram[:n].copy_(to_device(rows, bk.engram.device))
+                bk.engram_stage.copy(rows)
             for i, static in bk.engram_rows.items():
                 engram = model.layers[i].engram
                 static[:n].copy_(engram.embed.lookup(rows[:, engram.slot], static.device))
@@ -160,10 +160,11 @@ class DecodeGraphs(SegmentGraphs):
         plan = StepPlan.empty(self.model.state_pool, cache, c.sliding_window, size, span)
         return _Bucket(
             size=size,
-            token_ids=torch.zeros(size, dtype=torch.long, device=device),
+            token_ids=plan.ids,
             plan=plan,
             engram=engram,
             engram_rows=engram_rows,
+            engram_stage=None if engram is None else StagedCopy(engram),
         )
 
 

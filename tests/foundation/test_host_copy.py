@@ -1,0 +1,69 @@
+"""Host-to-device copies that never wait for the GPU (``deepinfer.host_copy``) and the lazy device copies of a
+``ForwardBatch`` built from host lists."""
+
+import pytest
+import torch
+
+from deepinfer.host_copy import StagedCopy
+from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_forward_batch_copies_ids_and_positions_once_when_first_read():
+    states = [SequenceState(num_tokens=5), SequenceState(num_tokens=0)]
+    chunks = [SeqChunk(states[0], 5, 1, torch.arange(2)), SeqChunk(states[1], 0, 3, torch.arange(2))]
+    b = ForwardBatch.build(chunks, [[7], [1, 2, 3]])
+    assert b.num_tokens == 4 and b.device == torch.device("cpu")
+    assert b._token_ids is None and b._positions is None  # nothing made before it is read
+    assert b.host_token_ids.tolist() == [7, 1, 2, 3] and b.host_positions.tolist() == [5, 0, 1, 2]
+    assert b.positions.tolist() == [5, 0, 1, 2]
+    ids = b.token_ids
+    assert ids.tolist() == [7, 1, 2, 3] and b.token_ids is ids  # made together, once
+    with pytest.raises(ValueError, match="host_token_ids"):
+        ForwardBatch(None, None, chunks)
+
+
+def test_staged_copy_on_the_host_is_a_plain_copy():
+    dst = torch.zeros(3, 4, dtype=torch.long)
+    st = StagedCopy(dst)
+    st.copy(torch.arange(8).view(2, 4))
+    assert dst.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 0, 0, 0]]
+
+
+@cuda
+def test_staged_copy_reuses_its_buffers_and_never_waits():
+    dst = torch.zeros(5, 16, dtype=torch.long, device="cuda")
+    st = StagedCopy(dst, depth=2)
+    for i in range(6):  # an idle GPU: every copy finds a free buffer
+        src = torch.full((5, 16), i, dtype=torch.long)
+        st.copy(src)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), src)
+    assert st.fallbacks == 0
+    torch.cuda._sleep(200_000_000)  # GPU time queued ahead: the buffers' copies stay pending
+    queued = torch.cuda.Event()
+    queued.record()
+    srcs = [torch.full((3, 16), 10 + i, dtype=torch.long) for i in range(4)]
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for src in srcs:  # later copies find both buffers busy: fresh pinned memory, and no wait
+            st.copy(src)
+            outs.append(dst[:3].clone())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not queued.query(), "the host waited for the GPU"
+    assert st.fallbacks == 2
+    torch.cuda.synchronize()
+    for src, out in zip(srcs, outs):  # each copy landed in order, from its own source
+        assert torch.equal(out.cpu(), src)
+
+
+@cuda
+def test_forward_batch_device_is_the_tensors_device():
+    """``cuda`` names the current device with its index, as the lazily made tensors report it (models compare it with
+    their weights' devices)."""
+    chunks = [SeqChunk(SequenceState(num_tokens=0), 0, 2, torch.arange(2))]
+    b = ForwardBatch.build(chunks, [[3, 4]], "cuda")
+    assert b.device == b.token_ids.device == torch.ones(1, device="cuda").device
