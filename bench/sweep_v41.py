@@ -64,6 +64,7 @@ from sweep import (  # noqa: E402
     host_and_pipelined,
     log,
     probe_ceilings,
+    profile_prefill,
     run_timed,
     sync,
     timed,
@@ -220,6 +221,8 @@ def build_ours(config: DeepseekV41Config, dev: torch.device, seed: int) -> Deeps
             p.normal_(0, 0.02, generator=g)
         else:
             p.normal_(0, p.shape[-1] ** -0.5, generator=g)
+        if name == "head.weight":  # stored in bf16 and widened by the loader (checkpoint.names_v41): bf16 values
+            p.copy_(p.to(torch.bfloat16).float())
     return model.eval()
 
 
@@ -236,8 +239,9 @@ class Ours:
         self.model, self.args, self.dev, self.c = model, args, dev, model.config
         self.weight_sets, self.order_sets = weight_sets, order_sets
         ps = args.page_size
-        # + the profiled step (--ab), one spare and host_and_pipelined's
-        self.steps = args.warmup + args.repeats + 2 + 3 + PIPELINED_STEPS
+        # + the profiled step (--ab), one spare, host_and_pipelined's
+        self.steps = args.warmup + args.repeats + 2 + 3 + PIPELINED_STEPS + 1  # + the --profile step
+        self.profiles: dict[int, dict] = {}  # --profile: torch.profiler over one decode step per batch
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
         self.n_tpl = args.contexts
         self.lanes = len(decode_ab.variants_of(self)) if args.ab else 1  # --ab: one set of batch pages per variant
@@ -309,6 +313,9 @@ class Ours:
                 row.update(self._graphs())
                 timing = {k: round(row[k], 2) for k in ("host_ms", "pipelined_ms") if k in row}
                 log(f"  ours decode B={b}: {row['ms']:.2f} ms/step {timing} {self._graphs()}")
+                if b in self.args.profile:  # the graphed step as it runs (kernels by device time)
+                    self.profiles[b] = profile_prefill(step, self.dev)
+                    log(f"  ours decode B={b} profiled: {self.profiles[b].get('device_busy_ms')} ms busy")
                 del step
                 if self.args.ab and hasattr(self.model.ops, "cuda_graphs"):
                     ab = decode_ab.ab_decode(self, b, timed, Budget(self.args.budget_s, budget.deadline))
@@ -477,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="make --ab compare the step's host-to-device copies synchronous against asynchronous (host_copy.py)",
     )
+    ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (torch.profiler)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -511,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ours = Ours(model, args, dev, args.batches, sets, orders)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))
-    decode_ab_rows = ours.ab
+    decode_ab_rows, profiles = ours.ab, {str(b): p for b, p in ours.profiles.items()}
     weights = "native" if native or sets is not None else "bf16"
     del ours, model, sets
     free(dev)
@@ -528,6 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = {"date": datetime.date.today().isoformat(), "gpu": gpu_name(dev), "tiny": args.tiny, "layers": args.layers,
            "context": args.context, "ceilings": ceil, "weights": weights, "notes": notes,
            "decode": decode, "decode_ab": decode_ab_rows, "prefill": prefill,
+           "profile": profiles,
            "peer": peer,
            "versions": versions(), "command": " ".join(sys.argv)}  # fmt: skip
     md = markdown(res)

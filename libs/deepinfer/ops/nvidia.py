@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.ops.bf16_parts import linear_by_parts, narrow_lossless
 from deepinfer.ops.invariant import BatchInvariantOps
 from deepinfer.ops.nvidia_glue import StepGlueOps
 from deepinfer.ops.reference import ReferenceOps
@@ -268,7 +269,13 @@ class NvidiaOps(StepGlueOps, ReferenceOps):
 
     def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """bf16 / fp16 on CUDA: one half-precision GEMM with fp32 accumulation and fp32 output (no fp32 copy of the
-        ~1 GB head weight each step); the reference's cast-then-fp32-GEMM elsewhere."""
+        ~1 GB head weight each step); fp32 ``y`` with a bf16 head (V4.1, ``prepare_weights``): the same GEMM on
+        ``y``'s three exact bf16 parts (``ops.bf16_parts``); the reference's cast-then-fp32-GEMM elsewhere."""
+        if y.is_cuda and w.dtype == torch.bfloat16 and y.dtype == torch.float32:
+            try:
+                return linear_by_parts(y, w)
+            except (TypeError, RuntimeError):  # a torch without out_dtype for mm
+                pass
         if y.is_cuda and y.dtype == w.dtype and y.dtype in (torch.bfloat16, torch.float16):
             try:
                 return torch.mm(y.reshape(-1, y.shape[-1]), w.t(), out_dtype=torch.float32).view(*y.shape[:-1], -1)
@@ -367,12 +374,16 @@ class NvidiaOps(StepGlueOps, ReferenceOps):
         return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """The MXFP4 experts on a GPU go into the shift order (``quant.nibble_order``: a cheaper decode in
-        ``kernels.moe_mxfp4``)."""
+        """On a GPU: the MXFP4 experts go into the shift order (``quant.nibble_order``: a cheaper decode in
+        ``kernels.moe_mxfp4``), and an output head widened to fp32 from bf16 (V4.1's loader) is kept in bf16 when
+        that is lossless (``ops.bf16_parts``: ``logits_linear`` reads half the bytes, on tensor cores)."""
         from deepinfer.quant.native import shift_experts
 
         if any(p.is_cuda for p in model.parameters()):
             shift_experts(model)
+            head = getattr(model, "head", None)
+            if isinstance(getattr(head, "weight", None), torch.nn.Parameter) and head.weight.is_cuda:
+                narrow_lossless(head.weight)
 
     def moe(
         self,
