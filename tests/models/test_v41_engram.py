@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,6 +74,28 @@ def test_v41_engram_incremental_equals_full(nemo, tokenizer, name):
             assert history.shape == (2, ours.max_ngram_size - 1)  # the whole per-sequence state
             pos += n
         assert torch.equal(torch.cat(parts, dim=1), full), cuts
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_v41_engram_numpy_step_equals_hash(nemo, tokenizer, name):
+    """The decode step's numpy hashing (``EngramHasher.step``) gives ``hash``'s rows and ``next_history``'s state for
+    one token at a time, bit for bit, masked tokens included (the rows are checked against NeMo above)."""
+    ours, _ = _pair(nemo, name, tokenizer)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, len(tokenizer), (3, 30), generator=g)
+    ids[0, :4] = torch.tensor([len(tokenizer) - 1, 0, 0, 1])
+    mask = torch.rand(3, 30, generator=g) > 0.2
+    full = ours.hash(ids, mask)
+    history, hist_np = ours.empty_history(3), ours.empty_history(3).numpy()
+    for pos in range(30):
+        rows, hist_np = ours.step(ids[:, pos].numpy(), hist_np, mask[:, pos].numpy())
+        history = ours.next_history(history, ids[:, pos : pos + 1], mask[:, pos : pos + 1])
+        assert rows.dtype == np.int64 and np.array_equal(rows, full[:, pos].numpy()), pos
+        assert np.array_equal(hist_np, history.numpy()), pos
+    rows, _ = ours.step(ids[:, 0].numpy(), hist_np)  # no mask: every token is text
+    assert np.array_equal(rows, ours.hash(ids[:, :1], None, history)[:, 0].numpy())
+    with pytest.raises(ValueError, match="Engram input ids"):
+        ours.step(np.array([len(tokenizer)]), hist_np[:1])
 
 
 def test_v41_engram_flash_table_sizes():

@@ -138,6 +138,7 @@ class EngramHasher:
         self.offsets = torch.tensor([np.cumsum([0, *ps[:-1]]).tolist() for ps in primes], dtype=torch.long)
         mults = [hash_multipliers(li, compressed, self.max_ngram_size) for li in self.layer_ids]
         self.multipliers = torch.tensor(mults, dtype=torch.long)  # [L, N]
+        self._np: tuple[np.ndarray, ...] | None = None  # the tables above in numpy (``step``)
 
     @property
     def history_len(self) -> int:
@@ -182,6 +183,42 @@ class EngramHasher:
             heads = self.primes[:, (shift - 1) * self.n_heads : shift * self.n_heads].to(cur.device)
             out.append(rolling.unsqueeze(-1) % heads)
         return torch.cat(out, dim=-1) + self.offsets.to(cur.device)
+
+    def step(
+        self, ids: np.ndarray, history: np.ndarray, token_mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One new token per sequence, on the host in numpy (a decode step's hashing, a few microseconds instead of
+        ``hash``'s torch calls): ``ids [B]`` continuing ``history [B, max_ngram_size - 1]`` → (row ids
+        ``[B, n_layers, (max_ngram_size - 1) * n_heads]``, the next histories ``[B, max_ngram_size - 1]``). The same
+        integer arithmetic as ``hash`` / ``next_history`` (int64 products wrap alike, ``%`` rounds toward -inf
+        alike), so the same rows bit for bit."""
+        if self._np is None:
+            self._np = tuple(t.numpy() for t in (self.token_map, self.multipliers, self.primes, self.offsets))
+        token_map, mults, primes, offsets = self._np
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        history = np.asarray(history, dtype=np.int64).reshape(ids.shape[0], self.history_len)
+        if ids.size and ((ids < 0) | (ids >= self.vocab_size)).any():
+            raise ValueError(f"Engram input ids must lie in [0, {self.vocab_size})")
+        cur = token_map[ids]
+        raw = ids if token_mask is None else np.where(token_mask, ids, BLOCKED)
+        if token_mask is not None:
+            cur = np.where(token_mask, cur, BLOCKED)
+        past = np.where(history >= 0, token_map[np.maximum(history, 0)], BLOCKED)
+        ext = np.concatenate([past, cur[:, None]], axis=1)  # [B, h + 1]
+        h = self.history_len
+        blocked = np.zeros(ids.shape[0], dtype=bool)
+        rolling, out = None, []
+        for shift in range(self.max_ngram_size):
+            src = ext[:, h - shift]
+            blocked = blocked | (src == BLOCKED)
+            prod = np.where(blocked, self.pad_id, src)[:, None] * mults[:, shift]  # [B, L]
+            if rolling is None:
+                rolling = prod
+                continue
+            rolling = rolling ^ prod
+            out.append(rolling[:, :, None] % primes[:, (shift - 1) * self.n_heads : shift * self.n_heads])
+        rows = np.concatenate(out, axis=-1) + offsets
+        return rows, np.concatenate([history, raw[:, None]], axis=1)[:, 1:]
 
     def compress(self, ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed ids, ``BLOCKED`` where ``token_mask`` is False."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +25,7 @@ from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
-from deepinfer.models.deepseek_v41.engram import EngramHasher, engram_update
+from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher, engram_update
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
 from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
 from deepinfer.models.deepseek_v41.mhc import HyperConnection, Mix, embed_streams, final_collapse, initial_pre
@@ -248,16 +249,16 @@ class DeepseekV41Model(nn.Module):
 
     def _engram_decode(self, chunks: list[SeqChunk], ids: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
         """``_engram_rows`` of one token per sequence: the histories stacked ``[B, h]`` (left-padded with the empty
-        history), one ``hash`` and one ``next_history`` for the batch (the same integer ops, row by row)."""
+        history), one ``EngramHasher.step`` for the batch (numpy on the host: ``hash`` and ``next_history``'s
+        integer ops, row by row)."""
         h = self.hasher.history_len
-        empty = self.hasher.empty_history().tolist()
-        hist = torch.tensor([(empty + list(c.state.history))[-h:] for c in chunks], dtype=torch.long).view(-1, h)
-        seq = ids.view(-1, 1)
-        mask = None if text is None else text.view(-1, 1)
-        rows = self.hasher.hash(seq, mask, hist).flatten(0, 1)
-        for c, nxt in zip(chunks, self.hasher.next_history(hist, seq, mask).tolist()):
-            c.state.history = tuple(nxt)
-        return rows
+        empty = [BLOCKED] * h
+        hist = np.array([(empty + list(c.state.history))[-h:] for c in chunks], dtype=np.int64).reshape(-1, h)
+        mask = None if text is None else text.numpy().reshape(-1)
+        rows, nxt = self.hasher.step(ids.numpy().reshape(-1), hist, mask)
+        for c, row in zip(chunks, nxt.tolist()):
+            c.state.history = tuple(row)
+        return torch.from_numpy(rows)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool = False) -> torch.Tensor:
