@@ -40,8 +40,9 @@ def test_narrow_lossless_keeps_bf16_values_only():
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300: two chunks of ROWS
 def test_linear_by_parts_is_the_fp32_gemm(rows):
     k, n = 1024, 3000
-    y = (torch.randn(rows, k) * 3).cuda()
-    w = (torch.randn(n, k) * k**-0.5).to(torch.bfloat16).cuda()
+    g = torch.Generator().manual_seed(rows)
+    y = (torch.randn(rows, k, generator=g) * 3).cuda()
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16).cuda()
     ref = ReferenceOps().logits_linear(y, w)  # fp32 y, w widened to fp32
     out = linear_by_parts(y, w)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
@@ -59,6 +60,7 @@ def test_nvidia_ops_narrow_a_widened_head_and_use_the_parts():
             self.head = torch.nn.Linear(256, 500, bias=False).cuda()
             self.head.weight.data = self.head.weight.data.to(torch.bfloat16).float()  # the loader's widened bf16
 
+    torch.manual_seed(5)
     ops, net = NvidiaOps(), Net()
     y = torch.randn(3, 256, device="cuda")
     ref = ReferenceOps().logits_linear(y, net.head.weight)

@@ -12,10 +12,9 @@ A bucket is a batch size (``decode_graphs.BUCKETS``) and a span (``decode_step.s
 cover, a few per doubling of the context). Before a replay the host loads the plan and the token ids
 (``StepPlan.fill``: one copy of ``[5, size]`` integers from pinned memory, and the block tables); a batch of ``B``
 sequences runs in the smallest bucket ``≥ B`` and its padding rows write to the pool's scratch slot and the cache's
-scratch page. The replay's results
-are the eager step's (``decode_step`` with the bucket's widths: the kernels read only the listed rows), bit for bit
-at a bucket's size (``tests/kernels/test_graphs.py`` checks this on a GPU). A bucket's capture runs the step twice
-and captures it: the step's writes are idempotent, so the state advances once.
+scratch page. The replay's results are the eager step's (``decode_step`` with the bucket's widths: the kernels read
+only the listed rows), bit for bit at a bucket's size (``tests/kernels/test_graphs.py`` checks this on a GPU). A
+bucket's capture runs the step twice and captures it: the step's writes are idempotent, so the state advances once.
 
 A graph holds the pool's and the cache's tensors: the buckets are dropped when the pool reallocates
 (``StatePool.generation``) or another cache comes. Buckets, capture, the shared memory pool and the eager fallback of a
