@@ -7,11 +7,12 @@ fp32 units; ``bench/sweep_v41.py --profile``). Two exact steps give the same pro
 
 * ``narrow_lossless``: the widened weight holds bf16 values, so it is kept in bf16 (half the bytes) when every
   element survives the round trip (checked, never assumed).
-* ``bf16_parts``: an fp32 ``y`` is the exact sum ``hi + mid + lo`` of three bf16 tensors (8 significant bits each,
-  24 in all; bf16 has fp32's exponent range), so ``y · W = hi · W + mid · W + lo · W`` where each product of bf16
-  values is exact in fp32. ``linear_by_parts`` stacks the three parts as rows of one GEMM with fp32 accumulation
-  (the weight read once) and adds the three fp32 results. It equals the reference's fp32 GEMM up to the order of
-  the fp32 sums, as the bf16 head of V4 does (``NvidiaOps.logits_linear``).
+* ``bf16_parts``: an fp32 ``y`` is the sum ``hi + mid + lo`` of three bf16 tensors (8 significant bits each, 24 in
+  all; bf16 has fp32's exponent range; exact but at the tiny and huge ends, see ``bf16_parts``), so ``y · W = hi · W
+  + mid · W + lo · W`` where each product of bf16 values is exact in fp32. ``linear_by_parts`` stacks the three
+  parts as rows of one GEMM with fp32 accumulation (the weight read once) and adds the three fp32 results. It equals
+  the reference's fp32 GEMM up to the order of the fp32 sums, as the bf16 head of V4 does
+  (``NvidiaOps.logits_linear``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ ROWS = 256  # rows of ``y`` per GEMM: bounds the [3·ROWS, N] fp32 temporary (pr
 
 
 def bf16_parts(y: torch.Tensor) -> torch.Tensor:
-    """``[3, *y.shape]`` bf16 whose sum in fp32 is ``y`` exactly, for finite fp32 ``y`` (largest part first)."""
+    """``[3, *y.shape]`` bf16 whose sum in fp32 is ``y`` (largest part first): exactly where ``2^-110 <= |y| <
+    2^128 - 2^120`` or ``y = 0`` (the last part's bits then stay above bf16's smallest subnormal, and ``hi`` does not
+    round to infinity); below ``2^-110`` within ``2^-133``."""
     hi = y.to(torch.bfloat16)
     rest = y - hi.float()  # exact: the low 16 bits of y's significand
     mid = rest.to(torch.bfloat16)
