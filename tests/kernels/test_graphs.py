@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from deepinfer.models.deepseek_v4.graphs import BUCKETS, DecodeGraphs, bucket_for  # noqa: E402
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from gpu_waits import assert_steps_never_wait  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -206,17 +207,4 @@ def test_a_decode_step_never_waits_for_the_gpu():
         chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
         return model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], DEVICE), cache))
 
-    for ids in steps[:4]:  # capture the bucket, fill the pinned-memory cache
-        step(ids)
-    torch.cuda.synchronize()
-    for ids in steps[4:]:
-        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued ahead of the step
-        queued = torch.cuda.Event()
-        queued.record()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step(ids)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert not queued.query(), "the host waited for the GPU during a decode step"
-        torch.cuda.synchronize()
+    assert_steps_never_wait(step, steps)

@@ -52,10 +52,18 @@ class SegmentGraphs:
         self.pool: tuple | None = None
         self.replays = 0  # graphed steps run (for tests and benchmarks)
         self.failures: dict[int, str] = {}  # bucket size -> why its capture failed (it runs eagerly)
+        self._owner: tuple = ()  # what the buckets were captured over (``own``)
 
     def reset(self) -> None:
         self.buckets.clear()
         self.pool = None
+
+    def own(self, *owner: Any) -> None:
+        """Drop the buckets when ``owner`` (the objects whose tensors the graphs hold: a state pool, its generation, a
+        cache) is not the one they were captured over."""
+        if len(self._owner) != len(owner) or any(a is not b for a, b in zip(owner, self._owner)):
+            self.reset()  # the graphs hold another pool's or cache's tensors
+            self._owner = owner
 
     def _key(self, size: int) -> tuple:
         """What a captured bucket depends on besides the weights: its size and the op set's kernel choices."""

@@ -89,8 +89,8 @@ class StepPlan:
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
-        buf = torch.zeros(5, size, dtype=torch.long, device=pool.device)  # meta, then the token ids: one copy a step
-        return cls(pool, cache, window, buf[:4], tables, window, widths, ids=buf[4], stage=StagedCopy(buf))
+        meta, ids, stage = staged_meta(4, size, pool.device)
+        return cls(pool, cache, window, meta, tables, window, widths, ids=ids, stage=stage)
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> StepPlan:
@@ -113,11 +113,7 @@ class StepPlan:
         pos = [c.start for c in chunks]
         host = [slots + [self.pool.scratch] * pad, pos + [0] * pad, [c.state.window_start for c in chunks] + [0] * pad,
                 [1] * n + [0] * pad]  # fmt: skip
-        if batch.host_token_ids is not None:
-            self.stage.copy(torch.tensor(host + [batch.host_token_ids.tolist() + [0] * pad], dtype=torch.long))
-        else:  # ids already on the device (a previous step's samples)
-            self.stage.copy(torch.tensor(host, dtype=torch.long))
-            self.ids[:n].copy_(batch.token_ids)
+        load_meta(self.stage, self.ids, torch.tensor(host, dtype=torch.long), batch)
         if cache is not None:
             pages, held = step_widths(cache, max(pos) + 1)[1], self.tables.shape[1]
             if pages > held:
@@ -144,6 +140,27 @@ class StepPlan:
             return StepIndices(*win, dict(zip([r[0] for r in ratios], per_ratio)), dict(zip(rings, per_ring)))
 
         return self.once("indices", make)
+
+
+def staged_meta(rows: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, StagedCopy]:
+    """A graphed bucket's ``meta [rows, size]`` and token ids ``[size]``: one device buffer, loaded by one host copy a
+    step (``load_meta``)."""
+    buf = torch.zeros(rows + 1, size, dtype=torch.long, device=device)
+    return buf[:rows], buf[rows], StagedCopy(buf)
+
+
+def load_meta(stage: StagedCopy, ids: torch.Tensor, host: torch.Tensor, batch: ForwardBatch) -> None:
+    """Load ``staged_meta``'s buffer: the plan's rows ``host [rows, size]`` and the ``n`` token ids of ``batch`` (the
+    padding ids 0) in one copy when the ids are in host memory; ids already on the device (a previous step's samples)
+    are copied there."""
+    n = batch.num_tokens
+    if batch.host_token_ids is not None:
+        row = torch.zeros(1, host.shape[1], dtype=torch.long)
+        row[0, :n] = batch.host_token_ids
+        stage.copy(torch.cat([host, row]))
+    else:
+        stage.copy(host)
+        ids[:n].copy_(batch.token_ids)
 
 
 def bucket_widths(
@@ -268,4 +285,15 @@ def _compress(
     return ops.store_rows(store, page, row, rows, pages, into).flatten(0, 1)
 
 
-__all__ = ["SPAN_MIN", "StepIndices", "StepPlan", "attend", "block_tables", "bucket_widths", "span_for", "step_widths"]
+__all__ = [
+    "SPAN_MIN",
+    "StepIndices",
+    "StepPlan",
+    "attend",
+    "block_tables",
+    "bucket_widths",
+    "load_meta",
+    "span_for",
+    "staged_meta",
+    "step_widths",
+]

@@ -51,7 +51,6 @@ class DecodeGraphs(SegmentGraphs):
     """Per-bucket CUDA graphs of a ``DeepseekV4Model``'s whole decode steps (module docstring)."""
 
     model: DeepseekV4Model
-    _owner: tuple = ()  # (pool, its generation, cache) the buckets were captured over
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The final streams ``[B, hc_mult, D]`` of a decode step, or None when the step is not graphed (the caller
@@ -65,10 +64,7 @@ class DecodeGraphs(SegmentGraphs):
         if cache is None and any(layer.attn.compressor is not None for layer in model.layers):
             return None  # the eager step says what is missing
         slots = pool.adopt([c.state for c in chunks])  # new states get slots now: the pool may grow (new tensors)
-        owner = (pool, pool.generation, cache)
-        if len(self._owner) != 3 or any(a is not b for a, b in zip(owner, self._owner)):
-            self.reset()  # the graphs hold another pool's or cache's tensors
-            self._owner = owner
+        self.own(pool, pool.generation, cache)
         span = span_for(max(c.start for c in chunks) + 1, cache.page_size) if cache is not None else 0
         n = len(chunks)
 

@@ -49,7 +49,9 @@ from deepinfer.models.deepseek_v4.decode_step import (
     StepIndices,
     block_tables,
     bucket_widths,
+    load_meta,
     span_for,
+    staged_meta,
     step_widths,
 )
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
@@ -107,8 +109,8 @@ class StepPlan:
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
-        buf = torch.zeros(9, size, dtype=torch.long, device=pool.device)  # meta, then the token ids: one copy a step
-        return cls(pool, cache, window, buf[:8], tables, (window, window), widths, ids=buf[8], stage=StagedCopy(buf))
+        meta, ids, stage = staged_meta(8, size, pool.device)
+        return cls(pool, cache, window, meta, tables, (window, window), widths, ids=ids, stage=stage)
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
@@ -138,13 +140,7 @@ class StepPlan:
         and never listed)."""
         n, cache = len(chunks), self.cache
         host = self._host_meta(chunks, slots, self.size - n, self.pool.scratch)
-        if batch.host_token_ids is not None:
-            ids = torch.zeros(1, self.size, dtype=torch.long)
-            ids[0, :n] = batch.host_token_ids
-            self.stage.copy(torch.cat([host, ids]))
-        else:  # ids already on the device (a previous step's samples)
-            self.stage.copy(host)
-            self.ids[:n].copy_(batch.token_ids)
+        load_meta(self.stage, self.ids, host, batch)
         if cache is not None:
             pages, held = step_widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
             if pages > held:

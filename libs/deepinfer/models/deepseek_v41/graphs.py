@@ -62,7 +62,6 @@ class DecodeGraphs(SegmentGraphs):
     """Per-bucket CUDA graphs of a ``DeepseekV41Model``'s decode steps (module docstring)."""
 
     model: DeepseekV41Model
-    _owner: tuple = ()  # (pool, its generation, cache) the buckets were captured over
 
     def tables_on_device(self, device: torch.device) -> bool:
         """Whether every Engram table lives on ``device`` (then the captured step gathers the rows)."""
@@ -90,10 +89,7 @@ class DecodeGraphs(SegmentGraphs):
         if cache is None and any(layer.attn.ratio for layer in model.layers):
             return None  # the eager step says what is missing
         slots = pool.adopt([c.state for c in chunks])  # new states get slots now: the pool may grow (new tensors)
-        owner = (pool, pool.generation, cache)
-        if len(self._owner) != 3 or any(a is not b for a, b in zip(owner, self._owner)):
-            self.reset()  # the graphs hold another pool's or cache's tensors
-            self._owner = owner
+        self.own(pool, pool.generation, cache)
         span = span_for(max(c.start for c in chunks) + 1, cache.page_size) if cache is not None else 0
         n, history = len(chunks), [c.state.history for c in chunks]
         rows = model._engram_rows(batch, torch.device("cpu"))  # advances the histories
