@@ -195,6 +195,12 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
+_declare("DEEPINFER_PDL", "bool", _HW, """
+    On the `nvidia` backend with a GPU of compute capability 9.0 or more (Hopper, Blackwell), launch the Triton
+    kernels with programmatic dependent launch: a kernel may be scheduled while the one before it drains, and
+    waits for it before touching memory (results are unchanged). Measured on an H200: 0.35 µs less per short
+    kernel in a CUDA graph, 1-2% of a graphed decode step.""",
+         default=True)
 _declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
     On the `nvidia` backend (not batch-invariant), keep the checkpoint's FP8 dense weights (e4m3 + block scales)
     and MXFP4 routed experts as stored on the GPU and run them through the FP8 / MXFP4 kernels
@@ -323,6 +329,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_CUDA_GRAPHS: bool
     DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
+    DEEPINFER_PDL: bool
     DEEPINFER_NATIVE_WEIGHTS: bool
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_TORCH_THREADS: int | None

@@ -208,3 +208,26 @@ def test_a_decode_step_never_waits_for_the_gpu():
         return model.logits(model(ForwardBatch.build(chunks, [[i] for i in ids], DEVICE), cache))
 
     assert_steps_never_wait(step, steps)
+
+
+@gpu_only
+def test_pdl_launches_change_no_bit(monkeypatch):
+    """Every Triton kernel launched with programmatic dependent launch (``kernels.pdl``, on from compute capability
+    9.0) against ordinary launches: the same logits, caches and states bit for bit, eager and graphed (eager prefill
+    included: ``_setup`` runs it)."""
+    from deepinfer.kernels import pdl
+
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DEEPINFER_PDL", flag)
+        pdl.reset()
+        assert bool(pdl.launch()) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        model = _model(torch.bfloat16)
+        cache, states, tables, steps = _setup(model, 4, 37, seed=5)
+        eager = _decode(model, cache, states, tables, steps, graphs=False, keep=True)
+        graphed = _decode(model, cache, states, tables, steps, graphs=True, keep=True)
+        assert torch.equal(eager[0], graphed[0])
+        runs.append(graphed)
+    pdl.reset()
+    assert torch.equal(runs[0][0], runs[1][0])
+    _same_state(runs[0][1:], runs[1][1:], exact=True)

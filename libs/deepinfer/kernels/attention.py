@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import attention_split
+from deepinfer.kernels import attention_split, pdl
+from deepinfer.kernels.pdl import pdl_wait
 
 ATTN_BLOCK_H = 16  # heads per program (the smallest tl.dot M)
 ATTN_BLOCK_N = 32  # keys per step: a [32, 512] bf16 gathered tile is 32 KB of shared memory
@@ -67,7 +68,9 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -114,7 +117,9 @@ def _indexer_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HH)
@@ -149,7 +154,9 @@ def _indexer_ranges_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HH)
@@ -273,6 +280,7 @@ def sparse_attention_gather(
         PRECISION=_precision(q.dtype),
         num_warps=ATTN_NUM_WARPS,
         num_stages=ATTN_NUM_STAGES,
+        **pdl.launch(),
     )
     return out
 
@@ -317,6 +325,7 @@ def indexer_scores_fixed(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
         PRECISION=_precision(q.dtype),
         num_warps=INDEXER_NUM_WARPS,
         num_stages=INDEXER_NUM_STAGES,
+        **pdl.launch(),
     )
     return out
 
@@ -364,6 +373,7 @@ def indexer_scores_ranges(
         PRECISION=_precision(q.dtype),
         num_warps=INDEXER_NUM_WARPS,
         num_stages=INDEXER_NUM_STAGES,
+        **pdl.launch(),
     )
     return out
 

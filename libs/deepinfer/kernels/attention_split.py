@@ -33,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 SPLIT_CHUNK = 128  # list entries per split: a results-defining constant (outputs depend on it; keep it fixed)
 COMBINE_BLOCK_H = 4  # heads per combine program ([4, 512] fp32 tiles)
 COMBINE_NUM_WARPS = 4
@@ -58,7 +61,9 @@ def _split_partial_kernel(
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -113,7 +118,9 @@ def _split_combine_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -196,6 +203,7 @@ def sparse_attention_split(
         PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch(),
     )
     out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
     _split_combine_kernel[(n, triton.cdiv(H, COMBINE_BLOCK_H))](
@@ -213,6 +221,7 @@ def sparse_attention_split(
         BLOCK_H=COMBINE_BLOCK_H,
         CHUNK=chunk,
         num_warps=COMBINE_NUM_WARPS,
+        **pdl.launch(),
     )
     return out
 

@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 FORMATS = {"fp8": (0, 32), "nvfp4": (1, 16), "mxfp4": (2, 32)}  # name -> (kind, block)
 _ROWS = 4
 
@@ -65,7 +68,8 @@ def _e2m1(x):
 
 @triton.jit
 def _round_kernel(x_ptr, out_ptr, R, N, stride_x, stride_o, KIND: tl.constexpr, BLOCK: tl.constexpr,
-                  NB: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                  NB: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [NB, BLOCK] channel
     mask = (r < R)[:, None, None] & (c < N)[None, :, :]
@@ -101,7 +105,18 @@ def cache_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if r and n:
         nb = triton.next_power_of_2(-(-n // block))
         _round_kernel[(triton.cdiv(r, _ROWS),)](
-            x2, out, r, n, x2.stride(0), out.stride(0), KIND=kind, BLOCK=block, NB=nb, ROWS=_ROWS, num_warps=4
+            x2,
+            out,
+            r,
+            n,
+            x2.stride(0),
+            out.stride(0),
+            KIND=kind,
+            BLOCK=block,
+            NB=nb,
+            ROWS=_ROWS,
+            num_warps=4,
+            **pdl.launch(),
         )
     return out.view(x.shape)
 

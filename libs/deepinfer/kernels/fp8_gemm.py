@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import small_gemm
+from deepinfer.kernels import pdl, small_gemm
 from deepinfer.kernels.fp8_gemm_config import (
     ACT_BLOCK,
     DEQUANT_MIN_M,
@@ -62,6 +62,7 @@ from deepinfer.kernels.fp8_gemm_config import (
 from deepinfer.kernels.fp8_quant import _act_quant_sim, _act_quant_torch, _quant_sim, act_quant_fp8
 from deepinfer.kernels.fp8_scaled_mm import block_scaled_mm
 from deepinfer.kernels.fp8_w8a8 import _splitk_sum_kernel, w8a8
+from deepinfer.kernels.pdl import pdl_wait
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPLIT_TICKETS = True  # gemv / W8A16 split-K summed in the GEMM's launch (False: by _splitk_sum_kernel; benchmarks)
@@ -95,8 +96,9 @@ def _w8a16_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_X: tl.constexpr, ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    GROUPED: tl.constexpr, TICKETS: tl.constexpr,
+    GROUPED: tl.constexpr, TICKETS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:  # as _gemv_kernel: the tile's weight rows are in one group, which reads its own K columns of x
         x_ptr += (pid_n * BLOCK_N // group_rows).to(tl.int64) * K
@@ -145,9 +147,11 @@ def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, GROUPED: tl.constexpr, TICKETS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0). ``GROUPED``:
     weight rows ``[g·R, (g+1)·R)`` (``R = group_rows``, a multiple of BLOCK_N) read ``x[g·K:(g+1)·K]``."""
+    pdl_wait(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if GROUPED:
         x_ptr += (pid_n * BLOCK_N // group_rows).to(tl.int64) * K
@@ -177,8 +181,9 @@ def _gemv_kernel(
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, B0: tl.constexpr, B1: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """``out = w · s`` for one ``[BLOCK_N, BLOCK_K]`` tile inside one scale block."""
+    pdl_wait(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -270,7 +275,7 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], d
     wd = torch.empty((n, k), dtype=dt, device=w.device)
     bn, bk = min(64, block[0]), min(128, block[1])
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        w, scale, wd, n, k, scale.stride(0), B0=block[0], B1=block[1], BLOCK_N=bn, BLOCK_K=bk
+        w, scale, wd, n, k, scale.stride(0), B0=block[0], B1=block[1], BLOCK_N=bn, BLOCK_K=bk, **pdl.launch()
     )
     return wd
 
@@ -302,14 +307,17 @@ def _weight_only(
                   num_stages=cfg.num_stages)  # fmt: skip
     rows = max(group_rows, 1)
     if cfg.path == "gemv":
-        _gemv_kernel[grid](x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, y, cnt, **common)
+        _gemv_kernel[grid](
+            x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, y, cnt, **common, **pdl.launch()
+        )
     else:
         _w8a16_kernel[grid](
             x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows, y, cnt,
             BLOCK_M=cfg.block_m, SCALE_X=cfg.scale_x, PRECISION="ieee" if dt == torch.float32 else "tf32", **common,
+            **pdl.launch(),
         )  # fmt: skip
     if split > 1 and not tickets:
-        _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
+        _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024, **pdl.launch())
 
 
 def fp8_grouped_linear(

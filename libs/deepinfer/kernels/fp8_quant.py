@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK, _interpret
+from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import FP8_MAX, pow2_scale
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,8 +50,9 @@ def _quant_sim(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NB, stride_xm, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                      DEQ: tl.constexpr):  # fmt: skip
+                      DEQ: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """e4m3 values and scales, or (``DEQ``) ``act_quant_sim``'s output ``q·s`` in ``q_ptr``'s dtype."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -87,7 +90,7 @@ def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor
     if m and k:
         groups = max(1, min(triton.next_power_of_2(nb), 2048 // block))
         _act_quant_kernel[(m, triton.cdiv(nb, groups))](
-            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False
+            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False, **pdl.launch()
         )
     return q.view(x.shape), s.view(*x.shape[:-1], nb)
 
@@ -98,7 +101,7 @@ def _act_quant_sim(x2: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x2)
     groups = max(1, min(triton.next_power_of_2(k // ACT_BLOCK), 16))
     _act_quant_kernel[(m, triton.cdiv(k // ACT_BLOCK, groups))](
-        x2, out, out, k, k // ACT_BLOCK, x2.stride(0), BLOCK=ACT_BLOCK, GROUPS=groups, DEQ=True
+        x2, out, out, k, k // ACT_BLOCK, x2.stride(0), BLOCK=ACT_BLOCK, GROUPS=groups, DEQ=True, **pdl.launch()
     )
     return out
 

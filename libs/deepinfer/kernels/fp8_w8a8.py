@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK, GemmConfig
+from deepinfer.kernels.pdl import pdl_wait
 
 
 @triton.jit
-def _splitk_sum_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr):
+def _splitk_sum_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -31,7 +34,9 @@ def _splitk_sum_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr):
 def _w8a8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_ws,
     B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = pid // (GROUP_M * num_n) * GROUP_M
@@ -63,11 +68,12 @@ def _w8a8_kernel(
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_swap_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_ws, kb_chunk, stride_split,
-    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    B0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_w8a8_kernel`` for few rows: the tile is ``yᵀ [BLOCK_N, BLOCK_M]``, the weight the FP8 MMA's wide operand
     (its e4m3 bytes straight from memory) and the tokens its narrow one; split over K in chunks of ``kb_chunk``
     128-wide blocks, the fp32 partials summed by ``_splitk_sum_kernel``."""
+    pdl_wait(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,16 +119,16 @@ def w8a8(
         _w8a8_swap_kernel[grid](
             a, sa, w, scale, out, m, n, k, scale.stride(0), chunk, m * n,
             B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(),
         )  # fmt: skip
         if split > 1:
-            _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024)
+            _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, split, m * n, BLOCK=1024, **pdl.launch())
         return
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w8a8_kernel[grid](
         a, sa, w, scale, y, m, n, k, scale.stride(0),
         B0=block[0], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(),
     )  # fmt: skip
 
 

@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 _TILE = 4096  # fp32 elements of one [rows, BLOCK_D] tile of kv (and one of score) a program holds at a time
 
 
@@ -50,7 +53,8 @@ def _tile(kv_ptr, sc_ptr, idx_ptr, stride_ir, stride_ic, stride_kr, stride_kc, s
 def _group_pool_kernel(kv_ptr, sc_ptr, cur_ptr, prev_ptr, hp_ptr, live_ptr, out_ptr, M, D,
                        stride_kr, stride_kc, stride_sr, stride_sc, stride_cr, stride_cc, stride_pr, stride_pc,
                        stride_or, OVERLAP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                       NCHUNK: tl.constexpr):  # fmt: skip
+                       NCHUNK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = c < D
@@ -205,6 +209,7 @@ def group_pool(
         kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), cur.stride(0), cur.stride(1),
         pv.stride(0), pv.stride(1), out.stride(0),
         OVERLAP=prev is not None, BLOCK_D=block_d, BLOCK_R=block_r, NCHUNK=triton.cdiv(m, block_r), num_warps=4,
+        **pdl.launch(),
     )  # fmt: skip
     return out
 

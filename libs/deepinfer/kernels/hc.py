@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import small_gemm
+from deepinfer.kernels import pdl, small_gemm
 from deepinfer.kernels.hc_mixes import mixes_gemm
+from deepinfer.kernels.pdl import pdl_wait
 
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
 # decode sizes (at most SMALL_T tokens: fewer programs than SMs): wider steps on more warps, so that a token's two
@@ -121,7 +122,9 @@ def _hc_pre_kernel(
     COLLAPSE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mt = t < T
     offs = tl.arange(0, BLOCK_D)
@@ -189,7 +192,9 @@ def _hc_expand_kernel(
     NP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mt = t < T
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -258,7 +263,7 @@ def _from_mixes(
             h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
             t, d, int(iters), float(eps), float(norm_eps),
             N=n, NP=triton.next_power_of_2(n), M=m, PARTS=parts, HEAD=head, COLLAPSE=collapse, BLOCK_T=bt,
-            BLOCK_D=min(block, triton.next_power_of_2(d)), num_warps=warps,
+            BLOCK_D=min(block, triton.next_power_of_2(d)), num_warps=warps, **pdl.launch(),
         )  # fmt: skip
     return x, pre, post, comb
 
@@ -302,7 +307,7 @@ def hc_expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torc
         bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
         _hc_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block))](
             y.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, t, d,
-            N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=4,
+            N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=4, **pdl.launch(),
         )  # fmt: skip
     return out
 

@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 BLOCK_T_MAX = 64  # tokens per program (``fn`` is re-read from L2 once per block of tokens)
 BLOCK_T_MIN = 16
 BLOCK_K = 64  # K elements per step of a program's K loop
@@ -52,7 +55,9 @@ def _mixes_partial_kernel(
     MP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     mt = t < T
@@ -73,7 +78,8 @@ def _mixes_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["TM", "S"])
-def _mixes_sum_kernel(part_ptr, out_ptr, TM, S, BLOCK: tl.constexpr):
+def _mixes_sum_kernel(part_ptr, out_ptr, TM, S, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < TM
     p = part_ptr + i
@@ -121,9 +127,12 @@ def mixes_gemm(h: torch.Tensor, fn: torch.Tensor, split: int | None = None) -> t
     _mixes_partial_kernel[(triton.cdiv(t, bt), s)](
         h2, fn, dst, t, k, chunk,
         M=m, MP=triton.next_power_of_2(m), BLOCK_T=bt, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **pdl.launch(),
     )  # fmt: skip
     if s > 1:
-        _mixes_sum_kernel[(triton.cdiv(t * m, SUM_BLOCK),)](dst, out, t * m, s, BLOCK=SUM_BLOCK, num_warps=4)
+        _mixes_sum_kernel[(triton.cdiv(t * m, SUM_BLOCK),)](
+            dst, out, t * m, s, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch()
+        )
     return out
 
 

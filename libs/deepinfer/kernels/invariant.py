@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 MATMUL_BLOCK_M = 64
 MATMUL_BLOCK_N = 64
 MATMUL_BLOCK_K = 32
@@ -54,7 +57,9 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +82,8 @@ def _matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["L", "stride_row"])
-def _rowsum_kernel(x_ptr, y_ptr, L, stride_row, BLOCK: tl.constexpr):
+def _rowsum_kernel(x_ptr, y_ptr, L, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     offs = tl.arange(0, BLOCK)
@@ -135,6 +141,7 @@ def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
         IEEE=x.dtype == torch.float32,
         num_warps=MATMUL_NUM_WARPS,
         num_stages=MATMUL_NUM_STAGES,
+        **pdl.launch(),
     )
     return y.reshape(*lead, N)
 
@@ -157,7 +164,7 @@ def rowsum(x: torch.Tensor) -> torch.Tensor:
     y = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or L == 0:
         return y.reshape(lead)
-    _rowsum_kernel[(rows,)](x2, y, L, x2.stride(0), BLOCK=ROWSUM_BLOCK, num_warps=ROWSUM_NUM_WARPS)
+    _rowsum_kernel[(rows,)](x2, y, L, x2.stride(0), BLOCK=ROWSUM_BLOCK, num_warps=ROWSUM_NUM_WARPS, **pdl.launch())
     return y.reshape(lead)
 
 

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm_config import _interpret
+from deepinfer.kernels.pdl import pdl_wait
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -122,7 +124,9 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -176,7 +180,9 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -206,7 +212,8 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _swiglu_weighted_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, limit, BLOCK: tl.constexpr):
+def _swiglu_weighted_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -239,7 +246,7 @@ def swiglu_weighted(
         out = torch.empty((m, n), dtype=dtype, device=g.device)
         block = 1024
         _swiglu_weighted_kernel[(m, triton.cdiv(n, block))](
-            g.contiguous(), u.contiguous(), w.float().contiguous(), out, n, float(limit), BLOCK=block
+            g.contiguous(), u.contiguous(), w.float().contiguous(), out, n, float(limit), BLOCK=block, **pdl.launch()
         )
         return out
     gf = g.float().clamp(max=limit)
@@ -251,7 +258,8 @@ COMBINE_BLOCK = 1024
 
 
 @triton.jit
-def _combine_kernel(o_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(o_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = d < D
@@ -271,7 +279,7 @@ def _combine(o: torch.Tensor, t: int, k: int) -> torch.Tensor:
     o = o.contiguous()
     y = torch.empty((t, d), dtype=torch.float32, device=o.device)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(d))
-    _combine_kernel[(t, triton.cdiv(d, block))](o, y, d, K=k, BLOCK=block, num_warps=4)
+    _combine_kernel[(t, triton.cdiv(d, block))](o, y, d, K=k, BLOCK=block, num_warps=4, **pdl.launch())
     return y
 
 
@@ -331,14 +339,14 @@ def moe_triton(
         x, w1, w3, rw, slots, bexp, h, tk, e, inter, d,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), float(limit),
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(),
     )  # fmt: skip
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     _moe_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, slots, bexp, o, tk, e, d, inter,
         h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(),
     )  # fmt: skip
     return _combine(o, t, k)
 

@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.moe import moe_layout, padded_blocks
+from deepinfer.kernels.pdl import pdl_wait
 
 MAX_SLOTS = 2048  # T·k of one program (a bitonic sort in registers); decode steps of up to 341 tokens at top-6
 MAX_EXPERTS = 512
@@ -32,7 +34,8 @@ _ROWS = 64  # blocks whose expert one pass of the kernel finds
 
 @triton.jit
 def _align_kernel(idx_ptr, slots_ptr, bexp_ptr, TK, E, P, NBLK, BLOCK_M: tl.constexpr, S: tl.constexpr,
-                  EB: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                  EB: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     s = tl.arange(0, S)
     e = tl.load(idx_ptr + s, mask=s < TK, other=E).to(tl.int32)  # slots past T·k: expert E, sorted last
     eb = tl.arange(0, EB)
@@ -71,7 +74,7 @@ def padded_slots(idx: torch.Tensor, experts: int, block_m: int) -> tuple[torch.T
     s, eb = triton.next_power_of_2(tk), triton.next_power_of_2(experts + 1)
     _align_kernel[(1,)](
         idx.reshape(-1).contiguous(), slots, bexp, tk, experts, size, size // block_m, BLOCK_M=block_m, S=s, EB=eb,
-        ROWS=_ROWS, num_warps=8 if s >= 1024 else 4,
+        ROWS=_ROWS, num_warps=8 if s >= 1024 else 4, **pdl.launch(),
     )  # fmt: skip
     return slots, bexp
 

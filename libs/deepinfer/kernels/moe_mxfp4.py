@@ -47,10 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, split_steps
+from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
 
@@ -96,7 +98,8 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
-                       PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                       PRECISION: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -124,7 +127,9 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
 def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
-                    TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                    TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
+                    PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -248,7 +253,7 @@ def moe_mxfp4(
         _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
             xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
             xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1), h.stride(0), float(limit),
-            TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch,
+            TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch, **pdl.launch(),
         )  # fmt: skip
     if split_dn > 1:
         return down_split(h, w2, s2, slots, bexp, t, k, split_dn, piece_dn, sw2e, sw2n, meta, launch)
@@ -256,7 +261,7 @@ def moe_mxfp4(
     _mx_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, s2, slots, bexp, o, tk, e, d, inter // 2,
         h.stride(0), sw2e, sw2n, s2.stride(0), s2.stride(1), o.stride(0),
-        EVEN_K=inter % cfg.block_k == 0, **meta, **launch,
+        EVEN_K=inter % cfg.block_k == 0, **meta, **launch, **pdl.launch(),
     )  # fmt: skip
     return _combine(o, t, k)
 

@@ -33,8 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.moe import MoEConfig, _silu_mul
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm
+from deepinfer.kernels.pdl import pdl_wait
 
 # The auto rule (``pick_split``): aim for PROGRAMS_PER_SM programs on each of SMS SMs (an H200: 132 SMs; a decode
 # tile's 3 stages of 16×128 activations and 2 × 64×128 codes take 36 KB of shared memory, so about 6 gate/up programs
@@ -77,7 +79,9 @@ def _mx_gate_up_split_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, slots_ptr, b
                              stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_pu, stride_ps, stride_pm,
                              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr,
-                             SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                             SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
+                             PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -105,7 +109,8 @@ def _mx_down_split_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, q_ptr, TK,
                           stride_wn, stride_se, stride_sn, stride_qs, stride_qm, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
                           SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                          DT: tl.constexpr):  # fmt: skip
+                          DT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -128,7 +133,9 @@ def _mx_down_split_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, q_ptr, TK,
 
 @triton.jit
 def _gate_up_finish_kernel(p_ptr, rw_ptr, h_ptr, N, stride_pu, stride_ps, stride_pm, stride_hm, limit,
-                           SPLIT: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                           SPLIT: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+                           PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     slot = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -146,7 +153,8 @@ def _gate_up_finish_kernel(p_ptr, rw_ptr, h_ptr, N, stride_pu, stride_ps, stride
 
 @triton.jit
 def _down_finish_kernel(q_ptr, y_ptr, N, stride_qs, stride_qm, stride_ym, TOPK: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -173,11 +181,11 @@ def gate_up_split(x: torch.Tensor, w1: object, s1: torch.Tensor, w3: object, s3:
     _mx_gate_up_split_kernel[(bexp.numel(), triton.cdiv(n, meta["BLOCK_N"]), split)](
         x, w1, s1, w3, s3, slots, bexp, p, tk, s1.shape[0], n, kh, piece,
         x.stride(0), stride_we, stride_wn, s1.stride(0), s1.stride(1), p.stride(0), p.stride(1), p.stride(2),
-        TOPK=topk, EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0, **meta, **launch,
+        TOPK=topk, EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0, **meta, **launch, **pdl.launch(),
     )  # fmt: skip
     _gate_up_finish_kernel[(tk, triton.cdiv(n, FINISH_BLOCK))](
         p, rw, h, n, p.stride(0), p.stride(1), p.stride(2), h.stride(0), limit,
-        SPLIT=split, BLOCK=FINISH_BLOCK, DT=meta["DT"], num_warps=FINISH_WARPS,
+        SPLIT=split, BLOCK=FINISH_BLOCK, DT=meta["DT"], num_warps=FINISH_WARPS, **pdl.launch(),
     )  # fmt: skip
 
 
@@ -192,12 +200,12 @@ def down_split(h: torch.Tensor, w2: object, s2: torch.Tensor, slots: torch.Tenso
     _mx_down_split_kernel[(bexp.numel(), triton.cdiv(d, meta["BLOCK_N"]), split)](
         h, w2, s2, slots, bexp, q, tk, s2.shape[0], d, inter // 2, piece,
         h.stride(0), stride_we, stride_wn, s2.stride(0), s2.stride(1), q.stride(0), q.stride(1),
-        EVEN_K=inter % meta["BLOCK_K"] == 0, **meta, **launch,
+        EVEN_K=inter % meta["BLOCK_K"] == 0, **meta, **launch, **pdl.launch(),
     )  # fmt: skip
     y = torch.empty((t, d), dtype=torch.float32, device=h.device)
     _down_finish_kernel[(t, triton.cdiv(d, FINISH_BLOCK))](
         q, y, d, q.stride(0), q.stride(1), y.stride(0),
-        TOPK=topk, SPLIT=split, BLOCK=FINISH_BLOCK, DT=meta["DT"], num_warps=FINISH_WARPS,
+        TOPK=topk, SPLIT=split, BLOCK=FINISH_BLOCK, DT=meta["DT"], num_warps=FINISH_WARPS, **pdl.launch(),
     )  # fmt: skip
     return y
 

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 ROW_ELEMS = 4096  # a program takes rows of up to this many elements together (one row when wider)
 INTERPRET_ELEMS = 1 << 16  # in Triton's interpreter (numpy vectorises a program, not a grid)
 
@@ -32,7 +35,8 @@ def _rows_per_program(width: int, rows: int) -> int:
 
 @triton.jit(do_not_specialize=["R"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, eps, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_D: tl.constexpr):  # fmt: skip
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     m = (r < R)[:, None] & (d < D)[None, :]
@@ -58,7 +62,9 @@ def _rope_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     mr = r < R
     c_row = r // G
@@ -91,7 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         br = _rows_per_program(d, rows)
         _rms_norm_kernel[(triton.cdiv(rows, br),)](
             xc, w, out, rows, d, float(eps), HAS_W=weight is not None, BLOCK_R=br,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8, **pdl.launch(),
         )  # fmt: skip
     return out
 
@@ -135,7 +141,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
         _rope_kernel[(triton.cdiv(rows, br),)](
             xc, cos.contiguous(), sin.contiguous(), out, rows, d, g, -1.0 if inverse else 1.0,
             HALF=half, BLOCK_R=br, BLOCK_H=triton.next_power_of_2(max(half, 1)),
-            BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)), num_warps=4, **pdl.launch(),
         )  # fmt: skip
     return out
 

@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm_config import _interpret
+from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.kernels.topk import SMALL_K, SMALL_WIDTH, _value
 
 _NEG = tl.constexpr(-9223372036854775807)
@@ -49,7 +51,8 @@ def _softplus_sqrt(x, CUDA: tl.constexpr):
 
 @triton.jit
 def _route_kernel(l_ptr, b_ptr, idx_ptr, w_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                  GIVEN: tl.constexpr, BIAS: tl.constexpr, CUDA: tl.constexpr):  # fmt: skip
+                  GIVEN: tl.constexpr, BIAS: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     live = c < E
@@ -99,12 +102,14 @@ def route(
         _route_kernel[(t,)](
             logits, b, out_idx, w, e, float(scaling), K=k, KP=triton.next_power_of_2(k), BLOCK=block,
             GIVEN=idx is not None, BIAS=bias is not None, CUDA=_cuda(logits), num_warps=4 if block > 1024 else 1,
+            **pdl.launch(),
         )  # fmt: skip
     return out_idx, w
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, BLOCK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -125,7 +130,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtyp
     if g.numel():
         block = min(SWIGLU_BLOCK, triton.next_power_of_2(n))
         _swiglu_kernel[(g.shape[0], triton.cdiv(n, block))](
-            g, u, out, n, float(limit), BLOCK=block, CUDA=_cuda(g), num_warps=4
+            g, u, out, n, float(limit), BLOCK=block, CUDA=_cuda(g), num_warps=4, **pdl.launch()
         )
     return out.view(gate.shape)
 

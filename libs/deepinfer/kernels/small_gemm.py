@@ -41,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 ENABLED = True  # the callers (``NvidiaOps.linear_fp32``, ``hc.split_mixes_parts``) use the kernel (False: torch.mm)
 # the callers take it for at most MAX_M rows and MAX_MN outputs: on an H200 at decode's shapes within them 4.0-7.5 µs
 # (CUDA graphs) against cuBLAS's 4.1-11.8, faster but for the head's mixes at M = 1 (5.7 against 4.1: cuBLAS's one
@@ -63,8 +66,9 @@ _HALF = (torch.bfloat16, torch.float16)
 def _small_mm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, CHUNK,
     S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,7 +207,7 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     _small_mm_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm), s)](
         x, w, out, part, cnt, m, n, k, x.stride(0), w.stride(0), chunk,
         S=s, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=k % BLOCK_K == 0, F32_DOT=_interpret(),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl.launch(),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.kernels.step_glue_rows import APPEND_MAX, append_rows, compress_score, moe_combine, store_rows
 
 MAX_RATIOS, MAX_RINGS = 3, 3  # step_indices' sections (ops.step_indices falls back past them)
@@ -129,7 +131,9 @@ def _step_indices_kernel(meta, ms0, ms1, tables, ts0, ts1, P, o, b, S, W, win_wi
                          m0, R0, pr0, base0, vb0, m1, R1, pr1, base1, vb1, m2, R2, pr2, base2, vb2,
                          g0, c0, gb0, hb0, g1, c1, gb1, hb1, g2, c2, gb2, hb2,
                          NR: tl.constexpr, NG: tl.constexpr, L0: tl.constexpr, V0: tl.constexpr, L1: tl.constexpr,
-                         V1: tl.constexpr, L2: tl.constexpr, V2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         V1: tl.constexpr, L2: tl.constexpr, V2: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     sec = tl.program_id(1)
     if sec == 0:
@@ -198,6 +202,7 @@ def step_indices(
             meta, meta.stride(0), meta.stride(1), tab, tab.stride(0), tab.stride(1), tab.shape[1], o, b, s, window,
             win_width, page_size, scratch_page, *rat_args, *ring_args, NR=len(ratios), NG=len(rings),
             L0=flags[0], V0=flags[1], L1=flags[2], V1=flags[3], L2=flags[4], V2=flags[5], BLOCK=_BLOCK, num_warps=4,
+            **pdl.launch(),
         )  # fmt: skip
     bb = b.view(torch.bool)
     win = (o[:s], bb[:s], o[s : 2 * s], o[4 * s : 4 * s + s * window], o[2 * s : 3 * s], o[3 * s : 4 * s],
@@ -219,7 +224,8 @@ def step_indices(
 
 @triton.jit
 def _key_lists_kernel(ws_ptr, wc_ptr, sel_ptr, ss0, ss1, rs_ptr, rc_ptr, idx_ptr, cnt_ptr, win_width, C,
-                      BLOCK: tl.constexpr):  # fmt: skip
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n = win_width + C
@@ -249,7 +255,7 @@ def key_lists(
     if s:
         _key_lists_kernel[(s, triton.cdiv(max(win_width + c, 1), block))](
             w_start, w_cnt, sel, sel.stride(0), sel.stride(1), r_start, r_cnt, idx, cnt, win_width, c, BLOCK=block,
-            num_warps=4,
+            num_warps=4, **pdl.launch(),
         )  # fmt: skip
     return idx, cnt
 

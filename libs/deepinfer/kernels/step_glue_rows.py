@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 APPEND_MAX = 6  # (dst, index, src) triples per launch of append_rows
 
 
@@ -59,7 +62,8 @@ def _gather_rows(dst, ds, idx, src, ss, take, out, os, g, n_take, per_row, width
 def _append_rows_kernel(d0, e0, i0, s0, t0, n0, w0, d1, e1, i1, s1, t1, n1, w1, d2, e2, i2, s2, t2, n2, w2,
                         d3, e3, i3, s3, t3, n3, w3, d4, e4, i4, s4, t4, n4, w4, d5, e5, i5, s5, t5, n5, w5,
                         take, out, os, n_take, per_row, N: tl.constexpr, GATHER: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                        BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     if p == 0:
@@ -115,14 +119,15 @@ def append_rows(
         if programs:
             _append_rows_kernel[(programs, len(part) + gather)](
                 *args, take if gather else args[2], got if gather else args[0], got.stride(0) if gather else 0,
-                n_take, per_row, N=len(part), GATHER=gather, BLOCK_E=16, BLOCK=256, num_warps=4,
+                n_take, per_row, N=len(part), GATHER=gather, BLOCK_E=16, BLOCK=256, num_warps=4, **pdl.launch(),
             )  # fmt: skip
     return got
 
 
 @triton.jit
 def _store_rows_kernel(store, ss0, ss1, page_ptr, row_ptr, rows, rs, pages_ptr, ps, into, is0, is1, S, P, R, D,
-                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     if i >= S * P:  # write row i - S·P
         s = i - S * P
@@ -169,13 +174,14 @@ def store_rows(
     if s:
         _store_rows_kernel[(s * p + s, triton.cdiv(r, block_r))](
             store, store.stride(0), store.stride(1), page, row, rows, rows.stride(0), pages, pages.stride(0), into,
-            into.stride(0), into.stride(1), s, p, r, d, BLOCK_R=block_r, BLOCK=block, num_warps=4,
+            into.stride(0), into.stride(1), s, p, r, d, BLOCK_R=block_r, BLOCK=block, num_warps=4, **pdl.launch(),
         )  # fmt: skip
     return into
 
 
 @triton.jit
-def _score_kernel(g_ptr, gs, a_ptr, as_, pos_ptr, out_ptr, os, C, m, BLOCK: tl.constexpr):
+def _score_kernel(g_ptr, gs, a_ptr, as_, pos_ptr, out_ptr, os, C, m, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     r = tl.load(pos_ptr + t) % m
@@ -194,13 +200,25 @@ def compress_score(gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tenso
     block = max(16, min(1024, triton.next_power_of_2(max(c, 1))))
     if t and c:
         _score_kernel[(t, triton.cdiv(c, block))](
-            gate, gate.stride(0), ape, ape.stride(0), positions, out, out.stride(0), c, ratio, BLOCK=block, num_warps=4
+            gate,
+            gate.stride(0),
+            ape,
+            ape.stride(0),
+            positions,
+            out,
+            out.stride(0),
+            c,
+            ratio,
+            BLOCK=block,
+            num_warps=4,
+            **pdl.launch(),
         )
     return out
 
 
 @triton.jit
-def _combine_kernel(y_ptr, s_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, s_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     y = tl.load(y_ptr + i, mask=i < N).to(tl.float32)
     s = tl.load(s_ptr + i, mask=i < N).to(tl.float32)
@@ -213,7 +231,7 @@ def moe_combine(y: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> to
     out = torch.empty(y.shape, dtype=dtype, device=y.device)
     n = y.numel()
     if n:
-        _combine_kernel[(triton.cdiv(n, 1024),)](y, shared, out, n, BLOCK=1024, num_warps=4)
+        _combine_kernel[(triton.cdiv(n, 1024),)](y, shared, out, n, BLOCK=1024, num_warps=4, **pdl.launch())
     return out
 
 

@@ -50,6 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+from deepinfer.kernels.pdl import pdl_wait
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _WARPS = {4096: 16, 2048: 8}  # by block (smaller blocks: 4). One program per row: 16 warps hide a lone row's latency
 _NEG_INF = tl.constexpr(-0x7F800000)  # v(-inf)
@@ -133,7 +136,9 @@ def _threshold(cand_row, n_src, kk, LBLOCK: tl.constexpr):
 
 @triton.jit
 def _select_rows_kernel(s_ptr, vis_ptr, rows_ptr, count_ptr, cand_ptr, W, kk, stride_s, stride_v, stride_r,
-                        BLOCK: tl.constexpr, LBLOCK: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, LBLOCK: tl.constexpr, GROUP: tl.constexpr,
+                        PDL: tl.constexpr = False):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
     vis_row = vis_ptr + row * stride_v
@@ -252,7 +257,7 @@ def select_rows(
     out = rows.view(n, kk)
     _select_rows_kernel[(n,)](
         s, vis, out, count.view(n), cand, width, kk, s.stride(0), vis.stride(0), out.stride(0),
-        BLOCK=block, LBLOCK=min(block, 1024), GROUP=group, num_warps=_WARPS.get(block, 4),
+        BLOCK=block, LBLOCK=min(block, 1024), GROUP=group, num_warps=_WARPS.get(block, 4), **pdl.launch(),
     )  # fmt: skip
     return rows, count
 
@@ -263,9 +268,10 @@ SMALL_K = 32
 
 
 @triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, W, stride_s, K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_rows_kernel(s_ptr, out_ptr, W, stride_s, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: ``K`` rounds of the largest ``packed_keys`` key (unique: ``v · 2^32 + 2^32 - 1 - column``), each
     taken out after it is written."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     s = tl.load(s_ptr + row * stride_s + c, mask=c < W, other=0.0).to(tl.float32)
@@ -296,5 +302,5 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
         s = s.contiguous()
     block = max(16, _pow2(width))
     warps = 4 if block > 1024 else 1
-    _topk_rows_kernel[(n,)](s, out.view(n, kk), width, s.stride(0), K=kk, BLOCK=block, num_warps=warps)
+    _topk_rows_kernel[(n,)](s, out.view(n, kk), width, s.stride(0), K=kk, BLOCK=block, num_warps=warps, **pdl.launch())
     return out
