@@ -23,6 +23,7 @@ Run on one GPU from the repository root::
 
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --out bench/results
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --sweep --calls 4 --tokens 1,16,64,256,4096
+    PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --shape 5120,2304,384,6 --no-peers  # V4.1-Flash's experts
 
 (``--sweep`` lists the µs of every candidate, in both nibble orders of the codes, and its relative error against
 the portable decode. ``--profile 1,64`` first prints the CUDA time of each kernel of a call at those T.)
@@ -60,11 +61,19 @@ SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
 ]]  # fmt: skip
 
 
+# between decode and long prefills (T = 512 .. 4096 at top-6 of 256: 12 .. 96 slots per expert)
+SWEEP_MID = [(MoEConfig(*c), swap) for c, swap in [
+    ((32, 64, 128, 2, 3), 0), ((32, 128, 128, 4, 3), 1), ((64, 64, 128, 4, 3), 1),
+]]  # fmt: skip
+
+
 def sweep_variants(t):
     if t <= 64:
         return SWEEP_DECODE
     if t <= 256:
         return SWEEP_DECODE + SWEEP_PREFILL[:1]
+    if t <= 4096:
+        return SWEEP_PREFILL[:2] + SWEEP_MID
     return SWEEP_PREFILL
 
 
@@ -204,7 +213,10 @@ def main() -> None:
     p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
     p.add_argument("--profile", default="", help="token counts to profile by kernel (both nibble orders), e.g. 1,64")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
+    p.add_argument("--shape", default="4096,2048,256,6", help="D,I,E,k: V4-Flash's by default; V4.1: 5120,2304,384,6")
     args = p.parse_args()
+    global D, I, E, K
+    D, I, E, K = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda")
     tokens = [int(t) for t in args.tokens.split(",")]
     mx = experts(dev)
@@ -291,7 +303,13 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
         path = args.out / f"moe_mxfp4-{'sweep-' if args.sweep else ''}{stamp}.json"
-        meta = {"command": " ".join(sys.argv), "device": name, "copy_Bps": copy_bw, "bytes_per_expert": per_expert}
+        meta = {
+            "command": " ".join(sys.argv),
+            "device": name,
+            "copy_Bps": copy_bw,
+            "bytes_per_expert": per_expert,
+            "shape_D_I_E_k": [D, I, E, K],
+        }
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {path}")
 

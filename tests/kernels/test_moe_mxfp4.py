@@ -18,12 +18,13 @@ import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer.kernels.moe import MoEConfig, moe_triton  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
     MX_DECODE,
+    MX_MID,
     MX_PREFILL,
     moe_mxfp4,
     pick_config_mxfp4,
     splits_mxfp4,
 )
-from deepinfer.kernels.moe_mxfp4_split import pick_split, split_steps  # noqa: E402
+from deepinfer.kernels.moe_mxfp4_split import pick_split, scale_align, split_steps  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
@@ -186,6 +187,17 @@ def test_split_k_matches_unsplit_and_reference_fp32(monkeypatch):
     assert calls == ["gate_up_split", "down_split"] * 2
 
 
+def test_scale_align_and_the_mid_tiles():
+    """The power of two the scale row stride is passed divided by (16 at most), and the config by slots per
+    expert: 16-row tiles up to 8, 32-row tiles up to 32, 64-row tiles up to 64, 128-row tiles above."""
+    for k, want in ((4096, 16), (2304, 8), (2048, 16), (96, 1), (64, 2), (160 * 32, 16)):
+        assert scale_align(torch.zeros(2, 3, k // 32, dtype=torch.uint8)) == want
+    assert scale_align(torch.zeros(2, 3, 80, dtype=torch.uint8)[:, :, :72]) == 16  # the stride, not the width
+    e = 256
+    got = [pick_config_mxfp4(6 * t, e) for t in (341, 342, 1365, 1366, 2730, 2731)]
+    assert got == [MX_DECODE, MX_MID, MX_MID, mod.MX_MID64, mod.MX_MID64, MX_PREFILL]
+
+
 def test_split_k_picking_on_the_host(monkeypatch):
     """``pick_split`` (sizes only, no kernel): at V4-Flash's shapes one token (6 slot blocks × 32 gate/up tiles, × 64
     down tiles) splits gate/up in 4 and down in 2 (≈ 6 programs an SM of 132); 2 tokens split gate/up only; from 16
@@ -281,7 +293,7 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
     mx, deq = v4_experts
     x, idx, w = _routing(t, t)
     ref = moe_triton(x, idx, w, *deq, 10.0)
-    for cfg in (None, MX_DECODE, MX_PREFILL):
+    for cfg in (None, MX_DECODE, MX_MID, mod.MX_MID64, MX_PREFILL):
         out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
         assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
         shift = moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, config=cfg, order="shift")
@@ -293,6 +305,28 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
             mod.TMA_WEIGHTS = True
     big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32 sanity
     assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_gpu_v41_widths(t):
+    """V4.1-Flash's expert widths (D = 5120, I = 2304; 16 of its 384 experts): the down projection's scales have
+    72-byte rows, which the kernels read through ``scale_align`` (8) in 32-bit loads; against ``moe_triton`` on the
+    decoded experts, auto config and split, both nibble orders."""
+    e, i, d, k = 16, 2304, 5120, 6
+    g = torch.Generator(device=DEVICE).manual_seed(41)
+    (w1, s1), (w3, s3) = _packed(e, i, d, g, 118, 122), _packed(e, i, d, g)
+    w2, s2 = _packed(e, d, i, g, 116, 120)
+    mx = (w1, s1, w2, s2, w3, s3)
+    assert scale_align(s2) == 8 and scale_align(s1) == 16
+    gx = torch.Generator(device=DEVICE).manual_seed(t)
+    x = torch.randn(t, d, generator=gx, device=DEVICE).bfloat16()
+    idx = torch.rand(t, e, generator=gx, device=DEVICE).argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=gx, device=DEVICE) * 1.5
+    ref = moe_triton(x, idx, w, *_decoded(mx, torch.bfloat16), 10.0)
+    out = moe_mxfp4(x, idx, w, *mx, 10.0)
+    assert _rel(out, ref) < 5e-3
+    assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, order="shift"), out)
 
 
 @gpu_only

@@ -51,7 +51,7 @@ from deepinfer.kernels import pdl
 from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm
-from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, split_steps
+from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
@@ -60,9 +60,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 # The config table (H200, V4-Flash experts, ``bench/moe_mxfp4.py --sweep``, bench/results/2026-11-30-moe-mxfp4.md and
 # 2026-11-30-moe-mxfp4-shift.md): 16-row tiles up to 8 slots per expert (T <= 341 at top-6 of 256), 64 weight rows
-# on 2 warps (8-10% ahead of 128 rows on 4 warps from T = 16 on, 4% behind at T = 1); 128-row tiles above (weights
-# on the MMA's M side from 64 rows on). A CUDA-core path for 1-4 rows was 1.2-3.5x slower than the 16-row tiles.
+# on 2 warps (8-10% ahead of 128 rows on 4 warps from T = 16 on, 4% behind at T = 1); then the smallest tile that
+# holds an expert's mean slots in one block (a block decodes its weights once, whatever its padding): 32 rows on 2
+# warps up to 32 slots per expert (2.1x faster than 128-row tiles at T = 1024, 24 slots), 64 rows on 4 warps up to 64
+# (1.5x at T = 2048, 48 slots), 128-row tiles above (1.2x ahead of 64 rows at T = 4096); weights on the MMA's M side
+# from 64 rows on (bench/results/2026-12-01-pdl-moe-tiles.md). A CUDA-core path for 1-4 rows was 1.2-3.5x slower
+# than 16-row tiles.
 MX_DECODE = MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)
+MX_MID = MoEConfig(block_m=32, block_n=64, block_k=128, num_warps=2, num_stages=3)
+MX_MID64 = MoEConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 
@@ -75,7 +81,11 @@ SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a G
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
     if interpret:
         return MX_INTERPRET
-    return MX_DECODE if slots <= 8 * experts else MX_PREFILL
+    if slots <= 8 * experts:
+        return MX_DECODE
+    if slots <= 32 * experts:
+        return MX_MID
+    return MX_MID64 if slots <= 64 * experts else MX_PREFILL
 
 
 def splits_mxfp4(
@@ -98,8 +108,10 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
-                       PRECISION: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                       PRECISION: tl.constexpr, DT: tl.constexpr, SALIGN: tl.constexpr,
+                       PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
+    stride_sn = stride_sn * SALIGN  # passed divided by SALIGN (scale_align): the scale loads vectorise
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -128,8 +140,9 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
                     TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
-                    PDL: tl.constexpr = False):  # fmt: skip
+                    SALIGN: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
+    stride_sn = stride_sn * SALIGN  # passed divided by SALIGN (scale_align)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -252,18 +265,27 @@ def moe_mxfp4(
     else:
         _mx_gate_up_kernel[(nblocks, triton.cdiv(inter, cfg.block_n))](
             xa, w1, s1, w3, s3, rw, slots, bexp, h, tk, e, inter, dh,
-            xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1), h.stride(0), float(limit),
-            TOPK=k, EVEN_K=d % cfg.block_k == 0, **meta, **launch, **pdl.launch(),
+            xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1) // scale_align(s1), h.stride(0), float(limit),
+            TOPK=k, EVEN_K=d % cfg.block_k == 0, SALIGN=scale_align(s1), **meta, **launch, **pdl.launch(),
         )  # fmt: skip
     if split_dn > 1:
         return down_split(h, w2, s2, slots, bexp, t, k, split_dn, piece_dn, sw2e, sw2n, meta, launch)
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     _mx_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, s2, slots, bexp, o, tk, e, d, inter // 2,
-        h.stride(0), sw2e, sw2n, s2.stride(0), s2.stride(1), o.stride(0),
-        EVEN_K=inter % cfg.block_k == 0, **meta, **launch, **pdl.launch(),
+        h.stride(0), sw2e, sw2n, s2.stride(0), s2.stride(1) // scale_align(s2), o.stride(0),
+        EVEN_K=inter % cfg.block_k == 0, SALIGN=scale_align(s2), **meta, **launch, **pdl.launch(),
     )  # fmt: skip
     return _combine(o, t, k)
 
 
-__all__ = ["MX_DECODE", "MX_INTERPRET", "MX_PREFILL", "moe_mxfp4", "pick_config_mxfp4", "splits_mxfp4"]
+__all__ = [
+    "MX_DECODE",
+    "MX_INTERPRET",
+    "MX_MID",
+    "MX_MID64",
+    "MX_PREFILL",
+    "moe_mxfp4",
+    "pick_config_mxfp4",
+    "splits_mxfp4",
+]

@@ -74,14 +74,26 @@ def pick_split(slots: int, experts: int, n: int, k: int, cfg: MoEConfig, sms: in
     return split_steps(k, cfg.block_k, max(1, min(want, most)))[0]
 
 
+def scale_align(s: torch.Tensor) -> int:
+    """The largest power of two (at most 16) dividing the row stride of the scales ``s [E, N, K/32]``. The kernels
+    take the stride divided by it and multiply it back, so Triton knows the alignment of a row's 4 exponent bytes
+    per 128 columns and reads them in one 32-bit load. Triton itself only proves divisibility by 16, which V4.1's
+    72-byte rows (K = 2304) lack: with byte loads its down projection kept the memory pipes 90% busy at 24% of DRAM
+    bandwidth (ncu, T = 64), and a whole MoE call at V4.1's widths took 2433 µs at T = 64 and 96 µs at T = 1, against
+    1679 and 67 µs with this (H200, bench/results/2026-12-01-pdl-moe-tiles.md)."""
+    stride = s.stride(1)
+    return min(16, stride & -stride) if stride > 0 else 1
+
+
 @triton.jit(do_not_specialize=["TK", "E"])
 def _mx_gate_up_split_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, slots_ptr, bexp_ptr, p_ptr, TK, E, N, KH, KS,
                              stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_pu, stride_ps, stride_pm,
                              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr,
-                             SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
+                             SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr, SALIGN: tl.constexpr,
                              PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
+    stride_sn = stride_sn * SALIGN  # passed divided by SALIGN (scale_align)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -109,8 +121,9 @@ def _mx_down_split_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, q_ptr, TK,
                           stride_wn, stride_se, stride_sn, stride_qs, stride_qm, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
                           SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                          DT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                          DT: tl.constexpr, SALIGN: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
+    stride_sn = stride_sn * SALIGN  # passed divided by SALIGN (scale_align)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -180,8 +193,9 @@ def gate_up_split(x: torch.Tensor, w1: object, s1: torch.Tensor, w3: object, s3:
     p = torch.empty((2, split, tk, n), dtype=torch.float32, device=x.device)
     _mx_gate_up_split_kernel[(bexp.numel(), triton.cdiv(n, meta["BLOCK_N"]), split)](
         x, w1, s1, w3, s3, slots, bexp, p, tk, s1.shape[0], n, kh, piece,
-        x.stride(0), stride_we, stride_wn, s1.stride(0), s1.stride(1), p.stride(0), p.stride(1), p.stride(2),
-        TOPK=topk, EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0, **meta, **launch, **pdl.launch(),
+        x.stride(0), stride_we, stride_wn, s1.stride(0), s1.stride(1) // scale_align(s1), p.stride(0), p.stride(1),
+        p.stride(2), TOPK=topk, EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0, SALIGN=scale_align(s1), **meta, **launch,
+        **pdl.launch(),
     )  # fmt: skip
     _gate_up_finish_kernel[(tk, triton.cdiv(n, FINISH_BLOCK))](
         p, rw, h, n, p.stride(0), p.stride(1), p.stride(2), h.stride(0), limit,
@@ -199,8 +213,8 @@ def down_split(h: torch.Tensor, w2: object, s2: torch.Tensor, slots: torch.Tenso
     q = torch.empty((split, tk, d), dtype=torch.float32, device=h.device)
     _mx_down_split_kernel[(bexp.numel(), triton.cdiv(d, meta["BLOCK_N"]), split)](
         h, w2, s2, slots, bexp, q, tk, s2.shape[0], d, inter // 2, piece,
-        h.stride(0), stride_we, stride_wn, s2.stride(0), s2.stride(1), q.stride(0), q.stride(1),
-        EVEN_K=inter % meta["BLOCK_K"] == 0, **meta, **launch, **pdl.launch(),
+        h.stride(0), stride_we, stride_wn, s2.stride(0), s2.stride(1) // scale_align(s2), q.stride(0), q.stride(1),
+        EVEN_K=inter % meta["BLOCK_K"] == 0, SALIGN=scale_align(s2), **meta, **launch, **pdl.launch(),
     )  # fmt: skip
     y = torch.empty((t, d), dtype=torch.float32, device=h.device)
     _down_finish_kernel[(t, triton.cdiv(d, FINISH_BLOCK))](
@@ -211,4 +225,4 @@ def down_split(h: torch.Tensor, w2: object, s2: torch.Tensor, slots: torch.Tenso
 
 
 __all__ = ["MAX_SPLIT", "MIN_STEPS", "PROGRAMS_PER_SM", "SMS", "down_split", "gate_up_split", "pick_split",
-           "split_steps"]  # fmt: skip
+           "scale_align", "split_steps"]  # fmt: skip
