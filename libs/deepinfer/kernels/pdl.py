@@ -11,7 +11,7 @@ while the kernel before it drains. Each kernel here takes ``PDL: tl.constexpr`` 
 
 ``launch()`` gives the launch arguments: ``PDL=True`` with ``launch_pdl=True`` when every visible GPU has compute
 capability 9.0 or more, unless ``DEEPINFER_PDL=0``; nothing in Triton's interpreter or before Hopper (the kernels
-then compile without the two instructions). Measured on an H200 (``bench/results/2026-12-01-pdl-moe-tiles.md``): 1.32
+then compile without the two instructions). Measured on an H200 (``bench/results/2026-11-30-pdl-moe-tiles.md``): 1.32
 → 0.98 µs a kernel in a chain of short kernels, 1-2% of a graphed V4 decode step (the step's other launches are
 cuBLAS's and torch's, and the eager head).
 """
