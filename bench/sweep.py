@@ -628,12 +628,30 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
     return out
 
 
+def issue_time(run, dev: torch.device) -> dict[str, float]:
+    """One more run from an idle device: ``issue_ms``, the host's time until ``run`` returns (the work queued), and
+    ``ms``, until the device finishes it. ``issue_ms`` close to ``ms`` means the host sets the pace (launches or
+    syncs); far below, the device does."""
+    sync(dev)
+    t0 = time.perf_counter()
+    run()
+    t1 = time.perf_counter()
+    sync(dev)
+    t2 = time.perf_counter()
+    return {"issue_ms": round((t1 - t0) * 1e3, 3), "ms": round((t2 - t0) * 1e3, 3)}
+
+
 def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, Any]:
     """``torch.profiler`` over one more prefill: the kernels by device time, and the device's busy time; with
-    ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM)."""
+    ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM). Then, unprofiled, the host's
+    issue time of one prefill (``issue_time``) and cProfile's view of its Python (``host_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    try:
+        host = {"issue": issue_time(run, dev), "host_python": host_profile(run, dev, steps=1)}
+    except Exception as e:  # noqa: BLE001 - the profile is informative only
+        host = {"host_error": f"{type(e).__name__}: {e}"[:300]}
     try:
         with profile(activities=acts, record_shapes=shapes) as prof:
             run()
@@ -642,7 +660,7 @@ def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, A
         key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
         table = ka.table(sort_by=key, row_limit=60, max_name_column_width=60)
-        out = {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3)}
+        out = {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3), **host}
         if shapes:
             by_shape = prof.key_averages(group_by_input_shape=True)
             out["table_by_input_shape"] = by_shape.table(
@@ -650,11 +668,12 @@ def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, A
             )
         return out
     except Exception as e:  # noqa: BLE001 - the profile is informative only
-        return {"profiler_error": f"{type(e).__name__}: {e}"[:300]}
+        return {"profiler_error": f"{type(e).__name__}: {e}"[:300], **host}
 
 
 def host_profile(step, dev: torch.device, steps: int = 3) -> str:
-    """Where the host's time goes in ``steps`` decode steps as the op set runs them (graphs included): cProfile's
+    """Where the host's time goes in ``steps`` runs of ``step`` (decode steps as the op set runs them, graphs
+    included, or a prefill): cProfile's
     top functions by own time, then by cumulative time (the Python side that torch.profiler does not show)."""
     import cProfile
     import io
