@@ -205,9 +205,12 @@ class ModelRunner:
             gens.append(gen)  # on the logits device: the V draws stay there
         rids = [plan.chunks[i].request_id for i in seqs]
         s = self.sampler(logits[sel], params, gens, self._constrain(masks, rids))
+        # one device-to-host copy for the step's tokens and logprobs (an element read per row would wait for the
+        # device twice a row); both are exact in float64 (token ids < 2^53, logprobs float32)
+        ids, lps = torch.stack((s.token_ids.to(torch.float64), s.logprobs.to(torch.float64))).tolist()
         for j, i in enumerate(seqs):
-            out[i].token_id = int(s.token_ids[j])
+            out[i].token_id = int(ids[j])
             if masks is not None:
                 self.constraints.accept(rids[j], out[i].token_id)
-            out[i].logprob = float(s.logprobs[j])
+            out[i].logprob = lps[j]
             out[i].top_logprobs = s.top_logprobs[j]
