@@ -37,8 +37,21 @@ class KVStoreProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> KVStoreProcess:
-        if not self.port:  # a restart keeps the address
-            self.port, self.metrics_port = free_port(), free_port()
+        """Start the process and wait until it serves. A first start whose free ports another process took in the
+        meantime (it exits before serving) is retried on fresh ports, twice; the last failure carries the log."""
+        fresh = not self.port  # a restart keeps the address
+        attempts = 3 if fresh else 1
+        for attempt in range(attempts):
+            if fresh:
+                self.port, self.metrics_port = free_port(), free_port()
+            try:
+                return self._start()
+            except RuntimeError as e:
+                if attempt == attempts - 1:
+                    raise RuntimeError(f"{e}; its log ends:\n{self.log()[-2000:]}") from None
+        return self
+
+    def _start(self) -> KVStoreProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
         env.update(DEEPINFER_LOG_LEVEL="info", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
