@@ -109,14 +109,22 @@ def test_falls_back_when_the_cast_is_not_exact(w4a8, monkeypatch):
 @pytest.mark.parametrize("t", [64, 700, 3000])
 def test_gpu_bf16_v4_shapes(w4a8, t):
     """bf16 at V4-Flash's widths (32 experts): against the W4A16 kernels within the FP8 MMA's accumulation (each
-    128-column partial promoted to fp32), both nibble orders, the tiles of every size class; a CUDA graph replay
-    equals the eager call."""
+    128-column partial promoted to fp32), both nibble orders and both casts (PTX and plain Triton, bit for bit), the
+    tiles of every size class; a CUDA graph replay equals the eager call."""
     x, idx, w, mx = _problem(t, 32, 2048, 4096, 6, seed=t, lo=116, hi=124, dtype=torch.bfloat16)
     ref = moe_mxfp4(x, idx, w, *mx, 10.0)
     out = moe_mxfp4(x, idx, w, *mx, 10.0, act_fp8=True)
     assert _rel(out, ref) < 5e-3
     sx = _shifted(mx)
     assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, order="shift", act_fp8=True), out)
+    import deepinfer.kernels.moe_w4a8 as w4
+
+    w4.CAST_PTX = False  # the plain Triton cast gives the PTX cast's bytes: the same results, bit for bit
+    try:
+        assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, act_fp8=True), out)
+        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, order="shift", act_fp8=True), out)
+    finally:
+        w4.CAST_PTX = True
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = moe_mxfp4(x, idx, w, *sx, 10.0, order="shift", act_fp8=True)
