@@ -48,9 +48,9 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.moe import MoEConfig, _combine, _silu_mul
+from deepinfer.kernels.moe import MoEConfig, _combine
 from deepinfer.kernels.moe_align import padded_slots
-from deepinfer.kernels.moe_mxfp4_gemm import _gemm
+from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
 from deepinfer.kernels.moe_w4a8 import gate_up_w4a8, w4a8_ready
 from deepinfer.kernels.pdl import pdl_wait
@@ -129,12 +129,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, 0,
                              KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA,
                              SWAP, PRECISION, True)  # fmt: skip
-        g = acc_g.to(dt).to(tl.float32)  # gate/up rounded to x.dtype, as moe_triton
-        u = acc_u.to(dt).to(tl.float32)
-        rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
-        h = _silu_mul(g, u, limit) * rw[:, None]
-        h_off = slot.to(tl.int64)[:, None] * stride_hm + rn[None, :]
-        tl.store(h_ptr + h_off, h.to(dt), mask=valid[:, None] & mask_n[None, :])
+        _swiglu_rows(acc_g, acc_u, slot, valid, rn, mask_n, rw_ptr, h_ptr, stride_hm, limit, dt)
 
 
 @triton.jit(do_not_specialize=["TK", "E"])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.moe import _silu_mul
+
 # 8 e2m1 codes (one 32-bit word, code i in bits 4i..4i+3) → 4 bf16x2 (codes 2b, 2b+1 in register b), each times the
 # bf16x2 scale $5: byte lookups (prmt) of the low and high bytes of |value|, the signs or-ed into the high bytes
 _E2M1_BF16_ASM = tl.constexpr("""{
@@ -180,3 +182,15 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
         acc_w = tl.trans(acc_w)
         acc_v = tl.trans(acc_v)
     return acc_w, acc_v
+
+
+@triton.jit
+def _swiglu_rows(acc_g, acc_u, slot, valid, rn, mask_n, rw_ptr, h_ptr, stride_hm, limit, DT: tl.constexpr):
+    """The gate/up kernels' epilogue: gate and up ``[BLOCK_M, BLOCK_N]`` fp32 rounded to ``DT`` (as ``moe_triton``),
+    the clamped SwiGLU times each slot's routing weight, stored to the slots' rows of ``h``."""
+    g = acc_g.to(DT).to(tl.float32)
+    u = acc_u.to(DT).to(tl.float32)
+    rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
+    h = _silu_mul(g, u, limit) * rw[:, None]
+    h_off = slot.to(tl.int64)[:, None] * stride_hm + rn[None, :]
+    tl.store(h_ptr + h_off, h.to(DT), mask=valid[:, None] & mask_n[None, :])

@@ -11,13 +11,15 @@ the accumulation differ: the FP8 MMA sums 128 columns, and the fp32 accumulator 
 by ``2^(smax - 133) · s_x`` (DeepSeek's fp8 GEMM promotion).
 
 The epilogue is ``moe_mxfp4``'s: gate and up rounded to ``x.dtype``, SwiGLU with the clamp, times the routing
-weight, into ``h`` for the unchanged down projection (its input is not FP8-rounded by the model). The code-to-e4m3
-cast is plain Triton (the interpreter runs it too); its cost on a GPU is still to be measured, so ``moe_mxfp4`` takes
-this path only when asked (``act_fp8`` and ``W4A8``).
+weight, into ``h`` for the unchanged down projection (its input is not FP8-rounded by the model). On CUDA the
+code-to-e4m3 cast is PTX (``_E2M1_E4M3_ASM``); in Triton's interpreter (and with ``CAST_PTX`` off) plain Triton,
+the same bytes. Its speed on a GPU is still to be measured, so ``moe_mxfp4`` takes this path only when asked
+(``act_fp8`` and ``W4A8``).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -25,11 +27,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.moe import _silu_mul
-from deepinfer.kernels.moe_mxfp4_gemm import _scales
+from deepinfer.kernels.moe_mxfp4_gemm import _scales, _swiglu_rows
 from deepinfer.kernels.pdl import pdl_wait
 
 MAX_SPREAD = 11  # d = smax - s within a row's 128 columns: the cast stays exact (module docstring)
+MIN_EXP = 7  # the block scale 2^(smax - 133) stays a normal fp32
 CAST_PTX = True  # on CUDA: cast the codes with _E2M1_E4M3_ASM (False: the plain Triton cast; benchmarks)
 
 # 8 e2m1 codes (one 32-bit word, $2) → their e4m3 bytes lowered by d (d in every byte of $3): codes 2i in $0 and
@@ -66,7 +68,6 @@ prmt.b32 $1, l0, l1, {};
 }}"""
 _CAST_PLAIN = tl.constexpr(_E2M1_E4M3_ASM.format("0x6420", "0x7531"))  # code v in nibble v
 _CAST_SHIFT = tl.constexpr(_E2M1_E4M3_ASM.format("0x0123", "0x4567"))  # codes 0..7 in nibbles 3 7 2 6 1 5 0 4
-MIN_EXP = 7  # the block scale 2^(smax - 133) stays a normal fp32
 _READY: dict[int, tuple[weakref.ref, int, bool]] = {}  # id(s) -> (s, its version, the answer)
 
 
@@ -161,12 +162,7 @@ def _w4a8_gate_up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr,
         if SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        g = acc_g.to(DT).to(tl.float32)  # gate/up rounded to x.dtype, as moe_mxfp4
-        u = acc_u.to(DT).to(tl.float32)
-        rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
-        h = _silu_mul(g, u, limit) * rw[:, None]
-        h_off = slot.to(tl.int64)[:, None] * stride_hm + rn[None, :]
-        tl.store(h_ptr + h_off, h.to(DT), mask=valid[:, None] & mask_n[None, :])
+        _swiglu_rows(acc_g, acc_u, slot, valid, rn, mask_n, rw_ptr, h_ptr, stride_hm, limit, DT)
 
 
 def gate_up_w4a8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
@@ -176,8 +172,6 @@ def gate_up_w4a8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.
     values (``act_quant_sim(·, 128)``); ``w1``/``w3`` the words ``[E, I, D/8]`` int32, ``s1``/``s3`` the exponents
     as ``uint8`` (``w4a8_ready``); ``meta``/``launch``: ``moe_mxfp4``'s constexprs and launch options (its
     ``BLOCK_K`` is ignored: a step is one 128-column scale block)."""
-    import os
-
     from deepinfer.kernels.fp8_quant import act_quant_fp8
     from deepinfer.kernels.moe_mxfp4_split import scale_align
 
