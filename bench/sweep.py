@@ -872,17 +872,12 @@ class Ours:
         sets, ids = self.weight_sets, self._ids(n)
         act_modules = [m for m in self.model.modules() if hasattr(m, "quant_sim") and (
             getattr(m, "keeps_fp8", False) or hasattr(m, "w1_scale"))]  # fmt: skip
-        import deepinfer.kernels.moe_mxfp4 as mx
-
         variants = {"bf16": ("bf16", False), "native": ("native", False), "native_fp8_act": ("native", True)}
-        if self.args.w4a8:  # the same, with the routed experts' gate/up on the FP8 tensor cores (kernels.moe_w4a8)
-            variants["native_fp8_act_w4a8"] = ("native", True)
         times: dict[str, list[float]] = {k: [] for k in variants}
 
         def use(name: str) -> None:
             weights, act = variants[name]
             sets.use(weights)
-            mx.W4A8 = name.endswith("_w4a8")
             for m in act_modules:
                 m.quant_sim = act
 
@@ -902,7 +897,6 @@ class Ours:
                     times[name].append(timed(run, self.dev))
         finally:
             use("native" if prev == "native" else "bf16")
-            mx.W4A8 = False
             for m in act_modules:
                 m.quant_sim = False
         return {"tokens": n, **{k: 1e3 * statistics.median(v) if v else None for k, v in times.items()}}
@@ -1156,14 +1150,10 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("decode_ab"):
         lines += ["", "Decode before/after (--ab; decode_ab.py)", "", decode_ab.markdown(res["decode_ab"])]
     if res.get("prefill_ab"):
-        keys = ["bf16", "native", "native_fp8_act"]
         head = "| tokens | bf16 weights | native (W8A16) | native, FP8 activations (W8A8) |"
-        if any("native_fp8_act_w4a8" in r for r in res["prefill_ab"]):
-            keys.append("native_fp8_act_w4a8")
-            head += " the same, W4A8 gate/up |"
-        lines += ["", "Prefill A/B (--ab-weights; median ms, interleaved)", "", head, "|---:" * (len(keys) + 1) + "|"]
+        lines += ["", "Prefill A/B (--ab-weights; median ms, interleaved)", "", head, "|---:|---:|---:|---:|"]
         for r in res["prefill_ab"]:
-            cells = " | ".join(_f(r.get(k), ".1f") for k in keys)
+            cells = " | ".join(_f(r.get(k), ".1f") for k in ("bf16", "native", "native_fp8_act"))
             lines.append(f"| {r['tokens']} | {cells} |" + (f" {r['note']}" if r.get("note") else ""))
     if res.get("weight_bytes"):
         lines += ["", f"Bytes of the swapped weights: {res['weight_bytes']}"]
@@ -1261,7 +1251,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", type=ints, default=[], help="decode batch sizes to profile (regions + torch.profiler)")
     ap.add_argument("--profile-prefill", type=ints, default=[], help="prefill lengths to profile (torch.profiler)")
-    ap.add_argument("--w4a8", action="store_true", help="--ab-prefill: also native_fp8_act with the W4A8 gate/up")
     ap.add_argument("--profile-shapes", action="store_true", help="--profile-prefill: also group the ops by shape")
     ap.add_argument("--moe-backend", default="auto", help="NvidiaOps' MoE: auto | grouped_mm | triton")
     ap.add_argument(

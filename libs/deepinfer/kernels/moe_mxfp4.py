@@ -52,7 +52,6 @@ from deepinfer.kernels.moe import MoEConfig, _combine
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
-from deepinfer.kernels.moe_w4a8 import gate_up_w4a8, w4a8_ready
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
@@ -73,7 +72,6 @@ MX_MID64 = MoEConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stage
 MX_PREFILL = MoEConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 MX_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 
-W4A8 = False  # act_fp8 calls: gate/up on the FP8 tensor cores (kernels.moe_w4a8); off until measured on a GPU
 FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the portable decode; for benchmarks)
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
@@ -219,12 +217,9 @@ def moe_mxfp4(
     limit: float,
     config: MoEConfig | None = None,
     order: str = "plain",
-    act_fp8: bool = False,
 ) -> torch.Tensor:
     """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32. ``order``: the
-    nibble order of all three weights' codes (``quant.nibble_order``). ``act_fp8``: ``x`` holds FP8-rounded values
-    (``act_quant_sim(·, 128)``), so with ``W4A8`` the gate/up GEMM may run on the FP8 tensor cores
-    (``kernels.moe_w4a8``; the same products, another accumulation)."""
+    nibble order of all three weights' codes (``quant.nibble_order``)."""
     _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
     check_order(order)
     t, k = idx.shape
@@ -246,9 +241,7 @@ def moe_mxfp4(
     shift = order == "shift"
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
     (sw1e, sw1n), (sw2e, sw2n) = w1.stride()[:2], w2.stride()[:2]  # w3 is laid out as w1
-    w4a8 = act_fp8 and W4A8 and d % 128 == 0 and w4a8_ready(s1) and w4a8_ready(s3)  # the weights' own tensors
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
-    words13 = (w1, w3)
     rw = weights.reshape(-1).float().contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     nblocks = bexp.numel()
@@ -261,9 +254,7 @@ def moe_mxfp4(
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     (split_gu, piece_gu), (split_dn, piece_dn) = splits_mxfp4(tk, e, inter, d, cfg, x.is_cuda and not interpret)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
-    if w4a8:
-        gate_up_w4a8(xa, words13[0], s1, words13[1], s3, rw, slots, bexp, h, k, float(limit), meta, launch)
-    elif split_gu > 1:
+    if split_gu > 1:
         gate_up_split(xa, w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit), split_gu, piece_gu, sw1e, sw1n, meta,
                       launch)  # fmt: skip
     else:

@@ -197,13 +197,11 @@ class Ops(Protocol):
         s3: torch.Tensor,
         limit: float,
         order: str = "plain",
-        act_fp8: bool = False,
     ) -> torch.Tensor:
         """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
         uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
         ``moe`` on the weights decoded to ``x.dtype``. ``order``: the nibble order of the codes, ``plain`` or
-        ``shift`` (``quant.nibble_order``). ``act_fp8``: ``x`` is FP8-rounded per 1×128 block (``act_quant_sim``),
-        a hint a backend may use (FP8 tensor cores: the same products, another accumulation order)."""
+        ``shift`` (``quant.nibble_order``)."""
         ...
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

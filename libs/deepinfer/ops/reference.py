@@ -252,7 +252,6 @@ class ReferenceOps:
         s3: torch.Tensor,
         limit: float,
         order: str = "plain",
-        act_fp8: bool = False,
     ) -> torch.Tensor:
         """Decodes only the experts ``idx`` touches, then ``moe``."""
         check_order(order)

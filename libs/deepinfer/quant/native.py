@@ -168,19 +168,11 @@ def shift_experts(model: nn.Module) -> int:
 
 
 def routed_experts(
-    m: nn.Module,
-    x: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
-    limit: float,
-    ops: object,
-    act_fp8: bool = False,
+    m: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float, ops: object
 ) -> torch.Tensor:
-    """``ops.moe`` or ``ops.moe_mxfp4`` over ``m``'s experts, whichever format they are stored in → ``[T, D]`` fp32.
-    ``act_fp8``: ``x`` is FP8-rounded per 1×128 block (``act_quant_sim``), which ``moe_mxfp4`` may exploit."""
+    """``ops.moe`` or ``ops.moe_mxfp4`` over ``m``'s experts, whichever format they are stored in → ``[T, D]`` fp32."""
     if is_mxfp4(m.w1):
         return ops.moe_mxfp4(
-            x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m),
-            act_fp8=act_fp8,
-        )  # fmt: skip
+            x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m)
+        )
     return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit)

@@ -54,8 +54,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         idx, w = self.gate(x, token_ids, ops)
-        act_fp8 = self.quant_sim and x.shape[-1] % 128 == 0
-        xin = ops.act_quant_sim(x, 128) if act_fp8 else x
-        y = routed_experts(self, xin, idx, w, self.limit, ops, act_fp8=act_fp8)
+        xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
+        y = routed_experts(self, xin, idx, w, self.limit, ops)
         h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
         return ops.moe_combine(y, self.shared_w2(h, ops), x.dtype)  # (y + shared.float()).to(x.dtype)
