@@ -175,7 +175,7 @@ def test_a_grammar_for_another_tokenizer_is_refused_not_fatal(compiler: Compiler
 
 
 def test_sampler_chooses_among_allowed_tokens_and_reports_raw_logprobs() -> None:
-    from deepinfer.engine.sampler import Sampler, make_generator
+    from deepinfer.engine.sampler import Sampler
     from deepinfer.sampling_params import SamplingParams
 
     torch.manual_seed(0)
@@ -183,9 +183,9 @@ def test_sampler_chooses_among_allowed_tokens_and_reports_raw_logprobs() -> None
     allowed = torch.zeros(3, 50, dtype=torch.bool)
     allowed[:, [7, 9, 11]] = True
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(top_k=2)]
-    gens = [None, make_generator(5), None]
+    seeds = [None, 5, None]
     before = logits.clone()
-    out = Sampler()(logits, params, gens, lambda x: x.masked_fill_(~allowed, float("-inf")))
+    out = Sampler()(logits, params, seeds, lambda x: x.masked_fill_(~allowed, float("-inf")))
     assert torch.equal(logits, before)  # the caller's logits are left alone
     assert set(out.token_ids.tolist()) <= {7, 9, 11}
     assert int(out.token_ids[0]) == [7, 9, 11][int(logits[0, [7, 9, 11]].argmax())]

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs, make_generator
+from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.sampling_params import SamplingParams
 
-sampler = Sampler()
+sampler = Sampler(kernel=False)  # the torch path; tests/kernels/test_sampling.py checks the Triton kernel
 PROBS = [0.5, 0.25, 0.15, 0.1]
 
 
@@ -19,8 +19,8 @@ def _logits(probs, v_extra=0):
 
 def _support(logits_row, params, n=600, seeded=True):
     logits = logits_row.unsqueeze(0).expand(n, -1).contiguous()
-    gens = [make_generator(1000 + i) if seeded else None for i in range(n)]
-    out = sampler(logits, [params] * n, gens)
+    seeds = [1000 + i if seeded else None for i in range(n)]
+    out = sampler(logits, [params] * n, seeds)
     return set(out.token_ids.tolist())
 
 
@@ -36,7 +36,7 @@ def test_output_types_and_shapes():
 def test_greedy_argmax_and_ties():
     logits = torch.tensor([[0.0, 1.0, 3.0, -1.0, 2.0, 3.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
     g = SamplingParams(temperature=0)
-    out = sampler(logits, [g, g], [make_generator(0), None])
+    out = sampler(logits, [g, g], [0, None])
     assert out.token_ids.tolist() == [2, 0]
 
 
@@ -53,7 +53,7 @@ def test_top_k_1_equals_greedy():
 
 def test_tiny_temperature_is_finite_and_near_greedy():
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3]])
-    out = sampler(logits, [SamplingParams(temperature=1e-8)], [make_generator(1)])
+    out = sampler(logits, [SamplingParams(temperature=1e-8)], [1])
     assert out.token_ids.tolist() == [1]
 
 
@@ -95,12 +95,12 @@ def test_top_k_support():
 
 
 def _run_steps(rows, target_pos, steps=5):
-    """Sample `steps` steps for a batch; return the target row's tokens (fresh generators)."""
-    gens = [make_generator(s) if s is not None else None for _, _, s in rows]
+    """Sample `steps` steps for a batch; return the target row's tokens."""
+    seeds = [s for _, _, s in rows]
     toks = []
     for step in range(steps):
         logits = torch.stack([lg + 0.01 * step for lg, _, _ in rows])
-        out = sampler(logits, [p for _, p, _ in rows], gens)
+        out = sampler(logits, [p for _, p, _ in rows], seeds)
         toks.append(out.token_ids[target_pos].item())
     return toks
 
@@ -138,8 +138,8 @@ def test_empirical_distribution_matches_softmax(seeded):
     expected = torch.softmax(logits / T, dim=-1).tolist()
     torch.manual_seed(2024)
     batch = logits.unsqueeze(0).expand(n, -1).contiguous()
-    gens = [make_generator(i) for i in range(n)] if seeded else [None] * n
-    out = sampler(batch, [SamplingParams(temperature=T)] * n, gens)
+    seeds = list(range(n)) if seeded else [None] * n
+    out = sampler(batch, [SamplingParams(temperature=T)] * n, seeds)
     counts = torch.bincount(out.token_ids, minlength=6).tolist()
     # df = 5: P(chi2 > 30) ~ 1.5e-5
     assert _chi2(counts, expected, n) < 30, (counts, expected)
@@ -167,7 +167,7 @@ def test_raw_logprobs_are_unprocessed():
         SamplingParams(temperature=2.0, top_p=0.5, min_p=0.05),
         SamplingParams(temperature=1.0, seed=3),
     ]
-    out = sampler(logits, params, [None, None, None, make_generator(3)])
+    out = sampler(logits, params, [None, None, None, 3])
     raw = torch.log_softmax(logits, dim=-1)
     expect = raw.gather(1, out.token_ids.view(-1, 1)).squeeze(1)
     torch.testing.assert_close(out.logprobs, expect)

@@ -1,19 +1,24 @@
 """Token sampler used by the worker runtime (vLLM semantics, ``logprobs_mode=raw_logprobs``).
 
-Contract of ``Sampler()(logits, params, generators) -> SamplerOutput``:
+Contract of ``Sampler()(logits, params, seeds) -> SamplerOutput``:
 
 * ``logits`` is ``[B, V]`` (float32; other float dtypes are upcast), one row per sequence that samples
-  this step; ``params[i]`` and ``generators[i]`` belong to row ``i``.
+  this step; ``params[i]`` and ``seeds[i]`` (an int, or ``None`` for an unseeded row) belong to row ``i``.
 * ``temperature == 0``: argmax, ties broken towards the lowest token id.
 * otherwise, in order: divide by temperature; top-k (keep the k highest, ties towards lower ids, so
   top_k=1 equals greedy); top-p (keep the smallest prefix of the probability-sorted tokens whose
   cumulative probability is >= top_p, computed on the top-k-renormalised distribution, always at least
   one token; a 1e-6 tolerance absorbs float32 rounding at the boundary); min-p (drop tokens whose
   probability is < min_p * max probability); sample from the renormalised remainder.
-* The draw is an exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. per token. A row with a
-  generator draws its own ``V`` exponentials from that generator (on the generator's device), so a
-  seeded row gives the same token for the same logits whatever else is in the batch. Rows without a
-  generator share one batched draw from the global RNG. Greedy rows draw nothing.
+* The draw is an exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. per token. A seeded row
+  draws its own ``V`` exponentials from a generator seeded with its seed (on the logits' device), so it
+  gives the same token for the same logits whatever else is in the batch. Rows without a seed share one
+  batched draw from the global RNG. Greedy rows draw nothing.
+* On CUDA (``Sampler(kernel=None)``, the default) a step with a sampling row runs as two Triton kernels
+  (``kernels.sampling``): the same filters and an equivalent race (Gumbel noise from counter-based
+  Philox keyed by the seed and the token id; unseeded rows get fresh seeds from torch's CPU generator).
+  Its noise is not torch's, so a seeded row's token differs between the two paths, each repeatable.
+  An all-greedy step stays on torch ops (the same tokens, fewer launches).
 * ``SamplerOutput.logprobs[i]`` is the logprob of the chosen token under ``log_softmax`` of the *raw*
   logits; ``top_logprobs[i]`` is ``None`` unless ``params[i].logprobs > 0``, else the top-k
   ``(token_id, raw_logprob)`` sorted by logprob descending, ties by lower token id.
@@ -24,7 +29,7 @@ token id -> raw logprob with ``token_ids[i]`` first, then the ``num_top`` most l
 on a copy): every choice above is made among the allowed tokens only, while the reported logprobs stay the raw
 model's.
 
-``make_generator(seed)`` builds the per-request generator.
+``make_generator(seed)`` builds a seeded row's generator (the torch path).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.host_copy import tensor
+from deepinfer.host_copy import tensor, to_device
 from deepinfer.sampling_params import SamplingParams
 
 _TOP_P_EPS = 1e-6
@@ -88,47 +93,83 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 
 
 class Sampler:
-    """Stateless; see the module docstring for the exact semantics."""
+    """Stateless; see the module docstring for the exact semantics. ``kernel``: ``None`` uses the Triton kernel for
+    CUDA logits with a sampling row and torch ops otherwise; ``True`` / ``False`` force either (the kernel on host
+    tensors needs Triton's interpreter)."""
+
+    def __init__(self, kernel: bool | None = None) -> None:
+        self.kernel = kernel
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         constrain: Callable[[torch.Tensor], None] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B, V = logits.shape
-        if len(params) != B or len(generators) != B:
-            raise ValueError(f"need one params and one generator per row: B={B}, {len(params)}, {len(generators)}")
+        if len(params) != B or len(seeds) != B:
+            raise ValueError(f"need one params and one seed (or None) per row: B={B}, {len(params)}, {len(seeds)}")
         logits = logits.float()
         device = logits.device
-        raw_lp = torch.log_softmax(logits, dim=-1)
+        raw = logits
         if constrain is not None:  # a grammar's masks: choose among the allowed tokens, report raw logprobs
             logits = logits.clone()
             constrain(logits)
-        token_ids = torch.argmax(logits, dim=-1)  # greedy rows: first max = lowest id
+        use_kernel = self.kernel if self.kernel is not None else logits.is_cuda and not all(p.greedy for p in params)
+        if use_kernel:  # (an all-greedy step stays on torch: the same tokens, fewer host launches)
+            token_ids, chosen_lp = self._kernel(logits, raw, params, seeds)
+            raw_lp = None
+        else:
+            raw_lp = torch.log_softmax(raw, dim=-1)
+            token_ids = self._torch_tokens(logits, params, seeds)
+            chosen_lp = raw_lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
 
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = tensor(rows, device, torch.long)
-            probs = self._filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])
-            q = self._exponentials(probs.shape, device, [generators[i] for i in rows])
-            token_ids[idx] = torch.argmax(probs / q, dim=-1)
-
-        chosen_lp = raw_lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
         top: list[list[tuple[int, float]] | None] = [None] * B
         want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
             k = max(params[i].logprobs for i in want)
             widx = tensor(want, device, torch.long)
-            vals, ids = _top_sorted(raw_lp.index_select(0, widx), k)
+            rows_lp = raw_lp.index_select(0, widx) if raw_lp is not None else torch.log_softmax(raw[widx], dim=-1)
+            vals, ids = _top_sorted(rows_lp, k)
             vals, ids = vals.tolist(), ids.tolist()
             for j, i in enumerate(want):
                 n = params[i].logprobs
                 top[i] = [(int(t), float(v)) for t, v in zip(ids[j][:n], vals[j][:n])]
         return SamplerOutput(token_ids=token_ids, logprobs=chosen_lp, top_logprobs=top)
+
+    @staticmethod
+    def _kernel(
+        logits: torch.Tensor, raw: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from deepinfer.kernels.sampling import pack_params, sample
+
+        fresh = iter(torch.randint(0, 2**62, (sum(s is None for s in seeds),)).tolist())  # torch's CPU generator
+        packed = pack_params(
+            [0.0 if p.greedy else float(p.temperature) for p in params],
+            [int(p.top_k) for p in params],
+            [float(p.top_p) for p in params],
+            [float(p.min_p) for p in params],
+            [int(s) if s is not None else next(fresh) for s in seeds],
+            logits.shape[1],
+        )
+        return sample(logits.contiguous(), raw.contiguous(), to_device(packed, logits.device))
+
+    def _torch_tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+    ) -> torch.Tensor:
+        device = logits.device
+        token_ids = torch.argmax(logits, dim=-1)  # greedy rows: first max = lowest id
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = tensor(rows, device, torch.long)
+            probs = self._filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])
+            gens = [make_generator(seeds[i], device) if seeds[i] is not None else None for i in rows]
+            q = self._exponentials(probs.shape, device, gens)
+            token_ids[idx] = torch.argmax(probs / q, dim=-1)
+        return token_ids
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
 from deepinfer.engine.models import Model
-from deepinfer.engine.sampler import Sampler, compute_logprobs, make_generator
+from deepinfer.engine.sampler import Sampler, compute_logprobs
 from deepinfer.host_copy import tensor
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
 
@@ -197,14 +197,13 @@ class ModelRunner:
             return
         seqs = [owners[k][0] for k in sel]
         params = [plan.chunks[i].params for i in seqs]
-        gens = []
+        seeds = []
         for i, p in zip(seqs, params):
             seed = p.effective_seed
             pos = plan.chunks[i].start + len(plan.chunks[i].token_ids)  # position of the new token
-            gen = None if seed is None or p.greedy else make_generator(position_seed(seed, pos), self.device)
-            gens.append(gen)  # on the logits device: the V draws stay there
+            seeds.append(None if seed is None or p.greedy else position_seed(seed, pos))
         rids = [plan.chunks[i].request_id for i in seqs]
-        s = self.sampler(logits[sel], params, gens, self._constrain(masks, rids))
+        s = self.sampler(logits[sel], params, seeds, self._constrain(masks, rids))
         # one device-to-host copy for the step's tokens and logprobs (an element read per row would wait for the
         # device twice a row); both are exact in float64 (token ids < 2^53, logprobs float32)
         ids, lps = torch.stack((s.token_ids.to(torch.float64), s.logprobs.to(torch.float64))).tolist()
