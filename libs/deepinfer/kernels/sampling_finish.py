@@ -119,6 +119,21 @@ def _mass_before(x_row, V, m, inv_t, vw, w, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mass(x_row, V, m, inv_t, t_v, cut, BLOCK: tl.constexpr):
+    """``Σ exp(s)`` over the top-k tokens (key above ``t_v``, or equal up to id ``cut``; ``_INT_MIN``: every token)."""
+    ar = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + ar
+        msk = offs < V
+        x = tl.load(x_row + offs, mask=msk, other=float("-inf"))
+        v = _value(x)
+        keep = msk & ((v > t_v) | ((v == t_v) & (offs <= cut)))
+        acc += tl.where(keep, tl.exp((x - m) * inv_t), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
 def _kth_key(x_row, V, k, BLOCK: tl.constexpr):
     """``(t_v, cut)``: the k-th logit's key (radix select, four histogram passes) and the last tied id kept."""
     ar = tl.arange(0, BLOCK)
@@ -155,22 +170,13 @@ def _kth_key(x_row, V, k, BLOCK: tl.constexpr):
 def _rounds(x_row, V, m, a, best, bid, inv_t, k, top_p, min_p, seed, BLOCK: tl.constexpr, QW: tl.constexpr,
             NB: tl.constexpr, NQ: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
     """The rejection rounds (module docstring of ``kernels.sampling``) from the leader ``(best, bid)``."""
-    ar = tl.arange(0, BLOCK)
     t_v = _INT_MIN
     cut = V
     if k < V:
         t_v, cut = _kth_key(x_row, V, k, BLOCK)
     zk = 1.0
     if top_p < 1.0:
-        acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            offs = start + ar
-            msk = offs < V
-            x = tl.load(x_row + offs, mask=msk, other=float("-inf"))
-            v = _value(x)
-            keep = msk & ((v > t_v) | ((v == t_v) & (offs <= cut)))
-            acc += tl.where(keep, tl.exp((x - m) * inv_t), 0.0)
-        zk = tl.sum(acc, 0)
+        zk = _mass(x_row, V, m, inv_t, t_v, cut, BLOCK)
     qa = tl.arange(0, QW)
     w = a
     done = 0
@@ -184,15 +190,7 @@ def _rounds(x_row, V, m, a, best, bid, inv_t, k, top_p, min_p, seed, BLOCK: tl.c
             vw = _value(xw)
             ok = ((vw > t_v) | ((vw == t_v) & (w <= cut))) & (tl.exp((xw - m) * inv_t) >= min_p)
             if ok & (top_p < 1.0):
-                acc = tl.zeros([BLOCK], tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + ar
-                    msk = offs < V
-                    x = tl.load(x_row + offs, mask=msk, other=float("-inf"))
-                    v = _value(x)
-                    ahead = msk & ((v > vw) | ((v == vw) & (offs < w)))
-                    acc += tl.where(ahead, tl.exp((x - m) * inv_t), 0.0)
-                excl = tl.sum(acc, 0)
+                _z, excl, _n = _mass_before(x_row, V, m, inv_t, vw, w, BLOCK)
                 ok = (excl == 0.0) | (excl < (top_p - EPS) * zk)
             if ok:
                 done = 1
@@ -270,12 +268,7 @@ def _finish_kernel(x_ptr, raw_ptr, par_ptr, pf_ptr, pi_ptr, lanes_ptr, list_ptr,
                 n = _compact(x_row, list_row, count_ptr + row, V, tau, bound_v, bound_id, LMAX, BLOCK)
                 if (n <= LMAX) & (n > 0):
                     if (has_p - has_k == 1) & (z < 0):  # top-p over the whole vocabulary: Z
-                        acc = tl.zeros([BLOCK], tl.float32)
-                        for start in range(0, V, BLOCK):
-                            offs = start + tl.arange(0, BLOCK)
-                            x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
-                            acc += tl.exp((x - m) * inv_t)
-                        z = tl.sum(acc, 0)
+                        z = _mass(x_row, V, m, inv_t, _INT_MIN, V, BLOCK)
                     if n <= LSMALL:  # a short sort for the usual lists
                         lbest, lw = _list_pick(x_row, list_row, n, m, inv_t, k, top_p, min_p, z, seed, V, NB, NQ,
                                                LSMALL, EPS, SORT)  # fmt: skip
