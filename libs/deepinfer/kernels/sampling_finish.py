@@ -177,6 +177,9 @@ def _rounds(x_row, V, m, a, best, bid, inv_t, k, top_p, min_p, seed, BLOCK: tl.c
     zk = 1.0
     if top_p < 1.0:
         zk = _mass(x_row, V, m, inv_t, t_v, cut, BLOCK)
+    lo = float("-inf")  # the races skip tokens below min-p's bound (kept tokens are all above it)
+    if min_p > 0.0:
+        lo = m + (tl.log(min_p) - 1e-3) * (1.0 / inv_t)
     qa = tl.arange(0, QW)
     w = a
     done = 0
@@ -202,12 +205,16 @@ def _rounds(x_row, V, m, a, best, bid, inv_t, k, top_p, min_p, seed, BLOCK: tl.c
                         r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + c0 + qa)
                         at = start + c0 + qa
                         x = tl.load(x_row + at, mask=at < V, other=float("-inf"))
+                        x = tl.where(x >= lo, x, float("-inf"))
                         lg, gi = _race_lanes(x, at, V, inv_t, _gumbel(r0), t_v, cut, vw, w, lg, gi, True)
                         x = tl.load(x_row + at + NQ, mask=at + NQ < V, other=float("-inf"))
+                        x = tl.where(x >= lo, x, float("-inf"))
                         lg, gi = _race_lanes(x, at + NQ, V, inv_t, _gumbel(r1), t_v, cut, vw, w, lg, gi, True)
                         x = tl.load(x_row + at + 2 * NQ, mask=at + 2 * NQ < V, other=float("-inf"))
+                        x = tl.where(x >= lo, x, float("-inf"))
                         lg, gi = _race_lanes(x, at + 2 * NQ, V, inv_t, _gumbel(r2), t_v, cut, vw, w, lg, gi, True)
                         x = tl.load(x_row + at + 3 * NQ, mask=at + 3 * NQ < V, other=float("-inf"))
+                        x = tl.where(x >= lo, x, float("-inf"))
                         lg, gi = _race_lanes(x, at + 3 * NQ, V, inv_t, _gumbel(r3), t_v, cut, vw, w, lg, gi, True)
                 best, bid = _first_max(lg, gi, V)
     return w
