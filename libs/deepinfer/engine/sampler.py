@@ -40,9 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.host_copy import tensor, to_device
-from deepinfer.sampling_params import SamplingParams
-
-_TOP_P_EPS = 1e-6
+from deepinfer.sampling_params import TOP_P_EPS, SamplingParams
 
 
 @dataclass
@@ -191,7 +189,7 @@ class Sampler:
             s_probs = torch.softmax(s_vals.masked_fill(~s_keep, float("-inf")), dim=-1)
             excl_cum = torch.cumsum(s_probs, dim=-1) - s_probs  # mass strictly before each token
             p_t = tensor(top_p, device, torch.float32).view(-1, 1)
-            s_keep &= (excl_cum < p_t - _TOP_P_EPS) | (p_t >= 1.0) | (pos == 0)
+            s_keep &= (excl_cum < p_t - TOP_P_EPS) | (p_t >= 1.0) | (pos == 0)
             keep = torch.zeros_like(keep).scatter(1, s_ids, s_keep)
 
         min_p = [float(p.min_p) for p in params]

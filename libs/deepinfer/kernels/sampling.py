@@ -58,10 +58,10 @@ from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.kernels.sampling_finish import _finish_kernel
 from deepinfer.kernels.sampling_lanes import _first_max, _gumbel, _race_lanes, _row_params, _stats_lanes
 from deepinfer.kernels.topk import _pow2
+from deepinfer.sampling_params import TOP_P_EPS
 
 NOISE_BLOCK = 4096  # part of the noise layout (module docstring): fixed, never tuned
 _QUARTER = NOISE_BLOCK // 4
-TOP_P_EPS = 1e-6  # engine.sampler's
 _NUM_WARPS = 16  # the finishing program (one a row): enough loads in flight for a lone row
 _MAX_PARTS = 64
 _SEED_MASK = (1 << 63) - 1
