@@ -146,6 +146,11 @@ _declare("DEEPINFER_ENABLE_PREFIX_CACHING", "bool", _SCHED, """
     Keep resume points (full pages + a snapshot of the per-sequence window and compressor state) at the end
     of every prompt and every sequence, and start new requests from the longest one that is a prefix of
     their tokens. A hit is exact: the same state a cold prefill would build.""", default=True)
+_declare("DEEPINFER_ASYNC_SCHEDULING", "bool", _SCHED, """
+    The offline engine (`LLM`) plans and launches step N+1 before it collects step N's tokens: requests decoding in
+    step N continue on placeholders that the worker fills on the device, so the host's work for a step overlaps the
+    previous step's device work. Outputs are the same; a request that stops on EOS costs one wasted row. (The
+    scheduler service always pipelines two steps.)""", default=True)
 _declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
     How many resume points the device prefix cache keeps at most (least recently used evicted first; they
     are also evicted whenever the KV pages run short, before any running request is preempted).""",
@@ -320,6 +325,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_MAX_NUM_SEQS: int
     DEEPINFER_MAX_NUM_BATCHED_TOKENS: int
     DEEPINFER_ENABLE_PREFIX_CACHING: bool
+    DEEPINFER_ASYNC_SCHEDULING: bool
     DEEPINFER_PREFIX_CACHE_RESUME_POINTS: int
     DEEPINFER_RESUME_INTERVAL: int
     DEEPINFER_COMPACT_REPLAY_TOKENS: int

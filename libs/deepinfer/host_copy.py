@@ -71,4 +71,16 @@ def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torc
     return to_device(torch.tensor(data, dtype=dtype), device)
 
 
-__all__ = ["StagedCopy", "tensor", "to_device"]
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``t`` copied to pinned host memory without waiting, and the event that marks the copy done (None: ``t`` was on
+    the host already). Read the copy only after ``event.synchronize()``."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+__all__ = ["StagedCopy", "tensor", "to_device", "to_host"]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer import envs
 from deepinfer.chat import encode_messages
 from deepinfer.engine.engine import LLMEngine, RequestOutput
 from deepinfer.engine.factory import build_scheduler, build_worker
@@ -32,6 +33,7 @@ class LLM:
         accelerator: str | None = None,
         batch_invariant: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant)
         self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
@@ -41,7 +43,9 @@ class LLM:
             parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens,
             parts.fingerprint, enable_prefix_caching, parts.runner.remote is not None,
         )  # fmt: skip
-        self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size)
+        if async_scheduling is None:
+            async_scheduling = envs.DEEPINFER_ASYNC_SCHEDULING
+        self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size, async_scheduling)
         self.constraints = LocalConstraints(parts.path, self.tokenizer)
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:

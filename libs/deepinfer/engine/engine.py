@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from deepinfer.chat.turns import turn_boundaries
 from deepinfer.engine.constraints import Constraint
-from deepinfer.engine.interfaces import Worker
+from deepinfer.engine.interfaces import StepPlan, StepResult, Worker
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.worker import InFlight
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.telemetry import get_logger, request_context
 from deepinfer.tokenizer import Detokenizer
@@ -49,13 +50,20 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, worker: Worker, tokenizer: object, vocab_size: int) -> None:
+    """``async_scheduling`` (a worker with ``launch`` / ``finish``, e.g. :class:`ModelRunner`): each ``step`` plans
+    and launches the next step before it collects the one in flight, whose outputs it returns."""
+
+    def __init__(
+        self, scheduler: Scheduler, worker: Worker, tokenizer: object, vocab_size: int, async_scheduling: bool = False
+    ) -> None:
         self.scheduler, self.worker, self.tokenizer, self.vocab_size = (
             scheduler,
             worker,
             tokenizer,
             vocab_size,
         )
+        self.async_scheduling = async_scheduling and hasattr(worker, "launch")
+        self._in_flight: InFlight | None = None  # the step launched and not collected yet (async scheduling)
         self._detok: dict[str, Detokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
@@ -100,14 +108,38 @@ class LLMEngine:
         return [self._finish(rid) for rid in request_ids if rid in self._detok]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        if self.async_scheduling:
+            return self._step_async()
+        plan = self._plan(lookahead=False)
+        return self._apply(self.worker.execute(plan)) if plan is not None else []
+
+    def _plan(self, lookahead: bool) -> StepPlan | None:
+        """The next step, or None when there is nothing to run."""
+        if lookahead and not (self.scheduler.has_unfinished() or self.scheduler.has_pending_releases):
+            return None
+        plan = self.scheduler.schedule(lookahead=lookahead)
         busy = plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots or plan.offloads
-        if not (busy or plan.fetches or self.scheduler.fetching):
-            return []
-        result = self.worker.execute(plan)
+        return plan if busy or plan.fetches or self.scheduler.fetching else None
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the next step (requests in the step in flight continue on placeholders), then collect the one in
+        flight. A step whose structured-output rows need the previous tokens on the host waits for them first."""
+        prev, self._in_flight = self._in_flight, None
+        plan = self._plan(lookahead=prev is not None)
+        outputs: list[RequestOutput] = []
+        if plan is not None:
+            if prev is not None and self.worker.waits_for_tokens(plan):
+                outputs, prev = self._apply(self.worker.finish(prev)), None
+            self._in_flight = self.worker.launch(plan)
+        if prev is not None:
+            outputs = self._apply(self.worker.finish(prev))
+        return outputs
+
+    def _apply(self, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's result: its tokens, stop strings; the requests that finished."""
         finished = {r.request_id for r in self.scheduler.update(result)}
         for r in result.results:
             req = self.scheduler.requests.get(r.request_id)

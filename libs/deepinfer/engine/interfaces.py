@@ -13,6 +13,8 @@ from typing import Protocol
 from deepinfer.engine.constraints import Constraint
 from deepinfer.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a chunk token: "the token this request sampled in its step before", resolved on the worker
+
 
 @dataclass
 class ChunkPlan:

@@ -45,9 +45,27 @@ from deepinfer.sampling_params import TOP_P_EPS, SamplingParams
 
 @dataclass
 class SamplerOutput:
+    """``token_ids`` and ``logprobs`` stay where the logits are; so do the top logprobs (``top``: the rows that asked,
+    their counts, values and ids ``[R, k]``) until ``top_logprobs`` (a host read) or ``top_lists`` (from values and
+    ids already copied to the host) turns them into lists."""
+
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, raw logprob of the chosen token
-    top_logprobs: list[list[tuple[int, float]] | None]
+    top: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]] | None]:
+        if self.top is None:
+            return [None] * self.token_ids.shape[0]
+        return self.top_lists(self.top[2].tolist(), self.top[3].tolist())
+
+    def top_lists(self, values: list[list[float]], ids: list[list[int]]) -> list[list[tuple[int, float]] | None]:
+        """Row ``i``'s ``(token_id, raw_logprob)`` pairs (None for a row that asked for none)."""
+        out: list[list[tuple[int, float]] | None] = [None] * self.token_ids.shape[0]
+        if self.top is not None:
+            for j, (i, n) in enumerate(zip(self.top[0], self.top[1])):
+                out[i] = [(int(t), float(v)) for t, v in zip(ids[j][:n], values[j][:n])]
+        return out
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -125,18 +143,15 @@ class Sampler:
             token_ids = self._torch_tokens(logits, params, seeds)
             chosen_lp = raw_lp.gather(1, token_ids.view(-1, 1)).squeeze(1)
 
-        top: list[list[tuple[int, float]] | None] = [None] * B
+        top = None
         want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
             k = max(params[i].logprobs for i in want)
             widx = tensor(want, device, torch.long)
             rows_lp = raw_lp.index_select(0, widx) if raw_lp is not None else torch.log_softmax(raw[widx], dim=-1)
             vals, ids = _top_sorted(rows_lp, k)
-            vals, ids = vals.tolist(), ids.tolist()
-            for j, i in enumerate(want):
-                n = params[i].logprobs
-                top[i] = [(int(t), float(v)) for t, v in zip(ids[j][:n], vals[j][:n])]
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen_lp, top_logprobs=top)
+            top = (want, [params[i].logprobs for i in want], vals, ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen_lp, top=top)
 
     @staticmethod
     def _kernel(

@@ -34,14 +34,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepinfer.engine.constraints import Constraint
-from deepinfer.engine.interfaces import ChunkPlan, FetchOrder, OffloadOrder, SnapshotOrder, StepPlan, StepResult
+from deepinfer.engine.interfaces import (
+    PLACEHOLDER,
+    ChunkPlan,
+    FetchOrder,
+    OffloadOrder,
+    SnapshotOrder,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
 from deepinfer.engine.prefix_scheduling import PrefixCaching
 from deepinfer.engine.request import Request, Status
 from deepinfer.sampling_params import SamplingParams
-
-PLACEHOLDER = -1  # "the token this request sampled in the step before", resolved on the worker
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
-from deepinfer.engine.interfaces import FetchResult, SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepPlan, StepResult
 from deepinfer.engine.models import Model
-from deepinfer.engine.sampler import Sampler, compute_logprobs
-from deepinfer.host_copy import tensor
+from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
+from deepinfer.host_copy import tensor, to_host
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
@@ -48,11 +49,14 @@ class ModelRunner:
         self.fetched: dict[str, tuple[StateSnapshot, dict]] = {}  # resume points fetched from the kvstore
         self.compact_replay = 0  # > 0: compact snapshots, resumed by a bounded replay of this many tokens
         self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
+        # each request's last sampled token: its value, or (the device samples of a step in flight, row)
+        self.sampled: dict[str, int | tuple[torch.Tensor, int]] = {}
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
             self.tables.pop(rid, None)
+            self.sampled.pop(rid, None)
         if self.constraints is not None:
             self.constraints.release(request_ids)
 
@@ -76,20 +80,45 @@ class ModelRunner:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
             self.remote.fetch(f.fetch_id, f.key)
 
-    @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Take the ordered snapshots, drop released states, run the chunks (resuming from snapshots where
-        asked), then drop the snapshots the scheduler evicted (a chunk of this step may still start from one)."""
+        """Run a step and wait for its result: ``finish(launch(plan))``."""
+        return self.finish(self.launch(plan))
+
+    @torch.no_grad()
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Queue a step's device work; ``finish`` returns its result. Take the ordered snapshots, drop released
+        states, run the chunks (resuming from snapshots where asked), then drop the snapshots the scheduler evicted
+        (a chunk of this step may still start from one). A chunk token ``PLACEHOLDER`` is the token its request
+        sampled last, taken on the device when that step is still in flight, so step N+1 can be queued before step
+        N's tokens reach the host (steps launched in order, finished in order)."""
         self._snapshots(plan)
         self.release(plan.released)
         try:
-            result = self._run(plan)
+            step = self._run(plan)
+            step.idle = not plan.chunks and not plan.fetches
+            return step
         finally:
             for sid in plan.dropped_snapshots:
                 self.snapshots.pop(sid, None)
                 self.fetched.pop(sid, None)
+
+    def waits_for_tokens(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` must not be launched before the steps in flight are finished: a structured-output
+        request's next mask needs its last token accepted on the host first."""
+        cs = self.constraints
+        return any(
+            isinstance(self.sampled.get(c.request_id), tuple)
+            and (c.constraint is not None or (cs is not None and c.request_id in cs))
+            for c in plan.chunks
+        )
+
+    def finish(self, step: InFlight) -> StepResult:
+        """Wait for a launched step's tokens (one host copy, queued at its launch) and return its result."""
+        result = step.result
+        if step.sample is not None:
+            self._collect(step)
         if self.remote is not None:
-            if not plan.chunks and not plan.fetches:
+            if step.idle:
                 self.remote.wait(0.005)  # an idle step waiting for fetches: do not spin
             for f in self.remote.completed():
                 if f.payload is not None:
@@ -97,10 +126,11 @@ class ModelRunner:
                 result.fetched.append(FetchResult(f.fetch_id, f.payload is not None, f.reason))
         return result
 
-    def _run(self, plan: StepPlan) -> StepResult:
+    def _run(self, plan: StepPlan) -> InFlight:
         result = StepResult(step_id=plan.step_id)
         if not plan.chunks:
-            return result
+            return InFlight(result)
+        token_ids, at, sources = self._resolve(plan)
         chunks = []
         # one copy of the step's tables as a zero-padded [B, P] matrix: each chunk's table is a leading slice of its
         # row, and the model's pooled decode takes the matrix as is (state_pool.stacked_rows)
@@ -123,7 +153,8 @@ class ModelRunner:
             self.tables[c.request_id] = table
             chunks.append(SeqChunk(st, c.start, len(c.token_ids), table, c.decoder_from))
         masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
-        batch = ForwardBatch.build(chunks, [c.token_ids for c in plan.chunks], device=self.device)
+        batch = ForwardBatch.build(chunks, token_ids, device=self.device)
+        batch.substitute(at, sources)
         hidden = self.model(batch, self.cache)
         # rows whose logits we need: prompt-logprob rows, then the sampling rows
         rows, owners = [], []
@@ -136,13 +167,34 @@ class ModelRunner:
             if c.sample:
                 rows.append(b - 1)
                 owners.append((i, None))
-        per_seq = [SeqResult(c.request_id) for c in plan.chunks]
+        result.results = [SeqResult(c.request_id) for c in plan.chunks]
+        step = InFlight(result)
         if rows:
             logits = self.model.logits(hidden[tensor(rows, self.device, torch.long)])
-            self._prompt_logprobs(logits, owners, plan, per_seq)
-            self._sample(logits, owners, plan, per_seq, masks)
-        result.results = per_seq
-        return result
+            self._prompt_logprobs(logits, owners, plan, result.results)
+            self._sample(logits, owners, plan, step, masks)
+        return step
+
+    def _resolve(self, plan: StepPlan) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, int]]]:
+        """The chunks' token lists with each ``PLACEHOLDER`` resolved: to the request's last token where the host
+        has it, else to 0 with (batch row, the in-flight samples and row) listed for ``ForwardBatch.substitute``."""
+        token_ids, at, sources, offset = [], [], [], 0
+        for c in plan.chunks:
+            toks = c.token_ids
+            if PLACEHOLDER in toks:
+                last = self.sampled.get(c.request_id)
+                if last is None:
+                    raise ValueError(f"chunks.token_ids: request {c.request_id!r} has no sampled token yet")
+                if isinstance(last, int):
+                    toks = [last if t == PLACEHOLDER else t for t in toks]
+                else:
+                    where = [j for j, t in enumerate(toks) if t == PLACEHOLDER]
+                    toks = [0 if t == PLACEHOLDER else t for t in toks]
+                    at.extend(offset + j for j in where)
+                    sources.extend([last] * len(where))
+            token_ids.append(toks)
+            offset += len(toks)
+        return token_ids, at, sources
 
     def _resume(self, rid: str, source: str, start: int, table: torch.Tensor) -> SequenceState:
         """The state a resumed request starts from: a device snapshot, or a fetched one (its pages too)."""
@@ -190,7 +242,7 @@ class ModelRunner:
         return lambda logits: self.constraints.apply(logits, future.result(), rows)
 
     def _sample(
-        self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult], masks: tuple | None = None
+        self, logits: torch.Tensor, owners: list, plan: StepPlan, step: InFlight, masks: tuple | None = None
     ) -> None:
         sel = [k for k, (_, t) in enumerate(owners) if t is None]
         if not sel:
@@ -203,13 +255,55 @@ class ModelRunner:
             pos = plan.chunks[i].start + len(plan.chunks[i].token_ids)  # position of the new token
             seeds.append(None if seed is None or p.greedy else position_seed(seed, pos))
         rids = [plan.chunks[i].request_id for i in seqs]
-        s = self.sampler(logits[sel], params, seeds, self._constrain(masks, rids))
-        # one device-to-host copy for the step's tokens and logprobs (an element read per row would wait for the
-        # device twice a row); both are exact in float64 (token ids < 2^53, logprobs float32)
-        ids, lps = torch.stack((s.token_ids.to(torch.float64), s.logprobs.to(torch.float64))).tolist()
-        for j, i in enumerate(seqs):
-            out[i].token_id = int(ids[j])
-            if masks is not None:
-                self.constraints.accept(rids[j], out[i].token_id)
+        # (``logits[list]`` would copy the list to the device synchronously: the host would wait for the forward)
+        rows = logits if len(sel) == len(owners) else logits.index_select(0, tensor(sel, logits.device, torch.long))
+        s = self.sampler(rows, params, seeds, self._constrain(masks, rids))
+        for j, rid in enumerate(rids):
+            self.sampled[rid] = (s.token_ids, j)  # a later step's placeholder reads it on the device
+        step.sample, step.seqs, step.rids, step.constrained = s, seqs, rids, masks is not None
+        # one device-to-host copy for the step's tokens, logprobs and top logprobs, queued now and waited for in
+        # ``finish`` (an element read per row would wait for the device twice a row); all exact in float64
+        parts = [s.token_ids.to(torch.float64), s.logprobs.to(torch.float64)]
+        if s.top is not None:
+            parts += [s.top[2].flatten().to(torch.float64), s.top[3].flatten().to(torch.float64)]
+        step.host, step.event = to_host(torch.cat(parts))
+
+    def _collect(self, step: InFlight) -> None:
+        s, out = step.sample, step.result.results
+        step.wait()
+        flat, b = step.host.tolist(), len(step.rids)
+        ids, lps = flat[:b], flat[b : 2 * b]
+        top = [None] * b
+        if s.top is not None:
+            r, k = s.top[2].shape
+            rows = [flat[2 * b + i * k : 2 * b + (i + 1) * k] for i in range(2 * r)]  # r rows of values, r of ids
+            top = s.top_lists(rows[:r], rows[r:])
+        for j, (i, rid) in enumerate(zip(step.seqs, step.rids)):
+            token = int(ids[j])
+            last = self.sampled.get(rid)
+            if isinstance(last, tuple) and last[0] is s.token_ids:  # no later step sampled for it yet
+                self.sampled[rid] = token
+            out[i].token_id = token
+            if step.constrained:
+                self.constraints.accept(rid, token)
             out[i].logprob = lps[j]
-            out[i].top_logprobs = s.top_logprobs[j]
+            out[i].top_logprobs = top[j]
+
+
+@dataclass
+class InFlight:
+    """A launched step: its result (prompt logprobs filled), and its samples still on the device with the queued
+    copy of them to the host (``host``, complete once ``event`` has; None on a CPU device)."""
+
+    result: StepResult
+    sample: SamplerOutput | None = None
+    seqs: list[int] = field(default_factory=list)  # the chunk of each sampled row
+    rids: list[str] = field(default_factory=list)
+    constrained: bool = False
+    idle: bool = False  # no chunks and no fetches
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()

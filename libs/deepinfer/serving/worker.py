@@ -2,24 +2,29 @@
 
 One ``Step`` stream per scheduler. Steps run in arrival order; a chunk token ``-1`` stands for the
 token the same request sampled in its previous step, which never leaves the worker before it is
-needed (the scheduler's async pipeline sends step N+1 before step N's result arrives). When the
-stream ends, the state of every request it carried is dropped.
+needed (the scheduler's async pipeline sends step N+1 before step N's result arrives, and the worker
+launches step N+1 before it collects step N's tokens). When the stream ends, the state of every
+request it carried is dropped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import propagate, trace
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
+from deepinfer.engine.interfaces import StepPlan
+from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
@@ -32,7 +37,29 @@ from deepinfer.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
-PLACEHOLDER = -1
+
+
+MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (the scheduler keeps 2 in flight)
+
+
+@dataclass
+class _Running:
+    step: InFlight
+    num_tokens: int
+    span: trace.Span
+    t0: float
+    done: asyncio.Future | None = None  # the wait for the step's tokens, once started
+
+
+async def _read(request_iterator: AsyncIterator, plans: asyncio.Queue) -> None:
+    """Move a stream's plans into ``plans``; None marks its end, an exception a broken stream."""
+    try:
+        async for msg in request_iterator:
+            plans.put_nowait(msg)
+    except Exception as e:  # noqa: BLE001 - handed to Step, which ends the stream with its status
+        plans.put_nowait(e)
+        return
+    plans.put_nowait(None)
 
 
 def span_link(carrier: dict[str, str]) -> trace.Link:
@@ -50,55 +77,94 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Step(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.StepResult]:
+        """Steps in order, pipelined: a plan that arrives while the previous step runs on the device is launched
+        before that step's result is collected, so the device never waits for the host's work between steps
+        (placeholders read the previous step's samples on the device: ``ModelRunner.launch``)."""
         known: dict[str, SamplingParams] = {}
-        last: dict[str, int] = {}
         links: dict[str, trace.Link] = {}  # each request's trace, linked from the steps that serve it
+        plans: asyncio.Queue[worker_pb2.StepPlan | BaseException | None] = asyncio.Queue()
+        reader = asyncio.create_task(_read(request_iterator, plans))
+        running: collections.deque[_Running] = collections.deque()  # launched, not finished, in order
+        nxt: asyncio.Task | None = None
+        error: Exception | None = None
         self._streams += 1
         try:
-            async for msg in request_iterator:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(plans.get())
+                if running:
+                    first = running[0]
+                    if first.done is None:
+                        first.done = asyncio.ensure_future(asyncio.to_thread(first.step.wait))
+                    wait = {first.done} if len(running) >= MAX_IN_FLIGHT else {first.done, nxt}
+                    await asyncio.wait(wait, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # the oldest step is done and no plan came meanwhile
+                        yield await self._finish(running.popleft())
+                        continue
+                msg = await nxt
+                nxt = None
+                if msg is None:
+                    break
                 try:
+                    if isinstance(msg, BaseException):
+                        raise msg
                     plan = plan_from_proto(msg, known)
                     for rid in plan.released:
-                        last.pop(rid, None)
                         links.pop(rid, None)
-                    for c in plan.chunks:
-                        if PLACEHOLDER in c.token_ids:
-                            if c.request_id not in last:
-                                raise ValueError(f"chunks.token_ids: request {c.request_id!r} has no sampled token yet")
-                            c.token_ids = [last[c.request_id] if t == PLACEHOLDER else t for t in c.token_ids]
                     for c in plan.chunks:
                         if c.trace_context:
                             links[c.request_id] = span_link(c.trace_context)
-                    async with self._lock:
-                        step_links = [links[c.request_id] for c in plan.chunks if c.request_id in links]
-                        span = _tracer.start_span("step", links=step_links, attributes={
-                            "deepinfer.step_id": plan.step_id,
-                            "deepinfer.step.num_tokens": plan.num_tokens,
-                            "deepinfer.step.num_seqs": len(plan.chunks),
-                        })  # fmt: skip
-                        t0 = time.perf_counter()
-                        try:
-                            result = await asyncio.to_thread(self.parts.runner.execute, plan)
-                        finally:
-                            elapsed = time.perf_counter() - t0
-                            span.end()
-                    ms = elapsed * 1e3
-                    self.metrics.step(elapsed, plan.num_tokens)
-                except Exception as e:  # noqa: BLE001 - mapped to a status, never a traceback on the wire
-                    code, text = status_for(e)
-                    if code == grpc.StatusCode.INTERNAL:
-                        log.exception("step_failed", step_id=msg.step_id)
-                    await context.abort(code, text)
-                    return
-                for r in result.results:
-                    if r.token_id is not None:
-                        last[r.request_id] = r.token_id
-                out = result_to_proto(result)
-                out.forward_ms = ms
-                yield out
+                    if running and self.parts.runner.waits_for_tokens(plan):
+                        while running:
+                            yield await self._finish(running.popleft())
+                    step_links = [links[c.request_id] for c in plan.chunks if c.request_id in links]
+                    running.append(await self._launch(plan, step_links))
+                except Exception as e:  # noqa: BLE001 - a bad plan: the steps already launched still report
+                    error = e
+                    break
+            while running:
+                yield await self._finish(running.popleft())
+        except Exception as e:  # noqa: BLE001 - mapped to a status below, never a traceback on the wire
+            error = e
         finally:
+            reader.cancel()
+            if nxt is not None:
+                nxt.cancel()
             self._streams -= 1
             self.parts.runner.release(list(known))
+        if error is not None:
+            code, text = status_for(error)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("step_failed", exc_info=error)
+            await context.abort(code, text)
+
+    async def _launch(self, plan: StepPlan, step_links: list[trace.Link]) -> _Running:
+        span = _tracer.start_span("step", links=step_links, attributes={
+            "deepinfer.step_id": plan.step_id,
+            "deepinfer.step.num_tokens": plan.num_tokens,
+            "deepinfer.step.num_seqs": len(plan.chunks),
+        })  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            async with self._lock:
+                step = await asyncio.to_thread(self.parts.runner.launch, plan)
+        except BaseException:
+            span.end()
+            raise
+        return _Running(step, plan.num_tokens, span, t0)
+
+    async def _finish(self, r: _Running) -> worker_pb2.StepResult:
+        """The step's result on the wire (an error here ends the stream: ``Step`` aborts it)."""
+        try:
+            async with self._lock:
+                result = await asyncio.to_thread(self.parts.runner.finish, r.step)
+        finally:
+            r.span.end()
+        elapsed = time.perf_counter() - r.t0
+        self.metrics.step(elapsed, r.num_tokens)
+        out = result_to_proto(result)
+        out.forward_ms = elapsed * 1e3
+        return out
 
     async def LoadModel(  # noqa: N802
         self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext

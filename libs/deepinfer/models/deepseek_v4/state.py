@@ -351,6 +351,23 @@ class ForwardBatch:
         both = to_device(torch.stack([self.host_token_ids, self.host_positions]), self.device)  # one copy
         self._token_ids, self._positions = both[0], both[1]
 
+    def substitute(self, at: list[int], sources: list[tuple[torch.Tensor, int]]) -> None:
+        """Token ``at[i]`` becomes element ``sources[i][1]`` of the device tensor ``sources[i][0]`` (an earlier
+        step's samples, maybe not computed yet): the copy is queued on the device, so the host never waits for it.
+        The ids then live on the device only (``host_token_ids`` is None)."""
+        if not at:
+            return
+        ids = self.token_ids
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for a, (src, row) in zip(at, sources):
+            g = groups.setdefault(id(src), (src, [], []))
+            g[1].append(a)
+            g[2].append(row)
+        for src, where, rows in groups.values():
+            idx = to_device(torch.tensor([where, rows], dtype=torch.long), self.device)
+            ids.index_copy_(0, idx[0], src.index_select(0, idx[1]).to(ids.dtype))
+        self.host_token_ids = None
+
     @classmethod
     def build(
         cls, chunks: list[SeqChunk], token_ids: list[list[int]], device: torch.device | str = "cpu"

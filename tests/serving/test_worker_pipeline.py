@@ -1,0 +1,115 @@
+"""The worker service's pipelined Step stream, through a real gRPC server on loopback and a grpcio client.
+
+Plans that arrive while a step is still running are launched before that step's tokens are collected (the
+placeholders of step N+1 read step N's samples on the device); results come back in order and carry the tokens of
+the synchronous engine. A bad plan behind launched steps still lets those steps report before the stream ends
+with INVALID_ARGUMENT. The device's busy time is simulated on the CPU by a slower ``InFlight.wait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.engine.factory import build_worker
+from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, StepPlan
+from deepinfer.engine.worker import InFlight
+from deepinfer.rpc.convert import plan_to_proto, result_from_proto
+from deepinfer.serving.server import Service, start_server
+from deepinfer.serving.worker import WorkerService
+from deepinfer.v1 import worker_pb2_grpc
+
+PROMPTS = [[0, 17, 4242, 99, 5, 6, 7], [3, 1000, 25, 7, 9]]
+STEPS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_wp") / "m", seed=0)
+
+
+def plans(bad_at: int | None = None) -> list[StepPlan]:
+    out = [StepPlan(1, chunks=[ChunkPlan(f"r{i}", p, 0, [i], True, GREEDY) for i, p in enumerate(PROMPTS)])]
+    for k in range(1, STEPS):
+        rids = [f"r{i}" for i in range(len(PROMPTS))] + (["ghost"] if k == bad_at else [])
+        out.append(StepPlan(k + 1, chunks=[
+            ChunkPlan(rid, [PLACEHOLDER], len(PROMPTS[i]) + k - 1 if i < len(PROMPTS) else 0, [i], True, GREEDY)
+            for i, rid in enumerate(rids)
+        ]))  # fmt: skip
+    return out
+
+
+async def stream(parts, steps: list[StepPlan]) -> tuple[list, grpc.StatusCode | None, str]:
+    running = await start_server(
+        [Service("deepinfer.v1.Worker", WorkerService(parts, "w"), worker_pb2_grpc.add_WorkerServicer_to_server)],
+        "127.0.0.1",
+        0,
+    )
+    results, code, details = [], None, ""
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            sent: set[str] = set()
+            done = asyncio.Event()
+
+            async def send():
+                for p in steps:  # all at once, as fast as the client can: the worker decides how far it runs ahead
+                    yield plan_to_proto(p, sent)
+                await done.wait()
+
+            call = worker_pb2_grpc.WorkerStub(ch).Step(send())
+            try:
+                async for msg in call:
+                    results.append(result_from_proto(msg))
+                    if len(results) == len(steps):
+                        break
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+            done.set()
+            call.cancel()
+    finally:
+        await running.server.stop(None)
+    return results, code, details
+
+
+def traced(parts, monkeypatch) -> list[tuple[str, int]]:
+    calls: list[tuple[str, int]] = []
+    runner = parts.runner
+    launch, finish, wait = runner.launch, runner.finish, InFlight.wait
+
+    def slow_wait(self):  # a device step takes a while: plans queued behind it must be launched meanwhile
+        time.sleep(0.15)
+        return wait(self)
+
+    monkeypatch.setattr(runner, "launch", lambda plan: calls.append(("launch", plan.step_id)) or launch(plan))
+    monkeypatch.setattr(runner, "finish", lambda s: calls.append(("finish", s.result.step_id)) or finish(s))
+    monkeypatch.setattr(InFlight, "wait", slow_wait)
+    return calls
+
+
+def test_steps_are_launched_ahead_and_give_the_engines_tokens(model_dir, monkeypatch) -> None:
+    llm = LLM(model=model_dir, dtype="float32", num_pages=16, page_size=16, batch_invariant=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16, batch_invariant=True)
+    calls = traced(parts, monkeypatch)
+    results, code, _ = asyncio.run(stream(parts, plans()))
+    assert code is None and [r.step_id for r in results] == list(range(1, STEPS + 1))
+    got = [[r.results[i].token_id for r in results] for i in range(len(PROMPTS))]
+    assert got == expected
+    assert calls[:3] == [("launch", 1), ("launch", 2), ("launch", 3)]  # three in flight before the first collection
+    assert sorted(calls) == sorted([(k, s) for s in range(1, STEPS + 1) for k in ("launch", "finish")])
+
+
+def test_a_bad_plan_behind_launched_steps_ends_the_stream_after_their_results(model_dir, monkeypatch) -> None:
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16)
+    traced(parts, monkeypatch)
+    results, code, details = asyncio.run(stream(parts, plans(bad_at=2)))
+    assert [r.step_id for r in results] == [1, 2]  # the steps launched before the bad plan still report
+    assert all(s.token_id is not None for r in results for s in r.results)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "chunks.token_ids: request 'ghost'" in details
+    assert parts.runner.states == {}  # the stream's requests were dropped
