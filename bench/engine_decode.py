@@ -184,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--v41", action="store_true", help="DeepSeek-V4.1 (bench/sweep_v41.py's model) instead of V4")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", type=ints, default=[1, 16, 64])
@@ -209,22 +210,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, sargs = parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = sweep.build_config(sargs)
-    work = sweep.Work.of(config)
+    if args.v41:  # bench/sweep_v41.py's model: DeepSeek-V4.1 at Flash width
+        import sweep_v41
+
+        ns = argparse.Namespace(tiny=args.tiny, layers=args.layers or 4, context=args.context)
+        config = sweep_v41.build_config(ns)
+        work, build = sweep_v41.Work(config), sweep_v41.build_ours
+    else:
+        config = sweep.build_config(sargs)
+        work, build = sweep.Work.of(config), sweep.build_ours
     res: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "gpu": sweep.gpu_name(dev),
         "versions": sweep.versions(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": work.summary(),
+        "model": work.summary() if hasattr(work, "summary") else {"v41": True},
     }
     with torch.no_grad():
         ce = sweep.probe_ceilings(dev)
         res["ceilings"] = ce
         bw = ce["hbm_copy_GBps"] * 1e9
         peak = max(ce["fp8_TFLOPs"] or 0.0, ce["bf16_TFLOPs"]) * 1e12
-        model = sweep.build_ours(config, dev, args.seed)
+        model = build(config, dev, args.seed)
         if getattr(model.ops, "native_weights", False):
             prepare_native(model, tuple(config.weight_block_size), quantize=True)
         model.ops.prepare_weights(model)
