@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
-import json
-import os
 import pstats
 import random
 import sys
@@ -220,11 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = sweep.build_config(sargs)
         work, build = sweep.Work.of(config), sweep.build_ours
     res: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": sweep.gpu_name(dev),
-        "versions": sweep.versions(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **sweep.result_header(dev, args),
         "model": work.summary() if hasattr(work, "summary") else {"v41": True},
     }
     with torch.no_grad():
@@ -267,12 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         table.append(f"| {r['batch']} | {r['roofline_ms']:.3f} | {r['sync_ms']:.3f} ({r['sync_x_roofline']:.2f}×) | "
                      f"{r['async_ms']:.3f} ({r['async_x_roofline']:.2f}×) |")  # fmt: skip
-    print("\n".join(table), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.name or f"{res['date']}-engine-decode"
-        (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-        (args.out / f"{stem}.md").write_text("\n".join(table) + "\n")
+    sweep.write_result(args.out, args.name or f"{res['date']}-engine-decode", res, table)
     return res
 
 

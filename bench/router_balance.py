@@ -19,9 +19,6 @@ of the FP8 peak (the sweep's FLOP roofline, measured ceilings).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,11 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = sweep.build_config(sargs)
     work = sweep.Work.of(config)
     res: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": sweep.gpu_name(dev),
-        "versions": sweep.versions(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **sweep.result_header(dev, args),
     }
     with torch.no_grad():
         ce = sweep.probe_ceilings(dev)
@@ -171,12 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pa, pb = 100 * a["fraction_of_fp8_peak"], 100 * b["fraction_of_fp8_peak"]
         lines.append(f"| {a['tokens']} | {a['ms']:.1f} ({pa:.1f}%) | {b['ms']:.1f} ({pb:.1f}%) | "
                      f"{a['max_over_mean']} → {b['max_over_mean']} |")  # fmt: skip
-    print("\n".join(lines), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.name or f"{res['date']}-router-balance"
-        (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-        (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    sweep.write_result(args.out, args.name or f"{res['date']}-router-balance", res, lines)
     return res
 
 

@@ -1220,6 +1220,26 @@ def versions() -> dict[str, Any]:
     return v
 
 
+def result_header(dev: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every benchmark result starts with: date, device, versions, command line and arguments."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu_name(dev),
+        "versions": versions(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+
+
+def write_result(out: Path | None, stem: str, res: dict[str, Any], table: list[str]) -> None:
+    """Print ``table`` (markdown lines); with ``out``, write ``out/stem.json`` (``res``) and ``out/stem.md``."""
+    print("\n".join(table), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text("\n".join(table) + "\n")
+
+
 def gpu_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
