@@ -156,3 +156,29 @@ def test_a_placeholder_without_a_sampled_token_is_refused(model_dir) -> None:
     with pytest.raises(ValueError, match=r"chunks.token_ids: request 'x' has no sampled token"):
         runner.launch(plan)
     assert "x" not in runner.states
+
+
+def test_abort_with_a_step_in_flight(model_dir) -> None:
+    """An abort while the request's next step is launched: the other request's tokens are unchanged, the aborted
+    one's late result is dropped, and every page comes back."""
+    kw = dict(dtype="float32", num_pages=64, page_size=16, batch_invariant=True)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = LLM(model=model_dir, async_scheduling=False, **kw).generate([{"prompt_token_ids": [9, 8, 7, 6]}], p)
+    llm = LLM(model=model_dir, async_scheduling=True, **kw)
+    eng = llm.engine
+    eng.add_request("a", [0, 17, 4242, 99, 5], p)
+    eng.add_request("b", [9, 8, 7, 6], p)
+    for _ in range(4):
+        eng.step()
+    assert eng._in_flight is not None and "a" in {c.request_id for c in eng._in_flight.result.results}
+    (aborted,) = eng.abort_request(["a"])
+    assert aborted.outputs[0].finish_reason == "abort"
+    done = []
+    while eng.has_unfinished_requests():
+        done += eng.step()
+    assert [o.request_id for o in done] == ["b"]
+    assert done[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    while eng.scheduler.has_pending_releases or eng.has_unfinished_requests():
+        eng.step()  # the last releases travel with a plan
+    pages = eng.scheduler.pages
+    assert pages.num_free == pages.num_total and eng.worker.states == {} and eng.worker.sampled == {}
