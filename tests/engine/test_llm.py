@@ -31,13 +31,7 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The model is tiny: intra-op threads only add overhead (and stall badly on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")

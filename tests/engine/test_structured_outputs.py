@@ -14,7 +14,6 @@ import time
 
 import jsonschema
 import pytest
-import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.chat import parse_completion
@@ -42,12 +41,7 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from deepinfer.models.deepseek_v41.attention import Attention
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.rpc.convert import plan_from_proto, plan_to_proto
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]  # one_thread: tests/engine/conftest.py
 
 MAX_TOKENS = 12
 REPLAY = 6  # the bounded decoder replay tested: each prompt's last 6 tokens run the decoder layers
@@ -48,14 +48,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, prompt_logprobs=1)
 NO_PROMPT_LP = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @contextmanager
