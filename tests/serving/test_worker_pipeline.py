@@ -21,7 +21,7 @@ from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, StepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto
 from deepinfer.serving.server import Service, start_server
-from deepinfer.serving.worker import WorkerService
+from deepinfer.serving.worker import MAX_IN_FLIGHT, WorkerService
 from deepinfer.v1 import worker_pb2_grpc
 
 PROMPTS = [[0, 17, 4242, 99, 5, 6, 7], [3, 1000, 25, 7, 9]]
@@ -103,6 +103,8 @@ def test_steps_are_launched_ahead_and_give_the_engines_tokens(model_dir, monkeyp
     assert got == expected
     assert calls[:3] == [("launch", 1), ("launch", 2), ("launch", 3)]  # three in flight before the first collection
     assert sorted(calls) == sorted([(k, s) for s in range(1, STEPS + 1) for k in ("launch", "finish")])
+    in_flight = [sum(+1 if k == "launch" else -1 for k, _ in calls[: i + 1]) for i in range(len(calls))]
+    assert max(in_flight) == MAX_IN_FLIGHT  # plan 4 waits for room although it arrived at once
 
 
 def test_a_bad_plan_behind_launched_steps_ends_the_stream_after_their_results(model_dir, monkeypatch) -> None:

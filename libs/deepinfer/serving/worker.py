@@ -96,9 +96,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     first = running[0]
                     if first.done is None:
                         first.done = asyncio.ensure_future(asyncio.to_thread(first.step.wait))
-                    wait = {first.done} if len(running) >= MAX_IN_FLIGHT else {first.done, nxt}
-                    await asyncio.wait(wait, return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():  # the oldest step is done and no plan came meanwhile
+                    full = len(running) >= MAX_IN_FLIGHT
+                    await asyncio.wait({first.done} if full else {first.done, nxt}, return_when=asyncio.FIRST_COMPLETED)
+                    if full or not nxt.done():  # the oldest step is done, and no plan came or no room for one
                         yield await self._finish(running.popleft())
                         continue
                 msg = await nxt
