@@ -60,7 +60,7 @@ class StagedCopy:
                 dst.copy_(buf, non_blocking=True)
                 if ev is None:
                     ev = self._events[i] = torch.cuda.Event()
-                ev.record()
+                ev.record(torch.cuda.current_stream(dst.device))
                 return
         self.fallbacks += 1
         dst.copy_(to_device(src, dst.device))
@@ -79,7 +79,7 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(t.device))  # the copy's stream, whatever this thread's current device
     return host, event
 
 
