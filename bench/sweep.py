@@ -1305,6 +1305,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="make --ab compare the MXFP4 experts' codes as stored against the shift order (quant/nibble_order.py)",
     )
     ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
+    ap.add_argument(
+        "--quant-sim",
+        action="store_true",
+        help="our model with the official numerics (DEEPINFER_QUANT_SIM): FP8 activations in the FP8 linears and "
+        "the experts (W8A8, W4A8 on the FP8 tensor cores), FP8 / FP4 cache round trips",
+    )
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1376,6 +1382,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
         if orders is None:
             model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
+        if args.quant_sim:
+            model.set_quant_sim(True)
+        res["quant_sim"] = args.quant_sim
         res["weights"] = "native" if native or args.ab_weights else "bf16"
         sync(dev)
         res["build_s"] = time.perf_counter() - t

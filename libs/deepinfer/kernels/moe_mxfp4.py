@@ -48,10 +48,13 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK
+from deepinfer.kernels.fp8_quant import _act_quant_sim
 from deepinfer.kernels.moe import MoEConfig, _combine
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
+from deepinfer.kernels.moe_w4a8 import moe_w4a8, w4a8_shapes_fit
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
@@ -76,6 +79,8 @@ FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
+W4A8 = False  # act_quant: the FP8 tensor-core kernels (kernels.moe_w4a8) where they apply; off: 1.3-3x slower (H200)
+W4A8_MIN_SLOTS = 32  # ... from this many slots per expert on average (H200, bench/moe_mxfp4.py --w4a8)
 
 
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
@@ -217,9 +222,14 @@ def moe_mxfp4(
     limit: float,
     config: MoEConfig | None = None,
     order: str = "plain",
+    act_quant: bool = False,
+    fp8_exact: bool = False,
 ) -> torch.Tensor:
     """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32. ``order``: the
-    nibble order of all three weights' codes (``quant.nibble_order``)."""
+    nibble order of all three weights' codes (``quant.nibble_order``). ``act_quant``: the official FP8 activations,
+    ``x`` and each slot's hidden row rounded as ``act_quant_sim(·, 128)`` before their GEMMs (where the width is a
+    multiple of 128); from ``W4A8_MIN_SLOTS`` slots an expert on, experts in the shift order whose exponents
+    ``moe_w4a8.fp8_cast_fits`` (``fp8_exact``, found at load) run on the FP8 tensor cores (``kernels.moe_w4a8``)."""
     _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
     check_order(order)
     t, k = idx.shape
@@ -228,6 +238,12 @@ def moe_mxfp4(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
+    if act_quant and W4A8 and fp8_exact and order == "shift" and w4a8_shapes_fit(inter, d) and (
+        tk >= W4A8_MIN_SLOTS * e and config is None
+    ):  # fmt: skip
+        return moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, limit)
+    if act_quant and d % ACT_BLOCK == 0:
+        x = _act_quant_sim(x.contiguous())
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = config or pick_config_mxfp4(tk, e, interpret)
     if cfg.block_k % 32:
@@ -263,6 +279,8 @@ def moe_mxfp4(
             xa.stride(0), sw1e, sw1n, s1.stride(0), s1.stride(1) // scale_align(s1), h.stride(0), float(limit),
             TOPK=k, EVEN_K=d % cfg.block_k == 0, SALIGN=scale_align(s1), **meta, **launch, **pdl.launch(),
         )  # fmt: skip
+    if act_quant and inter % ACT_BLOCK == 0:
+        h = _act_quant_sim(h)
     if split_dn > 1:
         return down_split(h, w2, s2, slots, bexp, t, k, split_dn, piece_dn, sw2e, sw2n, meta, launch)
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)

@@ -209,13 +209,20 @@ class ReferenceOps:
         w3: torch.Tensor,
         limit: float,
     ) -> torch.Tensor:
+        return self._moe_loop(x, idx, weights, w1, w2, w3, limit, fp8_hidden=False)
+
+    def _moe_loop(self, x, idx, weights, w1, w2, w3, limit, fp8_hidden: bool) -> torch.Tensor:  # noqa: ANN001
+        """``moe``; ``fp8_hidden``: each slot's hidden row (rounded to ``x.dtype``) then rounded as
+        ``act_quant_sim(·, 128)`` (the official FP8 activation of ``w2``)."""
         y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             xe = x[rows]
             h = swiglu(self.linear(xe, w1[e]).float(), self.linear(xe, w3[e]).float(), limit, self)
-            h = weights[rows, slot].unsqueeze(-1).float() * h
-            y[rows] += self.linear(h.to(x.dtype), w2[e]).float()  # a token picks an expert at most once
+            h = (weights[rows, slot].unsqueeze(-1).float() * h).to(x.dtype)
+            if fp8_hidden:
+                h = self.act_quant_sim(h, 128)
+            y[rows] += self.linear(h, w2[e]).float()  # a token picks an expert at most once
         return y
 
     def route(
@@ -252,12 +259,19 @@ class ReferenceOps:
         s3: torch.Tensor,
         limit: float,
         order: str = "plain",
+        act_quant: bool = False,
+        fp8_exact: bool = False,
     ) -> torch.Tensor:
-        """Decodes only the experts ``idx`` touches, then ``moe``."""
+        """Decodes only the experts ``idx`` touches, then ``moe`` (``act_quant``: with ``x`` and the hidden rows
+        rounded as ``act_quant_sim(·, 128)``, the official FP8 activations, where the width is a multiple of 128;
+        ``fp8_exact`` only picks kernels)."""
         check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
         unshift = plain if order == "shift" else (lambda w: w)
         deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        if act_quant:
+            xq = self.act_quant_sim(x, 128) if x.shape[-1] % 128 == 0 else x
+            return self._moe_loop(xq, local.view(idx.shape), weights, *deq, limit, w2.shape[-1] % 64 == 0)
         return self.moe(x, local.view(idx.shape), weights, *deq, limit)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

@@ -54,7 +54,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         idx, w = self.gate(x, token_ids, ops)
-        xin = ops.act_quant_sim(x, 128) if self.quant_sim and x.shape[-1] % 128 == 0 else x
-        y = routed_experts(self, xin, idx, w, self.limit, ops)
+        y = routed_experts(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8 activations
         h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
         return ops.moe_combine(y, self.shared_w2(h, ops), x.dtype)  # (y + shared.float()).to(x.dtype)
