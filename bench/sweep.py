@@ -1309,7 +1309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quant-sim",
         action="store_true",
         help="our model with the official numerics (DEEPINFER_QUANT_SIM): FP8 activations in the FP8 linears and "
-        "the experts (W8A8, W4A8 on the FP8 tensor cores), FP8 / FP4 cache round trips",
+        "the experts (the FP8 linears W8A8 on the FP8 tensor cores), FP8 / FP4 cache round trips",
     )
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")

@@ -73,6 +73,32 @@ def test_matches_reference_fp32(t, i, hashed):
     assert _rel(out, moe_triton(x, idx, w, w1, w2, w3, 0.7)) < 1e-5
 
 
+@pytest.mark.parametrize(("t", "split"), [(5, None), (30, 2)])
+def test_act_quant_rounds_the_input_and_hidden_rows(t, split, monkeypatch):
+    """``act_quant``: the official FP8 activations, the input and each slot's hidden row rounded as
+    ``act_quant_sim(·, 128)`` before their GEMMs, as ``ReferenceOps.moe_mxfp4(act_quant=True)`` does on the decoded
+    experts (unsplit and split-K); both roundings matter; a hidden width that is not whole 128-column blocks is left
+    unrounded, as the reference leaves it."""
+    monkeypatch.setattr(mod, "SPLIT_K", split)
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+    x = torch.randn(t, 256, generator=g, device=DEVICE) * torch.rand(1, 256, generator=g, device=DEVICE) * 4
+    _, idx, w, mx = _problem(t, 6, 128, 256, 2, seed=t)
+    ref_ops = ReferenceOps("cpu")
+    ref = ref_ops.moe_mxfp4(x, idx, w, *mx, 10.0, act_quant=True)
+    out = moe_mxfp4(x, idx, w, *mx, 10.0, act_quant=True)
+    assert _rel(out, ref) < 1e-5
+    assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, order="shift", act_quant=True), out)
+    w1, w2, w3 = _decoded(mx, torch.float32)
+    xq = ref_ops.act_quant_sim(x, 128)
+    assert _rel(out, ref_ops.moe(x, idx, w, w1, w2, w3, 10.0)) > 1e-3  # unrounded
+    assert _rel(out, ref_ops.moe(xq, idx, w, w1, w2, w3, 10.0)) > 1e-3  # the input alone rounded
+    x2, idx2, w2_, mx2 = _problem(t, 6, 96, 256, 2, seed=t)  # I = 96: the hidden rows stay as they are
+    xq2 = ref_ops.act_quant_sim(x2, 128)
+    ref2 = ref_ops.moe(xq2, idx2, w2_, *_decoded(mx2, torch.float32), 10.0)
+    assert _rel(moe_mxfp4(x2, idx2, w2_, *mx2, 10.0, act_quant=True), ref2) < 1e-5
+    assert _rel(ref_ops.moe_mxfp4(x2, idx2, w2_, *mx2, 10.0, act_quant=True), ref2) < 1e-6
+
+
 def _shifted(mx):
     """The same experts with every weight's codes in the shift order (copies)."""
     w1, s1, w2, s2, w3, s3 = mx
@@ -305,6 +331,9 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
             mod.TMA_WEIGHTS = True
     big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32 sanity
     assert _rel(moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0), big) < 1e-5
+    act = moe_mxfp4(x, idx, w, *mx, 10.0, act_quant=True)  # the official FP8 activations, bf16 kernels
+    aref = ReferenceOps().moe_mxfp4(x[:8].float(), idx[:8], w[:8], *mx, 10.0, act_quant=True)
+    assert _rel(act, out) > 1e-3 and _rel(act[:8], aref) < 2e-2  # a hidden value may round one e4m3 step apart
 
 
 @gpu_only

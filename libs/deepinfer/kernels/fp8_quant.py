@@ -49,18 +49,9 @@ def _quant_sim(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def perm_columns(c):
-    """Where column ``c`` goes in the nibble order of MXFP4 words in the shift order (``kernels.moe_w4a8``): within
-    each 8 columns, position ``j`` holds column ``nibble_order.SHIFT_ORDER[j]``."""
-    v = c % 8
-    return c - v + 4 * (v & 1) + 3 - (v >> 1)
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NB, stride_xm, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                      DEQ: tl.constexpr, PERM: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
-    """e4m3 values and scales, or (``DEQ``) ``act_quant_sim``'s output ``q·s`` in ``q_ptr``'s dtype; ``PERM``: the
-    values stored in the nibble order (``perm_columns``)."""
+                      DEQ: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """e4m3 values and scales, or (``DEQ``) ``act_quant_sim``'s output ``q·s`` in ``q_ptr``'s dtype."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -72,8 +63,6 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NB, stride_xm, BLOCK: tl.constexpr
         q = q * s[:, None]
     else:
         tl.store(s_ptr + row * NB + g, s, mask=g < NB)
-    if PERM:
-        offs = g[:, None] * BLOCK + perm_columns(tl.arange(0, BLOCK))[None, :]
     tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,31 +73,16 @@ def _act_quant_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return q.flatten(-2), s.squeeze(-1)
 
 
-def nibble_positions(k: int) -> torch.Tensor:
-    """``perm_columns`` on the host: where each of ``k`` columns goes (a multiple of 8)."""
-    c = torch.arange(k)
-    v = c % 8
-    return c - v + 4 * (v & 1) + 3 - (v >> 1)
-
-
-def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK, perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` → (e4m3 ``[..., K]``, fp32 power-of-two scales ``[..., K/block]``) with
-    ``q.float() · s == ReferenceOps.act_quant_sim(x, block)`` (before its rounding to ``x.dtype``). ``perm``: the
-    values in the nibble order of MXFP4 words in the shift order (``perm_columns``; ``kernels.moe_w4a8``'s input),
-    ``block`` a multiple of 8."""
+    ``q.float() · s == ReferenceOps.act_quant_sim(x, block)`` (before its rounding to ``x.dtype``)."""
     if x.dtype not in _DTYPES:
         raise ValueError(f"act_quant_fp8: x must be float32, bfloat16 or float16, got {x.dtype}")
     k = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or block < 1 or block & (block - 1) or k % block:
         raise ValueError(f"act_quant_fp8: the last dim ({k}) must be a multiple of the power-of-two block {block}")
-    if perm and block % 8:
-        raise ValueError(f"act_quant_fp8: perm needs a block that is a multiple of 8, got {block}")
     if not x.is_cuda and not _interpret():
-        q, s = _act_quant_torch(x, block)
-        if perm:
-            b = q.view(torch.uint8)
-            q = torch.empty_like(b).index_copy_(-1, nibble_positions(k).to(q.device), b).view(q.dtype)
-        return q, s
+        return _act_quant_torch(x, block)
     x2 = x.reshape(-1, k).contiguous()
     m, nb = x2.shape[0], k // block
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -116,7 +90,7 @@ def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK, perm: bool = False) -
     if m and k:
         groups = max(1, min(triton.next_power_of_2(nb), 2048 // block))
         _act_quant_kernel[(m, triton.cdiv(nb, groups))](
-            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False, PERM=perm, **pdl.launch()
+            x2, q, s, k, nb, x2.stride(0), BLOCK=block, GROUPS=groups, DEQ=False, **pdl.launch()
         )
     return q.view(x.shape), s.view(*x.shape[:-1], nb)
 
@@ -132,4 +106,4 @@ def _act_quant_sim(x2: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["act_quant_fp8", "nibble_positions"]
+__all__ = ["act_quant_fp8"]

@@ -54,7 +54,6 @@ from deepinfer.kernels.moe import MoEConfig, _combine
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
-from deepinfer.kernels.moe_w4a8 import moe_w4a8, w4a8_shapes_fit
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import check_order
@@ -79,8 +78,6 @@ FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
-W4A8 = False  # act_quant: the FP8 tensor-core kernels (kernels.moe_w4a8) where they apply; off: 1.3-3x slower (H200)
-W4A8_MIN_SLOTS = 32  # ... from this many slots per expert on average (H200, bench/moe_mxfp4.py --w4a8)
 
 
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
@@ -223,13 +220,12 @@ def moe_mxfp4(
     config: MoEConfig | None = None,
     order: str = "plain",
     act_quant: bool = False,
-    fp8_exact: bool = False,
 ) -> torch.Tensor:
     """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32. ``order``: the
     nibble order of all three weights' codes (``quant.nibble_order``). ``act_quant``: the official FP8 activations,
     ``x`` and each slot's hidden row rounded as ``act_quant_sim(·, 128)`` before their GEMMs (where the width is a
-    multiple of 128); from ``W4A8_MIN_SLOTS`` slots an expert on, experts in the shift order whose exponents
-    ``moe_w4a8.fp8_cast_fits`` (``fp8_exact``, found at load) run on the FP8 tensor cores (``kernels.moe_w4a8``)."""
+    multiple of 128), one pass each; the GEMMs stay bf16 (exact on e4m3 values; FP8 tensor cores with the official
+    128-column promotion were 1.3-1.6x slower on an H200: bench/results/2026-12-01-moe-w4a8.md)."""
     _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
     check_order(order)
     t, k = idx.shape
@@ -238,10 +234,6 @@ def moe_mxfp4(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    if act_quant and W4A8 and fp8_exact and order == "shift" and w4a8_shapes_fit(inter, d) and (
-        tk >= W4A8_MIN_SLOTS * e and config is None
-    ):  # fmt: skip
-        return moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, limit)
     if act_quant and d % ACT_BLOCK == 0:
         x = _act_quant_sim(x.contiguous())
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

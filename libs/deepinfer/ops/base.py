@@ -198,15 +198,13 @@ class Ops(Protocol):
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
-        fp8_exact: bool = False,
     ) -> torch.Tensor:
         """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
         uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
         ``moe`` on the weights decoded to ``x.dtype``. ``order``: the nibble order of the codes, ``plain`` or
         ``shift`` (``quant.nibble_order``). ``act_quant``: the official FP8 activations: ``x`` and each slot's
         hidden row (rounded to ``x.dtype``) rounded as ``act_quant_sim(·, 128)`` before their GEMMs, where the width
-        is a multiple of 128. ``fp8_exact``: the exponents cast to e4m3 exactly (``kernels.moe_w4a8``), a kernel
-        choice that does not change the semantics."""
+        is a multiple of 128."""
         ...
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

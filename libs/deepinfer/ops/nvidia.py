@@ -369,13 +369,10 @@ class NvidiaOps(StepGlueOps, ReferenceOps):
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
-        fp8_exact: bool = False,
     ) -> torch.Tensor:
         from deepinfer.kernels.moe_mxfp4 import moe_mxfp4
 
-        return moe_mxfp4(
-            x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant, fp8_exact=fp8_exact
-        )
+        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """On a GPU: the MXFP4 experts go into the shift order (``quant.nibble_order``: a cheaper decode in

@@ -260,11 +260,10 @@ class ReferenceOps:
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
-        fp8_exact: bool = False,
     ) -> torch.Tensor:
         """Decodes only the experts ``idx`` touches, then ``moe`` (``act_quant``: with ``x`` and the hidden rows
-        rounded as ``act_quant_sim(·, 128)``, the official FP8 activations, where the width is a multiple of 128;
-        ``fp8_exact`` only picks kernels)."""
+        rounded as ``act_quant_sim(·, 128)``, the official FP8 activations, where the width is a multiple of
+        128)."""
         check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
         unshift = plain if order == "shift" else (lambda w: w)

@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_fp8_blocks, quantize_mxfp4
-from deepinfer.quant.nibble_order import fp8_cast_fits, shift_order_fits, to_shift_order
+from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
 
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 ORDER_ATTR = "mx_order"  # set on a routed-expert module by shift_experts
-FP8_ATTR = "mx_fp8_exact"  # set with it: whether the module's experts cast to e4m3 exactly (kernels.moe_w4a8)
 
 
 def is_fp8(w: torch.Tensor) -> bool:
@@ -164,15 +163,8 @@ def shift_experts(model: nn.Module) -> int:
             for w, _ in pairs:
                 to_shift_order(w.data)
             setattr(m, ORDER_ATTR, "shift")
-            setattr(m, FP8_ATTR, all(fp8_cast_fits(s) for _, s in pairs))
             done += 1
     return done
-
-
-def expert_fp8_exact(m: nn.Module) -> bool:
-    """Whether a routed-expert module's MXFP4 weights cast to e4m3 exactly (``kernels.moe_w4a8.fp8_cast_fits``, found
-    by ``shift_experts``): the FP8 tensor-core kernels may run them."""
-    return getattr(m, FP8_ATTR, False)
 
 
 def routed_experts(
@@ -189,7 +181,7 @@ def routed_experts(
     if is_mxfp4(m.w1):
         return ops.moe_mxfp4(
             x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m),
-            act_quant=act_quant, fp8_exact=expert_fp8_exact(m),
+            act_quant=act_quant,
         )  # fmt: skip
     if act_quant and x.shape[-1] % 128 == 0:
         x = ops.act_quant_sim(x, 128)

@@ -21,7 +21,6 @@ import torch
 SHIFT_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)  # nibble j of a word holds the word's code SHIFT_ORDER[j]
 ORDERS = ("plain", "shift")
 SCALE_RANGE = (0, 128)  # UE8M0 exponents the shift decode takes exactly (2^(s-1) is a normal bfloat16)
-MIN_SHIFT = -11  # s - r down to which the e4m3 cast of kernels.moe_w4a8 is exact (0.5 · 2^(6 + s - r) normal)
 _CHUNK_WORDS = 1 << 24  # words rearranged per step (64 MiB of int32 temporaries)
 
 
@@ -63,21 +62,6 @@ def shift_order_fits(w: torch.Tensor, scales: torch.Tensor) -> bool:
     return SCALE_RANGE[0] <= lo and hi <= SCALE_RANGE[1]
 
 
-def fp8_cast_fits(s: torch.Tensor) -> bool:
-    """Whether MXFP4 exponents ``s [..., K/32]`` (K a multiple of 128) cast to e4m3 exactly per 128 columns
-    (``kernels.moe_w4a8``: per row and 128 columns, a code ``v`` becomes ``v · 2^(6 + s - r)`` with ``r`` the
-    largest of the four exponents): every 32-column exponent within 11 of its 128-column maximum, every maximum at
-    least 7. Reads the exponents (a device sync): call it once, at load."""
-    bits = s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
-    if bits.shape[-1] % 4:
-        return False
-    if bits.numel() == 0:
-        return True
-    g = bits.reshape(-1, 4).int()
-    r = g.amax(-1, keepdim=True)
-    return bool(((r - g).amax() <= -MIN_SHIFT) & (r.amin() >= 7))
-
-
 def to_shift_order(w: torch.Tensor) -> None:
     """Rearrange ``w``'s codes (plain order) in place into the shift order."""
     if _words(w) is None:
@@ -93,14 +77,4 @@ def plain(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = [
-    "MIN_SHIFT",
-    "ORDERS",
-    "SCALE_RANGE",
-    "SHIFT_ORDER",
-    "check_order",
-    "fp8_cast_fits",
-    "plain",
-    "shift_order_fits",
-    "to_shift_order",
-]
+__all__ = ["ORDERS", "SCALE_RANGE", "SHIFT_ORDER", "check_order", "plain", "shift_order_fits", "to_shift_order"]
