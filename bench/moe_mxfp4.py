@@ -55,6 +55,12 @@ SWEEP_DECODE = [(MoEConfig(*c), swap) for c, swap in [
     ((16, 128, 128, 4, 3), 0), ((16, 64, 128, 2, 3), 0), ((16, 128, 128, 2, 3), 0), ((16, 64, 256, 2, 3), 0),
     ((16, 64, 128, 2, 4), 0), ((16, 32, 128, 1, 3), 0),
 ]]  # fmt: skip
+# --regs: the decode tiles under a register cap (ptxas .maxnreg), with fewer stages (shared memory) to match
+SWEEP_REGS = [(MoEConfig(*c), 0) for c in [
+    (16, 64, 128, 2, 3), (16, 64, 128, 2, 3, 128), (16, 64, 128, 2, 2, 128), (16, 64, 128, 2, 2),
+    (16, 64, 128, 2, 3, 96), (16, 64, 128, 2, 2, 96), (16, 64, 128, 2, 4, 128), (16, 128, 128, 4, 2, 128),
+    (16, 32, 128, 1, 3, 128), (16, 64, 128, 2, 2, 112),
+]]  # fmt: skip
 SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
     ((64, 128, 128, 8, 3), 1), ((128, 128, 128, 8, 3), 1), ((128, 256, 128, 8, 3), 1), ((128, 128, 256, 8, 3), 1),
     ((64, 128, 64, 4, 4), 1),
@@ -67,7 +73,9 @@ SWEEP_MID = [(MoEConfig(*c), swap) for c, swap in [
 ]]  # fmt: skip
 
 
-def sweep_variants(t):
+def sweep_variants(t, regs=False):
+    if regs:
+        return SWEEP_REGS
     if t <= 64:
         return SWEEP_DECODE
     if t <= 256:
@@ -210,6 +218,7 @@ def main() -> None:
     p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s for the roofline")
     p.add_argument("--flops", type=float, default=989e12, help="dense bf16 FLOP/s for the roofline")
     p.add_argument("--sweep", action="store_true", help="time moe_mxfp4 under each config of SWEEP instead")
+    p.add_argument("--regs", action="store_true", help="--sweep: the decode tiles under register caps (shift order)")
     p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
     p.add_argument("--profile", default="", help="token counts to profile by kernel (both nibble orders), e.g. 1,64")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
@@ -246,7 +255,8 @@ def main() -> None:
             mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
             ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
             mod.FAST_DECODE = True
-            for (cfg, swap), order in itertools.product(sweep_variants(t), ("plain", "shift")):
+            orders = ("shift",) if args.regs else ("plain", "shift")
+            for (cfg, swap), order in itertools.product(sweep_variants(t, args.regs), orders):
                 key = f"{tuple(vars(cfg).values())} swap={swap} {order}"
                 ws = sx if order == "shift" else mx
                 try:

@@ -42,6 +42,12 @@ class MoEConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    max_regs: int | None = None  # registers a thread (ptxas .maxnreg; the MXFP4 kernels): more programs an SM
+
+    def launch(self) -> dict[str, int]:
+        """The launch options of these tiles."""
+        out = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        return out if self.max_regs is None else {**out, "maxnreg": self.max_regs}
 
 
 # few slots per expert (decode): weights dominate, small M tiles; many (prefill): large tiles for the tensor cores

@@ -259,7 +259,7 @@ def moe_mxfp4(
     if tma:  # the words as 2-D tensors [E·N, K/8] read a tile at a time by the TMA unit
         w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = cfg.launch()
     (split_gu, piece_gu), (split_dn, piece_dn) = splits_mxfp4(tk, e, inter, d, cfg, x.is_cuda and not interpret)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
     if split_gu > 1:
