@@ -200,6 +200,10 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
+_declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
+    On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
+    expert beside its router and routed experts), eagerly and inside the decode CUDA graphs; results are
+    unchanged, bit for bit.""", default=True)
 _declare("DEEPINFER_PDL", "bool", _HW, """
     On the `nvidia` backend with a GPU of compute capability 9.0 or more (Hopper, Blackwell), launch the Triton
     kernels with programmatic dependent launch: a kernel may be scheduled while the one before it drains, and
@@ -335,6 +339,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_CUDA_GRAPHS: bool
     DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
+    DEEPINFER_STREAM_OVERLAP: bool
     DEEPINFER_PDL: bool
     DEEPINFER_NATIVE_WEIGHTS: bool
     DEEPINFER_QUANT_SIM: bool

@@ -34,6 +34,7 @@ the same values are the same exact products).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 
@@ -116,13 +117,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> its tickets (all zero between calls)
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, lane) -> its tickets (zero between calls)
+# The lane of the calling code: 0, or 1 inside the side branch of Ops.parallel (ops.nvidia_streams), whose kernels
+# may run at the same time as lane 0's: each lane draws its tickets from its own counters.
+LANE: contextvars.ContextVar[int] = contextvars.ContextVar("small_gemm_lane", default=0)
 
 
-def _device_key(device: torch.device) -> torch.device:
+def _device_key(device: torch.device) -> tuple[torch.device, int]:
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, LANE.get()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -136,14 +140,14 @@ def ready(device: torch.device) -> bool:
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The device's ``COUNTERS`` int32 tickets, zeroed once when first asked for (outside a CUDA-graph capture);
-    every split call leaves them at zero."""
-    dev = _device_key(device)
-    cnt = _COUNTERS.get(dev)
+    """The ``COUNTERS`` int32 tickets of the device and the caller's ``LANE``, zeroed once when first asked for
+    (outside a CUDA-graph capture); every split call leaves them at zero."""
+    key = _device_key(device)
+    cnt = _COUNTERS.get(key)
     if cnt is None:
-        if _capturing(dev):
+        if _capturing(key[0]):
             raise RuntimeError("small_mm_fp32: call it once on this device outside CUDA-graph capture first")
-        cnt = _COUNTERS[dev] = torch.zeros(COUNTERS, dtype=torch.int32, device=dev)
+        cnt = _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=key[0])
     return cnt
 
 

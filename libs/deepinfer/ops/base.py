@@ -308,6 +308,13 @@ class Ops(Protocol):
         """A compressor's scores: the fp32 gate ``[T, C]`` plus its position bias ``ape.float()[positions % ratio]``."""
         ...
 
+    def parallel(
+        self, first: Callable[[], object], second: Callable[[], object], device: torch.device
+    ) -> tuple[object, object]:
+        """``(first(), second())``, the two free to run at once on ``device`` (independent work: neither reads what
+        the other writes); the results are those of running them one after the other."""
+        ...
+
     def moe_combine(self, y: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The MoE's output: the routed experts' fp32 sum ``y`` plus the shared expert's ``shared.float()``, in
         ``dtype``."""

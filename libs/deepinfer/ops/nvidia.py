@@ -21,6 +21,7 @@ import torch
 from deepinfer.ops.bf16_parts import linear_by_parts, narrow_lossless
 from deepinfer.ops.invariant import BatchInvariantOps
 from deepinfer.ops.nvidia_glue import StepGlueOps
+from deepinfer.ops.nvidia_streams import StreamOps
 from deepinfer.ops.reference import ReferenceOps
 
 MOE_BACKENDS = ("auto", "grouped_mm", "triton")
@@ -104,13 +105,13 @@ class _KernelAttention:
         return self._index(q, keys.to(q.dtype), weights.float())
 
 
-class NvidiaInvariantOps(_KernelAttention, BatchInvariantOps):
+class NvidiaInvariantOps(StreamOps, _KernelAttention, BatchInvariantOps):
     def __init__(self) -> None:
         BatchInvariantOps.__init__(self, "nvidia")
         self._load_kernels()
 
 
-class NvidiaOps(StepGlueOps, ReferenceOps):
+class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
     """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and

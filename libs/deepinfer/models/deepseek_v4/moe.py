@@ -53,7 +53,13 @@ class MoE(nn.Module):
         self.quant_sim = False
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        idx, w = self.gate(x, token_ids, ops)
-        y = routed_experts(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8 activations
-        h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
-        return ops.moe_combine(y, self.shared_w2(h, ops), x.dtype)  # (y + shared.float()).to(x.dtype)
+        def routed() -> torch.Tensor:
+            idx, w = self.gate(x, token_ids, ops)
+            return routed_experts(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8 act.
+
+        def shared() -> torch.Tensor:
+            h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
+            return self.shared_w2(h, ops)
+
+        y, s = ops.parallel(routed, shared, x.device)  # the shared expert may run beside the routed ones
+        return ops.moe_combine(y, s, x.dtype)  # (y + shared.float()).to(x.dtype)

@@ -84,8 +84,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """``x [T, D]`` (already ``ffn_norm``-ed) → ``[T, D]`` in ``x.dtype``."""
-        idx, w = self.gate(x, image_mask, ops)
-        y = routed_experts(self, x, idx, w, self.limit, ops)
-        h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
-        y = y + self.shared_w2(h, ops).float()
-        return y.to(x.dtype)
+
+        def routed() -> torch.Tensor:
+            idx, w = self.gate(x, image_mask, ops)
+            return routed_experts(self, x, idx, w, self.limit, ops)
+
+        def shared() -> torch.Tensor:
+            h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)
+            return self.shared_w2(h, ops)
+
+        y, s = ops.parallel(routed, shared, x.device)  # the shared expert may run beside the routed ones
+        return (y + s.float()).to(x.dtype)
