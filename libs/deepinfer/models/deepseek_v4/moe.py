@@ -53,8 +53,9 @@ class MoE(nn.Module):
         self.quant_sim = False
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, ops: Ops) -> torch.Tensor:
+        idx, w = self.gate(x, token_ids, ops)
+
         def routed() -> torch.Tensor:
-            idx, w = self.gate(x, token_ids, ops)
             return routed_experts(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8 act.
 
         def shared() -> torch.Tensor:

@@ -85,8 +85,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """``x [T, D]`` (already ``ffn_norm``-ed) → ``[T, D]`` in ``x.dtype``."""
 
+        idx, w = self.gate(x, image_mask, ops)
+
         def routed() -> torch.Tensor:
-            idx, w = self.gate(x, image_mask, ops)
             return routed_experts(self, x, idx, w, self.limit, ops)
 
         def shared() -> torch.Tensor:
