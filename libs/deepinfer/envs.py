@@ -200,6 +200,13 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
+_declare("DEEPINFER_WARMUP", "bool", _HW, """
+    On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
+    and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to
+    `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`) compile the Triton kernels and capture the
+    decode graphs that the first requests would otherwise wait for (seconds each on a fresh machine). Start-up
+    takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm.""",
+    default=True)
 _declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
     On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
     expert beside its router and routed experts), eagerly and inside the decode CUDA graphs; results are
@@ -339,6 +346,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_CUDA_GRAPHS: bool
     DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
+    DEEPINFER_WARMUP: bool
     DEEPINFER_STREAM_OVERLAP: bool
     DEEPINFER_PDL: bool
     DEEPINFER_NATIVE_WEIGHTS: bool

@@ -116,6 +116,13 @@ def build_worker(
         from deepinfer.kvstore.remote import RemoteResumeStore
 
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, resume_format.decode, resume_format.LAYOUT)
+    if accelerator == "nvidia" and envs.DEEPINFER_WARMUP:  # compiles and graph captures before serving
+        from deepinfer.engine.warmup import decode_sizes, warm_up
+
+        graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH)
+        batches = graphed if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant else [1]
+        prefill = sorted({2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS})
+        warm_up(runner, num_pages, page_size, limit, config.vocab_size, batches, prefill)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp
     )

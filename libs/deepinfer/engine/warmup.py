@@ -1,0 +1,96 @@
+"""Start-up warm-up of a worker: synthetic requests run through the model runner before it serves, so that the
+first real requests do not pay the one-time costs of a batch shape (on the `nvidia` backend: Triton compiling the
+kernels of a tile configuration, seconds; capturing a decode CUDA graph per batch bucket). vLLM captures its graphs
+at start-up for the same reason.
+
+``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens``
+(one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches`` a
+step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b`` (the first captures
+the bucket's graph, the second replays it). It uses the cache's pages from 0 up, which no scheduler has handed out
+yet (it runs before the worker serves; a size that does not fit is skipped), and releases every state it made:
+nothing of it is left in the runner, and the pages' contents are overwritten before any later sequence reads them.
+Decode steps at a longer context still capture their span's graph when first met (``decode_graphs``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from deepinfer.engine.interfaces import ChunkPlan, StepPlan
+from deepinfer.engine.worker import ModelRunner
+from deepinfer.models.decode_graphs import BUCKETS
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+PROMPT = 4  # prompt tokens of each warm-up sequence of a decode batch
+DECODES = 2  # decode steps of each batch size (capture, then replay)
+PREFIX = "__warmup__"  # request ids: never a client's
+
+
+def decode_sizes(max_num_seqs: int, graph_max_batch: int) -> list[int]:
+    """The decode graph buckets a worker may meet: ``BUCKETS`` up to the smaller of the two limits."""
+    top = min(max_num_seqs, graph_max_batch)
+    return [b for b in BUCKETS if b <= top]
+
+
+def _tokens(n: int, vocab: int, salt: int) -> list[int]:
+    return [(7919 * (j + salt) + 101) % min(vocab, 30000) for j in range(n)]  # plain text ids of any tokenizer
+
+
+def warm_up(
+    runner: ModelRunner,
+    num_pages: int,
+    page_size: int,
+    max_model_len: int,
+    vocab_size: int,
+    batches: Sequence[int] = (),
+    prefill_tokens: Sequence[int] = (),
+) -> dict[str, float]:
+    """Run the warm-up (module docstring) → seconds per part (``prefill_N``, ``decode_B``); skipped sizes absent."""
+    params = SamplingParams(temperature=0.0, max_tokens=DECODES + 1)
+    report: dict[str, float] = {}
+    step = -1
+
+    def run(chunks: list[ChunkPlan]) -> list[int]:
+        nonlocal step
+        out = runner.execute(StepPlan(step_id=step, chunks=chunks))
+        step -= 1
+        return [r.token_id for r in out.results]
+
+    for n in prefill_tokens:
+        n = min(n, max_model_len - 1)
+        pages = -(-n // page_size)
+        if n < 1 or pages > num_pages:
+            continue
+        rid, t = f"{PREFIX}prefill-{n}", time.perf_counter()
+        try:
+            run([ChunkPlan(rid, _tokens(n, vocab_size, n), 0, list(range(pages)), True, params)])
+        finally:
+            runner.release([rid])
+        report[f"prefill_{n}"] = time.perf_counter() - t
+    length = PROMPT + DECODES
+    per_seq = -(-length // page_size)
+    for b in batches:
+        if b * per_seq > num_pages or length > max_model_len:
+            continue
+        rids = [f"{PREFIX}decode-{b}-{i}" for i in range(b)]
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        t = time.perf_counter()
+        try:
+            last = run([ChunkPlan(r, _tokens(PROMPT, vocab_size, i), 0, tb, True, params)
+                        for i, (r, tb) in enumerate(zip(rids, tables))])  # fmt: skip
+            for d in range(DECODES):
+                last = run(
+                    [ChunkPlan(r, [tok], PROMPT + d, tb, True, params) for r, tok, tb in zip(rids, last, tables)]
+                )
+        finally:
+            runner.release(rids)
+        report[f"decode_{b}"] = time.perf_counter() - t
+    log.info("warmup_done", **{k: round(v, 3) for k, v in report.items()})
+    return report
+
+
+__all__ = ["DECODES", "PROMPT", "decode_sizes", "warm_up"]

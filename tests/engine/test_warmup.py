@@ -1,0 +1,75 @@
+"""The start-up warm-up (``engine.warmup``): synthetic requests through the model runner, on the tiny V4 on CPU.
+
+It runs the prefill and decode sizes it is given (skipping those the pages or the model length cannot hold),
+leaves no state in the runner, and a warmed engine answers exactly as a cold one. The factory warms only the
+nvidia backend (``DEEPINFER_WARMUP``); on a GPU the same path compiles the kernels and captures the decode graphs
+(``tests/kernels/test_graphs.py`` checks the graphs themselves).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.engine import warmup
+from deepinfer.engine.warmup import decode_sizes, warm_up
+from deepinfer.llm import LLM
+from deepinfer.models.decode_graphs import BUCKETS
+from deepinfer.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
+
+PAGES, PAGE, LIMIT = 24, 16, 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_warmup") / "m", seed=0)
+
+
+def _llm(model_dir) -> LLM:
+    return LLM(model_dir, accelerator="cpu", num_pages=PAGES, page_size=PAGE, max_model_len=LIMIT)
+
+
+def _answers(llm: LLM) -> list[list[int]]:
+    prompts = ["Once upon a time", {"prompt_token_ids": [0, 17, 4242, 99, 5, 6, 7]}, "Hi"]
+    params = [SamplingParams(temperature=0, max_tokens=9), SamplingParams(temperature=0.8, seed=3, max_tokens=7),
+              SamplingParams(temperature=0, max_tokens=5)]  # fmt: skip
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
+    cold, warm = _llm(model_dir), _llm(model_dir)
+    runner = warm.engine.worker
+    plans = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda plan: plans.append(plan) or execute(plan))
+    report = warm_up(runner, PAGES, PAGE, LIMIT, warm.config.vocab_size, batches=[1, 4, 32], prefill_tokens=[40, 10**6])
+    # 10**6 tokens: clipped to 255, 16 pages (fits); batch 32 needs 32 pages of 24: skipped
+    assert set(report) == {"prefill_40", "prefill_255", "decode_1", "decode_4"}
+    assert not runner.states and not runner.tables and not runner.sampled
+    sizes = [(len(p.chunks), [len(c.token_ids) for c in p.chunks]) for p in plans]
+    assert sizes[:2] == [(1, [40]), (1, [255])]
+    steps = 1 + warmup.DECODES
+    assert sizes[2 : 2 + steps] == [(1, [warmup.PROMPT])] + [(1, [1])] * warmup.DECODES
+    assert sizes[2 + steps :] == [(4, [warmup.PROMPT] * 4)] + [(4, [1] * 4)] * warmup.DECODES
+    decode = plans[-1].chunks
+    assert [c.start for c in decode] == [warmup.PROMPT + warmup.DECODES - 1] * 4
+    assert len({tuple(c.block_table) for c in decode}) == 4 and all(
+        c.request_id.startswith("__warmup__") for c in decode
+    )
+    monkeypatch.undo()
+    assert _answers(warm) == _answers(cold)  # the pages it wrote are rewritten before anything reads them
+
+
+def test_decode_sizes_follow_the_graph_buckets():
+    assert decode_sizes(256, 256) == list(BUCKETS)
+    assert decode_sizes(48, 256) == [1, 2, 4, 8, 16, 24, 32, 48]
+    assert decode_sizes(256, 20) == [1, 2, 4, 8, 16]
+
+
+def test_the_factory_warms_only_the_nvidia_backend(model_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **kw: calls.append(a))
+    _llm(model_dir)
+    assert calls == []  # cpu: nothing to compile or capture
