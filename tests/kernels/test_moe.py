@@ -60,6 +60,20 @@ def test_moe_matches_reference_fp32(impl, t, hashed):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "triton"])
+def test_hidden_rounding_is_act_quant(impl):
+    """``hidden`` (``NvidiaOps.moe(act_quant=True)``'s rounding of the hidden rows) on an input rounded alike gives
+    ``ReferenceOps.moe(act_quant=True)``: the official FP8 activations of the experts' two GEMMs."""
+    x, idx, w, w1, w2, w3 = _problem(9, 6, 128, 128, 2, seed=3)
+    ops = ReferenceOps()
+    ref = ops.moe(x, idx, w, w1, w2, w3, 10.0, act_quant=True)
+    fn = moe_grouped_mm if impl == "grouped_mm" else moe_triton
+    xq = ops.act_quant_sim(x, 128)
+    out = fn(xq, idx, w, w1, w2, w3, 10.0, hidden=lambda h: ops.act_quant_sim(h, 128))
+    assert _rel(out, ref) < 1e-5
+    assert _rel(fn(xq, idx, w, w1, w2, w3, 10.0), ref) > 1e-3  # the hidden rounding matters
+
+
 def test_moe_empty_batch():
     x, idx, w, w1, w2, w3 = _problem(0, 4, 16, 16, 2, seed=0)
     for fn in (moe_grouped_mm, moe_triton):

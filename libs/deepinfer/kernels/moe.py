@@ -22,6 +22,7 @@ slot order (the reference adds them in expert-id order: results agree to fp32 ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -297,8 +298,10 @@ def moe_grouped_mm(
     w2: torch.Tensor,
     w3: torch.Tensor,
     limit: float,
+    hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``ReferenceOps.moe`` through ``torch._grouped_mm`` (module docstring) → ``[T, D]`` fp32."""
+    """``ReferenceOps.moe`` through ``torch._grouped_mm`` (module docstring) → ``[T, D]`` fp32; ``hidden``: applied to
+    the weighted SwiGLU rows before ``w2`` (``act_quant``'s rounding)."""
     _check(x, idx, weights, w1, w2, w3)
     t, k = idx.shape
     if t == 0:
@@ -308,6 +311,8 @@ def moe_grouped_mm(
     g = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=lay.ends)
     u = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=lay.ends)
     h = swiglu_weighted(g, u, weights.reshape(-1)[lay.order], limit, x.dtype)
+    if hidden is not None:
+        h = hidden(h)
     o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=lay.ends)
     out = torch.empty_like(o)
     out[lay.order] = o  # back to slot order
@@ -323,8 +328,10 @@ def moe_triton(
     w3: torch.Tensor,
     limit: float,
     config: MoEConfig | None = None,
+    hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``ReferenceOps.moe`` in two Triton kernels (module docstring) → ``[T, D]`` fp32."""
+    """``ReferenceOps.moe`` in two Triton kernels (module docstring) → ``[T, D]`` fp32; ``hidden``: applied to the
+    weighted SwiGLU rows before ``w2`` (``act_quant``'s rounding)."""
     _check(x, idx, weights, w1, w2, w3)
     t, k = idx.shape
     e, inter, d = w1.shape
@@ -347,6 +354,8 @@ def moe_triton(
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(),
     )  # fmt: skip
+    if hidden is not None:
+        h = hidden(h)
     o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     _moe_down_kernel[(nblocks, triton.cdiv(d, cfg.block_n))](
         h, w2, slots, bexp, o, tk, e, d, inter,

@@ -155,10 +155,13 @@ class Ops(Protocol):
         w2: torch.Tensor,
         w3: torch.Tensor,
         limit: float,
+        act_quant: bool = False,
     ) -> torch.Tensor:
         """Routed SwiGLU experts (``w1/w3 [E, I, D]``, ``w2 [E, D, I]``): ``Σ_k weights[:, k] · expert(x)``.
 
-        The routing weight multiplies the expert's hidden state before ``w2``; the sum is fp32."""
+        The routing weight multiplies the expert's hidden state before ``w2``; the sum is fp32. ``act_quant``: the
+        official FP8 activations, ``x`` and each slot's hidden row (rounded to ``x.dtype``) rounded as
+        ``act_quant_sim(·, 128)`` before their GEMMs, where the width is a multiple of 128."""
         ...
 
     def route(

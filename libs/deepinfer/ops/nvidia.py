@@ -396,7 +396,12 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         w2: torch.Tensor,
         w3: torch.Tensor,
         limit: float,
+        act_quant: bool = False,
     ) -> torch.Tensor:
+        hidden = None
+        if act_quant:  # the official FP8 activations (not a fast path: bf16 experts are a comparison mode)
+            x = self.act_quant_sim(x, 128) if x.shape[-1] % 128 == 0 else x
+            hidden = (lambda h: self.act_quant_sim(h, 128)) if w2.shape[-1] % 128 == 0 else None
         backend = self.moe_backend
         if backend == "auto":
             backend = "triton"
@@ -407,4 +412,4 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
                 if x.shape[0] <= 4 or slots > 24 * experts:
                     backend = "grouped_mm"
         fn = self._moe.moe_grouped_mm if backend == "grouped_mm" else self._moe.moe_triton
-        return fn(x, idx, weights, w1, w2, w3, limit)
+        return fn(x, idx, weights, w1, w2, w3, limit, hidden=hidden)

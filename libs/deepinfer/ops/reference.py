@@ -213,12 +213,11 @@ class ReferenceOps:
         w2: torch.Tensor,
         w3: torch.Tensor,
         limit: float,
+        act_quant: bool = False,
     ) -> torch.Tensor:
-        return self._moe_loop(x, idx, weights, w1, w2, w3, limit, fp8_hidden=False)
-
-    def _moe_loop(self, x, idx, weights, w1, w2, w3, limit, fp8_hidden: bool) -> torch.Tensor:  # noqa: ANN001
-        """``moe``; ``fp8_hidden``: each slot's hidden row (rounded to ``x.dtype``) then rounded as
-        ``act_quant_sim(·, 128)`` (the official FP8 activation of ``w2``)."""
+        if act_quant and x.shape[-1] % 128 == 0:
+            x = self.act_quant_sim(x, 128)
+        fp8_hidden = act_quant and w2.shape[-1] % 128 == 0
         y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
@@ -273,10 +272,7 @@ class ReferenceOps:
         used, local = torch.unique(idx, return_inverse=True)
         unshift = plain if order == "shift" else (lambda w: w)
         deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
-        if act_quant:
-            xq = self.act_quant_sim(x, 128) if x.shape[-1] % 128 == 0 else x
-            return self._moe_loop(xq, local.view(idx.shape), weights, *deq, limit, w2.shape[-1] % 64 == 0)
-        return self.moe(x, local.view(idx.shape), weights, *deq, limit)
+        return self.moe(x, local.view(idx.shape), weights, *deq, limit, act_quant=act_quant)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         return None

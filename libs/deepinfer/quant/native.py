@@ -177,12 +177,10 @@ def routed_experts(
     act_quant: bool = False,
 ) -> torch.Tensor:
     """``ops.moe`` or ``ops.moe_mxfp4`` over ``m``'s experts, whichever format they are stored in → ``[T, D]`` fp32.
-    ``act_quant``: the official FP8 activations (``Ops.moe_mxfp4``; the bf16 experts round only the input)."""
+    ``act_quant``: the official FP8 activations (``Ops.moe``)."""
     if is_mxfp4(m.w1):
         return ops.moe_mxfp4(
             x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m),
             act_quant=act_quant,
         )  # fmt: skip
-    if act_quant and x.shape[-1] % 128 == 0:
-        x = ops.act_quant_sim(x, 128)
-    return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit)
+    return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit, act_quant=act_quant)
