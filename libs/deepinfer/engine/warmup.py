@@ -60,8 +60,7 @@ def warm_up(
         step -= 1
         return [r.token_id for r in out.results]
 
-    for n in prefill_tokens:
-        n = min(n, max_model_len - 1)
+    for n in sorted({min(n, max_model_len - 1) for n in prefill_tokens}):
         pages = -(-n // page_size)
         if n < 1 or pages > num_pages:
             continue
