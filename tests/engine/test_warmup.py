@@ -51,9 +51,9 @@ def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
     sizes = [(len(p.chunks), [len(c.token_ids) for c in p.chunks]) for p in plans]
     assert sizes[:2] == [(1, [40]), (1, [255])]
     steps = 1 + warmup.DECODES
-    assert sizes[2 : 2 + steps] == [(1, [warmup.PROMPT])] + [(1, [1])] * warmup.DECODES
-    assert sizes[2 + steps :] == [(4, [warmup.PROMPT] * 4)] + [(4, [1] * 4)] * warmup.DECODES
-    decode = plans[-1].chunks
+    assert sizes[2 : 2 + steps] == [(4, [warmup.PROMPT] * 4)] + [(4, [1] * 4)] * warmup.DECODES  # largest first
+    assert sizes[2 + steps :] == [(1, [warmup.PROMPT])] + [(1, [1])] * warmup.DECODES
+    decode = plans[1 + steps].chunks
     assert [c.start for c in decode] == [warmup.PROMPT + warmup.DECODES - 1] * 4
     assert len({tuple(c.block_table) for c in decode}) == 4 and all(
         c.request_id.startswith("__warmup__") for c in decode

@@ -4,12 +4,15 @@ kernels of a tile configuration, seconds; capturing a decode CUDA graph per batc
 at start-up for the same reason.
 
 ``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens``
-(one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches`` a
-step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b`` (the first captures
-the bucket's graph, the second replays it). It uses the cache's pages from 0 up, which no scheduler has handed out
-yet (it runs before the worker serves; a size that does not fit is skipped), and releases every state it made:
-nothing of it is left in the runner, and the pages' contents are overwritten before any later sequence reads them.
-Decode steps at a longer context still capture their span's graph when first met (``decode_graphs``).
+(one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``,
+the largest first, a step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b``
+(the first captures the bucket's graph, the second replays it). It uses the cache's pages from 0 up, which no
+scheduler has handed out yet (it runs before the worker serves; a size that does not fit is skipped), and releases
+every state it made: nothing of it is left in the runner, and the pages' contents are overwritten before any later
+sequence reads them.
+The largest batch comes first because a bucket's graph holds the state pool's tensors and a growing pool drops
+the graphs captured before (``decode_graphs``); decode steps at a longer context still capture their span's graph
+when first met.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def warm_up(
         report[f"prefill_{n}"] = time.perf_counter() - t
     length = PROMPT + DECODES
     per_seq = -(-length // page_size)
-    for b in batches:
+    for b in sorted(batches, reverse=True):  # the largest first: the state pool grows once, the graphs stay valid
         if b * per_seq > num_pages or length > max_model_len:
             continue
         rids = [f"{PREFIX}decode-{b}-{i}" for i in range(b)]
