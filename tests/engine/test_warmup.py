@@ -8,7 +8,10 @@ nvidia backend (``DEEPINFER_WARMUP``); on a GPU the same path compiles the kerne
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine import warmup
@@ -73,3 +76,20 @@ def test_the_factory_warms_only_the_nvidia_backend(model_dir, monkeypatch):
     monkeypatch.setattr(warmup, "warm_up", lambda *a, **kw: calls.append(a))
     _llm(model_dir)
     assert calls == []  # cpu: nothing to compile or capture
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA (the graphs)"
+)
+def test_gpu_warm_up_leaves_every_bucket_captured(model_dir, monkeypatch):
+    """On a GPU the factory warms up: every decode bucket up to ``DEEPINFER_MAX_NUM_SEQS`` stays captured (the
+    largest first, so the state pool grows once), and requests afterwards capture nothing."""
+    monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "32")
+    llm = LLM(model_dir, accelerator="nvidia", num_pages=256, page_size=64, max_model_len=1024)
+    graphs = llm.model.decode_graphs
+    assert sorted(k[0] for k in graphs.buckets) == [1, 2, 4, 8, 16, 24, 32] and not graphs.failures
+    held = len(graphs.buckets)
+    llm.generate(
+        [{"prompt_token_ids": [5 + i, 17, 99]} for i in range(12)], SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert len(graphs.buckets) == held and graphs.replays > 0
