@@ -209,8 +209,8 @@ _declare("DEEPINFER_WARMUP", "bool", _HW, """
     default=True)
 _declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
     On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
-    expert beside its router and routed experts), eagerly and inside the decode CUDA graphs; results are
-    unchanged, bit for bit.""", default=True)
+    expert beside its routed experts, forked after the router), eagerly and inside the decode CUDA graphs;
+    results are unchanged, bit for bit.""", default=True)
 _declare("DEEPINFER_PDL", "bool", _HW, """
     On the `nvidia` backend with a GPU of compute capability 9.0 or more (Hopper, Blackwell), launch the Triton
     kernels with programmatic dependent launch: a kernel may be scheduled while the one before it drains, and

@@ -1,10 +1,10 @@
 """``Ops.parallel`` on CUDA: the second of two independent pieces of work on a side stream of the device, forked
 from and joined back to its current stream, so that the device may run them at once (the MoE's shared expert
-beside its router and routed experts: small GEMMs that leave most of the device idle, next to kernels that leave
-part of it idle too). The fork and the join are stream waits, which CUDA graph capture records as edges: a captured
-step replays the two branches concurrently. The results are the kernels' own, so bit for bit those of running the
-two one after the other; off (``DEEPINFER_STREAM_OVERLAP=0``, ``overlap = False``, or a tensor off CUDA) they run
-so.
+beside its routed experts, forked after the router: small GEMMs that leave most of the device idle, next to kernels
+that leave part of it idle too). The fork and the join are stream waits, which CUDA graph capture records as edges:
+a captured step replays the two branches concurrently. The results are the kernels' own, so bit for bit those of
+running the two one after the other; off (``DEEPINFER_STREAM_OVERLAP=0``, ``overlap = False``, or a tensor off
+CUDA) they run so.
 
 Shared device state: the split-K kernels' tickets (``small_gemm.counters``) are per lane, the side branch's its
 own. Memory: the side branch's tensors are allocated on the side stream, which waits for the current stream at
