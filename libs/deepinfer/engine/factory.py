@@ -121,7 +121,7 @@ def build_worker(
 
         graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH)
         batches = graphed if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant else [1]
-        prefill = sorted({2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS})
+        prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
         warm_up(runner, num_pages, page_size, limit, config.vocab_size, batches, prefill)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp

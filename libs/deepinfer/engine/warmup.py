@@ -9,10 +9,9 @@ the largest first, a step prefilling ``b`` sequences of ``PROMPT`` tokens and ``
 (the first captures the bucket's graph, the second replays it). It uses the cache's pages from 0 up, which no
 scheduler has handed out yet (it runs before the worker serves; a size that does not fit is skipped), and releases
 every state it made: nothing of it is left in the runner, and the pages' contents are overwritten before any later
-sequence reads them.
-The largest batch comes first because a bucket's graph holds the state pool's tensors and a growing pool drops
-the graphs captured before (``decode_graphs``); decode steps at a longer context still capture their span's graph
-when first met.
+sequence reads them. The largest batch comes first because a bucket's graph holds the state pool's tensors and a
+growing pool drops the graphs captured before (``decode_graphs``); decode steps at a longer context still capture
+their span's graph when first met.
 """
 
 from __future__ import annotations

@@ -84,7 +84,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
         """``x [T, D]`` (already ``ffn_norm``-ed) → ``[T, D]`` in ``x.dtype``."""
-
         idx, w = self.gate(x, image_mask, ops)
 
         def routed() -> torch.Tensor:
