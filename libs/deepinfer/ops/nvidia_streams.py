@@ -57,8 +57,10 @@ class StreamOps:
                 b = second()
         finally:
             small_gemm.LANE.reset(lane)
-        a = first()
-        main.wait_stream(side)
+        try:
+            a = first()
+        finally:  # joined even when the first branch raises: nothing on the side stream outlives the call
+            main.wait_stream(side)
         return a, b
 
 
