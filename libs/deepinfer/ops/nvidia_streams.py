@@ -51,15 +51,15 @@ class StreamOps:
         main = torch.cuda.current_stream(device)
         side = self._side_stream(device)
         side.wait_stream(main)
-        lane = small_gemm.LANE.set(1)  # the split-K kernels' tickets: the side branch's own counters
         try:
-            with torch.cuda.stream(side):
-                b = second()
-        finally:
-            small_gemm.LANE.reset(lane)
-        try:
+            lane = small_gemm.LANE.set(1)  # the split-K kernels' tickets: the side branch's own counters
+            try:
+                with torch.cuda.stream(side):
+                    b = second()
+            finally:
+                small_gemm.LANE.reset(lane)
             a = first()
-        finally:  # joined even when the first branch raises: nothing on the side stream outlives the call
+        finally:  # joined even when a branch raises: nothing on the side stream outlives the call
             main.wait_stream(side)
         return a, b
 
