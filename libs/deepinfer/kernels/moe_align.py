@@ -9,10 +9,11 @@ call can be captured in a CUDA graph.
 
 One program of the kernel holds every slot: a histogram of the experts gives each group's padded start (a cumsum),
 one in-register sort of the keys ``expert · S + slot`` gives each slot its rank in its group, a scatter writes the
-slots after the sentinel fill, and each block's expert is the number of groups that end at or before its first row
-(``searchsorted(ends, start, right=True)``). At T = 1 an MXFP4 MoE call spent about 48 of its 114 µs in the torch
-layout (bench/results/2026-11-30-moe-mxfp4-shift.md). Above ``MAX_SLOTS`` slots or ``MAX_EXPERTS`` experts (prefill)
-the torch layout runs.
+slots after the sentinel fill, and each expert writes its id into its blocks after a fill with ``experts`` (what
+``searchsorted(ends, start, right=True)`` gives: a block inside an expert's group is preceded by the groups of the
+lower experts, empty ones included; one past the last group by all of them). At T = 1 an MXFP4 MoE call spent about
+48 of its 114 µs in the torch layout (bench/results/2026-11-30-moe-mxfp4-shift.md). Above ``MAX_SLOTS`` slots or
+``MAX_EXPERTS`` experts (prefill) the torch layout runs.
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ from deepinfer.kernels.pdl import pdl_wait
 
 MAX_SLOTS = 2048  # T·k of one program (a bitonic sort in registers); decode steps of up to 341 tokens at top-6
 MAX_EXPERTS = 512
-_ROWS = 64  # blocks whose expert one pass of the kernel finds
 
 
 @triton.jit
 def _align_kernel(idx_ptr, slots_ptr, bexp_ptr, TK, E, P, NBLK, BLOCK_M: tl.constexpr, S: tl.constexpr,
-                  EB: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                  EB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
     s = tl.arange(0, S)
     e = tl.load(idx_ptr + s, mask=s < TK, other=E).to(tl.int32)  # slots past T·k: expert E, sorted last
@@ -50,13 +50,14 @@ def _align_kernel(idx_ptr, slots_ptr, bexp_ptr, TK, E, P, NBLK, BLOCK_M: tl.cons
     dest = tl.gather(pstarts, sec, 0) + s - tl.gather(starts, sec, 0)
     for off in range(0, P, S):
         tl.store(slots_ptr + off + s, tl.full((S,), 0, tl.int32) + TK, mask=off + s < P)
-    tl.debug_barrier()  # the fill before the scatter
+    for off in range(0, NBLK, S):  # blocks past the last group: expert E
+        tl.store(bexp_ptr + off + s, tl.full((S,), 0, tl.int32) + E, mask=off + s < NBLK)
+    tl.debug_barrier()  # the fills before the scatters
     tl.store(slots_ptr + dest, slot, mask=se < E)
-    valid = (eb < E)[None, :]
-    for j0 in range(0, NBLK, ROWS):
-        j = j0 + tl.arange(0, ROWS)
-        ended = (pends[None, :] <= (j * BLOCK_M)[:, None]) & valid
-        tl.store(bexp_ptr + j, tl.sum(ended.to(tl.int32), 1), mask=j < NBLK)
+    nblk = padded // BLOCK_M  # each expert's blocks, from its padded start: its id
+    first = pstarts // BLOCK_M
+    for r in range(0, tl.max(nblk, 0)):
+        tl.store(bexp_ptr + first + r, eb, mask=r < nblk)
 
 
 def padded_slots(idx: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +75,7 @@ def padded_slots(idx: torch.Tensor, experts: int, block_m: int) -> tuple[torch.T
     s, eb = triton.next_power_of_2(tk), triton.next_power_of_2(experts + 1)
     _align_kernel[(1,)](
         idx.reshape(-1).contiguous(), slots, bexp, tk, experts, size, size // block_m, BLOCK_M=block_m, S=s, EB=eb,
-        ROWS=_ROWS, num_warps=8 if s >= 1024 else 4, **pdl.launch(),
+        num_warps=8 if s >= 1024 else 4, **pdl.launch(),
     )  # fmt: skip
     return slots, bexp
 
