@@ -86,6 +86,16 @@ def test_rms_norm_matches_the_reference(shape):
     _close(norm.rms_norm(x, None, 1e-6), REF.rms_norm(x, None, 1e-6), 2e-6)
 
 
+def test_rms_norm_reads_strided_rows():
+    """A column slice of a joined GEMM's output (``layers.rows_forward``): read in place, a contiguous result."""
+    g = torch.Generator().manual_seed(7)
+    y, w = _randn(g, 6, 80), _randn(g, 48)
+    x = y[:, 16:64]
+    got = norm.rms_norm(x, w, 1e-6)
+    assert got.is_contiguous()
+    _close(got, REF.rms_norm(x.contiguous(), w, 1e-6), 2e-6)
+
+
 @pytest.mark.parametrize(
     ("xs", "cs"), [((5, 3, 48), (5, 1, 8)), ((6, 32), (6, 8)), ((4, 16), (4, 8)), ((1, 2, 8), (1, 1, 4))]
 )

@@ -264,3 +264,43 @@ def test_a_model_on_native_weights_matches_the_reference():
         got = _run_on(model, seqs, plans, dev)
         for a, b in zip(got, want):
             assert (a - b).abs().max().item() < 1e-4, (act, (a - b).abs().max().item())
+
+
+def test_joined_projections_match_the_separate_ones():
+    """``NvidiaOps.prepare_weights`` joins the projections of a layer's input (``join_projections``: ``wq_a`` with
+    ``wkv`` in FP8, the compressors' ``wkv`` / ``wgate``; here by hand, as on CPU it does not): the model gives what
+    it gave with separate GEMMs (kernels in the interpreter on CPU), prefill and decode, V4 and V4.1."""
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.quant.native import prepare_native
+    from models.test_batch_invariance import tokens
+
+    dev = _device()
+    # 32-row scale blocks, so that wq_a (32 rows) fills one and joins with wkv; SWA, CSA (indexer) and HCA layers
+    config = DeepseekV4Config.from_dict(
+        {**TINY_V4, "num_hidden_layers": 3, "compress_ratios": [0, 4, 8, 0], "num_hash_layers": 1,
+         "quantization_config": {**TINY_V4["quantization_config"], "weight_block_size": [32, 32]}}
+    )  # fmt: skip
+    model = DeepseekV4Model(config, ReferenceOps())
+    model.load_state_dict(random_weights(config, seed=6))
+    prepare_native(model, (32, 32), quantize=True)
+    model.to(dev).ops = NvidiaOps(native_weights=True)
+    vocab = model.config.vocab_size
+    seqs = [tokens(13, 1, vocab), tokens(4, 2, vocab)]
+    plans = [[12, 1], [3, 1]]
+    want = _run_on(model, seqs, plans, dev)
+    joined = 0
+    for m in model.modules():
+        if hasattr(m, "join_projections"):
+            m.join_projections()
+            joined += 1
+    attn = model.layers[1].attn
+    w1, w2 = attn.wq_a.weight, attn.wkv.weight
+    assert joined >= 3 and w2.data_ptr() == w1.data_ptr() + w1.numel() * w1.element_size()
+    c1, c2 = attn.compressor.wgate.weight, attn.indexer.compressor.wkv.weight
+    assert c2.data_ptr() == c1.data_ptr() + c1.numel() * c1.element_size()
+    got = _run_on(model, seqs, plans, dev)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() < 1e-5, (a - b).abs().max().item()

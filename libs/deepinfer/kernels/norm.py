@@ -34,14 +34,14 @@ def _rows_per_program(width: int, rows: int) -> int:
 
 
 @triton.jit(do_not_specialize=["R"])
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, eps, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, stride_x, eps, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     m = (r < R)[:, None] & (d < D)[None, :]
     off = r[:, None] * D + d[None, :]
-    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r[:, None] * stride_x + d[None, :], mask=m, other=0.0).to(tl.float32)
     y = x / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     if HAS_W:
         y = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :] * y
@@ -87,16 +87,17 @@ def _rope_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``ReferenceOps.rms_norm`` (module docstring)."""
+    """``ReferenceOps.rms_norm`` (module docstring); rows of ``x`` may be strided (a column slice of a joined GEMM's
+    output), the result is contiguous."""
     d = x.shape[-1]
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
-    rows = xc.numel() // d if d else 0
+    rows = x.numel() // d if d else 0
+    x2 = x.reshape(rows, d) if x.stride(-1) == 1 else x.contiguous().view(rows, d)  # a view where the rows allow
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
-        w = weight.contiguous() if weight is not None else xc
+        w = weight.contiguous() if weight is not None else x2
         br = _rows_per_program(d, rows)
         _rms_norm_kernel[(triton.cdiv(rows, br),)](
-            xc, w, out, rows, d, float(eps), HAS_W=weight is not None, BLOCK_R=br,
+            x2, w, out, rows, d, x2.stride(0), float(eps), HAS_W=weight is not None, BLOCK_R=br,
             BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8, **pdl.launch(),
         )  # fmt: skip
     return out

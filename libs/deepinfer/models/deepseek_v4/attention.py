@@ -25,7 +25,7 @@ from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.decode_step import StepPlan
-from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward, rows_fp32
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
@@ -58,6 +58,17 @@ class Attention(nn.Module):
         self.quant_sim = False
         self.state_pool: StatePool | None = None  # set by the model (decode steps on pooled state)
 
+    def _compressors(self) -> list[tuple[str, Compressor]]:
+        """The layer's compressors by the name of their projections in ``project``'s tensors."""
+        index = self.indexer.compressor if self.indexer is not None else None
+        return [(name, c) for name, c in (("main", self.compressor), ("index", index)) if c is not None]
+
+    def join_projections(self) -> None:
+        """Make the projections of the layer's input one GEMM each (``layers.join_rows``; a backend's
+        ``prepare_weights``): ``wq_a`` with ``wkv``, and the compressors' ``wkv`` / ``wgate``."""
+        join_rows([self.wq_a, self.wkv])
+        join_rows([lin for _, c in self._compressors() for lin in (c.wkv, c.wgate)])
+
     def forward(
         self,
         x: torch.Tensor,
@@ -77,21 +88,22 @@ class Attention(nn.Module):
         ``index_score``) and, off the batch-invariant path, the indexer's queries (``iq``, ``iw``). A pure function of
         its inputs (the decode CUDA graphs capture it)."""
         n_tok, h, d, rd = x.shape[0], self.n_heads, self.head_dim, self.rd
-        qr = self.q_norm(self.wq_a(x, ops), ops)
+        qa, kva = rows_forward(x, [self.wq_a, self.wkv], ops)
+        qr = self.q_norm(qa, ops)
         q = self.wq_b(qr, ops).view(n_tok, h, d)
         q = ops.rms_norm(q, None, self.eps)
         cos, sin = rope(positions, ops)
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
+        kv = ops.rope(self.kv_norm(kva, ops), cos, sin)
         if self.quant_sim:
             kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], quant_block(d - rd)), kv[:, -rd:]], dim=-1)
         t = {"x": x, "qr": qr, "q": q, "kv": kv, "cos": cos, "sin": sin}
-        if self.compressor is not None:
-            t["main_kv"], t["main_score"] = self.compressor.project(x, positions, ops)
-        if self.indexer is not None:
-            t["index_kv"], t["index_score"] = self.indexer.compressor.project(x, positions, ops)
-            if not ops.batch_invariant:
-                t["iq"], t["iw"] = self.indexer.queries(x, qr, positions, rope, ops)
+        comps = self._compressors()
+        outs = rows_fp32(x, [lin for _, c in comps for lin in (c.wkv, c.wgate)], ops) if comps else []
+        for i, (name, c) in enumerate(comps):
+            t[f"{name}_kv"], t[f"{name}_score"] = outs[2 * i], c.score(outs[2 * i + 1], positions, ops)
+        if self.indexer is not None and not ops.batch_invariant:
+            t["iq"], t["iw"] = self.indexer.queries(x, qr, positions, rope, ops)
         return t
 
     def attend(

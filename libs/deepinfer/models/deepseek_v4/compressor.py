@@ -35,7 +35,11 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 projections of a whole batch: ``kv`` and ``score`` (gate + position bias)."""
         kv = ops.linear_fp32(x, self.wkv.weight)
-        return kv, ops.compress_score(ops.linear_fp32(x, self.wgate.weight), self.ape, positions, self.ratio)
+        return kv, self.score(ops.linear_fp32(x, self.wgate.weight), positions, ops)
+
+    def score(self, gate: torch.Tensor, positions: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The gate projection plus the position bias (fp32)."""
+        return ops.compress_score(gate, self.ape, positions, self.ratio)
 
     def forward(
         self,

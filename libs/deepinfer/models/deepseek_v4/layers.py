@@ -1,9 +1,17 @@
-"""Small building blocks: linear, RMSNorm and the interleaved rotary tables (MODEL_V4.md §2.4)."""
+"""Small building blocks: linear, RMSNorm and the interleaved rotary tables (MODEL_V4.md §2.4).
+
+Several projections of one input can be read by one GEMM (what vLLM and SGLang do for MLA's ``q_a`` / ``kv_a``):
+``join_rows`` makes their weights consecutive rows of one tensor (a backend's ``prepare_weights``), ``rows_forward``
+and ``rows_fp32`` run one GEMM on such weights and split its columns, or one GEMM a weight otherwise. Each output
+column is its own dot product either way; only a kernel's split of K, chosen from the shapes, may order its fp32
+sums differently.
+"""
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -30,12 +38,7 @@ class Linear(nn.Module):
         self.quant_sim = False
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        act_quant = self.quant_sim and self.fp8 and x.shape[-1] % 128 == 0
-        if self.weight.dtype == torch.float8_e4m3fn:
-            return ops.fp8_linear(x, self.weight, self.scale, act_quant)
-        if act_quant:
-            x = ops.act_quant_sim(x, 128)
-        return ops.linear(x, self.weight)
+        return _linear(x, self.weight, self.scale, self.quant_sim and self.fp8, ops)
 
     def grouped(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Per-group products ``x [T, G, K]`` × the weight viewed ``[G, R, K]`` → ``[T, G, R]`` (no activation
@@ -43,6 +46,92 @@ class Linear(nn.Module):
         if self.weight.dtype == torch.float8_e4m3fn:
             return ops.fp8_grouped_linear(x, self.weight, self.scale)
         return ops.grouped_linear(x, self.weight.view(x.shape[1], -1, x.shape[-1]))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool, ops: Ops) -> torch.Tensor:
+    act_quant = quant and x.shape[-1] % 128 == 0
+    if weight.dtype == torch.float8_e4m3fn:
+        return ops.fp8_linear(x, weight, scale, act_quant)
+    if act_quant:
+        x = ops.act_quant_sim(x, 128)
+    return ops.linear(x, weight)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def join_rows(linears: Sequence[Linear]) -> bool:
+    """Make the weights of ``linears`` (and their FP8 block scales) consecutive rows of one new tensor, each weight
+    (scale) a view of its rows, so that ``rows_forward`` / ``rows_fp32`` read them with one GEMM. Only for weights of
+    one dtype, device and input width with the same activation rounding and, in FP8, the same scale blocks, every
+    weight but the last filling whole row blocks; returns whether it joined them (else nothing changed)."""
+    ws = [lin.weight for lin in linears]
+    if len(ws) < 2:
+        return False
+    w0 = ws[0]
+    if any(w.dim() != 2 or (w.dtype, w.device, w.shape[1]) != (w0.dtype, w0.device, w0.shape[1])
+                          for w in ws):  # fmt: skip
+        return False
+    if len({(lin.quant_sim and lin.fp8) for lin in linears}) > 1:
+        return False
+    scales = None
+    if w0.dtype == torch.float8_e4m3fn:
+        scales = [lin.scale for lin in linears]
+        if any(s is None or s.dim() != 2 or (s.dtype, s.shape[1]) != (scales[0].dtype, scales[0].shape[1])
+               for s in scales):  # fmt: skip
+            return False
+        blocks = {_pow2_at_least(-(-w.shape[0] // s.shape[0])) for w, s in zip(ws, scales)}
+        if len(blocks) > 1 or any(w.shape[0] != s.shape[0] * next(iter(blocks)) for w, s in zip(ws[:-1], scales)):
+            return False
+    with torch.no_grad():
+        joined = torch.cat([w.data for w in ws])
+        joined_s = torch.cat([s.data for s in scales]) if scales is not None else None
+        lo = slo = 0
+        for i, lin in enumerate(linears):
+            n = ws[i].shape[0]
+            lin.weight.data = joined[lo : lo + n]
+            lo += n
+            if scales is not None:
+                ns = scales[i].shape[0]
+                lin.scale = joined_s[slo : slo + ns]
+                slo += ns
+    return True
+
+
+def _joined(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose consecutive rows are ``ts`` (2-D, contiguous, adjacent in one storage), else None."""
+    t0 = ts[0]
+    if t0 is None or len(ts) < 2:
+        return None
+    at = t0.data_ptr()
+    for t in ts:
+        if t is None or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != t0.shape[1] or t.dtype != t0.dtype:
+            return None
+        if t.data_ptr() != at or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr():
+            return None
+        at += t.numel() * t.element_size()
+    return torch.as_strided(t0, (sum(t.shape[0] for t in ts), t0.shape[1]), (t0.shape[1], 1))
+
+
+def rows_forward(x: torch.Tensor, linears: Sequence[Linear], ops: Ops) -> list[torch.Tensor]:
+    """``[lin(x, ops) for lin in linears]``, with one GEMM where ``join_rows`` joined their weights (the outputs are
+    then column slices of one tensor)."""
+    w = _joined([lin.weight for lin in linears])
+    fp8 = w is not None and w.dtype == torch.float8_e4m3fn
+    s = _joined([lin.scale for lin in linears]) if fp8 else None
+    if w is None or (fp8 and s is None):
+        return [lin(x, ops) for lin in linears]
+    y = _linear(x, w, s, linears[0].quant_sim and linears[0].fp8, ops)
+    return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
+
+
+def rows_fp32(x: torch.Tensor, linears: Sequence[Linear], ops: Ops) -> list[torch.Tensor]:
+    """``[ops.linear_fp32(x, lin.weight) for lin in linears]``, with one GEMM where ``join_rows`` joined them."""
+    w = _joined([lin.weight for lin in linears])
+    if w is None:
+        return [ops.linear_fp32(x, lin.weight) for lin in linears]
+    return list(ops.linear_fp32(x, w).split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 class RMSNorm(nn.Module):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
-from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, PagedKVCache, SeqChunk, SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41 import decode_step
@@ -83,17 +83,32 @@ class SharedKVAttention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.quant_sim = True
 
-    def queries(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q-LoRA latent ``[T, q_lora_rank]`` and the rotated queries ``[T, H, d]`` (no per-head norm)."""
-        qlat = self.q_norm(self.wq_a(x, ops), ops)
-        q = self.wq_b(qlat, ops).view(x.shape[0], self.n_heads, self.head_dim)
-        return qlat, ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    def join_projections(self) -> None:
+        """``wq_a`` and ``wkv`` (both read the layer's input) as one GEMM (``layers.join_rows``; a backend's
+        ``prepare_weights``)."""
+        join_rows([self.wq_a, self.wkv])
 
     def window_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Rotated window KV rows ``[T, d]``, FP8-rounded when ``quant_sim``."""
-        kv = ops.rope(self.kv_norm(self.wkv(x, ops), ops), cos, sin)
+        return self._window_kv(self.wkv(x, ops), cos, sin, ops)
+
+    def queries_and_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Q-LoRA latent ``[T, q_lora_rank]``, the rotated queries ``[T, H, d]`` (no per-head norm) and the window
+        KV rows (``window_kv``) of one input, its two projections one GEMM where they are joined."""
+        qa, kva = rows_forward(x, [self.wq_a, self.wkv], ops)
+        return (*self._queries(qa, cos, sin, ops), self._window_kv(kva, cos, sin, ops))
+
+    def _queries(
+        self, qa: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qlat = self.q_norm(qa, ops)
+        q = self.wq_b(qlat, ops).view(qa.shape[0], self.n_heads, self.head_dim)
+        return qlat, ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def _window_kv(self, kva: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
+        kv = ops.rope(self.kv_norm(kva, ops), cos, sin)
         return ops.cache_round(kv, "fp8") if self.quant_sim else kv
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
@@ -128,8 +143,8 @@ class Attention(SharedKVAttention):
         window KV ``kv``, the compressor's projections (``ckv`` and, ratio 2, ``cgate``) and the rotated index queries
         ``iq`` with their weights ``iw``. A pure function of its inputs (the decode CUDA graphs capture it)."""
         cos, sin = rope(positions, ops)
-        qlat, q = self.queries(x, cos, sin, ops)
-        t = {"cos": cos, "sin": sin, "q": q, "kv": self.window_kv(x, cos, sin, ops)}
+        qlat, q, kv = self.queries_and_kv(x, cos, sin, ops)
+        t = {"cos": cos, "sin": sin, "q": q, "kv": kv}
         if self.compressor is not None:
             t["ckv"], gate = self.compressor.project(x, ops)
             if gate is not None:

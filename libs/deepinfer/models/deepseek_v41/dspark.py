@@ -100,8 +100,7 @@ class DraftAttention(SharedKVAttention):
         (this stage's context rows, from ``kv``) visible where ``ctx_mask [N, C]``. Returns ``[N·B, D]``."""
         t, (n, c) = x.shape[0], ctx_mask.shape
         cos, sin = self.rope(positions, ops)
-        _, q = self.queries(x, cos, sin, ops)
-        kv = self.window_kv(x, cos, sin, ops)
+        _, q, kv = self.queries_and_kv(x, cos, sin, ops)
         keys = torch.cat([ctx_kv.reshape(n * c, self.head_dim).to(kv.dtype), kv])
         idx, count = _key_lists(ctx_mask, t // n)
         out = ops.sparse_attention_lists(q, keys, idx, count, self.attn_sink, self.head_dim**-0.5)
