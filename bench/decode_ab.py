@@ -15,7 +15,7 @@ kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts 
 ``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed;
 ``--ab-h2d`` compares ``H2D_VARIANTS``: the step's host-to-device copies synchronous against asynchronous from pinned
 memory (``deepinfer/host_copy.py``); ``--ab-order`` compares ``ORDER_VARIANTS``: the MXFP4 experts' codes as stored
-against the shift order (``quant/nibble_order.py``).
+against the shift and rotate orders (``quant/nibble_order.py``).
 
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
 rounds time one step of every variant in turn (interleaved, so that the machine's drift falls on all three alike; the
@@ -61,10 +61,11 @@ H2D_VARIANTS = {
     "async_copies": (True, True, None),
 }
 # the A/B of the MXFP4 experts' nibble order (``--ab-order``; quant/nibble_order.py, bench/weight_sets.py OrderSets):
-# the byte-lookup decode of the codes as stored against the shift decode, both with pooled state and graphs
+# the byte-lookup decode of the codes as stored against the shift and the rotate decodes, with pooled state and graphs
 ORDER_VARIANTS = {
     "plain_order": (True, True, None),
     "shift_order": (True, True, None),
+    "rotate_order": (True, True, None),
 }
 _TAGS = ("LaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize", "_local_scalar_dense")
 
@@ -156,7 +157,7 @@ def ab_decode(ours: Any, b: int, timed, budget: Any) -> dict[str, Any]:
             ours.model.pooled_decode = True
         host_copy.BLOCKING = False
         if getattr(ours, "order_sets", None) is not None:
-            ours.order_sets.use("shift")  # what NvidiaOps.prepare_weights makes
+            ours.order_sets.use("rotate")  # what NvidiaOps.prepare_weights makes
     return out
 
 
@@ -198,16 +199,16 @@ def weights_vs_bf16(ours: Any, b: int, steps: int = 3) -> dict[str, Any]:
 
 
 def orders_bit_identical(ours: Any, b: int, steps: int = 3) -> bool:
-    """Whether ``steps`` graphed decode steps give the same logits, bit for bit, on the plain and the shift order of
-    the experts' codes (the two decodes give the same bf16 tiles), from the same state with the same tokens."""
+    """Whether ``steps`` graphed decode steps give the same logits, bit for bit, on every order of the experts' codes
+    (the decodes give the same bf16 tiles), from the same state with the same tokens."""
     ops, tokens = ours.model.ops, [ours._ids(b) for _ in range(steps)]
     logits = []
-    for order in ("plain", "shift"):
+    for order in ours.order_sets.ORDERS:
         ours.order_sets.use(order)
         ops.fused, ops.cuda_graphs = True, True
         step = ours.make_step(b, steps, tokens=tokens)
         logits.append(torch.stack([step() for _ in range(steps)]))
-    return torch.equal(*logits)
+    return all(torch.equal(logits[0], other) for other in logits[1:])
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -191,9 +191,9 @@ def candidates(m):
         for bn, bk, nw, sk in itertools.product([16, 32], [256, 512, 1024], [4, 8], [1, 2, 4, 8, 16]):
             out.append(GemmConfig(1, bn, bk, split_k=sk, num_warps=nw, num_stages=1, path="gemv"))
     top = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
-    splits = [1, 2, 4, 8, 16] if m <= 16 else [1, 4, 16] if m <= 64 else [1, 2, 4] if m <= 256 else [1]
+    splits = [1, 2, 4, 8, 16] if m <= 64 else [1, 2, 4] if m <= 256 else [1]
     for bm, bn, sk, nw, st, sc in itertools.product(
-        sorted({top, max(16, top // 2)}), [64, 128, 256], splits, [4, 8], [3, 4], [False, True]
+        sorted({top, max(16, top // 2)}), [32, 64, 128, 256], splits, [4, 8], [3, 4, 5], [False, True]
     ):
         if bm * bn <= 128 * 128 and (nw == 4 or bm * bn >= 64 * 128):
             out.append(GemmConfig(bm, bn, 128, split_k=sk, num_warps=nw, num_stages=st, scale_x=sc))

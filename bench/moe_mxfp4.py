@@ -8,10 +8,11 @@ divided by the calls): launch overhead is amortised, and consecutive calls touch
 the weights come from HBM, not L2.
 
 Columns: ``moe_mxfp4`` (``VARIANTS``, interleaved: unsplit, the codes as stored, a copy in the shift order of
-``quant.nibble_order``, and that with the weight tiles read by the TMA unit, with whether all three give
-bit-identical outputs; then split-K, ``kernels.moe_mxfp4_split``, on shift+TMA: ``SPLIT_K`` = None, the auto rule and
-the default, with its (gate/up, down) pieces, and forced 2, 4, 8 pieces, with their largest relative difference from
-the unsplit shift+TMA output); the peers ``moe_triton`` and
+``quant.nibble_order``, that with the weight tiles read by the TMA unit, and a copy in the rotate order with TMA,
+with whether all four give bit-identical outputs; then split-K, ``kernels.moe_mxfp4_split``, on shift+TMA:
+``SPLIT_K`` = None, the auto rule, with its (gate/up, down) pieces, and forced 2, 4, 8 pieces, and on rotate+TMA
+with the auto rule (the default, what the model runs), with their largest relative difference from the unsplit
+rotate+TMA output); the peers ``moe_triton`` and
 ``moe_grouped_mm`` (kernels/moe.py) on the bf16 experts; the HBM roofline of the MXFP4 call (bytes of the distinct
 experts its routing touches, weights and scales, over ``--hbm`` B/s, 4.8 TB/s by default); the FLOP roofline
 ``2·3·T·k·D·I / --flops`` (989 TFLOP/s dense bf16); the bandwidth the MXFP4 call reached; and ``roof/time`` =
@@ -25,7 +26,7 @@ Run on one GPU from the repository root::
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --sweep --calls 4 --tokens 1,16,64,256,4096
     PYTHONPATH=libs:tests:bench python bench/moe_mxfp4.py --shape 5120,2304,384,6 --no-peers  # V4.1-Flash's experts
 
-(``--sweep`` lists the µs of every candidate, in both nibble orders of the codes, and its relative error against
+(``--sweep`` lists the µs of every candidate, in every order of the codes, and its relative error against
 the portable decode. ``--profile 1,64`` first prints the CUDA time of each kernel of a call at those T.)
 """
 
@@ -44,7 +45,7 @@ import torch
 from deepinfer.kernels.moe import MoEConfig, moe_grouped_mm, moe_triton
 from deepinfer.kernels.moe_mxfp4 import moe_mxfp4, pick_config_mxfp4, splits_mxfp4
 from deepinfer.quant.native import dequantize_experts
-from deepinfer.quant.nibble_order import to_shift_order
+from deepinfer.quant.nibble_order import to_order
 
 E, D, I, K = 256, 4096, 2048, 6
 LIMIT = 10.0
@@ -96,17 +97,20 @@ def run_variant(cfg, swap, x, i, w, mx, order="plain"):
 
 
 VARIANTS = {  # name -> (nibble order, TMA weight tiles, SPLIT_K): unsplit (the codes as stored, the shift decode,
-    # then with TMA), then split-K on shift+TMA: the auto rule (the default), then forced
+    # then with TMA, the rotate decode with TMA), then split-K on shift+TMA (the auto rule, then forced) and on
+    # rotate+TMA (the auto rule: what the model runs)
     "plain": ("plain", False, 1),
     "shift": ("shift", False, 1),
     "shift_tma": ("shift", True, 1),
+    "rotate_tma": ("rotate", True, 1),
     "split_auto": ("shift", True, None),
     "split2": ("shift", True, 2),
     "split4": ("shift", True, 4),
     "split8": ("shift", True, 8),
+    "rotate_auto": ("rotate", True, None),
 }
-UNSPLIT = ("plain", "shift", "shift_tma")
-DEFAULT = "split_auto"
+UNSPLIT = ("plain", "shift", "shift_tma", "rotate_tma")
+DEFAULT = "rotate_auto"
 
 
 def variants(inputs, mx, sx, reps):
@@ -118,7 +122,7 @@ def variants(inputs, mx, sx, reps):
         for _ in range(2):
             for name, (order, tma, split) in VARIANTS.items():
                 mod.TMA_WEIGHTS, mod.SPLIT_K = tma, split
-                ws = sx if order == "shift" else mx
+                ws = sx.get(order, mx)
                 fn = lambda x, i, w, ws=ws, order=order: moe_mxfp4(x, i, w, *ws, LIMIT, order=order)  # noqa: E731
                 us = time_graph(fn, inputs, reps)
                 times[name] = min(us, times.get(name, us))
@@ -128,22 +132,25 @@ def variants(inputs, mx, sx, reps):
     return times, outs
 
 
-def shifted(mx):
-    """Copies of the experts with their codes in the shift order (``quant.nibble_order``)."""
-    out = list(mx)
-    for j in (0, 2, 4):
-        out[j] = mx[j].clone()
-        to_shift_order(out[j])
-    return tuple(out)
+def ordered(mx):
+    """Copies of the experts with their codes in the shift and the rotate order (``quant.nibble_order``)."""
+    sets = {}
+    for order in ("shift", "rotate"):
+        out = list(mx)
+        for j in (0, 2, 4):
+            out[j] = mx[j].clone()
+            to_order(out[j], order)
+        sets[order] = tuple(out)
+    return sets
 
 
 def profile(t, mx, sx, dev) -> None:
-    """The kernels of ``moe_mxfp4`` at ``t`` tokens, plain and shift order: CUDA µs per call by kernel name."""
+    """The kernels of ``moe_mxfp4`` at ``t`` tokens, in every order: CUDA µs per call by kernel name."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     inputs = routings(t, 8, dev, seed=7 + t)
-    for order, weights in (("plain", mx), ("shift", sx)):
+    for order, weights in (("plain", mx), *sx.items()):
         for x, i, w in inputs:
             moe_mxfp4(x, i, w, *weights, LIMIT, order=order)
         torch.cuda.synchronize()
@@ -218,7 +225,7 @@ def main() -> None:
     p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s for the roofline")
     p.add_argument("--flops", type=float, default=989e12, help="dense bf16 FLOP/s for the roofline")
     p.add_argument("--sweep", action="store_true", help="time moe_mxfp4 under each config of SWEEP instead")
-    p.add_argument("--regs", action="store_true", help="--sweep: the decode tiles under register caps (shift order)")
+    p.add_argument("--regs", action="store_true", help="--sweep: the decode tiles under register caps (rotate order)")
     p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
     p.add_argument("--profile", default="", help="token counts to profile by kernel (both nibble orders), e.g. 1,64")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
@@ -229,7 +236,7 @@ def main() -> None:
     dev = torch.device("cuda")
     tokens = [int(t) for t in args.tokens.split(",")]
     mx = experts(dev)
-    sx = shifted(mx)
+    sx = ordered(mx)
     per_expert = expert_bytes(mx)
     for t in [int(t) for t in args.profile.split(",") if t]:
         profile(t, mx, sx, dev)
@@ -255,10 +262,10 @@ def main() -> None:
             mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
             ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
             mod.FAST_DECODE = True
-            orders = ("shift",) if args.regs else ("plain", "shift")
+            orders = ("rotate",) if args.regs else ("plain", "shift", "rotate")
             for (cfg, swap), order in itertools.product(sweep_variants(t, args.regs), orders):
                 key = f"{tuple(vars(cfg).values())} swap={swap} {order}"
-                ws = sx if order == "shift" else mx
+                ws = sx.get(order, mx)
                 try:
                     row[key] = time_graph(
                         lambda x, i, w, v=(cfg, swap, ws, order): run_variant(v[0], v[1], x, i, w, *v[2:]), inputs, 3
@@ -276,7 +283,7 @@ def main() -> None:
             row.update({f"{name}_us": us for name, us in times.items()})
             row["mxfp4_us"] = times[DEFAULT]
             row["variants_bit_identical"] = all(torch.equal(outs[name], outs["plain"]) for name in UNSPLIT)
-            unsplit = outs["shift_tma"]
+            unsplit = outs["rotate_tma"]
             row["split_max_rel_diff"] = max(
                 ((outs[name] - unsplit).norm() / unsplit.norm()).item() for name in VARIANTS if name not in UNSPLIT
             )
@@ -297,13 +304,13 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev)
     print(f"\n{name}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {per_expert / 1e6:.2f} MB per expert")
     if not args.sweep:
-        head = f"| T | experts | mxfp4 µs ({', '.join(VARIANTS)}) | auto split | unsplit/auto | split rel diff |"
+        head = f"| T | experts | mxfp4 µs ({', '.join(VARIANTS)}) | auto split | shift/rotate | split rel diff |"
         print(head + " TB/s | triton bf16 µs | grouped_mm bf16 µs | HBM roof µs | FLOP roof µs | roof/time |")
         print("|---" * 12 + "|")
         for r in rows:
             peers = [f"{r[c]:.1f}" if c in r else "-" for c in ("triton_bf16_us", "grouped_mm_bf16_us")]
             ab = ", ".join(f"{r[name + '_us']:.1f}" for name in VARIANTS)
-            gain = r["shift_tma_us"] / r[DEFAULT + "_us"]
+            gain = r["split_auto_us"] / r[DEFAULT + "_us"]
             print(
                 f"| {r['T']} | {r['experts_touched']:.1f} | {ab} | {r['auto_split']} | {gain:.2f} | "
                 f"{r['split_max_rel_diff']:.1e} | {r['mxfp4_TBps']:.2f} | {peers[0]} | {peers[1]} | "

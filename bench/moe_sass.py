@@ -6,7 +6,8 @@ most MMA instructions) counted by opcode. One trip of that loop decodes ``2 · b
 up) and issues ``count · num_warps`` warp instructions; at decode sizes the kernel is issue-bound (ncu on the H200:
 56% of the schedulers' issue slots used, DRAM at 44%), so fewer instructions a trip is a faster kernel. Compares the
 decodes of ``bench/results/2026-11-30-moe-mxfp4-shift.md``: the byte-lookup decode of the codes as stored, the shift
-decode of the shift order (``quant.nibble_order``), and that with the weight tiles read by the TMA unit.
+decode of the shift order (``quant.nibble_order``), that with the weight tiles read by the TMA unit, and the rotate
+decode of the rotate order with TMA.
 
     PYTHONPATH=libs python bench/moe_sass.py --configs 16,64,128,2,3 16,128,128,4,3 128,128,128,8,3
 """
@@ -32,11 +33,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from deepinfer.kernels import moe_mxfp4  # noqa: E402
 
-VARIANTS = {"plain": (False, False), "shift": (True, False), "shift_tma": (True, True)}  # name -> (SHIFT, TMA)
+VARIANTS = {"plain": (0, False), "shift": (1, False), "shift_tma": (1, True), "rotate_tma": (2, True)}  # (ORDER, TMA)
 _ALIGNED = ("KH", "N", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_hm")
 
 
-def compile_sm90(block_m: int, block_n: int, block_k: int, warps: int, stages: int, shift: bool, tma: bool) -> bytes:
+def compile_sm90(block_m: int, block_n: int, block_k: int, warps: int, stages: int, order: int, tma: bool) -> bytes:
     """The cubin of the gate/up kernel for bf16 activations, as a launch on V4-Flash shapes specialises it (16-byte
     aligned pointers and strides)."""
     kern = moe_mxfp4._mx_gate_up_kernel
@@ -45,8 +46,8 @@ def compile_sm90(block_m: int, block_n: int, block_k: int, warps: int, stages: i
                slots_ptr="*i32", bexp_ptr="*i32", h_ptr="*bf16", TK="i32", E="i32", N="i32", KH="i32",
                stride_xm="i32", stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32", stride_hm="i32",
                limit="fp32")  # fmt: skip
-    const = dict(TOPK=6, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, FAST=True, SHIFT=shift,
-                 TMA=tma, SWAP=block_m >= 64, PRECISION="tf32", DT=tl.bfloat16)  # fmt: skip
+    const = dict(TOPK=6, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, FAST=True, ORDER=order,
+                 TMA=tma, SWAP=block_m >= 64, PRECISION="tf32", DT=tl.bfloat16, SALIGN=16, PDL=True)  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     names = kern.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig if sig[k].startswith("*") or k in _ALIGNED}
@@ -91,8 +92,8 @@ def main() -> None:
     print("|---|---|---:|---:|---|")
     for cfg in args.configs:
         bm, bn, bk, nw, ns = (int(v) for v in cfg.split(","))
-        for name, (shift, tma) in VARIANTS.items():
-            ops = loop_opcodes(compile_sm90(bm, bn, bk, nw, ns, shift, tma))
+        for name, (order, tma) in VARIANTS.items():
+            ops = loop_opcodes(compile_sm90(bm, bn, bk, nw, ns, order, tma))
             n = sum(ops.values())
             top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
             print(f"| {cfg} | {name} | {n} | {1000 * n * nw / (2 * bn * bk):.1f} | {top} |", flush=True)

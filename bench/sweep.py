@@ -1302,7 +1302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--ab-order",
         action="store_true",
-        help="make --ab compare the MXFP4 experts' codes as stored against the shift order (quant/nibble_order.py)",
+        help="make --ab compare the MXFP4 experts' codes as stored against their shift and rotate orders",
     )
     ap.add_argument("--ab-prefill", type=ints, default=[4096], help="prefill lengths of the --ab-weights prefill A/B")
     ap.add_argument(
@@ -1381,7 +1381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prepare_native(model, tuple(config.weight_block_size), quantize=True)
         orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
         if orders is None:
-            model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
+            model.ops.prepare_weights(model)  # the MXFP4 experts in the rotate order on a GPU (quant.nibble_order)
         if args.quant_sim:
             model.set_quant_sim(True)
         res["quant_sim"] = args.quant_sim

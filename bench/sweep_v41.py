@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--ab-order",
         action="store_true",
-        help="--ab compares the MXFP4 experts' codes as stored against the shift order (quant/nibble_order.py)",
+        help="--ab compares the MXFP4 experts' codes as stored against their shift and rotate orders (nibble_order.py)",
     )
     ap.add_argument(
         "--ab-pool",
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prepare_native(model, block, quantize=True)
     orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
     if orders is None:
-        model.ops.prepare_weights(model)  # the MXFP4 experts in the shift order on a GPU (quant.nibble_order)
+        model.ops.prepare_weights(model)  # the MXFP4 experts in the rotate order on a GPU (quant.nibble_order)
     ours = Ours(model, args, dev, args.batches, sets, orders)
     decode = ours.decode(args.batches, Budget(args.budget_s, deadline))
     prefill = ours.prefill(args.prefill_tokens, Budget(args.budget_s, deadline))

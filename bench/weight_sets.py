@@ -24,7 +24,7 @@ from deepinfer.quant.native import (
     is_mxfp4,
     prepare_native,
 )
-from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
+from deepinfer.quant.nibble_order import shift_order_fits, to_order
 
 
 class WeightSets:
@@ -87,9 +87,11 @@ class WeightSets:
 
 
 class OrderSets:
-    """The MXFP4 experts of a model in both nibble orders of their codes, swapped in place (``--ab-order``): ``plain``
-    (as stored) and ``shift`` (``quant.nibble_order``, what ``NvidiaOps.prepare_weights`` makes on a GPU: a copy
-    here). Each order keeps its own ``decode_graphs`` (a graph holds the kernels it was captured with)."""
+    """The MXFP4 experts of a model in every order of their codes, swapped in place (``--ab-order``): ``plain`` (as
+    stored), ``shift`` and ``rotate`` (``quant.nibble_order``; the latter what ``NvidiaOps.prepare_weights`` makes on a
+    GPU: copies here). Each order keeps its own ``decode_graphs`` (a graph holds the kernels it was captured with)."""
+
+    ORDERS = ("plain", "shift", "rotate")
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -100,14 +102,15 @@ class OrderSets:
         if not all(shift_order_fits(w, s) for w, s in pairs):
             raise ValueError("OrderSets: some experts' scales do not fit the shift order (nibble_order.SCALE_RANGE)")
         plain = [{w: getattr(m, w) for w in EXPERT_WEIGHTS} for m in self.experts]
-        shift = []
-        for ws in plain:
-            copies = {w: nn.Parameter(t.detach().clone(), requires_grad=False) for w, t in ws.items()}
-            for t in copies.values():
-                to_shift_order(t.data)
-            shift.append(copies)
         self.sets: dict[str, dict[str, Any]] = {"plain": {"experts": plain, "graphs": None}}
-        self.sets["shift"] = {"experts": shift, "graphs": None}
+        for order in self.ORDERS[1:]:
+            ordered = []
+            for ws in plain:
+                copies = {w: nn.Parameter(t.detach().clone(), requires_grad=False) for w, t in ws.items()}
+                for t in copies.values():
+                    to_order(t.data, order)
+                ordered.append(copies)
+            self.sets[order] = {"experts": ordered, "graphs": None}
         self.current = "plain"
         self.sets["plain"]["graphs"] = getattr(model, "decode_graphs", None)
 

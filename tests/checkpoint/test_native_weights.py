@@ -17,14 +17,17 @@ from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqCh
 from deepinfer.ops.reference import ReferenceOps
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8_blocks
 from deepinfer.quant.native import (
+    EXPERT_WEIGHTS,
+    ORDER_ATTR,
     dequantize_experts,
     expert_modules,
     expert_order,
     fp8_linears,
+    order_experts,
     prepare_native,
     quantize_experts,
-    shift_experts,
 )
+from deepinfer.quant.nibble_order import plain
 
 
 class NativeReferenceOps(ReferenceOps):
@@ -152,19 +155,25 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
     op_sets = (ReferenceOps(), NvidiaOps(native_weights=True, cuda_graphs=False))
     out = [run(ops) for ops in op_sets]
     assert (out[0] - out[1]).abs().max().item() < 1e-4
-    # the experts' codes rearranged into the shift order (what NvidiaOps.prepare_weights does on a GPU): both op sets
-    # read them to the same logits, bit for bit
+    # the experts' codes rearranged into the shift and the rotate order (the latter what NvidiaOps.prepare_weights does
+    # on a GPU): both op sets read them to the same logits, bit for bit
     op_sets[1].prepare_weights(model)  # CPU tensors: left as they are
     assert all(expert_order(m) == "plain" for _, m in expert_modules(model))
     w1 = {n: m.w1.clone() for n, m in expert_modules(model)}
-    assert shift_experts(model) == len(w1) > 0
-    assert all(expert_order(m) == "shift" and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
-    assert shift_experts(model) == 0  # once
-    for ops, before in zip(op_sets, out, strict=True):
-        assert torch.equal(run(ops), before)
+    for order in ("shift", "rotate"):
+        assert order_experts(model, order) == len(w1) > 0
+        assert all(expert_order(m) == order and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
+        assert order_experts(model, order) == 0  # once
+        for ops, before in zip(op_sets, out, strict=True):
+            assert torch.equal(run(ops), before)
+        for _, m in expert_modules(model):  # back to the plain order
+            for name in EXPERT_WEIGHTS:
+                getattr(m, name).data.copy_(plain(getattr(m, name).data, order))
+            setattr(m, ORDER_ATTR, "plain")
+        assert all(torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
 
 
-def test_shift_experts_keeps_experts_whose_scales_do_not_fit() -> None:
+def test_order_experts_keeps_experts_whose_scales_do_not_fit() -> None:
     """An expert module with a scale outside ``nibble_order.SCALE_RANGE`` (2^1 and up) stays in the plain order."""
     from deepinfer.checkpoint.tiny import TINY_V4
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
@@ -178,5 +187,5 @@ def test_shift_experts_keeps_experts_whose_scales_do_not_fit() -> None:
     mods = [m for _, m in expert_modules(model)]
     mods[0].w2_scale[0, 0, 0] = 129
     before = mods[0].w1.clone()
-    assert shift_experts(model) == len(mods) - 1
+    assert order_experts(model) == len(mods) - 1
     assert expert_order(mods[0]) == "plain" and torch.equal(mods[0].w1, before)

@@ -28,7 +28,7 @@ from deepinfer.kernels.moe_mxfp4_split import pick_split, scale_align, split_ste
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
-from deepinfer.quant.nibble_order import plain, shift_order_fits, to_shift_order  # noqa: E402
+from deepinfer.quant.nibble_order import plain, shift_order_fits, to_order, to_shift_order  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -87,7 +87,8 @@ def test_act_quant_rounds_the_input_and_hidden_rows(t, split, monkeypatch):
     ref = ref_ops.moe_mxfp4(x, idx, w, *mx, 10.0, act_quant=True)
     out = moe_mxfp4(x, idx, w, *mx, 10.0, act_quant=True)
     assert _rel(out, ref) < 1e-5
-    assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, order="shift", act_quant=True), out)
+    for order in ("shift", "rotate"):
+        assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx, order), 10.0, order=order, act_quant=True), out)
     w1, w2, w3 = _decoded(mx, torch.float32)
     xq = ref_ops.act_quant_sim(x, 128)
     assert _rel(out, ref_ops.moe(x, idx, w, w1, w2, w3, 10.0)) > 1e-3  # unrounded
@@ -99,13 +100,13 @@ def test_act_quant_rounds_the_input_and_hidden_rows(t, split, monkeypatch):
     assert _rel(ref_ops.moe_mxfp4(x2, idx2, w2_, *mx2, 10.0, act_quant=True), ref2) < 1e-6
 
 
-def _shifted(mx):
-    """The same experts with every weight's codes in the shift order (copies)."""
+def _shifted(mx, order="shift"):
+    """The same experts with every weight's codes in ``order`` (copies)."""
     w1, s1, w2, s2, w3, s3 = mx
     out = []
     for w in (w1, w2, w3):
         w = w.clone()
-        to_shift_order(w)
+        to_order(w, order)
         out.append(w)
     return out[0], s1, out[1], s2, out[2], s3
 
@@ -133,16 +134,42 @@ def test_shift_order_decodes_to_the_same_weights():
     assert torch.equal((raw * scale).float(), ref)
 
 
-def test_shift_order_in_the_kernels_and_the_reference():
-    """The kernels read shift-ordered codes to the same results, bit for bit (the same decoded tiles); so does
-    ``ReferenceOps.moe_mxfp4``. An unknown order is refused."""
+def test_rotate_order_decodes_to_the_same_weights():
+    """The decode the PTX does on a rotate-ordered word, in torch: the word rotated left by 0, 4 and 10 bits and
+    masked with ``0x81C081C0`` (registers 0-2), its mantissas rotated by 6 or-ed with the rest rotated by 14
+    (register 3), read as two bf16, times the bf16 ``2^(s - 1)``, give codes ``2b`` and ``2b + 1`` of the word exactly
+    as ``quant.formats`` decodes them; ``plain`` undoes the order."""
+    g = torch.Generator().manual_seed(10)
+    w = torch.randint(0, 256, (6, 64), generator=g, dtype=torch.uint8).view(torch.int8)
+    s = torch.randint(0, 129, (6, 4), generator=g, dtype=torch.uint8)
+    s[0, 0], s[0, 1] = 0, 128  # the ends of the range
+    ref = dequantize_mxfp4(w, s.view(torch.float8_e8m0fnu), torch.float32)
+    rw = w.clone()
+    to_order(rw, "rotate")
+    assert not torch.equal(rw, w) and torch.equal(plain(rw, "rotate"), w)
+    q = rw.view(torch.int32).long() & 0xFFFFFFFF  # [6, 16] words
+
+    def rot(n):
+        return ((q << n) | (q >> (32 - n))) & 0xFFFFFFFF
+
+    regs = [q & 0x81C081C0, rot(4) & 0x81C081C0, rot(10) & 0x81C081C0, (rot(6) & 0x00400040) | (rot(14) & 0x81808180)]
+    pairs = [torch.stack([bits & 0xFFFF, bits >> 16], -1) for bits in regs]  # codes 2b (low half), 2b + 1
+    raw = torch.stack(pairs, -2).reshape(6, 128).to(torch.int16).view(torch.bfloat16)  # value · 2^-126
+    scale = ((s.long() + 126) << 7).to(torch.int16).view(torch.bfloat16).repeat_interleave(32, dim=1)  # 2^(s - 1)
+    assert torch.equal((raw * scale).float(), ref)
+
+
+@pytest.mark.parametrize("order", ["shift", "rotate"])
+def test_orders_in_the_kernels_and_the_reference(order):
+    """The kernels read shift- or rotate-ordered codes to the same results, bit for bit (the same decoded tiles); so
+    does ``ReferenceOps.moe_mxfp4``. An unknown order is refused."""
     x, idx, w, mx = _problem(9, 8, 64, 64, 3, seed=4)
-    sx = _shifted(mx)
+    sx = _shifted(mx, order)
     out = moe_mxfp4(x, idx, w, *mx, 0.7)
-    assert torch.equal(moe_mxfp4(x, idx, w, *sx, 0.7, order="shift"), out)
+    assert torch.equal(moe_mxfp4(x, idx, w, *sx, 0.7, order=order), out)
     assert not torch.equal(moe_mxfp4(x, idx, w, *sx, 0.7), out)  # read as plain: other weights
     ref = ReferenceOps("cpu")
-    assert torch.equal(ref.moe_mxfp4(x, idx, w, *sx, 0.7, order="shift"), ref.moe_mxfp4(x, idx, w, *mx, 0.7))
+    assert torch.equal(ref.moe_mxfp4(x, idx, w, *sx, 0.7, order=order), ref.moe_mxfp4(x, idx, w, *mx, 0.7))
     for fn in (moe_mxfp4, ref.moe_mxfp4):
         with pytest.raises(ValueError, match="order"):
             fn(x, idx, w, *mx, 0.7, order="shuffled")
@@ -322,8 +349,8 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
     for cfg in (None, MX_DECODE, MX_MID, mod.MX_MID64, MX_PREFILL):
         out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
         assert _rel(out, ref) < 5e-3  # only the fp32 accumulation order (and the bf16 roundings it moves) differ
-        shift = moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, config=cfg, order="shift")
-        assert torch.equal(shift, out)  # the shift decode's tiles are the byte-lookup decode's, bit for bit
+        for order in ("shift", "rotate"):  # their decodes' tiles are the byte-lookup decode's, bit for bit
+            assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx, order), 10.0, config=cfg, order=order), out)
         mod.TMA_WEIGHTS = False  # the weight tiles through per-thread copies instead of the TMA unit: the same tiles
         try:
             assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
@@ -341,7 +368,7 @@ def test_gpu_bf16_real_shapes(v4_experts, t):
 def test_gpu_v41_widths(t):
     """V4.1-Flash's expert widths (D = 5120, I = 2304; 16 of its 384 experts): the down projection's scales have
     72-byte rows, which the kernels read through ``scale_align`` (8) in 32-bit loads; against ``moe_triton`` on the
-    decoded experts, auto config and split, both nibble orders."""
+    decoded experts, auto config and split, every order."""
     e, i, d, k = 16, 2304, 5120, 6
     g = torch.Generator(device=DEVICE).manual_seed(41)
     (w1, s1), (w3, s3) = _packed(e, i, d, g, 118, 122), _packed(e, i, d, g)
@@ -355,7 +382,8 @@ def test_gpu_v41_widths(t):
     ref = moe_triton(x, idx, w, *_decoded(mx, torch.bfloat16), 10.0)
     out = moe_mxfp4(x, idx, w, *mx, 10.0)
     assert _rel(out, ref) < 5e-3
-    assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx), 10.0, order="shift"), out)
+    for order in ("shift", "rotate"):
+        assert torch.equal(moe_mxfp4(x, idx, w, *_shifted(mx, order), 10.0, order=order), out)
 
 
 @gpu_only
@@ -363,10 +391,10 @@ def test_gpu_v41_widths(t):
 def test_gpu_split_k(v4_experts, t, monkeypatch):
     """Split-K at V4-Flash's shapes in bf16 (the PTX decode): the auto rule (T = 1: 4 and 2 pieces) and forced 2, 3
     (pieces of 11, 11, 10 and 6, 6, 4 steps) and 8, on the decode tiles and split 2 on the prefill tiles (weights on
-    the MMA's M side), against the unsplit kernels and ``moe_triton`` on the decoded experts; within a split the shift
+    the MMA's M side), against the unsplit kernels and ``moe_triton`` on the decoded experts; within a split the rotate
     order and the pointer loads (TMA off) give the same results, bit for bit."""
     mx, deq = v4_experts
-    sx = _shifted(mx)
+    sx = _shifted(mx, "rotate")
     x, idx, w = _routing(t, 300 + t)
     ref = moe_triton(x, idx, w, *deq, 10.0)
     monkeypatch.setattr(mod, "SPLIT_K", 1)
@@ -375,10 +403,10 @@ def test_gpu_split_k(v4_experts, t, monkeypatch):
         monkeypatch.setattr(mod, "SPLIT_K", split)
         out = moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg)
         assert _rel(out, ref) < 5e-3 and _rel(out, base) < 5e-3  # the fp32 order (and the bf16 roundings it moves)
-        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)
+        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="rotate"), out)
         monkeypatch.setattr(mod, "TMA_WEIGHTS", False)
         assert torch.equal(moe_mxfp4(x, idx, w, *mx, 10.0, config=cfg), out)
-        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="shift"), out)
+        assert torch.equal(moe_mxfp4(x, idx, w, *sx, 10.0, config=cfg, order="rotate"), out)
         monkeypatch.setattr(mod, "TMA_WEIGHTS", True)
     monkeypatch.setattr(mod, "SPLIT_K", 3)
     big = ReferenceOps().moe(x[:8].float(), idx[:8], w[:8], *(m.float() for m in deq), 10.0)  # fp32, split too

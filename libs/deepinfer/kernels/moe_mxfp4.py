@@ -19,15 +19,16 @@ a call can be captured in a CUDA graph). The weight tiles are read as packed cod
 The tile becomes ``x.dtype`` and meets the activations in a ``tl.dot`` with fp32 accumulation (the weights as the
 MMA's operand ``A`` from ``block_m = 64`` on). On CUDA in bf16 a PTX block decodes one 32-bit word (8 codes) into 4
 bf16x2 and multiplies them by the bf16x2 scale: by byte lookups (``prmt``) for codes as stored, or, for codes in
-the shift order (``order="shift"``, ``quant.nibble_order``, made once at load by ``NvidiaOps.prepare_weights``), by
-shifts and masks, 19% fewer instructions a tile (the kernels issue-bound at decode sizes: 1.2x at T = 16-256). The
+the shift order (``order="shift"``, ``quant.nibble_order``) by shifts and masks, 19% fewer instructions a tile (the
+kernels issue-bound at decode sizes: 1.2x at T = 16-256), and in the rotate order (``order="rotate"``, made once at
+load by ``NvidiaOps.prepare_weights``) mostly by one rotation and one mask a register, 17% fewer again. The
 weight tiles then come through the TMA unit when whole tiles fit (``TMA_WEIGHTS``; another 1.3x at T = 16-256:
 fewer load instructions and L2 requests than per-thread copies). Otherwise (fp32, the interpreter) a code is decoded
 to the fp16 ``value · 2^-14`` in plain Triton, widened to fp32 and multiplied by ``2^(s - 113)``.
 
 Every decoded weight is exact for exponents 2 ≤ s ≤ 240 (block maxima between ``2^-124`` and ``2^114``; real
-weights are far inside; the shift order takes s ≤ 128), so the results differ from ``moe_triton`` on the decoded
-experts only by fp32 summation order, and the two orders give the same tiles, bit for bit. Without CUDA (or in
+weights are far inside; the shift and rotate orders take s ≤ 128), so the results differ from ``moe_triton`` on the
+decoded experts only by fp32 summation order, and the three orders give the same tiles, bit for bit. Without CUDA (or in
 Triton's interpreter) the same kernels decode in plain Triton. The decode and the K loop are in
 ``kernels.moe_mxfp4_gemm``.
 
@@ -56,7 +57,7 @@ from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
-from deepinfer.quant.nibble_order import check_order
+from deepinfer.quant.nibble_order import ORDERS, check_order
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -109,7 +110,7 @@ def splits_mxfp4(
 def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr, bexp_ptr, h_ptr, TK, E, N, KH,
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm, limit, TOPK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
+                       FAST: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
                        PRECISION: tl.constexpr, DT: tl.constexpr, SALIGN: tl.constexpr,
                        PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
@@ -127,7 +128,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
         wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         sbase = e.to(tl.int64) * stride_se
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase, sbase, rn, mask_n, 0,
-                             KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA,
+                             KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST, ORDER, TMA,
                              SWAP, PRECISION, True)  # fmt: skip
         _swiglu_rows(acc_g, acc_u, slot, valid, rn, mask_n, rw_ptr, h_ptr, stride_hm, limit, dt)
 
@@ -135,7 +136,7 @@ def _mx_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rw_ptr, slots_ptr,
 @triton.jit(do_not_specialize=["TK", "E"])
 def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, KH, stride_hm, stride_we, stride_wn,
                     stride_se, stride_sn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, ORDER: tl.constexpr,
                     TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
                     SALIGN: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
@@ -153,7 +154,7 @@ def _mx_down_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N,
         wbase = e * N + pid_n * BLOCK_N if TMA else e.to(tl.int64) * stride_we
         acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, wbase,
                        e.to(tl.int64) * stride_se, rn, mask_n, 0, KH, KH, stride_wn, stride_sn, dt, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
+                       BLOCK_K, EVEN_K, FAST, ORDER, TMA, SWAP, PRECISION, False)  # fmt: skip
         o_off = row[:, None] * stride_om + rn[None, :]
         tl.store(o_ptr + o_off, acc.to(dt), mask=valid[:, None] & mask_n[None, :])
 
@@ -246,7 +247,6 @@ def moe_mxfp4(
         raise ValueError(f"moe_mxfp4: block_m must be at least 16 (tl.dot), got {cfg.block_m}")
     fast = FAST_DECODE and x.is_cuda and not interpret and x.dtype == torch.bfloat16
     xa = x.contiguous()
-    shift = order == "shift"
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
     (sw1e, sw1n), (sw2e, sw2n) = w1.stride()[:2], w2.stride()[:2]  # w3 is laid out as w1
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
@@ -254,8 +254,8 @@ def moe_mxfp4(
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     nblocks = bexp.numel()
     tma = fast and TMA_WEIGHTS and all(_tma_fits(w, n, cfg) for w, n in ((w1, inter), (w3, inter), (w2, d)))
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SHIFT=shift, SWAP=swap)
-    meta.update(PRECISION=prec, TMA=tma)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST=fast, SWAP=swap)
+    meta.update(ORDER=ORDERS.index(order), PRECISION=prec, TMA=tma)
     if tma:  # the words as 2-D tensors [E·N, K/8] read a tile at a time by the TMA unit
         w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32

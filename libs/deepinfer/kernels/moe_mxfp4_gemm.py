@@ -75,6 +75,28 @@ mul.rn.bf16x2 $3, m3, $5;
 }""")
 
 
+# 8 e2m1 codes of a word in the rotate order (``nibble_order.ROTATIONS``) → 4 bf16x2 as the shift decode gives them:
+# registers 0, 1, 2 the word rotated left by 0, 4, 10 and masked, register 3 the mantissas of the word rotated by 6
+# or-ed with its other bits rotated by 14, each times the bf16x2 scale $5 = 2^(s - 1)
+_E2M1_ROTATE_ASM = tl.constexpr("""{
+.reg .b32 r1, r2, r3, r4;
+and.b32 $0, $4, 0x81C081C0;
+shf.l.wrap.b32 r1, $4, $4, 4;
+and.b32 $1, r1, 0x81C081C0;
+shf.l.wrap.b32 r2, $4, $4, 10;
+and.b32 $2, r2, 0x81C081C0;
+shf.l.wrap.b32 r3, $4, $4, 6;
+shf.l.wrap.b32 r4, $4, $4, 14;
+and.b32 r3, r3, 0x00400040;
+and.b32 r4, r4, 0x81808180;
+or.b32 $3, r3, r4;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $5;
+mul.rn.bf16x2 $2, $2, $5;
+mul.rn.bf16x2 $3, $3, $5;
+}""")
+
+
 @triton.jit
 def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN_K: tl.constexpr):
     """The exponents of the rows ``rn`` for the ``NB`` 32-column blocks from byte ``kb0``: ``[BLOCK_N, NB, 1]`` int32,
@@ -88,16 +110,26 @@ def _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB: tl.constexpr, EVEN
 
 
 @triton.jit
-def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr, SHIFT: tl.constexpr):
+def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr):
     """The codes of the rows ``rn`` from byte ``kb0`` (``NB`` blocks of 32) as fp32 ``value · 2^-14``, in column order:
     ``[BLOCK_N, NB, 32]`` (plain Triton: the interpreter and fp32 activations). ``w_ptr`` points to 32-bit words;
-    code ``v`` of a word is in nibble ``v``, or in the shift order (``SHIFT``) in nibble ``SHIFT_ORDER.index(v)``."""
+    ``ORDER`` (``quant.nibble_order``): 0 plain (code ``v`` of a word in nibble ``v``), 1 shift (in nibble
+    ``SHIFT_ORDER.index(v)``), 2 rotate (bit ``b`` of code ``v`` where ``ROTATIONS`` take it from)."""
     kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] word column
     q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
     v = tl.arange(0, 8)
-    if SHIFT:
-        v = 4 * (v & 1) + 3 - 2 * ((v >> 2) & 1) - ((v >> 1) & 1)
-    c = ((q[:, :, :, None] >> (4 * v)[None, None, None, :]) & 0xF).to(tl.uint16)
+    if ORDER == 2:
+        b = tl.arange(0, 4)[None, :]
+        reg, half = (v >> 1)[:, None], (v & 1)[:, None]
+        target = 16 * half + tl.where(b == 3, 15, 6 + b)  # the bit the decode gives it
+        rot = tl.where(reg == 0, 0, tl.where(reg == 1, 4, tl.where(reg == 2, 10, tl.where(b == 0, 6, 14))))
+        src = (target - rot + 32) % 32  # [8, 4]: where bit b of code v is stored
+        bits = (q[:, :, :, None, None] >> src[None, None, None, :, :]) & 1
+        c = tl.sum(bits << b[None, None, None, :, :], axis=4).to(tl.uint16)
+    else:
+        if ORDER == 1:
+            v = 4 * (v & 1) + 3 - 2 * ((v >> 2) & 1) - ((v >> 1) & 1)
+        c = ((q[:, :, :, None] >> (4 * v)[None, None, None, :]) & 0xF).to(tl.uint16)
     w = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
     return tl.reshape(w, (BLOCK_N, NB, 32))
 
@@ -105,10 +137,10 @@ def _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, DT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-             SHIFT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+             ORDER: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """The weight rows ``rn``, columns ``2·kb0 ..+ BLOCK_K``, decoded from the 32-bit words at ``w_ptr``:
-    ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' nibble order (``SHIFT``: the shift
-    order), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
+    ``[BLOCK_N, BLOCK_K]`` in ``DT``. ``FAST``: bf16 through the PTX of the words' order (``ORDER``: 0 plain, 1
+    shift, 2 rotate), a word an asm call (a packed call may be handed elements that are not adjacent in memory)."""
     NB: tl.constexpr = BLOCK_K // 32
     s, mask = _scales(s_ptr, sbase, rn, mask_n, kb0, KH, stride_sn, NB, EVEN_K)
     if FAST:
@@ -117,7 +149,12 @@ def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_
         else:
             kw = kb0 // 4 + tl.arange(0, NB)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4] words
             q = tl.load(w_ptr + wbase + rn[:, None, None].to(tl.int64) * stride_wn + kw, mask=mask, other=0)
-        if SHIFT:  # the bf16x2 scale 2^(s - 1)
+        if ORDER == 2:  # the bf16x2 scale 2^(s - 1)
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _E2M1_ROTATE_ASM, "=r,=r,=r,=r,r,r", [q, (s + 126) * 0x800080], dtype=(tl.int32,) * 4, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        elif ORDER == 1:  # the bf16x2 scale 2^(s - 1)
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _E2M1_SHIFT_ASM, "=r,=r,=r,=r,r,r", [q, (s + 126) * 0x800080], dtype=(tl.int32,) * 4, is_pure=True,
                 pack=1,
@@ -132,7 +169,7 @@ def _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_
         w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     else:
         scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s-127) · 2^14
-        w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, SHIFT) * scale
+        w = _codes(w_ptr, wbase, rn, kb0, mask, stride_wn, NB, BLOCK_N, ORDER) * scale
         w = tl.reshape(w.to(DT), (BLOCK_N, BLOCK_K))
     return w
 
@@ -160,7 +197,7 @@ def _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K: tl.constexpr, EVEN_K: t
 @triton.jit
 def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase, rn, mask_n, k_lo, k_hi, KH,
           stride_wn, stride_sn, dt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
+          EVEN_K: tl.constexpr, FAST: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
           PRECISION: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
     """``a[row] · Wᵀ`` (and ``a[row] · Vᵀ`` if ``TWO``; V shares W's layout) over the row bytes ``k_lo ..< k_hi``
     (``k_lo`` a multiple of ``BLOCK_K / 2``; ``KH`` the bytes of a whole row) for the weight rows ``rn``:
@@ -172,11 +209,11 @@ def _gemm(a_ptr, row, stride_am, valid, w_ptr, s_ptr, v_ptr, t_ptr, wbase, sbase
     for kb0 in range(k_lo, k_hi, BLOCK_K // 2):
         a = _act(a_ptr, row, stride_am, valid, kb0, KH, BLOCK_K, EVEN_K)
         w = _mx_tile(w_ptr, s_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                     BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
+                     BLOCK_K, EVEN_K, FAST, ORDER, TMA)  # fmt: skip
         acc_w = _mx_dot(a, w, acc_w, SWAP, PRECISION)
         if TWO:
             w = _mx_tile(v_ptr, t_ptr, wbase, sbase, rn, mask_n, kb0, KH, stride_wn, stride_sn, dt, BLOCK_N,
-                         BLOCK_K, EVEN_K, FAST, SHIFT, TMA)  # fmt: skip
+                         BLOCK_K, EVEN_K, FAST, ORDER, TMA)  # fmt: skip
             acc_v = _mx_dot(a, w, acc_v, SWAP, PRECISION)
     if SWAP:
         acc_w = tl.trans(acc_w)

@@ -89,7 +89,7 @@ def scale_align(s: torch.Tensor) -> int:
 def _mx_gate_up_split_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, slots_ptr, bexp_ptr, p_ptr, TK, E, N, KH, KS,
                              stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_pu, stride_ps, stride_pm,
                              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, FAST: tl.constexpr, SHIFT: tl.constexpr, TMA: tl.constexpr,
+                             EVEN_K: tl.constexpr, FAST: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr,
                              SWAP: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr, SALIGN: tl.constexpr,
                              PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
@@ -109,7 +109,7 @@ def _mx_gate_up_split_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, slots_ptr, b
         k_hi = tl.minimum(k_lo + KS * (BLOCK_K // 2), KH)
         acc_g, acc_u = _gemm(x_ptr, tok, stride_xm, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, wbase,
                              e.to(tl.int64) * stride_se, rn, mask_n, k_lo, k_hi, KH, stride_wn, stride_sn, DT, BLOCK_M,
-                             BLOCK_N, BLOCK_K, EVEN_K, FAST, SHIFT, TMA, SWAP, PRECISION, True)  # fmt: skip
+                             BLOCK_N, BLOCK_K, EVEN_K, FAST, ORDER, TMA, SWAP, PRECISION, True)  # fmt: skip
         off = pid_s.to(tl.int64) * stride_ps + slot.to(tl.int64)[:, None] * stride_pm + rn[None, :]
         mask = valid[:, None] & mask_n[None, :]
         tl.store(p_ptr + off, acc_g, mask=mask)
@@ -120,7 +120,7 @@ def _mx_gate_up_split_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, slots_ptr, b
 def _mx_down_split_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, q_ptr, TK, E, N, KH, KS, stride_hm, stride_we,
                           stride_wn, stride_se, stride_sn, stride_qs, stride_qm, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-                          SHIFT: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+                          ORDER: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
                           DT: tl.constexpr, SALIGN: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
     stride_sn = stride_sn * SALIGN  # passed divided by SALIGN (scale_align)
@@ -139,7 +139,7 @@ def _mx_down_split_kernel(h_ptr, w2_ptr, s2_ptr, slots_ptr, bexp_ptr, q_ptr, TK,
         k_hi = tl.minimum(k_lo + KS * (BLOCK_K // 2), KH)
         acc, _ = _gemm(h_ptr, row, stride_hm, valid, w2_ptr, s2_ptr, w2_ptr, s2_ptr, wbase, e.to(tl.int64) * stride_se,
                        rn, mask_n, k_lo, k_hi, KH, stride_wn, stride_sn, DT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FAST,
-                       SHIFT, TMA, SWAP, PRECISION, False)  # fmt: skip
+                       ORDER, TMA, SWAP, PRECISION, False)  # fmt: skip
         off = pid_s.to(tl.int64) * stride_qs + row[:, None] * stride_qm + rn[None, :]
         tl.store(q_ptr + off, acc, mask=valid[:, None] & mask_n[None, :])
 

@@ -204,8 +204,8 @@ class Ops(Protocol):
     ) -> torch.Tensor:
         """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
         uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
-        ``moe`` on the weights decoded to ``x.dtype``. ``order``: the nibble order of the codes, ``plain`` or
-        ``shift`` (``quant.nibble_order``). ``act_quant``: the official FP8 activations: ``x`` and each slot's
+        ``moe`` on the weights decoded to ``x.dtype``. ``order``: the order of the codes, ``plain``, ``shift`` or
+        ``rotate`` (``quant.nibble_order``). ``act_quant``: the official FP8 activations: ``x`` and each slot's
         hidden row (rounded to ``x.dtype``) rounded as ``act_quant_sim(·, 128)`` before their GEMMs, where the width
         is a multiple of 128."""
         ...

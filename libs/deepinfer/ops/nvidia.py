@@ -376,15 +376,15 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """On a GPU: the MXFP4 experts go into the shift order (``quant.nibble_order``: a cheaper decode in
+        """On a GPU: the MXFP4 experts go into the rotate order (``quant.nibble_order``: a cheaper decode in
         ``kernels.moe_mxfp4``), the projections of one input become one GEMM where the model joins them (a module's
         ``join_projections``: ``layers.join_rows``), and an output head widened to fp32 from bf16 (V4.1's loader) is
         kept in bf16 when that is lossless (``ops.bf16_parts``: ``logits_linear`` reads half the bytes, on tensor
         cores)."""
-        from deepinfer.quant.native import shift_experts
+        from deepinfer.quant.native import order_experts
 
         if any(p.is_cuda for p in model.parameters()):
-            shift_experts(model)
+            order_experts(model, "rotate")
             for module in model.modules():
                 join = getattr(module, "join_projections", None)
                 if callable(join) and all(p.is_cuda for p in module.parameters()):

@@ -270,8 +270,7 @@ class ReferenceOps:
         128)."""
         check_order(order)
         used, local = torch.unique(idx, return_inverse=True)
-        unshift = plain if order == "shift" else (lambda w: w)
-        deq = [dequantize_experts(unshift(w[used]), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        deq = [dequantize_experts(plain(w[used], order), s[used], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
         return self.moe(x, local.view(idx.shape), weights, *deq, limit, act_quant=act_quant)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

@@ -9,7 +9,7 @@ them as stored instead, so a decode step reads 1 byte (FP8) or 0.53 byte (MXFP4)
   float32 ``scale`` buffer ``[ceil(N/B0), ceil(K/B1)]`` and calls ``ops.fp8_linear``;
 * a routed-expert module holds int8 ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` and uint8 ``w1_scale/w3_scale
   [E, I, D/32]``, ``w2_scale [E, D, I/32]`` (the e8m0 exponent bits) and calls ``ops.moe_mxfp4``; an op set may
-  rearrange the codes of each word for its kernels once they are loaded (``shift_experts``: the module's
+  rearrange the codes of each word for its kernels once they are loaded (``order_experts``: the module's
   ``mx_order`` says which order they are in).
 
 Both decode exactly to the values the reference dequantises to (UE8M0 scales are powers of two), so the kernels are
@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_fp8_blocks, quantize_mxfp4
-from deepinfer.quant.nibble_order import shift_order_fits, to_shift_order
+from deepinfer.quant.nibble_order import check_order, shift_order_fits, to_order
 
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
-ORDER_ATTR = "mx_order"  # set on a routed-expert module by shift_experts
+ORDER_ATTR = "mx_order"  # set on a routed-expert module by order_experts
 
 
 def is_fp8(w: torch.Tensor) -> bool:
@@ -143,26 +143,28 @@ def unprepare(model: nn.Module, target: str) -> str:
 
 
 def expert_order(m: nn.Module) -> str:
-    """The nibble order of a routed-expert module's MXFP4 codes (``quant.nibble_order``): ``plain`` as stored, or
-    ``shift`` once ``shift_experts`` rearranged them."""
+    """The order of a routed-expert module's MXFP4 codes (``quant.nibble_order``): ``plain`` as stored, or the one
+    ``order_experts`` rearranged them into."""
     return getattr(m, ORDER_ATTR, "plain")
 
 
-def shift_experts(model: nn.Module) -> int:
-    """Rearrange the MXFP4 codes of every routed-expert module whose three weights fit the shift order (their
-    scales in ``nibble_order.SCALE_RANGE``) into that order, in place, and mark the module; returns how many were
-    rearranged. Reads each module's scale range (one device sync per weight): call it once, after loading."""
+def order_experts(model: nn.Module, order: str = "rotate") -> int:
+    """Rearrange the MXFP4 codes of every routed-expert module still in the plain order whose three weights fit the
+    shift / rotate decodes (their scales in ``nibble_order.SCALE_RANGE``) into ``order``, in place, and mark the
+    module; returns how many were rearranged. Reads each module's scale range (one device sync per weight): call it
+    once, after loading."""
+    check_order(order)
     done = 0
     with torch.no_grad():
         for _, m in expert_modules(model):
-            if expert_order(m) == "shift" or not is_mxfp4(m.w1):
+            if order == "plain" or expert_order(m) != "plain" or not is_mxfp4(m.w1):
                 continue
             pairs = [(getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS]
             if not all(is_mxfp4(w) and shift_order_fits(w, s) for w, s in pairs):
                 continue
             for w, _ in pairs:
-                to_shift_order(w.data)
-            setattr(m, ORDER_ATTR, "shift")
+                to_order(w.data, order)
+            setattr(m, ORDER_ATTR, order)
             done += 1
     return done
 
