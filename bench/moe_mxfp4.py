@@ -66,6 +66,13 @@ SWEEP_PREFILL = [(MoEConfig(*c), swap) for c, swap in [
     ((64, 128, 128, 8, 3), 1), ((128, 128, 128, 8, 3), 1), ((128, 256, 128, 8, 3), 1), ((128, 128, 256, 8, 3), 1),
     ((64, 128, 64, 4, 4), 1),
 ]]  # fmt: skip
+# the same tiles with the activations as the MMA's first operand: both operands from shared memory, so the wgmma of
+# a K step runs while the next is decoded (with the decoded weights in registers as its first operand, every wgmma
+# waits for the one before: bench/moe_sass.py)
+SWEEP_PREFILL_NOSWAP = [(MoEConfig(*c), 0) for c in [
+    (128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
+    (64, 128, 64, 4, 4), (128, 128, 128, 4, 3), (64, 64, 128, 4, 3),
+]]  # fmt: skip
 
 
 # between decode and long prefills (T = 512 .. 4096 at top-6 of 256: 12 .. 96 slots per expert)
@@ -81,9 +88,9 @@ def sweep_variants(t, regs=False):
         return SWEEP_DECODE
     if t <= 256:
         return SWEEP_DECODE + SWEEP_PREFILL[:1]
-    if t <= 4096:
+    if t < 1024:
         return SWEEP_PREFILL[:2] + SWEEP_MID
-    return SWEEP_PREFILL
+    return SWEEP_PREFILL[:2] + SWEEP_MID + SWEEP_PREFILL_NOSWAP
 
 
 def run_variant(cfg, swap, x, i, w, mx, order="plain"):
@@ -226,6 +233,7 @@ def main() -> None:
     p.add_argument("--flops", type=float, default=989e12, help="dense bf16 FLOP/s for the roofline")
     p.add_argument("--sweep", action="store_true", help="time moe_mxfp4 under each config of SWEEP instead")
     p.add_argument("--regs", action="store_true", help="--sweep: the decode tiles under register caps (rotate order)")
+    p.add_argument("--rotate-only", action="store_true", help="--sweep: the rotate order only (what the model runs)")
     p.add_argument("--no-peers", action="store_true", help="skip the bf16 peers (no 12.9 GB decoded copy)")
     p.add_argument("--profile", default="", help="token counts to profile by kernel (both nibble orders), e.g. 1,64")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
@@ -262,7 +270,7 @@ def main() -> None:
             mod.FAST_DECODE = False  # the portable decode as the reference of each variant's output
             ref = moe_mxfp4(*inputs[0], *mx, LIMIT)
             mod.FAST_DECODE = True
-            orders = ("rotate",) if args.regs else ("plain", "shift", "rotate")
+            orders = ("rotate",) if args.regs or args.rotate_only else ("plain", "shift", "rotate")
             for (cfg, swap), order in itertools.product(sweep_variants(t, args.regs), orders):
                 key = f"{tuple(vars(cfg).values())} swap={swap} {order}"
                 ws = sx.get(order, mx)
