@@ -107,6 +107,23 @@ def test_rope_matches_the_reference(xs, cs):
         _close(norm.rope(x, cos, sin, inverse), REF.rope(x, cos, sin, inverse), 1e-6)
 
 
+@pytest.mark.parametrize(("xs", "cs"), [((5, 3, 48), (5, 1, 8)), ((6, 32), (6, 8))])
+def test_rope_in_place_rotates_only_the_rotary_dims(xs, cs):
+    """``inplace``: a contiguous input becomes the result (the same values as out of place), its other dims left
+    where they are; a non-contiguous one is left alone and a new tensor returned."""
+    g = torch.Generator().manual_seed(xs[-1] + 1)
+    x, cos, sin = _randn(g, *xs), _randn(g, *cs), _randn(g, *cs)
+    for inverse in (False, True):
+        want, before = norm.rope(x, cos, sin, inverse), x.clone()
+        y = x.clone()
+        got = norm.rope(y, cos, sin, inverse, inplace=True)
+        assert got.data_ptr() == y.data_ptr() and torch.equal(got, want)
+        assert torch.equal(got[..., : xs[-1] - 2 * cs[-1]], before[..., : xs[-1] - 2 * cs[-1]])
+        wide = torch.cat([x, x], dim=-1)[..., : xs[-1]]  # rows strided: not rotated in place
+        got = norm.rope(wide, cos, sin, inverse, inplace=True)
+        assert got.data_ptr() != wide.data_ptr() and torch.equal(got, want) and torch.equal(wide, before)
+
+
 def test_rope_refuses_broadcasts_it_does_not_read():
     x = torch.zeros(4, 3, 16)
     assert not norm.rope_supported(x, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))  # broadcast over the leading dim

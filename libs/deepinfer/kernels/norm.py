@@ -62,6 +62,7 @@ def _rope_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INPLACE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -69,10 +70,11 @@ def _rope_kernel(
     mr = r < R
     c_row = r // G
     nope = D - 2 * HALF
-    d = tl.arange(0, BLOCK_D)
-    md = mr[:, None] & (d < nope)[None, :]
-    off = r[:, None] * D + d[None, :]
-    tl.store(out_ptr + off, tl.load(x_ptr + off, mask=md, other=0.0), mask=md)
+    if not INPLACE:  # out is x: the dims that are not rotated are already there
+        d = tl.arange(0, BLOCK_D)
+        md = mr[:, None] & (d < nope)[None, :]
+        off = r[:, None] * D + d[None, :]
+        tl.store(out_ptr + off, tl.load(x_ptr + off, mask=md, other=0.0), mask=md)
     p = tl.arange(0, BLOCK_H)
     mp = mr[:, None] & (p < HALF)[None, :]
     ev = r[:, None] * D + nope + 2 * p[None, :]
@@ -130,19 +132,23 @@ def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> boo
     )
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """``ReferenceOps.rope`` (module docstring); the shapes must pass ``rope_supported``."""
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, inplace: bool = False
+) -> torch.Tensor:
+    """``ReferenceOps.rope`` (module docstring); the shapes must pass ``rope_supported``. ``inplace`` (the caller no
+    longer needs ``x``): a contiguous ``x`` is rotated where it is, the other dims neither read nor written."""
     d, half = x.shape[-1], cos.shape[-1]
     g = rope_group(x, cos)
     xc = x.contiguous()
-    out = torch.empty_like(xc)
+    inplace = inplace and xc is x
+    out = xc if inplace else torch.empty_like(xc)
     rows = xc.numel() // d if d else 0
     if rows:
         br = _rows_per_program(d, rows)
         _rope_kernel[(triton.cdiv(rows, br),)](
             xc, cos.contiguous(), sin.contiguous(), out, rows, d, g, -1.0 if inverse else 1.0,
             HALF=half, BLOCK_R=br, BLOCK_H=triton.next_power_of_2(max(half, 1)),
-            BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)), num_warps=4, **pdl.launch(),
+            BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)), INPLACE=inplace, num_warps=4, **pdl.launch(),
         )  # fmt: skip
     return out
 

@@ -41,8 +41,12 @@ class Ops(Protocol):
         """``w · x / rms(x)`` over the last dim, computed in fp32, returned in ``x.dtype``."""
         ...
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Interleaved (GPT-J pair) rotation of the last ``2·cos.shape[-1]`` dims of ``x``."""
+    def rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, inplace: bool = False
+    ) -> torch.Tensor:
+        """Interleaved (GPT-J pair) rotation of the last ``2·cos.shape[-1]`` dims of ``x``. ``inplace``: the caller
+        no longer needs ``x``, so the result may be written into it (a backend then moves only the rotated dims);
+        the result is the returned tensor either way."""
         ...
 
     def hc_mixes(

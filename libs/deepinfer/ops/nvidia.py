@@ -230,10 +230,12 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
             return super().rms_norm(x, weight, eps)
         return self._norm.rms_norm(x, weight, eps)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, inplace: bool = False
+    ) -> torch.Tensor:
         if not self.fused or not self._norm.rope_supported(x, cos, sin):
             return super().rope(x, cos, sin, inverse)
-        return self._norm.rope(x, cos, sin, inverse)
+        return self._norm.rope(x, cos, sin, inverse, inplace=inplace)
 
     def hc_mixes(
         self,

@@ -95,7 +95,9 @@ class ReferenceOps:
             y = weight.float() * y
         return y.to(x.dtype)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, inplace: bool = False
+    ) -> torch.Tensor:
         rd = cos.shape[-1] * 2
         if inverse:
             sin = -sin

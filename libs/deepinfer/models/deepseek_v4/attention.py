@@ -93,8 +93,8 @@ class Attention(nn.Module):
         q = self.wq_b(qr, ops).view(n_tok, h, d)
         q = ops.rms_norm(q, None, self.eps)
         cos, sin = rope(positions, ops)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = ops.rope(self.kv_norm(kva, ops), cos, sin)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), inplace=True)
+        kv = ops.rope(self.kv_norm(kva, ops), cos, sin, inplace=True)
         if self.quant_sim:
             kv = torch.cat([ops.act_quant_sim(kv[:, :-rd], quant_block(d - rd)), kv[:, -rd:]], dim=-1)
         t = {"x": x, "qr": qr, "q": q, "kv": kv, "cos": cos, "sin": sin}
@@ -149,7 +149,7 @@ class Attention(nn.Module):
     def output(self, out: torch.Tensor, t: dict[str, torch.Tensor], ops: Ops) -> torch.Tensor:
         """Inverse RoPE, then the grouped ``wo_a`` and ``wo_b``: ``[T, hidden]``."""
         n_tok, cos, sin = out.shape[0], t["cos"], t["sin"]
-        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True, inplace=True)
         z = self.wo_a.grouped(out.view(n_tok, self.o_groups, -1), ops)
         return self.wo_b(z.flatten(1), ops)
 

@@ -152,7 +152,7 @@ class Compressor(nn.Module):
         pooled = ops.group_pool(kv, score, cur, prev if self.overlap else None, has_prev.view(-1), live, self.dim)
         rows = self.norm(pooled.to(dtype), ops)
         cos, sin = cos_sin if cos_sin is not None else rope(w * self.ratio, ops)
-        rows = ops.rope(rows, cos, sin)
+        rows = ops.rope(rows, cos, sin, inplace=True)
         return self._quant(rows, ops) if self.quant_sim else rows
 
     def _quant(self, rows: torch.Tensor, ops: Ops) -> torch.Tensor:
@@ -193,7 +193,7 @@ class Indexer(nn.Module):
         n = x.shape[0]
         q = self.wq_b(qr, ops).view(n, self.n_heads, self.head_dim)
         cos, sin = rope(positions, ops)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), inplace=True)
         if self.quant_sim:
             q = ops.fp4_quant_sim(hadamard(q), min(32, q.shape[-1]))
         w = self.weights_proj(x, ops).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
@@ -240,7 +240,7 @@ class Indexer(nn.Module):
             return visible
         q = self.wq_b(qr, ops).view(n, self.n_heads, self.head_dim)
         cos, sin = rope(positions, ops)
-        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), inplace=True)
         if self.quant_sim:
             q = ops.fp4_quant_sim(hadamard(q), min(32, q.shape[-1]))
         w = self.weights_proj(x, ops).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)

@@ -105,15 +105,15 @@ class SharedKVAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qlat = self.q_norm(qa, ops)
         q = self.wq_b(qlat, ops).view(qa.shape[0], self.n_heads, self.head_dim)
-        return qlat, ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        return qlat, ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), inplace=True)
 
     def _window_kv(self, kva: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
-        kv = ops.rope(self.kv_norm(kva, ops), cos, sin)
+        kv = ops.rope(self.kv_norm(kva, ops), cos, sin, inplace=True)
         return ops.cache_round(kv, "fp8") if self.quant_sim else kv
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Attention output ``[T, H, d]`` → ``[T, hidden]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
-        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+        out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True, inplace=True)
         z = self.wo_a.grouped(out.view(out.shape[0], self.o_groups, -1), ops)
         return self.wo_b(z.flatten(1), ops)
 
