@@ -78,6 +78,17 @@ def test_weights_that_cannot_be_joined_are_left_alone():
         assert [lin.weight.data_ptr() for lin in lins] == before
 
 
+def test_activation_roundings_set_apart_after_a_join_take_separate_gemms():
+    lins = [_fp8(128, 64, 1), _fp8(128, 64, 2)]
+    assert join_rows(lins)
+    lins[1].quant_sim = True  # the official FP8 activations for one of them only
+    x = torch.randn(3, 128) * 3
+    got = rows_forward(x, lins, OPS)
+    for a, lin in zip(got, lins):
+        torch.testing.assert_close(a, lin(x, OPS), rtol=0, atol=0)
+    assert not torch.equal(got[1], OPS.fp8_linear(x, lins[1].weight, lins[1].scale, False))  # the rounding bites
+
+
 def test_weights_replaced_after_a_join_take_separate_gemms():
     lins = [_bf16(64, 32, 1), _bf16(64, 32, 2)]
     assert join_rows(lins)

@@ -120,9 +120,10 @@ def rows_forward(x: torch.Tensor, linears: Sequence[Linear], ops: Ops) -> list[t
     w = _joined([lin.weight for lin in linears])
     fp8 = w is not None and w.dtype == torch.float8_e4m3fn
     s = _joined([lin.scale for lin in linears]) if fp8 else None
-    if w is None or (fp8 and s is None):
+    quant = {lin.quant_sim and lin.fp8 for lin in linears}
+    if w is None or (fp8 and s is None) or len(quant) > 1:  # not joined, or their activation roundings now differ
         return [lin(x, ops) for lin in linears]
-    y = _linear(x, w, s, linears[0].quant_sim and linears[0].fp8, ops)
+    y = _linear(x, w, s, quant.pop(), ops)
     return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
