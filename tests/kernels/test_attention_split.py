@@ -111,6 +111,10 @@ def test_split_false_is_the_unsplit_kernel_and_the_auto_rule(monkeypatch: pytest
     attention._sparse_attention_kernel[(2, 1)](
         q,
         keys,
+        keys,  # no paged store (PAGED off)
+        idx,
+        keys.shape[0],
+        1,
         idx,
         count,
         sink,

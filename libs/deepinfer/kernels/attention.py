@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import attention_split, pdl
+from deepinfer.kernels.paged_keys import _key_rows, check_paged
 from deepinfer.kernels.pdl import pdl_wait
 
 ATTN_BLOCK_H = 16  # heads per program (the smallest tl.dot M)
@@ -52,10 +53,14 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-@triton.jit(do_not_specialize=["W"])
+@triton.jit(do_not_specialize=["W", "N1", "R"])
 def _sparse_attention_kernel(
     q_ptr,
     k_ptr,
+    p_ptr,
+    pages_ptr,
+    N1,
+    R,
     idx_ptr,
     count_ptr,
     sink_ptr,
@@ -68,6 +73,7 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -90,7 +96,8 @@ def _sparse_attention_kernel(
         j = start + offs_n
         valid = j < cnt
         kid = tl.load(idx_ptr + row * W + j, mask=valid, other=0).to(tl.int64)
-        k = tl.load(k_ptr + kid[:, None] * D + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+        at = _key_rows(k_ptr, p_ptr, pages_ptr, kid, valid, N1, R, D, PAGED)
+        k = tl.load(at[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -202,6 +209,7 @@ def sparse_attention_gather(
     scale: float,
     *,
     split: bool | None = None,
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``.
 
@@ -218,6 +226,10 @@ def sparse_attention_gather(
     only on ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other
     queries. With ``None`` the mode, hence the rounding, may change with ``n``: batch-invariant callers pass
     ``split=False``. No mode reads ``count`` on the host (capturable in CUDA graphs).
+
+    ``paged = (store [P, R, d], pages [M])``: keys ``K ..< K + M·R`` are read from the store through the page list,
+    key ``K + j`` being row ``j % R`` of page ``pages[j // R]`` (``kernels.paged_keys``), as if ``gathered(keys,
+    paged)`` were the keys: no copy of the paged rows is made.
     """
     if q.dtype not in _DTYPES or keys.dtype != q.dtype:
         raise ValueError(
@@ -243,13 +255,15 @@ def sparse_attention_gather(
     if len(devices) != 1:
         raise ValueError(f"sparse_attention_gather: all tensors must be on one device, got {sorted(map(str, devices))}")
     W = idx.shape[1]
-    if n == 0 or H == 0 or d == 0 or W == 0 or keys.shape[0] == 0:
+    store, pages, rows_per_page, is_paged = check_paged(keys, paged)
+    if n == 0 or H == 0 or d == 0 or W == 0 or (keys.shape[0] == 0 and not is_paged):
         return torch.zeros((n, H, d), dtype=q.dtype, device=q.device)
     q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
+    pool = (keys, store, pages, keys.shape[0], rows_per_page, is_paged)
     if use_split(n, H) if split is None else split:
         return attention_split.sparse_attention_split(
             q,
-            keys,
+            pool,
             idx,
             count,
             sink,
@@ -266,6 +280,10 @@ def sparse_attention_gather(
     _sparse_attention_kernel[grid](
         q,
         keys,
+        store,
+        pages,
+        keys.shape[0],
+        rows_per_page,
         idx,
         count,
         sink,
@@ -278,6 +296,7 @@ def sparse_attention_gather(
         BLOCK_H=ATTN_BLOCK_H,
         BLOCK_N=ATTN_BLOCK_N,
         PRECISION=_precision(q.dtype),
+        PAGED=is_paged,
         num_warps=ATTN_NUM_WARPS,
         num_stages=ATTN_NUM_STAGES,
         **pdl.launch(),

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.paged_keys import _key_rows
 from deepinfer.kernels.pdl import pdl_wait
 
 SPLIT_CHUNK = 128  # list entries per split: a results-defining constant (outputs depend on it; keep it fixed)
@@ -41,10 +42,14 @@ COMBINE_BLOCK_H = 4  # heads per combine program ([4, 512] fp32 tiles)
 COMBINE_NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["W", "S"])
+@triton.jit(do_not_specialize=["W", "S", "N1", "R"])
 def _split_partial_kernel(
     q_ptr,
     k_ptr,
+    p_ptr,
+    pages_ptr,
+    N1,
+    R,
     idx_ptr,
     count_ptr,
     sink_ptr,
@@ -61,6 +66,7 @@ def _split_partial_kernel(
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -88,7 +94,8 @@ def _split_partial_kernel(
         j = start + offs_n
         valid = j < hi
         kid = tl.load(idx_ptr + row * W + j, mask=valid, other=0).to(tl.int64)
-        k = tl.load(k_ptr + kid[:, None] * D + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+        at = _key_rows(k_ptr, p_ptr, pages_ptr, kid, valid, N1, R, D, PAGED)
+        k = tl.load(at[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -152,7 +159,7 @@ def _split_combine_kernel(
 
 def sparse_attention_split(
     q: torch.Tensor,
-    keys: torch.Tensor,
+    pool: tuple,
     idx: torch.Tensor,
     count: torch.Tensor,
     sink: torch.Tensor,
@@ -165,7 +172,8 @@ def sparse_attention_split(
     num_warps: int,
     num_stages: int,
 ) -> torch.Tensor:
-    """``sparse_attention_gather``'s split mode → ``[n, H, d]`` in ``q.dtype`` (module docstring).
+    """``sparse_attention_gather``'s split mode → ``[n, H, d]`` in ``q.dtype`` (module docstring). ``pool``: the
+    keys as ``sparse_attention_gather`` passes them to its kernel, ``(keys, store, pages, N1, R, PAGED)``.
 
     Inputs are validated, contiguous and non-empty (``sparse_attention_gather`` does that); the tile sizes and
     compile options of the partial kernel are the unsplit kernel's. Launches ``cdiv(W, SPLIT_CHUNK)`` splits per
@@ -182,9 +190,14 @@ def sparse_attention_split(
     m = torch.empty((n, S, H), dtype=torch.float32, device=q.device)
     den = torch.empty((n, S, H), dtype=torch.float32, device=q.device)
     acc = torch.empty((n, S, H, d), dtype=torch.float32, device=q.device)
+    keys, store, pages, n1, rows_per_page, paged = pool
     _split_partial_kernel[(n, triton.cdiv(H, block_h), S)](
         q,
         keys,
+        store,
+        pages,
+        n1,
+        rows_per_page,
         idx,
         count,
         sink,
@@ -201,6 +214,7 @@ def sparse_attention_split(
         BLOCK_N=block_n,
         CHUNK=chunk,
         PRECISION=precision,
+        PAGED=paged,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch(),

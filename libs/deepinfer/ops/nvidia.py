@@ -329,8 +329,13 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         count: torch.Tensor,
         sink: torch.Tensor,
         scale: float,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale)
+        if paged is not None and (paged[0].dtype != q.dtype or keys.dtype != q.dtype):  # the kernel reads one dtype
+            from deepinfer.kernels.paged_keys import gathered
+
+            keys, paged = gathered(keys, paged), None
+        return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale, paged=paged)
 
     def indexer_scores_ranges(
         self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int

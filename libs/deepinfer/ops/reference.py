@@ -166,7 +166,12 @@ class ReferenceOps:
         count: torch.Tensor,
         sink: torch.Tensor,
         scale: float,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if paged is not None:
+            from deepinfer.kernels.paged_keys import gathered
+
+            keys = gathered(keys, paged)
         t, w = idx.shape
         if w == 0 or keys.shape[0] == 0:
             return torch.zeros_like(q)

@@ -12,16 +12,17 @@ kernels whatever each sequence's phase, and a whole step can be captured as one 
 * the compressors: the new projections go to ring row ``pos % cap`` (``StatePool.rbufs``), and the groups that
   complete are pooled (``Compressor._rows`` over every row, ``ops.group_pool`` skipping the others: they pool zeros);
   a completed row is written to its page, the others to the scratch page;
-* the compressed rows: each row's first pages are gathered (``PagedKVCache`` stores, ``pages`` per row: the rows
-  past its count are other data, never listed), the indexer scores them and keeps its top-k (CSA), and one
-  ``ops.sparse_attention_lists`` runs over the per-row key lists (window rows by position, then compressed rows).
+* the compressed rows: the indexer's keys of each row's first pages are gathered (``PagedKVCache`` stores, ``pages``
+  per row: the rows past its count are other data, never listed), the indexer scores them and keeps its top-k (CSA),
+  and one ``ops.sparse_attention_lists`` runs over the per-row key lists (window rows by position, then compressed
+  rows), reading the compressed rows in their pages (``paged``: no copy of them is made).
 
 An eager step takes the same path (``Attention._attend_batched`` builds the plan once per step, ``StatePool.memo``),
 with exact widths, so it gives the per-sequence path's results. What every layer derives alike from the plan (window
 indices, key lists of the HCA layers, per ratio, per compressor ring) is made once per step (``StepPlan.indices``:
 ``ops.step_indices``, one kernel on a GPU), as are the compressors' rotations of each ratio (``StepPlan.once``); a
-layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes and gather one
-``ops.store_rows``.
+layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes (and the indexer's
+gather) one ``ops.store_rows``.
 """
 
 from __future__ import annotations
@@ -236,28 +237,28 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
             dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
             idxs += [at, at]
             srcs += [t[f"{name}_kv"], t[f"{name}_score"]]
-    sink, scale, m, nw = attn.attn_sink, attn.head_dim**-0.5, attn.ratio, ix.take.numel()
+    sink, scale, m = attn.attn_sink, attn.head_dim**-0.5, attn.ratio
     if attn.compressor is None:
         window = ops.append_rows(dsts, idxs, srcs, ix.take)
         return ops.sparse_attention_lists(q, window, ix.lists, ix.w_count, sink, scale)
-    # one key pool: the window rows, then every row's compressed rows, each gathered straight into its place
+    # the keys: the window rows, then every row's compressed rows, read in their pages through the block tables
+    # (kernels.paged_keys: nothing gathered; the lists number them as if gathered after the window rows)
     store = plan.cache.rows[attn.layer_id]
-    keys = into = None
-    if store.dtype == flat.dtype:
-        size = plan.size * plan.widths[m][1]  # pages
-        keys = torch.empty(nw + size * store.shape[1], flat.shape[-1], dtype=flat.dtype, device=flat.device)
-        into = keys[nw:].view(size, *store.shape[1:])
-    window = ops.append_rows(dsts, idxs, srcs, ix.take, None if keys is None else keys[:nw])
-    rows = _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype, into)
-    if keys is None:  # a store of another dtype: the pool is their concatenation (with its type promotion)
-        keys = torch.cat([window, rows])
+    window = ops.append_rows(dsts, idxs, srcs, ix.take)
+    _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype, gather=False)
+    paged = (store, _pages(plan, m))
     count, r_start, i_start, visible, idx, cnt = ix.ratios[m]
     if attn.indexer is not None:  # the indexer's rows; the HCA layers' lists (every visible row) are the plan's
         index = _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype)
         sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index, i_start, plan.widths[m][0], ops,
                                                 visible)  # fmt: skip
         idx, cnt = ops.key_lists(ix.w_start, ix.w_count, plan.win_width, sel, r_start, r_cnt)
-    return ops.sparse_attention_lists(q, keys, idx, cnt, sink, scale)
+    return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
+
+
+def _pages(plan: StepPlan, m: int) -> torch.Tensor:
+    """Every row's first pages of compression ratio ``m``, one row after another ``[S·pages]``."""
+    return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
 def _compress(
@@ -268,12 +269,12 @@ def _compress(
     rope: RotaryTable,
     ops: Ops,
     dtype: torch.dtype,
-    into: torch.Tensor | None = None,
+    gather: bool = True,
 ) -> torch.Tensor:
     """Pool the groups that complete (``ops.group_pool`` over the compressor's rings, where ``attend`` appended the
     step's projections: the other rows pool zeros) and store every row's result, the completed ones in their pages,
-    the rest in the scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``,
-    gathered into ``into`` (``[S·pages, per page, dim]`` of the store's dtype) when given (``ops.store_rows``)."""
+    the rest in the scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``
+    (``ops.store_rows``), or with ``gather`` off only store them (an empty result)."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
@@ -281,8 +282,8 @@ def _compress(
     fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
     cos_sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))  # the same for every compressor of this ratio
     rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done, cos_sin=cos_sin)
-    pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
-    return ops.store_rows(store, page, row, rows, pages, into).flatten(0, 1)
+    pages = _pages(plan, m) if gather else page[:0]
+    return ops.store_rows(store, page, row, rows, pages).flatten(0, 1)
 
 
 __all__ = [

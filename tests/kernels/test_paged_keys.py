@@ -1,0 +1,67 @@
+"""Sparse attention over keys read partly from a paged store (``kernels.paged_keys``, the ``paged`` argument of
+``sparse_attention_gather`` and ``Ops.sparse_attention_lists``): the same outputs, bit for bit, as over the gathered
+pool the pages stand for, in both attention modes; the reference ops gather; a store the kernel cannot read is
+refused or, through ``NvidiaOps``, gathered. In Triton's interpreter without a GPU, compiled on one."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.kernels import attention_split  # noqa: E402
+from deepinfer.kernels.attention import ATTN_BLOCK_N, sparse_attention_gather  # noqa: E402
+from deepinfer.kernels.paged_keys import gathered  # noqa: E402
+from deepinfer.ops.reference import ReferenceOps  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+
+def _case(seed: int, dtype: torch.dtype = torch.float32):
+    """A window pool of 20 rows and a store of 9 pages of 4 rows; three queries listing window rows, then rows of their
+    own 3 pages (pages 7, 2, 5 / 0, 8, 1 / 3, 6, 4), garbage past their counts."""
+    g = torch.Generator().manual_seed(seed)
+    n, H, d, R = 3, 4, 32, 4
+    window = torch.randn(20, d, generator=g).to(DEVICE, dtype)
+    store = torch.randn(9, R, d, generator=g).to(DEVICE, dtype)
+    pages = torch.tensor([7, 2, 5, 0, 8, 1, 3, 6, 4], device=DEVICE)
+    per_row = 3 * R
+    idx = torch.randint(-(10**6), 10**6, (n, 40), generator=g)
+    counts = [0, 17, 30]
+    for i, c in enumerate(counts):
+        own = 20 + i * per_row + torch.randperm(per_row, generator=g)
+        lst = torch.cat([torch.randperm(20, generator=g)[: max(c - per_row, 0)], own])[:c]
+        idx[i, :c] = lst
+    q = torch.randn(n, H, d, generator=g).to(DEVICE, dtype)
+    sink = torch.randn(H, generator=g).to(DEVICE)
+    return q, window, (store, pages), idx.to(DEVICE), torch.tensor(counts, device=DEVICE), sink, d**-0.5
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_paged_keys_read_what_the_gather_holds(split, monkeypatch):
+    monkeypatch.setattr(attention_split, "SPLIT_CHUNK", ATTN_BLOCK_N)  # several splits for short lists
+    q, window, paged, idx, count, sink, scale = _case(1)
+    pool = gathered(window, paged)
+    assert pool.shape == (20 + 9 * 4, 32) and torch.equal(pool[20 + 4 : 28], paged[0][2])  # page 2 after page 7
+    want = sparse_attention_gather(q, pool, idx, count, sink, scale, split=split)
+    got = sparse_attention_gather(q, window, idx, count, sink, scale, split=split, paged=paged)
+    assert torch.equal(got, want)
+    ref = ReferenceOps().sparse_attention_lists(q, window, idx, count, sink, scale, paged=paged)
+    torch.testing.assert_close(ref, ReferenceOps().sparse_attention_lists(q, pool, idx, count, sink, scale))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_store_the_kernel_cannot_read_is_refused_or_gathered():
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    q, window, (store, pages), idx, count, sink, scale = _case(2)
+    with pytest.raises(ValueError, match="store"):
+        sparse_attention_gather(q, window, idx, count, sink, scale, paged=(store.double(), pages))
+    with pytest.raises(ValueError, match="store"):
+        sparse_attention_gather(q, window, idx, count, sink, scale, paged=(store[..., :16], pages))
+    # a store of another dtype through the op set: gathered with torch.cat's promotion, then the kernel
+    got = NvidiaOps().sparse_attention_lists(q, window, idx, count, sink, scale, paged=(store.double(), pages))
+    want = sparse_attention_gather(q, gathered(window, (store, pages)), idx, count, sink, scale)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
