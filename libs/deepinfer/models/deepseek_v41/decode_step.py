@@ -19,14 +19,13 @@ captured as one CUDA graph (``graphs.py``).
 * the KV sources (Full layers): a ratio-2 compressor's projections go to ring row ``pos % 2`` (``StatePool.rbufs``,
   registered by ``Attention.pool_specs``), and every row's group is pooled (``ops.group_pool``: the rows that complete
   nothing pool zeros); ratio 1 emits a row per token. Every row's compressed row and index key (rotated, rounded) is
-  written to its page, or to the scratch page when it completes nothing, and every row's first pages gathered
-  (``ops.store_rows``): the rows straight into the key pool after the window rows (``PagedKVCache`` stores, ``pages``
-  per row: the rows past its count are other data, never listed), the index keys into the index pool; both are kept
-  for the layers reading this owner;
+  written to its page, or to the scratch page when it completes nothing (``ops.store_rows``), and every row's first
+  pages of index keys gathered into the index pool, kept for the layers reading this owner (``PagedKVCache`` stores,
+  ``pages`` per row: the rows past its count are other data, never listed);
 * an index source scores the owner's index keys (``ops.indexer_scores_ranges``), the candidate source keeps its
   candidate blocks, later index sources restrict to them, and the top-k (``ops.select_rows``) is handed to the Reuse
   layers after it; one ``ops.sparse_attention_lists`` runs over the per-row key lists (``ops.key_lists``: window rows
-  by position, then the selected rows).
+  by position, then the selected rows), reading the owner's compressed rows in their pages (``paged``: no copy).
 
 An eager step takes the same path (``Attention.attend`` builds the plan once per step, ``StepContext.plan``) with
 exact widths, so it gives the per-sequence path's results bit for bit (``tests/models/test_v41_state_pool.py``).
@@ -204,16 +203,14 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
         dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
         idxs += [at, at]
         srcs += [t["ckv"], t["cgate"]]
-    sink, scale, nw = attn.attn_sink, attn.head_dim**-0.5, ix.take.numel()
+    sink, scale = attn.attn_sink, attn.head_dim**-0.5
+    window = ops.append_rows(dsts, idxs, srcs, ix.take)
     if not m:
-        return ops.sparse_attention_lists(q, ops.append_rows(dsts, idxs, srcs, ix.take), w_idx, w_cnt, sink, scale)
+        return ops.sparse_attention_lists(q, window, w_idx, w_cnt, sink, scale)
     if plan.cache is None:
         raise ValueError(f"layer {attn.layer_id} is compressed and needs a PagedKVCache")
-    owner = attn.spec.kv_source
-    keys = plan.once(("keys", owner), lambda: _key_pool(plan, owner, m, flat.dtype))
-    ops.append_rows(dsts, idxs, srcs, ix.take, keys[:nw])  # this layer's window rows, before the owner's rows
     if attn.compressor is not None:
-        _publish(attn, t, plan, keys[nw:], rope, ops, kv.dtype)
+        _publish(attn, t, plan, rope, ops, kv.dtype)
     if attn.indexer is not None:
         plan.derived["selection"] = _select(attn, t["iq"], t["iw"], plan, ops)
     got = plan.derived.get("selection")
@@ -221,23 +218,21 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
         raise ValueError(f"layer {attn.layer_id} reuses a selection no index source made for this step")
     sel, cnt = got
     idx, cnt = ops.key_lists(w_start, w_cnt, w_idx.shape[1], sel, ix.ratios[m][1], cnt)
-    return ops.sparse_attention_lists(q, keys, idx, cnt, sink, scale)
+    # the owner's compressed rows read in their pages (kernels.paged_keys: the lists number them after the window)
+    paged = (plan.cache.rows[attn.spec.kv_source], _pages(plan, m))
+    return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
 
 
-def _key_pool(plan: StepPlan, owner: int, m: int, dtype: torch.dtype) -> torch.Tensor:
-    """The key pool of the layers reading ``owner``'s rows (allocated once per step and owner): ``S·W`` rows where
-    each layer gathers its window, then every row's first ``pages`` pages of the owner's rows (the owner's
-    ``_publish`` gathers them there, after writing this step's rows)."""
-    store = plan.cache.rows[owner]
-    rows = plan.size * plan.widths[m][1] * store.shape[1]
-    return torch.empty(plan.size * plan.window + rows, store.shape[-1], dtype=dtype, device=store.device)
+def _pages(plan: StepPlan, m: int) -> torch.Tensor:
+    """Every row's first pages of compression ratio ``m``, one row after another ``[S·pages]``."""
+    return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
-def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, into: torch.Tensor, rope: RotaryTable,
-             ops: Ops, dtype: torch.dtype) -> None:  # fmt: skip
+def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops,
+             dtype: torch.dtype) -> None:  # fmt: skip
     """A KV source's compressed row and index key of every row (``Attention._publish``'s values for the rows that
-    complete one) written to its page, the others to the scratch page; then every row's pages gathered: the rows
-    into ``into`` (the key pool past the window rows), the index keys into the step's index pool of this owner."""
+    complete one) written to its page, the others to the scratch page; then every row's pages of index keys gathered
+    into the step's index pool of this owner (the rows are read in their pages)."""
     comp, m, layer, cache = attn.compressor, attn.ratio, attn.layer_id, plan.cache
     _, cur, _, has_prev, w, done, page, row = plan.indices(ops).rings[(m, m)]
     if m == 1:  # a row per token
@@ -251,13 +246,9 @@ def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, into: 
     ik = ops.rope(attn.indexer.keys(lat, ops, rowwise=m > 1), cos, sin)
     if attn.quant_sim:
         rows, ik = ops.cache_round(rows, "nvfp4"), ops.cache_round(ik, "mxfp4")
-    pages = plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
-    store = cache.rows[layer]
-    if store.dtype == into.dtype:
-        ops.store_rows(store, page, row, rows, pages, into.view(pages.numel(), *store.shape[1:]))
-    else:
-        into.copy_(ops.store_rows(store, page, row, rows, pages).flatten(0, 1))
-    plan.derived[("index", layer)] = ops.store_rows(cache.index_keys[layer], page, row, ik, pages).flatten(0, 1)
+    ops.store_rows(cache.rows[layer], page, row, rows, page[:0])
+    index = ops.store_rows(cache.index_keys[layer], page, row, ik, _pages(plan, m))
+    plan.derived[("index", layer)] = index.flatten(0, 1)
 
 
 def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan, ops: Ops
