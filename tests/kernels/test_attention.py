@@ -14,12 +14,8 @@ import torch  # does not import triton
 
 pytest.importorskip("triton")
 
-from deepinfer.kernels.attention import (  # noqa: E402
-    ATTN_BLOCK_N,
-    indexer_scores_fixed,
-    indexer_scores_ranges,
-    sparse_attention_gather,
-)
+from deepinfer.kernels.attention import ATTN_BLOCK_N, sparse_attention_gather  # noqa: E402
+from deepinfer.kernels.indexer import indexer_scores_fixed, indexer_scores_ranges  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

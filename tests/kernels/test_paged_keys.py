@@ -1,7 +1,7 @@
-"""Sparse attention over keys read partly from a paged store (``kernels.paged_keys``, the ``paged`` argument of
-``sparse_attention_gather`` and ``Ops.sparse_attention_lists``): the same outputs, bit for bit, as over the gathered
-pool the pages stand for, in both attention modes; the reference ops gather; a store the kernel cannot read is
-refused or, through ``NvidiaOps``, gathered. In Triton's interpreter without a GPU, compiled on one."""
+"""Sparse attention and indexer scores over keys read from a paged store (``kernels.paged_keys``, the ``paged``
+argument of ``sparse_attention_gather``, ``indexer_scores_ranges`` and the ops): the same outputs, bit for bit, as
+over the gathered pool the pages stand for, in both attention modes; the reference ops gather; a store the kernel
+cannot read is refused or, through ``NvidiaOps``, gathered. In Triton's interpreter without a GPU, compiled on one."""
 
 import os
 
@@ -65,3 +65,25 @@ def test_a_store_the_kernel_cannot_read_is_refused_or_gathered():
     got = NvidiaOps().sparse_attention_lists(q, window, idx, count, sink, scale, paged=(store.double(), pages))
     want = sparse_attention_gather(q, gathered(window, (store, pages)), idx, count, sink, scale)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_indexer_range_scores_read_the_pages():
+    """``indexer_scores_ranges`` with every key in a paged store: query ``t`` scores keys ``start[t] ..+ width`` of the
+    pool the pages stand for (0 past its end), bit for bit the scores of the gathered pool; the reference gathers."""
+    from deepinfer.kernels.indexer import indexer_scores_ranges
+
+    g = torch.Generator().manual_seed(5)
+    n, nh, d, R = 3, 4, 32, 4
+    store = torch.randn(9, R, d, generator=g).to(DEVICE)
+    pages = torch.tensor([7, 2, 5, 0, 8, 1, 3, 6, 4], device=DEVICE)
+    q, w = torch.randn(n, nh, d, generator=g).to(DEVICE), torch.rand(n, nh, generator=g).to(DEVICE)
+    start = torch.tensor([0, 12, 30], device=DEVICE)  # the last range runs past the pool's 36 rows
+    none = store.new_empty(0, d)
+    pool = gathered(none, (store, pages))
+    want = indexer_scores_ranges(q, pool, w, start, 12)
+    got = indexer_scores_ranges(q, none, w, start, 12, paged=(store, pages))
+    assert torch.equal(got, want) and torch.equal(got[2, 6:], torch.zeros(6, device=DEVICE))
+    ref = ReferenceOps().indexer_scores_ranges(q, none, w, start, 12, paged=(store, pages))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pages alone"):
+        indexer_scores_ranges(q, pool, w, start, 12, paged=(store, pages))

@@ -132,10 +132,18 @@ class Ops(Protocol):
         ...
 
     def indexer_scores_ranges(
-        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        start: torch.Tensor,
+        width: int,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``indexer_scores`` with a key range per query: ``[T, width]``, column ``r`` of row ``t`` scoring
-        ``keys[start[t] + r]`` (columns past the end of ``keys`` are 0; the caller masks what a query may not see)."""
+        ``keys[start[t] + r]`` (columns past the end of ``keys`` are 0; the caller masks what a query may not see).
+        ``paged``: as ``sparse_attention_lists``' (the keys continue with the listed pages' rows; a backend may read
+        them in place)."""
         ...
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,8 @@ def packed_select_rows(scores: torch.Tensor, visible: torch.Tensor, k: int) -> t
 
 def _kernels() -> tuple:
     try:
-        from deepinfer.kernels.attention import indexer_scores_fixed, sparse_attention_gather
+        from deepinfer.kernels.attention import sparse_attention_gather
+        from deepinfer.kernels.indexer import indexer_scores_fixed
     except ImportError as e:  # pragma: no cover - a CUDA host without triton
         raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
     return sparse_attention_gather, indexer_scores_fixed
@@ -159,7 +160,8 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
 
             native_weights = bool(envs.get("DEEPINFER_NATIVE_WEIGHTS"))
         self.cuda_graphs, self.native_weights = cuda_graphs, native_weights
-        from deepinfer.kernels.attention import indexer_scores_ranges, sparse_attention_gather
+        from deepinfer.kernels.attention import sparse_attention_gather
+        from deepinfer.kernels.indexer import indexer_scores_ranges
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
 
@@ -338,9 +340,19 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale, paged=paged)
 
     def indexer_scores_ranges(
-        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        start: torch.Tensor,
+        width: int,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width)
+        if paged is not None and paged[0].dtype != q.dtype:  # the kernel reads one dtype
+            from deepinfer.kernels.paged_keys import gathered
+
+            keys, paged = gathered(keys, paged), None
+        return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width, paged=paged)
 
     def cache_round(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
         """One Triton kernel on CUDA (``kernels.cache_round``: the torch round trips bit for bit), the torch versions

@@ -186,8 +186,18 @@ class ReferenceOps:
         return torch.einsum("thw,twd->thd", p.float(), kg).to(q.dtype)
 
     def indexer_scores_ranges(
-        self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, width: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        start: torch.Tensor,
+        width: int,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if paged is not None:
+            from deepinfer.kernels.paged_keys import gathered
+
+            keys = gathered(keys, paged)
         n = keys.shape[0]
         if n == 0 or width == 0:
             return torch.zeros(q.shape[0], width, device=q.device)

@@ -209,11 +209,13 @@ class Indexer(nn.Module):
         width: int,
         ops: Ops,
         visible: torch.Tensor | None = None,
+        paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows each query keeps when query ``t`` sees rows ``0 .. visible_rows[t]`` of its sequence, stored at
         ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``; the entries past
         ``count`` are never read, ``ops.select_rows``). ``visible``: the mask ``[n, width]`` of those rows when the
-        caller has it (a decode step's ``StepPlan.indices``)."""
+        caller has it (a decode step's ``StepPlan.indices``). ``paged``: the keys continue in a paged store
+        (``ops.indexer_scores_ranges``)."""
         n = q.shape[0]
         k = min(self.topk, width)
         if n == 0 or k == 0:
@@ -221,7 +223,7 @@ class Indexer(nn.Module):
             return none, none.sum(1)
         if visible is None:
             visible = torch.arange(width, device=q.device).unsqueeze(0) < visible_rows.unsqueeze(1)
-        scores = torch.where(visible, ops.indexer_scores_ranges(q, keys, w, start, width), float("-inf"))
+        scores = torch.where(visible, ops.indexer_scores_ranges(q, keys, w, start, width, paged=paged), float("-inf"))
         return ops.select_rows(scores, visible, k)
 
     def select(

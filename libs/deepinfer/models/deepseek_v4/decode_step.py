@@ -12,17 +12,17 @@ kernels whatever each sequence's phase, and a whole step can be captured as one 
 * the compressors: the new projections go to ring row ``pos % cap`` (``StatePool.rbufs``), and the groups that
   complete are pooled (``Compressor._rows`` over every row, ``ops.group_pool`` skipping the others: they pool zeros);
   a completed row is written to its page, the others to the scratch page;
-* the compressed rows: the indexer's keys of each row's first pages are gathered (``PagedKVCache`` stores, ``pages``
-  per row: the rows past its count are other data, never listed), the indexer scores them and keeps its top-k (CSA),
-  and one ``ops.sparse_attention_lists`` runs over the per-row key lists (window rows by position, then compressed
-  rows), reading the compressed rows in their pages (``paged``: no copy of them is made).
+* the compressed rows: the indexer scores the index keys of each row's first pages (``PagedKVCache`` stores, ``pages``
+  per row: the rows past its count are other data, never listed) and keeps its top-k (CSA), and one
+  ``ops.sparse_attention_lists`` runs over the per-row key lists (window rows by position, then compressed rows);
+  both read the rows in their pages through the block tables (``paged``: nothing is gathered).
 
 An eager step takes the same path (``Attention._attend_batched`` builds the plan once per step, ``StatePool.memo``),
 with exact widths, so it gives the per-sequence path's results. What every layer derives alike from the plan (window
 indices, key lists of the HCA layers, per ratio, per compressor ring) is made once per step (``StepPlan.indices``:
 ``ops.step_indices``, one kernel on a GPU), as are the compressors' rotations of each ratio (``StepPlan.once``); a
-layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes (and the indexer's
-gather) one ``ops.store_rows``.
+layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes one
+``ops.store_rows``.
 """
 
 from __future__ import annotations
@@ -249,9 +249,10 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     paged = (store, _pages(plan, m))
     count, r_start, i_start, visible, idx, cnt = ix.ratios[m]
     if attn.indexer is not None:  # the indexer's rows; the HCA layers' lists (every visible row) are the plan's
-        index = _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype)
-        sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index, i_start, plan.widths[m][0], ops,
-                                                visible)  # fmt: skip
+        _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype, gather=False)
+        index = plan.cache.index_keys[attn.layer_id]  # its keys too read in their pages
+        sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index.new_empty(0, index.shape[-1]), i_start,
+                                                plan.widths[m][0], ops, visible, paged=(index, paged[1]))  # fmt: skip
         idx, cnt = ops.key_lists(ix.w_start, ix.w_count, plan.win_width, sel, r_start, r_cnt)
     return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
 

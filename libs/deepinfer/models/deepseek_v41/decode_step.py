@@ -19,10 +19,10 @@ captured as one CUDA graph (``graphs.py``).
 * the KV sources (Full layers): a ratio-2 compressor's projections go to ring row ``pos % 2`` (``StatePool.rbufs``,
   registered by ``Attention.pool_specs``), and every row's group is pooled (``ops.group_pool``: the rows that complete
   nothing pool zeros); ratio 1 emits a row per token. Every row's compressed row and index key (rotated, rounded) is
-  written to its page, or to the scratch page when it completes nothing (``ops.store_rows``), and every row's first
-  pages of index keys gathered into the index pool, kept for the layers reading this owner (``PagedKVCache`` stores,
-  ``pages`` per row: the rows past its count are other data, never listed);
-* an index source scores the owner's index keys (``ops.indexer_scores_ranges``), the candidate source keeps its
+  written to its page, or to the scratch page when it completes nothing (``ops.store_rows``);
+* an index source scores the owner's index keys of every row's first pages (``ops.indexer_scores_ranges``, read in
+  their pages; ``PagedKVCache`` stores, ``pages`` per row: the rows past its count are other data, never listed),
+  the candidate source keeps its
   candidate blocks, later index sources restrict to them, and the top-k (``ops.select_rows``) is handed to the Reuse
   layers after it; one ``ops.sparse_attention_lists`` runs over the per-row key lists (``ops.key_lists``: window rows
   by position, then the selected rows), reading the owner's compressed rows in their pages (``paged``: no copy).
@@ -231,8 +231,7 @@ def _pages(plan: StepPlan, m: int) -> torch.Tensor:
 def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops,
              dtype: torch.dtype) -> None:  # fmt: skip
     """A KV source's compressed row and index key of every row (``Attention._publish``'s values for the rows that
-    complete one) written to its page, the others to the scratch page; then every row's pages of index keys gathered
-    into the step's index pool of this owner (the rows are read in their pages)."""
+    complete one) written to its page, the others to the scratch page (both are read in their pages)."""
     comp, m, layer, cache = attn.compressor, attn.ratio, attn.layer_id, plan.cache
     _, cur, _, has_prev, w, done, page, row = plan.indices(ops).rings[(m, m)]
     if m == 1:  # a row per token
@@ -247,8 +246,7 @@ def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: 
     if attn.quant_sim:
         rows, ik = ops.cache_round(rows, "nvfp4"), ops.cache_round(ik, "mxfp4")
     ops.store_rows(cache.rows[layer], page, row, rows, page[:0])
-    index = ops.store_rows(cache.index_keys[layer], page, row, ik, _pages(plan, m))
-    plan.derived[("index", layer)] = index.flatten(0, 1)
+    ops.store_rows(cache.index_keys[layer], page, row, ik, page[:0])
 
 
 def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan, ops: Ops
@@ -263,8 +261,10 @@ def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan,
             plan.derived["candidates"] = allowed
         none = torch.zeros(iq.shape[0], 0, dtype=torch.long, device=iq.device)
         return none, none.sum(1)
-    keys = plan.derived[("index", attn.spec.kv_source)]
-    scores = ops.indexer_scores_ranges(iq, keys, iw, start, width).masked_fill(~allowed, float("-inf"))
+    keys = plan.cache.index_keys[attn.spec.kv_source]  # the owner's index keys, read in their pages
+    paged = (keys, _pages(plan, m))
+    scores = ops.indexer_scores_ranges(iq, keys.new_empty(0, keys.shape[-1]), iw, start, width, paged=paged)
+    scores = scores.masked_fill(~allowed, float("-inf"))
     if ix.candidate_source:
         plan.derived["candidates"] = candidate_blocks(scores, visible, ix.topk_blocks, ix.block_size, ops) & allowed
     elif ix.uses_candidates:
