@@ -245,11 +245,11 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     # (kernels.paged_keys: nothing gathered; the lists number them as if gathered after the window rows)
     store = plan.cache.rows[attn.layer_id]
     window = ops.append_rows(dsts, idxs, srcs, ix.take)
-    _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype, gather=False)
+    _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype)
     paged = (store, _pages(plan, m))
     count, r_start, i_start, visible, idx, cnt = ix.ratios[m]
     if attn.indexer is not None:  # the indexer's rows; the HCA layers' lists (every visible row) are the plan's
-        _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype, gather=False)
+        _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype)
         index = plan.cache.index_keys[attn.layer_id]  # its keys too read in their pages
         sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index.new_empty(0, index.shape[-1]), i_start,
                                                 plan.widths[m][0], ops, visible, paged=(index, paged[1]))  # fmt: skip
@@ -263,19 +263,11 @@ def _pages(plan: StepPlan, m: int) -> torch.Tensor:
 
 
 def _compress(
-    comp: Compressor,
-    layer: int,
-    name: str,
-    plan: StepPlan,
-    rope: RotaryTable,
-    ops: Ops,
-    dtype: torch.dtype,
-    gather: bool = True,
-) -> torch.Tensor:
+    comp: Compressor, layer: int, name: str, plan: StepPlan, rope: RotaryTable, ops: Ops, dtype: torch.dtype
+) -> None:
     """Pool the groups that complete (``ops.group_pool`` over the compressor's rings, where ``attend`` appended the
     step's projections: the other rows pool zeros) and store every row's result, the completed ones in their pages,
-    the rest in the scratch page; return every row's first ``pages`` pages of rows ``[S·pages·per page, dim]``
-    (``ops.store_rows``), or with ``gather`` off only store them (an empty result)."""
+    the rest in the scratch page (``ops.store_rows`` with no gather: the readers read the pages)."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
@@ -283,8 +275,7 @@ def _compress(
     fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
     cos_sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))  # the same for every compressor of this ratio
     rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done, cos_sin=cos_sin)
-    pages = _pages(plan, m) if gather else page[:0]
-    return ops.store_rows(store, page, row, rows, pages).flatten(0, 1)
+    ops.store_rows(store, page, row, rows, page[:0])
 
 
 __all__ = [
