@@ -1,12 +1,12 @@
-"""Key rows of the sparse-attention kernels read from two places: a pool of rows, then a paged store through a page
-list (``kernels.attention``, ``kernels.attention_split``).
+"""Key rows of the sparse-attention and indexer kernels read from two places: a pool of rows, then a paged store
+through a page list (``kernels.attention``, ``kernels.attention_split``, ``kernels.indexer``).
 
-A decode step's key lists (``models.deepseek_v4.decode_step``) number the window rows ``0 .. N1-1`` (a pool the step
-gathers) and then, row after row of the batch, each row's compressed rows in position order: key ``N1 + j`` is row
-``j % R`` of page ``pages[j // R]`` of the paged store (``R`` rows a page; ``pages`` the rows' block tables, one
-after another). Read through the pages, those rows need not be gathered into a copy before the attention (which
-reads only the listed ones: the indexer's top-k in a CSA layer, where a gather copied every compressed row of every
-sequence, a step).
+A decode step's key lists (``models.deepseek_v4.decode_step``, ``deepseek_v41.decode_step``) number the window rows
+``0 .. N1-1`` (a pool the step gathers) and then, row after row of the batch, each row's compressed rows in position
+order: key ``N1 + j`` is row ``j % R`` of page ``pages[j // R]`` of the paged store (``R`` rows a page; ``pages`` the
+rows' block tables, one after another). The indexer's range scores read every key from the pages (``N1 = 0``). Read
+through the pages, those rows need not be gathered into a copy each step (a copy of every compressed row and index
+key of every sequence, though the attention reads only the listed ones: the indexer's top-k in a CSA layer).
 """
 
 from __future__ import annotations
