@@ -333,8 +333,8 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         scale: float,
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if paged is not None and (paged[0].dtype != q.dtype or keys.dtype != q.dtype):  # the kernel reads one dtype
-            from deepinfer.kernels.paged_keys import gathered
+        if paged is not None and (paged[0].dtype != q.dtype or keys.dtype != q.dtype or not paged[0].is_contiguous()):
+            from deepinfer.kernels.paged_keys import gathered  # the kernels read one dtype, contiguous pages
 
             keys, paged = gathered(keys, paged), None
         return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale, paged=paged)
@@ -348,8 +348,8 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         width: int,
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if paged is not None and paged[0].dtype != q.dtype:  # the kernel reads one dtype
-            from deepinfer.kernels.paged_keys import gathered
+        if paged is not None and (paged[0].dtype != q.dtype or not paged[0].is_contiguous()):
+            from deepinfer.kernels.paged_keys import gathered  # the kernel reads one dtype, contiguous pages
 
             keys, paged = gathered(keys, paged), None
         return self._index_ranges(q, keys.to(q.dtype), weights.float(), start, width, paged=paged)
