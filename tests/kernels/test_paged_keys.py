@@ -87,3 +87,37 @@ def test_indexer_range_scores_read_the_pages():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="pages alone"):
         indexer_scores_ranges(q, pool, w, start, 12, paged=(store, pages))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+@pytest.mark.parametrize("n", [1, 64])
+def test_gpu_bf16_at_v4_flash_widths(n):
+    """A decode step's shapes in bf16 (64 heads of 512, a 128-row window a row, 32 compressed rows a page, 8 pages a
+    row; the indexer's 64 heads of 128): paged attention (both modes: the split one at 1 row) and paged range scores
+    equal the gathered pool's, bit for bit."""
+    from deepinfer.kernels.indexer import indexer_scores_ranges
+
+    g = torch.Generator(device=DEVICE).manual_seed(n)
+    H, d, W, R, P = 64, 512, 128, 32, 8
+    window = torch.randn(n * W, d, generator=g, device=DEVICE).bfloat16()
+    store = torch.randn(n * P + 3, R, d, generator=g, device=DEVICE).bfloat16()
+    pages = torch.randperm(n * P + 3, generator=g, device=DEVICE)[: n * P]
+    q = torch.randn(n, H, d, generator=g, device=DEVICE).bfloat16()
+    sink = torch.randn(H, generator=g, device=DEVICE)
+    rows = torch.arange(n, device=DEVICE)[:, None]
+    own_window = rows * W + torch.arange(W, device=DEVICE)
+    own_paged = n * W + rows * P * R + torch.randperm(P * R, generator=g, device=DEVICE)[: 3 * W // 2]
+    idx = torch.cat([own_window, own_paged], dim=1)
+    count = torch.full((n,), idx.shape[1], device=DEVICE)
+    pool = gathered(window, (store, pages))
+    for split in (False, True):
+        want = sparse_attention_gather(q, pool, idx, count, sink, d**-0.5, split=split)
+        got = sparse_attention_gather(q, window, idx, count, sink, d**-0.5, split=split, paged=(store, pages))
+        assert torch.equal(got, want)
+    iq = torch.randn(n, 64, 128, generator=g, device=DEVICE).bfloat16()
+    iw = torch.rand(n, 64, generator=g, device=DEVICE)
+    ikeys = torch.randn(n * P + 3, R, 128, generator=g, device=DEVICE).bfloat16()
+    start = torch.arange(n, device=DEVICE) * P * R
+    none = ikeys.new_empty(0, 128)
+    want = indexer_scores_ranges(iq, gathered(none, (ikeys, pages)), iw, start, P * R)
+    assert torch.equal(indexer_scores_ranges(iq, none, iw, start, P * R, paged=(ikeys, pages)), want)
