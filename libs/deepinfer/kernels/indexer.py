@@ -105,27 +105,26 @@ def _indexer_ranges_kernel(
     tl.store(out_ptr + row * WIDTH + offs_r, tl.sum(s, axis=0), mask=offs_r < WIDTH)
 
 
+def _check(name: str, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> None:
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
+        raise ValueError(f"{name}: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}")
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(f"{name}: expected q [n, h, d] and keys [R, d], got {tuple(q.shape)} and {tuple(keys.shape)}")
+    n, nh, _ = q.shape
+    if weights.shape != (n, nh) or weights.dtype != torch.float32:
+        raise ValueError(f"{name}: weights must be float32 [{n}, {nh}], got {weights.dtype} {tuple(weights.shape)}")
+    if len({q.device, keys.device, weights.device}) != 1:
+        raise ValueError(f"{name}: q, keys, weights are on {q.device}, {keys.device}, {weights.device}")
+
+
 def indexer_scores_fixed(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer scores ``Σ_h weights[:, h] · relu(q[:, h] · keys)`` → ``[n, R]`` fp32.
 
     ``q [n, h, d]`` and ``keys [R, d]`` are both float32 or both bfloat16, ``weights [n, h]`` float32. Score
     ``(i, r)`` depends only on ``q[i]``, ``weights[i]`` and ``keys[r]``: not on ``n``, ``R`` nor the other rows.
     """
-    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
-        raise ValueError(
-            f"indexer_scores_fixed: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}"
-        )
-    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
-        raise ValueError(
-            f"indexer_scores_fixed: expected q [n, h, d] and keys [R, d], got {tuple(q.shape)} and {tuple(keys.shape)}"
-        )
+    _check("indexer_scores_fixed", q, keys, weights)
     n, nh, d = q.shape
-    if weights.shape != (n, nh) or weights.dtype != torch.float32:
-        raise ValueError(
-            f"indexer_scores_fixed: weights must be float32 [{n}, {nh}], got {weights.dtype} {tuple(weights.shape)}"
-        )
-    if len({q.device, keys.device, weights.device}) != 1:
-        raise ValueError(f"indexer_scores_fixed: q, keys, weights are on {q.device}, {keys.device}, {weights.device}")
     R = keys.shape[0]
     if n == 0 or R == 0 or nh == 0 or d == 0:
         return torch.zeros((n, R), dtype=torch.float32, device=q.device)
@@ -163,19 +162,8 @@ def indexer_scores_ranges(
     reading its own sequence's range; the per-element arithmetic is ``indexer_scores_fixed``'s. ``paged = (store
     [P, R, d], pages [M])`` with no ``keys`` (``[0, d]``): the keys are the listed pages' rows, read in place (key
     ``j`` is row ``j % R`` of page ``pages[j // R]``, ``kernels.paged_keys``)."""
-    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
-        raise ValueError(
-            f"indexer_scores_ranges: q and keys must both be float32 or both bfloat16, got {q.dtype} and {keys.dtype}"
-        )
-    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
-        raise ValueError(
-            f"indexer_scores_ranges: expected q [n, h, d] and keys [R, d], got {tuple(q.shape)} and {tuple(keys.shape)}"
-        )
+    _check("indexer_scores_ranges", q, keys, weights)
     n, nh, d = q.shape
-    if weights.shape != (n, nh) or weights.dtype != torch.float32:
-        raise ValueError(
-            f"indexer_scores_ranges: weights must be float32 [{n}, {nh}], got {weights.dtype} {tuple(weights.shape)}"
-        )
     if start.shape != (n,) or start.dtype not in _INT_DTYPES:
         raise ValueError(
             f"indexer_scores_ranges: start must be int32/int64 [{n}], got {start.dtype} {tuple(start.shape)}"
