@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import pdl
+from deepinfer.kernels import moe_mxfp4_wgmma, pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK
 from deepinfer.kernels.fp8_quant import _act_quant_sim
 from deepinfer.kernels.moe import MoEConfig, _combine
@@ -79,6 +79,7 @@ FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
+WGMMA_PREFILL = True  # the prefill tiles in the rotate order on sm_90: kernels.moe_mxfp4_wgmma (False: Triton's)
 
 
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
@@ -239,6 +240,8 @@ def moe_mxfp4(
         x = _act_quant_sim(x.contiguous())
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = config or pick_config_mxfp4(tk, e, interpret)
+    if config is None and _wgmma(cfg, x, order, inter, d, interpret):
+        return _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, act_quant)
     if cfg.block_k % 32:
         raise ValueError(f"moe_mxfp4: block_k must be a multiple of 32, got {cfg.block_k}")
     swap = cfg.block_m >= 64 if SWAP_AB is None else SWAP_AB
@@ -281,6 +284,31 @@ def moe_mxfp4(
         h.stride(0), sw2e, sw2n, s2.stride(0), s2.stride(1) // scale_align(s2), o.stride(0),
         EVEN_K=inter % cfg.block_k == 0, SALIGN=scale_align(s2), **meta, **launch, **pdl.launch(),
     )  # fmt: skip
+    return _combine(o, t, k)
+
+
+def _wgmma(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool) -> bool:
+    """Whether the prefill tiles run as ``kernels.moe_mxfp4_wgmma``'s Gluon kernels."""
+    if not WGMMA_PREFILL or cfg is not MX_PREFILL or order != "rotate" or interpret:
+        return False
+    return moe_mxfp4_wgmma.fits(inter, d) and moe_mxfp4_wgmma.fits(d, inter) and moe_mxfp4_wgmma.available(x)
+
+
+def _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit: float, act_quant: bool) -> torch.Tensor:
+    """``moe_mxfp4`` on the Gluon prefill kernels (rotate order; ``x`` already rounded where ``act_quant``)."""
+    t, k = idx.shape
+    tk, (e, inter, dh) = t * k, w1.shape
+    d = 2 * dh
+    slots, bexp = padded_slots(idx, e, moe_mxfp4_wgmma.BLOCK_M)
+    w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
+    s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
+    rw = weights.reshape(-1).float().contiguous()
+    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
+    moe_mxfp4_wgmma.gate_up(x.contiguous(), w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
+    if act_quant and inter % ACT_BLOCK == 0:
+        h = _act_quant_sim(h)
+    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
+    moe_mxfp4_wgmma.down(h, w2, s2, slots, bexp, o)
     return _combine(o, t, k)
 
 

@@ -1,0 +1,111 @@
+"""The Gluon prefill MXFP4 kernels (deepinfer.kernels.moe_mxfp4_wgmma) against the Triton prefill tiles of
+``kernels.moe_mxfp4`` and ``moe_triton`` on the decoded experts.
+
+Gluon kernels do not run in Triton's interpreter, so these tests need an sm_90 GPU (CI on a CPU host skips them; the
+CPU-side dispatch rule is checked everywhere). ``moe_mxfp4`` takes this path by itself for the prefill tiles of
+rotate-ordered experts; ``WGMMA_PREFILL = False`` gives the Triton tiles of the same call.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
+from deepinfer.kernels import moe_mxfp4_wgmma as wg  # noqa: E402
+from deepinfer.kernels.moe import moe_triton  # noqa: E402
+from deepinfer.kernels.moe_mxfp4 import MX_MID64, MX_PREFILL, moe_mxfp4  # noqa: E402
+from kernels.test_moe_mxfp4 import _decoded, _packed, _rel, _shifted  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not (HOPPER and wg.HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+
+
+def test_dispatch_rule_on_the_host():
+    """Only the prefill tiles of rotate-ordered bf16 experts on sm_90, in whole tiles, and not in the interpreter."""
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not wg.available(x)  # a CPU tensor
+    assert wg.fits(2048, 4096) and wg.fits(4096, 2048) and not wg.fits(2304 + 64, 4096) and not wg.fits(2048, 96)
+    assert not mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=True)
+    assert not mod._wgmma(MX_MID64, x, "rotate", 2048, 4096, interpret=False)
+    assert not mod._wgmma(MX_PREFILL, x, "shift", 2048, 4096, interpret=False)
+
+
+def _experts(e, i, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    (w1, s1), (w3, s3) = _packed(e, i, d, g, 118, 122), _packed(e, i, d, g)
+    w2, s2 = _packed(e, d, i, g, 116, 120)
+    return (w1, s1, w2, s2, w3, s3), g
+
+
+def _calls(monkeypatch):
+    """Counts the Gluon launches (the kernels themselves run)."""
+    calls = []
+    for name in ("gate_up", "down"):
+        real = getattr(wg, name)
+        monkeypatch.setattr(wg, name, lambda *a, _real=real, _n=name, **kw: (calls.append(_n), _real(*a, **kw))[1])
+    return calls
+
+
+@hopper_only
+@pytest.mark.parametrize(("t", "pool"), [(300, 16), (700, 16), (400, 7)])
+def test_gpu_matches_the_triton_tiles(t, pool, monkeypatch):
+    """V4-Flash widths (D = 4096, I = 2048), 16 experts, top 6: 112 to 260 slots an expert (one or two 128-slot
+    blocks, padded) or all slots on 7 experts (many blocks an expert, 9 experts empty); against the Triton prefill
+    tiles on the same rotate-ordered codes and ``moe_triton`` on the decoded experts."""
+    e, i, d, k = 16, 2048, 4096, 6
+    mx, g = _experts(e, i, d, seed=t)
+    rot = _shifted(mx, "rotate")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    idx = torch.rand(t, pool, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda") * 1.5
+    calls = _calls(monkeypatch)
+    out = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    assert calls == ["gate_up", "down"]
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", False)
+    tiles = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    assert calls == ["gate_up", "down"]  # the Triton tiles this time
+    ref = moe_triton(x, idx, w, *_decoded(mx, torch.bfloat16), 10.0)
+    assert out.dtype == torch.float32 and out.shape == (t, d)
+    assert _rel(out, tiles) < 2e-3 and _rel(out, ref) < 5e-3  # fp32 sums in another order (and bf16 roundings)
+    assert torch.isfinite(out).all()
+
+
+@hopper_only
+def test_gpu_act_quant_and_tight_limit(monkeypatch):
+    """The official FP8 activations (input and hidden rows rounded) and a clamping SwiGLU limit, as the Triton tiles."""
+    e, i, d, k, t = 16, 2048, 4096, 6, 300
+    mx, g = _experts(e, i, d, seed=5)
+    rot = _shifted(mx, "rotate")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16() * 4
+    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda")
+    out = moe_mxfp4(x, idx, w, *rot, 0.05, order="rotate", act_quant=True)
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", False)
+    assert _rel(out, moe_mxfp4(x, idx, w, *rot, 0.05, order="rotate", act_quant=True)) < 2e-3
+
+
+@hopper_only
+def test_gpu_graph_replay_bit_identical():
+    """Captured in a CUDA graph (no host reads of device values) and replayed: bit-identical to the eager call."""
+    e, i, d, k, t = 16, 2048, 4096, 6, 300
+    mx, g = _experts(e, i, d, seed=9)
+    rot = _shifted(mx, "rotate")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda")
+    eager = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
