@@ -32,6 +32,10 @@ decoded experts only by fp32 summation order, and the three orders give the same
 Triton's interpreter) the same kernels decode in plain Triton. The decode and the K loop are in
 ``kernels.moe_mxfp4_gemm``.
 
+The prefill tiles of rotate-ordered experts on sm_90 (``WGMMA_PREFILL``) run as ``kernels.moe_mxfp4_wgmma``'s Gluon
+kernels instead: the same blocks, sums and roundings, the decoded tiles through shared memory to asynchronous
+``wgmma`` (1.4x at 4096 tokens on an H200).
+
 Split-K (``kernels.moe_mxfp4_split``): at decode sizes the grid (slot blocks × N tiles) is too small for the GPU
 (6 × 32 gate/up programs at one token), so each GEMM may also be cut over K into pieces whose fp32 partials a
 finishing kernel sums in a fixed order before the same epilogue (for down: the rounding of each slot to ``x.dtype``

@@ -1,0 +1,90 @@
+"""The prefill MoE of one V4-Flash layer on its Gluon kernels (``kernels.moe_mxfp4_wgmma``) against the Triton prefill
+tiles of the same call (``moe_mxfp4.WGMMA_PREFILL = False``), interleaved in one run, beside the bf16 FLOP roofline.
+
+Random MXFP4 experts in the rotate order (E = 256, D = 4096, I = 2048, top 6), random routing; µs per call from CUDA
+events over ``--calls`` back-to-back calls after a warm-up, two rounds; then the kernels' CUDA time by name.
+
+    PYTHONPATH=libs:tests:bench python3 bench/moe_wgmma.py --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "libs") not in sys.path:
+    sys.path.insert(0, str(ROOT / "libs"))
+
+import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
+from deepinfer.quant.nibble_order import to_order  # noqa: E402
+
+E, I, D, K = 256, 2048, 4096, 6
+LIMIT = 10.0
+
+
+def experts(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    def packed(e: int, n: int, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randint(0, 256, (e, n, k // 2), generator=g, device="cuda", dtype=torch.uint8).view(torch.int8)
+        to_order(w, "rotate")
+        return w, torch.randint(lo, hi + 1, (e, n, k // 32), generator=g, device="cuda", dtype=torch.uint8)
+
+    (w1, s1), (w3, s3), (w2, s2) = packed(E, I, D, 118, 122), packed(E, I, D, 118, 122), packed(E, D, I, 116, 120)
+    return w1, s1, w2, s2, w3, s3
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="4096")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--bf16-tflops", type=float, default=798.0, help="measured dense bf16 peak (bench/sweep.py)")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mx = experts(g)
+    for t in (int(v) for v in args.tokens.split(",")):
+        x = torch.randn(t, D, generator=g, device="cuda").bfloat16()
+        idx = torch.rand(t, E, generator=g, device="cuda").argsort(dim=1)[:, :K]
+        w = torch.rand(t, K, generator=g, device="cuda")
+
+        def run(x=x, idx=idx, w=w) -> torch.Tensor:
+            return mod.moe_mxfp4(x, idx, w, *mx, LIMIT, order="rotate")
+
+        roof = 2 * 3 * t * K * D * I / (args.bf16_tflops * 1e12) * 1e6
+        for rnd in range(2):
+            for wgmma in (True, False):
+                mod.WGMMA_PREFILL = wgmma
+                us = per_call_us(run, args.calls)
+                name = "gluon wgmma" if wgmma else "triton tiles"
+                print(f"T={t} round {rnd}: {name} {us:.0f} µs (bf16 FLOP roofline {roof:.0f} µs)", flush=True)
+        mod.WGMMA_PREFILL = True
+        out = run()
+        mod.WGMMA_PREFILL = False
+        ref = run()
+        mod.WGMMA_PREFILL = True
+        print(f"T={t}: relative difference {((out - ref).norm() / ref.norm()).item():.2e}")
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
