@@ -34,6 +34,31 @@ def test_dispatch_rule_on_the_host():
     assert not mod._wgmma(MX_PREFILL, x, "shift", 2048, 4096, interpret=False)
 
 
+def test_a_failed_build_falls_back_once(monkeypatch):
+    """A Triton whose Gluon API differs: the first call that fails logs, returns the Triton tiles' result, and later
+    calls go straight to the Triton tiles (runs in the interpreter on a CPU host, the real kernels on a GPU)."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    g = torch.Generator(device=dev).manual_seed(3)
+    (w1, s1), (w3, s3), (w2, s2) = _packed(6, 64, 64, g), _packed(6, 64, 64, g), _packed(6, 64, 64, g)
+    x = torch.randn(5, 64, generator=g, device=dev)
+    idx = torch.rand(5, 6, generator=g, device=dev).argsort(dim=1)[:, :2]
+    w = torch.rand(5, 2, generator=g, device=dev)
+    want = moe_mxfp4(x, idx, w, w1, s1, w2, s2, w3, s3, 10.0)
+    tries = []
+
+    def broken(*args, **kw):
+        tries.append(1)
+        raise RuntimeError("an unknown Gluon builtin")
+
+    monkeypatch.setattr(mod, "WGMMA_FAILED", None)
+    monkeypatch.setattr(mod, "_wgmma", lambda *a: not mod.WGMMA_FAILED)
+    monkeypatch.setattr(mod, "_moe_wgmma", broken)
+    assert torch.equal(moe_mxfp4(x, idx, w, w1, s1, w2, s2, w3, s3, 10.0), want)
+    assert tries == [1] and "unknown Gluon builtin" in mod.WGMMA_FAILED
+    assert torch.equal(moe_mxfp4(x, idx, w, w1, s1, w2, s2, w3, s3, 10.0), want)
+    assert tries == [1]
+
+
 def _experts(e, i, d, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     (w1, s1), (w3, s3) = _packed(e, i, d, g, 118, 122), _packed(e, i, d, g)
@@ -72,6 +97,23 @@ def test_gpu_matches_the_triton_tiles(t, pool, monkeypatch):
     assert out.dtype == torch.float32 and out.shape == (t, d)
     assert _rel(out, tiles) < 2e-3 and _rel(out, ref) < 5e-3  # fp32 sums in another order (and bf16 roundings)
     assert torch.isfinite(out).all()
+
+
+@hopper_only
+def test_gpu_v41_widths(monkeypatch):
+    """V4.1-Flash's expert widths (D = 5120, I = 2304: 18 gate/up tiles, 36 down K steps, 72-byte scale rows), 16
+    experts: against the Triton prefill tiles."""
+    e, i, d, k, t = 16, 2304, 5120, 6, 300
+    mx, g = _experts(e, i, d, seed=41)
+    rot = _shifted(mx, "rotate")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda")
+    calls = _calls(monkeypatch)
+    out = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    assert calls == ["gate_up", "down"]
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", False)
+    assert _rel(out, moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")) < 2e-3
 
 
 @hopper_only

@@ -34,7 +34,9 @@ Triton's interpreter) the same kernels decode in plain Triton. The decode and th
 
 The prefill tiles of rotate-ordered experts on sm_90 (``WGMMA_PREFILL``) run as ``kernels.moe_mxfp4_wgmma``'s Gluon
 kernels instead: the same blocks, sums and roundings, the decoded tiles through shared memory to asynchronous
-``wgmma`` (1.4x at 4096 tokens on an H200).
+``wgmma`` (1.4x at 4096 tokens on an H200). Should they fail to build (Gluon's API moves between Triton releases;
+written against 3.6), the first failing call logs, returns the Triton tiles' result, and the process keeps to those
+(``WGMMA_FAILED`` says why).
 
 Split-K (``kernels.moe_mxfp4_split``): at decode sizes the grid (slot blocks × N tiles) is too small for the GPU
 (6 × 32 gate/up programs at one token), so each GEMM may also be cut over K into pieces whose fp32 partials a
@@ -62,6 +64,9 @@ from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_sp
 from deepinfer.kernels.pdl import pdl_wait
 from deepinfer.quant.formats import MXFP4_BLOCK
 from deepinfer.quant.nibble_order import ORDERS, check_order
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -84,6 +89,7 @@ TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
 WGMMA_PREFILL = True  # the prefill tiles in the rotate order on sm_90: kernels.moe_mxfp4_wgmma (False: Triton's)
+WGMMA_FAILED: str | None = None  # why the Gluon kernels failed in this process (a Triton whose Gluon API differs)
 
 
 def pick_config_mxfp4(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
@@ -245,7 +251,12 @@ def moe_mxfp4(
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = config or pick_config_mxfp4(tk, e, interpret)
     if config is None and _wgmma(cfg, x, order, inter, d, interpret):
-        return _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, act_quant)
+        try:
+            return _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, act_quant)
+        except Exception as exc:  # noqa: BLE001 - the Triton tiles below compute the same; once per process
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _gluon_failed(exc)
     if cfg.block_k % 32:
         raise ValueError(f"moe_mxfp4: block_k must be a multiple of 32, got {cfg.block_k}")
     swap = cfg.block_m >= 64 if SWAP_AB is None else SWAP_AB
@@ -293,9 +304,17 @@ def moe_mxfp4(
 
 def _wgmma(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool) -> bool:
     """Whether the prefill tiles run as ``kernels.moe_mxfp4_wgmma``'s Gluon kernels."""
-    if not WGMMA_PREFILL or cfg is not MX_PREFILL or order != "rotate" or interpret:
+    if not WGMMA_PREFILL or WGMMA_FAILED or cfg is not MX_PREFILL or order != "rotate" or interpret:
         return False
     return moe_mxfp4_wgmma.fits(inter, d) and moe_mxfp4_wgmma.fits(d, inter) and moe_mxfp4_wgmma.available(x)
+
+
+def _gluon_failed(exc: Exception) -> None:
+    """Keep to the Triton tiles from now on: the Gluon kernels did not build or launch (their API moves between
+    Triton releases; written against 3.6)."""
+    global WGMMA_FAILED
+    WGMMA_FAILED = f"{type(exc).__name__}: {exc}"[:500]
+    log.warning("moe_mxfp4: the Gluon prefill kernels failed; using the Triton tiles", error=WGMMA_FAILED)
 
 
 def _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit: float, act_quant: bool) -> torch.Tensor:
