@@ -2,7 +2,8 @@
 tiles of the same call (``moe_mxfp4.WGMMA_PREFILL = False``), interleaved in one run, beside the bf16 FLOP roofline.
 
 Random MXFP4 experts in the rotate order (E = 256, D = 4096, I = 2048, top 6), random routing; µs per call from CUDA
-events over ``--calls`` back-to-back calls after a warm-up, two rounds; then the kernels' CUDA time by name.
+events over ``--calls`` back-to-back calls after a warm-up, two rounds (``--ws``: the warp-specialised variant too);
+then the kernels' CUDA time by name.
 
     PYTHONPATH=libs:tests:bench python3 bench/moe_wgmma.py --tokens 4096
 """
@@ -52,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--ws", action="store_true", help="also the warp-specialised variant (kernels.moe_mxfp4_ws)")
     ap.add_argument("--bf16-tflops", type=float, default=798.0, help="measured dense bf16 peak (bench/sweep.py)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -66,12 +68,14 @@ def main() -> None:
 
         roof = 2 * 3 * t * K * D * I / (args.bf16_tflops * 1e12) * 1e6
         for rnd in range(2):
-            for wgmma in (True, False):
-                mod.WGMMA_PREFILL = wgmma
+            for name, wgmma, ws in (("gluon wgmma", True, False), ("gluon warp-specialised", True, True),
+                                    ("triton tiles", False, False)):  # fmt: skip
+                if ws and not args.ws:
+                    continue
+                mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = wgmma, ws
                 us = per_call_us(run, args.calls)
-                name = "gluon wgmma" if wgmma else "triton tiles"
                 print(f"T={t} round {rnd}: {name} {us:.0f} µs (bf16 FLOP roofline {roof:.0f} µs)", flush=True)
-        mod.WGMMA_PREFILL = True
+        mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = True, False
         out = run()
         mod.WGMMA_PREFILL = False
         ref = run()

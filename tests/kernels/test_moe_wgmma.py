@@ -100,6 +100,24 @@ def test_gpu_matches_the_triton_tiles(t, pool, monkeypatch):
 
 
 @hopper_only
+@pytest.mark.parametrize(("t", "pool"), [(300, 16), (400, 7)])
+def test_gpu_warp_specialised_variant_bit_identical(t, pool, monkeypatch):
+    """``moe_mxfp4_ws`` (producer warps decode, consumer warpgroups multiply) gives the same tiles to the same MMAs in
+    the same order as ``moe_mxfp4_wgmma``: bit-identical results."""
+    e, i, d, k = 16, 2048, 4096, 6
+    mx, g = _experts(e, i, d, seed=t + 1)
+    rot = _shifted(mx, "rotate")
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    idx = torch.rand(t, pool, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda")
+    want = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    monkeypatch.setattr(wg, "WS", True)
+    calls = _calls(monkeypatch)
+    assert torch.equal(moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate"), want)
+    assert calls == ["gate_up", "down"]
+
+
+@hopper_only
 def test_gpu_v41_widths(monkeypatch):
     """V4.1-Flash's expert widths (D = 5120, I = 2304: 18 gate/up tiles, 36 down K steps, 72-byte scale rows), 16
     experts: against the Triton prefill tiles."""

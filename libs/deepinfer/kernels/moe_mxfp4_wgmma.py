@@ -56,6 +56,7 @@ BLOCK_N = 128  # weight rows a program (the MMA's M: two warpgroups of 64)
 BLOCK_K = 64  # columns a K step (two MXFP4 scale blocks; one 128-byte swizzled row of bf16)
 STAGES = 4  # the cp.async ring of activation and word tiles
 NUM_WARPS = 8
+WS = False  # the warp-specialised variant (kernels.moe_mxfp4_ws; not yet run on a GPU)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -221,10 +222,16 @@ if HAVE_GLUON:
 
 def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, limit: float, topk: int, two: bool):
     grid = (n // BLOCK_N, bexp.numel())
-    _wg_moe_kernel[grid](
-        a, w, s, v, t, rw, slots, bexp, o, tk, e, n, a.stride(0), o.stride(0), float(limit), K=k,
-        TOPK=topk, TWO=two, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=STAGES, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    args = (a, w, s, v, t, rw, slots, bexp, o, tk, e, n, a.stride(0), o.stride(0), float(limit))
+    meta = dict(K=k, TOPK=topk, TWO=two, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    if WS:
+        from deepinfer.kernels import moe_mxfp4_ws as ws
+
+        ws._ws_moe_kernel[grid](
+            *args, STAGES=ws.STAGES, PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS, **meta
+        )
+    else:
+        _wg_moe_kernel[grid](*args, STAGES=STAGES, **meta)
 
 
 def gate_up(x, w1, s1, w3, s3, rw, slots, bexp, h, topk: int, limit: float) -> None:

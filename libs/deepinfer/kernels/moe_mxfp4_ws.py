@@ -1,0 +1,202 @@
+"""A warp-specialised variant of ``kernels.moe_mxfp4_wgmma``'s prefill kernels (Gluon, sm_90): producer warps copy
+and decode, the two consumer warpgroups only issue ``wgmma``. NOT YET RUN ON A GPU: off unless ``moe_mxfp4_wgmma.WS``
+is set (compiled for sm_90 offline with Triton 3.6; ``tests/kernels/test_moe_wgmma.py`` runs it on a GPU).
+
+Why: in ``moe_mxfp4_wgmma`` the same two warpgroups decode, wait at a CTA barrier and issue the MMAs; at 4096 tokens
+its gate/up kernel keeps the tensor pipe 53% busy (ncu: one program an SM at 254 registers; stalls at the barrier
+25%, fixed-latency waits 15%), and neither fewer barriers, deeper MMA queues nor register operands moved it
+(bench/results/2026-12-01-moe-wgmma.md). Here the decode runs in its own warps (``PRODUCER_WARPS``, few registers),
+up to two steps ahead of the MMAs, and the consumers keep the accumulators.
+
+Same blocks, products, sums and epilogue as ``moe_mxfp4_wgmma`` (the same tile for each K step, accumulated in the
+same order by the same ``wgmma`` shapes): bit-identical results are expected.
+
+Per K step ``s`` (ring slot ``s % STAGES`` for the activation rows, the words and the decoded tiles):
+
+* producers: wait until the MMAs of step ``s + 2 - STAGES`` are done (``free``), ``cp.async`` step ``s + 2``'s
+  activation rows and words into its slot, wait for their own copies of step ``s``, decode its words into the tile
+  buffers, fence, sync among themselves and arrive on ``ready[s % STAGES]``;
+* consumers: wait on ``ready``, issue the step's ``wgmma`` (asynchronous), wait for the step before's and arrive on
+  its ``free``.
+"""
+
+from __future__ import annotations
+
+from deepinfer.kernels.moe_mxfp4_wgmma import HAVE_GLUON
+
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 96  # registers a producer thread (setmaxnreg); the consumers get the rest
+STAGES = 3
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from deepinfer.kernels.moe_mxfp4_wgmma import _decode
+
+    @gluon.jit
+    def _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW: gl.constexpr, step, a_smem, w_smem, v_smem, slot,
+              AL: gl.constexpr, WL: gl.constexpr, TWO: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+        kk = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, AL))
+        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptr + arow[:, None] * stride_am + kk[None, :])
+        kw = step * (BLOCK_K // 8) + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, WL))
+        off = wrow[:, None] * KW + kw[None, :]
+        async_copy.async_copy_global_to_shared(w_smem.index(slot), w_ptr + off)
+        if TWO:
+            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptr + off)
+
+    @gluon.jit
+    def _exponents(s_ptr, srow, KS: gl.constexpr, step, SL: gl.constexpr, BLOCK_K: gl.constexpr):
+        kb = step * (BLOCK_K // 32) + gl.arange(0, BLOCK_K // 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+        return gl.load(s_ptr + srow[:, None, None] * KS + kb[None, :, None]).to(gl.int32)
+
+    @gluon.jit
+    def _producer(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, slots_ptr, pid_m, row0, TK, stride_am, a_smem, w_smem, v_smem,
+                  tw_smem, tv_smem, ready, free, K: gl.constexpr, TOPK: gl.constexpr, TWO: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
+        W: gl.constexpr = gl.num_warps()
+        AL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        WL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [W, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [16, 2, 1], [W, 1, 1], [2, 1, 0])  # WL's words by block
+        KW: gl.constexpr = K // 8
+        KS: gl.constexpr = K // 32
+        nk: gl.constexpr = K // BLOCK_K
+        slot = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, AL)))
+        if TWO:
+            arow = gl.where(slot < TK, slot // TOPK, 0).to(gl.int64)  # padding reads row 0; never stored
+        else:
+            arow = gl.where(slot < TK, slot, 0).to(gl.int64)
+        wrow = (row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))).to(gl.int64)
+        srow = (row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))).to(gl.int64)
+        for i in gl.static_range(2):
+            _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, i, a_smem, w_smem, v_smem, i, AL, WL, TWO, BLOCK_K)
+            async_copy.commit_group()
+        sw = _exponents(s_ptr, srow, KS, 0, SL, BLOCK_K)
+        sv = sw
+        if TWO:
+            sv = _exponents(t_ptr, srow, KS, 0, SL, BLOCK_K)
+        for step in range(nk):
+            ahead = step + 2
+            if ahead < nk:
+                ring = ahead % STAGES
+                # its slot is free once the consumers are done with step ahead - STAGES
+                mbarrier.wait(free.index(ring), (ahead // STAGES + 1) & 1, pred=ahead >= STAGES)
+                _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, ahead, a_smem, w_smem, v_smem, ring, AL, WL,
+                      TWO, BLOCK_K)  # fmt: skip
+            async_copy.commit_group()
+            nxt = gl.minimum(step + 1, nk - 1)
+            sw1 = _exponents(s_ptr, srow, KS, nxt, SL, BLOCK_K)
+            sv1 = sw1
+            if TWO:
+                sv1 = _exponents(t_ptr, srow, KS, nxt, SL, BLOCK_K)
+            async_copy.wait_group(2)  # this thread's copies of step `step`
+            buf = step % STAGES
+            words = w_smem.index(buf).reshape([BLOCK_N, BLOCK_K // 32, 4])
+            tw_smem.index(buf).store(_decode(words.load(SL), sw))
+            if TWO:
+                words = v_smem.index(buf).reshape([BLOCK_N, BLOCK_K // 32, 4])
+                tv_smem.index(buf).store(_decode(words.load(SL), sv))
+            fence_async_shared()
+            gl.thread_barrier()  # every producer's copies and tiles of this step
+            mbarrier.arrive(ready.index(buf), count=1)
+            sw = sw1
+            sv = sv1
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _consumer(a_smem, tw_smem, tv_smem, ready, free, K: gl.constexpr, TWO: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        nk: gl.constexpr = K // BLOCK_K
+        acc_w = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        acc_v = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        for step in range(nk):
+            buf = step % STAGES
+            mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
+            act = a_smem.index(buf).permute((1, 0))
+            acc_w = warpgroup_mma(tw_smem.index(buf), act, acc_w, is_async=True)
+            if TWO:
+                acc_v = warpgroup_mma(tv_smem.index(buf), act, acc_v, is_async=True)
+                acc_w, acc_v = warpgroup_mma_wait(num_outstanding=2, deps=(acc_w, acc_v))
+            else:
+                acc_w = warpgroup_mma_wait(num_outstanding=1, deps=(acc_w,))
+            gl.thread_barrier()  # both warpgroups are done with step - 1
+            mbarrier.arrive(free.index((step + STAGES - 1) % STAGES), count=1, pred=step >= 1)
+        if TWO:
+            acc_w, acc_v = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, acc_v))
+        else:
+            acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w,))
+        return acc_w, acc_v
+
+    @gluon.jit
+    def _ws_moe_kernel(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, rw_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, stride_am,
+                       stride_om, limit, K: gl.constexpr, TOPK: gl.constexpr, TWO: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        gl.static_assert(gl.num_warps() == 8)
+        gl.static_assert(K // BLOCK_K >= 2)
+        OL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+        ACT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+        WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        e = gl.load(bexp_ptr + pid_m)
+        if e < E:
+            n0 = pid_n * BLOCK_N
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], ACT)
+            w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], WORDS)
+            tw_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], TILE)
+            v_smem = w_smem
+            tv_smem = tw_smem
+            if TWO:
+                v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], WORDS)
+                tv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], TILE)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(free.index(i), count=1)
+            fence_async_shared()
+            acc_w, acc_v = gl.warp_specialize(
+                [
+                    (_consumer, (a_smem, tw_smem, tv_smem, ready, free, K, TWO, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                    (_producer, (a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, slots_ptr, pid_m, e * N + n0, TK, stride_am,
+                                 a_smem, w_smem, v_smem, tw_smem, tv_smem, ready, free, K, TOPK, TWO, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, STAGES)),
+                ],
+                [PRODUCER_WARPS],
+                [PRODUCER_REGS],
+            )  # fmt: skip
+
+            rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
+            if TWO:
+                g = acc_w.to(gl.bfloat16).to(gl.float32)
+                u = acc_v.to(gl.bfloat16).to(gl.float32)
+                g = gl.minimum(g, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+                y = g / (1.0 + gl.exp(-g)) * u
+                slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)))
+                rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
+                y = y * rw[None, :]
+            else:
+                y = acc_w
+            out = gl.convert_layout(gl.permute(y.to(gl.bfloat16), (1, 0)), OL)
+            slot_o = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL)))
+            o_off = slot_o.to(gl.int64)[:, None] * stride_om + rn[None, :]
+            gl.store(o_ptr + o_off, out, mask=(slot_o < TK)[:, None] & (rn < N)[None, :])
+
+
+__all__ = ["PRODUCER_REGS", "PRODUCER_WARPS", "STAGES"]
