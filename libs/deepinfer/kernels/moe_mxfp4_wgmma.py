@@ -106,6 +106,31 @@ if HAVE_GLUON:
         return gl.load(s_ptr + srow[:, None, None] * KS + kb[None, :, None]).to(gl.int32)
 
     @gluon.jit
+    def _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """The accumulators ``[BLOCK_N, BLOCK_M]`` (the MMA layout of 8 warps) → the slots' rows of ``o``, 16 contiguous
+        bytes a thread: gate/up (``TWO``) rounded to bf16, the clamped SwiGLU times the slot's routing weight; down
+        rounded to bf16."""
+        OL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+        if TWO:
+            g = acc_w.to(gl.bfloat16).to(gl.float32)
+            u = acc_v.to(gl.bfloat16).to(gl.float32)
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+            y = g / (1.0 + gl.exp(-g)) * u
+            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_w.type.layout))
+            slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + rows)
+            rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
+            y = y * rw[None, :]
+        else:
+            y = acc_w
+        out = gl.convert_layout(gl.permute(y.to(gl.bfloat16), (1, 0)), OL)
+        slot_o = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL)))
+        rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
+        o_off = slot_o.to(gl.int64)[:, None] * stride_om + rn[None, :]
+        gl.store(o_ptr + o_off, out, mask=(slot_o < TK)[:, None] & (rn < N)[None, :])
+
+    @gluon.jit
     def _wg_moe_kernel(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, rw_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, stride_am,
                        stride_om, limit, K: gl.constexpr, TOPK: gl.constexpr, TWO: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -115,7 +140,6 @@ if HAVE_GLUON:
         AL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [8, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [16, 2, 1], [8, 1, 1], [2, 1, 0])  # WL's words by scale block
-        OL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                       instr_shape=[16, BLOCK_M, 16])  # fmt: skip
         TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -201,23 +225,7 @@ if HAVE_GLUON:
                 acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w,))
             async_copy.wait_group(0)
 
-            # epilogue: [BLOCK_N, BLOCK_M] → the slots' rows, 16 contiguous bytes a thread
-            if TWO:
-                g = acc_w.to(gl.bfloat16).to(gl.float32)
-                u = acc_v.to(gl.bfloat16).to(gl.float32)
-                g = gl.minimum(g, limit)
-                u = gl.minimum(gl.maximum(u, -limit), limit)
-                y = g / (1.0 + gl.exp(-g)) * u
-                slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)))
-                rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
-                y = y * rw[None, :]
-            else:
-                y = acc_w
-            out = gl.convert_layout(gl.permute(y.to(gl.bfloat16), (1, 0)), OL)
-            slot_o = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL)))
-            rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
-            o_off = slot_o.to(gl.int64)[:, None] * stride_om + rn[None, :]
-            gl.store(o_ptr + o_off, out, mask=(slot_o < TK)[:, None] & (rn < N)[None, :])
+            _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO, BLOCK_M, BLOCK_N)
 
 
 def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, limit: float, topk: int, two: bool):

@@ -39,23 +39,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from deepinfer.kernels.moe_mxfp4_wgmma import _decode
-
-    @gluon.jit
-    def _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW: gl.constexpr, step, a_smem, w_smem, v_smem, slot,
-              AL: gl.constexpr, WL: gl.constexpr, TWO: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-        kk = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, AL))
-        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptr + arow[:, None] * stride_am + kk[None, :])
-        kw = step * (BLOCK_K // 8) + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, WL))
-        off = wrow[:, None] * KW + kw[None, :]
-        async_copy.async_copy_global_to_shared(w_smem.index(slot), w_ptr + off)
-        if TWO:
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptr + off)
-
-    @gluon.jit
-    def _exponents(s_ptr, srow, KS: gl.constexpr, step, SL: gl.constexpr, BLOCK_K: gl.constexpr):
-        kb = step * (BLOCK_K // 32) + gl.arange(0, BLOCK_K // 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
-        return gl.load(s_ptr + srow[:, None, None] * KS + kb[None, :, None]).to(gl.int32)
+    from deepinfer.kernels.moe_mxfp4_wgmma import _decode, _epilogue, _issue, _scales
 
     @gluon.jit
     def _producer(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, slots_ptr, pid_m, row0, TK, stride_am, a_smem, w_smem, v_smem,
@@ -77,26 +61,26 @@ if HAVE_GLUON:
         wrow = (row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))).to(gl.int64)
         srow = (row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))).to(gl.int64)
         for i in gl.static_range(2):
-            _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, i, a_smem, w_smem, v_smem, i, AL, WL, TWO, BLOCK_K)
+            _issue(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, i, a_smem, w_smem, v_smem, i, AL, WL, TWO, BLOCK_K)
             async_copy.commit_group()
-        sw = _exponents(s_ptr, srow, KS, 0, SL, BLOCK_K)
+        sw = _scales(s_ptr, srow, KS, 0, SL, BLOCK_K)
         sv = sw
         if TWO:
-            sv = _exponents(t_ptr, srow, KS, 0, SL, BLOCK_K)
+            sv = _scales(t_ptr, srow, KS, 0, SL, BLOCK_K)
         for step in range(nk):
             ahead = step + 2
             if ahead < nk:
                 ring = ahead % STAGES
                 # its slot is free once the consumers are done with step ahead - STAGES
                 mbarrier.wait(free.index(ring), (ahead // STAGES + 1) & 1, pred=ahead >= STAGES)
-                _copy(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, ahead, a_smem, w_smem, v_smem, ring, AL, WL,
+                _issue(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, ahead, a_smem, w_smem, v_smem, ring, AL, WL,
                       TWO, BLOCK_K)  # fmt: skip
             async_copy.commit_group()
             nxt = gl.minimum(step + 1, nk - 1)
-            sw1 = _exponents(s_ptr, srow, KS, nxt, SL, BLOCK_K)
+            sw1 = _scales(s_ptr, srow, KS, nxt, SL, BLOCK_K)
             sv1 = sw1
             if TWO:
-                sv1 = _exponents(t_ptr, srow, KS, nxt, SL, BLOCK_K)
+                sv1 = _scales(t_ptr, srow, KS, nxt, SL, BLOCK_K)
             async_copy.wait_group(2)  # this thread's copies of step `step`
             buf = step % STAGES
             words = w_smem.index(buf).reshape([BLOCK_N, BLOCK_K // 32, 4])
@@ -144,9 +128,6 @@ if HAVE_GLUON:
                        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
         gl.static_assert(gl.num_warps() == 8)
         gl.static_assert(K // BLOCK_K >= 2)
-        OL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
         TILE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
         ACT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -181,22 +162,7 @@ if HAVE_GLUON:
                 [PRODUCER_REGS],
             )  # fmt: skip
 
-            rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
-            if TWO:
-                g = acc_w.to(gl.bfloat16).to(gl.float32)
-                u = acc_v.to(gl.bfloat16).to(gl.float32)
-                g = gl.minimum(g, limit)
-                u = gl.minimum(gl.maximum(u, -limit), limit)
-                y = g / (1.0 + gl.exp(-g)) * u
-                slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA)))
-                rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
-                y = y * rw[None, :]
-            else:
-                y = acc_w
-            out = gl.convert_layout(gl.permute(y.to(gl.bfloat16), (1, 0)), OL)
-            slot_o = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL)))
-            o_off = slot_o.to(gl.int64)[:, None] * stride_om + rn[None, :]
-            gl.store(o_ptr + o_off, out, mask=(slot_o < TK)[:, None] & (rn < N)[None, :])
+            _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO, BLOCK_M, BLOCK_N)
 
 
 __all__ = ["PRODUCER_REGS", "PRODUCER_WARPS", "STAGES"]
