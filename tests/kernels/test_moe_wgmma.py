@@ -59,11 +59,17 @@ def test_a_failed_build_falls_back_once(monkeypatch):
     assert tries == [1]
 
 
-def _experts(e, i, d, seed):
+def _problem(e, i, d, k, t, pool, seed, x_scale=1.0, w_scale=1.0):
+    """Random MXFP4 experts ``[E, I, D]`` (plain codes, and copies in the rotate order) and ``t`` routed bf16 rows
+    over the first ``pool`` experts, top ``k``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     (w1, s1), (w3, s3) = _packed(e, i, d, g, 118, 122), _packed(e, i, d, g)
     w2, s2 = _packed(e, d, i, g, 116, 120)
-    return (w1, s1, w2, s2, w3, s3), g
+    mx = (w1, s1, w2, s2, w3, s3)
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16() * x_scale
+    idx = torch.rand(t, pool, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g, device="cuda") * w_scale
+    return mx, _shifted(mx, "rotate"), x, idx, w
 
 
 def _calls(monkeypatch):
@@ -82,11 +88,7 @@ def test_gpu_matches_the_triton_tiles(t, pool, monkeypatch):
     blocks, padded) or all slots on 7 experts (many blocks an expert, 9 experts empty); against the Triton prefill
     tiles on the same rotate-ordered codes and ``moe_triton`` on the decoded experts."""
     e, i, d, k = 16, 2048, 4096, 6
-    mx, g = _experts(e, i, d, seed=t)
-    rot = _shifted(mx, "rotate")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    idx = torch.rand(t, pool, generator=g, device="cuda").argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=g, device="cuda") * 1.5
+    mx, rot, x, idx, w = _problem(e, i, d, k, t, pool, seed=t, w_scale=1.5)
     calls = _calls(monkeypatch)
     out = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
     assert calls == ["gate_up", "down"]
@@ -105,11 +107,7 @@ def test_gpu_warp_specialised_variant_bit_identical(t, pool, monkeypatch):
     """``moe_mxfp4_ws`` (producer warps decode, consumer warpgroups multiply) gives the same tiles to the same MMAs in
     the same order as ``moe_mxfp4_wgmma``: bit-identical results."""
     e, i, d, k = 16, 2048, 4096, 6
-    mx, g = _experts(e, i, d, seed=t + 1)
-    rot = _shifted(mx, "rotate")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    idx = torch.rand(t, pool, generator=g, device="cuda").argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=g, device="cuda")
+    mx, rot, x, idx, w = _problem(e, i, d, k, t, pool, seed=t + 1)
     want = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
     monkeypatch.setattr(wg, "WS", True)
     calls = _calls(monkeypatch)
@@ -122,11 +120,7 @@ def test_gpu_v41_widths(monkeypatch):
     """V4.1-Flash's expert widths (D = 5120, I = 2304: 18 gate/up tiles, 36 down K steps, 72-byte scale rows), 16
     experts: against the Triton prefill tiles."""
     e, i, d, k, t = 16, 2304, 5120, 6, 300
-    mx, g = _experts(e, i, d, seed=41)
-    rot = _shifted(mx, "rotate")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=g, device="cuda")
+    mx, rot, x, idx, w = _problem(e, i, d, k, t, e, seed=41)
     calls = _calls(monkeypatch)
     out = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
     assert calls == ["gate_up", "down"]
@@ -138,11 +132,7 @@ def test_gpu_v41_widths(monkeypatch):
 def test_gpu_act_quant_and_tight_limit(monkeypatch):
     """The official FP8 activations (input and hidden rows rounded) and a clamping SwiGLU limit, as the Triton tiles."""
     e, i, d, k, t = 16, 2048, 4096, 6, 300
-    mx, g = _experts(e, i, d, seed=5)
-    rot = _shifted(mx, "rotate")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16() * 4
-    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=g, device="cuda")
+    mx, rot, x, idx, w = _problem(e, i, d, k, t, e, seed=5, x_scale=4.0)
     out = moe_mxfp4(x, idx, w, *rot, 0.05, order="rotate", act_quant=True)
     monkeypatch.setattr(mod, "WGMMA_PREFILL", False)
     assert _rel(out, moe_mxfp4(x, idx, w, *rot, 0.05, order="rotate", act_quant=True)) < 2e-3
@@ -152,11 +142,7 @@ def test_gpu_act_quant_and_tight_limit(monkeypatch):
 def test_gpu_graph_replay_bit_identical():
     """Captured in a CUDA graph (no host reads of device values) and replayed: bit-identical to the eager call."""
     e, i, d, k, t = 16, 2048, 4096, 6, 300
-    mx, g = _experts(e, i, d, seed=9)
-    rot = _shifted(mx, "rotate")
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    idx = torch.rand(t, e, generator=g, device="cuda").argsort(dim=1)[:, :k]
-    w = torch.rand(t, k, generator=g, device="cuda")
+    mx, rot, x, idx, w = _problem(e, i, d, k, t, e, seed=9)
     eager = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

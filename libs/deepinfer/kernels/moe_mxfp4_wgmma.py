@@ -106,6 +106,27 @@ if HAVE_GLUON:
         return gl.load(s_ptr + srow[:, None, None] * KS + kb[None, :, None]).to(gl.int32)
 
     @gluon.jit
+    def _mma(tw, tv, act, acc_w, acc_v, TWO: gl.constexpr, PENDING: gl.constexpr):
+        """``acc_w += tw · act`` (and ``acc_v += tv · act``) issued asynchronously; then wait until ``PENDING`` steps'
+        MMAs at most are in flight."""
+        acc_w = warpgroup_mma(tw, act, acc_w, is_async=True)
+        if TWO:
+            acc_v = warpgroup_mma(tv, act, acc_v, is_async=True)
+            acc_w, acc_v = warpgroup_mma_wait(num_outstanding=2 * PENDING, deps=(acc_w, acc_v))
+        else:
+            acc_w = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc_w,))
+        return acc_w, acc_v
+
+    @gluon.jit
+    def _drain(acc_w, acc_v, TWO: gl.constexpr):
+        """Wait for every MMA in flight."""
+        if TWO:
+            acc_w, acc_v = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, acc_v))
+        else:
+            acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w,))
+        return acc_w, acc_v
+
+    @gluon.jit
     def _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
         """The accumulators ``[BLOCK_N, BLOCK_M]`` (the MMA layout of 8 warps) → the slots' rows of ``o``, 16 contiguous
@@ -209,20 +230,12 @@ if HAVE_GLUON:
                            ahead % STAGES, AL, WL, TWO, BLOCK_K)  # fmt: skip
                 async_copy.commit_group()
                 act = a_smem.index(ring).permute((1, 0))
-                acc_w = warpgroup_mma(tw_smem.index(buf), act, acc_w, is_async=True)
-                if TWO:
-                    acc_v = warpgroup_mma(tv_smem.index(buf), act, acc_v, is_async=True)
-                    acc_w, acc_v = warpgroup_mma_wait(num_outstanding=2, deps=(acc_w, acc_v))
-                else:
-                    acc_w = warpgroup_mma_wait(num_outstanding=1, deps=(acc_w,))
+                acc_w, acc_v = _mma(tw_smem.index(buf), tv_smem.index(buf), act, acc_w, acc_v, TWO, 1)
                 sw = sw1
                 sw1 = sw2
                 sv = sv1
                 sv1 = sv2
-            if TWO:
-                acc_w, acc_v = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, acc_v))
-            else:
-                acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w,))
+            acc_w, acc_v = _drain(acc_w, acc_v, TWO)
             async_copy.wait_group(0)
 
             _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO, BLOCK_M, BLOCK_N)

@@ -35,11 +35,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
     )
 
-    from deepinfer.kernels.moe_mxfp4_wgmma import _decode, _epilogue, _issue, _scales
+    from deepinfer.kernels.moe_mxfp4_wgmma import _decode, _drain, _epilogue, _issue, _mma, _scales
 
     @gluon.jit
     def _producer(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, slots_ptr, pid_m, row0, TK, stride_am, a_smem, w_smem, v_smem,
@@ -107,19 +105,10 @@ if HAVE_GLUON:
             buf = step % STAGES
             mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
             act = a_smem.index(buf).permute((1, 0))
-            acc_w = warpgroup_mma(tw_smem.index(buf), act, acc_w, is_async=True)
-            if TWO:
-                acc_v = warpgroup_mma(tv_smem.index(buf), act, acc_v, is_async=True)
-                acc_w, acc_v = warpgroup_mma_wait(num_outstanding=2, deps=(acc_w, acc_v))
-            else:
-                acc_w = warpgroup_mma_wait(num_outstanding=1, deps=(acc_w,))
+            acc_w, acc_v = _mma(tw_smem.index(buf), tv_smem.index(buf), act, acc_w, acc_v, TWO, 1)
             gl.thread_barrier()  # both warpgroups are done with step - 1
             mbarrier.arrive(free.index((step + STAGES - 1) % STAGES), count=1, pred=step >= 1)
-        if TWO:
-            acc_w, acc_v = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w, acc_v))
-        else:
-            acc_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc_w,))
-        return acc_w, acc_v
+        return _drain(acc_w, acc_v, TWO)
 
     @gluon.jit
     def _ws_moe_kernel(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, rw_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, stride_am,
