@@ -1217,7 +1217,20 @@ def versions() -> dict[str, Any]:
         )
     except Exception:  # noqa: BLE001
         v["git"] = None
+    v["source"] = source_hash(ROOT / "libs" / "deepinfer")
     return v
+
+
+def source_hash(root: Path) -> str:
+    """The first 12 hex digits of a SHA-256 over the library's Python files (paths and contents) under ``root``:
+    what ran, even where ``git`` reads another checkout's ``.git`` (an A/B tree unpacked from an archive)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def result_header(dev: torch.device, args: argparse.Namespace) -> dict[str, Any]:
