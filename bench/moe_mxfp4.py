@@ -137,7 +137,7 @@ def variants(inputs, mx, sx, reps):
                 times[name] = min(us, times.get(name, us))
                 outs[name] = fn(*inputs[0])
     finally:
-        mod.TMA_WEIGHTS, mod.SPLIT_K, mod.WGMMA_PREFILL = True, None, True
+        mod.TMA_WEIGHTS, mod.SPLIT_K, mod.WGMMA_PREFILL = True, None, None
     return times, outs
 
 

@@ -79,7 +79,7 @@ def main() -> None:
         out = run()
         mod.WGMMA_PREFILL = False
         ref = run()
-        mod.WGMMA_PREFILL = True
+        mod.WGMMA_PREFILL = None
         print(f"T={t}: relative difference {((out - ref).norm() / ref.norm()).item():.2e}")
         from torch.profiler import ProfilerActivity, profile
 

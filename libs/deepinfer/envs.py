@@ -223,6 +223,12 @@ _declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
     (`deepinfer.quant.native`): a decode step reads half (dense) or about a quarter (experts) of the bytes of
     bf16 weights, with the same values (the kernels decode exactly what load-time dequantisation would). Off:
     dequantise everything to the model dtype at load time, as the cpu backend does.""", default=True)
+_declare("DEEPINFER_MOE_PREFILL", "enum", _HW, """
+    The kernels of the MXFP4 routed experts at prefill sizes on an sm_90 GPU (Hopper): `gluon`, asynchronous wgmma
+    on decoded tiles in shared memory (`kernels/moe_mxfp4_wgmma.py`; 1.4x the Triton tiles at 4096 tokens on an
+    H200); `gluon-ws`, its warp-specialised variant (producer warps decode; not yet measured); `triton`, the Triton
+    tiles. The results agree up to the order of fp32 sums (the two Gluon kernels bit for bit). A Gluon build that
+    fails falls back to the Triton tiles, logged once.""", choices=("gluon", "gluon-ws", "triton"), default="gluon")
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher

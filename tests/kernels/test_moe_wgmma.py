@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
+from deepinfer import envs  # noqa: E402
 from deepinfer.kernels import moe_mxfp4_wgmma as wg  # noqa: E402
 from deepinfer.kernels.moe import moe_triton  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import MX_MID64, MX_PREFILL, moe_mxfp4  # noqa: E402
@@ -22,6 +23,35 @@ from kernels.test_moe_mxfp4 import _decoded, _packed, _rel, _shifted  # noqa: E4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not (HOPPER and wg.HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+
+
+@pytest.fixture(autouse=True)
+def _gluon_unless_a_test_says(monkeypatch):
+    """Every test runs the Gluon path (not the warp-specialised one) unless it sets otherwise, whatever the
+    environment's ``DEEPINFER_MOE_PREFILL``."""
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", True)
+    monkeypatch.setattr(wg, "WS", False)
+
+
+def test_environment_picks_the_kernels(monkeypatch):
+    """``DEEPINFER_MOE_PREFILL``: gluon (default) / gluon-ws / triton, where the module flags are unset; a flag wins."""
+    monkeypatch.setattr(wg, "available", lambda x: True)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
+    monkeypatch.setattr(wg, "WS", None)
+    monkeypatch.delenv("DEEPINFER_MOE_PREFILL", raising=False)
+    assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and not wg.use_ws()
+    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "gluon-ws")
+    assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and wg.use_ws()
+    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "Triton")
+    assert not mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and not wg.use_ws()
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", True)
+    monkeypatch.setattr(wg, "WS", True)
+    assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and wg.use_ws()
+    monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
+    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "cuda-cores")
+    with pytest.raises(envs.EnvError, match="DEEPINFER_MOE_PREFILL"):
+        mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False)
 
 
 def test_dispatch_rule_on_the_host():

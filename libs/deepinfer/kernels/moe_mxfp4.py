@@ -32,11 +32,11 @@ decoded experts only by fp32 summation order, and the three orders give the same
 Triton's interpreter) the same kernels decode in plain Triton. The decode and the K loop are in
 ``kernels.moe_mxfp4_gemm``.
 
-The prefill tiles of rotate-ordered experts on sm_90 (``WGMMA_PREFILL``) run as ``kernels.moe_mxfp4_wgmma``'s Gluon
-kernels instead: the same blocks, sums and roundings, the decoded tiles through shared memory to asynchronous
-``wgmma`` (1.4x at 4096 tokens on an H200). Should they fail to build (Gluon's API moves between Triton releases;
-written against 3.6), the first failing call logs, returns the Triton tiles' result, and the process keeps to those
-(``WGMMA_FAILED`` says why).
+The prefill tiles of rotate-ordered experts on sm_90 run as ``kernels.moe_mxfp4_wgmma``'s Gluon kernels instead
+(``DEEPINFER_MOE_PREFILL``, or ``WGMMA_PREFILL`` where set): the same blocks, sums and roundings, the decoded tiles
+through shared memory to asynchronous ``wgmma`` (1.4x at 4096 tokens on an H200). Should they fail to build
+(Gluon's API moves between Triton releases; written against 3.6), the first failing call logs, returns the Triton
+tiles' result, and the process keeps to those (``WGMMA_FAILED`` says why).
 
 Split-K (``kernels.moe_mxfp4_split``): at decode sizes the grid (slot blocks × N tiles) is too small for the GPU
 (6 × 32 gate/up programs at one token), so each GEMM may also be cut over K into pieces whose fp32 partials a
@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.kernels import moe_mxfp4_wgmma, pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK
 from deepinfer.kernels.fp8_quant import _act_quant_sim
@@ -88,7 +89,7 @@ FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
-WGMMA_PREFILL = True  # the prefill tiles in the rotate order on sm_90: kernels.moe_mxfp4_wgmma (False: Triton's)
+WGMMA_PREFILL: bool | None = None  # rotate-order prefill tiles on sm_90 in Gluon (None: DEEPINFER_MOE_PREFILL)
 WGMMA_FAILED: str | None = None  # why the Gluon kernels failed in this process (a Triton whose Gluon API differs)
 
 
@@ -304,7 +305,9 @@ def moe_mxfp4(
 
 def _wgmma(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool) -> bool:
     """Whether the prefill tiles run as ``kernels.moe_mxfp4_wgmma``'s Gluon kernels."""
-    if not WGMMA_PREFILL or WGMMA_FAILED or cfg is not MX_PREFILL or order != "rotate" or interpret:
+    if WGMMA_PREFILL is False or WGMMA_FAILED or cfg is not MX_PREFILL or order != "rotate" or interpret:
+        return False
+    if WGMMA_PREFILL is None and envs.get("DEEPINFER_MOE_PREFILL") == "triton":
         return False
     return moe_mxfp4_wgmma.fits(inter, d) and moe_mxfp4_wgmma.fits(d, inter) and moe_mxfp4_wgmma.available(x)
 

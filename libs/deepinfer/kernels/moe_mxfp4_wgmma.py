@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import envs
+
 try:  # Gluon's Hopper module (Triton >= 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -56,7 +58,7 @@ BLOCK_N = 128  # weight rows a program (the MMA's M: two warpgroups of 64)
 BLOCK_K = 64  # columns a K step (two MXFP4 scale blocks; one 128-byte swizzled row of bf16)
 STAGES = 4  # the cp.async ring of activation and word tiles
 NUM_WARPS = 8
-WS = False  # the warp-specialised variant (kernels.moe_mxfp4_ws; not yet run on a GPU)
+WS: bool | None = None  # the warp-specialised variant (kernels.moe_mxfp4_ws); None: DEEPINFER_MOE_PREFILL
 
 
 def available(x: torch.Tensor) -> bool:
@@ -64,6 +66,11 @@ def available(x: torch.Tensor) -> bool:
     if not (HAVE_GLUON and x.is_cuda and x.dtype == torch.bfloat16):
         return False
     return torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def use_ws() -> bool:
+    """Whether the warp-specialised variant runs: ``WS``, or where that is None ``DEEPINFER_MOE_PREFILL=gluon-ws``."""
+    return WS if WS is not None else envs.get("DEEPINFER_MOE_PREFILL") == "gluon-ws"
 
 
 def fits(n: int, k: int) -> bool:
@@ -245,7 +252,7 @@ def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, 
     grid = (n // BLOCK_N, bexp.numel())
     args = (a, w, s, v, t, rw, slots, bexp, o, tk, e, n, a.stride(0), o.stride(0), float(limit))
     meta = dict(K=k, TOPK=topk, TWO=two, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    if WS:
+    if use_ws():
         from deepinfer.kernels import moe_mxfp4_ws as ws
 
         ws._ws_moe_kernel[grid](
@@ -270,4 +277,4 @@ def down(h, w2, s2, slots, bexp, o) -> None:
     _launch(h, w2, s2, w2, s2, o, slots, bexp, o, o.shape[0], e, n, 8 * kw, 0.0, 1, False)
 
 
-__all__ = ["BLOCK_M", "HAVE_GLUON", "available", "down", "fits", "gate_up"]
+__all__ = ["BLOCK_M", "HAVE_GLUON", "available", "down", "fits", "gate_up", "use_ws"]

@@ -1,6 +1,7 @@
 """A warp-specialised variant of ``kernels.moe_mxfp4_wgmma``'s prefill kernels (Gluon, sm_90): producer warps copy
-and decode, the two consumer warpgroups only issue ``wgmma``. NOT YET RUN ON A GPU: off unless ``moe_mxfp4_wgmma.WS``
-is set (compiled for sm_90 offline with Triton 3.6; ``tests/kernels/test_moe_wgmma.py`` runs it on a GPU).
+and decode, the two consumer warpgroups only issue ``wgmma``. NOT YET RUN ON A GPU: off unless
+``DEEPINFER_MOE_PREFILL=gluon-ws`` (or ``moe_mxfp4_wgmma.WS``); compiled for sm_90 offline with Triton 3.6;
+``tests/kernels/test_moe_wgmma.py`` runs it on a GPU.
 
 Why: in ``moe_mxfp4_wgmma`` the same two warpgroups decode, wait at a CTA barrier and issue the MMAs; at 4096 tokens
 its gate/up kernel keeps the tensor pipe 53% busy (ncu: one program an SM at 254 registers; stalls at the barrier
