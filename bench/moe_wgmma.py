@@ -77,10 +77,14 @@ def main() -> None:
                 print(f"T={t} round {rnd}: {name} {us:.0f} µs (bf16 FLOP roofline {roof:.0f} µs)", flush=True)
         mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = True, False
         out = run()
-        mod.WGMMA_PREFILL = False
+        if args.ws:
+            mod.moe_mxfp4_wgmma.WS = True
+            print(f"T={t}: warp-specialised bit-identical to gluon wgmma: {torch.equal(run(), out)}")
+        mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = False, None
         ref = run()
         mod.WGMMA_PREFILL = None
-        print(f"T={t}: relative difference {((out - ref).norm() / ref.norm()).item():.2e}")
+        rel = ((out - ref).norm() / ref.norm()).item()
+        print(f"T={t}: gluon against the triton tiles, relative difference {rel:.2e}")
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -88,7 +88,7 @@ if HAVE_GLUON:
             _E2M1_ROTATE_ASM, "=r,=r,=r,=r,r,r", [q, gl.broadcast((s + 126) * 0x800080, q)[0]], dtype=(gl.int32,) * 4,
             is_pure=True, pack=1,
         )  # fmt: skip
-        p = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [R, C, 2, 2]: pair 2i + j at [i, j]
+        p = gl.join(gl.join(p0, p2), gl.join(p1, p3))  # [R, B, 4, 2, 2]: a word's pair 2i + j at [..., i, j]
         lo = (p & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
         hi = (p >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         w = gl.join(lo, hi)
