@@ -14,9 +14,10 @@ same order by the same ``wgmma`` shapes): bit-identical results are expected.
 
 Per K step ``s`` (ring slot ``s % STAGES`` for the activation rows, the words and the decoded tiles):
 
-* producers: wait until the MMAs of step ``s + 2 - STAGES`` are done (``free``), ``cp.async`` step ``s + 2``'s
-  activation rows and words into its slot, wait for their own copies of step ``s``, decode its words into the tile
-  buffers, fence, sync among themselves and arrive on ``ready[s % STAGES]``;
+* producers: wait for their own copies of step ``s``, decode its words into the tile buffers, fence, sync among
+  themselves and arrive on ``ready[s % STAGES]``; then wait until the MMAs of step ``s + 2 - STAGES`` are done
+  (``free``: the consumers arrive on it after taking step ``s``, so the producers arrive first) and ``cp.async``
+  step ``s + 2``'s activation rows and words into its slot;
 * consumers: wait on ``ready``, issue the step's ``wgmma`` (asynchronous), wait for the step before's and arrive on
   its ``free``.
 """
@@ -67,20 +68,14 @@ if HAVE_GLUON:
         if TWO:
             sv = _scales(t_ptr, srow, KS, 0, SL, BLOCK_K)
         for step in range(nk):
-            ahead = step + 2
-            if ahead < nk:
-                ring = ahead % STAGES
-                # its slot is free once the consumers are done with step ahead - STAGES
-                mbarrier.wait(free.index(ring), (ahead // STAGES + 1) & 1, pred=ahead >= STAGES)
-                _issue(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, ahead, a_smem, w_smem, v_smem, ring, AL, WL,
-                      TWO, BLOCK_K)  # fmt: skip
-            async_copy.commit_group()
             nxt = gl.minimum(step + 1, nk - 1)
             sw1 = _scales(s_ptr, srow, KS, nxt, SL, BLOCK_K)
             sv1 = sw1
             if TWO:
                 sv1 = _scales(t_ptr, srow, KS, nxt, SL, BLOCK_K)
-            async_copy.wait_group(2)  # this thread's copies of step `step`
+            # step's copies (issued two steps ago) landed; its tile buffers were freed by the consumers' arrive for
+            # step - STAGES, waited for two steps ago before those copies
+            async_copy.wait_group(1)
             buf = step % STAGES
             words = w_smem.index(buf).reshape([BLOCK_N, BLOCK_K // 32, 4])
             tw_smem.index(buf).store(_decode(words.load(SL), sw))
@@ -90,6 +85,14 @@ if HAVE_GLUON:
             fence_async_shared()
             gl.thread_barrier()  # every producer's copies and tiles of this step
             mbarrier.arrive(ready.index(buf), count=1)
+            # only then wait for a slot: the consumers free step - 1's after they have taken this step's
+            ahead = step + 2
+            if ahead < nk:
+                ring = ahead % STAGES
+                mbarrier.wait(free.index(ring), (ahead // STAGES + 1) & 1, pred=ahead >= STAGES)  # step ahead - STAGES
+                _issue(a_ptr, arow, stride_am, w_ptr, v_ptr, wrow, KW, ahead, a_smem, w_smem, v_smem, ring, AL, WL,
+                       TWO, BLOCK_K)  # fmt: skip
+            async_copy.commit_group()
             sw = sw1
             sv = sv1
         async_copy.wait_group(0)
