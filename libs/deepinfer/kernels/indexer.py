@@ -27,6 +27,25 @@ INDEXER_NUM_WARPS = 4
 INDEXER_NUM_STAGES = 1
 
 
+@triton.jit
+def _query(q_ptr, w_ptr, row, offs_h, offs_d, NH: tl.constexpr, D: tl.constexpr):
+    """Query ``row``'s heads ``[BLOCK_HH, BLOCK_D]`` and their weights ``[BLOCK_HH]`` (0 past ``NH`` / ``D``)."""
+    mask_h = offs_h < NH
+    q = tl.load(
+        q_ptr + row * (NH * D) + offs_h[:, None] * D + offs_d[None, :],
+        mask=mask_h[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    return q, tl.load(w_ptr + row * NH + offs_h, mask=mask_h, other=0.0)
+
+
+@triton.jit
+def _score(q, w, k, PRECISION: tl.constexpr):
+    """``Σ_h w_h · relu(q_h · k)`` for each key row of ``k [BLOCK_R, BLOCK_D]``: ``[BLOCK_R]`` fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_HH, BLOCK_R] fp32
+    return tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _indexer_scores_kernel(
     q_ptr,
@@ -47,19 +66,11 @@ def _indexer_scores_kernel(
     offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HH)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < NH
     mask_d = offs_d < D
     mask_r = offs_r < R
-    q = tl.load(
-        q_ptr + row * (NH * D) + offs_h[:, None] * D + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    w = tl.load(w_ptr + row * NH + offs_h, mask=mask_h, other=0.0)
+    q, w = _query(q_ptr, w_ptr, row, offs_h, offs_d, NH, D)
     k = tl.load(k_ptr + offs_r[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_HH, BLOCK_R] fp32
-    s = tl.maximum(s, 0.0) * w[:, None]
-    tl.store(out_ptr + row * R + offs_r, tl.sum(s, axis=0), mask=mask_r)
+    tl.store(out_ptr + row * R + offs_r, _score(q, w, k, PRECISION), mask=mask_r)
 
 
 @triton.jit(do_not_specialize=["N", "WIDTH", "R"])
@@ -88,21 +99,13 @@ def _indexer_ranges_kernel(
     offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HH)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < NH
     mask_d = offs_d < D
     kr = tl.load(start_ptr + row).to(tl.int64) + offs_r
     mask_k = (offs_r < WIDTH) & (kr < N) & (kr >= 0)
-    q = tl.load(
-        q_ptr + row * (NH * D) + offs_h[:, None] * D + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    w = tl.load(w_ptr + row * NH + offs_h, mask=mask_h, other=0.0)
+    q, w = _query(q_ptr, w_ptr, row, offs_h, offs_d, NH, D)
     at = _key_rows(k_ptr, p_ptr, pages_ptr, kr, mask_k, 0, R, D, PAGED)  # PAGED: every key in the store's pages
     k = tl.load(at[:, None] + offs_d[None, :], mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_HH, BLOCK_R] fp32
-    s = tl.maximum(s, 0.0) * w[:, None]
-    tl.store(out_ptr + row * WIDTH + offs_r, tl.sum(s, axis=0), mask=offs_r < WIDTH)
+    tl.store(out_ptr + row * WIDTH + offs_r, _score(q, w, k, PRECISION), mask=offs_r < WIDTH)
 
 
 def _check(name: str, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> None:
@@ -136,17 +139,24 @@ def indexer_scores_fixed(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
         weights,
         out,
         R,
+        **_meta(nh, d, q.dtype),
+    )
+    return out
+
+
+def _meta(nh: int, d: int, dtype: torch.dtype) -> dict:
+    """The launch parameters both score kernels share (tiles, precision, warps, PDL)."""
+    return dict(
         NH=nh,
         D=d,
         BLOCK_HH=_pow2(nh),
         BLOCK_D=_pow2(d),
         BLOCK_R=INDEXER_BLOCK_R,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(dtype),
         num_warps=INDEXER_NUM_WARPS,
         num_stages=INDEXER_NUM_STAGES,
         **pdl.launch(),
     )
-    return out
 
 
 def indexer_scores_ranges(
@@ -187,16 +197,8 @@ def indexer_scores_ranges(
         out,
         size,
         width,
-        NH=nh,
-        D=d,
-        BLOCK_HH=_pow2(nh),
-        BLOCK_D=_pow2(d),
-        BLOCK_R=INDEXER_BLOCK_R,
-        PRECISION=_precision(q.dtype),
         PAGED=is_paged,
-        num_warps=INDEXER_NUM_WARPS,
-        num_stages=INDEXER_NUM_STAGES,
-        **pdl.launch(),
+        **_meta(nh, d, q.dtype),
     )
     return out
 
