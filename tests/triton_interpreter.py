@@ -3,6 +3,13 @@
 Triton 3.6's interpreter turns a scalar kernel argument that bounds a ``range`` loop into
 ``int(np.array([v]))``, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python
 scalars"); upstream Triton fixed it after 3.6. ``patch()`` makes ``__index__`` use ``.item()``.
+
+The interpreter's ``tl.dot`` is ``np.matmul`` in the accumulator's dtype, and NumPy's float32 GEMM (OpenBLAS) rounds
+an output element differently depending on where it sits in the tile on some CPUs (measured on an AMD EPYC host: the
+same row and key, shifted within a 64-column tile, came out with other low bits in 158 of 200 trials). On a GPU an
+element of an MMA is a function of its row and column only, and the kernels' bit-identity tests (one key scored in
+two tiles, split against unsplit) rely on that. ``patch()`` therefore computes float32 dots in float64 (each product
+of two float32 values exact) and rounds once to float32, so an element no longer depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ def patch() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
+    _patch_dot(interpreter)
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "_deepinfer_patched", False):
         return
@@ -27,3 +35,21 @@ def patch() -> None:
 
     patched._deepinfer_patched = True
     interpreter._patch_lang_tensor = patched
+
+
+def _patch_dot(interpreter) -> None:  # noqa: ANN001
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_deepinfer_patched", False):
+        return
+    import numpy as np
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        out = d.data.dtype
+        if out != np.float32 or a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    create_dot._deepinfer_patched = True
+    builder.create_dot = create_dot

@@ -33,6 +33,11 @@ from models.tiny_v41 import build_tokenizer, text_config  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+# a padded bucket's GEMMs have more rows than the eager step's, and a CPU BLAS may round a row differently with
+# another row count (an AMD EPYC host: 1e-5 apart), enough to flip a near-tie in a top-k or a routing choice, after
+# which that sequence's logits move by ~5e-3 (the tiny model's logits have a std of 1; a wrong slot, page or state
+# moves them by 2-4)
+PADDED_ATOL = 5e-2
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +133,7 @@ def _check(model, cases, dev: str = DEVICE, split: bool = False, context: int = 
             assert torch.equal(eager, graphed), (eager - graphed).abs().max().item()
             _same_state(a, b)
         else:
-            assert (eager - graphed).abs().max().item() < 1e-4
+            assert (eager - graphed).abs().max().item() < PADDED_ATOL
 
 
 # -- CPU: the plumbing ------------------------------------------------------------------------------------------
