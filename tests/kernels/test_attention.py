@@ -96,7 +96,7 @@ def test_attention_large_sink_and_sharp_scores():
         _close(out, ref, 2e-5)
 
 
-def _check_attention_invariance(n, H, d, K, W, counts, dtype, split=False):
+def _check_attention_invariance(n, H, d, K, W, counts, dtype, split=False, wide=None):
     """Query ``n // 2`` alone, in the batch, and in another batch with wider lists: the same bits (a fixed mode)."""
     q = _randn(n, H, d, seed=50, dtype=dtype)
     keys = _randn(K, d, seed=51, dtype=dtype)
@@ -105,9 +105,16 @@ def _check_attention_invariance(n, H, d, K, W, counts, dtype, split=False):
     scale = d**-0.5
     pos = n // 2
     alone = sparse_attention_gather(
-        q[pos : pos + 1], keys, idx[pos : pos + 1, : counts[pos]], count[pos : pos + 1], sink, scale, split=split
+        q[pos : pos + 1],
+        keys,
+        idx[pos : pos + 1, : counts[pos]],
+        count[pos : pos + 1],
+        sink,
+        scale,
+        split=split,
+        wide=wide,
     )
-    full = sparse_attention_gather(q, keys, idx, count, sink, scale, split=split)
+    full = sparse_attention_gather(q, keys, idx, count, sink, scale, split=split, wide=wide)
     assert torch.equal(full[pos : pos + 1], alone)
     # the same query at another position of a different batch, its key list padded wider with garbage
     wide_idx, _ = _idx(n + 1, W + 2 * ATTN_BLOCK_N + 3, K, [0] * (n + 1), seed=54)
@@ -116,11 +123,38 @@ def _check_attention_invariance(n, H, d, K, W, counts, dtype, split=False):
     wide_idx[n, : counts[pos]] = idx[pos, : counts[pos]]
     q2 = torch.cat([_randn(n, H, d, seed=55, dtype=dtype), q[pos : pos + 1]])
     count2 = torch.cat([count, count[pos : pos + 1]])
-    assert torch.equal(sparse_attention_gather(q2, keys, wide_idx, count2, sink, scale, split=split)[n:], alone)
+    assert torch.equal(
+        sparse_attention_gather(q2, keys, wide_idx, count2, sink, scale, split=split, wide=wide)[n:], alone
+    )
 
 
 def test_attention_batch_invariant_fp32():
     _check_attention_invariance(4, 3, 48, 80, 70, [5, 70, 37, 12], torch.float32)
+
+
+def test_wide_tiles_match_reference_and_are_invariant_fp32():
+    """The prefill tiles (``ATTN_WIDE``: all heads of a query in one program, 64 keys a step) on the same lists:
+    the reference's values, and batch-invariant as a fixed mode; the lists run past several 64-key blocks."""
+    n, H, d, K, W = 5, 6, 40, 300, 200
+    q, keys = _randn(n, H, d, seed=90), _randn(K, d, seed=91)
+    idx, count = _idx(n, W, K, [0, 1, 64, 65, 200], seed=92)
+    sink = _randn(H, seed=93)
+    out = sparse_attention_gather(q, keys, idx, count, sink, d**-0.5, split=False, wide=True)
+    _close(out, _ref_attention(q, keys, idx, count, sink, d**-0.5), 2e-5)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    _check_attention_invariance(4, 3, 48, 80, 70, [5, 70, 37, 12], torch.float32, wide=True)
+
+
+def test_the_automatic_mode_rule():
+    from deepinfer.kernels.attention import ATTN_WIDE_MIN_QUERIES, use_split, use_wide
+
+    assert use_split(1, 64) and not use_split(64, 64)  # 4 programs a query at 16 heads a program
+    assert use_wide(ATTN_WIDE_MIN_QUERIES, torch.bfloat16) and not use_wide(ATTN_WIDE_MIN_QUERIES - 1, torch.bfloat16)
+    assert not use_wide(4096, torch.float32)  # fp32 tiles of that size exceed the shared memory
+    q, keys = _randn(1, 2, 16, seed=1), _randn(4, 16, seed=2)
+    idx, count = _idx(1, 4, 4, [4], seed=3)
+    with pytest.raises(ValueError, match="split=True takes the narrow tiles"):
+        sparse_attention_gather(q, keys, idx, count, _randn(2, seed=4), 0.25, split=True, wide=True)
 
 
 def test_indexer_matches_reference_fp32():
@@ -220,6 +254,14 @@ def test_gpu_bf16_attention_real_shapes():
     assert rel < 2e-2 and rel_max < 5e-2, (rel, rel_max)
     _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16, split=False)
     _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16, split=True)
+    wide = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False, wide=True)
+    rel, rel_max = _rel(wide, ref)
+    assert rel < 2e-2 and rel_max < 5e-2, (rel, rel_max)
+    _check_attention_invariance(n, H, d, K, W, counts, torch.bfloat16, split=False, wide=True)
+    # a prefill's worth of queries takes the wide tiles by itself
+    many = torch.cat([q] * 5), torch.cat([idx] * 5), torch.cat([count] * 5)
+    auto = sparse_attention_gather(many[0], keys, many[1], many[2], sink, scale)
+    assert torch.equal(auto[:n], wide)
 
 
 @gpu_only

@@ -12,6 +12,10 @@ padded einsums of ``BatchInvariantOps``; the semantics are those of ``ReferenceO
   one gather and two ``tl.dot`` of fixed shape. The loop is bounded by ``count[i]``, not by the padded width ``W``.
   For few queries (``split``) the key lists are instead cut at fixed list positions, multiples of
   ``attention_split.SPLIT_CHUNK``, into partials merged in a fixed order (``deepinfer.kernels.attention_split``).
+  For many bf16 queries (a prefill, ``wide``) the same kernel runs with wide tiles (``ATTN_WIDE``: every one of 64
+  heads in one program, 64 keys a step, 8 warps: the ``tl.dot`` become Hopper's ``wgmma``), so a query's gathered
+  key rows are read once for all its heads instead of once per 16 heads. H200, 4096 queries of V4-Flash width
+  (``bench/attention_prefill.py``): 497 against 787 µs for a 128-key window, 1346 against 2160 for CSA's 640 keys.
 
 Why invariant: every output element's reduction order is fixed by constexpr tile sizes (and, for attention, by the
 query's own key list), never by the number of queries, the padded width or the other rows. A query's program reads
@@ -19,8 +23,9 @@ only its own ``q``, ``idx``, ``count`` rows; a ``tl.dot`` reduces every output l
 keys and padded ``d`` lanes are exact zeros (keys past ``count``: ``-inf`` logits, ``p = 0``) that touch no other lane.
 There is no autotuning, the runtime sizes (``W``, ``R``) are ``do_not_specialize``, so every batch size and padding
 width runs the same compiled binary, and the split of the attention over the key list, where on, is at fixed list
-positions. Each attention mode (split or not) is batch-invariant; the automatic choice between them (``split=None``)
-looks at ``n``, so callers that need invariance fix the mode (``split=False``).
+positions. Each attention mode (split, narrow or wide tiles) is batch-invariant; the automatic choice between them
+(``split=None``) looks at ``n``, so callers that need invariance fix the mode (``split=False``: narrow tiles unless
+``wide=True``). The modes round differently (other key blocks, other MMA instructions).
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ ATTN_NUM_STAGES = 2
 # 132-SM H200 (for H = 64: n <= 32)
 ATTN_SPLIT_MAX_PROGRAMS = 132
 ATTN_SPLIT_DEFAULT: bool | None = None  # benchmarks: the mode split=None takes (None: the rule above)
+# the narrow tiles (split=False, decode batches): the constants above
+ATTN_NARROW = {
+    "BLOCK_H": ATTN_BLOCK_H,
+    "BLOCK_N": ATTN_BLOCK_N,
+    "num_warps": ATTN_NUM_WARPS,
+    "num_stages": ATTN_NUM_STAGES,
+}
+# the wide tiles (module docstring): heads and keys per program, warps, stages; bf16 only (fp32 tiles of this size
+# exceed the shared memory). H200, sm_90, d = 512: 255 registers, one program an SM (bench/attention_prefill.py)
+ATTN_WIDE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# split=None takes the wide tiles from this many bf16 queries on: two waves of 132 programs (fewer programs than
+# SMs would leave the GPU idle; decode batches stay on the narrow tiles)
+ATTN_WIDE_MIN_QUERIES = 264
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -121,6 +139,12 @@ def use_split(n: int, H: int) -> bool:
     return n * triton.cdiv(H, ATTN_BLOCK_H) < ATTN_SPLIT_MAX_PROGRAMS
 
 
+def use_wide(n: int, dtype: torch.dtype) -> bool:
+    """Whether ``sparse_attention_gather(split=None)``, not splitting, takes the wide tiles: ``n`` bf16 queries, at
+    least ``ATTN_WIDE_MIN_QUERIES``."""
+    return dtype == torch.bfloat16 and n >= ATTN_WIDE_MIN_QUERIES
+
+
 def sparse_attention_gather(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -130,6 +154,7 @@ def sparse_attention_gather(
     scale: float,
     *,
     split: bool | None = None,
+    wide: bool | None = None,
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``.
@@ -143,10 +168,13 @@ def sparse_attention_gather(
     ``split``: ``False``, one program per (query, head block) walks the whole list; ``True``, the lists are cut into
     splits of ``attention_split.SPLIT_CHUNK`` entries at fixed list positions, one program each, their fp32 partials
     merged in split order (more parallelism for few queries; other rounding when ``count > SPLIT_CHUNK``); ``None``
-    (default), ``use_split(n, H)`` picks from ``n`` and ``H`` only. In either fixed mode query ``i``'s output depends
-    only on ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other
-    queries. With ``None`` the mode, hence the rounding, may change with ``n``: batch-invariant callers pass
-    ``split=False``. No mode reads ``count`` on the host (capturable in CUDA graphs).
+    (default), ``use_split(n, H)`` picks from ``n`` and ``H`` only, and an unsplit call takes the wide tiles where
+    ``use_wide(n, dtype)``. ``wide``: the unsplit kernel's tiles, ``ATTN_WIDE`` (``True``) or the narrow
+    ``ATTN_BLOCK_H`` × ``ATTN_BLOCK_N`` (``False``; ``None``: narrow with ``split=False``, the rule with
+    ``split=None``); ``split=True, wide=True`` is an error. In each fixed mode query ``i``'s output depends only on
+    ``q[i]``, its valid key list, ``keys``, ``sink`` and ``scale``: not on ``n``, ``W`` nor the other queries. With
+    ``None`` the mode, hence the rounding, may change with ``n``: batch-invariant callers pass ``split=False``. No
+    mode reads ``count`` on the host (capturable in CUDA graphs).
 
     ``paged = (store [P, R, d], pages [M])``: keys ``K ..< K + M·R`` are read from the store through the page list,
     key ``K + j`` being row ``j % R`` of page ``pages[j // R]`` (``kernels.paged_keys``), as if ``gathered(keys,
@@ -175,13 +203,16 @@ def sparse_attention_gather(
     devices = {t.device for t in (q, keys, idx, count, sink)}
     if len(devices) != 1:
         raise ValueError(f"sparse_attention_gather: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if split and wide:
+        raise ValueError("sparse_attention_gather: split=True takes the narrow tiles (wide=True is unsplit only)")
     W = idx.shape[1]
     store, pages, rows_per_page, is_paged = check_paged(keys, paged)
     if n == 0 or H == 0 or d == 0 or W == 0 or (keys.shape[0] == 0 and not is_paged):
         return torch.zeros((n, H, d), dtype=q.dtype, device=q.device)
     q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
     pool = (keys, store, pages, keys.shape[0], rows_per_page, is_paged)
-    if use_split(n, H) if split is None else split:
+    auto = split is None
+    if use_split(n, H) if auto else split:
         return attention_split.sparse_attention_split(
             q,
             pool,
@@ -196,8 +227,11 @@ def sparse_attention_gather(
             num_warps=ATTN_NUM_WARPS,
             num_stages=ATTN_NUM_STAGES,
         )
+    if wide is None:
+        wide = auto and use_wide(n, q.dtype)
+    tiles = dict(ATTN_WIDE) if wide else dict(ATTN_NARROW)
     out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
-    grid = (n, triton.cdiv(H, ATTN_BLOCK_H))
+    grid = (n, triton.cdiv(H, tiles["BLOCK_H"]))
     _sparse_attention_kernel[grid](
         q,
         keys,
@@ -214,15 +248,12 @@ def sparse_attention_gather(
         H=H,
         D=d,
         BLOCK_D=_pow2(d),
-        BLOCK_H=ATTN_BLOCK_H,
-        BLOCK_N=ATTN_BLOCK_N,
         PRECISION=_precision(q.dtype),
         PAGED=is_paged,
-        num_warps=ATTN_NUM_WARPS,
-        num_stages=ATTN_NUM_STAGES,
+        **tiles,
         **pdl.launch(),
     )
     return out
 
 
-__all__ = ["sparse_attention_gather", "use_split"]
+__all__ = ["sparse_attention_gather", "use_split", "use_wide"]
