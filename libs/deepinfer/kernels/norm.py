@@ -75,17 +75,18 @@ def _rope_kernel(
         md = mr[:, None] & (d < nope)[None, :]
         off = r[:, None] * D + d[None, :]
         tl.store(out_ptr + off, tl.load(x_ptr + off, mask=md, other=0.0), mask=md)
+    # the rotated columns as loaded, pairs side by side (contiguous, vectorised), split into even and odd lanes
+    j = tl.arange(0, 2 * BLOCK_H)
+    mj = mr[:, None] & (j < 2 * HALF)[None, :]
+    at = r[:, None] * D + nope + j[None, :]
+    even, odd = tl.split(tl.reshape(tl.load(x_ptr + at, mask=mj, other=0.0).to(tl.float32), (BLOCK_R, BLOCK_H, 2)))
     p = tl.arange(0, BLOCK_H)
     mp = mr[:, None] & (p < HALF)[None, :]
-    ev = r[:, None] * D + nope + 2 * p[None, :]
-    even = tl.load(x_ptr + ev, mask=mp, other=0.0).to(tl.float32)
-    odd = tl.load(x_ptr + ev + 1, mask=mp, other=0.0).to(tl.float32)
     cs = c_row[:, None] * HALF + p[None, :]
     c = tl.load(cos_ptr + cs, mask=mp, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + cs, mask=mp, other=0.0).to(tl.float32) * sign
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + ev, (even * c - odd * s).to(dt), mask=mp)
-    tl.store(out_ptr + ev + 1, (even * s + odd * c).to(dt), mask=mp)
+    y = tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (BLOCK_R, 2 * BLOCK_H))
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mj)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
