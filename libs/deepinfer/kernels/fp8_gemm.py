@@ -351,7 +351,11 @@ def fp8_grouped_linear(
             wd = dequantize_fp8_blocks(w, scale, x.dtype, block)
         else:
             wd = _dequantized(w.contiguous(), scale, block, x.dtype)
-        return torch.bmm(x.transpose(0, 1), wd.view(g, r, k).transpose(1, 2)).transpose(0, 1)
+        y = torch.empty((t, g, r), dtype=x.dtype, device=x.device)
+        # written in place as [T, G, R] (cuBLAS's strided batches: row stride G·R, batch stride R), so the caller's
+        # flatten to [T, G·R] is a view, not a copy of the whole product (H200, 4096 tokens of V4-Flash: 84 µs)
+        torch.bmm(x.transpose(0, 1), wd.view(g, r, k).transpose(1, 2), out=y.transpose(0, 1))
+        return y
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     _weight_only(x.reshape(t, g * k).contiguous(), w.contiguous(), scale, y, cfg, block, False, group_rows=r)
     return y.view(t, g, r)
