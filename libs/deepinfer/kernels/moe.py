@@ -74,7 +74,11 @@ class MoELayout:
 
 def moe_layout(idx: torch.Tensor, experts: int) -> MoELayout:
     flat = idx.reshape(-1)
-    sorted_expert, order = torch.sort(flat, stable=True)
+    # the narrowest key that holds every expert id: a radix sort passes over the key's bits (int64 ids: 8 passes of
+    # 8 bits, int16: 2), and a stable sort of the same values gives the same order
+    narrow = torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32
+    keys, order = torch.sort(flat.to(narrow), stable=True)
+    sorted_expert = keys.to(flat.dtype)
     bounds = torch.arange(1, experts + 1, device=idx.device, dtype=sorted_expert.dtype)
     ends = torch.searchsorted(sorted_expert, bounds).to(torch.int32)
     return MoELayout(order, sorted_expert, ends)
