@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "libs") not in sys.path:
     sys.path.insert(0, str(ROOT / "libs"))
 
+from cuda_timing import per_call_us  # noqa: E402
+
 from deepinfer.kernels import attention as attn  # noqa: E402
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512
@@ -75,18 +77,6 @@ def run_config(cfg, q, keys, idx, count, sink, scale, out):
         H=H, D=D, BLOCK_D=D, BLOCK_H=bh, BLOCK_N=bn, PRECISION="tf32", PAGED=False,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-
-
-def per_call_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls * 1e3
 
 
 def main() -> None:

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "libs") not in sys.path:
     sys.path.insert(0, str(ROOT / "libs"))
 
+from cuda_timing import per_call_us  # noqa: E402
+
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer.quant.nibble_order import to_order  # noqa: E402
 
@@ -35,18 +37,6 @@ def experts(g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
     (w1, s1), (w3, s3), (w2, s2) = packed(E, I, D, 118, 122), packed(E, I, D, 118, 122), packed(E, D, I, 116, 120)
     return w1, s1, w2, s2, w3, s3
-
-
-def per_call_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
 
 
 def main() -> None:
