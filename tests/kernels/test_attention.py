@@ -308,6 +308,20 @@ def _check_ranges(n, h, d, R, width, dtype, rtol):
                 assert torch.equal(out[i], full[i, a : a + width])
 
 
+def test_indexer_ranges_several_key_blocks_a_program(monkeypatch):
+    """A prefill's range programs score ``INDEXER_RANGE_STEPS`` key blocks each (the query loaded once): the same bits
+    as one block a program, blocks past the width included (5 blocks of 64 here: programs of blocks 0-3 and 4-7)."""
+    import deepinfer.kernels.indexer as ix
+
+    n, h, d, R, width = 4, 3, 16, 400, 300
+    q, keys, weights = _randn(n, h, d, seed=80), _randn(R, d, seed=81), _randn(n, h, seed=82)
+    start = torch.tensor([-7, 0, 90, 350]).to(DEVICE)
+    one = indexer_scores_ranges(q, keys, weights, start, width)
+    monkeypatch.setattr(ix, "INDEXER_RANGE_MIN_PROGRAMS", 1)
+    assert n * -(-width // ix.INDEXER_BLOCK_R) >= ix.INDEXER_RANGE_STEPS  # so the merged launch is taken
+    assert torch.equal(indexer_scores_ranges(q, keys, weights, start, width), one)
+
+
 def test_indexer_ranges_fp32():
     _check_ranges(5, 3, 16, 70, 40, torch.float32, 1e-5)
 

@@ -25,6 +25,8 @@ from deepinfer.kernels.pdl import pdl_wait
 INDEXER_BLOCK_R = 64  # keys per program
 INDEXER_NUM_WARPS = 4
 INDEXER_NUM_STAGES = 1
+INDEXER_RANGE_STEPS = 4  # key blocks a range program scores when there are many programs
+INDEXER_RANGE_MIN_PROGRAMS = 1056  # ... at least this many after the merge (8 waves of 132 SMs)
 
 
 @triton.jit
@@ -93,19 +95,22 @@ def _indexer_ranges_kernel(
     PRECISION: tl.constexpr,
     PAGED: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    STEPS: tl.constexpr = 1,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs_r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HH)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    kr = tl.load(start_ptr + row).to(tl.int64) + offs_r
-    mask_k = (offs_r < WIDTH) & (kr < N) & (kr >= 0)
-    q, w = _query(q_ptr, w_ptr, row, offs_h, offs_d, NH, D)
-    at = _key_rows(k_ptr, p_ptr, pages_ptr, kr, mask_k, 0, R, D, PAGED)  # PAGED: every key in the store's pages
-    k = tl.load(at[:, None] + offs_d[None, :], mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-    tl.store(out_ptr + row * WIDTH + offs_r, _score(q, w, k, PRECISION), mask=offs_r < WIDTH)
+    first = tl.load(start_ptr + row).to(tl.int64)
+    q, w = _query(q_ptr, w_ptr, row, offs_h, offs_d, NH, D)  # once for the program's STEPS key blocks
+    for step in range(STEPS):
+        offs_r = (tl.program_id(1).to(tl.int64) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        kr = first + offs_r
+        mask_k = (offs_r < WIDTH) & (kr < N) & (kr >= 0)
+        at = _key_rows(k_ptr, p_ptr, pages_ptr, kr, mask_k, 0, R, D, PAGED)  # PAGED: every key in the store's pages
+        k = tl.load(at[:, None] + offs_d[None, :], mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+        tl.store(out_ptr + row * WIDTH + offs_r, _score(q, w, k, PRECISION), mask=offs_r < WIDTH)
 
 
 def _check(name: str, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> None:
@@ -186,7 +191,11 @@ def indexer_scores_ranges(
     if n == 0 or width == 0 or size == 0 or nh == 0 or d == 0:
         return out
     q, keys, weights, start = q.contiguous(), keys.contiguous(), weights.contiguous(), start.contiguous()
-    _indexer_ranges_kernel[(n, triton.cdiv(width, INDEXER_BLOCK_R))](
+    blocks = triton.cdiv(width, INDEXER_BLOCK_R)
+    # many queries (a prefill): a program scores several key blocks with its query loaded once; few (a decode step)
+    # keep one block a program for the parallelism. The same per-element arithmetic either way (bit-identical).
+    steps = INDEXER_RANGE_STEPS if n * blocks >= INDEXER_RANGE_STEPS * INDEXER_RANGE_MIN_PROGRAMS else 1
+    _indexer_ranges_kernel[(n, triton.cdiv(blocks, steps))](
         q,
         keys,
         store,
@@ -198,6 +207,7 @@ def indexer_scores_ranges(
         size,
         width,
         PAGED=is_paged,
+        STEPS=steps,
         **_meta(nh, d, q.dtype),
     )
     return out
