@@ -4,7 +4,8 @@ configurations, interleaved in one run, beside the FLOP roofline and the time to
 Three layer kinds (H = 64 heads, d = 512): SWA (a 128-key window), HCA (the window and every 128th-token compressed
 row: 32 at 4096 tokens), CSA (the window and the indexer's top 512 of the 1024 4-token compressed rows, random
 here). Each query's list: its window keys, then its compressed keys; ``count`` as causality allows. A configuration
-is ``(BLOCK_H, BLOCK_N, warps, stages)``: ``narrow`` and ``wide`` are the kernel's two unsplit modes, the rest
+is ``(BLOCK_H, BLOCK_N, warps, stages)``: ``narrow`` and ``wide`` are the kernel's two unsplit modes, ``gluon`` the
+wide tiles as a Gluon kernel (``kernels.attention_wgmma``; its time includes a copy of the output), the rest
 candidates; last, each configuration's total over the sweep's four layers (SWA, SWA, CSA, HCA).
 
     PYTHONPATH=libs python3 bench/attention_prefill.py --tokens 4096
@@ -27,6 +28,7 @@ if str(ROOT / "libs") not in sys.path:
 from cuda_timing import per_call_us  # noqa: E402
 
 from deepinfer.kernels import attention as attn  # noqa: E402
+from deepinfer.kernels import attention_wgmma  # noqa: E402
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512
 CONFIGS = {  # (BLOCK_H, BLOCK_N, warps, stages)
@@ -37,6 +39,7 @@ CONFIGS = {  # (BLOCK_H, BLOCK_N, warps, stages)
     "h64n32w8": (64, 32, 8, 2),
     "h64n64w8s3": (64, 64, 8, 3),
     "h64n64w16": (64, 64, 16, 2),
+    "gluon": "gluon",  # kernels.attention_wgmma (the wide tiles in Gluon; sm_90)
 }
 STACK = ("swa", "swa", "csa", "hca")  # the sweep's four layers
 
@@ -70,6 +73,12 @@ def lists(n: int, kind: str, g: torch.Generator, dev: str) -> tuple[torch.Tensor
 
 
 def run_config(cfg, q, keys, idx, count, sink, scale, out):
+    if cfg == "gluon":
+        got = attention_wgmma.sparse_attention_wgmma(q, keys, keys, keys, 1, False, idx, count, sink, scale)
+        if got is None:
+            raise RuntimeError("the Gluon build failed (logged)")
+        out.copy_(got)
+        return
     bh, bn, warps, stages = cfg
     grid = (q.shape[0], triton.cdiv(H, bh))
     attn._sparse_attention_kernel[grid](

@@ -226,9 +226,15 @@ _declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
 _declare("DEEPINFER_MOE_PREFILL", "enum", _HW, """
     The kernels of the MXFP4 routed experts at prefill sizes on an sm_90 GPU (Hopper): `gluon`, asynchronous wgmma
     on decoded tiles in shared memory (`kernels/moe_mxfp4_wgmma.py`; 1.4x the Triton tiles at 4096 tokens on an
-    H200); `gluon-ws`, its warp-specialised variant (producer warps decode; not yet measured); `triton`, the Triton
-    tiles. The results agree up to the order of fp32 sums (the two Gluon kernels bit for bit). A Gluon build that
-    fails falls back to the Triton tiles, logged once.""", choices=("gluon", "gluon-ws", "triton"), default="gluon")
+    H200); `gluon-ws`, its warp-specialised variant (producer warps decode; 22% slower than `gluon` on an H200);
+    `triton`, the Triton tiles. The results agree up to the order of fp32 sums (the two Gluon kernels bit for bit). A
+    Gluon build that fails falls back to the Triton tiles, logged once.""", choices=("gluon", "gluon-ws", "triton"),
+    default="gluon")
+_declare("DEEPINFER_ATTN_PREFILL", "enum", _HW, """
+    The sparse attention of a prefill's queries (the wide tiles: 264 or more bf16 queries) on an sm_90 GPU: `triton`,
+    the Triton kernel (`kernels/attention.py`); `gluon`, the query and the gathered keys in shared memory for wgmma
+    (`kernels/attention_wgmma.py`; not yet run on a GPU). The results agree up to the order of fp32 sums. A Gluon
+    build that fails falls back to the Triton kernel, logged once.""", choices=("triton", "gluon"), default="triton")
 _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
     at the same places as the reference implementation) on paths that would otherwise compute in higher
@@ -356,6 +362,8 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_STREAM_OVERLAP: bool
     DEEPINFER_PDL: bool
     DEEPINFER_NATIVE_WEIGHTS: bool
+    DEEPINFER_MOE_PREFILL: str
+    DEEPINFER_ATTN_PREFILL: str
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str

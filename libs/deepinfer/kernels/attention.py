@@ -16,6 +16,7 @@ padded einsums of ``BatchInvariantOps``; the semantics are those of ``ReferenceO
   heads in one program, 64 keys a step, 8 warps: the ``tl.dot`` become Hopper's ``wgmma``), so a query's gathered
   key rows are read once for all its heads instead of once per 16 heads. H200, 4096 queries of V4-Flash width
   (``bench/attention_prefill.py``): 497 against 787 µs for a 128-key window, 1346 against 2160 for CSA's 640 keys.
+  ``DEEPINFER_ATTN_PREFILL=gluon`` runs the wide tiles as a Gluon kernel instead (``kernels.attention_wgmma``).
 
 Why invariant: every output element's reduction order is fixed by constexpr tile sizes (and, for attention, by the
 query's own key list), never by the number of queries, the padded width or the other rows. A query's program reads
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import attention_split, pdl
+from deepinfer.kernels import attention_split, attention_wgmma, pdl
 from deepinfer.kernels.paged_keys import _key_rows, check_paged
 from deepinfer.kernels.pdl import pdl_wait
 
@@ -229,6 +230,11 @@ def sparse_attention_gather(
         )
     if wide is None:
         wide = auto and use_wide(n, q.dtype)
+    if wide and attention_wgmma.use(q):  # DEEPINFER_ATTN_PREFILL=gluon: the Gluon kernel of the wide tiles
+        out = attention_wgmma.sparse_attention_wgmma(q, keys, store, pages, rows_per_page, is_paged, idx, count, sink,
+                                                     scale)  # fmt: skip
+        if out is not None:
+            return out
     tiles = dict(ATTN_WIDE) if wide else dict(ATTN_NARROW)
     out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
     grid = (n, triton.cdiv(H, tiles["BLOCK_H"]))
