@@ -24,14 +24,14 @@ hopper_only = pytest.mark.skipif(not (HOPPER and wg.HAVE_GLUON), reason="needs a
 
 
 def test_the_environment_and_the_inputs_pick_it(monkeypatch):
-    """``DEEPINFER_ATTN_PREFILL``: triton (default) or gluon; gluon only for bf16 ``[n, 64·k, 512]`` on sm_90."""
+    """``DEEPINFER_ATTN_PREFILL``: gluon (default) or triton; gluon only for bf16 ``[n, 64·k, 512]`` on sm_90."""
     monkeypatch.setattr(wg, "FAILED", False)
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     monkeypatch.delenv("DEEPINFER_ATTN_PREFILL", raising=False)
-    assert envs.get("DEEPINFER_ATTN_PREFILL") == "triton" and not wg.use(q)
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "Gluon")
     assert envs.get("DEEPINFER_ATTN_PREFILL") == "gluon"
     assert not wg.use(q)  # a CPU tensor
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "Triton")
+    assert envs.get("DEEPINFER_ATTN_PREFILL") == "triton" and not wg.use(q)
     monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "cuda-cores")
     with pytest.raises(envs.EnvError, match="DEEPINFER_ATTN_PREFILL"):
         wg.use(q)
@@ -101,6 +101,9 @@ def test_gpu_matches_the_triton_wide_tiles_and_the_reference(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "gluon")
     one = sparse_attention_gather(q[5:6], keys, idx[5:6], count[5:6], sink, scale, split=False, wide=True)
     assert torch.equal(one, got[5:6])
+    # int64 lists and counts (as the model's key lists come) give the same bits
+    wide = sparse_attention_gather(q, keys, idx.long(), count.long(), sink, scale, split=False, wide=True)
+    assert not wg.FAILED and torch.equal(wide, got)
 
 
 @hopper_only
@@ -108,11 +111,11 @@ def test_gpu_paged_keys(monkeypatch):
     """Keys past the pool read through a page list (``kernels.paged_keys``): the same result as the gathered copy."""
     from deepinfer.kernels.paged_keys import gathered
 
-    n, W, R = 64, 300, 16
-    q, pool, idx, count, sink, scale = _problem(n, W, 200, [W] * n, seed=200)
+    n, W, R, K = 64, 300, 16, 320
+    q, pool, idx, count, sink, scale = _problem(n, W, K, [W] * n, seed=200)
     store = _randn(40, R, 512, seed=210, dtype=torch.bfloat16)
     pages = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:12].to(q.device)
-    idx = torch.randint(0, 200 + 12 * R, (n, W), generator=torch.Generator().manual_seed(4)).to(q.device)
+    idx = torch.randint(0, K + 12 * R, (n, W), generator=torch.Generator().manual_seed(4)).to(q.device, torch.int32)
     monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "gluon")
     monkeypatch.setattr(wg, "FAILED", False)
     got = sparse_attention_gather(q, pool, idx, count, sink, scale, split=False, wide=True, paged=(store, pages))

@@ -21,8 +21,9 @@ The rounding differs from the Triton wide tiles only in the order of fp32 sums. 
 Gluon's Hopper module (the API of Triton 3.6); a build that fails logs once and the caller keeps the Triton tiles.
 Gluon does not run in Triton's interpreter: the kernel's tests run on a GPU only.
 
-NOT YET RUN ON A GPU (stop 26 wrote it after its device time ran out; compiled for sm_90 offline with Triton 3.6).
-Off unless ``DEEPINFER_ATTN_PREFILL=gluon``.
+On by default (``DEEPINFER_ATTN_PREFILL=gluon``; ``triton`` keeps the Triton tiles). H200, 4096 queries of V4-Flash
+width (``bench/attention_prefill.py``): SWA 495 µs (Triton wide tiles 491), HCA 553 (617), CSA 1017 (1335); the
+sweep's four layers 2561 against 2935 µs (``bench/results/2026-12-01-s27-prefill.md``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ FAILED = False  # set once a build fails: every later call keeps the Triton tile
 
 
 def use(q: torch.Tensor) -> bool:
-    """Whether ``sparse_attention_gather``'s wide tiles run here: ``DEEPINFER_ATTN_PREFILL=gluon``, Gluon, an sm_90
-    GPU, bf16 ``q [n, H, 512]`` with ``H`` a multiple of ``BLOCK_H``, no failed build (checked on the host)."""
+    """Whether ``sparse_attention_gather``'s wide tiles run here: ``DEEPINFER_ATTN_PREFILL=gluon`` (the default),
+    Gluon, an sm_90 GPU, bf16 ``q [n, H, 512]`` with ``H`` a multiple of ``BLOCK_H``, no failed build (checked on the
+    host)."""
     if FAILED or not HAVE_GLUON or envs.get("DEEPINFER_ATTN_PREFILL") != "gluon":
         return False
     if not (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[2] == HEAD_DIM and q.shape[1] % BLOCK_H == 0):
@@ -104,7 +106,7 @@ if HAVE_GLUON:
 
         row = gl.program_id(0).to(gl.int64)
         h0 = gl.program_id(1) * BLOCK_H
-        cnt = gl.minimum(gl.maximum(gl.load(count_ptr + row), 0), W)
+        cnt = gl.minimum(gl.maximum(gl.load(count_ptr + row).to(gl.int32), 0), W)  # count may be int64
         nsteps = gl.cdiv(cnt, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], QS)
@@ -186,7 +188,7 @@ def sparse_attention_wgmma(
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - Gluon's API moves between Triton releases: keep serving on Triton
         FAILED = True
-        log.warning("attention_wgmma_failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+        log.warning("attention_wgmma_failed", error=f"{type(e).__name__}: {str(e)[:3000]}")
         return None
     return out
 
