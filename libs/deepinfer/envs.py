@@ -242,6 +242,13 @@ _declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
     precision, so that numerics match the reference. DeepSeek-V4 only: DeepSeek-V4.1's cache formats (FP8 window
     KV, FP4 compressed rows and index keys) are part of the released model and stay on whatever this says (only
     the offline API's `LLM(quant_sim=False)` turns them off, for diagnostics).""", default=False)
+_declare("DEEPINFER_W8A8", "bool", _NUM, """
+    Give the FP8 linears (the checkpoint's e4m3 weights with 128x128 block scales) FP8 activations: each input row
+    rounded per 128 columns to e4m3 with a power-of-two scale, the official activation points of the linears
+    (MODEL_V4.md §2.12) and what vLLM and SGLang do with block-FP8 checkpoints; on the `nvidia` backend the products
+    then run on the FP8 tensor cores (W8A8; twice the bf16 rate in a prefill). Off: the activations stay in the
+    model dtype (W8A16, closer to the bf16 reference). The routed experts, the KV cache and the indexer keep their
+    precision (`DEEPINFER_QUANT_SIM` rounds those too, and implies this). DeepSeek-V4 and V4.1.""", default=False)
 _declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
     Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
@@ -366,6 +373,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_MOE_PREFILL: str
     DEEPINFER_ATTN_PREFILL: str
     DEEPINFER_QUANT_SIM: bool
+    DEEPINFER_W8A8: bool
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str

@@ -19,6 +19,7 @@ from deepinfer.engine.models import Model, ModelConfig, build_model, is_v41, mod
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler, config_from_env
 from deepinfer.engine.worker import ModelRunner, min_replay
+from deepinfer.models.deepseek_v4.layers import uses_w8a8
 from deepinfer.models.deepseek_v4.state import PagedKVCache
 from deepinfer.ops import get_ops
 from deepinfer.telemetry import get_logger
@@ -144,12 +145,15 @@ def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:
     )
 
 
-def net_quant_sim(net: Model) -> bool:
-    return any(getattr(m, "quant_sim", False) for m in net.modules())
+def net_quant_sim(net: Model) -> bool | str:
+    """The numerics switches that change the KV state: the quantisation simulation, and the FP8 activations of the
+    linears (``DEEPINFER_W8A8``) where they are on (the fingerprint of a worker without them is unchanged)."""
+    sim = any(getattr(m, "quant_sim", False) for m in net.modules())
+    return f"{sim}|w8a8" if uses_w8a8(net) else sim
 
 
 def model_fingerprint(
-    path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool, invariant: bool, decoder_replay: int = 0
+    path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool | str, invariant: bool, decoder_replay: int = 0
 ) -> str:
     """What makes two workers' KV state interchangeable: the architecture, the checkpoint (its config and the
     names and sizes of its weight files), the dtype, the page size and the numerics switches (V4.1: also the

@@ -15,7 +15,9 @@ from typing import TypeAlias
 
 import torch
 
+from deepinfer import envs
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.layers import set_w8a8
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE as V41_MODEL_TYPE
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -64,10 +66,10 @@ def build_model(
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
+        set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
         ops.prepare_weights(net)
         net.set_quant_sim(quant_sim is not False)
         return net
-    from deepinfer import envs
     from deepinfer.checkpoint.loader import load_checkpoint
 
     net = DeepseekV4Model(config, ops)
@@ -75,6 +77,8 @@ def build_model(
         prepare_native(net, tuple(config.weight_block_size), quantize=False)
     load_checkpoint(net, path, dtype=dtype)
     net.to(device)
+    sim = envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim
+    set_w8a8(net, envs.DEEPINFER_W8A8)
+    net.set_quant_sim(sim)  # before prepare_weights, which joins projections of equal activation roundings
     ops.prepare_weights(net)
-    net.set_quant_sim(envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim)
     return net

@@ -22,7 +22,8 @@ from deepinfer.ops import Ops
 
 class Linear(nn.Module):
     """Bias-free linear. ``fp8`` marks weights the official checkpoint stores in FP8/FP4: with the
-    quantisation simulation on, their input is FP8-rounded per 1×128 block first (MODEL_V4.md §2.12).
+    quantisation simulation on, or ``w8a8`` (``DEEPINFER_W8A8``), their input is FP8-rounded per 1×128 block first
+    (MODEL_V4.md §2.12; ``act_fp8``), which a backend with FP8 tensor cores runs as a W8A8 GEMM.
 
     ``keeps_fp8`` (default: ``fp8``): the weight is only consumed by ``forward``, so a backend with FP8 kernels may
     keep it as stored, e4m3 plus a float32 block ``scale`` (``quant.native``); such a weight runs through
@@ -36,9 +37,15 @@ class Linear(nn.Module):
         self.fp8 = fp8
         self.keeps_fp8 = fp8 if keeps_fp8 is None else keeps_fp8
         self.quant_sim = False
+        self.w8a8 = False
+
+    @property
+    def act_fp8(self) -> bool:
+        """Whether the input is rounded to the official FP8 activations (1×128 blocks) before the product."""
+        return self.fp8 and (self.quant_sim or self.w8a8)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return _linear(x, self.weight, self.scale, self.quant_sim and self.fp8, ops)
+        return _linear(x, self.weight, self.scale, self.act_fp8, ops)
 
     def grouped(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """Per-group products ``x [T, G, K]`` × the weight viewed ``[G, R, K]`` → ``[T, G, R]`` (no activation
@@ -57,6 +64,18 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
     return ops.linear(x, weight)
 
 
+def set_w8a8(net: nn.Module, enabled: bool) -> None:
+    """Give every FP8 linear of ``net`` FP8 activations (``DEEPINFER_W8A8``), or take them away (then only the
+    quantisation simulation rounds their inputs)."""
+    for m in net.modules():
+        if isinstance(m, Linear):
+            m.w8a8 = enabled
+
+
+def uses_w8a8(net: nn.Module) -> bool:
+    return any(isinstance(m, Linear) and m.w8a8 and m.fp8 for m in net.modules())
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -73,7 +92,7 @@ def join_rows(linears: Sequence[Linear]) -> bool:
     if any(w.dim() != 2 or (w.dtype, w.device, w.shape[1]) != (w0.dtype, w0.device, w0.shape[1])
                           for w in ws):  # fmt: skip
         return False
-    if len({(lin.quant_sim and lin.fp8) for lin in linears}) > 1:
+    if len({lin.act_fp8 for lin in linears}) > 1:
         return False
     scales = None
     if w0.dtype == torch.float8_e4m3fn:
@@ -120,7 +139,7 @@ def rows_forward(x: torch.Tensor, linears: Sequence[Linear], ops: Ops) -> list[t
     w = _joined([lin.weight for lin in linears])
     fp8 = w is not None and w.dtype == torch.float8_e4m3fn
     s = _joined([lin.scale for lin in linears]) if fp8 else None
-    quant = {lin.quant_sim and lin.fp8 for lin in linears}
+    quant = {lin.act_fp8 for lin in linears}
     if w is None or (fp8 and s is None) or len(quant) > 1:  # not joined, or their activation roundings now differ
         return [lin(x, ops) for lin in linears]
     y = _linear(x, w, s, quant.pop(), ops)
