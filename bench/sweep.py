@@ -79,10 +79,13 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
 
 import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
+from device_gaps import device_gaps  # noqa: E402 - bench/device_gaps.py
+from host_ops import host_op_times  # noqa: E402 - bench/host_ops.py
 from weight_sets import OrderSets, WeightSets  # noqa: E402 - bench/weight_sets.py
 
 import deepinfer  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
+from deepinfer.models.deepseek_v4.layers import set_w8a8  # noqa: E402
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
 from deepinfer.models.deepseek_v4.state import (  # noqa: E402
     CompressorBuffer,
@@ -324,6 +327,7 @@ def timed(fn, dev: torch.device) -> float:
 
 
 PIPELINED_STEPS = 8  # host_and_pipelined's back-to-back steps
+PREFILL_PIPELINED = 3  # back-to-back prefills (each its own sequence, the same pages)
 
 
 def run_timed(fn, dev, warmup: int, repeats: int, budget: Budget, estimate: float | None) -> dict[str, Any]:
@@ -641,15 +645,18 @@ def issue_time(run, dev: torch.device) -> dict[str, float]:
     return {"issue_ms": round((t1 - t0) * 1e3, 3), "ms": round((t2 - t0) * 1e3, 3)}
 
 
-def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, Any]:
-    """``torch.profiler`` over one more prefill: the kernels by device time, and the device's busy time; with
-    ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM). Then, unprofiled, the host's
-    issue time of one prefill (``issue_time``) and cProfile's view of its Python (``host_profile``)."""
+def profile_prefill(run, dev: torch.device, shapes: bool = False, ops: Any = None) -> dict[str, Any]:
+    """``torch.profiler`` over one more prefill: the kernels by device time, the device's busy time and its idle
+    gaps (``device_gaps``); with ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM).
+    Then, unprofiled, the host's issue time of one prefill (``issue_time``), the host's time per op of ``ops``
+    (``host_ops``) and cProfile's view of its Python (``host_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     try:
         host = {"issue": issue_time(run, dev), "host_python": host_profile(run, dev, steps=1)}
+        if ops is not None:
+            host["host_ops"] = host_op_times(ops, run, lambda: sync(dev))
     except Exception as e:  # noqa: BLE001 - the profile is informative only
         host = {"host_error": f"{type(e).__name__}: {e}"[:300]}
     try:
@@ -661,6 +668,8 @@ def profile_prefill(run, dev: torch.device, shapes: bool = False) -> dict[str, A
         busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
         table = ka.table(sort_by=key, row_limit=60, max_name_column_width=60)
         out = {"table_by_device_time": table, "device_busy_ms": round(busy / 1e3, 3), **host}
+        if dev.type == "cuda":
+            out["device_gaps"] = device_gaps(prof)
         if shapes:
             by_shape = prof.key_averages(group_by_input_shape=True)
             out["table_by_input_shape"] = by_shape.table(
@@ -851,9 +860,13 @@ class Ours:
 
                 row.update(run_timed(run, self.dev, 1, self.args.prefill_repeats, budget, est))
                 prev = (n, row["ms"] / 1e3)
-                log(f"  ours prefill {n}: {row['ms']:.1f} ms ({row['runs']} runs)")
+                if budget.left() > row["ms"] * (PREFILL_PIPELINED + 3) / 1e3:
+                    row.update(host_and_pipelined(run, self.dev, PREFILL_PIPELINED))
+                timing = {k: round(row[k], 2) for k in ("host_ms", "pipelined_ms") if k in row}
+                log(f"  ours prefill {n}: {row['ms']:.1f} ms ({row['runs']} runs); {timing}")
                 if n in self.args.profile_prefill:
-                    self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev, self.args.profile_shapes)
+                    self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev, self.args.profile_shapes,
+                                                                    self.model.ops)  # fmt: skip
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours prefill {n}: {e}")
@@ -867,19 +880,23 @@ class Ours:
 
     def prefill_ab(self, n: int, budget: Budget) -> dict[str, Any]:
         """Prefill of ``n`` tokens on each weight set, interleaved: ``bf16``, ``native`` (bf16 activations: the FP8
-        linears run W8A16), and ``native_fp8_act`` (the official FP8 activation rounding of the quantised linears and
-        experts, ``quant_sim`` on those modules only: the FP8 linears run W8A8 on the FP8 tensor cores)."""
+        linears run W8A16), ``native_w8a8`` (``DEEPINFER_W8A8``: FP8 activations in the FP8 linears only, W8A8 on
+        the FP8 tensor cores) and ``native_fp8_act`` (the official FP8 activation rounding of the quantised linears
+        and experts, ``quant_sim`` on those modules only)."""
         sets, ids = self.weight_sets, self._ids(n)
         act_modules = [m for m in self.model.modules() if hasattr(m, "quant_sim") and (
             getattr(m, "keeps_fp8", False) or hasattr(m, "w1_scale"))]  # fmt: skip
-        variants = {"bf16": ("bf16", False), "native": ("native", False), "native_fp8_act": ("native", True)}
+        variants = {"bf16": ("bf16", False, False), "native": ("native", False, False),
+                    "native_w8a8": ("native", False, True), "native_fp8_act": ("native", True, False)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in variants}
+        w8a8 = self.args.w8a8
 
         def use(name: str) -> None:
-            weights, act = variants[name]
+            weights, act, linears_fp8 = variants[name]
             sets.use(weights)
             for m in act_modules:
                 m.quant_sim = act
+            set_w8a8(self.model, linears_fp8 or w8a8)
 
         def run() -> torch.Tensor:
             return self._prefill(SequenceState(), self.prefill_table, ids)
@@ -899,6 +916,7 @@ class Ours:
             use("native" if prev == "native" else "bf16")
             for m in act_modules:
                 m.quant_sim = False
+            set_w8a8(self.model, w8a8)
         return {"tokens": n, **{k: 1e3 * statistics.median(v) if v else None for k, v in times.items()}}
 
 
@@ -1089,6 +1107,8 @@ def add_roofline(work: Work, decode: list[dict], prefill: list[dict], context: i
         r.update(roof)
         ms = r.get("ms")
         r["fraction_of_fp8_peak"] = roof["fp8_flop_ms"] / ms if ms else None
+        b2b = r.get("pipelined_ms")  # prefills queued back to back, as an async scheduler issues chunks
+        r["fraction_of_fp8_peak_pipelined"] = roof["fp8_flop_ms"] / b2b if b2b else None
         r["x_roofline"] = ms / roof["roofline_ms"] if ms else None
         r["TFLOPs"] = roof["TFLOP"] / (ms / 1e3) if ms else None
         r["tok_s"] = 1e3 * r["tokens"] / ms if ms else None
@@ -1133,8 +1153,9 @@ def markdown(res: dict[str, Any]) -> str:
         "Prefill (one sequence; ours chunked by --chunk, peer one forward)",
         "",
         "| tokens | ours ms | peer ms | FP8 FLOP roofline ms | roofline ms | ours frac. of FP8 peak | "
-        "peer frac. of FP8 peak | ours TFLOP/s | peer TFLOP/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "peer frac. of FP8 peak | ours TFLOP/s | peer TFLOP/s | ours host ms | ours back to back ms | "
+        "ours frac. back to back |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["prefill"]:
         p = pp.get(r["tokens"], {})
@@ -1142,7 +1163,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['tokens']} | {_f(r.get('ms'), '.1f')} | {_f(p.get('ms'), '.1f')} | {r['fp8_flop_ms']:.3f} | "
             f"{r['roofline_ms']:.3f} | {_f(r.get('fraction_of_fp8_peak'), '.4f')} | "
             f"{_f(p.get('fraction_of_fp8_peak'), '.4f')} | {_f(r.get('TFLOPs'), '.3g')} | "
-            f"{_f(p.get('TFLOPs'), '.3g')} |"
+            f"{_f(p.get('TFLOPs'), '.3g')} | {_f(r.get('host_ms'), '.1f')} | {_f(r.get('pipelined_ms'), '.1f')} | "
+            f"{_f(r.get('fraction_of_fp8_peak_pipelined'), '.4f')} |"
         )
         for who, x in (("ours", r), ("peer", p)):
             if x.get("note"):
@@ -1150,10 +1172,11 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("decode_ab"):
         lines += ["", "Decode before/after (--ab; decode_ab.py)", "", decode_ab.markdown(res["decode_ab"])]
     if res.get("prefill_ab"):
-        head = "| tokens | bf16 weights | native (W8A16) | native, FP8 activations (W8A8) |"
-        lines += ["", "Prefill A/B (--ab-weights; median ms, interleaved)", "", head, "|---:|---:|---:|---:|"]
+        head = ("| tokens | bf16 weights | native (W8A16) | native, FP8 linear activations (W8A8) | native, FP8 "
+                "activations of linears and experts |")  # fmt: skip
+        lines += ["", "Prefill A/B (--ab-weights; median ms, interleaved)", "", head, "|---:|---:|---:|---:|---:|"]
         for r in res["prefill_ab"]:
-            cells = " | ".join(_f(r.get(k), ".1f") for k in ("bf16", "native", "native_fp8_act"))
+            cells = " | ".join(_f(r.get(k), ".1f") for k in ("bf16", "native", "native_w8a8", "native_fp8_act"))
             lines.append(f"| {r['tokens']} | {cells} |" + (f" {r['note']}" if r.get("note") else ""))
     if res.get("weight_bytes"):
         lines += ["", f"Bytes of the swapped weights: {res['weight_bytes']}"]
@@ -1324,6 +1347,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our model with the official numerics (DEEPINFER_QUANT_SIM): FP8 activations in the FP8 linears and "
         "the experts (the FP8 linears W8A8 on the FP8 tensor cores), FP8 / FP4 cache round trips",
     )
+    ap.add_argument(
+        "--w8a8",
+        action="store_true",
+        help="our model with FP8 activations in the FP8 linears only (DEEPINFER_W8A8): W8A8 on the FP8 tensor cores",
+    )
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1393,11 +1421,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif native:
             prepare_native(model, tuple(config.weight_block_size), quantize=True)
         orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
+        set_w8a8(model, args.w8a8)  # before prepare_weights: it joins projections of equal activation roundings
         if orders is None:
             model.ops.prepare_weights(model)  # the MXFP4 experts in the rotate order on a GPU (quant.nibble_order)
         if args.quant_sim:
             model.set_quant_sim(True)
         res["quant_sim"] = args.quant_sim
+        res["w8a8"] = args.w8a8
         res["weights"] = "native" if native or args.ab_weights else "bf16"
         sync(dev)
         res["build_s"] = time.perf_counter() - t

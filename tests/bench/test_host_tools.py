@@ -1,0 +1,98 @@
+"""The sweep's host-side views of a run: ``bench/device_gaps.py`` (the device's idle gaps between activities of a
+profile) and ``bench/host_ops.py`` (the host's time per op, nested calls subtracted, the ops restored after)."""
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+from deepinfer.ops.reference import ReferenceOps
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gaps():
+    return _load("device_gaps").device_gaps
+
+
+@pytest.fixture(scope="module")
+def host_ops():
+    return _load("host_ops").host_op_times
+
+
+class _Profile:
+    def __init__(self, events):
+        self._events = [
+            SimpleNamespace(name=n, time_range=SimpleNamespace(start=a, end=b), device_type=d) for n, a, b, d in events
+        ]
+
+    def events(self):
+        return self._events
+
+
+def test_gaps_are_the_span_without_any_device_activity(gaps):
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    prof = _Profile([
+        ("k1", 0, 10, cuda), ("k2", 5, 20, cuda),  # overlapping streams: busy 0..20
+        ("cpu op", 0, 200, cpu),  # host activity never counts
+        ("k3", 30, 40, cuda), ("k4", 41, 50, cuda), ("k5", 45, 47, cuda),  # a 10 µs gap, then 1 µs
+        ("k6", 150, 160, cuda),  # a 100 µs gap
+    ])  # fmt: skip
+    out = gaps(prof, top=5, min_us=5.0)
+    assert out["activities"] == 6 and out["gaps"] == 3
+    assert out["span_ms"] == 0.16 and out["busy_ms"] == 0.049 and out["idle_ms"] == 0.111
+    assert out["idle_in_gaps_over_min_ms"] == 0.11  # the 1 µs gap is under min_us
+    assert [g["us"] for g in out["top_gaps"]] == [100.0, 10.0]
+    assert out["top_gaps"][0] == {"us": 100.0, "after": "k4", "before": "k6"}
+    assert out["top_gaps"][1]["after"] == "k2" and out["top_gaps"][1]["before"] == "k3"
+    assert gaps(_Profile([("cpu", 0, 5, cpu)])) == {"activities": 0}
+
+
+def test_host_op_times_nest_and_restore(host_ops):
+    ops = ReferenceOps()
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+
+    def slow_linear(a, b):
+        time.sleep(0.002)
+        return a @ b.t()
+
+    ops.linear = slow_linear  # an instance attribute: it must come back after the run
+
+    def run():
+        ops.rms_norm(ops.linear(x, w), None, 1e-6)
+        time.sleep(0.003)  # outside any op
+
+    out = host_ops(ops, run, lambda: None)
+    assert out["ops"]["linear"]["calls"] == 1 and out["ops"]["linear"]["self_ms"] >= 2.0
+    assert out["ops"]["rms_norm"]["calls"] == 1
+    assert out["outside_ops_ms"] >= 3.0 and out["issue_ms"] >= 5.0
+    assert list(out["ops"])[0] == "linear"  # by self time
+    assert ops.linear is slow_linear and "rms_norm" not in ops.__dict__  # restored
+
+
+def test_nested_ops_count_once_in_self_time(host_ops):
+    ops = ReferenceOps()
+    inner = ops.act_quant_sim
+
+    def outer(x, block):
+        time.sleep(0.002)
+        return ops.act_quant_sim(x, block)  # through the wrapper: a nested op call
+
+    ops.fp4_quant_sim = outer
+    out = host_ops(ops, lambda: ops.fp4_quant_sim(torch.randn(4, 32), 32), lambda: None)
+    fp4, act = out["ops"]["fp4_quant_sim"], out["ops"]["act_quant_sim"]
+    assert act["calls"] == 1 and fp4["ms"] >= fp4["self_ms"] + act["ms"] * 0.99
+    assert ops.act_quant_sim == inner
