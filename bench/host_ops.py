@@ -64,4 +64,63 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
     return {"issue_ms": round(1e3 * issue, 3), "outside_ops_ms": round(1e3 * (issue - top), 3), "ops": table}
 
 
-__all__ = ["host_op_times"]
+def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]]:
+    """Who waits for whom in one run on a GPU: at each layer's start, after its attention and after its MoE, the
+    host's time since the run began and the device's (a CUDA event recorded there, read after the run). ``lag_ms`` =
+    device − host: near 0 the device had caught up and waited for the host (host-bound there); growing, the host ran
+    ahead of it."""
+    import torch
+
+    marks: list[tuple[str, float, Any]] = []
+    t0 = [0.0]
+
+    def mark(name: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, time.perf_counter() - t0[0], ev))
+
+    hooks, undo = [], []
+
+    def after(obj: Any, attr: str, label: str) -> None:
+        """Mark after each call of ``obj.attr`` (an instance attribute, deleted afterwards)."""
+        if not hasattr(obj, attr):
+            return
+        fn = getattr(obj, attr)
+
+        def marked(*a: Any, **k: Any) -> Any:
+            out = fn(*a, **k)
+            mark(label)
+            return out
+
+        setattr(obj, attr, marked)
+        undo.append((obj, attr))
+
+    for i, layer in enumerate(model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: mark(f"layer {i}")))
+        hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: mark(f"layer {i} moe done")))
+        after(layer, "attn_in", f"layer {i} projections done")
+        after(layer.attn, "_compress_batched", f"layer {i} a compressor done")
+        after(layer.attn, "attend", f"layer {i} attention done")
+        if getattr(layer.attn, "indexer", None) is not None:
+            after(layer.attn.indexer, "select_ranges", f"layer {i} indexer done")
+    try:
+        torch.cuda.synchronize()
+        t0[0] = time.perf_counter()
+        mark("start")
+        run()
+        mark("issued")
+        torch.cuda.synchronize()
+    finally:
+        for h in hooks:
+            h.remove()
+        for obj, attr in reversed(undo):
+            delattr(obj, attr)
+    first = marks[0][2]
+    return [
+        {"at": n, "host_ms": round(1e3 * h, 3), "device_ms": round(first.elapsed_time(ev), 3),
+         "lag_ms": round(first.elapsed_time(ev) - 1e3 * h, 3)}
+        for n, h, ev in marks
+    ]  # fmt: skip
+
+
+__all__ = ["host_op_times", "issue_timeline"]

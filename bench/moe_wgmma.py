@@ -2,8 +2,9 @@
 tiles of the same call (``moe_mxfp4.WGMMA_PREFILL = False``), interleaved in one run, beside the bf16 FLOP roofline.
 
 Random MXFP4 experts in the rotate order (E = 256, D = 4096, I = 2048, top 6), random routing; µs per call from CUDA
-events over ``--calls`` back-to-back calls after a warm-up, two rounds (``--ws``: the warp-specialised variant too);
-then the kernels' CUDA time by name.
+events over ``--calls`` back-to-back calls after a warm-up, two rounds (``--ws``: the warp-specialised variant too),
+with the exponents loaded as words every few steps (``SCALE_WORDS``, the default) and a byte a step; then the
+kernels' CUDA time by name.
 
     PYTHONPATH=libs:tests:bench python3 bench/moe_wgmma.py --tokens 4096
 """
@@ -57,16 +58,21 @@ def main() -> None:
             return mod.moe_mxfp4(x, idx, w, *mx, LIMIT, order="rotate")
 
         roof = 2 * 3 * t * K * D * I / (args.bf16_tflops * 1e12) * 1e6
+        wg = mod.moe_mxfp4_wgmma
         for rnd in range(2):
-            for name, wgmma, ws in (("gluon wgmma", True, False), ("gluon warp-specialised", True, True),
-                                    ("triton tiles", False, False)):  # fmt: skip
+            for name, wgmma, ws, words in (("gluon wgmma", True, False, True),
+                                           ("gluon wgmma, exponents a byte a step", True, False, False),
+                                           ("gluon warp-specialised", True, True, True),
+                                           ("triton tiles", False, False, True)):  # fmt: skip
                 if ws and not args.ws:
                     continue
-                mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = wgmma, ws
+                mod.WGMMA_PREFILL, wg.WS, wg.SCALE_WORDS = wgmma, ws, words
                 us = per_call_us(run, args.calls)
                 print(f"T={t} round {rnd}: {name} {us:.0f} µs (bf16 FLOP roofline {roof:.0f} µs)", flush=True)
-        mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = True, False
+        mod.WGMMA_PREFILL, wg.WS, wg.SCALE_WORDS = True, False, False
         out = run()
+        wg.SCALE_WORDS = True
+        print(f"T={t}: the exponents by words bit-identical to a byte a step: {torch.equal(run(), out)}")
         if args.ws:
             mod.moe_mxfp4_wgmma.WS = True
             print(f"T={t}: warp-specialised bit-identical to gluon wgmma: {torch.equal(run(), out)}")

@@ -80,7 +80,7 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
 import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
 from device_gaps import device_gaps  # noqa: E402 - bench/device_gaps.py
-from host_ops import host_op_times  # noqa: E402 - bench/host_ops.py
+from host_ops import host_op_times, issue_timeline  # noqa: E402 - bench/host_ops.py
 from weight_sets import OrderSets, WeightSets  # noqa: E402 - bench/weight_sets.py
 
 import deepinfer  # noqa: E402
@@ -645,20 +645,27 @@ def issue_time(run, dev: torch.device) -> dict[str, float]:
     return {"issue_ms": round((t1 - t0) * 1e3, 3), "ms": round((t2 - t0) * 1e3, 3)}
 
 
-def profile_prefill(run, dev: torch.device, shapes: bool = False, ops: Any = None) -> dict[str, Any]:
+def profile_prefill(run, dev: torch.device, shapes: bool = False, model: Any = None) -> dict[str, Any]:
     """``torch.profiler`` over one more prefill: the kernels by device time, the device's busy time and its idle
     gaps (``device_gaps``); with ``shapes`` also the ops grouped by their input shapes (which copy, which GEMM).
-    Then, unprofiled, the host's issue time of one prefill (``issue_time``), the host's time per op of ``ops``
-    (``host_ops``) and cProfile's view of its Python (``host_profile``)."""
+    Then, unprofiled, the host's issue time of one prefill (``issue_time``), the host's time per op of the model's ops
+    (``host_ops``), who waits for whom at each layer (``issue_timeline``) and cProfile's view of its Python
+    (``host_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    try:
-        host = {"issue": issue_time(run, dev), "host_python": host_profile(run, dev, steps=1)}
-        if ops is not None:
-            host["host_ops"] = host_op_times(ops, run, lambda: sync(dev))
-    except Exception as e:  # noqa: BLE001 - the profile is informative only
-        host = {"host_error": f"{type(e).__name__}: {e}"[:300]}
+    ops = getattr(model, "ops", None)
+    views = {"issue": lambda: issue_time(run, dev), "host_python": lambda: host_profile(run, dev, steps=1)}
+    if ops is not None:
+        views["host_ops"] = lambda: host_op_times(ops, run, lambda: sync(dev))
+    if model is not None and dev.type == "cuda":
+        views["timeline"] = lambda: issue_timeline(model, run)
+    host: dict[str, Any] = {}
+    for name, view in views.items():
+        try:
+            host[name] = view()
+        except Exception as e:  # noqa: BLE001 - the profile is informative only: one view failing loses none else
+            host[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     try:
         with profile(activities=acts, record_shapes=shapes) as prof:
             run()
@@ -866,7 +873,7 @@ class Ours:
                 log(f"  ours prefill {n}: {row['ms']:.1f} ms ({row['runs']} runs); {timing}")
                 if n in self.args.profile_prefill:
                     self.profiles[f"prefill_{n}"] = profile_prefill(run, self.dev, self.args.profile_shapes,
-                                                                    self.model.ops)  # fmt: skip
+                                                                    self.model)  # fmt: skip
             except Skip as e:
                 row.update(ms=None, note=str(e))
                 log(f"  ours prefill {n}: {e}")

@@ -2,7 +2,6 @@
 profile) and ``bench/host_ops.py`` (the host's time per op, nested calls subtracted, the ops restored after)."""
 
 import importlib.util
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -96,3 +95,53 @@ def test_nested_ops_count_once_in_self_time(host_ops):
     fp4, act = out["ops"]["fp4_quant_sim"], out["ops"]["act_quant_sim"]
     assert act["calls"] == 1 and fp4["ms"] >= fp4["self_ms"] + act["ms"] * 0.99
     assert ops.act_quant_sim == inner
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return _load("host_ops").issue_timeline
+
+
+class _Event:  # a CUDA event that completes when recorded (the host's clock)
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_issue_timeline_marks_each_layer_and_restores(timeline, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Attn(torch.nn.Module):
+        indexer = None
+
+        def attend(self, x):
+            return x + 1
+
+        def _compress_batched(self, x):
+            return x
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.ffn = Attn(), torch.nn.Identity()
+
+        def attn_in(self, x):
+            return x * 2
+
+        def forward(self, x):
+            return self.ffn(self.attn.attend(self.attn._compress_batched(self.attn_in(x))))
+
+    model = SimpleNamespace(layers=[Layer(), Layer()])
+    out = timeline(model, lambda: [layer(torch.ones(2)) for layer in model.layers])
+    at = [r["at"] for r in out]
+    assert at == ["start"] + [f"layer {i}{s}" for i in range(2) for s in ("", " projections done",
+              " a compressor done", " attention done", " moe done")] + ["issued"]  # fmt: skip
+    assert all(r["host_ms"] >= 0 and abs(r["lag_ms"]) < 1.0 for r in out)
+    for layer in model.layers:  # the methods are the classes' again
+        assert "attn_in" not in vars(layer) and "attend" not in vars(layer.attn)

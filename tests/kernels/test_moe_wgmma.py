@@ -145,6 +145,29 @@ def test_gpu_warp_specialised_variant_bit_identical(t, pool, monkeypatch):
     assert calls == ["gate_up", "down"]
 
 
+def test_exponent_words_a_row_loads_at_once(monkeypatch):
+    """16-byte groups where a row's exponents make them (V4-Flash: 128 and 64 a row), 8 bytes for V4.1's 72-byte rows,
+    a byte a step where no 4-byte word lines up or ``SCALE_WORDS`` is off."""
+    assert wg.scale_words(4096) == 4 and wg.scale_words(2048) == 4 and wg.scale_words(5120) == 4
+    assert wg.scale_words(2304) == 2 and wg.scale_words(64 * 3) == 0 and wg.scale_words(64 * 6) == 1
+    monkeypatch.setattr(wg, "SCALE_WORDS", False)
+    assert wg.scale_words(4096) == 0
+
+
+@hopper_only
+@pytest.mark.parametrize(("i", "d"), [(2048, 4096), (2304, 5120)])
+def test_gpu_exponent_words_bit_identical(i, d, monkeypatch):
+    """The exponents loaded as words every few steps give the decode the same exponents as a byte a step: the same
+    bits, at V4-Flash's widths (16-byte groups) and V4.1's (the down projection's 72-byte rows: 8-byte groups)."""
+    mx, rot, x, idx, w = _problem(16, i, d, 6, 300, 16, seed=i)
+    monkeypatch.setattr(wg, "SCALE_WORDS", False)
+    want = moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate")
+    monkeypatch.setattr(wg, "SCALE_WORDS", True)
+    calls = _calls(monkeypatch)
+    assert torch.equal(moe_mxfp4(x, idx, w, *rot, 10.0, order="rotate"), want)
+    assert calls == ["gate_up", "down"]
+
+
 @hopper_only
 def test_gpu_v41_widths(monkeypatch):
     """V4.1-Flash's expert widths (D = 5120, I = 2304: 18 gate/up tiles, 36 down K steps, 72-byte scale rows), 16

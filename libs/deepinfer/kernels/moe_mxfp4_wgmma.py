@@ -20,7 +20,9 @@ weight rows each). Per K step of ``BLOCK_K`` columns:
   ``cp.async`` into a ring of ``STAGES`` shared-memory slots, issued ``STAGES - 2`` steps ahead (a slot is refilled
   only after a CTA barrier that follows every warpgroup's wait for the MMAs that read it);
 * each warp decodes the words of its own warpgroup's rows (the PTX of ``moe_mxfp4_gemm``: 8 codes a word into 4
-  bf16x2 times the block scale) and stores the bf16 tile into one of two shared buffers;
+  bf16x2 times the block scale) and stores the bf16 tile into one of two shared buffers; the blocks' exponents come
+  by plain loads, a 16-byte vector of a row's next 8 steps at a time (``SCALE_WORDS``; a byte a step used 2 of the
+  32 bytes of each sector it fetched: 3652 → 3569 µs for a V4-Flash layer at 4096 tokens on an H200);
 * ``wgmma`` multiplies the tile ``[BLOCK_N, BLOCK_K]`` by the activations' transpose (``[BLOCK_K, BLOCK_M]``) into
   fp32 accumulators ``[BLOCK_N, BLOCK_M]`` asynchronously; a warpgroup waits only for the MMAs of the step before,
   after issuing this step's, so its next decode runs while the tensor cores work.
@@ -59,6 +61,7 @@ BLOCK_K = 64  # columns a K step (two MXFP4 scale blocks; one 128-byte swizzled 
 STAGES = 4  # the cp.async ring of activation and word tiles
 NUM_WARPS = 8
 WS: bool | None = None  # the warp-specialised variant (kernels.moe_mxfp4_ws); None: DEEPINFER_MOE_PREFILL
+SCALE_WORDS = True  # the exponents by one vector load a row every few K steps (False: a byte a step; benchmarks)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -113,6 +116,26 @@ if HAVE_GLUON:
         return gl.load(s_ptr + srow[:, None, None] * KS + kb[None, :, None]).to(gl.int32)
 
     @gluon.jit
+    def _scale_group(s_ptr, srow, KS: gl.constexpr, group, SL: gl.constexpr, WPL: gl.constexpr):
+        """Words ``group·WPL ..+ WPL`` of each row's exponents (a word: the 4 blocks of 2 K steps) by one
+        ``4·WPL``-byte load a thread: ``[BLOCK_N, BLOCK_K/32, WPL]`` int32 in ``SL`` (the threads of a row's two
+        blocks load the same words; a byte a step per thread was 2 of every 32 bytes of its sector)."""
+        s32 = s_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        w = gl.arange(0, WPL, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+        off = srow[:, None, None] * (KS // 4) + group * WPL + w[None, None, :] + 0 * j[None, :, None]
+        return gl.load(s32 + off)
+
+    @gluon.jit
+    def _scale_of(words, step, SL: gl.constexpr, WPL: gl.constexpr):
+        """Step ``step``'s exponents ``[BLOCK_N, 2, 1]`` int32 in ``SL`` (``_scales``') from its group's words."""
+        w = gl.arange(0, WPL, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+        word = gl.sum(gl.where(w[None, None, :] == (step % (2 * WPL)) // 2, words, 0), axis=2)
+        byte = (word >> (8 * ((step % 2) * 2 + j))[None, :]) & 0xFF
+        return gl.expand_dims(byte, 2)
+
+    @gluon.jit
     def _mma(tw, tv, act, acc_w, acc_v, TWO: gl.constexpr, PENDING: gl.constexpr):
         """``acc_w += tw · act`` (and ``acc_v += tv · act``) issued asynchronously; then wait until ``PENDING`` steps'
         MMAs at most are in flight."""
@@ -161,7 +184,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg_moe_kernel(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, rw_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, stride_am,
                        stride_om, limit, K: gl.constexpr, TOPK: gl.constexpr, TWO: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       WPL: gl.constexpr = 0):  # fmt: skip
         gl.static_assert(gl.num_warps() == 8)
         # the activation copies: 16 bytes a thread; the words: 16 bytes (4 words of one row) a thread, warp w on rows
         # 16w ..< 16w + 16 (its warpgroup's MMA rows: a warpgroup only writes the tile rows its own MMAs read)
@@ -207,22 +231,50 @@ if HAVE_GLUON:
 
             acc_w = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             acc_v = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            # the exponents come by plain loads two steps ahead (too small for cp.async)
-            sw = _scales(s_ptr, srow, KS, 0, SL, BLOCK_K)
-            sw1 = _scales(s_ptr, srow, KS, gl.minimum(1, nk - 1), SL, BLOCK_K)
-            sv = sw
-            sv1 = sw1
-            if TWO:
-                sv = _scales(t_ptr, srow, KS, 0, SL, BLOCK_K)
-                sv1 = _scales(t_ptr, srow, KS, gl.minimum(1, nk - 1), SL, BLOCK_K)
+            # the exponents come by plain loads ahead of their steps (too small for cp.async): WPL > 0, a group of
+            # 2·WPL steps' words a row by one vector load, the next group's loaded a group ahead; else a byte a
+            # step, two steps ahead
+            GROUP: gl.constexpr = 2 * WPL  # K steps a group of words covers
+            if WPL > 0:
+                ng: gl.constexpr = nk // GROUP
+                gw = _scale_group(s_ptr, srow, KS, 0, SL, WPL)
+                gw1 = _scale_group(s_ptr, srow, KS, min(1, ng - 1), SL, WPL)
+                gv = gw
+                gv1 = gw1
+                if TWO:
+                    gv = _scale_group(t_ptr, srow, KS, 0, SL, WPL)
+                    gv1 = _scale_group(t_ptr, srow, KS, min(1, ng - 1), SL, WPL)
+            else:
+                sw = _scales(s_ptr, srow, KS, 0, SL, BLOCK_K)
+                sw1 = _scales(s_ptr, srow, KS, gl.minimum(1, nk - 1), SL, BLOCK_K)
+                sv = sw
+                sv1 = sw1
+                if TWO:
+                    sv = _scales(t_ptr, srow, KS, 0, SL, BLOCK_K)
+                    sv1 = _scales(t_ptr, srow, KS, gl.minimum(1, nk - 1), SL, BLOCK_K)
             for step in range(nk):
                 ring = step % STAGES
                 buf = step % 2
-                nxt = gl.minimum(step + 2, nk - 1)
-                sw2 = _scales(s_ptr, srow, KS, nxt, SL, BLOCK_K)
-                sv2 = sw2
-                if TWO:
-                    sv2 = _scales(t_ptr, srow, KS, nxt, SL, BLOCK_K)
+                if WPL > 0:
+                    if step % GROUP == 0:
+                        if step > 0:
+                            gw = gw1
+                            gv = gv1
+                            nxg = gl.minimum(step // GROUP + 1, ng - 1)
+                            gw1 = _scale_group(s_ptr, srow, KS, nxg, SL, WPL)
+                            gv1 = gw1
+                            if TWO:
+                                gv1 = _scale_group(t_ptr, srow, KS, nxg, SL, WPL)
+                    sw = _scale_of(gw, step, SL, WPL)
+                    sv = sw
+                    if TWO:
+                        sv = _scale_of(gv, step, SL, WPL)
+                else:
+                    nxt = gl.minimum(step + 2, nk - 1)
+                    sw2 = _scales(s_ptr, srow, KS, nxt, SL, BLOCK_K)
+                    sv2 = sw2
+                    if TWO:
+                        sv2 = _scales(t_ptr, srow, KS, nxt, SL, BLOCK_K)
                 async_copy.wait_group(STAGES - 3)  # this thread's copies of step `step` (it reads its own words)
                 words = w_smem.index(ring).reshape([BLOCK_N, BLOCK_K // 32, 4])
                 tw_smem.index(buf).store(_decode(words.load(SL), sw))
@@ -238,14 +290,25 @@ if HAVE_GLUON:
                 async_copy.commit_group()
                 act = a_smem.index(ring).permute((1, 0))
                 acc_w, acc_v = _mma(tw_smem.index(buf), tv_smem.index(buf), act, acc_w, acc_v, TWO, 1)
-                sw = sw1
-                sw1 = sw2
-                sv = sv1
-                sv1 = sv2
+                if WPL == 0:
+                    sw = sw1
+                    sw1 = sw2
+                    sv = sv1
+                    sv1 = sv2
             acc_w, acc_v = _drain(acc_w, acc_v, TWO)
             async_copy.wait_group(0)
 
             _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO, BLOCK_M, BLOCK_N)
+
+
+def scale_words(k: int) -> int:
+    """Exponent words a row loads at once (``_scale_group``): 4 (16 bytes) where a row's ``K/32`` exponents make
+    whole 16-byte groups, 2 or 1 for 8- or 4-byte ones (V4.1's 72-byte rows: 2), 0 (a byte a step) otherwise or with
+    ``SCALE_WORDS`` off."""
+    ks = k // 32
+    if not SCALE_WORDS or k % BLOCK_K:
+        return 0
+    return next((w for w in (4, 2, 1) if ks % (4 * w) == 0), 0)
 
 
 def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, limit: float, topk: int, two: bool):
@@ -259,7 +322,7 @@ def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, 
             *args, STAGES=ws.STAGES, PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS, **meta
         )
     else:
-        _wg_moe_kernel[grid](*args, STAGES=STAGES, **meta)
+        _wg_moe_kernel[grid](*args, STAGES=STAGES, WPL=scale_words(k), **meta)
 
 
 def gate_up(x, w1, s1, w3, s3, rw, slots, bexp, h, topk: int, limit: float) -> None:

@@ -232,7 +232,7 @@ class Attention(nn.Module):
         # -- per-token metadata (host-side ints, one copy to the device)
         lens = [b - a for a, b in offsets]
         cid = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens, dtype=torch.long))
-        pos = torch.tensor([p for c in chunks for p in range(c.start, c.end)], dtype=torch.long)
+        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks] or [torch.zeros(0, dtype=torch.long)])
         lo_t = torch.tensor(lo, dtype=torch.long)[cid]
         w_first = torch.maximum(pos - win + 1, lo_t)
         w_start, w_cnt = torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1

@@ -374,15 +374,15 @@ class ForwardBatch:
     ) -> ForwardBatch:
         if len(chunks) != len(token_ids):
             raise ValueError("one token list per chunk is required")
-        ids, pos = [], []
+        ids: list[int] = []
         for c, t in zip(chunks, token_ids):
             if len(t) != c.length:
                 raise ValueError(f"chunk declares {c.length} tokens but {len(t)} were given")
             if c.start != c.state.num_tokens:
                 raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
             ids.extend(t)
-            pos.extend(range(c.start, c.end))
-        host = torch.tensor([ids, pos], dtype=torch.long)
+        pos = [torch.arange(c.start, c.end) for c in chunks]  # no Python list of every position
+        host = torch.stack([torch.tensor(ids, dtype=torch.long), torch.cat(pos) if pos else torch.zeros(0).long()])
         return cls(None, None, chunks, host_token_ids=host[0], host_positions=host[1], device=device)
 
     def offsets(self) -> list[tuple[int, int]]:
