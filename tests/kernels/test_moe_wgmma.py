@@ -150,6 +150,10 @@ def test_exponent_words_a_row_loads_at_once(monkeypatch):
     a byte a step where no 4-byte word lines up or ``SCALE_WORDS`` is off."""
     assert wg.scale_words(4096) == 4 and wg.scale_words(2048) == 4 and wg.scale_words(5120) == 4
     assert wg.scale_words(2304) == 2 and wg.scale_words(64 * 3) == 0 and wg.scale_words(64 * 6) == 1
+    rows = torch.zeros(2 * 128 + 4, dtype=torch.uint8)
+    assert wg.scale_words(4096, rows[:128]) == 4  # an allocation's start: 16-byte aligned
+    assert wg.scale_words(4096, rows[4:]) == 1 and wg.scale_words(4096, rows[8:]) == 2  # views: narrower loads
+    assert wg.scale_words(4096, rows[1:]) == 0  # not even 4-byte aligned: a byte a step
     monkeypatch.setattr(wg, "SCALE_WORDS", False)
     assert wg.scale_words(4096) == 0
 

@@ -112,7 +112,9 @@ def build_worker(
     determinism = describe(ops, accelerator, torch_dtype)
     # V4.1's bounded decoder replay changes the decoder layers' window state that resume points hold
     replay = envs.DEEPINFER_DECODER_REPLAY_TOKENS if is_v41(config) else 0
-    fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, replay)
+    fp = model_fingerprint(
+        path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, replay, uses_w8a8(net)
+    )
     if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore
         from deepinfer.kvstore.remote import RemoteResumeStore
 
@@ -145,15 +147,18 @@ def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:
     )
 
 
-def net_quant_sim(net: Model) -> bool | str:
-    """The numerics switches that change the KV state: the quantisation simulation, and the FP8 activations of the
-    linears (``DEEPINFER_W8A8``) where they are on (the fingerprint of a worker without them is unchanged)."""
-    sim = any(getattr(m, "quant_sim", False) for m in net.modules())
-    return f"{sim}|w8a8" if uses_w8a8(net) else sim
+def net_quant_sim(net: Model) -> bool:
+    return any(getattr(m, "quant_sim", False) for m in net.modules())
 
 
 def model_fingerprint(
-    path: Path, dtype: torch.dtype, page_size: int, quant_sim: bool | str, invariant: bool, decoder_replay: int = 0
+    path: Path,
+    dtype: torch.dtype,
+    page_size: int,
+    quant_sim: bool,
+    invariant: bool,
+    decoder_replay: int = 0,
+    w8a8: bool = False,
 ) -> str:
     """What makes two workers' KV state interchangeable: the architecture, the checkpoint (its config and the
     names and sizes of its weight files), the dtype, the page size and the numerics switches (V4.1: also the
@@ -167,6 +172,8 @@ def model_fingerprint(
     h.update(f"{dtype}|{page_size}|{quant_sim}|{invariant}".encode())
     if decoder_replay:
         h.update(f"|decoder_replay={decoder_replay}".encode())
+    if w8a8:  # FP8 activations in the linears (DEEPINFER_W8A8): other KV state; unchanged without them
+        h.update(b"|w8a8")
     return h.hexdigest()
 
 

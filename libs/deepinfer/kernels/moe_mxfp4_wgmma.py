@@ -301,14 +301,14 @@ if HAVE_GLUON:
             _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO, BLOCK_M, BLOCK_N)
 
 
-def scale_words(k: int) -> int:
+def scale_words(k: int, *scales: torch.Tensor) -> int:
     """Exponent words a row loads at once (``_scale_group``): 4 (16 bytes) where a row's ``K/32`` exponents make
     whole 16-byte groups, 2 or 1 for 8- or 4-byte ones (V4.1's 72-byte rows: 2), 0 (a byte a step) otherwise or with
-    ``SCALE_WORDS`` off."""
+    ``SCALE_WORDS`` off; no wider than the ``scales`` tensors' addresses are aligned."""
     ks = k // 32
     if not SCALE_WORDS or k % BLOCK_K:
         return 0
-    return next((w for w in (4, 2, 1) if ks % (4 * w) == 0), 0)
+    return next((w for w in (4, 2, 1) if ks % (4 * w) == 0 and all(s.data_ptr() % (4 * w) == 0 for s in scales)), 0)
 
 
 def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, limit: float, topk: int, two: bool):
@@ -322,7 +322,7 @@ def _launch(a, w, s, v, t, rw, slots, bexp, o, tk: int, e: int, n: int, k: int, 
             *args, STAGES=ws.STAGES, PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS, **meta
         )
     else:
-        _wg_moe_kernel[grid](*args, STAGES=STAGES, WPL=scale_words(k), **meta)
+        _wg_moe_kernel[grid](*args, STAGES=STAGES, WPL=scale_words(k, s, t), **meta)
 
 
 def gate_up(x, w1, s1, w3, s3, rw, slots, bexp, h, topk: int, limit: float) -> None:
