@@ -96,6 +96,7 @@ from deepinfer.models.deepseek_v4.state import (  # noqa: E402
 )
 from deepinfer.ops import get_ops  # noqa: E402
 from deepinfer.quant.native import prepare_native  # noqa: E402
+from deepinfer.quant.w4a8 import set_w4a8  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -1359,6 +1360,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="our model with FP8 activations in the FP8 linears only (DEEPINFER_W8A8): W8A8 on the FP8 tensor cores",
     )
+    ap.add_argument(
+        "--w4a8",
+        action="store_true",
+        help="our model with FP8 activations in the routed experts (DEEPINFER_W4A8): W4A8 prefill tiles on the FP8 "
+        "tensor cores",
+    )
     ap.add_argument("--moe-bench", action="store_true", help="time the MoE implementations alone at V4-Flash width")
     ap.add_argument("--name", default=None, help="output stem (default <date>-sweep)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1429,12 +1436,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prepare_native(model, tuple(config.weight_block_size), quantize=True)
         orders = OrderSets(model) if args.ab_order else None  # --ab: the experts' nibble orders (bench/weight_sets.py)
         set_w8a8(model, args.w8a8)  # before prepare_weights: it joins projections of equal activation roundings
+        set_w4a8(model, args.w4a8)  # before prepare_weights: W4A8 experts keep their codes as stored
         if orders is None:
             model.ops.prepare_weights(model)  # the MXFP4 experts in the rotate order on a GPU (quant.nibble_order)
         if args.quant_sim:
             model.set_quant_sim(True)
         res["quant_sim"] = args.quant_sim
         res["w8a8"] = args.w8a8
+        res["w4a8"] = args.w4a8
         res["weights"] = "native" if native or args.ab_weights else "bf16"
         sync(dev)
         res["build_s"] = time.perf_counter() - t

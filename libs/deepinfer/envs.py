@@ -249,6 +249,17 @@ _declare("DEEPINFER_W8A8", "bool", _NUM, """
     then run on the FP8 tensor cores (W8A8; twice the bf16 rate in a prefill). Off: the activations stay in the
     model dtype (W8A16, closer to the bf16 reference). The routed experts, the KV cache and the indexer keep their
     precision (`DEEPINFER_QUANT_SIM` rounds those too, and implies this). DeepSeek-V4 and V4.1.""", default=False)
+_declare("DEEPINFER_W4A8", "bool", _NUM, """
+    Give the routed MXFP4 experts FP8 activations: each expert input row and each slot's hidden row rounded per 128
+    columns to e4m3 with a power-of-two scale (the official activation points of the experts, MODEL_V4.md §4.2), at
+    every batch size. On the `nvidia` backend (sm_90) the prefill tiles then multiply on the FP8 tensor cores, the
+    FP4 codes cast to e4m3 in the kernel (W4A8, `kernels/moe_w4a8_wgmma.py`), wherever a module's weights cast
+    exactly (`quant/w4a8.py`; those experts keep the plain code order, so the smaller prefill chunks' Triton tiles
+    decode them more slowly than in the rotate order); elsewhere the W4A16 kernels take the same rounded
+    activations. Off: the experts' activations stay in the model dtype (W4A16, closer to the bf16 reference).
+    Independent of `DEEPINFER_W8A8` (the linears); `DEEPINFER_QUANT_SIM` rounds the experts' activations too.
+    DeepSeek-V4 and V4.1.""",
+    default=False)
 _declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
     Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
@@ -374,6 +385,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_ATTN_PREFILL: str
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_W8A8: bool
+    DEEPINFER_W4A8: bool
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str

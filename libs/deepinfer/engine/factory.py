@@ -22,6 +22,7 @@ from deepinfer.engine.worker import ModelRunner, min_replay
 from deepinfer.models.deepseek_v4.layers import uses_w8a8
 from deepinfer.models.deepseek_v4.state import PagedKVCache
 from deepinfer.ops import get_ops
+from deepinfer.quant.w4a8 import uses_w4a8
 from deepinfer.telemetry import get_logger
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -113,7 +114,7 @@ def build_worker(
     # V4.1's bounded decoder replay changes the decoder layers' window state that resume points hold
     replay = envs.DEEPINFER_DECODER_REPLAY_TOKENS if is_v41(config) else 0
     fp = model_fingerprint(
-        path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, replay, uses_w8a8(net)
+        path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, replay, uses_w8a8(net), uses_w4a8(net)
     )
     if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore
         from deepinfer.kvstore.remote import RemoteResumeStore
@@ -159,6 +160,7 @@ def model_fingerprint(
     invariant: bool,
     decoder_replay: int = 0,
     w8a8: bool = False,
+    w4a8: bool = False,
 ) -> str:
     """What makes two workers' KV state interchangeable: the architecture, the checkpoint (its config and the
     names and sizes of its weight files), the dtype, the page size and the numerics switches (V4.1: also the
@@ -174,6 +176,8 @@ def model_fingerprint(
         h.update(f"|decoder_replay={decoder_replay}".encode())
     if w8a8:  # FP8 activations in the linears (DEEPINFER_W8A8): other KV state; unchanged without them
         h.update(b"|w8a8")
+    if w4a8:  # FP8 activations in the routed experts (DEEPINFER_W4A8)
+        h.update(b"|w4a8")
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.ops import Ops
 from deepinfer.quant.native import prepare_native
+from deepinfer.quant.w4a8 import set_w4a8
 
 ModelConfig: TypeAlias = DeepseekV4Config | DeepseekV41Config
 Model: TypeAlias = DeepseekV4Model | DeepseekV41Model
@@ -67,6 +68,7 @@ def build_model(
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
         set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
+        set_w4a8(net, envs.DEEPINFER_W4A8)  # before prepare_weights: W4A8 experts keep their codes as stored
         ops.prepare_weights(net)
         net.set_quant_sim(quant_sim is not False)
         return net
@@ -79,6 +81,7 @@ def build_model(
     net.to(device)
     sim = envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim
     set_w8a8(net, envs.DEEPINFER_W8A8)
+    set_w4a8(net, envs.DEEPINFER_W4A8)
     net.set_quant_sim(sim)  # before prepare_weights, which joins projections of equal activation roundings
     ops.prepare_weights(net)
     return net

@@ -38,6 +38,11 @@ through shared memory to asynchronous ``wgmma`` (1.4x at 4096 tokens on an H200)
 (Gluon's API moves between Triton releases; written against 3.6), the first failing call logs, returns the Triton
 tiles' result, and the process keeps to those (``WGMMA_FAILED`` says why).
 
+With the official FP8 activations (``act_quant``) and the weights' row references (``refs``: experts left in the
+plain order by ``quant.w4a8.prepare_w4a8``, ``DEEPINFER_W4A8``), the prefill tiles run as
+``kernels.moe_w4a8_wgmma``'s W4A8 kernels on the FP8 tensor cores instead: the same products, the fp32 sums in
+another order and the FP8 MMA's precision within each 128 columns. A failed build falls back as above.
+
 Split-K (``kernels.moe_mxfp4_split``): at decode sizes the grid (slot blocks × N tiles) is too small for the GPU
 (6 × 32 gate/up programs at one token), so each GEMM may also be cut over K into pieces whose fp32 partials a
 finishing kernel sums in a fixed order before the same epilogue (for down: the rounding of each slot to ``x.dtype``
@@ -55,9 +60,9 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
-from deepinfer.kernels import moe_mxfp4_wgmma, pdl
+from deepinfer.kernels import moe_mxfp4_wgmma, moe_w4a8_wgmma, pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK
-from deepinfer.kernels.fp8_quant import _act_quant_sim
+from deepinfer.kernels.fp8_quant import _act_quant_sim, act_quant_fp8
 from deepinfer.kernels.moe import MoEConfig, _combine
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import _gemm, _swiglu_rows
@@ -233,12 +238,14 @@ def moe_mxfp4(
     config: MoEConfig | None = None,
     order: str = "plain",
     act_quant: bool = False,
+    refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``moe_triton`` on the MXFP4 experts decoded to ``x.dtype`` (module docstring) → ``[T, D]`` fp32. ``order``: the
     nibble order of all three weights' codes (``quant.nibble_order``). ``act_quant``: the official FP8 activations,
     ``x`` and each slot's hidden row rounded as ``act_quant_sim(·, 128)`` before their GEMMs (where the width is a
-    multiple of 128), one pass each; the GEMMs stay bf16 (exact on e4m3 values; FP8 tensor cores with the official
-    128-column promotion were 1.3-1.6x slower on an H200: bench/results/2026-12-01-moe-w4a8.md)."""
+    multiple of 128), one pass each; the GEMMs stay bf16 (exact on e4m3 values), except where ``refs`` (the weights'
+    row references, ``quant.w4a8.row_refs``, codes as stored) lets the prefill tiles run on the FP8 tensor cores
+    (``kernels.moe_w4a8_wgmma``: the same products, the sums in another order and precision)."""
     _check(x, idx, weights, w1, s1, w2, s2, w3, s3)
     check_order(order)
     t, k = idx.shape
@@ -247,10 +254,17 @@ def moe_mxfp4(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    if act_quant and d % ACT_BLOCK == 0:
-        x = _act_quant_sim(x.contiguous())
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = config or pick_config_mxfp4(tk, e, interpret)
+    if act_quant and refs is not None and config is None and _w4a8(cfg, x, order, inter, d, interpret):
+        try:
+            return _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit)
+        except Exception as exc:  # noqa: BLE001 - the W4A16 tiles below compute the same products; once per process
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _gluon_failed(exc)
+    if act_quant and d % ACT_BLOCK == 0:
+        x = _act_quant_sim(x.contiguous())
     if config is None and _wgmma(cfg, x, order, inter, d, interpret):
         try:
             return _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, act_quant)
@@ -310,6 +324,36 @@ def _wgmma(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, inte
     if WGMMA_PREFILL is None and envs.get("DEEPINFER_MOE_PREFILL") == "triton":
         return False
     return moe_mxfp4_wgmma.fits(inter, d) and moe_mxfp4_wgmma.fits(d, inter) and moe_mxfp4_wgmma.available(x)
+
+
+def _w4a8(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool) -> bool:
+    """Whether the prefill tiles run as ``kernels.moe_w4a8_wgmma``'s Gluon kernels (FP8 activations, row references,
+    codes as stored)."""
+    if WGMMA_PREFILL is False or WGMMA_FAILED or cfg is not MX_PREFILL or order != "plain" or interpret:
+        return False
+    if WGMMA_PREFILL is None and envs.get("DEEPINFER_MOE_PREFILL") == "triton":
+        return False
+    return moe_w4a8_wgmma.usable(x, inter, d)
+
+
+def _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit: float) -> torch.Tensor:
+    """``moe_mxfp4(act_quant=True)`` on the W4A8 prefill kernels: the rows rounded to e4m3 (``act_quant_fp8``), the
+    hidden rows again after the gate/up kernel."""
+    t, k = idx.shape
+    tk, (e, inter, dh) = t * k, w1.shape
+    d = 2 * dh
+    slots, bexp = padded_slots(idx, e, moe_w4a8_wgmma.BLOCK_M)
+    w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
+    s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
+    r1, r2, r3 = (r.contiguous() for r in refs)
+    rw = weights.reshape(-1).float().contiguous()
+    xq, xs = act_quant_fp8(x.contiguous(), ACT_BLOCK)
+    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
+    moe_w4a8_wgmma.gate_up(xq, xs, w1, s1, r1, w3, s3, r3, rw, slots, bexp, h, k, float(limit))
+    hq, hs = act_quant_fp8(h, ACT_BLOCK)
+    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
+    moe_w4a8_wgmma.down(hq, hs, w2, s2, r2, slots, bexp, o)
+    return _combine(o, t, k)
 
 
 def _gluon_failed(exc: Exception) -> None:

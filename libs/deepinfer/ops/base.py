@@ -217,13 +217,16 @@ class Ops(Protocol):
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
+        refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``moe`` with MXFP4 experts kept packed: ``w1/w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` int8 e2m1 pairs and
         uint8 e8m0 exponents ``s1/s3 [E, I, D/32]``, ``s2 [E, D, I/32]`` (``quant.native``); the semantics are
         ``moe`` on the weights decoded to ``x.dtype``. ``order``: the order of the codes, ``plain``, ``shift`` or
         ``rotate`` (``quant.nibble_order``). ``act_quant``: the official FP8 activations: ``x`` and each slot's
         hidden row (rounded to ``x.dtype``) rounded as ``act_quant_sim(·, 128)`` before their GEMMs, where the width
-        is a multiple of 128."""
+        is a multiple of 128. ``refs``: the weights' row references (``quant.w4a8.row_refs``) where a backend may run
+        the products on FP8 tensor cores (W4A8, the same results up to the order and precision of the fp32 sums);
+        ignored without ``act_quant`` and by backends without such kernels."""
         ...
 
     def prepare_weights(self, model: torch.nn.Module) -> None:

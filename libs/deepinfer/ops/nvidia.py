@@ -389,20 +389,24 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
+        refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         from deepinfer.kernels.moe_mxfp4 import moe_mxfp4
 
-        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant)
+        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant, refs=refs)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """On a GPU: the MXFP4 experts go into the rotate order (``quant.nibble_order``: a cheaper decode in
+        """On a GPU: the MXFP4 experts with FP8 activations (``quant.w4a8``) get their row references for the W4A8
+        kernels, the other MXFP4 experts go into the rotate order (``quant.nibble_order``: a cheaper decode in
         ``kernels.moe_mxfp4``), the projections of one input become one GEMM where the model joins them (a module's
         ``join_projections``: ``layers.join_rows``), and an output head widened to fp32 from bf16 (V4.1's loader) is
         kept in bf16 when that is lossless (``ops.bf16_parts``: ``logits_linear`` reads half the bytes, on tensor
         cores)."""
         from deepinfer.quant.native import order_experts
+        from deepinfer.quant.w4a8 import prepare_w4a8
 
         if any(p.is_cuda for p in model.parameters()):
+            prepare_w4a8(model)  # experts with FP8 activations whose weights cast exactly keep their codes as stored
             order_experts(model, "rotate")
             for module in model.modules():
                 join = getattr(module, "join_projections", None)

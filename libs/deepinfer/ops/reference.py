@@ -281,6 +281,7 @@ class ReferenceOps:
         limit: float,
         order: str = "plain",
         act_quant: bool = False,
+        refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decodes only the experts ``idx`` touches, then ``moe`` (``act_quant``: with ``x`` and the hidden rows
         rounded as ``act_quant_sim(·, 128)``, the official FP8 activations, where the width is a multiple of

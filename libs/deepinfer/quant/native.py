@@ -32,6 +32,8 @@ from deepinfer.quant.nibble_order import check_order, shift_order_fits, to_order
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 ORDER_ATTR = "mx_order"  # set on a routed-expert module by order_experts
+W4A8_ATTR = "mx_w4a8"  # on a routed-expert module: FP8 activations (quant.w4a8.set_w4a8)
+REFS_ATTR = "mx_refs"  # on a routed-expert module: its W4A8 row references (quant.w4a8.prepare_w4a8)
 
 
 def is_fp8(w: torch.Tensor) -> bool:
@@ -159,6 +161,8 @@ def order_experts(model: nn.Module, order: str = "rotate") -> int:
         for _, m in expert_modules(model):
             if order == "plain" or expert_order(m) != "plain" or not is_mxfp4(m.w1):
                 continue
+            if getattr(m, REFS_ATTR, None) is not None:  # quant.w4a8: its W4A8 decode reads the codes as stored
+                continue
             pairs = [(getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS]
             if not all(is_mxfp4(w) and shift_order_fits(w, s) for w, s in pairs):
                 continue
@@ -179,10 +183,14 @@ def routed_experts(
     act_quant: bool = False,
 ) -> torch.Tensor:
     """``ops.moe`` or ``ops.moe_mxfp4`` over ``m``'s experts, whichever format they are stored in → ``[T, D]`` fp32.
-    ``act_quant``: the official FP8 activations (``Ops.moe``)."""
+    ``act_quant``: the official FP8 activations (``Ops.moe``); also where the module has them (``quant.w4a8``), with
+    its row references for the W4A8 kernels where it has those."""
+    act_quant = act_quant or getattr(m, W4A8_ATTR, False)
     if is_mxfp4(m.w1):
+        refs = getattr(m, REFS_ATTR, None)
+        extra = {"refs": refs} if refs is not None and act_quant else {}
         return ops.moe_mxfp4(
             x, idx, weights, m.w1, m.w1_scale, m.w2, m.w2_scale, m.w3, m.w3_scale, limit, order=expert_order(m),
-            act_quant=act_quant,
+            act_quant=act_quant, **extra,
         )  # fmt: skip
     return ops.moe(x, idx, weights, m.w1, m.w2, m.w3, limit, act_quant=act_quant)
