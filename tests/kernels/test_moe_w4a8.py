@@ -102,7 +102,7 @@ def test_modules_get_references_and_keep_their_codes():
 def test_dispatch_rule_on_the_host(monkeypatch):
     """Only the prefill tiles of plain-ordered bf16 experts on sm_90, in whole tiles, outside the interpreter."""
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    assert not w4.usable(x, 2048, 4096)  # a CPU tensor
+    assert not w4.usable(x, 2048, 4096) and not w4.runs_on(x.device)  # a CPU tensor
     assert w4.fits(2048, 4096, True) and w4.fits(4096, 2048, False) and w4.fits(64, 2304, True)
     assert not w4.fits(96, 4096, True) and not w4.fits(64, 4096, False) and not w4.fits(2048, 4160, True)
     assert not w4.fits(64, 128, True) and w4.fits(64, 256, True)

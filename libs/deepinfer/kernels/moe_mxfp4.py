@@ -344,7 +344,9 @@ def _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit: float) -> to
     d = 2 * dh
     slots, bexp = padded_slots(idx, e, moe_w4a8_wgmma.BLOCK_M)
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
+    # the kernels copy each row's exponents of a step as one 32-bit word: a view off a 4-byte boundary is copied
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
+    s1, s2, s3 = (s if s.data_ptr() % 4 == 0 else s.clone() for s in (s1, s2, s3))
     r1, r2, r3 = (r.contiguous() for r in refs)
     rw = weights.reshape(-1).float().contiguous()
     xq, xs = act_quant_fp8(x.contiguous(), ACT_BLOCK)

@@ -59,7 +59,7 @@ BLOCK_M = 128  # slots a program (the MMA's M: two warpgroups)
 BLOCK_N_GATE_UP = 64  # weight rows a gate/up program (two accumulators and two partials a thread: 4 x 32 registers)
 BLOCK_N_DOWN = 128  # weight rows a down program (one accumulator and one partial: 2 x 64 registers)
 BLOCK_K = 128  # columns a K step: one activation scale block, 4 MXFP4 blocks, one 128-byte e4m3 row
-STAGES = 5  # H200, 4096 tokens: 4 and 6 as fast before the words' loads moved ahead of the MMAs; 3 25% slower
+STAGES = 5  # H200, 4096 tokens (bench/moe_w4a8.py --stages): 4, 5 and 6 within 3% (3: 25% slower, earlier layout)
 NUM_WARPS = 8
 
 # 8 e2m1 codes (the word $2: code i in nibble i, bit 3 the sign) → 8 e4m3 bytes, $0 codes 0..3 and $1 codes 4..7,
@@ -316,9 +316,14 @@ def down(hq, hs, w2, s2, r2, slots, bexp, o) -> None:
     _launch(hq, hs, w2, s2, r2, w2, s2, r2, o, slots, bexp, o, o.shape[0], e, n, 8 * kw, 0.0, 1, False)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels can run on ``device``: an sm_90 GPU, with Gluon's Hopper module."""
+    return HAVE_GLUON and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def usable(x: torch.Tensor, inter: int, d: int) -> bool:
     """Whether the W4A8 kernels take experts ``[E, inter, d]`` for ``x`` (bf16 on an sm_90 GPU with Gluon)."""
     return available(x) and fits(inter, d, True) and fits(d, inter, False)
 
 
-__all__ = ["BLOCK_M", "down", "fits", "gate_up", "usable"]
+__all__ = ["BLOCK_M", "down", "fits", "gate_up", "runs_on", "usable"]

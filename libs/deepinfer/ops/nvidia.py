@@ -396,17 +396,22 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant, refs=refs)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """On a GPU: the MXFP4 experts with FP8 activations (``quant.w4a8``) get their row references for the W4A8
-        kernels, the other MXFP4 experts go into the rotate order (``quant.nibble_order``: a cheaper decode in
+        """On a GPU: the MXFP4 experts with FP8 activations (``quant.w4a8``) get their row references where the W4A8
+        kernels run (sm_90 with Gluon, ``DEEPINFER_MOE_PREFILL`` not ``triton``), the other MXFP4 experts go into the
+        rotate order (``quant.nibble_order``: a cheaper decode in
         ``kernels.moe_mxfp4``), the projections of one input become one GEMM where the model joins them (a module's
         ``join_projections``: ``layers.join_rows``), and an output head widened to fp32 from bf16 (V4.1's loader) is
         kept in bf16 when that is lossless (``ops.bf16_parts``: ``logits_linear`` reads half the bytes, on tensor
         cores)."""
+        from deepinfer import envs
+        from deepinfer.kernels.moe_w4a8_wgmma import runs_on
         from deepinfer.quant.native import order_experts
         from deepinfer.quant.w4a8 import prepare_w4a8
 
-        if any(p.is_cuda for p in model.parameters()):
-            prepare_w4a8(model)  # experts with FP8 activations whose weights cast exactly keep their codes as stored
+        devices = {p.device for p in model.parameters() if p.is_cuda}
+        if devices:
+            if all(runs_on(d) for d in devices) and envs.get("DEEPINFER_MOE_PREFILL") != "triton":
+                prepare_w4a8(model)  # FP8-activation experts whose weights cast exactly keep their codes as stored
             order_experts(model, "rotate")
             for module in model.modules():
                 join = getattr(module, "join_projections", None)
