@@ -47,6 +47,19 @@ def test_the_cast_is_exact_against_the_row_references():
     assert nonzero.min() >= 2.0**-6 and nonzero.max() <= 6 * 2.0**6
 
 
+def test_references_in_chunks_of_experts(monkeypatch):
+    """The references are read a few experts at a time: the same as in one piece, and a refusal in a later chunk
+    still refuses."""
+    g = torch.Generator().manual_seed(3)
+    w, s = _experts(5, 8, 128, g, 116, 124)
+    whole = w4a8.row_refs(w, s)
+    monkeypatch.setattr(w4a8, "_CHUNK_BYTES", 8 * 64 * 2)  # two experts a chunk
+    assert torch.equal(w4a8.row_refs(w, s), whole)
+    w.view(torch.uint8)[4] |= 0x11
+    s[4, 0, 0] = 100
+    assert w4a8.row_refs(w, s) is None
+
+
 def test_references_refuse_what_would_round():
     g = torch.Generator().manual_seed(1)
     w, s = _experts(2, 8, 128, g, 120, 120)
