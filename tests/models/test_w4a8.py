@@ -9,13 +9,8 @@ from deepinfer import envs
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.factory import build_worker
 from deepinfer.models.deepseek_v4.moe import MoE
-from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState
 from deepinfer.quant.w4a8 import uses_w4a8
-
-
-def _logits(parts, ids: list[int]) -> torch.Tensor:
-    batch = ForwardBatch.build([SeqChunk(SequenceState(), 0, len(ids), torch.arange(8))], [ids])
-    return parts.model.logits(parts.model(batch, parts.runner.cache))
+from models.test_w8a8 import _logits
 
 
 def test_the_variable_reaches_the_experts_and_the_fingerprint(tmp_path):
