@@ -126,6 +126,9 @@ def test_dispatch_rule_on_the_host(monkeypatch):
     assert not mod._w4a8(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False)
     assert not mod._w4a8(MX_MID64, x, "plain", 2048, 4096, interpret=False)
     assert not mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, interpret=True)
+    s = torch.zeros(64, dtype=torch.uint8)
+    assert mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, False, s[:32], s[4:36])
+    assert not mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, False, s[:32], s[1:33])  # a view off a word boundary
     monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "triton")
     assert not mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, interpret=False)
 

@@ -256,7 +256,7 @@ def moe_mxfp4(
     tk = t * k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = config or pick_config_mxfp4(tk, e, interpret)
-    if act_quant and refs is not None and config is None and _w4a8(cfg, x, order, inter, d, interpret):
+    if act_quant and refs is not None and config is None and _w4a8(cfg, x, order, inter, d, interpret, s1, s2, s3):
         try:
             return _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit)
         except Exception as exc:  # noqa: BLE001 - the W4A16 tiles below compute the same products; once per process
@@ -326,10 +326,13 @@ def _wgmma(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, inte
     return moe_mxfp4_wgmma.fits(inter, d) and moe_mxfp4_wgmma.fits(d, inter) and moe_mxfp4_wgmma.available(x)
 
 
-def _w4a8(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool) -> bool:
+def _w4a8(cfg: MoEConfig, x: torch.Tensor, order: str, inter: int, d: int, interpret: bool, *scales) -> bool:
     """Whether the prefill tiles run as ``kernels.moe_w4a8_wgmma``'s Gluon kernels (FP8 activations, row references,
-    codes as stored)."""
+    codes as stored). The kernels copy each row's exponents of a step as one 32-bit word, so ``scales`` off a 4-byte
+    boundary (a view; the loaded modules' never are) keep the W4A16 tiles rather than a copy a call."""
     if WGMMA_PREFILL is False or WGMMA_FAILED or cfg is not MX_PREFILL or order != "plain" or interpret:
+        return False
+    if any(s.data_ptr() % 4 for s in scales):
         return False
     if WGMMA_PREFILL is None and envs.get("DEEPINFER_MOE_PREFILL") == "triton":
         return False
@@ -344,9 +347,7 @@ def _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit: float) -> to
     d = 2 * dh
     slots, bexp = padded_slots(idx, e, moe_w4a8_wgmma.BLOCK_M)
     w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
-    # the kernels copy each row's exponents of a step as one 32-bit word: a view off a 4-byte boundary is copied
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
-    s1, s2, s3 = (s if s.data_ptr() % 4 == 0 else s.clone() for s in (s1, s2, s3))
     r1, r2, r3 = (r.contiguous() for r in refs)
     rw = weights.reshape(-1).float().contiguous()
     xq, xs = act_quant_fp8(x.contiguous(), ACT_BLOCK)
