@@ -1,12 +1,15 @@
-"""The prefill MoE of one V4-Flash layer on its Gluon kernels (``kernels.moe_mxfp4_wgmma``) against the Triton prefill
-tiles of the same call (``moe_mxfp4.WGMMA_PREFILL = False``), interleaved in one run, beside the bf16 FLOP roofline.
+"""The prefill MoE of one V4-Flash layer on its Gluon kernels (``kernels.moe_mxfp4_wgmma``, ``moe_mxfp4_frag``)
+against the Triton prefill tiles of the same call (``moe_mxfp4.WGMMA_PREFILL = False``), interleaved in one run,
+beside the bf16 FLOP roofline.
 
 Random MXFP4 experts in the rotate order (E = 256, D = 4096, I = 2048, top 6), random routing; µs per call from CUDA
 events over ``--calls`` back-to-back calls after a warm-up, two rounds (``--ws``: the warp-specialised variant too),
-with the exponents loaded as words every few steps (``SCALE_WORDS``, the default) and a byte a step; then the
-kernels' CUDA time by name.
+with the exponents loaded as words every few steps (``SCALE_WORDS``, the default) and a byte a step (``--no-bytes``
+skips it); ``--frag``: the register-fragment kernels (``kernels.moe_mxfp4_frag``, the default path) with their
+variants (``--frag-stages``, down over one tile of rows a program, the copies between the halves); then the kernels'
+CUDA time by name.
 
-    PYTHONPATH=libs:tests:bench python3 bench/moe_wgmma.py --tokens 4096
+    PYTHONPATH=libs:tests:bench python3 bench/moe_wgmma.py --tokens 4096 --frag --no-bytes
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--ws", action="store_true", help="also the warp-specialised variant (kernels.moe_mxfp4_ws)")
+    ap.add_argument("--frag", action="store_true", help="also the register-fragment kernels (kernels.moe_mxfp4_frag)")
+    ap.add_argument("--frag-stages", default="", help="ring depths of the fragment kernels to time besides the default")
+    ap.add_argument("--no-bytes", action="store_true", help="skip the exponents-a-byte-a-step variant")
     ap.add_argument("--bf16-tflops", type=float, default=798.0, help="measured dense bf16 peak (bench/sweep.py)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -59,23 +65,46 @@ def main() -> None:
 
         roof = 2 * 3 * t * K * D * I / (args.bf16_tflops * 1e12) * 1e6
         wg = mod.moe_mxfp4_wgmma
+        fr = mod.moe_mxfp4_frag
+        # (name, module settings); each variant starts from the defaults below
+        base = {(mod, "WGMMA_PREFILL"): True, (wg, "WS"): False, (wg, "SCALE_WORDS"): True, (wg, "FRAG"): False,
+                (fr, "STAGES"): fr.STAGES, (fr, "DOWN_PAIRS"): True, (fr, "LATE_COPIES"): False}  # fmt: skip
+        variants = [("gluon wgmma", {})]
+        if not args.no_bytes:
+            variants.append(("gluon wgmma, exponents a byte a step", {(wg, "SCALE_WORDS"): False}))
+        if args.ws:
+            variants.append(("gluon warp-specialised", {(wg, "WS"): True}))
+        if args.frag:
+            variants.append(("gluon fragments", {(wg, "FRAG"): True}))
+            variants += [(f"gluon fragments, {st} stages", {(wg, "FRAG"): True, (fr, "STAGES"): int(st)})
+                         for st in args.frag_stages.split(",") if st]  # fmt: skip
+            variants.append(("gluon fragments, down a tile of rows a program",
+                             {(wg, "FRAG"): True, (fr, "DOWN_PAIRS"): False}))  # fmt: skip
+            variants.append(("gluon fragments, copies between the halves",
+                             {(wg, "FRAG"): True, (fr, "LATE_COPIES"): True}))  # fmt: skip
+        variants.append(("triton tiles", {(mod, "WGMMA_PREFILL"): False}))
         for rnd in range(2):
-            for name, wgmma, ws, words in (("gluon wgmma", True, False, True),
-                                           ("gluon wgmma, exponents a byte a step", True, False, False),
-                                           ("gluon warp-specialised", True, True, True),
-                                           ("triton tiles", False, False, True)):  # fmt: skip
-                if ws and not args.ws:
-                    continue
-                mod.WGMMA_PREFILL, wg.WS, wg.SCALE_WORDS = wgmma, ws, words
+            for name, settings in variants:
+                for (m, attr), value in {**base, **settings}.items():
+                    setattr(m, attr, value)
                 us = per_call_us(run, args.calls)
                 print(f"T={t} round {rnd}: {name} {us:.0f} µs (bf16 FLOP roofline {roof:.0f} µs)", flush=True)
-        mod.WGMMA_PREFILL, wg.WS, wg.SCALE_WORDS = True, False, False
+        for (m, attr), value in base.items():
+            setattr(m, attr, value)
+        mod.WGMMA_PREFILL, wg.WS, wg.SCALE_WORDS, wg.FRAG = True, False, False, False
         out = run()
         wg.SCALE_WORDS = True
         print(f"T={t}: the exponents by words bit-identical to a byte a step: {torch.equal(run(), out)}")
         if args.ws:
             mod.moe_mxfp4_wgmma.WS = True
             print(f"T={t}: warp-specialised bit-identical to gluon wgmma: {torch.equal(run(), out)}")
+            mod.moe_mxfp4_wgmma.WS = False
+        if args.frag:
+            wg.FRAG = True
+            got = run()
+            rel = ((got - out).norm() / out.norm()).item()
+            print(f"T={t}: gluon fragments against gluon wgmma, relative difference {rel:.2e}")
+            print(f"T={t}: a Gluon build failed: {mod.WGMMA_FAILED}")  # the profile below: the fragment kernels
         mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = False, None
         ref = run()
         mod.WGMMA_PREFILL = None

@@ -224,12 +224,13 @@ _declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
     bf16 weights, with the same values (the kernels decode exactly what load-time dequantisation would). Off:
     dequantise everything to the model dtype at load time, as the cpu backend does.""", default=True)
 _declare("DEEPINFER_MOE_PREFILL", "enum", _HW, """
-    The kernels of the MXFP4 routed experts at prefill sizes on an sm_90 GPU (Hopper): `gluon`, asynchronous wgmma
-    on decoded tiles in shared memory (`kernels/moe_mxfp4_wgmma.py`; 1.4x the Triton tiles at 4096 tokens on an
-    H200); `gluon-ws`, its warp-specialised variant (producer warps decode; 22% slower than `gluon` on an H200);
-    `triton`, the Triton tiles. The results agree up to the order of fp32 sums (the two Gluon kernels bit for bit). A
-    Gluon build that fails falls back to the Triton tiles, logged once.""", choices=("gluon", "gluon-ws", "triton"),
-    default="gluon")
+    The kernels of the MXFP4 routed experts at prefill sizes on an sm_90 GPU (Hopper): `gluon`, each thread decoding
+    the weights of its own wgmma register operand (`kernels/moe_mxfp4_frag.py`; H200, a V4-Flash MoE layer at 4096
+    tokens: 3.25-3.36 against 3.55-3.61 ms for `gluon-smem`); `gluon-smem`, the decoded tiles through shared memory
+    (`kernels/moe_mxfp4_wgmma.py`; 1.4x the Triton tiles); `gluon-ws`, its warp-specialised variant (producer warps
+    decode; 22% slower than `gluon-smem`); `triton`, the Triton tiles. The results agree up to the order of fp32 sums
+    (`gluon-smem` and `gluon-ws` bit for bit). A Gluon build that fails falls back to the Triton tiles, logged
+    once.""", choices=("gluon", "gluon-smem", "gluon-ws", "triton"), default="gluon")
 _declare("DEEPINFER_ATTN_PREFILL", "enum", _HW, """
     The sparse attention of a prefill's queries (the wide tiles: 264 or more bf16 queries) on an sm_90 GPU: `gluon`,
     the query and the gathered keys in shared memory for wgmma (`kernels/attention_wgmma.py`; H200, a 4096-token

@@ -31,10 +31,12 @@ def _gluon_unless_a_test_says(monkeypatch):
     environment's ``DEEPINFER_MOE_PREFILL``."""
     monkeypatch.setattr(mod, "WGMMA_PREFILL", True)
     monkeypatch.setattr(wg, "WS", False)
+    monkeypatch.setattr(wg, "FRAG", False)
 
 
 def test_environment_picks_the_kernels(monkeypatch):
-    """``DEEPINFER_MOE_PREFILL``: gluon (default) / gluon-ws / triton, where the module flags are unset; a flag wins."""
+    """``DEEPINFER_MOE_PREFILL``: gluon (default; the fragment kernels, ``test_moe_frag.py``) / gluon-smem / gluon-ws /
+    triton, where the module flags are unset; a flag wins."""
     monkeypatch.setattr(wg, "available", lambda x: True)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
@@ -102,12 +104,12 @@ def _problem(e, i, d, k, t, pool, seed, x_scale=1.0, w_scale=1.0):
     return mx, _shifted(mx, "rotate"), x, idx, w
 
 
-def _calls(monkeypatch):
-    """Counts the Gluon launches (the kernels themselves run)."""
+def _calls(monkeypatch, module=wg):
+    """Counts the launches of ``module``'s Gluon kernels (``gate_up``, ``down``; the kernels themselves run)."""
     calls = []
     for name in ("gate_up", "down"):
-        real = getattr(wg, name)
-        monkeypatch.setattr(wg, name, lambda *a, _real=real, _n=name, **kw: (calls.append(_n), _real(*a, **kw))[1])
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _n=name, **kw: (calls.append(_n), _real(*a, **kw))[1])
     return calls
 
 

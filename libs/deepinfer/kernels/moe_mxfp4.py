@@ -32,9 +32,12 @@ decoded experts only by fp32 summation order, and the three orders give the same
 Triton's interpreter) the same kernels decode in plain Triton. The decode and the K loop are in
 ``kernels.moe_mxfp4_gemm``.
 
-The prefill tiles of rotate-ordered experts on sm_90 run as ``kernels.moe_mxfp4_wgmma``'s Gluon kernels instead
-(``DEEPINFER_MOE_PREFILL``, or ``WGMMA_PREFILL`` where set): the same blocks, sums and roundings, the decoded tiles
-through shared memory to asynchronous ``wgmma`` (1.4x at 4096 tokens on an H200). Should they fail to build
+The prefill tiles of rotate-ordered experts on sm_90 run as Gluon kernels instead (``DEEPINFER_MOE_PREFILL``, or
+``WGMMA_PREFILL`` where set): the same blocks, sums and roundings on asynchronous ``wgmma``, by default with each
+thread decoding the weights of its own register operand (``kernels.moe_mxfp4_frag``; the token rows' and hidden
+rows' columns permuted within each 32 to match), else with the decoded tiles through shared memory
+(``kernels.moe_mxfp4_wgmma``; 1.4x the Triton tiles at 4096 tokens on an H200, the fragments 1.08x more). Should they
+fail to build
 (Gluon's API moves between Triton releases; written against 3.6), the first failing call logs, returns the Triton
 tiles' result, and the process keeps to those (``WGMMA_FAILED`` says why).
 
@@ -60,7 +63,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import envs
-from deepinfer.kernels import moe_mxfp4_wgmma, moe_w4a8_wgmma, pdl
+from deepinfer.kernels import moe_mxfp4_frag, moe_mxfp4_wgmma, moe_w4a8_wgmma, pdl
 from deepinfer.kernels.fp8_gemm_config import ACT_BLOCK
 from deepinfer.kernels.fp8_quant import _act_quant_sim, act_quant_fp8
 from deepinfer.kernels.moe import MoEConfig, _combine
@@ -377,12 +380,26 @@ def _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit: float, act_quant:
     s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
     rw = weights.reshape(-1).float().contiguous()
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
+    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
+    if _frag(inter, d, s1, s2, s3):  # h in the fragment column order (act_quant_sim's 128-column blocks kept)
+        moe_mxfp4_frag.gate_up(moe_mxfp4_frag.permute_columns(x), w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
+        if act_quant and inter % ACT_BLOCK == 0:
+            h = _act_quant_sim(h)
+        moe_mxfp4_frag.down(h, w2, s2, slots, bexp, o)
+        return _combine(o, t, k)
     moe_mxfp4_wgmma.gate_up(x.contiguous(), w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
     if act_quant and inter % ACT_BLOCK == 0:
         h = _act_quant_sim(h)
-    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     moe_mxfp4_wgmma.down(h, w2, s2, slots, bexp, o)
     return _combine(o, t, k)
+
+
+def _frag(inter: int, d: int, *scales: torch.Tensor) -> bool:
+    """Whether ``_moe_wgmma`` runs the register-fragment kernels (``kernels.moe_mxfp4_frag``): chosen, whole steps,
+    and exponent rows on 4-byte boundaries (its 32-bit exponent copies)."""
+    if not moe_mxfp4_wgmma.use_frag() or any(s.data_ptr() % 4 for s in scales):
+        return False
+    return moe_mxfp4_frag.fits(inter, d) and moe_mxfp4_frag.fits(d, inter)
 
 
 __all__ = [

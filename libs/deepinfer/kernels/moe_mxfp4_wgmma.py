@@ -61,6 +61,7 @@ BLOCK_K = 64  # columns a K step (two MXFP4 scale blocks; one 128-byte swizzled 
 STAGES = 4  # the cp.async ring of activation and word tiles
 NUM_WARPS = 8
 WS: bool | None = None  # the warp-specialised variant (kernels.moe_mxfp4_ws); None: DEEPINFER_MOE_PREFILL
+FRAG: bool | None = None  # the register-fragment kernels (kernels.moe_mxfp4_frag); None: DEEPINFER_MOE_PREFILL
 SCALE_WORDS = True  # the exponents by one vector load a row every few K steps (False: a byte a step; benchmarks)
 
 
@@ -74,6 +75,12 @@ def available(x: torch.Tensor) -> bool:
 def use_ws() -> bool:
     """Whether the warp-specialised variant runs: ``WS``, or where that is None ``DEEPINFER_MOE_PREFILL=gluon-ws``."""
     return WS if WS is not None else envs.get("DEEPINFER_MOE_PREFILL") == "gluon-ws"
+
+
+def use_frag() -> bool:
+    """Whether the register-fragment kernels run (``kernels.moe_mxfp4_frag``) instead of these: ``FRAG``, or where
+    that is None ``DEEPINFER_MOE_PREFILL=gluon`` (the default)."""
+    return FRAG if FRAG is not None else envs.get("DEEPINFER_MOE_PREFILL") == "gluon"
 
 
 def fits(n: int, k: int) -> bool:
@@ -157,29 +164,40 @@ if HAVE_GLUON:
         return acc_w, acc_v
 
     @gluon.jit
-    def _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-        """The accumulators ``[BLOCK_N, BLOCK_M]`` (the MMA layout of 8 warps) → the slots' rows of ``o``, 16 contiguous
-        bytes a thread: gate/up (``TWO``) rounded to bf16, the clamped SwiGLU times the slot's routing weight; down
-        rounded to bf16."""
+    def _swiglu(acc_w, acc_v, slots_ptr, rw_ptr, pid_m, TK, limit, BLOCK_M: gl.constexpr):
+        """The gate and up accumulators ``[rows, BLOCK_M]`` rounded to bf16, the clamped SwiGLU times each slot's
+        routing weight (padding slots 0), fp32."""
+        g = acc_w.to(gl.bfloat16).to(gl.float32)
+        u = acc_v.to(gl.bfloat16).to(gl.float32)
+        g = gl.minimum(g, limit)
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+        y = g / (1.0 + gl.exp(-g)) * u
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_w.type.layout))
+        slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + rows)
+        rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
+        return y * rw[None, :]
+
+    @gluon.jit
+    def _store(y, slots_ptr, o_ptr, pid_m, n0, TK, N, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``y [BLOCK_N, BLOCK_M]`` bf16 (an MMA layout of 8 warps) → columns ``n0 ..< n0 + BLOCK_N`` of the slots'
+        rows of ``o``, transposed through shared memory so that each thread stores 16 contiguous bytes."""
         OL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
-        if TWO:
-            g = acc_w.to(gl.bfloat16).to(gl.float32)
-            u = acc_v.to(gl.bfloat16).to(gl.float32)
-            g = gl.minimum(g, limit)
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-            y = g / (1.0 + gl.exp(-g)) * u
-            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_w.type.layout))
-            slot_c = gl.load(slots_ptr + pid_m * BLOCK_M + rows)
-            rw = gl.load(rw_ptr + slot_c, mask=slot_c < TK, other=0.0)
-            y = y * rw[None, :]
-        else:
-            y = acc_w
-        out = gl.convert_layout(gl.permute(y.to(gl.bfloat16), (1, 0)), OL)
+        out = gl.convert_layout(gl.permute(y, (1, 0)), OL)
         slot_o = gl.load(slots_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL)))
         rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
         o_off = slot_o.to(gl.int64)[:, None] * stride_om + rn[None, :]
         gl.store(o_ptr + o_off, out, mask=(slot_o < TK)[:, None] & (rn < N)[None, :])
+
+    @gluon.jit
+    def _epilogue(acc_w, acc_v, slots_ptr, rw_ptr, o_ptr, pid_m, n0, TK, N, stride_om, limit, TWO: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """The accumulators ``[BLOCK_N, BLOCK_M]`` (the MMA layout of 8 warps) → the slots' rows of ``o``: gate/up
+        (``TWO``) rounded to bf16, the clamped SwiGLU times the slot's routing weight; down rounded to bf16."""
+        if TWO:
+            y = _swiglu(acc_w, acc_v, slots_ptr, rw_ptr, pid_m, TK, limit, BLOCK_M)
+        else:
+            y = acc_w
+        _store(y.to(gl.bfloat16), slots_ptr, o_ptr, pid_m, n0, TK, N, stride_om, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _wg_moe_kernel(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, rw_ptr, slots_ptr, bexp_ptr, o_ptr, TK, E, N, stride_am,
@@ -340,4 +358,4 @@ def down(h, w2, s2, slots, bexp, o) -> None:
     _launch(h, w2, s2, w2, s2, o, slots, bexp, o, o.shape[0], e, n, 8 * kw, 0.0, 1, False)
 
 
-__all__ = ["BLOCK_M", "HAVE_GLUON", "available", "down", "fits", "gate_up", "use_ws"]
+__all__ = ["BLOCK_M", "HAVE_GLUON", "available", "down", "fits", "gate_up", "use_frag", "use_ws"]
