@@ -36,10 +36,9 @@ The prefill tiles of rotate-ordered experts on sm_90 run as Gluon kernels instea
 ``WGMMA_PREFILL`` where set): the same blocks, sums and roundings on asynchronous ``wgmma``, by default with each
 thread decoding the weights of its own register operand (``kernels.moe_mxfp4_frag``; the token rows' and hidden
 rows' columns permuted within each 32 to match), else with the decoded tiles through shared memory
-(``kernels.moe_mxfp4_wgmma``; 1.4x the Triton tiles at 4096 tokens on an H200, the fragments 1.08x more). Should they
-fail to build
-(Gluon's API moves between Triton releases; written against 3.6), the first failing call logs, returns the Triton
-tiles' result, and the process keeps to those (``WGMMA_FAILED`` says why).
+(``kernels.moe_mxfp4_wgmma``; 1.4x the Triton tiles at 4096 tokens on an H200, the fragments 1.06-1.11x more).
+Should they fail to build (Gluon's API moves between Triton releases; written against 3.6), the first failing call
+logs, returns the Triton tiles' result, and the process keeps to those (``WGMMA_FAILED`` says why).
 
 With the official FP8 activations (``act_quant``) and the weights' row references (``refs``: experts left in the
 plain order by ``quant.w4a8.prepare_w4a8``, ``DEEPINFER_W4A8``), the prefill tiles run as
