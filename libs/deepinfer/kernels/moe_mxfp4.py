@@ -345,20 +345,29 @@ def _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit: float) -> to
     """``moe_mxfp4(act_quant=True)`` on the W4A8 prefill kernels: the rows rounded to e4m3 (``act_quant_fp8``), the
     hidden rows again after the gate/up kernel."""
     t, k = idx.shape
-    tk, (e, inter, dh) = t * k, w1.shape
-    d = 2 * dh
-    slots, bexp = padded_slots(idx, e, moe_w4a8_wgmma.BLOCK_M)
-    w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
-    s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
+    slots, bexp, (w1, w2, w3), (s1, s2, s3), rw, h, o = _prefill_operands(
+        x, idx, weights, (w1, w2, w3), (s1, s2, s3), moe_w4a8_wgmma.BLOCK_M
+    )
     r1, r2, r3 = (r.contiguous() for r in refs)
-    rw = weights.reshape(-1).float().contiguous()
     xq, xs = act_quant_fp8(x.contiguous(), ACT_BLOCK)
-    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
     moe_w4a8_wgmma.gate_up(xq, xs, w1, s1, r1, w3, s3, r3, rw, slots, bexp, h, k, float(limit))
     hq, hs = act_quant_fp8(h, ACT_BLOCK)
-    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
     moe_w4a8_wgmma.down(hq, hs, w2, s2, r2, slots, bexp, o)
     return _combine(o, t, k)
+
+
+def _prefill_operands(x, idx, weights, words, scales, block_m: int) -> tuple:
+    """What the Gluon prefill kernels take: the padded slot blocks of ``block_m`` slots, the weights as int32 words,
+    the exponents as contiguous bytes, the routing weights as fp32 a slot, and ``h [T·k, I]`` and ``o [T·k, D]``
+    (``x.dtype``, unwritten)."""
+    tk, (e, inter, dh) = idx.numel(), words[0].shape
+    slots, bexp = padded_slots(idx, e, block_m)
+    words = tuple(_words(w) for w in words)
+    scales = tuple(_bits(s).contiguous() for s in scales)
+    rw = weights.reshape(-1).float().contiguous()
+    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
+    o = torch.empty((tk, 2 * dh), dtype=x.dtype, device=x.device)
+    return slots, bexp, words, scales, rw, h, o
 
 
 def _gluon_failed(exc: Exception) -> None:
@@ -372,24 +381,18 @@ def _gluon_failed(exc: Exception) -> None:
 def _moe_wgmma(x, idx, weights, w1, s1, w2, s2, w3, s3, limit: float, act_quant: bool) -> torch.Tensor:
     """``moe_mxfp4`` on the Gluon prefill kernels (rotate order; ``x`` already rounded where ``act_quant``)."""
     t, k = idx.shape
-    tk, (e, inter, dh) = t * k, w1.shape
-    d = 2 * dh
-    slots, bexp = padded_slots(idx, e, moe_mxfp4_wgmma.BLOCK_M)
-    w1, w2, w3 = (_words(w) for w in (w1, w2, w3))
-    s1, s2, s3 = (_bits(s).contiguous() for s in (s1, s2, s3))
-    rw = weights.reshape(-1).float().contiguous()
-    h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
-    o = torch.empty((tk, d), dtype=x.dtype, device=x.device)
+    slots, bexp, (w1, w2, w3), (s1, s2, s3), rw, h, o = _prefill_operands(
+        x, idx, weights, (w1, w2, w3), (s1, s2, s3), moe_mxfp4_wgmma.BLOCK_M
+    )
+    inter, d = h.shape[1], o.shape[1]
     if _frag(inter, d, s1, s2, s3):  # h in the fragment column order (act_quant_sim's 128-column blocks kept)
-        moe_mxfp4_frag.gate_up(moe_mxfp4_frag.permute_columns(x), w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
-        if act_quant and inter % ACT_BLOCK == 0:
-            h = _act_quant_sim(h)
-        moe_mxfp4_frag.down(h, w2, s2, slots, bexp, o)
-        return _combine(o, t, k)
-    moe_mxfp4_wgmma.gate_up(x.contiguous(), w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
+        kernels, xa = moe_mxfp4_frag, moe_mxfp4_frag.permute_columns(x)
+    else:
+        kernels, xa = moe_mxfp4_wgmma, x.contiguous()
+    kernels.gate_up(xa, w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit))
     if act_quant and inter % ACT_BLOCK == 0:
         h = _act_quant_sim(h)
-    moe_mxfp4_wgmma.down(h, w2, s2, slots, bexp, o)
+    kernels.down(h, w2, s2, slots, bexp, o)
     return _combine(o, t, k)
 
 

@@ -44,9 +44,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.moe_mxfp4_gemm import _E2M1_ROTATE_ASM
-from deepinfer.kernels.moe_mxfp4_wgmma import HAVE_GLUON
+from deepinfer.kernels.moe_mxfp4_wgmma import BLOCK_M, HAVE_GLUON  # the same padded slot blocks (the MMA's N)
 
-BLOCK_M = 128  # slots a program (the MMA's N)
 BLOCK_N = 128  # weight rows a program (the MMA's M: two warpgroups of 64)
 STEP_K = 128  # columns a ring step (four MXFP4 scale blocks: a 32-bit word of exponents a row), two MMA halves
 STAGES = 4  # the cp.async ring; steps are issued STAGES - 2 ahead
