@@ -72,6 +72,45 @@ def test_an_instance_that_stops_refreshing_expires_after_its_ttl(nats_server, wa
     asyncio.run(main())
 
 
+@pytest.mark.timeout(60)
+def test_a_read_cut_short_keeps_the_snapshot(nats_server, wait_until):
+    """A re-read that returns fewer keys than the stream holds (a server going away answers a new watcher with
+    nothing pending: nats-py then ends the read at once) is not reconciled: the live instances stay for the outage
+    that follows; the next full read reconciles again."""
+
+    class _Cut:  # the watcher such a server gives: the end marker first
+        async def updates(self, timeout=None):
+            return None
+
+        async def stop(self):
+            return None
+
+    async def main():
+        async with EventBus() as bus:
+            await bus.connect(nats_server.url)
+            view = RegistryView(bus, resync_s=30)
+            await view.start()
+            reg = Registry(bus, _reg("s0", "scheduler"), ttl_s=5)
+            await reg.start()
+            await wait_until(lambda: view.get("scheduler", "s0") is not None, 2)
+            assert await view.resync()
+            kv = view._kv
+            real = kv.watchall
+
+            async def cut(*a, **kw):
+                return _Cut()
+
+            kv.watchall = cut
+            assert not await view.resync()
+            assert view.get("scheduler", "s0") == reg.registration
+            kv.watchall = real
+            assert await view.resync() and view.get("scheduler", "s0") == reg.registration
+            await reg.stop()
+            await view.close()
+
+    asyncio.run(main())
+
+
 def test_registration_validation_and_json():
     reg = _reg()
     assert Registration.from_json(reg.to_json()) == reg

@@ -233,6 +233,12 @@ class RegistryView:
                 self._errors.failed(exc, during="resync")
                 return False
             self._kv = kv
+            if len(entries) < info.state.messages or not self.bus.connected:
+                # fewer keys than the stream held when the read began (one message a key): a read cut short, as by
+                # a server going away, which answers a new watcher with nothing pending; reconciling against it
+                # would drop live instances for the whole outage that follows, so the snapshot is kept
+                log.warning("registry_short_read", read=len(entries), stream_messages=info.state.messages)
+                return False
             self._errors.ok()
             if info.created != self._stream_created:  # a new stream: its revisions start again
                 if self._stream_created is not None:
