@@ -1468,6 +1468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["ops"] = {"class": type(model.ops).__name__, "moe_backend": getattr(model.ops, "moe_backend", None)}
         res["ops"]["fused"] = getattr(model.ops, "fused", None)
         res["ops"]["cuda_graphs"] = getattr(model.ops, "cuda_graphs", None)
+        res["ops"]["prefill_graphs"] = getattr(model.ops, "prefill_graphs", None)
         if ours.profiles:
             res["profile"] = {str(b): p for b, p in ours.profiles.items()}
         if ours.ab:

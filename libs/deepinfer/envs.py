@@ -195,11 +195,24 @@ _declare("DEEPINFER_CUDA_GRAPHS", "bool", _HW, """
     graphs captured per batch-size bucket on first use: everything between the attention layers' state
     bookkeeping (mHC, norms, projections, RoPE, router, MoE) runs as one graph per layer boundary, with the
     results of eager execution at the same bucket size. Batches above `DEEPINFER_CUDA_GRAPH_MAX_BATCH` and
-    prefill chunks run eagerly.""", default=True)
+    prefill chunks run eagerly, or as piecewise graphs (`DEEPINFER_PREFILL_GRAPHS`).""", default=True)
 _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
+_declare("DEEPINFER_PREFILL_GRAPHS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant, with `DEEPINFER_CUDA_GRAPHS`; DeepSeek-V4 models, V4.1 runs
+    them eagerly for now), run the steps that are not pure decode (prefill chunks, mixed batches) of up to
+    `DEEPINFER_PREFILL_GRAPH_MAX_TOKENS` tokens as piecewise CUDA graphs: between two layers' attention everything
+    (mHC, norms, projections, RoPE, router, MoE) replays as one graph, the attention itself (its state bookkeeping
+    and per-token key lists) runs eagerly. A step runs in the smallest token bucket (16, 32, 64, 96, 128, 192, 256,
+    384, ..., 4096, 6144, 8192, then multiples of 2048) that holds it, captured on first use; the padding tokens
+    are computed and dropped. Results are eager execution's at the bucket's size. The graphs' pool holds one
+    bucket's activations at a time (the largest met).""",
+    default=True)
+_declare("DEEPINFER_PREFILL_GRAPH_MAX_TOKENS", "int", _HW, """
+    Largest step (in tokens) that `DEEPINFER_PREFILL_GRAPHS` replays from piecewise CUDA graphs; longer ones run
+    eagerly (their launches are a smaller share of the step).""", default=8192, minimum=1)
 _declare("DEEPINFER_WARMUP", "bool", _HW, """
     On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
     and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to
@@ -378,6 +391,8 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_BATCH_INVARIANT: bool
     DEEPINFER_CUDA_GRAPHS: bool
     DEEPINFER_CUDA_GRAPH_MAX_BATCH: int
+    DEEPINFER_PREFILL_GRAPHS: bool
+    DEEPINFER_PREFILL_GRAPH_MAX_TOKENS: int
     DEEPINFER_WARMUP: bool
     DEEPINFER_STREAM_OVERLAP: bool
     DEEPINFER_PDL: bool

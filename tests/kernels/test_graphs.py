@@ -125,13 +125,20 @@ def test_a_padded_bucket_is_close_to_eager():
 
 
 @gpu_only
-def test_batches_past_the_largest_bucket_run_eagerly():
+def test_batches_past_the_largest_bucket_run_eagerly_or_piecewise():
+    """Past the largest decode bucket a step runs eagerly, or with ``prefill_graphs`` as a piecewise one (the
+    attention eager between graphs, in a padded token bucket: close to eager)."""
     model = _model()
     model.decode_graphs = DecodeGraphs(model, max_batch=2)
     cache, states, tables, steps = _setup(model, 3, 20, seed=3)
     eager = _decode(model, cache, states, tables, steps, graphs=False)
+    model.ops.prefill_graphs = False
     graphed = _decode(model, cache, states, tables, steps, graphs=True)
     assert model.decode_graphs.replays == 0 and torch.equal(eager, graphed)
+    model.ops.prefill_graphs = True
+    piecewise = _decode(model, cache, states, tables, steps, graphs=True)
+    assert model.decode_graphs.replays == 0 and model.prefill_graphs.replays == len(steps)
+    assert (eager - piecewise).abs().max().item() < 1e-4
 
 
 class _Segments:

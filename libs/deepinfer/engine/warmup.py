@@ -1,7 +1,7 @@
 """Start-up warm-up of a worker: synthetic requests run through the model runner before it serves, so that the
 first real requests do not pay the one-time costs of a batch shape (on the `nvidia` backend: Triton compiling the
-kernels of a tile configuration, seconds; capturing a decode CUDA graph per batch bucket). vLLM captures its graphs
-at start-up for the same reason.
+kernels of a tile configuration, seconds; capturing a decode CUDA graph per batch bucket, and the piecewise graphs of
+the prefill sizes it runs, ``DEEPINFER_PREFILL_GRAPHS``). vLLM captures its graphs at start-up for the same reason.
 
 ``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens``
 (one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``,

@@ -157,8 +157,10 @@ def sparse_attention_gather(
     split: bool | None = None,
     wide: bool | None = None,
     paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``.
+    """Sparse attention with K = V and a per-head sink over gathered key lists → ``[n, H, d]`` in ``q.dtype``,
+    written into ``out`` when given (contiguous, ``q``'s shape and dtype, not overlapping the inputs) and returned.
 
     ``q [n, H, d]`` and ``keys [K, d]`` are both float32 or both bfloat16; ``idx [n, W]`` (int32/int64) lists, in
     order, the key rows query ``i`` attends to, of which the first ``count[i]`` (``count [n]`` int32/int64, clamped
@@ -208,8 +210,13 @@ def sparse_attention_gather(
         raise ValueError("sparse_attention_gather: split=True takes the narrow tiles (wide=True is unsplit only)")
     W = idx.shape[1]
     store, pages, rows_per_page, is_paged = check_paged(keys, paged)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
+        raise ValueError(
+            f"sparse_attention_gather: out must be contiguous {q.dtype} {tuple(q.shape)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     if n == 0 or H == 0 or d == 0 or W == 0 or (keys.shape[0] == 0 and not is_paged):
-        return torch.zeros((n, H, d), dtype=q.dtype, device=q.device)
+        return torch.zeros((n, H, d), dtype=q.dtype, device=q.device) if out is None else out.zero_()
     q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
     pool = (keys, store, pages, keys.shape[0], rows_per_page, is_paged)
     auto = split is None
@@ -227,16 +234,17 @@ def sparse_attention_gather(
             precision=_precision(q.dtype),
             num_warps=ATTN_NUM_WARPS,
             num_stages=ATTN_NUM_STAGES,
+            out=out,
         )
     if wide is None:
         wide = auto and use_wide(n, q.dtype)
     if wide and attention_wgmma.use(q):  # DEEPINFER_ATTN_PREFILL=gluon: the Gluon kernel of the wide tiles
-        out = attention_wgmma.sparse_attention_wgmma(q, keys, store, pages, rows_per_page, is_paged, idx, count, sink,
-                                                     scale)  # fmt: skip
-        if out is not None:
-            return out
+        done = attention_wgmma.sparse_attention_wgmma(q, keys, store, pages, rows_per_page, is_paged, idx, count,
+                                                      sink, scale, out)  # fmt: skip
+        if done is not None:
+            return done
     tiles = dict(ATTN_WIDE) if wide else dict(ATTN_NARROW)
-    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device) if out is None else out
     grid = (n, triton.cdiv(H, tiles["BLOCK_H"]))
     _sparse_attention_kernel[grid](
         q,

@@ -171,6 +171,7 @@ def sparse_attention_split(
     precision: str,
     num_warps: int,
     num_stages: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_attention_gather``'s split mode → ``[n, H, d]`` in ``q.dtype`` (module docstring). ``pool``: the
     keys as ``sparse_attention_gather`` passes them to its kernel, ``(keys, store, pages, N1, R, PAGED)``.
@@ -219,7 +220,7 @@ def sparse_attention_split(
         num_stages=num_stages,
         **pdl.launch(),
     )
-    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((n, H, d), dtype=q.dtype, device=q.device) if out is None else out
     _split_combine_kernel[(n, triton.cdiv(H, COMBINE_BLOCK_H))](
         m,
         den,

@@ -174,13 +174,14 @@ def sparse_attention_wgmma(
     count: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The wide tiles' attention (module docstring) → ``[n, H, 512]`` bf16, or None where the build failed (logged
     once; the caller runs the Triton tiles). Arguments as ``sparse_attention_gather`` passes its kernel: validated,
     contiguous, non-empty; ``use(q)`` holds."""
     global FAILED
     n, H, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     try:
         _wg_attention_kernel[(n, H // BLOCK_H)](
             q, keys, store, pages, keys.shape[0], rows_per_page, idx, count, sink, out, idx.shape[1], float(scale),

@@ -102,6 +102,14 @@ class SegmentGraphs:
 
     # -- capture ------------------------------------------------------------------------------------------------
 
+    def capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream every capture runs on (one per device: the libraries' per-stream workspaces, cuBLAS's
+        some MiB each, are made once, not once per bucket)."""
+        streams = self.__dict__.setdefault("_streams", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
     def _capture(
         self, size: int, device: torch.device, extra: tuple = (), before: Callable[[Any], None] | None = None
     ) -> Any | None:
@@ -110,7 +118,7 @@ class SegmentGraphs:
         try:
             if before is not None:
                 before(bk)
-            side = torch.cuda.Stream(device)
+            side = self.capture_stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up: kernel compilation, library handles, lazy device tables

@@ -123,12 +123,14 @@ class Ops(Protocol):
         sink: torch.Tensor,
         scale: float,
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``sparse_attention`` with a key list per query: query ``t`` attends to ``keys[idx[t, :count[t]]]``
         (``idx [T, W]``; entries past ``count`` are never read). Several sequences share one call. ``paged = (store
         [P, R, d], pages [M])``: the keys continue past ``keys`` with the rows of the listed pages of a paged store,
         key ``len(keys) + j`` being row ``j % R`` of page ``pages[j // R]`` (``kernels.paged_keys.gathered``); a
-        backend may read them in place."""
+        backend may read them in place. ``out`` (contiguous, ``q``'s shape and dtype): the result is written there and
+        returned (a CUDA graph reads it from a fixed address)."""
         ...
 
     def indexer_scores_ranges(

@@ -4,11 +4,13 @@
   (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
   RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its
   ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
-  (``deepinfer.models.deepseek_v4.graphs``). Its ``native_weights`` flag (``DEEPINFER_NATIVE_WEIGHTS``) keeps the
-  checkpoint's FP8 linears and MXFP4 experts as stored (``deepinfer.quant.native``) and runs them through
-  ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``. ``select_rows`` (the indexer's top-k) is one
-  Triton program a row on CUDA (``deepinfer.kernels.topk``), ``topk_indices`` over wide rows one ``torch.topk`` of
-  packed unique keys (``packed_keys``), instead of full stable sorts.
+  (``deepinfer.models.deepseek_v4.graphs``) and, with ``prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``), other steps
+  from piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_weights`` flag
+  (``DEEPINFER_NATIVE_WEIGHTS``) keeps the checkpoint's FP8 linears and MXFP4 experts as stored
+  (``deepinfer.quant.native``) and runs them through ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
+  ``select_rows`` (the indexer's top-k) is one Triton program a row on CUDA (``deepinfer.kernels.topk``),
+  ``topk_indices`` over wide rows one ``torch.topk`` of packed unique keys (``packed_keys``), instead of full stable
+  sorts.
 * ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
   runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
   rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
@@ -117,7 +119,8 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
     RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
-    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``). ``native_weights``: the engine keeps FP8 / MXFP4
+    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``), and, with ``prefill_graphs`` (default
+    ``DEEPINFER_PREFILL_GRAPHS``), other steps piecewise ones. ``native_weights``: the engine keeps FP8 / MXFP4
     weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``).
     ``packed_topk``: ``topk_indices`` / ``select_rows`` through ``packed_keys`` and one ``torch.topk`` (same results
     as the reference's stable sorts): ``None`` (default) for float rows on CUDA wider than ``packed_above``, ``True``
@@ -151,15 +154,14 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
             raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
         self._moe, self.moe_backend = moe, moe_backend
         self._hc, self._norm, self.fused = hc, norm, fused
-        if cuda_graphs is None:
-            from deepinfer import envs
+        from deepinfer import envs
 
+        if cuda_graphs is None:
             cuda_graphs = bool(envs.get("DEEPINFER_CUDA_GRAPHS"))
         if native_weights is None:
-            from deepinfer import envs
-
             native_weights = bool(envs.get("DEEPINFER_NATIVE_WEIGHTS"))
         self.cuda_graphs, self.native_weights = cuda_graphs, native_weights
+        self.prefill_graphs = cuda_graphs and bool(envs.get("DEEPINFER_PREFILL_GRAPHS"))
         from deepinfer.kernels.attention import sparse_attention_gather
         from deepinfer.kernels.indexer import indexer_scores_ranges
 
@@ -332,12 +334,13 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
         sink: torch.Tensor,
         scale: float,
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if paged is not None and (paged[0].dtype != q.dtype or keys.dtype != q.dtype or not paged[0].is_contiguous()):
             from deepinfer.kernels.paged_keys import gathered  # the kernels read one dtype, contiguous pages
 
             keys, paged = gathered(keys, paged), None
-        return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale, paged=paged)
+        return self._attend_lists(q, keys.to(q.dtype), idx, count, sink.float(), scale, paged=paged, out=out)
 
     def indexer_scores_ranges(
         self,

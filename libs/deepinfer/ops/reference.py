@@ -167,6 +167,20 @@ class ReferenceOps:
         sink: torch.Tensor,
         scale: float,
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        res = self._attention_lists(q, keys, idx, count, sink, scale, paged)
+        return res if out is None else out.copy_(res)
+
+    def _attention_lists(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        idx: torch.Tensor,
+        count: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+        paged: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         if paged is not None:
             from deepinfer.kernels.paged_keys import gathered

@@ -115,12 +115,14 @@ class Attention(nn.Module):
         cache: PagedKVCache | None,
         rope: RotaryTable,
         ops: Ops,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The attention output ``[T, H, d]`` of ``project``'s tensors; reads and advances each sequence's state."""
+        """The attention output ``[T, H, d]`` of ``project``'s tensors; reads and advances each sequence's state.
+        ``out``: written there and returned (a piecewise CUDA graph reads it from a fixed address)."""
         x, qr, q, kv = t["x"], t["qr"], t["q"], t["kv"]
         proj = {k: (t[f"{k}_kv"], t[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in t}
         if ops.batch_invariant:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if out is None else out
             for chunk, (a, b) in zip(chunks, offsets):
                 part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
                 out[a:b] = self._attend_one(
@@ -132,9 +134,10 @@ class Attention(nn.Module):
             if self.compressor is not None and cache is None:
                 raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
             plan = pool.memo(chunks, "plan", lambda: StepPlan.of(pool, cache, self.window, chunks))
-            return decode_step.attend(self, t, plan, rope, ops)
+            res = decode_step.attend(self, t, plan, rope, ops)
+            return res if out is None else out.copy_(res)
         iq = (t["iq"], t["iw"]) if "iq" in t else None
-        return self._attend_batched(x, q, kv, iq, proj, chunks, offsets, cache, rope, ops)
+        return self._attend_batched(x, q, kv, iq, proj, chunks, offsets, cache, rope, ops, out)
 
     def pool_specs(self) -> tuple[dict, dict]:
         """This layer's window ring ``{layer: (rows, dim)}`` and compressor rings ``{(layer, name): (cap, dim, ratio,
@@ -203,9 +206,10 @@ class Attention(nn.Module):
         cache: PagedKVCache | None,
         rope: RotaryTable,
         ops: Ops,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``. ``iq``: the
-        indexer's queries and head weights (CSA layers)."""
+        indexer's queries and head weights (CSA layers); ``out``: ``attend``'s."""
         if self.compressor is not None and cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         win = self.window
@@ -243,7 +247,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             index = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index", cache,
                                            rope, ops, kv.dtype)  # fmt: skip
-        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops)
+        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops, out)
 
     def _attend_pools(
         self,
@@ -258,6 +262,7 @@ class Attention(nn.Module):
         rows: tuple[torch.Tensor, list[int]] | None,
         index: tuple[torch.Tensor, list[int]] | None,
         ops: Ops,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]``, host tensors
         per token) and, in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA:
@@ -267,7 +272,7 @@ class Attention(nn.Module):
         if rows is None:
             start_d, cnt = to_device(torch.stack([w_start, w_cnt]), dev)
             idx = start_d.unsqueeze(1) + torch.arange(width, device=dev)
-            return ops.sparse_attention_lists(q, window_pool, idx, cnt, self.attn_sink, self.head_dim**-0.5)
+            return ops.sparse_attention_lists(q, window_pool, idx, cnt, self.attn_sink, self.head_dim**-0.5, out=out)
         m = self.ratio
         rows_pool, roff = rows
         r_width = max((c.end // m for c in chunks), default=0)
@@ -290,7 +295,7 @@ class Attention(nn.Module):
         else:  # every row visible
             idx, cnt = key_lists(r_start.unsqueeze(1) + torch.arange(r_width, device=dev), r_vis)
         keys = torch.cat([window_pool, rows_pool])
-        return ops.sparse_attention_lists(q, keys, idx, cnt, self.attn_sink, self.head_dim**-0.5)
+        return ops.sparse_attention_lists(q, keys, idx, cnt, self.attn_sink, self.head_dim**-0.5, out=out)
 
     def _compress_batched(
         self,

@@ -126,6 +126,7 @@ class DeepseekV4Model(nn.Module):
         self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
         self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
+        self.prefill_graphs = None  # prefill_graphs.PrefillGraphs, made on the first step that may use it
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
@@ -147,7 +148,8 @@ class DeepseekV4Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
         """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``. A decode step replays CUDA
-        graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``), with eager results."""
+        graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``), other steps piecewise ones
+        (``ops.prefill_graphs``; ``prefill_graphs.PrefillGraphs``), with eager results."""
         ops = self.ops
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if self.state_pool is not None:
@@ -159,6 +161,12 @@ class DeepseekV4Model(nn.Module):
 
                 self.decode_graphs = DecodeGraphs(self)
             h = self.decode_graphs.run(batch, cache)  # None: not a graphed step
+            if h is None and getattr(ops, "prefill_graphs", False):
+                if self.prefill_graphs is None:
+                    from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
+
+                    self.prefill_graphs = PrefillGraphs(self)
+                h = self.prefill_graphs.run(batch, cache)  # None: past the largest bucket, or a failed capture
         if h is None:
             offsets = batch.offsets()
             h = self.embed_streams(batch.token_ids)
