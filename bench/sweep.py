@@ -1469,6 +1469,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["ops"]["fused"] = getattr(model.ops, "fused", None)
         res["ops"]["cuda_graphs"] = getattr(model.ops, "cuda_graphs", None)
         res["ops"]["prefill_graphs"] = getattr(model.ops, "prefill_graphs", None)
+        pg = getattr(model, "prefill_graphs", None)
+        if pg is not None:  # piecewise prefill graphs: replayed steps and buckets whose capture failed (run eagerly)
+            res["ops"]["prefill_graph_replays"], res["ops"]["prefill_graph_failures"] = pg.replays, dict(pg.failures)
         if ours.profiles:
             res["profile"] = {str(b): p for b, p in ours.profiles.items()}
         if ours.ab:

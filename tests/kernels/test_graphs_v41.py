@@ -299,11 +299,17 @@ def test_v41_decode_step_never_waits_for_the_gpu(tokenizer):
 
 
 @gpu_only
-def test_v41_padded_bucket_is_close_and_large_batches_run_eagerly(tokenizer):
+def test_v41_padded_bucket_is_close_and_large_batches_run_eagerly_or_piecewise(tokenizer):
+    """Past the largest decode bucket a step runs eagerly, or with ``prefill_graphs`` as a piecewise one (close)."""
     model = _nvidia_model(tokenizer, torch.float32)
     _check(model, [(3, False)])  # runs in bucket 4
     model.decode_graphs = DecodeGraphs(model, max_batch=2)
     cache, states, tables, steps = _setup(model, 3, 20, seed=3)
     eager = _decode(model, cache, states, tables, steps, graphs=False)
+    model.ops.prefill_graphs = False
     graphed = _decode(model, cache, states, tables, steps, graphs=True)
     assert model.decode_graphs.replays == 0 and torch.equal(eager, graphed)
+    model.ops.prefill_graphs = model.piecewise_prefill = True
+    piecewise = _decode(model, cache, states, tables, steps, graphs=True)
+    assert model.decode_graphs.replays == 0 and model.prefill_graphs.replays == len(steps)
+    assert (eager - piecewise).abs().max().item() < PADDED_ATOL

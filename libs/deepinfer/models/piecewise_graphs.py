@@ -55,11 +55,14 @@ def weak_ref(t: torch.Tensor) -> torch.Tensor:
 
 
 def weaken(obj: Any) -> Any:
-    """``obj`` with every tensor in it (through dicts, lists and tuples) replaced by its ``weak_ref``."""
+    """``obj`` with every tensor in it (through dicts, lists, tuples and named tuples) replaced by its
+    ``weak_ref``."""
     if isinstance(obj, torch.Tensor):
         return weak_ref(obj)
     if isinstance(obj, dict):
         return {k: weaken(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return obj._make(weaken(v) for v in obj)
     if isinstance(obj, (list, tuple)):
         return type(obj)(weaken(v) for v in obj)
     return obj

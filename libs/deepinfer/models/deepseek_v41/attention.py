@@ -155,9 +155,12 @@ class Attention(SharedKVAttention):
             t["iq"] = ops.cache_round(iq, "mxfp4") if self.quant_sim else iq
         return t
 
-    def attend(self, t: dict[str, torch.Tensor], ctx: StepContext, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+    def attend(
+        self, t: dict[str, torch.Tensor], ctx: StepContext, rope: RotaryTable, ops: Ops, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The attention output ``[T, H, d]`` of ``project``'s tensors: publishes the compressed rows and index keys,
-        selects, attends; reads and advances each sequence's state (the eager part of a graphed decode step)."""
+        selects, attends; reads and advances each sequence's state (the eager part of a graphed decode step).
+        ``out``: written there and returned (a piecewise CUDA graph reads it from a fixed address)."""
         if self.ratio and ctx.cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         q, kv, iq, iw = t["q"], t["kv"], t.get("iq"), t.get("iw")
@@ -165,12 +168,14 @@ class Attention(SharedKVAttention):
         if pool is not None and not ops.batch_invariant and decode_step.pooled_decode(ctx.chunks):
             if ctx.plan is None:
                 ctx.plan = decode_step.StepPlan.of(pool, ctx.cache, self.window, ctx.chunks)
-            return decode_step.attend(self, t, ctx.plan, rope, ops)
+            res = decode_step.attend(self, t, ctx.plan, rope, ops)
+            return res if out is None else out.copy_(res)
         if "ckv" in t:
             self._publish((t["ckv"], t.get("cgate")), ctx, rope, ops, kv.dtype)
         if ops.batch_invariant:
-            return self._attend_each(q, kv, iq, iw, ctx, ops)
-        return attend_batched(self, q, kv, iq, iw, ctx, ops)
+            res = self._attend_each(q, kv, iq, iw, ctx, ops)
+            return res if out is None else out.copy_(res)
+        return attend_batched(self, q, kv, iq, iw, ctx, ops, out)
 
     def pool_specs(self) -> tuple[dict, dict]:
         """This layer's window ring ``{layer: (rows, dim)}`` and, a ratio-2 KV source, its compressor ring

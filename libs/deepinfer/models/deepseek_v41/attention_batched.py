@@ -114,13 +114,15 @@ def attend_batched(
     iw: torch.Tensor | None,
     ctx: StepContext,
     ops: Ops,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The attention output ``[T, H, d]`` of every query of the step (module docstring)."""
+    """The attention output ``[T, H, d]`` of every query of the step (module docstring), written into ``out`` when
+    given."""
     pool, w_start, w_cnt, width = _window(attn, kv, ctx)
     scale, dev = attn.head_dim**-0.5, q.device
     if not attn.ratio:
         idx = w_start.unsqueeze(1) + torch.arange(width, device=dev)
-        return ops.sparse_attention_lists(q, pool, idx, w_cnt, attn.attn_sink, scale)
+        return ops.sparse_attention_lists(q, pool, idx, w_cnt, attn.attn_sink, scale, out=out)
     if attn.indexer is not None:
         ctx.sel_rows, ctx.sel_count = _select(attn, iq, iw, ctx, ops)
     if ctx.sel_rows is None or ctx.sel_rows.shape[0] != q.shape[0]:
@@ -137,4 +139,4 @@ def attend_batched(
         else torch.zeros_like(j)
     )
     idx = torch.where(j < cw, w_start.unsqueeze(1) + j, comp)
-    return ops.sparse_attention_lists(q, keys, idx, w_cnt + cnt, attn.attn_sink, scale)
+    return ops.sparse_attention_lists(q, keys, idx, w_cnt + cnt, attn.attn_sink, scale, out=out)

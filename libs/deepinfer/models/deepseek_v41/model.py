@@ -166,6 +166,10 @@ class DeepseekV41Model(nn.Module):
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
+        self.prefill_graphs = None  # prefill_graphs.PrefillGraphs, made on the first step that may use it
+        # piecewise prefill graphs (DEEPINFER_PREFILL_GRAPHS) for V4.1: off until tests/kernels/
+        # test_prefill_graphs_v41.py has run on a GPU (its pieces are checked eagerly on the host only)
+        self.piecewise_prefill = False
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
@@ -271,7 +275,9 @@ class DeepseekV41Model(nn.Module):
         compressed rows and index keys for every position, so the decoder's long-range memory is complete.
 
         A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``:
-        the whole step, one graph per batch bucket and context span), with eager results; not with ``capture``."""
+        the whole step, one graph per batch bucket and context span), other text steps piecewise ones
+        (``ops.prefill_graphs`` and ``piecewise_prefill``; ``prefill_graphs.PrefillGraphs``), with eager results; not
+        with ``capture``."""
         ops, c = self.ops, self.text
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
@@ -280,6 +286,12 @@ class DeepseekV41Model(nn.Module):
 
                 self.decode_graphs = DecodeGraphs(self)
             y = self.decode_graphs.run(batch, cache)  # None: not a graphed step
+            if y is None and self.piecewise_prefill and getattr(ops, "prefill_graphs", False):
+                if self.prefill_graphs is None:
+                    from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
+
+                    self.prefill_graphs = PrefillGraphs(self)
+                y = self.prefill_graphs.run(batch, cache)  # None: not a text step, too long, or a failed capture
             if y is not None:
                 for chunk in batch.chunks:
                     chunk.state.num_tokens = chunk.end

@@ -1,0 +1,219 @@
+"""DeepSeek-V4.1 prefill and mixed steps replayed from piecewise CUDA graphs
+(``deepinfer.models.deepseek_v41.prefill_graphs``) against eager steps.
+
+On any host the pieces' plumbing (static inputs with the Engram row ids or looked-up rows, padding, one step context
+for the eager attention between pieces, the histories advanced once) runs with each "graph" eager: the same trunk
+outputs, caches and states as eager steps, bit for bit at a bucket's size. On a CUDA machine a tiny model with every
+layer kind and Engram (``tests/models/tiny_v41.py``) prefills the same chunks eagerly and from graphs: bit-identical
+at bucket sizes in fp32 and bf16, with the Engram tables on the device and on the host, close in padded buckets; the
+steps the pieces refuse and a failed capture run eagerly with eager results and histories.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs  # noqa: E402
+from kernels.test_graphs_v41 import PADDED_ATOL, _model  # noqa: E402
+from models.tiny_v41 import build_tokenizer  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _run(model, plan, graphs: bool, seed: int = 0, dev: str = DEVICE):
+    """Run ``plan`` (steps, each a list of ``(sequence, tokens)``) from empty states: the trunk output of every
+    step, the cache and the states."""
+    gen = torch.Generator().manual_seed(seed)
+    n_seq = 1 + max(s for step in plan for s, _ in step)
+    pages = -(-(sum(n for step in plan for _, n in step) + 8) // PAGE)
+    cache = PagedKVCache(model.config, pages * n_seq, PAGE, dtype=model.embed.weight.dtype, device=dev)
+    states = [SequenceState() for _ in range(n_seq)]
+    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(n_seq)]
+    outs = []
+    model.ops.prefill_graphs = graphs
+    for step in plan:
+        chunks = [SeqChunk(states[s], states[s].num_tokens, n, tables[s]) for s, n in step]
+        ids = [torch.randint(5, model.text.vocab_size, (n,), generator=gen).tolist() for _, n in step]
+        outs.append(model(ForwardBatch.build(chunks, ids, dev), cache))
+    model.ops.prefill_graphs = True
+    return outs, cache, states
+
+
+def _same(a, b, exact: bool, atol: float = 1e-4) -> None:
+    """Two runs' outputs, caches (every page) and sequence states agree."""
+    same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=atol, rtol=0))
+    (oa, ca, sa), (ob, cb, sb) = a, b
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert x.shape == y.shape and same(x, y), (i, (x - y).abs().max().item())
+    for kind, layer in ca.stores():
+        x, y = ca._store(kind, layer), cb._store(kind, layer)
+        assert same(x.float(), y.float()), (kind, layer)
+    for x, y in zip(sa, sb):
+        assert x.num_tokens == y.num_tokens and x.history == y.history and x.windows.keys() == y.windows.keys()
+        assert all(same(x.windows[k], y.windows[k]) for k in x.windows)
+        for k, buf in x.buffers.items():
+            other = y.buffers[k]
+            assert buf.start == other.start and same(buf.kv, other.kv) and same(buf.score, other.score)
+
+
+class _Piece:
+    def __init__(self, piece) -> None:
+        self.replay = piece
+
+
+class EagerPieces(PrefillGraphs):
+    """``PrefillGraphs``' step plumbing without CUDA: each "graph" runs its piece eagerly, on any device."""
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        return self.graphable(batch)
+
+    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
+        bk = self._bucket(size, device, *extra)
+        bk.graphs = [_Piece(p) for p in self._segments(bk)]
+        return bk
+
+
+# one sequence at a bucket's size; padded chunks continuing a sequence; a mixed step (prefill chunks beside a decode)
+PLANS = {
+    "exact": ([[(0, 32)]], True),
+    "padded": ([[(0, 21)], [(0, 13)]], False),
+    "mixed": ([[(0, 11), (1, 6)], [(0, 1), (1, 20)]], False),
+}
+
+
+def _eager_pieces_model(tokenizer, name: str, tables: str, ops=None):
+    from deepinfer.ops.reference import ReferenceOps
+
+    model = _model(tokenizer, ops or ReferenceOps(), name, dev="cpu")
+    if tables == "host":
+        model.place_engram_tables("cpu")  # the same device here: a bucket takes the looked-up rows only on CUDA
+    model.ops.cuda_graphs = model.ops.prefill_graphs = model.piecewise_prefill = True
+    model.prefill_graphs = EagerPieces(model, max_tokens=64)
+    return model
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("name", ["sketch", "mixed"])
+def test_the_v41_pieces_equal_the_eager_step_on_cpu(tokenizer, name, plan):
+    model = _eager_pieces_model(tokenizer, name, "device")
+    steps, exact = PLANS[plan]
+    eager = _run(model, steps, graphs=False, dev="cpu")
+    graphed = _run(model, steps, graphs=True, dev="cpu")
+    assert model.prefill_graphs.replays == len(steps)
+    _same(eager, graphed, exact)
+
+
+def test_the_v41_pieces_with_looked_up_engram_rows_on_cpu(tokenizer):
+    """With ``tables_on_device`` false the pieces read looked-up Engram rows from their static buffers."""
+    model = _eager_pieces_model(tokenizer, "sketch", "host")
+    model.prefill_graphs.tables_on_device = lambda device: False
+    steps, _ = PLANS["padded"]
+    eager = _run(model, steps, graphs=False, dev="cpu")
+    graphed = _run(model, steps, graphs=True, dev="cpu")
+    bk = next(iter(model.prefill_graphs.buckets.values()))
+    assert bk.engram is None and bk.engram_rows and model.prefill_graphs.replays == len(steps)
+    _same(eager, graphed, exact=False)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on the host need TRITON_INTERPRET=1")
+def test_the_v41_pieces_with_the_kernels_on_cpu(tokenizer):
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    model = _eager_pieces_model(tokenizer, "sketch", "device", NvidiaOps(cuda_graphs=True))
+    steps = [[(0, 9), (1, 5)]]  # bucket 16: the interpreter is slow
+    _same(_run(model, steps, False, dev="cpu"), _run(model, steps, True, dev="cpu"), exact=False)
+
+
+def test_v41_steps_the_pieces_refuse(tokenizer):
+    """Image embeddings, a bounded decoder replay, host tensors: no pieces; DSpark feature capture never asks."""
+    model = _eager_pieces_model(tokenizer, "sketch", "device")
+    graphs = model.prefill_graphs
+    st = SequenceState()
+    two = ForwardBatch.build([SeqChunk(st, 0, 2, torch.arange(4))], [[7, 8]])
+    assert graphs.applies(two) and not PrefillGraphs.applies(graphs, two)  # on the host
+    assert not graphs.applies(ForwardBatch(two.token_ids, two.positions, two.chunks, image_mask=torch.ones(2) > 0))
+    assert not graphs.applies(ForwardBatch(two.token_ids, two.positions, two.chunks, input_embeds=torch.zeros(2, 64)))
+    assert not graphs.applies(ForwardBatch.build([SeqChunk(st, 0, 2, torch.arange(4), decoder_from=1)], [[7, 8]]))
+
+
+# -- GPU -------------------------------------------------------------------------------------------------------
+
+
+def _nvidia_model(tokenizer, dtype: torch.dtype, name: str = "sketch"):
+    from deepinfer.ops.nvidia import NvidiaOps
+
+    model = _model(tokenizer, NvidiaOps(cuda_graphs=True), name, dtype)
+    model.ops.prefill_graphs = model.piecewise_prefill = True
+    return model
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v41_graphed_prefill_equals_eager_bit_for_bit(tokenizer, dtype):
+    model = _nvidia_model(tokenizer, dtype)
+    for steps in ([[(0, 64)]], [[(0, 20), (1, 12)], [(0, 16)]]):  # bucket sizes: 64, 32, 16
+        eager = _run(model, steps, graphs=False, seed=len(steps))
+        before = model.prefill_graphs.replays if model.prefill_graphs else 0
+        graphed = _run(model, steps, graphs=True, seed=len(steps))
+        assert model.prefill_graphs.replays == before + len(steps) and not model.prefill_graphs.failures
+        _same(eager, graphed, exact=True)
+
+
+@gpu_only
+def test_v41_engram_tables_on_the_host_and_padded_steps(tokenizer):
+    model = _nvidia_model(tokenizer, torch.float32)
+    model.place_engram_tables("cpu")
+    steps, _ = PLANS["exact"]
+    _same(_run(model, steps, graphs=False), _run(model, steps, graphs=True), exact=True)
+    for name in ("padded", "mixed"):
+        steps, _ = PLANS[name]
+        _same(_run(model, steps, graphs=False, seed=1), _run(model, steps, graphs=True, seed=1), False, PADDED_ATOL)
+    assert not model.prefill_graphs.failures and all(bk.engram is None for bk in model.prefill_graphs.buckets.values())
+
+
+@gpu_only
+def test_v41_failed_captures_and_refused_steps_run_eagerly(tokenizer, monkeypatch):
+    model = _nvidia_model(tokenizer, torch.float32)
+    pieces = PrefillGraphs._segments
+
+    def failing(self, bk):
+        first, *rest = pieces(self, bk)
+
+        def first_then_sync():
+            first()
+            if torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()  # not allowed while capturing
+
+        return [first_then_sync, *rest]
+
+    steps = [[(0, 12)], [(0, 7), (1, 3)]]
+    eager = _run(model, steps, graphs=False)
+    monkeypatch.setattr(PrefillGraphs, "_segments", failing)
+    graphed = _run(model, steps, graphs=True)  # the Engram histories are hashed again by the eager steps
+    assert model.prefill_graphs.replays == 0 and list(model.prefill_graphs.failures) == [16]
+    _same(eager, graphed, exact=True)
+
+
+def test_v41_pieces_are_off_by_default(tokenizer):
+    """Until its GPU tests have run, a V4.1 model runs prefill steps eagerly whatever ``ops.prefill_graphs`` says."""
+    from deepinfer.ops.reference import ReferenceOps
+
+    model = _model(tokenizer, ReferenceOps(), "sketch", dev="cpu")
+    model.ops.cuda_graphs = model.ops.prefill_graphs = True
+    assert not model.piecewise_prefill
+    _run(model, PLANS["exact"][0], graphs=True, dev="cpu")
+    assert model.prefill_graphs is None
