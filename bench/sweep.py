@@ -890,8 +890,12 @@ class Ours:
         """Prefill of ``n`` tokens on each weight set, interleaved: ``bf16``, ``native`` (bf16 activations: the FP8
         linears run W8A16), ``native_w8a8`` (``DEEPINFER_W8A8``: FP8 activations in the FP8 linears only, W8A8 on
         the FP8 tensor cores) and ``native_fp8_act`` (the official FP8 activation rounding of the quantised linears
-        and experts, ``quant_sim`` on those modules only)."""
+        and experts, ``quant_sim`` on those modules only). Eager prefills: the variants switch the activation
+        rounding in place, which piecewise prefill graphs captured for one variant would not see."""
         sets, ids = self.weight_sets, self._ids(n)
+        ops = self.model.ops
+        piecewise = getattr(ops, "prefill_graphs", False)
+        ops.prefill_graphs = False
         act_modules = [m for m in self.model.modules() if hasattr(m, "quant_sim") and (
             getattr(m, "keeps_fp8", False) or hasattr(m, "w1_scale"))]  # fmt: skip
         variants = {"bf16": ("bf16", False, False), "native": ("native", False, False),
@@ -925,6 +929,7 @@ class Ours:
             for m in act_modules:
                 m.quant_sim = False
             set_w8a8(self.model, w8a8)
+            ops.prefill_graphs = piecewise
         return {"tokens": n, **{k: 1e3 * statistics.median(v) if v else None for k, v in times.items()}}
 
 

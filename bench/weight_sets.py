@@ -3,7 +3,8 @@ backend loads a checkpoint) and ``native`` (FP8 linears and MXFP4 experts as sto
 
 The model's random weights are first encoded in the stored formats; the ``bf16`` set holds exactly the values they
 decode to, so the two sets compute the same function and differ only in what a step reads and in summation order.
-Each set keeps its own ``decode_graphs`` (a CUDA graph holds the addresses of the weights it was captured with).
+Each set keeps its own decode and prefill graphs (a CUDA graph holds the addresses of the weights it was captured
+with).
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ class WeightSets:
         return {
             "linears": [(m.weight, m.scale) for m in self.linears],
             "experts": [{w: (getattr(m, w), getattr(m, f"{w}_scale")) for w in EXPERT_WEIGHTS} for m in self.experts],
-            "graphs": getattr(self.model, "decode_graphs", None),
+            "graphs": _graphs(self.model),
         }
 
     def use(self, name: str) -> None:
         """Make ``name`` the model's weights (and decode graphs)."""
         if name == self.current:
             return
-        self.sets[self.current]["graphs"] = getattr(self.model, "decode_graphs", None)
+        self.sets[self.current]["graphs"] = _graphs(self.model)
         self._apply(self.sets[name])
         self.current = name
 
@@ -77,7 +78,7 @@ class WeightSets:
             for w, (value, scale) in ws.items():
                 setattr(m, w, value)
                 setattr(m, f"{w}_scale", scale)
-        self.model.decode_graphs = s["graphs"]
+        _set_graphs(self.model, s["graphs"])
 
     def bytes(self, name: str) -> int:
         """Bytes of the swapped weights in set ``name``."""
@@ -86,10 +87,22 @@ class WeightSets:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def _graphs(model: nn.Module) -> tuple[Any, Any] | None:
+    """The model's decode and piecewise prefill graphs (a graph holds the weights' addresses and the kernels it was
+    captured with), or None before either was made."""
+    pair = getattr(model, "decode_graphs", None), getattr(model, "prefill_graphs", None)
+    return None if pair == (None, None) else pair
+
+
+def _set_graphs(model: nn.Module, graphs: tuple[Any, Any] | None) -> None:
+    model.decode_graphs, model.prefill_graphs = graphs or (None, None)
+
+
 class OrderSets:
     """The MXFP4 experts of a model in every order of their codes, swapped in place (``--ab-order``): ``plain`` (as
     stored), ``shift`` and ``rotate`` (``quant.nibble_order``; the latter what ``NvidiaOps.prepare_weights`` makes on a
-    GPU: copies here). Each order keeps its own ``decode_graphs`` (a graph holds the kernels it was captured with)."""
+    GPU: copies here). Each order keeps its own decode and prefill graphs (a graph holds the kernels it was captured
+    with)."""
 
     ORDERS = ("plain", "shift", "rotate")
 
@@ -112,18 +125,18 @@ class OrderSets:
                 ordered.append(copies)
             self.sets[order] = {"experts": ordered, "graphs": None}
         self.current = "plain"
-        self.sets["plain"]["graphs"] = getattr(model, "decode_graphs", None)
+        self.sets["plain"]["graphs"] = _graphs(model)
 
     def use(self, name: str) -> None:
         """Make the experts (and decode graphs) of order ``name`` the model's."""
         if name == self.current:
             return
-        self.sets[self.current]["graphs"] = getattr(self.model, "decode_graphs", None)
+        self.sets[self.current]["graphs"] = _graphs(self.model)
         for m, ws in zip(self.experts, self.sets[name]["experts"], strict=True):
             for w, t in ws.items():
                 setattr(m, w, t)
             setattr(m, ORDER_ATTR, name)
-        self.model.decode_graphs = self.sets[name]["graphs"]
+        _set_graphs(self.model, self.sets[name]["graphs"])
         self.current = name
 
 
