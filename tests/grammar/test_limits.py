@@ -19,7 +19,9 @@ def refused(spec: GrammarSpec, limits: Limits = LIMITS) -> GrammarError:
     t0 = time.perf_counter()
     with pytest.raises(GrammarError) as info:
         check_limits(spec, limits)
-    assert time.perf_counter() - t0 < 0.2, spec.kind
+    # milliseconds alone; 1 s bounds them on a loaded 2-core CI host (0.21 s seen beside another test run), where
+    # a compile of these grammars would take minutes or never end
+    assert time.perf_counter() - t0 < 1.0, spec.kind
     return info.value
 
 

@@ -29,6 +29,7 @@ from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, jo
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.models.deepseek_v4.window_lists import WindowLists, step_window_lists
 from deepinfer.ops import Ops
 
 
@@ -213,16 +214,12 @@ class Attention(nn.Module):
         if self.compressor is not None and cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         win = self.window
+        wl = step_window_lists(self.state_pool, chunks, offsets, win)
         # -- the window: each chunk's old rows (ring slots, in position order) then its new rows, in one pool
-        pieces, lo, woff, o = [], [], [], 0
-        for chunk, (a, b) in zip(chunks, offsets):
-            st, s = chunk.state, chunk.start
-            ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
-            first = max(st.window_start, s - win + 1, 0)  # a replay sees no older rows
-            pieces += _ring_span(ring, first, s - first) + [kv[a:b]]
-            lo.append(first)
-            woff.append(o)
-            o += s - first + b - a
+        pieces = []
+        for chunk, (a, b), first in zip(chunks, offsets, wl.lo):
+            ring = chunk.state.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
+            pieces += _ring_span(ring, first, chunk.start - first) + [kv[a:b]]
         window_pool = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         # the ring keeps the last `win` rows (after the pool has read the old ones)
         dst, src = [], []
@@ -233,13 +230,6 @@ class Attention(nn.Module):
             src += _split_like(kv[a + keep - s : b], dst[len(src) :])
         if dst:
             torch._foreach_copy_(dst, src)
-        # -- per-token metadata (host-side ints, one copy to the device)
-        lens = [b - a for a, b in offsets]
-        cid = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens, dtype=torch.long))
-        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks] or [torch.zeros(0, dtype=torch.long)])
-        lo_t = torch.tensor(lo, dtype=torch.long)[cid]
-        w_first = torch.maximum(pos - win + 1, lo_t)
-        w_start, w_cnt = torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1
         rows = index = None
         if self.compressor is not None:
             rows = self._compress_batched(self.compressor, proj["main"], chunks, offsets, "main", cache, rope, ops,
@@ -247,32 +237,35 @@ class Attention(nn.Module):
         if self.indexer is not None:
             index = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index", cache,
                                            rope, ops, kv.dtype)  # fmt: skip
-        return self._attend_pools(q, iq, window_pool, w_start, w_cnt, pos, cid, chunks, rows, index, ops, out)
+        return self._attend_pools(q, iq, window_pool, wl, chunks, rows, index, ops, out)
+
+    def prepare(self, chunks: list[SeqChunk], offsets: list[tuple[int, int]], device: torch.device) -> None:
+        """Build the step's window lists (and a sliding-window layer's key lists on ``device``) ahead of ``attend``,
+        once per forward (``window_lists``): a piecewise prefill graph calls it before its first replay."""
+        wl = step_window_lists(self.state_pool, chunks, offsets, self.window)
+        if self.compressor is None:
+            wl.device(device)
 
     def _attend_pools(
         self,
         q: torch.Tensor,
         iq: tuple[torch.Tensor, torch.Tensor] | None,
         window_pool: torch.Tensor,
-        w_start: torch.Tensor,
-        w_cnt: torch.Tensor,
-        pos: torch.Tensor,
-        cid: torch.Tensor,
+        wl: WindowLists,
         chunks: list[SeqChunk],
         rows: tuple[torch.Tensor, list[int]] | None,
         index: tuple[torch.Tensor, list[int]] | None,
         ops: Ops,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]``, host tensors
-        per token) and, in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA:
-        the indexer's choice among them, scored on ``index``)."""
-        dev, n_tok = q.device, q.shape[0]
-        width = int(w_cnt.max()) if n_tok else 0
+        """Sparse attention of every token over its window rows (``window_pool[w_start .. + w_cnt]`` of ``wl``) and,
+        in compressed layers, its compressed rows (``rows``: pool + each chunk's row-0 offset; CSA: the indexer's
+        choice among them, scored on ``index``)."""
+        dev, width = q.device, wl.width
         if rows is None:
-            start_d, cnt = to_device(torch.stack([w_start, w_cnt]), dev)
-            idx = start_d.unsqueeze(1) + torch.arange(width, device=dev)
+            idx, cnt = wl.device(dev)
             return ops.sparse_attention_lists(q, window_pool, idx, cnt, self.attn_sink, self.head_dim**-0.5, out=out)
+        w_start, w_cnt, pos, cid = wl.w_start, wl.w_cnt, wl.pos, wl.cid
         m = self.ratio
         rows_pool, roff = rows
         r_width = max((c.end // m for c in chunks), default=0)

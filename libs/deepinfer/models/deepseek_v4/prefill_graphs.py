@@ -59,6 +59,7 @@ class PrefillGraphs(PiecewiseGraphs):
             if n < bk.size:
                 static[n:].zero_()
         offsets = batch.offsets()
+        model.layers[0].attn.prepare(batch.chunks, offsets, batch.device)  # host work done before the device has any
         for j, layer in enumerate(model.layers):
             bk.graphs[j].replay()
             c = bk.carry[j]

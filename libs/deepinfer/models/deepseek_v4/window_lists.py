@@ -1,0 +1,72 @@
+"""Each token's window rows in a batched (prefill or mixed) step of ``DeepseekV4Model``'s attention.
+
+The window pool of a step (``Attention._attend_batched``) holds, per chunk, the ring's rows older than the chunk (from
+``first = max(window_start, start - window + 1, 0)``, none before a bounded replay's start) and then the chunk's new
+rows. Token ``t`` of a chunk attends to the pool rows of positions ``max(t - window + 1, first) .. t``. Every layer of
+a step has the same window, so these lists depend only on the chunks: they are built once per forward
+(``StatePool.memo``) on the host, copied to the device once, and the sliding-window layers' key lists ``[T, width]``
+are made once on the device. A piecewise prefill graph prepares them before its first replay
+(``Attention.prepare``), so that layer 0's attention, the only one the device waits for, has less host work left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.host_copy import to_device
+from deepinfer.models.deepseek_v4.state import SeqChunk
+from deepinfer.models.deepseek_v4.state_pool import StatePool
+
+
+@dataclass
+class WindowLists:
+    """Host lists of a step: per chunk the first pool position ``lo`` and its rows' offset in the pool ``woff``; per
+    token its chunk ``cid``, position ``pos``, first pool row ``w_start`` and row count ``w_cnt`` (``width``: the
+    largest). ``device(dev)``: ``(idx [T, width], count [T])`` on ``dev``, made once."""
+
+    lo: list[int]
+    woff: list[int]
+    cid: torch.Tensor
+    pos: torch.Tensor
+    w_start: torch.Tensor
+    w_cnt: torch.Tensor
+    width: int
+    _device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._device is None or self._device[0].device != dev:
+            start_d, cnt = to_device(torch.stack([self.w_start, self.w_cnt]), dev)
+            self._device = start_d.unsqueeze(1) + torch.arange(self.width, device=dev), cnt
+        return self._device
+
+
+def window_lists(chunks: list[SeqChunk], offsets: list[tuple[int, int]], window: int) -> WindowLists:
+    """The step's ``WindowLists`` (module docstring), from the chunks alone."""
+    lo, woff, o = [], [], 0
+    for chunk, (a, b) in zip(chunks, offsets):
+        first = max(chunk.state.window_start, chunk.start - window + 1, 0)  # a replay sees no older rows
+        lo.append(first)
+        woff.append(o)
+        o += chunk.start - first + b - a
+    lens = [b - a for a, b in offsets]
+    cid = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens, dtype=torch.long))
+    pos = torch.cat([torch.arange(c.start, c.end) for c in chunks] or [torch.zeros(0, dtype=torch.long)])
+    lo_t = torch.tensor(lo, dtype=torch.long)[cid]
+    w_first = torch.maximum(pos - window + 1, lo_t)
+    w_start, w_cnt = torch.tensor(woff, dtype=torch.long)[cid] + (w_first - lo_t), pos - w_first + 1
+    width = int(w_cnt.max()) if w_cnt.numel() else 0
+    return WindowLists(lo, woff, cid, pos, w_start, w_cnt, width)
+
+
+def step_window_lists(
+    pool: StatePool | None, chunks: list[SeqChunk], offsets: list[tuple[int, int]], window: int
+) -> WindowLists:
+    """``window_lists`` once per forward through ``pool``'s memo (every call without a pool)."""
+    if pool is None:
+        return window_lists(chunks, offsets, window)
+    return pool.memo(chunks, ("window_lists", window), lambda: window_lists(chunks, offsets, window))
+
+
+__all__ = ["WindowLists", "step_window_lists", "window_lists"]
