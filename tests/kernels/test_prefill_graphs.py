@@ -18,8 +18,9 @@ import torch
 pytest.importorskip("triton")
 
 from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs  # noqa: E402
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState  # noqa: E402
 from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, prefill_bucket, weak_ref, weaken  # noqa: E402
+from prefill_pieces import eager_pieces, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -64,57 +65,16 @@ def _model(dtype: torch.dtype = torch.float32, ops=None, name: str = "base"):
 
 
 def _run(model, plan, graphs: bool, seed: int = 0, dev: str = DEVICE, decodes: int = 2):
-    """Run ``plan`` (steps, each a list of ``(sequence, tokens)``) from empty states, then ``decodes`` decode steps of
-    every sequence: the final streams of every step, the cache and the states."""
-    gen = torch.Generator().manual_seed(seed)
-    n_seq = 1 + max(s for step in plan for s, _ in step)
-    pages = -(-(sum(n for step in plan for _, n in step) + 8) // PAGE)
-    cache = PagedKVCache(model.config, pages * n_seq, PAGE, dtype=model.embed.weight.dtype, device=dev)
-    states = [SequenceState() for _ in range(n_seq)]
-    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(n_seq)]
-    outs = []
-    for i, step in enumerate(plan + [[(s, 1) for s in range(n_seq)]] * decodes):
-        model.ops.prefill_graphs = graphs and i < len(plan)  # the decode steps: DecodeGraphs on CUDA, else eager
-        chunks = [SeqChunk(states[s], states[s].num_tokens, n, tables[s]) for s, n in step]
-        ids = [torch.randint(2, model.config.vocab_size, (n,), generator=gen).tolist() for _, n in step]
-        outs.append(model(ForwardBatch.build(chunks, ids, dev), cache))
-    model.ops.prefill_graphs = True
-    return outs, cache, states
+    """``run_plan`` on the V4 tiny model, then ``decodes`` decode steps."""
+    vocab = model.config.vocab_size
+    return run_plan(model, plan, graphs, vocab=vocab, low=2, page=PAGE, dev=dev, seed=seed, decodes=decodes)
 
 
 def _same(a, b, exact: bool) -> None:
-    """Two runs' streams, caches (every page) and sequence states agree."""
-    same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=2e-4, rtol=2e-4))
-    (oa, ca, sa), (ob, cb, sb) = a, b
-    for i, (x, y) in enumerate(zip(oa, ob)):
-        assert x.shape == y.shape and same(x, y), (i, (x - y).abs().max().item())
-    for kind, layer in ca.stores():
-        assert same(ca._store(kind, layer), cb._store(kind, layer)), (kind, layer)
-    for x, y in zip(sa, sb):
-        assert x.num_tokens == y.num_tokens and x.windows.keys() == y.windows.keys()
-        assert all(same(x.windows[k], y.windows[k]) for k in x.windows)
-        for k, buf in x.buffers.items():
-            other = y.buffers[k]
-            assert buf.start == other.start and same(buf.kv, other.kv) and same(buf.score, other.score)
+    same_runs(a, b, exact, atol=2e-4, rtol=2e-4)
 
 
-class _Piece:
-    """Stands in for a captured graph: ``replay`` runs the piece eagerly."""
-
-    def __init__(self, piece) -> None:
-        self.replay = piece
-
-
-class EagerPieces(PrefillGraphs):
-    """``PrefillGraphs``' step plumbing without CUDA: each "graph" runs its piece eagerly, on any device."""
-
-    def applies(self, batch: ForwardBatch) -> bool:
-        return self.graphable(batch)
-
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
-        bk = self._bucket(size, device, *extra)
-        bk.graphs = [_Piece(p) for p in self._segments(bk)]
-        return bk
+EagerPieces = eager_pieces(PrefillGraphs)
 
 
 # one sequence at a bucket's size; a padded one; a chunked prefill with a mixed step (a prefill chunk beside decodes)

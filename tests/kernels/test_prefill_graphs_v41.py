@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs  # noqa: E402
 from kernels.test_graphs_v41 import PADDED_ATOL, _model  # noqa: E402
 from models.tiny_v41 import build_tokenizer  # noqa: E402
+from prefill_pieces import eager_pieces, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -35,56 +36,15 @@ def tokenizer():
 
 
 def _run(model, plan, graphs: bool, seed: int = 0, dev: str = DEVICE):
-    """Run ``plan`` (steps, each a list of ``(sequence, tokens)``) from empty states: the trunk output of every
-    step, the cache and the states."""
-    gen = torch.Generator().manual_seed(seed)
-    n_seq = 1 + max(s for step in plan for s, _ in step)
-    pages = -(-(sum(n for step in plan for _, n in step) + 8) // PAGE)
-    cache = PagedKVCache(model.config, pages * n_seq, PAGE, dtype=model.embed.weight.dtype, device=dev)
-    states = [SequenceState() for _ in range(n_seq)]
-    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(n_seq)]
-    outs = []
-    model.ops.prefill_graphs = graphs
-    for step in plan:
-        chunks = [SeqChunk(states[s], states[s].num_tokens, n, tables[s]) for s, n in step]
-        ids = [torch.randint(5, model.text.vocab_size, (n,), generator=gen).tolist() for _, n in step]
-        outs.append(model(ForwardBatch.build(chunks, ids, dev), cache))
-    model.ops.prefill_graphs = True
-    return outs, cache, states
+    """``run_plan`` on the V4.1 tiny model."""
+    return run_plan(model, plan, graphs, vocab=model.text.vocab_size, low=5, page=PAGE, dev=dev, seed=seed)
 
 
 def _same(a, b, exact: bool, atol: float = 1e-4) -> None:
-    """Two runs' outputs, caches (every page) and sequence states agree."""
-    same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=atol, rtol=0))
-    (oa, ca, sa), (ob, cb, sb) = a, b
-    for i, (x, y) in enumerate(zip(oa, ob)):
-        assert x.shape == y.shape and same(x, y), (i, (x - y).abs().max().item())
-    for kind, layer in ca.stores():
-        x, y = ca._store(kind, layer), cb._store(kind, layer)
-        assert same(x.float(), y.float()), (kind, layer)
-    for x, y in zip(sa, sb):
-        assert x.num_tokens == y.num_tokens and x.history == y.history and x.windows.keys() == y.windows.keys()
-        assert all(same(x.windows[k], y.windows[k]) for k in x.windows)
-        for k, buf in x.buffers.items():
-            other = y.buffers[k]
-            assert buf.start == other.start and same(buf.kv, other.kv) and same(buf.score, other.score)
+    same_runs(a, b, exact, atol=atol)
 
 
-class _Piece:
-    def __init__(self, piece) -> None:
-        self.replay = piece
-
-
-class EagerPieces(PrefillGraphs):
-    """``PrefillGraphs``' step plumbing without CUDA: each "graph" runs its piece eagerly, on any device."""
-
-    def applies(self, batch: ForwardBatch) -> bool:
-        return self.graphable(batch)
-
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
-        bk = self._bucket(size, device, *extra)
-        bk.graphs = [_Piece(p) for p in self._segments(bk)]
-        return bk
+EagerPieces = eager_pieces(PrefillGraphs)
 
 
 # one sequence at a bucket's size; padded chunks continuing a sequence; a mixed step (prefill chunks beside a decode)

@@ -42,6 +42,8 @@ def bucket_for(n: int, max_batch: int) -> int | None:
 class SegmentGraphs:
     """Per-bucket CUDA graphs of a model's decode-step segments (module docstring). ``model.ops`` is the op set."""
 
+    kind = "decode"  # in log lines
+
     def __init__(self, model: nn.Module, max_batch: int | None = None) -> None:
         if max_batch is None:
             from deepinfer import envs
@@ -82,13 +84,20 @@ class SegmentGraphs:
         """The captured bucket that runs ``batch`` (captured on first use), or None: no bucket holds it, or its
         capture failed. Call after ``applies``. ``extra``: more of the key, passed to ``_bucket``; ``before(bk)``
         loads a new bucket's static inputs before its capture (its warm-up runs then compute this step)."""
-        size = bucket_for(len(batch.chunks), self.max_batch)
+        size = self._size(batch)
         if size is None:
             return None
         key = self._key(size) + extra
         if key not in self.buckets:
             self.buckets[key] = self._capture(size, batch.device, extra, before)
         return self.buckets[key]
+
+    def _size(self, batch: ForwardBatch) -> int | None:
+        """The bucket size of ``batch`` (None: no bucket holds it): its sequence count's ``bucket_for``."""
+        return bucket_for(len(batch.chunks), self.max_batch)
+
+    def _after(self, bk: Any, j: int, captured: bool) -> None:
+        """Called after segment ``j`` ran in the warm-up (``captured`` False) or was captured (True); nothing here."""
 
     # -- what a model provides ----------------------------------------------------------------------------------
 
@@ -122,12 +131,13 @@ class SegmentGraphs:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up: kernel compilation, library handles, lazy device tables
-                    for seg in segs:
+                    for j, seg in enumerate(segs):
                         seg()
+                        self._after(bk, j, captured=False)
                 side.synchronize()
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                for seg in segs:
+                for j, seg in enumerate(segs):
                     g = torch.cuda.CUDAGraph()
                     g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
@@ -135,9 +145,10 @@ class SegmentGraphs:
                     finally:
                         g.capture_end()
                     bk.graphs.append(g)
+                    self._after(bk, j, captured=True)
             torch.cuda.current_stream(device).wait_stream(side)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this bucket runs eagerly
-            log.warning("decode CUDA graphs: capture of batch size %d failed, running it eagerly: %s", size, e)
+            log.warning("%s CUDA graphs: capture of size %d failed, running it eagerly: %s", self.kind, size, e)
             self.failures[size] = f"{type(e).__name__}: {e}"[:500]
             torch.cuda.synchronize(device)
             return None

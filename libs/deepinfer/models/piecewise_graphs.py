@@ -16,22 +16,22 @@ memory. The pool then holds about one step's activations, the largest bucket's, 
 run in capture order, one bucket at a time, and a replayed piece reads ``carry[j]`` only after the pieces and eager
 code that wrote it: reused memory is never read stale.
 
-Before the capture each piece runs twice eagerly (kernel compilation, library handles) with ``_fill`` standing in for
-the eager code between pieces: the warm-up must not touch the sequences' state, whose updates are not idempotent.
-A bucket whose capture fails runs eagerly (``SegmentGraphs``'s rule). Used by ``deepseek_v4.prefill_graphs``.
+Before the capture each piece runs twice eagerly (kernel compilation, library handles) with zeros standing in for
+the eager code between pieces (``_after``): the warm-up must not touch the sequences' state, whose updates are not
+idempotent. Capture, the shared pool and the eager fallback of a bucket whose capture fails are ``SegmentGraphs``'s.
+Used by ``deepseek_v4.prefill_graphs`` and ``deepseek_v41.prefill_graphs``.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deepinfer.models.decode_graphs import SegmentGraphs
 from deepinfer.models.deepseek_v4.state import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 # steps of <= 50% padding below 128 tokens, <= 33% above; multiples of 2048 past the ladder
 PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -68,10 +68,24 @@ def weaken(obj: Any) -> Any:
     return obj
 
 
+@dataclass
+class PieceBucket:
+    """A token bucket: static inputs (outside the graphs' pool), what each piece leaves for the eager attention and
+    the next piece (``carry``), and the pieces' graphs."""
+
+    size: int
+    token_ids: torch.Tensor  # [size]
+    positions: torch.Tensor  # [size]
+    carry: list[Any]
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+
+
 class PiecewiseGraphs(SegmentGraphs):
     """Per-token-bucket piecewise CUDA graphs of a model's steps (module docstring). A subclass provides ``_bucket``
-    (an object with ``size``, ``graphs`` and ``carry``), ``_segments`` (the ``L + 1`` piece functions) and ``run``;
-    ``_fill(bk, j)`` stands in for the eager code after piece ``j`` during the warm-up."""
+    (a ``PieceBucket``), ``_segments`` (the ``L + 1`` piece functions) and ``run`` (``load``, then ``replay`` with
+    its attention)."""
+
+    kind = "piecewise"
 
     def __init__(self, model: torch.nn.Module, max_tokens: int | None = None) -> None:
         if max_tokens is None:
@@ -84,57 +98,50 @@ class PiecewiseGraphs(SegmentGraphs):
         """Any step with tokens (pure decode steps take ``DecodeGraphs`` first)."""
         return bool(batch.chunks) and batch.num_tokens > 0
 
-    def bucket(self, batch: ForwardBatch, extra: tuple = (), before: Any = None) -> Any | None:
-        """The captured bucket of ``batch``'s token count (captured on first use), or None (no bucket holds it, or
-        its capture failed). Call after ``applies``."""
-        size = prefill_bucket(batch.num_tokens, self.max_batch)
-        if size is None:
-            return None
-        key = self._key(size) + extra
-        if key not in self.buckets:
-            self.buckets[key] = self._capture(size, batch.device, extra, before)
-        return self.buckets[key]
+    def _size(self, batch: ForwardBatch) -> int | None:
+        return prefill_bucket(batch.num_tokens, self.max_batch)
 
-    def _fill(self, bk: Any, j: int) -> None:
-        """The warm-up's stand-in for the eager code after piece ``j``: zeros in what it would write (``out``)."""
-        out = bk.carry[j].get("out")
-        if out is not None:
-            out.zero_()
+    def _statics(self, size: int, device: torch.device, pieces: int) -> dict[str, Any]:
+        """``PieceBucket``'s fields but ``graphs``: zero token ids and positions, an empty carry."""
+        zeros = torch.zeros(size, dtype=torch.long, device=device)
+        return {"size": size, "token_ids": zeros, "positions": zeros.clone(), "carry": [None] * pieces}
 
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before: Any = None) -> Any | None:
-        bk = self._bucket(size, device, *extra)
-        segs = self._segments(bk)
-        try:
-            side = self.capture_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: kernel compilation, library handles, lazy device tables
-                    for j, seg in enumerate(segs):
-                        seg()
-                        if j < len(segs) - 1:
-                            self._fill(bk, j)
-                    bk.carry = [None] * len(segs)  # the warm-up's tensors go back to the allocator
-                side.synchronize()
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                for j, seg in enumerate(segs):
-                    g = torch.cuda.CUDAGraph()
-                    g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    try:
-                        seg()
-                    finally:
-                        g.capture_end()
-                    bk.graphs.append(g)
-                    if j:  # piece j was the last reader of carry[j - 1]
-                        bk.carry[j - 1] = weaken(bk.carry[j - 1])
-                bk.carry[-1] = weaken(bk.carry[-1])  # the step's output: the caller copies it
-            torch.cuda.current_stream(device).wait_stream(side)
-        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this bucket runs eagerly
-            log.warning("piecewise CUDA graphs: capture of %d tokens failed, running it eagerly: %s", size, e)
-            self.failures[size] = f"{type(e).__name__}: {e}"[:500]
-            torch.cuda.synchronize(device)
-            return None
-        return bk
+    @staticmethod
+    def load(bk: PieceBucket, n: int, statics: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each ``(static, value)`` pair's ``n`` rows in, zeros past them."""
+        for static, value in statics:
+            static[:n].copy_(value)
+            if n < bk.size:
+                static[n:].zero_()
+
+    def replay(self, bk: PieceBucket, n: int, attend: Callable[[int, dict, torch.Tensor], object]) -> dict:
+        """Replay the pieces with ``attend(j, t, out)`` (layer ``j``'s eager attention on the first ``n`` rows of its
+        tensors ``t``, into ``out``) between them; the last piece's carry (weak: copy what is kept)."""
+        for j in range(len(bk.graphs) - 1):
+            bk.graphs[j].replay()
+            c = bk.carry[j]
+            attend(j, {k: v[:n] for k, v in c["t"].items()}, c["out"][:n])
+            if n < bk.size:
+                c["out"][n:].zero_()  # the padding tokens carry finite values through the MoE
+        bk.graphs[-1].replay()
+        self.replays += 1
+        return bk.carry[-1]
+
+    def _after(self, bk: PieceBucket, j: int, captured: bool) -> None:
+        """Warm-up: zeros in what the eager attention after piece ``j`` would write (``out``), and the warm-up's
+        tensors back to the allocator after the last piece. Capture: piece ``j`` was the last reader of
+        ``carry[j - 1]``, which becomes weak; the step's output too (the caller copies it)."""
+        last = j == len(bk.carry) - 1
+        if not captured:
+            if last:
+                bk.carry = [None] * len(bk.carry)
+            else:
+                bk.carry[j]["out"].zero_()
+            return
+        if j:
+            bk.carry[j - 1] = weaken(bk.carry[j - 1])
+        if last:
+            bk.carry[j] = weaken(bk.carry[j])
 
 
-__all__ = ["PREFILL_BUCKETS", "PiecewiseGraphs", "prefill_bucket", "weak_ref", "weaken"]
+__all__ = ["PREFILL_BUCKETS", "PieceBucket", "PiecewiseGraphs", "prefill_bucket", "weak_ref", "weaken"]

@@ -169,26 +169,13 @@ class ReferenceOps:
         paged: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        res = self._attention_lists(q, keys, idx, count, sink, scale, paged)
-        return res if out is None else out.copy_(res)
-
-    def _attention_lists(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        idx: torch.Tensor,
-        count: torch.Tensor,
-        sink: torch.Tensor,
-        scale: float,
-        paged: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
         if paged is not None:
             from deepinfer.kernels.paged_keys import gathered
 
             keys = gathered(keys, paged)
         t, w = idx.shape
         if w == 0 or keys.shape[0] == 0:
-            return torch.zeros_like(q)
+            return torch.zeros_like(q) if out is None else out.zero_()
         valid = torch.arange(w, device=q.device).unsqueeze(0) < count.unsqueeze(1)
         kg = keys.float()[torch.where(valid, idx, 0)]  # [T, W, d]
         s = torch.einsum("thd,twd->thw", q.float(), kg) * scale
@@ -197,7 +184,8 @@ class ReferenceOps:
         e = torch.exp(s - m.unsqueeze(-1))
         den = e.sum(-1) + torch.exp(sink.float().view(1, -1) - m)
         p = (e / den.unsqueeze(-1)).to(keys.dtype)
-        return torch.einsum("thw,twd->thd", p.float(), kg).to(q.dtype)
+        res = torch.einsum("thw,twd->thd", p.float(), kg).to(q.dtype)
+        return res if out is None else out.copy_(res)
 
     def indexer_scores_ranges(
         self,

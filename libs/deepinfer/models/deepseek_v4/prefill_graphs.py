@@ -19,25 +19,15 @@ the bucket's size; ``tests/kernels/test_prefill_graphs.py`` checks both on a GPU
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
-from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, PiecewiseGraphs, prefill_bucket
+from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, PieceBucket, PiecewiseGraphs, prefill_bucket
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-
-
-@dataclass
-class _Bucket:
-    size: int
-    token_ids: torch.Tensor  # [size] static inputs, outside the graphs' pool
-    positions: torch.Tensor
-    carry: list[Any]  # per piece: what it leaves for the eager attention and the next piece
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
 
 
 class PrefillGraphs(PiecewiseGraphs):
@@ -54,25 +44,18 @@ class PrefillGraphs(PiecewiseGraphs):
         if bk is None:
             return None
         model, ops, n = self.model, self.model.ops, batch.num_tokens
-        for static, value in ((bk.token_ids, batch.token_ids), (bk.positions, batch.positions)):
-            static[:n].copy_(value)
-            if n < bk.size:
-                static[n:].zero_()
+        self.load(bk, n, [(bk.token_ids, batch.token_ids), (bk.positions, batch.positions)])
         offsets = batch.offsets()
         model.layers[0].attn.prepare(batch.chunks, offsets, batch.device)  # host work done before the device has any
-        for j, layer in enumerate(model.layers):
-            bk.graphs[j].replay()
-            c = bk.carry[j]
-            t = {k: v[:n] for k, v in c["t"].items()}
-            rope = model.rope_of(layer.layer_id)
-            layer.attn.attend(t, batch.chunks, offsets, batch.positions, cache, rope, ops, out=c["out"][:n])
-            if n < bk.size:
-                c["out"][n:].zero_()
-        bk.graphs[-1].replay()
-        self.replays += 1
-        return bk.carry[-1]["h"][:n].clone()
+        layers = model.layers
 
-    def _segments(self, bk: _Bucket) -> list[Callable[[], None]]:
+        def attend(j: int, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+            rope = model.rope_of(layers[j].layer_id)
+            layers[j].attn.attend(t, batch.chunks, offsets, batch.positions, cache, rope, ops, out=out)
+
+        return self.replay(bk, n, attend)["h"][:n].clone()
+
+    def _segments(self, bk: PieceBucket) -> list[Callable[[], None]]:
         model, ops, layers = self.model, self.model.ops, self.model.layers
         ids = bk.token_ids
 
@@ -99,9 +82,8 @@ class PrefillGraphs(PiecewiseGraphs):
 
         return [piece(j) for j in range(len(layers) + 1)]
 
-    def _bucket(self, size: int, device: torch.device) -> _Bucket:
-        zeros = torch.zeros(size, dtype=torch.long, device=device)
-        return _Bucket(size=size, token_ids=zeros, positions=zeros.clone(), carry=[None] * (len(self.model.layers) + 1))
+    def _bucket(self, size: int, device: torch.device) -> PieceBucket:
+        return PieceBucket(**self._statics(size, device, len(self.model.layers) + 1))
 
 
 __all__ = ["PREFILL_BUCKETS", "PrefillGraphs", "prefill_bucket"]

@@ -58,8 +58,9 @@ class _Bucket:
     engram_stage: StagedCopy | None = None  # the host copies into ``engram``
 
 
-class DecodeGraphs(SegmentGraphs):
-    """Per-bucket CUDA graphs of a ``DeepseekV41Model``'s decode steps (module docstring)."""
+class TextGraphs:
+    """What V4.1's decode and piecewise prefill graphs share (mixed in before a ``SegmentGraphs``): text steps only,
+    and the Engram inputs, as row ids with the tables on the device or as looked-up rows with them elsewhere."""
 
     model: DeepseekV41Model
 
@@ -68,16 +69,39 @@ class DecodeGraphs(SegmentGraphs):
         return all(layer.engram.embed.weight.device == device for layer in self.model.layers if layer.engram)
 
     def _key(self, size: int) -> tuple:
-        return super()._key(size) + (self.tables_on_device(self.model.embed.weight.device),)
+        return super()._key(size) + (self.tables_on_device(self.model.embed.weight.device),)  # type: ignore[misc]
 
     def graphable(self, batch: ForwardBatch) -> bool:
-        """A decode step (``SegmentGraphs.graphable``) of text tokens without a bounded decoder replay."""
+        """A step the base class graphs, of text tokens without a bounded decoder replay."""
         return (
             batch.input_embeds is None
             and batch.image_mask is None
             and all(c.decoder_from is None for c in batch.chunks)
-            and super().graphable(batch)
+            and super().graphable(batch)  # type: ignore[misc]
         )
+
+    def _engram_buffers(self, size: int, device: torch.device) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """A bucket's static Engram inputs (zeros): row ids ``[size, engram layers, hashes]`` with the tables on
+        ``device``, else looked-up rows ``[size, hashes, dim]`` per Engram layer."""
+        c, engram, engram_rows = self.model.text, None, {}
+        if self.model.hasher is not None:
+            if self.tables_on_device(device):
+                shape = (size, len(c.engram_layer_ids), c.num_engram_hashes)
+                engram = torch.zeros(shape, dtype=torch.long, device=device)
+            else:
+                for i, layer in enumerate(self.model.layers):
+                    if layer.engram is not None:
+                        w = layer.engram.embed.weight
+                        engram_rows[i] = torch.zeros(
+                            size, c.num_engram_hashes, w.shape[1], dtype=w.dtype, device=device
+                        )
+        return engram, engram_rows
+
+
+class DecodeGraphs(TextGraphs, SegmentGraphs):
+    """Per-bucket CUDA graphs of a ``DeepseekV41Model``'s decode steps (module docstring)."""
+
+    model: DeepseekV41Model
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The trunk output ``[B, hidden]`` of a decode step, or None when the step is not graphed (the caller then
@@ -140,20 +164,8 @@ class DecodeGraphs(SegmentGraphs):
 
     def _bucket(self, size: int, device: torch.device, span: int = 0, cache: PagedKVCache | None = None) -> _Bucket:
         """A bucket's static inputs (zeros) and no graphs yet."""
-        c, layers = self.model.text, self.model.layers
-        engram, engram_rows = None, {}
-        if self.model.hasher is not None:
-            if self.tables_on_device(device):
-                shape = (size, len(c.engram_layer_ids), c.num_engram_hashes)
-                engram = torch.zeros(shape, dtype=torch.long, device=device)
-            else:
-                for i, layer in enumerate(layers):
-                    if layer.engram is not None:
-                        w = layer.engram.embed.weight
-                        engram_rows[i] = torch.zeros(
-                            size, c.num_engram_hashes, w.shape[1], dtype=w.dtype, device=device
-                        )
-        plan = StepPlan.empty(self.model.state_pool, cache, c.sliding_window, size, span)
+        engram, engram_rows = self._engram_buffers(size, device)
+        plan = StepPlan.empty(self.model.state_pool, cache, self.model.text.sliding_window, size, span)
         return _Bucket(
             size=size,
             token_ids=plan.ids,
@@ -164,4 +176,4 @@ class DecodeGraphs(SegmentGraphs):
         )
 
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["DecodeGraphs", "TextGraphs"]

@@ -24,51 +24,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
 from deepinfer.models.deepseek_v41.attention import StepContext
+from deepinfer.models.deepseek_v41.graphs import TextGraphs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
-from deepinfer.models.piecewise_graphs import PiecewiseGraphs
+from deepinfer.models.piecewise_graphs import PieceBucket, PiecewiseGraphs
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 
 
 @dataclass
-class _Bucket:
-    size: int
-    token_ids: torch.Tensor  # [size] static inputs, outside the graphs' pool
-    positions: torch.Tensor
-    engram: torch.Tensor | None  # row ids [size, engram layers, hashes], with the tables on the device
-    engram_rows: dict[int, torch.Tensor]  # layer -> looked-up rows [size, hashes, dim], with the tables elsewhere
-    carry: list[Any]  # per piece: what it leaves for the eager attention and the next piece
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+class _Bucket(PieceBucket):
+    engram: torch.Tensor | None = None  # row ids [size, engram layers, hashes], with the tables on the device
+    engram_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> looked-up rows, tables elsewhere
 
 
-class PrefillGraphs(PiecewiseGraphs):
+class PrefillGraphs(TextGraphs, PiecewiseGraphs):
     """Per-token-bucket piecewise CUDA graphs of a ``DeepseekV41Model``'s text steps (module docstring)."""
 
     model: DeepseekV41Model
-
-    def tables_on_device(self, device: torch.device) -> bool:
-        """Whether every Engram table lives on ``device`` (then the captured pieces gather the rows)."""
-        return all(layer.engram.embed.weight.device == device for layer in self.model.layers if layer.engram)
-
-    def _key(self, size: int) -> tuple:
-        return super()._key(size) + (self.tables_on_device(self.model.embed.weight.device),)
-
-    def graphable(self, batch: ForwardBatch) -> bool:
-        """A text step without a bounded decoder replay."""
-        return (
-            batch.input_embeds is None
-            and batch.image_mask is None
-            and all(c.decoder_from is None for c in batch.chunks)
-            and super().graphable(batch)
-        )
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The trunk output ``[T, hidden]`` of ``batch``, or None when it is not graphed (the caller runs it
@@ -83,32 +63,20 @@ class PrefillGraphs(PiecewiseGraphs):
             for c, h in zip(chunks, history):  # the eager step hashes again
                 c.state.history = h
             return None
-        self._load(bk, batch, rows)
-        ctx = StepContext(chunks, batch.offsets(), batch.positions, cache)
-        for j, layer in enumerate(model.layers):
-            bk.graphs[j].replay()
-            c = bk.carry[j]
-            t = {k: v[:n] for k, v in c["t"].items()}
-            layer.attn.attend(t, ctx, model.rope_of(layer), ops, out=c["out"][:n])
-            if n < bk.size:
-                c["out"][n:].zero_()
-        bk.graphs[-1].replay()
-        self.replays += 1
-        return bk.carry[-1]["y"][:n].clone()
-
-    def _load(self, bk: _Bucket, batch: ForwardBatch, rows: torch.Tensor | None) -> None:
-        """The step's static inputs: token ids, positions and Engram inputs, zeros past its ``T`` tokens."""
-        n = batch.num_tokens
         statics = [(bk.token_ids, batch.token_ids), (bk.positions, batch.positions)]
         if bk.engram is not None:
             statics.append((bk.engram, to_device(rows, bk.engram.device)))
         for i, static in bk.engram_rows.items():
-            engram = self.model.layers[i].engram
+            engram = model.layers[i].engram
             statics.append((static, engram.embed.lookup(rows[:, engram.slot], static.device)))
-        for static, value in statics:
-            static[:n].copy_(value)
-            if n < bk.size:
-                static[n:].zero_()
+        self.load(bk, n, statics)
+        ctx = StepContext(chunks, batch.offsets(), batch.positions, cache)
+        layers = model.layers
+
+        def attend(j: int, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+            layers[j].attn.attend(t, ctx, model.rope_of(layers[j]), ops, out=out)
+
+        return self.replay(bk, n, attend)["y"][:n].clone()
 
     def _segments(self, bk: _Bucket) -> list[Callable[[], None]]:
         model, ops, layers = self.model, self.model.ops, self.model.layers
@@ -143,25 +111,9 @@ class PrefillGraphs(PiecewiseGraphs):
         return [piece(j) for j in range(len(layers) + 1)]
 
     def _bucket(self, size: int, device: torch.device) -> _Bucket:
-        c, layers = self.model.text, self.model.layers
-        engram, engram_rows, hashes = None, {}, c.num_engram_hashes
-        if self.model.hasher is not None:
-            if self.tables_on_device(device):
-                engram = torch.zeros(size, len(c.engram_layer_ids), hashes, dtype=torch.long, device=device)
-            else:
-                for i, layer in enumerate(layers):
-                    if layer.engram is not None:
-                        w = layer.engram.embed.weight
-                        engram_rows[i] = torch.zeros(size, hashes, w.shape[1], dtype=w.dtype, device=device)
-        zeros = torch.zeros(size, dtype=torch.long, device=device)
-        return _Bucket(
-            size=size,
-            token_ids=zeros,
-            positions=zeros.clone(),
-            engram=engram,
-            engram_rows=engram_rows,
-            carry=[None] * (len(layers) + 1),
-        )
+        engram, engram_rows = self._engram_buffers(size, device)
+        statics = self._statics(size, device, len(self.model.layers) + 1)
+        return _Bucket(**statics, engram=engram, engram_rows=engram_rows)
 
 
 __all__ = ["PrefillGraphs"]
