@@ -65,7 +65,8 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
 
 
 def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]]:
-    """Who waits for whom in one run on a GPU: at each layer's start, after its attention and after its MoE, the
+    """Who waits for whom in one run on a GPU: when the batch is built, at each layer's start, after its attention
+    (its host-side preparation, each attention kernel's issue) and after its MoE, after each CUDA graph replay, the
     host's time since the run began and the device's (a CUDA event recorded there, read after the run). ``lag_ms`` =
     device − host: near 0 the device had caught up and waited for the host (host-bound there); growing, the host ran
     ahead of it."""
@@ -95,7 +96,51 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
         setattr(obj, attr, marked)
         undo.append((obj, attr))
 
+    def around_class(cls: Any, attr: str, label: Callable[[], str], before: bool = False) -> None:
+        """Mark before or after each call of the class attribute ``cls.attr`` (restored afterwards)."""
+        raw = cls.__dict__.get(attr)
+        if raw is None:
+            return
+        fn = getattr(cls, attr)
+        if isinstance(raw, classmethod):
+            fn = raw.__func__
+
+        def marked(*a: Any, **k: Any) -> Any:
+            if before:
+                mark(label())
+            out = fn(*a, **k)
+            if not before:
+                mark(label())
+            return out
+
+        setattr(cls, attr, classmethod(marked) if isinstance(raw, classmethod) else marked)
+        restore.append((cls, attr, raw))
+
+    restore: list[tuple[Any, str, Any]] = []
+    replays = [0]
+
+    def replayed() -> str:
+        replays[0] += 1
+        return f"graph {replays[0] - 1} replayed"
+
+    from deepinfer.models.deepseek_v4.state import ForwardBatch
+
+    around_class(ForwardBatch, "build", lambda: "batch built")
+    around_class(torch.cuda.CUDAGraph, "replay", replayed)
+    ops = getattr(model, "ops", None)
+    kernels = [0]
+    if ops is not None and hasattr(ops, "sparse_attention_lists"):
+        fn_lists = ops.sparse_attention_lists
+
+        def lists(*a: Any, **k: Any) -> Any:
+            mark(f"attention kernel {kernels[0]} issued")
+            kernels[0] += 1
+            return fn_lists(*a, **k)
+
+        ops.sparse_attention_lists = lists
+        undo.append((ops, "sparse_attention_lists"))
     for i, layer in enumerate(model.layers):
+        after(layer.attn, "prepare", f"layer {i} prepared")
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: mark(f"layer {i}")))
         hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: mark(f"layer {i} moe done")))
         after(layer, "attn_in", f"layer {i} projections done")
@@ -115,6 +160,8 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
             h.remove()
         for obj, attr in reversed(undo):
             delattr(obj, attr)
+        for cls, attr, raw in reversed(restore):
+            setattr(cls, attr, raw)
     first = marks[0][2]
     return [
         {"at": n, "host_ms": round(1e3 * h, 3), "device_ms": round(first.elapsed_time(ev), 3),

@@ -201,13 +201,14 @@ _declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
     bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
     padding rows are computed and dropped.""", default=256, minimum=1)
 _declare("DEEPINFER_PREFILL_GRAPHS", "bool", _HW, """
-    On the `nvidia` backend (not batch-invariant, with `DEEPINFER_CUDA_GRAPHS`; DeepSeek-V4 models: V4.1's pieces
-    stay off until their GPU tests have run), run the steps that are not pure decode (prefill chunks, mixed batches)
-    of up to `DEEPINFER_PREFILL_GRAPH_MAX_TOKENS` tokens as piecewise CUDA graphs: between two layers' attention
-    everything (mHC, norms, projections, RoPE, router, MoE) replays as one graph, the attention itself (its state
-    bookkeeping and per-token key lists) runs eagerly. A step runs in the smallest token bucket (16, 32, 64,
-    96, 128, 192, 256, 384, ..., 4096, 6144, 8192, then multiples of 2048) that holds it, captured on first use; the
-    padding tokens are computed and dropped. Results are eager execution's at the bucket's size. The graphs' pool
+    On the `nvidia` backend (not batch-invariant, with `DEEPINFER_CUDA_GRAPHS`; DeepSeek-V4 and V4.1), run the
+    steps that are not pure decode (prefill chunks, mixed batches) of up to `DEEPINFER_PREFILL_GRAPH_MAX_TOKENS`
+    tokens as piecewise CUDA graphs: between two layers' attention everything (mHC, norms, projections, RoPE,
+    router, MoE) replays as one graph, the attention itself (its state bookkeeping and per-token key lists) runs
+    eagerly. A step runs in the smallest token bucket (16, 32, 64, 96, 128, 192, 256, 384, ..., 4096, 6144, 8192,
+    then multiples of 2048) that holds it, captured on first use; the padding tokens are computed and dropped.
+    Results are eager execution's at the bucket's size (V4.1's image steps, bounded decoder replays and DSpark
+    feature captures run eagerly). The graphs' pool
     holds one bucket's activations at a time (the largest met).""",
     default=True)
 _declare("DEEPINFER_PREFILL_GRAPH_MAX_TOKENS", "int", _HW, """

@@ -70,7 +70,7 @@ def test_sinkhorn_with_a_tiny_eps_has_no_nan():
     _close(comb, REF.hc_mixes(h, fn, scale, base, 20, 1e-20, 1e-6)[2], 1e-6)
 
 
-@pytest.mark.parametrize(("t", "n", "d"), [(1, 4, 64), (9, 4, 600), (5, 3, 48)])
+@pytest.mark.parametrize(("t", "n", "d"), [(1, 4, 64), (9, 4, 600), (5, 3, 48), (150, 4, 600)])  # 150: wide rows
 def test_hc_expand_matches_the_reference(t, n, d):
     g = torch.Generator().manual_seed(t)
     y, res = _randn(g, t, d), _randn(g, t, n, d)

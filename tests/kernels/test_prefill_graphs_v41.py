@@ -168,12 +168,14 @@ def test_v41_failed_captures_and_refused_steps_run_eagerly(tokenizer, monkeypatc
     _same(eager, graphed, exact=True)
 
 
-def test_v41_pieces_are_off_by_default(tokenizer):
-    """Until its GPU tests have run, a V4.1 model runs prefill steps eagerly whatever ``ops.prefill_graphs`` says."""
+def test_v41_pieces_switch_off(tokenizer):
+    """The pieces are on by default (their GPU tests passed on an H200); ``piecewise_prefill = False`` runs prefill
+    steps eagerly whatever ``ops.prefill_graphs`` says."""
     from deepinfer.ops.reference import ReferenceOps
 
     model = _model(tokenizer, ReferenceOps(), "sketch", dev="cpu")
+    assert model.piecewise_prefill
     model.ops.cuda_graphs = model.ops.prefill_graphs = True
-    assert not model.piecewise_prefill
+    model.piecewise_prefill = False
     _run(model, PLANS["exact"][0], graphs=True, dev="cpu")
     assert model.prefill_graphs is None

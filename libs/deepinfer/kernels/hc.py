@@ -36,7 +36,10 @@ HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per p
 # decode sizes (at most SMALL_T tokens: fewer programs than SMs): wider steps on more warps, so that a token's two
 # passes over its streams take 4 + 1 loads of the row instead of 16 + 4 (the program's latency is the step's)
 SMALL_T, SMALL_BLOCK_D, SMALL_WARPS = 132, 4096, 8
-EXPAND_BLOCK_D = 512
+HC_WARPS = 4  # warps of a program above SMALL_T tokens
+# hc_expand: elements of a token's row per program, and its warps; above SMALL_T tokens a wider row (H200, 4096
+# tokens at V4-Flash widths: 78 µs against 103 at 512, the roofline 72; bench/hc_prefill.py)
+EXPAND_BLOCK_D, EXPAND_WARPS, EXPAND_WIDE_BLOCK_D = 512, 4, 2048
 # the mixes by ``hc_mixes.mixes_gemm`` (True) or ``h.float()`` + ``torch.mm`` (False, the default: on an H200 the
 # kernel took 2.1-2.7x longer, 18.7 against 6.8 µs at T = 1 and 710 against 333 µs at T = 4096;
 # bench/decode_kernels.py, bench/results/2026-11-30-whole-step-graph.md)
@@ -258,7 +261,7 @@ def _from_mixes(
     if t:
         bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
         small = t <= SMALL_T and not _interpret()
-        block, warps = (SMALL_BLOCK_D, SMALL_WARPS) if small else (HC_BLOCK_D, 4)
+        block, warps = (SMALL_BLOCK_D, SMALL_WARPS) if small else (HC_BLOCK_D, HC_WARPS)
         _hc_pre_kernel[(triton.cdiv(t, bt),)](
             h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
             t, d, int(iters), float(eps), float(norm_eps),
@@ -303,11 +306,11 @@ def hc_expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torc
     t, n, d = res.shape
     out = torch.empty((t, n, d), dtype=y.dtype, device=y.device)
     if t:
-        block = min(EXPAND_BLOCK_D, triton.next_power_of_2(d))
+        block = min(EXPAND_BLOCK_D if t <= SMALL_T else EXPAND_WIDE_BLOCK_D, triton.next_power_of_2(d))
         bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
         _hc_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block))](
             y.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, t, d,
-            N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=4, **pdl.launch(),
+            N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=EXPAND_WARPS, **pdl.launch(),
         )  # fmt: skip
     return out
 

@@ -239,13 +239,6 @@ class Attention(nn.Module):
                                            rope, ops, kv.dtype)  # fmt: skip
         return self._attend_pools(q, iq, window_pool, wl, chunks, rows, index, ops, out)
 
-    def prepare(self, chunks: list[SeqChunk], offsets: list[tuple[int, int]], device: torch.device) -> None:
-        """Build the step's window lists (and a sliding-window layer's key lists on ``device``) ahead of ``attend``,
-        once per forward (``window_lists``): a piecewise prefill graph calls it before its first replay."""
-        wl = step_window_lists(self.state_pool, chunks, offsets, self.window)
-        if self.compressor is None:
-            wl.device(device)
-
     def _attend_pools(
         self,
         q: torch.Tensor,

@@ -143,7 +143,7 @@ class DeepseekV4Model(nn.Module):
 
     def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The ``hc_mult`` input streams ``[T, hc_mult, D]`` of ``token_ids``."""
-        return self.embed(token_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        return self.embed(token_ids.unsqueeze(1).expand(-1, self.config.hc_mult))  # one gather, no broadcast copy
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:

@@ -45,9 +45,7 @@ class PrefillGraphs(PiecewiseGraphs):
             return None
         model, ops, n = self.model, self.model.ops, batch.num_tokens
         self.load(bk, n, [(bk.token_ids, batch.token_ids), (bk.positions, batch.positions)])
-        offsets = batch.offsets()
-        model.layers[0].attn.prepare(batch.chunks, offsets, batch.device)  # host work done before the device has any
-        layers = model.layers
+        offsets, layers = batch.offsets(), model.layers
 
         def attend(j: int, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
             rope = model.rope_of(layers[j].layer_id)

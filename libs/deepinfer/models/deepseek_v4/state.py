@@ -12,9 +12,11 @@ Two classes of state:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from deepinfer.host_copy import to_device
@@ -329,6 +331,7 @@ class ForwardBatch:
         self._token_ids, self._positions = token_ids, positions
         self.chunks, self.input_embeds, self.image_mask = chunks, input_embeds, image_mask
         self.host_token_ids, self.host_positions = host_token_ids, host_positions
+        self._host_both: torch.Tensor | None = None  # [2, T] whose rows are the two (build): copied as it is
         self.device = token_ids.device if token_ids is not None else _indexed(torch.device(device))
 
     @property
@@ -348,7 +351,10 @@ class ForwardBatch:
         return (self._token_ids if self._token_ids is not None else self.host_token_ids).shape[0]
 
     def _to_device(self) -> None:
-        both = to_device(torch.stack([self.host_token_ids, self.host_positions]), self.device)  # one copy
+        ids, pos, both = self.host_token_ids, self.host_positions, self._host_both
+        if both is None or both[0].data_ptr() != ids.data_ptr() or both[1].data_ptr() != pos.data_ptr():
+            both = torch.stack([ids, pos])
+        both = to_device(both, self.device)  # one copy
         self._token_ids, self._positions = both[0], both[1]
 
     def substitute(self, at: list[int], sources: list[tuple[torch.Tensor, int]]) -> None:
@@ -374,16 +380,24 @@ class ForwardBatch:
     ) -> ForwardBatch:
         if len(chunks) != len(token_ids):
             raise ValueError("one token list per chunk is required")
-        ids: list[int] = []
         for c, t in zip(chunks, token_ids):
             if len(t) != c.length:
                 raise ValueError(f"chunk declares {c.length} tokens but {len(t)} were given")
             if c.start != c.state.num_tokens:
                 raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
-            ids.extend(t)
-        pos = [torch.arange(c.start, c.end) for c in chunks]  # no Python list of every position
-        host = torch.stack([torch.tensor(ids, dtype=torch.long), torch.cat(pos) if pos else torch.zeros(0).long()])
-        return cls(None, None, chunks, host_token_ids=host[0], host_positions=host[1], device=device)
+        n = sum(c.length for c in chunks)
+        # ids and positions in one [2, T] array: numpy reads a 4096-token prompt's ids in a third of torch.tensor's
+        # time, on the host's path before a prefill's first kernel
+        host = np.empty((2, n), dtype=np.int64)
+        host[0] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=n)
+        o = 0
+        for c in chunks:
+            host[1, o : o + c.length] = np.arange(c.start, c.end)
+            o += c.length
+        both = torch.from_numpy(host)
+        batch = cls(None, None, chunks, host_token_ids=both[0], host_positions=both[1], device=device)
+        batch._host_both = both
+        return batch
 
     def offsets(self) -> list[tuple[int, int]]:
         out, o = [], 0

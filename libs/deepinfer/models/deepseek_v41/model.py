@@ -167,9 +167,8 @@ class DeepseekV41Model(nn.Module):
             self.mtp = drafter.mtp
         self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
         self.prefill_graphs = None  # prefill_graphs.PrefillGraphs, made on the first step that may use it
-        # piecewise prefill graphs (DEEPINFER_PREFILL_GRAPHS) for V4.1: off until tests/kernels/
-        # test_prefill_graphs_v41.py has run on a GPU (its pieces are checked eagerly on the host only)
-        self.piecewise_prefill = False
+        # piecewise prefill graphs (DEEPINFER_PREFILL_GRAPHS; tests/kernels/test_prefill_graphs_v41.py, H200 2026-12-02)
+        self.piecewise_prefill = True
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
