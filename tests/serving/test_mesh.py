@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -28,7 +29,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    m = Mesh(model_dir, tmp_path_factory.mktemp("mesh_logs")).up()
+    # info logs: the worker's start-up events (heap_frozen)
+    m = Mesh(model_dir, tmp_path_factory.mktemp("mesh_logs"), extra_env={"DEEPINFER_LOG_LEVEL": "info"}).up()
     yield m
     m.down()
 
@@ -212,6 +214,15 @@ def test_worker_killed_mid_stream_ends_streams_with_unavailable(model_dir: Path,
         assert health_status(m.address("scheduler")) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         m.down()
+
+
+def test_the_worker_freezes_its_start_up_heap(mesh: Mesh) -> None:
+    """After its start-up the worker service moves the objects alive to the collector's permanent generation
+    (``DEEPINFER_GC_FREEZE``, on by default; ``engine/heap.py``): torch's, the model's and the libraries' hundred
+    thousand and more objects."""
+    events = [json.loads(line) for line in mesh.log("worker").splitlines() if line.startswith("{")]
+    frozen = [e for e in events if e.get("event") == "heap_frozen"]
+    assert len(frozen) == 1 and frozen[0]["frozen"] > 100_000, frozen
 
 
 def test_unknown_model_is_not_found(mesh: Mesh) -> None:

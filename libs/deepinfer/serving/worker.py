@@ -23,6 +23,7 @@ from opentelemetry import propagate, trace
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
+from deepinfer.engine.heap import freeze_heap
 from deepinfer.engine.interfaces import StepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
@@ -252,6 +253,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
+    if envs.DEEPINFER_GC_FREEZE:  # the start-up's objects out of every later full collection (engine/heap.py)
+        log.info("heap_frozen", **freeze_heap())
     if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
         threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
