@@ -66,7 +66,7 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
 
 def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]]:
     """Who waits for whom in one run on a GPU: when the batch is built, at each layer's start, after its attention
-    (its host-side preparation, each attention kernel's issue) and after its MoE, after each CUDA graph replay, the
+    (and each attention kernel's issue) and after its MoE, after each CUDA graph replay, the
     host's time since the run began and the device's (a CUDA event recorded there, read after the run). ``lag_ms`` =
     device − host: near 0 the device had caught up and waited for the host (host-bound there); growing, the host ran
     ahead of it."""
@@ -96,8 +96,8 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
         setattr(obj, attr, marked)
         undo.append((obj, attr))
 
-    def around_class(cls: Any, attr: str, label: Callable[[], str], before: bool = False) -> None:
-        """Mark before or after each call of the class attribute ``cls.attr`` (restored afterwards)."""
+    def around_class(cls: Any, attr: str, label: Callable[[], str]) -> None:
+        """Mark after each call of the class attribute ``cls.attr`` (restored afterwards)."""
         raw = cls.__dict__.get(attr)
         if raw is None:
             return
@@ -106,11 +106,8 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
             fn = raw.__func__
 
         def marked(*a: Any, **k: Any) -> Any:
-            if before:
-                mark(label())
             out = fn(*a, **k)
-            if not before:
-                mark(label())
+            mark(label())
             return out
 
         setattr(cls, attr, classmethod(marked) if isinstance(raw, classmethod) else marked)
@@ -140,7 +137,6 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
         ops.sparse_attention_lists = lists
         undo.append((ops, "sparse_attention_lists"))
     for i, layer in enumerate(model.layers):
-        after(layer.attn, "prepare", f"layer {i} prepared")
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: mark(f"layer {i}")))
         hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: mark(f"layer {i} moe done")))
         after(layer, "attn_in", f"layer {i} projections done")
