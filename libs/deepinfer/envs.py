@@ -220,8 +220,8 @@ _declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
     generation (`gc.freeze`), as vLLM does after its warm-up and SGLang offers: a full collection during serving
     then walks only what serving made since, instead of the few hundred thousand objects of the start-up (a
     pause of ~0.2 s in the step loop each time on the tiny model's CPU worker; `bench/gc_heap.py`). Objects
-    frozen are still freed when their last reference goes; only reference cycles among them are never
-    collected.""", default=True)
+    frozen are still freed when their last reference goes; only reference cycles among them are never collected,
+    so a `LoadModel` thaws the heap, replaces the model and freezes again.""", default=True)
 _declare("DEEPINFER_WARMUP", "bool", _HW, """
     On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
     and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to

@@ -31,3 +31,30 @@ def test_freeze_heap_takes_the_start_up_objects_out_of_collections() -> None:
     assert r["info"]["frozen"] == r["count"] >= r["before"] // 2
     assert 1000 <= r["after"] < r["before"] // 10  # the 1000 lists made after the freeze, little else
     assert r["info"]["collect_ms"] >= 0
+
+
+CYCLE = """
+import gc, json, weakref
+from deepinfer.engine.heap import freeze_heap, thaw_heap
+class Model:  # holds what holds it, as a model and its CUDA graphs do
+    pass
+m = Model()
+m.graphs = [m]
+ref = weakref.ref(m)
+freeze_heap()
+del m
+freeze_heap()
+kept_frozen = ref() is not None  # a cycle in the permanent generation outlives its last name
+thaw_heap()
+freeze_heap()  # collects first
+print(json.dumps({"kept_frozen": kept_frozen, "freed_after_thaw": ref() is None}))
+"""
+
+
+def test_thaw_heap_lets_a_replaced_models_cycles_go() -> None:
+    """What ``WorkerService.LoadModel`` relies on: a frozen cycle (a model and its graphs) survives its last
+    reference until the heap is thawed; the next ``freeze_heap`` then collects it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "libs"))
+    out = subprocess.run([sys.executable, "-c", CYCLE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"kept_frozen": True, "freed_after_thaw": True}

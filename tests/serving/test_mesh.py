@@ -243,7 +243,7 @@ def test_worker_replaces_its_model_only_while_no_scheduler_is_attached(tmp_path:
 
     first = make_tiny_model(tmp_path / "first", seed=1)
     second = make_tiny_model(tmp_path / "second", seed=2, overrides={"sliding_window": 16})
-    m = Mesh(first, tmp_path)
+    m = Mesh(first, tmp_path, extra_env={"DEEPINFER_LOG_LEVEL": "info"})
     m.ports["worker"] = free_port()
     m.start("worker", ["services.worker_nvidia", "--model", str(first), "--port", str(m.ports["worker"]),
                        "--page-size", "16", "--num-pages", "32"])  # fmt: skip
@@ -272,5 +272,8 @@ def test_worker_replaces_its_model_only_while_no_scheduler_is_attached(tmp_path:
         assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in bad.details()
         assert after.model == str(second) and after.num_pages == 8
+        # the heap thawed and frozen again around each load that ran (the failed one too), not the refused one
+        events = [json.loads(line) for line in m.log("worker").splitlines() if line.startswith("{")]
+        assert [e["event"] for e in events if e.get("event") == "heap_frozen"] == ["heap_frozen"] * 3
     finally:
         m.down()

@@ -6,7 +6,8 @@ captured CUDA graphs) that live as long as the process, and a full collection co
 have survived into the oldest generation: each is a pause of the step loop as long as that walk (about 0.2 s on the
 tiny model's CPU worker, `bench/gc_heap.py`). ``gc.freeze`` moves the objects alive now to a permanent generation
 that collections skip (vLLM freezes the heap after its warm-up; SGLang has a freeze call and warns of long
-collections). Frozen objects are still freed by reference counting; only reference cycles among them stay.
+collections). Frozen objects are still freed by reference counting; only reference cycles among them stay, which
+is why a worker that replaces its model thaws the heap first (``thaw_heap``).
 """
 
 from __future__ import annotations
@@ -25,4 +26,11 @@ def freeze_heap() -> dict[str, float]:
     return {"frozen": gc.get_freeze_count(), "collect_ms": round(collect_ms, 1)}
 
 
-__all__ = ["freeze_heap"]
+def thaw_heap() -> None:
+    """Give the frozen objects back to the collector (``gc.unfreeze``): before the worker replaces its model, whose
+    reference cycles (a model and its CUDA graphs hold each other) would otherwise outlive it, weights and all; the
+    next ``freeze_heap`` collects them before it freezes again."""
+    gc.unfreeze()
+
+
+__all__ = ["freeze_heap", "thaw_heap"]

@@ -23,7 +23,7 @@ from opentelemetry import propagate, trace
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
-from deepinfer.engine.heap import freeze_heap
+from deepinfer.engine.heap import freeze_heap, thaw_heap
 from deepinfer.engine.interfaces import StepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
@@ -181,7 +181,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{self._streams} step stream(s) open: drain the scheduler first",
                 )
-            p = self.parts
+            p, frozen = self.parts, envs.DEEPINFER_GC_FREEZE
+            if frozen:
+                thaw_heap()  # the replaced model's reference cycles must be collectible (engine/heap.py)
             try:
                 self.parts = await asyncio.to_thread(
                     build_worker,
@@ -194,6 +196,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 )
             except (ValueError, ModelUnavailable) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {e}")
+            finally:
+                del p
+                if frozen:  # collects the replaced model, then freezes the new one's start-up objects
+                    log.info("heap_frozen", **freeze_heap())
         log.info("model_replaced", model=str(self.parts.path))
         return await self.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), context)
 
