@@ -1,5 +1,6 @@
 """Helpers of the piecewise prefill graph tests (``tests/kernels/test_prefill_graphs*.py``): a plan of steps run from
-empty states, two runs compared, and a graph class whose "graphs" run their pieces eagerly on any device."""
+empty states, two runs compared, a graph class whose "graphs" run their pieces eagerly on any device, and pieces
+whose capture fails."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def eager_pieces(graphs_class: type) -> type:
             return bk
 
     return EagerPieces
+
+
+def failing_capture(graphs_class: type):
+    """A ``_segments`` for ``graphs_class`` whose first piece syncs the host while being captured (not allowed: the
+    bucket's capture fails and its steps run eagerly); set it with ``monkeypatch.setattr``."""
+    pieces = graphs_class._segments
+
+    def failing(self, bk):
+        first, *rest = pieces(self, bk)
+
+        def first_then_sync():
+            first()
+            if torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()  # not allowed while capturing
+
+        return [first_then_sync, *rest]
+
+    return failing

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs  # noqa: E402
 from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState  # noqa: E402
 from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, prefill_bucket, weak_ref, weaken  # noqa: E402
-from prefill_pieces import eager_pieces, run_plan, same_runs  # noqa: E402
+from prefill_pieces import eager_pieces, failing_capture, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -136,19 +136,7 @@ def test_steps_past_the_largest_bucket_and_failed_captures_run_eagerly(monkeypat
     model.prefill_graphs = PrefillGraphs(model, max_tokens=16)
     steps = [[(0, 20)], [(0, 12)]]  # 20 tokens: eager; 12: its capture fails (a host sync while capturing)
     eager = _run(model, steps, graphs=False)
-    pieces = PrefillGraphs._segments
-
-    def failing(self, bk):
-        first, *rest = pieces(self, bk)
-
-        def first_then_sync():
-            first()
-            if torch.cuda.is_current_stream_capturing():
-                torch.cuda.synchronize()  # not allowed while capturing
-
-        return [first_then_sync, *rest]
-
-    monkeypatch.setattr(PrefillGraphs, "_segments", failing)
+    monkeypatch.setattr(PrefillGraphs, "_segments", failing_capture(PrefillGraphs))
     graphed = _run(model, steps, graphs=True)
     assert model.prefill_graphs.replays == 0 and list(model.prefill_graphs.failures) == [16]
     _same(eager, graphed, exact=True)

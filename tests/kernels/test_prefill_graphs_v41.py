@@ -22,7 +22,7 @@ from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceS
 from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs  # noqa: E402
 from kernels.test_graphs_v41 import PADDED_ATOL, _model  # noqa: E402
 from models.tiny_v41 import build_tokenizer  # noqa: E402
-from prefill_pieces import eager_pieces, run_plan, same_runs  # noqa: E402
+from prefill_pieces import eager_pieces, failing_capture, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -148,21 +148,9 @@ def test_v41_engram_tables_on_the_host_and_padded_steps(tokenizer):
 @gpu_only
 def test_v41_failed_captures_and_refused_steps_run_eagerly(tokenizer, monkeypatch):
     model = _nvidia_model(tokenizer, torch.float32)
-    pieces = PrefillGraphs._segments
-
-    def failing(self, bk):
-        first, *rest = pieces(self, bk)
-
-        def first_then_sync():
-            first()
-            if torch.cuda.is_current_stream_capturing():
-                torch.cuda.synchronize()  # not allowed while capturing
-
-        return [first_then_sync, *rest]
-
     steps = [[(0, 12)], [(0, 7), (1, 3)]]
     eager = _run(model, steps, graphs=False)
-    monkeypatch.setattr(PrefillGraphs, "_segments", failing)
+    monkeypatch.setattr(PrefillGraphs, "_segments", failing_capture(PrefillGraphs))
     graphed = _run(model, steps, graphs=True)  # the Engram histories are hashed again by the eager steps
     assert model.prefill_graphs.replays == 0 and list(model.prefill_graphs.failures) == [16]
     _same(eager, graphed, exact=True)
