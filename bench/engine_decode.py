@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -83,21 +85,36 @@ def run_engine(model, cache, dev, config, tok, b: int, args, async_scheduling: b
     launch = runner.launch
     runner.launch = lambda plan: shapes.append((len(plan.chunks), plan.num_tokens)) or launch(plan)
     compiles = triton_compiles()
+    pauses: list[tuple[int, float]] = []  # (generation, ms) of each garbage collection in the timed steps
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], 1e3 * (time.perf_counter() - gc_start[0])))
+
+    gc.callbacks.append(on_gc)
+    marks = []
     t = time.perf_counter()
     if prof is not None:
         prof.enable()
     try:
         for _ in range(steps):
             engine.step()
+            marks.append(time.perf_counter())
         sweep.sync(dev)
     finally:
         compiled = compiles()
         runner.launch = launch
+        gc.callbacks.remove(on_gc)
     ms = 1e3 * (time.perf_counter() - t) / steps
+    each = [1e3 * (b - a) for a, b in zip([t, *marks], marks)]
     if any(sh != (b, b) for sh in shapes) or len(shapes) != steps:
         print(f"-- B={b} async={async_scheduling}: timed steps were not all {b}-row decode steps: {shapes}", flush=True)
     out = {"ms": ms, "prefill_and_warmup_s": prefill_s, "steps_before": before, "triton_compiles": compiled,
-           "step_shapes": sorted(set(shapes))}  # fmt: skip
+           "step_shapes": sorted(set(shapes)), "step_ms_median": statistics.median(each), "step_ms_max": max(each),
+           "gc_pauses_ms": [(g, round(p, 3)) for g, p in pauses]}  # fmt: skip
     if compiled:
         print(f"-- B={b} async={async_scheduling}: {len(compiled)} Triton compiles in the timed steps:", flush=True)
         for c in compiled:
@@ -248,9 +265,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[f"{mode}_prefill_s"] = r["prefill_and_warmup_s"]
             row[f"{mode}_graph_replays"] = r["graph_replays"]
             row[f"{mode}_timed_compiles"] = len(r["triton_compiles"])
+            row[f"{mode}_step_ms_median"], row[f"{mode}_step_ms_max"] = r["step_ms_median"], r["step_ms_max"]
+            row[f"{mode}_gc_pauses_ms"] = r["gc_pauses_ms"]
             if "host_profile" in r:
                 row[f"{mode}_host_profile"] = r["host_profile"]
             sweep.free(dev)
+        for m in args.modes:
+            sweep.log(f"B={b} {m}: step median {row[f'{m}_step_ms_median']:.3f} ms, max {row[f'{m}_step_ms_max']:.3f} "
+                      f"ms; collections (generation, ms): {row[f'{m}_gc_pauses_ms']}")  # fmt: skip
         sweep.log(f"B={b}: sync {row['sync_ms']:.3f} ms, async {row['async_ms']:.3f} ms, roofline "
                   f"{row['roofline_ms']:.3f} ms ({row['sync_x_roofline']:.2f}x / {row['async_x_roofline']:.2f}x); "
                   f"graph replays {row['sync_graph_replays']} / {row['async_graph_replays']}")  # fmt: skip

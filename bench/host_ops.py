@@ -8,6 +8,7 @@ table's ``self ms`` subtracts the time of nested op calls. One wrapper costs abo
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,8 +65,101 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
     return {"issue_ms": round(1e3 * issue, 3), "outside_ops_ms": round(1e3 * (issue - top), 3), "ops": table}
 
 
+def host_spans(
+    targets: list[tuple[Any, str, str]], run: Callable[[], object], sync: Callable[[], None], repeats: int = 20
+) -> dict[str, Any]:
+    """The host's time in each of ``targets`` (``(owner, attribute, label)``: a class's method, a module's function or
+    an instance's attribute, each wrapped with ``perf_counter`` for the runs and restored after) over ``repeats``
+    runs of ``run`` from an idle device (``sync`` before each, outside the timing). → ``{"issue_ms", "ms", "spans":
+    {label: {"calls", "ms", "self_ms"}}}``: medians per run; ``issue_ms`` until ``run`` returned, ``ms`` until the
+    device finished; ``self_ms`` without the nested targets' time."""
+    per_run: list[dict[str, list[float]]] = []
+    depth: list[float] = []
+    saved: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(label: str, fn: Callable) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            depth.append(0.0)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                nested = depth.pop()
+                if depth:
+                    depth[-1] += dt
+                s = per_run[-1].setdefault(label, [0, 0.0, 0.0])
+                s[0] += 1
+                s[1] += dt
+                s[2] += dt - nested
+
+        return timed
+
+    for owner, attr, label in targets:
+        raw = owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None
+        if raw is None and not hasattr(owner, attr):
+            continue
+        own = attr in getattr(owner, "__dict__", {})
+        fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else getattr(owner, attr)
+        w = wrap(label, fn)
+        setattr(owner, attr, classmethod(w) if isinstance(raw, classmethod) else w)
+        saved.append((owner, attr, raw, own))
+    issues, totals = [], []
+    try:
+        for _ in range(repeats):
+            per_run.append({})
+            sync()
+            t = time.perf_counter()
+            run()
+            issues.append(time.perf_counter() - t)
+            sync()
+            totals.append(time.perf_counter() - t)
+    finally:
+        for owner, attr, raw, own in reversed(saved):
+            if own:
+                setattr(owner, attr, raw)
+            else:
+                delattr(owner, attr)
+    labels = {label for r in per_run for label in r}
+
+    def med(label: str, i: int) -> float:
+        return round(1e3 * statistics.median(r.get(label, [0, 0.0, 0.0])[i] for r in per_run), 3)
+
+    spans = {label: {"calls": med(label, 0) / 1e3, "ms": med(label, 1), "self_ms": med(label, 2)} for label in labels}
+    return {"issue_ms": round(1e3 * statistics.median(issues), 3), "ms": round(1e3 * statistics.median(totals), 3),
+            "spans": dict(sorted(spans.items(), key=lambda kv: -kv[1]["ms"]))}  # fmt: skip
+
+
+def decode_spans(model: Any, run: Callable[[], object], sync: Callable[[], None], repeats: int = 20) -> dict[str, Any]:
+    """``host_spans`` of a DeepSeek-V4 decode step's host path: the batch's build, the graphed step (slots, plan,
+    its parts, the bucket, the replay) and the logits."""
+    import torch
+
+    from deepinfer import host_copy
+    from deepinfer.models import decode_graphs
+    from deepinfer.models.deepseek_v4 import decode_step, graphs
+    from deepinfer.models.deepseek_v4.state import ForwardBatch
+    from deepinfer.models.deepseek_v4.state_pool import StatePool
+
+    targets = [
+        (ForwardBatch, "build", "ForwardBatch.build"),
+        (type(model), "forward", "model.forward"),
+        (graphs.DecodeGraphs, "run", "DecodeGraphs.run"),
+        (StatePool, "adopt", "StatePool.adopt"),
+        (decode_graphs.SegmentGraphs, "bucket", "SegmentGraphs.bucket"),
+        (decode_step.StepPlan, "fill", "StepPlan.fill"),
+        (decode_step, "load_meta", "load_meta"),
+        (decode_step, "block_tables", "block_tables"),
+        (host_copy.StagedCopy, "copy", "StagedCopy.copy"),
+        (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
+        (type(model), "logits", "model.logits"),
+    ]
+    return host_spans(targets, run, sync, repeats)
+
+
 def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]]:
-    """Who waits for whom in one run on a GPU: when the batch is built, at each layer's start, after its attention
+    """Who waits for whom in one run on a GPU: when the batch is built, a graphed decode step's pool slots adopted and
+    plan loaded, at each layer's start, after its attention
     (and each attention kernel's issue) and after its MoE, after each CUDA graph replay, the
     host's time since the run began and the device's (a CUDA event recorded there, read after the run). ``lag_ms`` =
     device − host: near 0 the device had caught up and waited for the host (host-bound there); growing, the host ran
@@ -120,9 +214,13 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
         replays[0] += 1
         return f"graph {replays[0] - 1} replayed"
 
+    from deepinfer.models.deepseek_v4.decode_step import StepPlan
     from deepinfer.models.deepseek_v4.state import ForwardBatch
+    from deepinfer.models.deepseek_v4.state_pool import StatePool
 
     around_class(ForwardBatch, "build", lambda: "batch built")
+    around_class(StatePool, "adopt", lambda: "decode: pool slots adopted")
+    around_class(StepPlan, "fill", lambda: "decode: plan loaded")
     around_class(torch.cuda.CUDAGraph, "replay", replayed)
     ops = getattr(model, "ops", None)
     kernels = [0]
@@ -166,4 +264,4 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
     ]  # fmt: skip
 
 
-__all__ = ["host_op_times", "issue_timeline"]
+__all__ = ["decode_spans", "host_op_times", "host_spans", "issue_timeline"]

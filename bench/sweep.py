@@ -80,7 +80,7 @@ for _p in (ROOT / "libs", ROOT / "tests"):  # so that a plain `python bench/swee
 import decode_ab  # noqa: E402 - bench/decode_ab.py, beside this script
 import torch  # noqa: E402
 from device_gaps import device_gaps  # noqa: E402 - bench/device_gaps.py
-from host_ops import host_op_times, issue_timeline  # noqa: E402 - bench/host_ops.py
+from host_ops import decode_spans, host_op_times, issue_timeline  # noqa: E402 - bench/host_ops.py
 from weight_sets import OrderSets, WeightSets  # noqa: E402 - bench/weight_sets.py
 
 import deepinfer  # noqa: E402
@@ -330,6 +330,7 @@ def timed(fn, dev: torch.device) -> float:
 
 PIPELINED_STEPS = 8  # host_and_pipelined's back-to-back steps
 PREFILL_PIPELINED = 3  # back-to-back prefills (each its own sequence, the same pages)
+DECODE_SPANS = 20  # --profile: decode_spans' steps
 
 
 def run_timed(fn, dev, warmup: int, repeats: int, budget: Budget, estimate: float | None) -> dict[str, Any]:
@@ -540,7 +541,8 @@ def copy_pages(cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> Non
 def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, Any]:
     """Where one decode step's time goes: wall time per region (device synchronised at each region's edges, so
     regions add up to the step plus the syncs; an eager step), then ``torch.profiler`` over one more step as the op set
-    runs it (CUDA graphs included: op table, launch counts)."""
+    runs it (CUDA graphs included: op table, launch counts); on a GPU who waits for whom (``issue_timeline``) and the
+    host's time in each part of the step's host path, from an idle device (``decode_spans``)."""
     spans: dict[str, float] = {}
     open_: dict[str, float] = {}
     hooks = []
@@ -630,6 +632,15 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
         out["device_busy_ms"] = round(dev_total / 1e3, 3)
     except Exception as e:  # noqa: BLE001 - the profile is informative only
         out["profiler_error"] = f"{type(e).__name__}: {e}"[:300]
+    if dev.type == "cuda":
+        try:
+            out["timeline"] = issue_timeline(model, step)
+        except Exception as e:  # noqa: BLE001 - the profile is informative only
+            out["timeline_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        out["host_spans"] = decode_spans(model, step, lambda: sync(dev), DECODE_SPANS)
+    except Exception as e:  # noqa: BLE001 - the profile is informative only
+        out["host_spans_error"] = f"{type(e).__name__}: {e}"[:300]
     out["host_python"] = host_profile(step, dev)
     return out
 
@@ -723,8 +734,9 @@ class Ours:
         c = model.config
         self.model, self.args, self.dev, self.c = model, args, dev, c
         ps = args.page_size
-        # + the routing probe, two profiled steps, three host-profiled ones, a spare and host_and_pipelined's
-        self.steps = args.warmup + args.repeats + 7 + 3 + PIPELINED_STEPS
+        # + the routing probe, two profiled steps, a timeline, three host-profiled ones, a spare, host_and_pipelined's
+        # and decode_spans'
+        self.steps = args.warmup + args.repeats + 8 + 3 + PIPELINED_STEPS + DECODE_SPANS
         self.profiles: dict[int, dict] = {}
         self.ab: list[dict] = []  # --ab: before/after rows (decode_ab)
         self.pages_per_seq = -(-(args.context + self.steps) // ps)
@@ -736,7 +748,9 @@ class Ours:
         num_pages = n_dec + -(-max_prefill // ps)
         self.cache = PagedKVCache(c, num_pages, ps, torch.bfloat16, dev)
         pages = torch.arange(num_pages, device=dev)
-        self.tables = pages[:n_dec].view(-1, self.pages_per_seq)  # templates first, then the batch
+        # templates first, then the batch; a matrix of its own, as the worker's (a batch's rows are then a view of it:
+        # state_pool.stacked_rows)
+        self.tables = pages[:n_dec].view(-1, self.pages_per_seq).clone()
         self.prefill_table = pages[n_dec:]
         self.rng = random.Random(args.seed)
         log(f"  paged cache: {num_pages} pages of {ps} tokens, {self.cache.bytes_per_page() * num_pages / 1e9:.2f} GB")

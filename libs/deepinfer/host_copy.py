@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 BLOCKING = False  # True: synchronous copies, as before (the A/B of bench/sweep.py --ab-h2d; a planted bug in tests)
@@ -34,36 +35,50 @@ class StagedCopy:
     (``is_pinned``, ``pin_memory`` and the copy: about 0.09 ms of host time each on an H200 machine, several a
     step before the graph's launch). Here the host writes into one of ``depth`` pinned buffers of ``dst``'s shape,
     round robin, and queues one copy; a buffer is written again only once the copy that last read it has run (its
-    event), and when none is free the copy goes through ``to_device``: the host never waits for the GPU."""
+    event), and when none is free the copy goes through ``to_device``: the host never waits for the GPU. ``take`` /
+    ``send`` let the host write the buffer itself (from numpy: no host tensor made for the copy)."""
 
     def __init__(self, dst: torch.Tensor, depth: int = 4) -> None:
         self.dst = dst
         cuda = dst.device.type == "cuda"
         self._bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(depth)] if cuda else []
+        self._arrays = [b.numpy() for b in self._bufs]  # the same memory, for writes from numpy
         self._events: list[torch.cuda.Event | None] = [None] * len(self._bufs)
-        self._next = 0
+        self._next = self._taken = 0
         self.fallbacks = 0  # copies that found no free buffer (tests, benchmarks)
 
     def copy(self, src: torch.Tensor) -> None:
         n = src.shape[0]
-        dst = self.dst[:n]
-        if not self._bufs or BLOCKING or src.device.type != "cpu" or torch.cuda.is_current_stream_capturing():
-            dst.copy_(to_device(src, dst.device))
+        if src.device.type != "cpu" or self.take() is None:
+            self.dst[:n].copy_(to_device(src, self.dst.device))
             return
+        self._bufs[self._taken][:n].copy_(src)
+        self.send(n)
+
+    def take(self) -> np.ndarray | None:
+        """A free pinned buffer of ``dst``'s shape, as a numpy array for the host to write the next copy into (then
+        ``send``), or None: the copy goes through ``copy``'s other path (no pinned buffers on a host-memory ``dst``,
+        ``BLOCKING``, a graph capture, or every buffer still read by a queued copy: counted in ``fallbacks``)."""
+        if not self._bufs or BLOCKING or torch.cuda.is_current_stream_capturing():
+            return None
         for _ in range(len(self._bufs)):
             i = self._next
             self._next = (i + 1) % len(self._bufs)
             ev = self._events[i]
             if ev is None or ev.query():
-                buf = self._bufs[i][:n]
-                buf.copy_(src)
-                dst.copy_(buf, non_blocking=True)
-                if ev is None:
-                    ev = self._events[i] = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(dst.device))
-                return
+                self._taken = i
+                return self._arrays[i]
         self.fallbacks += 1
-        dst.copy_(to_device(src, dst.device))
+        return None
+
+    def send(self, n: int) -> None:
+        """Queue the copy of the first ``n`` rows of the buffer ``take`` gave into ``dst``."""
+        i = self._taken
+        self.dst[:n].copy_(self._bufs[i][:n], non_blocking=True)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.dst.device))
 
 
 def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -142,6 +142,13 @@ def test_substitute_reads_device_samples_of_several_steps() -> None:
     batch.substitute([1, 2], [(a, 2), (b, 0)])
     assert batch.token_ids.tolist() == [5, 42, 70, 9] and batch.host_token_ids is None
     assert batch.positions.tolist() == [0, 1, 0, 0]
+    for at, rows, want in (([0, 1, 2], [0, 1, 2], [40, 41, 42, 9]),  # consecutive rows: one slice copy
+                           ([1, 2], [1, 2], [5, 41, 42, 9]),
+                           ([0, 2], [2, 0], [42, 0, 40, 9]),  # neither consecutive nor in order: by index
+                           ([0, 1], [2, 1], [42, 41, 0, 9])):  # fmt: skip
+        batch = ForwardBatch.build(chunks, [[5, 0], [0], [9]], "cpu")
+        batch.substitute(at, [(a, r) for r in rows])
+        assert batch.token_ids.tolist() == want, (at, rows)
 
 
 def test_a_placeholder_without_a_sampled_token_is_refused(model_dir) -> None:

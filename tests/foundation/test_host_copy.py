@@ -41,6 +41,11 @@ def test_staged_copy_reuses_its_buffers_and_never_waits():
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), src)
     assert st.fallbacks == 0
+    buf = st.take()  # the host writes a buffer itself (numpy), then queues its copy
+    buf[:2] = 42
+    st.send(2)
+    torch.cuda.synchronize()
+    assert (dst[:2] == 42).all() and torch.equal(dst[2:].cpu(), src[2:])
     torch.cuda._sleep(200_000_000)  # GPU time queued ahead: the buffers' copies stay pending
     queued = torch.cuda.Event()
     queued.record()

@@ -115,6 +115,10 @@ def test_stacked_rows_views_the_matrix_the_tables_are_rows_of():
         got = stacked_rows(other)
         assert torch.equal(got, torch.nn.utils.rnn.pad_sequence(other, batch_first=True))
         assert got.data_ptr() != padded.data_ptr()
+    col = padded[:, 0]  # starts where row 0 starts, but strided: a copy
+    assert stacked_rows([col]).tolist() == [col.tolist()]
+    wide = padded.view(torch.int32)[1:2, :4]  # row 1's memory as another dtype
+    assert torch.equal(stacked_rows([wide[0]]), wide)
     same = [torch.arange(4) + i for i in range(3)]  # equal lengths: stacked
     assert torch.equal(stacked_rows(same), torch.stack(same))
 

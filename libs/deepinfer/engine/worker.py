@@ -170,7 +170,8 @@ class ModelRunner:
         result.results = [SeqResult(c.request_id) for c in plan.chunks]
         step = InFlight(result)
         if rows:
-            logits = self.model.logits(hidden[tensor(rows, self.device, torch.long)])
+            every = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))  # e.g. a decode step
+            logits = self.model.logits(hidden if every else hidden[tensor(rows, self.device, torch.long)])
             self._prompt_logprobs(logits, owners, plan, result.results)
             self._sample(logits, owners, plan, step, masks)
         return step

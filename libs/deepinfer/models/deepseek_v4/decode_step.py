@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from deepinfer.host_copy import StagedCopy, to_device
@@ -110,13 +111,16 @@ class StepPlan:
         (``stage``) when the batch's ids are in host memory. The rows past them are padding: the scratch slot, not
         live (so they write only there and to the scratch page), token 0, stale block tables (valid page ids, read
         and never listed)."""
-        n, pad, cache = len(chunks), self.size - len(chunks), self.cache
-        pos = [c.start for c in chunks]
-        host = [slots + [self.pool.scratch] * pad, pos + [0] * pad, [c.state.window_start for c in chunks] + [0] * pad,
-                [1] * n + [0] * pad]  # fmt: skip
-        load_meta(self.stage, self.ids, torch.tensor(host, dtype=torch.long), batch)
+        n, cache = len(chunks), self.cache
+        host = np.zeros((4, self.size), dtype=np.int64)
+        host[0] = self.pool.scratch
+        host[0, :n] = slots
+        host[1, :n] = pos = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        host[2, :n] = np.fromiter((c.state.window_start for c in chunks), dtype=np.int64, count=n)
+        host[3, :n] = 1
+        load_meta(self.stage, self.ids, host, batch)
         if cache is not None:
-            pages, held = step_widths(cache, max(pos) + 1)[1], self.tables.shape[1]
+            pages, held = step_widths(cache, int(pos.max()) + 1)[1], self.tables.shape[1]
             if pages > held:
                 raise ValueError(f"decode step: {pages} pages a sequence needed, the bucket holds {held}")
             self.tables[:n, :pages].copy_(block_tables(chunks, pages, cache))
@@ -150,18 +154,24 @@ def staged_meta(rows: int, size: int, device: torch.device) -> tuple[torch.Tenso
     return buf[:rows], buf[rows], StagedCopy(buf)
 
 
-def load_meta(stage: StagedCopy, ids: torch.Tensor, host: torch.Tensor, batch: ForwardBatch) -> None:
+def load_meta(stage: StagedCopy, ids: torch.Tensor, host: np.ndarray, batch: ForwardBatch) -> None:
     """Load ``staged_meta``'s buffer: the plan's rows ``host [rows, size]`` and the ``n`` token ids of ``batch`` (the
-    padding ids 0) in one copy when the ids are in host memory; ids already on the device (a previous step's samples)
-    are copied there."""
-    n = batch.num_tokens
-    if batch.host_token_ids is not None:
-        row = torch.zeros(1, host.shape[1], dtype=torch.long)
-        row[0, :n] = batch.host_token_ids
-        stage.copy(torch.cat([host, row]))
-    else:
-        stage.copy(host)
+    padding ids 0) in one copy when the ids are in host memory, written straight into a pinned buffer of ``stage``
+    when one is free (``StagedCopy.take``); ids already on the device (a previous step's samples) are copied there."""
+    n, rows = batch.num_tokens, host.shape[0]
+    if batch.host_token_ids is None:
+        stage.copy(torch.from_numpy(host))
         ids[:n].copy_(batch.token_ids)
+        return
+    buf = stage.take()
+    full = buf if buf is not None else np.empty((rows + 1, host.shape[1]), dtype=np.int64)
+    full[:rows] = host
+    full[rows, :n] = batch.host_token_ids.numpy()
+    full[rows, n:] = 0
+    if buf is not None:
+        stage.send(rows + 1)
+    else:
+        stage.copy(torch.from_numpy(full))
 
 
 def bucket_widths(
@@ -190,11 +200,15 @@ def step_widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[i
 def block_tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
     """The chunks' block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
     m, ps = min(cache.ratios.values()), cache.page_size
-    for c in chunks:
-        need = -(-((c.start + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
-        if need > c.block_table.numel():
-            raise IndexError(f"block table has {c.block_table.numel()} pages, position {c.start} needs {need}")
-    t = stacked_rows([c.block_table for c in chunks])
+    tables = [c.block_table for c in chunks]
+    have = np.array([t.numel() for t in tables], dtype=np.int64)
+    starts = np.array([c.start for c in chunks], dtype=np.int64)
+    need = -(-((starts + 1) // m * m) // ps)  # the page of the last row of the smallest ratio, + 1
+    short = np.flatnonzero(need > have)
+    if short.size:
+        i = int(short[0])
+        raise IndexError(f"block table has {have[i]} pages, position {starts[i]} needs {need[i]}")
+    t = stacked_rows(tables, int(have.max()))
     if t.shape[1] < pages:
         t = torch.nn.functional.pad(t, (0, pages - t.shape[1]))
     return t[:, :pages]

@@ -370,6 +370,10 @@ class ForwardBatch:
             g[1].append(a)
             g[2].append(row)
         for src, where, rows in groups.values():
+            a, r, k = where[0], rows[0], len(where)
+            if where == list(range(a, a + k)) and rows == list(range(r, r + k)):
+                ids[a : a + k].copy_(src[r : r + k].to(ids.dtype))  # consecutive rows (a decode batch): no index
+                continue
             idx = to_device(torch.tensor([where, rows], dtype=torch.long), self.device)
             ids.index_copy_(0, idx[0], src.index_select(0, idx[1]).to(ids.dtype))
         self.host_token_ids = None

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
@@ -196,19 +197,24 @@ class StatePool:
             st.buffers[key] = rb
 
 
-def stacked_rows(tables: list[torch.Tensor]) -> torch.Tensor:
-    """``tables`` (1-D) as one ``[B, P]`` tensor, padded with zeros where they are shorter than the longest: a view
-    of the matrix they are leading slices of consecutive rows of, if they are (no copy), else one copy."""
+def stacked_rows(tables: list[torch.Tensor], longest: int | None = None) -> torch.Tensor:
+    """``tables`` (1-D) as one ``[B, P]`` tensor, padded with zeros where they are shorter than the longest
+    (``longest``: their most elements, when the caller has counted them): a view of the matrix they are leading slices
+    of consecutive rows of, if they are (no copy), else one copy."""
+    if longest is None:
+        longest = max((t.numel() for t in tables), default=0)
     base = tables[0]._base if tables else None
-    longest = max((t.numel() for t in tables), default=0)
     if base is not None and base.dim() == 2 and base.is_contiguous() and base.shape[1] >= longest:
-        width, off = base.shape[1], base.storage_offset()
-        first, rem = divmod(tables[0].storage_offset() - off, width)
-        if not rem and all(
-            t._base is base and t.stride(0) == 1 and t.storage_offset() - off == (first + i) * width
-            for i, t in enumerate(tables)
+        n, width, dt = len(tables), base.shape[1], base.dtype
+        row, rem = np.divmod(np.array([t.storage_offset() for t in tables]) - base.storage_offset(), width)
+        first = int(row[0])
+        if (
+            not rem.any()
+            and 0 <= first <= base.shape[0] - n
+            and (row == np.arange(first, first + n)).all()
+            and all(t._base is base and t.dtype is dt and t.is_contiguous() for t in tables)
         ):
-            return base[first : first + len(tables), :longest]
+            return base[first : first + n, :longest]
     if all(t.numel() == tables[0].numel() for t in tables):
         return torch.stack(tables)
     return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)

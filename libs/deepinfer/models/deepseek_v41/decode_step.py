@@ -139,7 +139,7 @@ class StepPlan:
         and never listed)."""
         n, cache = len(chunks), self.cache
         host = self._host_meta(chunks, slots, self.size - n, self.pool.scratch)
-        load_meta(self.stage, self.ids, host, batch)
+        load_meta(self.stage, self.ids, host.numpy(), batch)
         if cache is not None:
             pages, held = step_widths(cache, int(host[POS, :n].max()) + 1)[1], self.tables.shape[1]
             if pages > held:
