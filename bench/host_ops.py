@@ -16,6 +16,28 @@ from typing import Any
 SKIP = {"prepare_weights", "parallel"}  # load-time work; parallel only calls two ops (their times are their own)
 
 
+def _timed(fn: Callable, depth: list[float], slot: Callable[[], list]) -> Callable:
+    """``fn`` timed with ``perf_counter``: each call adds 1, its time and its time less that of the timed calls nested
+    in it (``depth``: one entry per open call, shared by the wrappers) to ``slot()`` (``[calls, s, self s]``)."""
+
+    def timed(*a: Any, **k: Any) -> Any:
+        depth.append(0.0)
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            dt = time.perf_counter() - t
+            nested = depth.pop()
+            if depth:
+                depth[-1] += dt
+            s = slot()
+            s[0] += 1
+            s[1] += dt
+            s[2] += dt - nested
+
+    return timed
+
+
 def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None]) -> dict[str, Any]:
     """Run ``run`` once with every op of ``ops`` timed on the host; ``sync`` before and after (outside the timing of
     the run's issue). → ``{"issue_ms", "outside_ops_ms", "ops": {name: {"calls", "ms", "self_ms"}}}``, the ops by
@@ -26,22 +48,7 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
     saved = {n: ops.__dict__[n] for n in names if n in ops.__dict__}
 
     def wrap(name: str, fn: Callable) -> Callable:
-        def timed(*a: Any, **k: Any) -> Any:
-            depth.append(0.0)
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = time.perf_counter() - t
-                nested = depth.pop()
-                if depth:
-                    depth[-1] += dt
-                s = stats.setdefault(name, [0, 0.0, 0.0])
-                s[0] += 1
-                s[1] += dt
-                s[2] += dt - nested
-
-        return timed
+        return _timed(fn, depth, lambda: stats.setdefault(name, [0, 0.0, 0.0]))
 
     for n in names:
         setattr(ops, n, wrap(n, getattr(ops, n)))
@@ -78,22 +85,7 @@ def host_spans(
     saved: list[tuple[Any, str, Any, bool]] = []
 
     def wrap(label: str, fn: Callable) -> Callable:
-        def timed(*a: Any, **k: Any) -> Any:
-            depth.append(0.0)
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = time.perf_counter() - t
-                nested = depth.pop()
-                if depth:
-                    depth[-1] += dt
-                s = per_run[-1].setdefault(label, [0, 0.0, 0.0])
-                s[0] += 1
-                s[1] += dt
-                s[2] += dt - nested
-
-        return timed
+        return _timed(fn, depth, lambda: per_run[-1].setdefault(label, [0, 0.0, 0.0]))
 
     for owner, attr, label in targets:
         raw = owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None

@@ -145,3 +145,44 @@ def test_issue_timeline_marks_each_layer_and_restores(timeline, monkeypatch):
     assert all(r["host_ms"] >= 0 and abs(r["lag_ms"]) < 1.0 for r in out)
     for layer in model.layers:  # the methods are the classes' again
         assert "attn_in" not in vars(layer) and "attend" not in vars(layer.attn)
+
+
+class _Owner:
+    def outer(self):
+        time.sleep(0.004)
+        return self.inner() + 1
+
+    def inner(self):
+        time.sleep(0.002)
+        return 1
+
+    @classmethod
+    def make(cls):
+        return cls()
+
+
+def test_host_spans_time_nested_targets_per_run_and_restore():
+    """``host_spans``: a class's method, a classmethod and an instance attribute timed over several runs (medians per
+    run), the nested target's time out of the outer one's self time, every attribute as it was afterwards."""
+    mod = _load("host_ops")
+    inst = _Owner()
+    inst.extra = extra = lambda: time.sleep(0.001)
+    raw_make, raw_outer = _Owner.__dict__["make"], _Owner.__dict__["outer"]
+
+    def run():
+        _Owner.make().outer()
+        inst.outer()
+        inst.extra()
+
+    targets = [(_Owner, "outer", "outer"), (_Owner, "inner", "inner"), (_Owner, "make", "make"),
+               (inst, "extra", "extra"), (_Owner, "absent", "absent")]  # fmt: skip
+    got = mod.host_spans(targets, run, lambda: None, repeats=3)
+    sp = got["spans"]
+    assert sp["outer"]["calls"] == 2 and sp["inner"]["calls"] == 2 and sp["make"]["calls"] == 1
+    assert sp["extra"]["calls"] == 1 and "absent" not in sp
+    assert sp["outer"]["ms"] >= 12.0 and 8.0 <= sp["outer"]["self_ms"] < sp["outer"]["ms"] - 3.5
+    assert sp["inner"]["self_ms"] == sp["inner"]["ms"] >= 4.0
+    assert got["ms"] >= got["issue_ms"] >= 13.0
+    assert _Owner.__dict__["make"] is raw_make and _Owner.__dict__["outer"] is raw_outer
+    assert inst.__dict__["extra"] is extra and not hasattr(_Owner, "extra")
+    assert isinstance(_Owner.make(), _Owner)
