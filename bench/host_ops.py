@@ -38,6 +38,20 @@ def _timed(fn: Callable, depth: list[float], slot: Callable[[], list]) -> Callab
     return timed
 
 
+def _patch(owner: Any, attr: str, make: Callable[[Callable], Callable]) -> Callable[[], None] | None:
+    """Replace ``owner.attr`` (a class's function, classmethod or staticmethod, a module's function, an instance's
+    attribute; its own or inherited) by ``make(fn)`` of the function it calls, kept of the same kind; → the call that
+    puts it back (None: ``owner`` has no ``attr``, nothing replaced)."""
+    mine = getattr(owner, "__dict__", {})
+    if attr not in mine and not hasattr(owner, attr):
+        return None
+    own, raw = attr in mine, mine.get(attr)
+    kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+    w = make(raw.__func__ if kind else getattr(owner, attr))
+    setattr(owner, attr, kind(w) if kind else w)
+    return (lambda: setattr(owner, attr, raw)) if own else (lambda: delattr(owner, attr))
+
+
 def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None]) -> dict[str, Any]:
     """Run ``run`` once with every op of ``ops`` timed on the host; ``sync`` before and after (outside the timing of
     the run's issue). → ``{"issue_ms", "outside_ops_ms", "ops": {name: {"calls", "ms", "self_ms"}}}``, the ops by
@@ -45,13 +59,11 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
     stats: dict[str, list[float]] = {}
     depth: list[float] = []  # the nested ops' time, per open call
     names = [n for n in dir(type(ops)) if not n.startswith("_") and n not in SKIP and callable(getattr(ops, n))]
-    saved = {n: ops.__dict__[n] for n in names if n in ops.__dict__}
 
-    def wrap(name: str, fn: Callable) -> Callable:
-        return _timed(fn, depth, lambda: stats.setdefault(name, [0, 0.0, 0.0]))
+    def wrap(name: str) -> Callable[[Callable], Callable]:
+        return lambda fn: _timed(fn, depth, lambda: stats.setdefault(name, [0, 0.0, 0.0]))
 
-    for n in names:
-        setattr(ops, n, wrap(n, getattr(ops, n)))
+    undo = [_patch(ops, n, wrap(n)) for n in names]
     try:
         sync()
         t = time.perf_counter()
@@ -59,11 +71,8 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
         issue = time.perf_counter() - t
         sync()
     finally:
-        for n in names:
-            if n in saved:
-                setattr(ops, n, saved[n])
-            else:
-                delattr(ops, n)
+        for back in reversed(undo):
+            back()
     top = sum(s[2] for s in stats.values())
     table = {
         n: {"calls": int(c), "ms": round(1e3 * ms, 3), "self_ms": round(1e3 * own, 3)}
@@ -75,27 +84,22 @@ def host_op_times(ops: Any, run: Callable[[], object], sync: Callable[[], None])
 def host_spans(
     targets: list[tuple[Any, str, str]], run: Callable[[], object], sync: Callable[[], None], repeats: int = 20
 ) -> dict[str, Any]:
-    """The host's time in each of ``targets`` (``(owner, attribute, label)``: a class's method, a module's function or
-    an instance's attribute, each wrapped with ``perf_counter`` for the runs and restored after) over ``repeats``
+    """The host's time in each of ``targets`` (``(owner, attribute, label)``: anything ``_patch`` replaces, wrapped
+    with ``perf_counter`` for the runs and put back after) over ``repeats``
     runs of ``run`` from an idle device (``sync`` before each, outside the timing). → ``{"issue_ms", "ms", "spans":
     {label: {"calls", "ms", "self_ms"}}}``: medians per run; ``issue_ms`` until ``run`` returned, ``ms`` until the
     device finished; ``self_ms`` without the nested targets' time."""
     per_run: list[dict[str, list[float]]] = []
     depth: list[float] = []
-    saved: list[tuple[Any, str, Any, bool]] = []
+    undo: list[Callable[[], None]] = []
 
-    def wrap(label: str, fn: Callable) -> Callable:
-        return _timed(fn, depth, lambda: per_run[-1].setdefault(label, [0, 0.0, 0.0]))
+    def wrap(label: str) -> Callable[[Callable], Callable]:
+        return lambda fn: _timed(fn, depth, lambda: per_run[-1].setdefault(label, [0, 0.0, 0.0]))
 
     for owner, attr, label in targets:
-        raw = owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None
-        if raw is None and not hasattr(owner, attr):
-            continue
-        own = attr in getattr(owner, "__dict__", {})
-        fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else getattr(owner, attr)
-        w = wrap(label, fn)
-        setattr(owner, attr, classmethod(w) if isinstance(raw, classmethod) else w)
-        saved.append((owner, attr, raw, own))
+        back = _patch(owner, attr, wrap(label))
+        if back is not None:
+            undo.append(back)
     issues, totals = [], []
     try:
         for _ in range(repeats):
@@ -107,11 +111,8 @@ def host_spans(
             sync()
             totals.append(time.perf_counter() - t)
     finally:
-        for owner, attr, raw, own in reversed(saved):
-            if own:
-                setattr(owner, attr, raw)
-            else:
-                delattr(owner, attr)
+        for back in reversed(undo):
+            back()
     labels = {label for r in per_run for label in r}
 
     def med(label: str, i: int) -> float:
@@ -168,38 +169,21 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
 
     hooks, undo = [], []
 
-    def after(obj: Any, attr: str, label: str) -> None:
-        """Mark after each call of ``obj.attr`` (an instance attribute, deleted afterwards)."""
-        if not hasattr(obj, attr):
-            return
-        fn = getattr(obj, attr)
+    def after(owner: Any, attr: str, label: str | Callable[[], str]) -> None:
+        """Mark after each call of ``owner.attr`` (put back afterwards)."""
 
-        def marked(*a: Any, **k: Any) -> Any:
-            out = fn(*a, **k)
-            mark(label)
-            return out
+        def make(fn: Callable) -> Callable:
+            def marked(*a: Any, **k: Any) -> Any:
+                out = fn(*a, **k)
+                mark(label if isinstance(label, str) else label())
+                return out
 
-        setattr(obj, attr, marked)
-        undo.append((obj, attr))
+            return marked
 
-    def around_class(cls: Any, attr: str, label: Callable[[], str]) -> None:
-        """Mark after each call of the class attribute ``cls.attr`` (restored afterwards)."""
-        raw = cls.__dict__.get(attr)
-        if raw is None:
-            return
-        fn = getattr(cls, attr)
-        if isinstance(raw, classmethod):
-            fn = raw.__func__
+        back = _patch(owner, attr, make)
+        if back is not None:
+            undo.append(back)
 
-        def marked(*a: Any, **k: Any) -> Any:
-            out = fn(*a, **k)
-            mark(label())
-            return out
-
-        setattr(cls, attr, classmethod(marked) if isinstance(raw, classmethod) else marked)
-        restore.append((cls, attr, raw))
-
-    restore: list[tuple[Any, str, Any]] = []
     replays = [0]
 
     def replayed() -> str:
@@ -210,22 +194,24 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
     from deepinfer.models.deepseek_v4.state import ForwardBatch
     from deepinfer.models.deepseek_v4.state_pool import StatePool
 
-    around_class(ForwardBatch, "build", lambda: "batch built")
-    around_class(StatePool, "adopt", lambda: "decode: pool slots adopted")
-    around_class(StepPlan, "fill", lambda: "decode: plan loaded")
-    around_class(torch.cuda.CUDAGraph, "replay", replayed)
-    ops = getattr(model, "ops", None)
+    after(ForwardBatch, "build", "batch built")
+    after(StatePool, "adopt", "decode: pool slots adopted")
+    after(StepPlan, "fill", "decode: plan loaded")
+    after(torch.cuda.CUDAGraph, "replay", replayed)
     kernels = [0]
-    if ops is not None and hasattr(ops, "sparse_attention_lists"):
-        fn_lists = ops.sparse_attention_lists
 
+    def issued(fn: Callable) -> Callable:
         def lists(*a: Any, **k: Any) -> Any:
             mark(f"attention kernel {kernels[0]} issued")
             kernels[0] += 1
-            return fn_lists(*a, **k)
+            return fn(*a, **k)
 
-        ops.sparse_attention_lists = lists
-        undo.append((ops, "sparse_attention_lists"))
+        return lists
+
+    ops = getattr(model, "ops", None)
+    back = _patch(ops, "sparse_attention_lists", issued) if ops is not None else None
+    if back is not None:
+        undo.append(back)
     for i, layer in enumerate(model.layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: mark(f"layer {i}")))
         hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: mark(f"layer {i} moe done")))
@@ -244,10 +230,8 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
     finally:
         for h in hooks:
             h.remove()
-        for obj, attr in reversed(undo):
-            delattr(obj, attr)
-        for cls, attr, raw in reversed(restore):
-            setattr(cls, attr, raw)
+        for back in reversed(undo):
+            back()
     first = marks[0][2]
     return [
         {"at": n, "host_ms": round(1e3 * h, 3), "device_ms": round(first.elapsed_time(ev), 3),

@@ -50,10 +50,14 @@ class StagedCopy:
     def copy(self, src: torch.Tensor) -> None:
         n = src.shape[0]
         if src.device.type != "cpu" or self.take() is None:
-            self.dst[:n].copy_(to_device(src, self.dst.device))
+            self.copy_unstaged(src)
             return
         self._bufs[self._taken][:n].copy_(src)
         self.send(n)
+
+    def copy_unstaged(self, src: torch.Tensor) -> None:
+        """``dst[:len(src)]`` from ``src`` through ``to_device``, none of the buffers: where ``take`` gave none."""
+        self.dst[: src.shape[0]].copy_(to_device(src, self.dst.device))
 
     def take(self) -> np.ndarray | None:
         """A free pinned buffer of ``dst``'s shape, as a numpy array for the host to write the next copy into (then

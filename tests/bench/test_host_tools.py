@@ -160,6 +160,10 @@ class _Owner:
     def make(cls):
         return cls()
 
+    @staticmethod
+    def double(x):
+        return 2 * x
+
 
 def test_host_spans_time_nested_targets_per_run_and_restore():
     """``host_spans``: a class's method, a classmethod and an instance attribute timed over several runs (medians per
@@ -167,22 +171,24 @@ def test_host_spans_time_nested_targets_per_run_and_restore():
     mod = _load("host_ops")
     inst = _Owner()
     inst.extra = extra = lambda: time.sleep(0.001)
-    raw_make, raw_outer = _Owner.__dict__["make"], _Owner.__dict__["outer"]
+    raw_make, raw_outer, raw_double = _Owner.__dict__["make"], _Owner.__dict__["outer"], _Owner.__dict__["double"]
 
     def run():
+        assert inst.double(2) == 4  # still a staticmethod while wrapped
         _Owner.make().outer()
         inst.outer()
         inst.extra()
 
     targets = [(_Owner, "outer", "outer"), (_Owner, "inner", "inner"), (_Owner, "make", "make"),
-               (inst, "extra", "extra"), (_Owner, "absent", "absent")]  # fmt: skip
+               (inst, "extra", "extra"), (_Owner, "double", "double"), (_Owner, "absent", "absent")]  # fmt: skip
     got = mod.host_spans(targets, run, lambda: None, repeats=3)
     sp = got["spans"]
     assert sp["outer"]["calls"] == 2 and sp["inner"]["calls"] == 2 and sp["make"]["calls"] == 1
-    assert sp["extra"]["calls"] == 1 and "absent" not in sp
+    assert sp["extra"]["calls"] == 1 and sp["double"]["calls"] == 1 and "absent" not in sp
     assert sp["outer"]["ms"] >= 12.0 and 8.0 <= sp["outer"]["self_ms"] < sp["outer"]["ms"] - 3.5
     assert sp["inner"]["self_ms"] == sp["inner"]["ms"] >= 4.0
     assert got["ms"] >= got["issue_ms"] >= 13.0
     assert _Owner.__dict__["make"] is raw_make and _Owner.__dict__["outer"] is raw_outer
+    assert _Owner.__dict__["double"] is raw_double
     assert inst.__dict__["extra"] is extra and not hasattr(_Owner, "extra")
     assert isinstance(_Owner.make(), _Owner)

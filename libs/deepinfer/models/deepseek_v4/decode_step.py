@@ -170,8 +170,8 @@ def load_meta(stage: StagedCopy, ids: torch.Tensor, host: np.ndarray, batch: For
     full[rows, n:] = 0
     if buf is not None:
         stage.send(rows + 1)
-    else:
-        stage.copy(torch.from_numpy(full))
+    else:  # no free buffer (counted by take) or host memory
+        stage.copy_unstaged(torch.from_numpy(full))
 
 
 def bucket_widths(
