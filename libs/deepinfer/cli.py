@@ -4,6 +4,7 @@ deepinfer up                       # the mesh on the embedded default (a tiny De
 deepinfer make-tiny-model DIR      # a random tiny checkpoint in the official formats
 deepinfer generate --prompt TEXT   # offline generation on a model directory or hub id
 deepinfer env                      # validate and print the DEEPINFER_* variables
+deepinfer certs DIR                # a development CA and the services' TLS certificates
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         replicas=args.replicas,
+        served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
     )
@@ -107,15 +109,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         mesh.start()
         for name, addr in mesh.endpoints.items():
-            print(f"  {name:12s} {addr}", flush=True)
+            print(f"  {name:18s} {addr}", flush=True)
         if args.demo:
             return _demo(mesh.endpoints["grpc"], args.max_tokens)
-        print("serving; Ctrl-C stops everything", flush=True)
-        while not stopping and not mesh.dead():
+        mesh.start_supervisor()  # a service that exits is restarted with backoff
+        print("serving; Ctrl-C (or SIGTERM) drains and stops everything", flush=True)
+        while not stopping:
             time.sleep(0.2)
-        if mesh.dead():
-            print(f"deepinfer: error: {', '.join(mesh.dead())} exited; stopping (logs in {log_dir})", file=sys.stderr)
-            return 1
+        print("draining ...", flush=True)
         return 0
     finally:
         mesh.stop()
@@ -126,8 +127,7 @@ def _demo(address: str, max_tokens: int) -> int:
     """The demo conversations through the public gRPC API, streamed."""
     import asyncio
 
-    import grpc
-
+    from deepinfer.rpc.channel import client_channel
     from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     async def one(stub: generation_pb2_grpc.GenerationStub, conv: list[dict]) -> tuple[str, generation_pb2.Finished]:
@@ -142,7 +142,7 @@ def _demo(address: str, max_tokens: int) -> int:
         return text, fin
 
     async def run() -> list:
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with client_channel(address) as ch:  # TLS when DEEPINFER_TLS_CA is set
             stub = generation_pb2_grpc.GenerationStub(ch)
             return await asyncio.gather(*[one(stub, c) for c in DEMO_CONVERSATIONS])
 
@@ -163,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from deepinfer.rpc.channel import client_channel
     from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     sampling = common_pb2.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -175,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         req = generation_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
 
     async def run() -> None:
-        async with grpc.aio.insecure_channel(f"{args.host}:{args.grpc_port}") as ch:
+        async with client_channel(f"{args.host}:{args.grpc_port}") as ch:  # TLS when DEEPINFER_TLS_CA is set
             async for msg in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=args.timeout):
                 print(msg.text, end="", flush=True)
                 if msg.HasField("finished"):
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, default=50051)
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
     s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--served-model-name", help="the model's name in the APIs (default: the model directory's name)")
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
     s.set_defaults(func=cmd_up)
@@ -243,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("env", help="validate and print the DEEPINFER_* variables")
     s.add_argument("--markdown", action="store_true", help="print the reference as markdown")
     s.set_defaults(func=cmd_env)
+    from deepinfer.certs import add_parser as add_certs_parser
+
+    add_certs_parser(sub)
     return p
 
 

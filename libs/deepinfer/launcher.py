@@ -1,20 +1,25 @@
 """``deepinfer up``: the whole mesh on one machine — NATS, the kvstore, the grammar service, per replica a worker
 and a scheduler, the balancer.
 
-NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` started here (JetStream on).
+NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` started here (JetStream on, with
+generated credentials: each service gets its own kind's user in its ``DEEPINFER_NATS_URL``, see ``events/auth.py``).
 
 Every service is its own process (``python -m services.<name>``), exactly as on many machines; this
 module only picks ports, starts them in dependency order, waits for each to report SERVING through
-gRPC health checking, prints the endpoints and stops everything (SIGTERM, then SIGKILL after a grace
-period) on Ctrl-C, SIGTERM, or when any service dies.
+gRPC health checking and prints the endpoints (every service's metrics too). While it runs, a service that
+exits is started again with backoff (same command and ports: its peers reconnect to it); on Ctrl-C or SIGTERM
+the mesh drains in order (balancer, schedulers, workers, then the rest). Internal calls carry a generated
+internal token unless ``DEEPINFER_INTERNAL_TOKEN`` names one.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,31 +42,54 @@ class Mesh:
     replicas: int = 1
     accelerator: str = "cpu"
     log_dir: Path | None = None
+    served_model_name: str | None = None  # the balancer's name for the model (default: the directory's base name)
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    specs: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # name -> (args, env)
+    restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
+    supervise: bool = True  # restart a service that exits (with backoff) until stop()
     endpoints: dict[str, str] = field(default_factory=dict)
     nats: Any = None  # the NatsServer this mesh started (None when DEEPINFER_NATS_URL names one)
 
     def _spawn(self, name: str, args: list[str], ready: str | None, timeout: float = 600.0) -> None:
         env = {**os.environ, **self.extra_env, "DEEPINFER_ACCELERATOR": self.accelerator, "PYTHONUNBUFFERED": "1"}
-        out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None  # noqa: SIM115
-        proc = subprocess.Popen(
+        if self.nats is not None:  # the NATS server started here: each service its own kind's credentials
+            from deepinfer.events.subjects import KINDS
+
+            kind = name.split("-")[0]
+            if kind in KINDS:
+                env["DEEPINFER_NATS_URL"] = self.nats.url_for(kind)
+        if args[0] != "services.balancer":  # every service's metrics on a port of its own (the balancer's: HTTP)
+            mport = free_port(self.host)
+            args = [*args, "--metrics-port", str(mport)]
+            self.endpoints[f"{name} metrics"] = f"http://{self.host}:{mport}/metrics"
+        self.specs[name] = (args, env)
+        proc = self._popen(name, "w")
+        self.procs.append((name, proc))
+        if ready is not None:  # a service that exits first: its log's last lines are in the error
+            wait_serving(ready, timeout, proc, self.log_dir / f"{name}.log" if self.log_dir else None)
+
+    def _popen(self, name: str, mode: str) -> subprocess.Popen:
+        args, env = self.specs[name]
+        out = open(self.log_dir / f"{name}.log", mode) if self.log_dir else None  # noqa: SIM115
+        return subprocess.Popen(
             [sys.executable, "-m", *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None
         )
-        self.procs.append((name, proc))
-        if ready is not None:
-            wait_serving(ready, timeout, proc)
 
     def start(self) -> Mesh:
         from deepinfer import envs
         from deepinfer.events import server_url_or_start
+        from deepinfer.events.auth import redact
 
         if self.accelerator == "cpu" and not envs.is_set("DEEPINFER_TORCH_THREADS"):
             # the worker's OpenMP threads would otherwise compete with the scheduler and the balancer
             self.extra_env["DEEPINFER_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) - 1))
+        if envs.DEEPINFER_INTERNAL_TOKEN is None and envs.DEEPINFER_INTERNAL_TOKEN_FILE is None:
+            self.extra_env["DEEPINFER_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)  # internal calls carry it
         url, self.nats = server_url_or_start()
-        self.extra_env["DEEPINFER_NATS_URL"] = url
-        self.endpoints["nats"] = url
+        if self.nats is None:  # an external server: every service gets DEEPINFER_NATS_URL as it is
+            self.extra_env["DEEPINFER_NATS_URL"] = url
+        self.endpoints["nats"] = redact(url) if self.nats is None else self.nats.address  # printed: no password
         kport = free_port(self.host)
         kaddr = f"{self.host}:{kport}"
         data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
@@ -102,6 +130,8 @@ class Mesh:
             str(self.grpc_port),
         ]
         args += ["--http-port", str(max(self.http_port, 0))]  # 0: no HTTP
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
         gaddr = f"{self.host}:{self.grpc_port}"
         self._spawn("balancer", args + schedulers, gaddr)
         self.endpoints["grpc"] = gaddr
@@ -112,24 +142,74 @@ class Mesh:
     def dead(self) -> list[str]:
         return [name for name, p in self.procs if p.poll() is not None]
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    # -- supervision -------------------------------------------------------------------------------------------
+    def start_supervisor(self) -> None:
+        """Watch the services from a thread: one that exits is started again (same command, ports and log) after
+        a backoff of 0.5 s doubling per crash within a minute, up to ``DEEPINFER_RESTART_MAX_BACKOFF_S``."""
+        self._stopping = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self, poll_s: float = 0.1) -> None:
+        due: dict[str, float] = {}
+        while not self._stopping.wait(poll_s):
+            now = time.monotonic()
+            for i, (name, p) in enumerate(list(self.procs)):
+                if p.poll() is None or self._stopping.is_set():
+                    continue
+                if name not in due:
+                    due[name] = now + self.backoff_s(name, now)
+                    log.warning("service_exited", service=name, code=p.returncode, restart_in_s=due[name] - now)
+                elif now >= due[name]:
+                    del due[name]
+                    self.restarts.setdefault(name, []).append(now)
+                    self.procs[i] = (name, self._popen(name, "a"))
+                    log.warning("service_restarted", service=name, restarts=len(self.restarts[name]))
+            if self.nats is not None and not self.nats.running and not self._stopping.is_set():
+                log.warning("nats_restarting")
+                self.nats.start()  # same port and store: the services reconnect by themselves
+
+    def backoff_s(self, name: str, now: float, window_s: float = 60.0) -> float:
+        from deepinfer import envs
+
+        recent = [t for t in self.restarts.get(name, []) if now - t < window_s]
+        return min(0.5 * 2 ** len(recent), envs.DEEPINFER_RESTART_MAX_BACKOFF_S)
+
+    # -- stopping -------------------------------------------------------------------------------------------------
+    TIERS = ("balancer", "scheduler", "worker", "grammar", "kvstore")  # the order a drain stops them in
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain in order: the balancer (stops admitting, finishes its streams), then the schedulers (deregistered,
+        finishing what they run), then the workers, then grammar and kvstore, then NATS; each tier gets SIGTERM and
+        ``grace_s`` (default ``DEEPINFER_DRAIN_GRACE_S``) plus a margin before SIGKILL."""
+        from deepinfer import envs
+
+        if getattr(self, "_stopping", None) is not None:
+            self._stopping.set()
+            self._supervisor.join(timeout=5)
+        grace = envs.DEEPINFER_DRAIN_GRACE_S if grace_s is None else grace_s
+        for tier in self.TIERS:
+            group = [p for name, p in self.procs if name.split("-")[0] == tier]
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 5.0
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         self.procs.clear()
         if self.nats is not None:
             self.nats.close()
             self.nats = None
 
     def __enter__(self) -> Mesh:
-        return self.start()
+        self.start()
+        if self.supervise:
+            self.start_supervisor()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

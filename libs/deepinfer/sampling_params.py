@@ -6,7 +6,7 @@ Contract:
   raises ``ValueError`` whose message starts with the offending field name, e.g.
   ``"temperature must be >= 0, got -1"``.
 * ``n`` must be 1 (parallel sampling is not supported yet).
-* ``temperature == 0`` means greedy (``greedy`` property); any positive value samples.
+* ``temperature == 0`` means greedy (``greedy`` property); any positive finite value samples.
 * ``top_k`` 0 or -1 disables top-k; ``top_p`` is in (0, 1]; ``min_p`` is in [0, 1].
 * ``max_tokens`` is ``None`` (no limit besides the context) or a positive int; ``min_tokens >= 0`` and,
   when ``max_tokens`` is set, ``min_tokens <= max_tokens``.
@@ -20,12 +20,13 @@ Contract:
   json_schema / json / structural_tag; json_object needs none.
 * ``validate_for_model(vocab_size)`` checks the model-dependent rule: stop_token_ids < vocab_size.
 
-Dependency-free on purpose (dataclasses + json only) so any service can import it.
+Dependency-free on purpose (the standard library only) so any service can import it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"n must be 1 (only n=1 is supported), got {self.n!r}")
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:

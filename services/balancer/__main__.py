@@ -5,7 +5,7 @@ import asyncio
 import sys
 
 from deepinfer.serving.balancer import run_balancer
-from deepinfer.telemetry import configure_logging, configure_tracing
+from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 or less: off)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model's name in the APIs (default: the model directory's base name, or the hub id)",
+    )
     return p
 
 
@@ -28,9 +32,16 @@ def main() -> int:
     args = build_parser().parse_args()
     configure_logging()
     http_port = args.http_port if args.http_port > 0 else None
-    provider = configure_tracing("deepinfer-balancer")
     try:
-        asyncio.run(run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port))
+        provider = configure_tracing("deepinfer-balancer")
+    except MissingExtra as e:  # a setting that needs an extra: say which, no traceback
+        print(f"deepinfer balancer: cannot start: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        served = args.served_model_name
+        asyncio.run(
+            run_balancer(args.model, args.scheduler, args.host, args.grpc_port, args.max_model_len, http_port, served)
+        )
     finally:
         provider.shutdown()  # flushes the spans still batched
     return 0

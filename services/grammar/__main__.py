@@ -7,7 +7,7 @@ import sys
 from deepinfer import envs
 from deepinfer.grammar.service import GrammarConfig, run_grammar
 from deepinfer.grammar.spec import GrammarUnavailable
-from deepinfer.telemetry import configure_logging, configure_tracing
+from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,11 @@ def main() -> int:
         print(f"deepinfer grammar: cannot start: {e}", file=sys.stderr, flush=True)
         return 2
     configure_logging()
-    provider = configure_tracing("deepinfer-grammar")
+    try:
+        provider = configure_tracing("deepinfer-grammar")
+    except MissingExtra as e:  # a setting that needs an extra: say which, no traceback
+        print(f"deepinfer grammar: cannot start: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         asyncio.run(run_grammar(config, args.host, args.port, args.metrics_port, args.grace))
     except GrammarUnavailable as e:

@@ -4,8 +4,9 @@ import argparse
 import asyncio
 import sys
 
+from deepinfer import envs
 from deepinfer.serving.scheduler import run_scheduler
-from deepinfer.telemetry import configure_logging, configure_tracing
+from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50071)
     p.add_argument("--max-queued", type=int, default=1024, help="waiting requests beyond this are refused")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish running requests on SIGTERM")
+    p.add_argument("--grace", type=float, help="seconds to finish running requests on SIGTERM "
+                   "(default: DEEPINFER_DRAIN_GRACE_S)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     return p
 
@@ -22,9 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = build_parser().parse_args()
     configure_logging()
-    provider = configure_tracing("deepinfer-scheduler")
     try:
-        asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, args.grace, args.metrics_port))
+        provider = configure_tracing("deepinfer-scheduler")
+    except MissingExtra as e:  # a setting that needs an extra: say which, no traceback
+        print(f"deepinfer scheduler: cannot start: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        grace = envs.DEEPINFER_DRAIN_GRACE_S if args.grace is None else args.grace
+        asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, grace, args.metrics_port))
     finally:
         provider.shutdown()  # flushes the spans still batched
     return 0

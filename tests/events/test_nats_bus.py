@@ -25,16 +25,16 @@ def test_json_pub_sub_with_wildcards_survives_bad_messages(nats_server, wait_unt
                 got.append((subject, payload))
 
             await bus.subscribe(subjects.kv_wildcard(), handler)
-            await bus.nc.publish(subjects.kv_subject("r0"), b"not json")  # a foreign, malformed message
-            await bus.nc.publish(subjects.kv_subject("r0"), b"[1, 2]")  # JSON, but not an object
-            assert await bus.publish(subjects.kv_subject("r0"), {"boom": True})
+            await bus.nc.publish(subjects.kv_subject("kvstore", "r0"), b"not json")  # a foreign, malformed message
+            await bus.nc.publish(subjects.kv_subject("kvstore", "r0"), b"[1, 2]")  # JSON, but not an object
+            assert await bus.publish(subjects.kv_subject("kvstore", "r0"), {"boom": True})
             sent = [{"stored": ["ab12", "cd34"], "tier": "gpu", "n": i, "f": 0.5, "none": None} for i in range(5)]
             for i, payload in enumerate(sent):
-                assert await bus.publish(subjects.kv_subject(f"r{i % 2}"), payload)
+                assert await bus.publish(subjects.kv_subject("kvstore", f"r{i % 2}"), payload)
             await bus.publish(subjects.experts_subject("r0"), {"ignored": True})  # another subject tree
             await wait_until(lambda: len(got) == 5, 5)
             assert [p for _, p in got] == sent
-            assert [s for s, _ in got] == [subjects.kv_subject(f"r{i % 2}") for i in range(5)]
+            assert [s for s, _ in got] == [subjects.kv_subject("kvstore", f"r{i % 2}") for i in range(5)]
             assert bus.published == 7 and bus.dropped == 0
 
     asyncio.run(main())
@@ -47,7 +47,7 @@ def test_msg_id_header_deduplicates_in_a_jetstream_stream(nats_server):
             await bus.connect(nats_server.url)
             await bus.js.add_stream(StreamConfig(name="KVEVENTS", subjects=["deepinfer.kv.>"], duplicate_window=60))
             for msg_id in ["batch-1", "batch-1", "batch-2", "batch-1"]:
-                assert await bus.publish(subjects.kv_subject("r0"), {"id": msg_id}, msg_id=msg_id)
+                assert await bus.publish(subjects.kv_subject("kvstore", "r0"), {"id": msg_id}, msg_id=msg_id)
             await bus.nc.flush()
             # core publishes: the stream stores them asynchronously, so wait for the two distinct ids to land
             for _ in range(50):

@@ -39,7 +39,7 @@ def test_clients_ride_out_an_outage_and_reconnect_by_themselves(nats_server, wai
         nats_server.stop()  # the outage
         assert old_pid is not None and not os.path.exists(f"/proc/{old_pid}")
         await wait_until(lambda: not bus.connected, 5)
-        assert await bus.publish(subjects.kv_subject("r0"), {"during": "outage"})  # buffered, no raise
+        assert await bus.publish(subjects.kv_subject("kvstore", "r0"), {"during": "outage"})  # buffered, no raise
         assert await view.resync() is False  # a re-read fails quietly, as do the watcher and the refresher
         await asyncio.sleep(1.5)
         assert view.instances() == snapshot  # the last known snapshot is still served

@@ -36,8 +36,8 @@ def test_starts_accepts_connections_and_stops_without_leftovers(tmp_path):
     with server:
         pid = server.pid
         assert pid is not None and server.running
-        assert server.url.startswith("nats://127.0.0.1:")
-        assert _info(server.url)["jetstream"] is True
+        assert server.address.startswith("nats://127.0.0.1:") and server.url.startswith("nats://admin:")
+        assert _info(server.address)["jetstream"] is True
     assert not server.running and server.pid is None
     assert _gone(pid)
     assert "Server Exiting" in (tmp_path / "s.log").read_text()
@@ -60,8 +60,8 @@ def test_restart_keeps_port_and_store(nats_server):
     nats_server.stop()
     assert _gone(pid)
     nats_server.start()
-    assert nats_server.url == url and nats_server.pid != pid
-    assert _info(url)["jetstream"] is True
+    assert nats_server.url == url and nats_server.pid != pid  # same port, same credentials
+    assert _info(nats_server.address)["jetstream"] is True
 
 
 @pytest.mark.timeout(60)

@@ -9,11 +9,12 @@ from deepinfer.events import subjects
 
 def test_names_live_under_the_deepinfer_prefix():
     assert subjects.load_subject("worker", "w-0") == "deepinfer.load.worker.w-0"
-    assert subjects.kv_subject("r1") == "deepinfer.kv.r1"
+    assert subjects.kv_subject("kvstore", "r1") == "deepinfer.kv.kvstore.r1"
     assert subjects.experts_subject("r1") == "deepinfer.experts.r1"
     assert subjects.load_wildcard() == "deepinfer.load.>"
     assert subjects.load_wildcard("scheduler") == "deepinfer.load.scheduler.*"
-    assert subjects.kv_wildcard() == "deepinfer.kv.*"
+    assert subjects.kv_wildcard() == "deepinfer.kv.>"
+    assert subjects.kv_wildcard("kvstore") == "deepinfer.kv.kvstore.*"
     assert subjects.experts_wildcard() == "deepinfer.experts.*"
     assert subjects.REGISTRY_BUCKET == "deepinfer_registry"
     assert subjects.registry_key("kvstore", "kv_1") == "kvstore.kv_1"
@@ -31,7 +32,9 @@ def test_parsers_invert_the_builders():
 
 @pytest.mark.parametrize("bad", ["", "a.b", "a b", "*", ">", "w*", "w>", "tab\t", "ü", "a/b", "x" * 129])
 def test_bad_tokens_are_rejected(bad):
-    for build in (subjects.kv_subject, subjects.experts_subject, lambda t: subjects.load_subject("worker", t)):
+    builders = (lambda t: subjects.kv_subject("kvstore", t), subjects.experts_subject,
+                lambda t: subjects.load_subject("worker", t))  # fmt: skip
+    for build in builders:
         with pytest.raises(ValueError):
             build(bad)
 

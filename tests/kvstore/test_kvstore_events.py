@@ -15,10 +15,13 @@ from deepinfer.events.server import NatsServer
 from deepinfer.kvstore.blob import BlobKey, Tier
 from deepinfer.kvstore.client import KVStoreClient
 from deepinfer.kvstore.events import KVEventPublisher
+from deepinfer.kvstore.keys import anchor, binding_meta, key_tag, resume_key
 from deepinfer.kvstore.store import StoreEvent
 from deepinfer.serving.healthcheck import free_port
 
 FP = "deepseek-v4-test-fp"
+CHAIN, TAIL = b"\x01" * 16, b"\x02" * 16
+AB = resume_key(FP, CHAIN, TAIL, 256)  # a resume point's key, bound to its meta
 
 
 @pytest.fixture
@@ -43,39 +46,49 @@ def test_stored_and_removed_events_and_registration(nats_server, kvstore_factory
         async with EventBus(name="test") as bus:
             await bus.connect(nats_server.url)
             messages: list[tuple[str, dict]] = []
+            raw: list[bytes] = []  # the bytes on the wire
 
             async def on_kv(subject, payload):
                 messages.append((subject, payload))
 
+            async def on_raw(msg):
+                raw.append(msg.data)
+
             await bus.subscribe(subjects.kv_wildcard(), on_kv)
+            await bus.nc.subscribe(subjects.kv_wildcard(), cb=on_raw)
             view = RegistryView(bus, resync_s=0.5)
             await view.start()
-            kv = kvstore_factory(tmp_path / "data", DEEPINFER_NATS_URL=nats_server.url)
+            kv = kvstore_factory(tmp_path / "data", DEEPINFER_NATS_URL=nats_server.url_for("kvstore"))
             await wait_for(lambda: view.instances("kvstore"), 10)
             (reg,) = view.instances("kvstore")
             assert reg.address == kv.address and reg.capacity["max_blob_bytes"] == 1024**3
             async with KVStoreClient(kv.address) as c:
-                await c.put(FP, b"\xab" * 32, b"payload", {"position": "256"}, "v1")
-                await c.put(FP, b"\xcd" * 32, b"other", resume_point=False)
-                assert await c.remove(FP, [b"\xab" * 32]) == 1
+                await c.put(FP, AB, b"payload", binding_meta(CHAIN, TAIL, 256), "v1")
+                await c.put(FP, b"\xcd" * 32, b"other", resume_point=False)  # not a resume point: no binding
+                assert await c.remove(FP, [AB]) == 1
 
             def events():
                 return [e for _, m in messages for e in m["events"]]
 
             await wait_for(lambda: len(events()) >= 6, 5)
             subject, first = messages[0]
-            assert subject == subjects.kv_subject(reg.instance_id) and first["instance"] == reg.instance_id
-            got = {(e["type"], e["tier"], e["key"], e["reason"]) for e in events()}
-            ab, cd = "ab" * 32, "cd" * 32
+            assert subject == subjects.kv_subject("kvstore", reg.instance_id) and first["instance"] == reg.instance_id
+            got = {(e["type"], e["tier"], e["tag"], e["reason"]) for e in events()}
+            ab, cd = key_tag(FP, AB).hex(), key_tag(FP, b"\xcd" * 32).hex()
             assert got == {
                 ("stored", "disk", ab, "put"), ("stored", "host", ab, "put"),
                 ("stored", "disk", cd, "put"), ("stored", "host", cd, "put"),
                 ("removed", "disk", ab, "removed"), ("removed", "host", ab, "removed"),
             }  # fmt: skip
-            stored_ab = next(e for e in events() if e["key"] == ab and e["type"] == "stored")
-            assert stored_ab["meta"] == {"position": "256"} and stored_ab["fingerprint"] == FP
-            assert stored_ab["resume_point"] is True
-            assert next(e for e in events() if e["key"] == cd)["resume_point"] is False
+            stored_ab = next(e for e in events() if e["tag"] == ab and e["type"] == "stored")
+            assert stored_ab == {"type": "stored", "tier": stored_ab["tier"], "fingerprint": FP, "tag": ab,
+                                 "anchor": anchor(CHAIN).hex(), "position": 256, "resume_point": True,
+                                 "reason": "put"}  # fmt: skip
+            assert next(e for e in events() if e["tag"] == cd)["resume_point"] is False
+            assert "anchor" not in next(e for e in events() if e["tag"] == cd)
+            await wait_for(lambda: len(raw) == len(messages), 5)
+            for secret in (AB, b"\xcd" * 32, CHAIN, TAIL):  # neither keys nor the binding ever reach NATS
+                assert not any(secret.hex().encode() in data for data in raw)
             assert kv.stop() == 0
             await wait_for(lambda: not view.instances("kvstore"), 10)  # deregistered on SIGTERM
             await view.close()
@@ -92,8 +105,9 @@ def test_nats_down_never_blocks_put_or_get(kvstore_factory):
         async with KVStoreClient(kv.address, timeout_s=5) as c:
             start = time.monotonic()
             for i in range(20):
-                await c.put(FP, bytes([i]) * 16, b"x" * 1000)
-                assert await c.get(FP, bytes([i]) * 16) == (b"x" * 1000, {})
+                meta = binding_meta(CHAIN, TAIL, i + 1)
+                await c.put(FP, resume_key(FP, CHAIN, TAIL, i + 1), b"x" * 1000, meta)
+                assert await c.get(FP, resume_key(FP, CHAIN, TAIL, i + 1)) == (b"x" * 1000, meta)
             assert time.monotonic() - start < 3
 
     asyncio.run(main())
@@ -111,7 +125,8 @@ class FakeBus:
 
 
 def store_event(i: int) -> StoreEvent:
-    return StoreEvent("stored", Tier.HOST, BlobKey(FP, bytes([i % 256]) * 4), "put", 10, {"i": str(i)})
+    key = resume_key(FP, CHAIN, TAIL, i + 1)
+    return StoreEvent("stored", Tier.HOST, BlobKey(FP, key), "put", 10, binding_meta(CHAIN, TAIL, i + 1))
 
 
 def test_publisher_batches_buffers_until_connected_and_counts_drops():
@@ -132,11 +147,12 @@ def test_publisher_batches_buffers_until_connected_and_counts_drops():
         bus = FakeBus()
         await wait_for(lambda: sum(len(p["events"]) for _, p in bus.sent) == 150, 2)
         assert [len(p["events"]) for _, p in bus.sent] == [64, 64, 22]
-        assert {s for s, _ in bus.sent} == {subjects.kv_subject("kv-1")}
+        assert {s for s, _ in bus.sent} == {subjects.kv_subject("kvstore", "kv-1")}
         assert all(p["instance"] == "kv-1" for _, p in bus.sent)
         first = bus.sent[0][1]["events"][0]
-        assert first == {"type": "stored", "tier": "host", "fingerprint": FP, "key": first["key"],
-                         "resume_point": True, "meta": first["meta"], "reason": "put"}  # fmt: skip
+        assert first == {"type": "stored", "tier": "host", "fingerprint": FP, "tag": first["tag"],
+                         "anchor": anchor(CHAIN).hex(), "position": first["position"], "resume_point": True,
+                         "reason": "put"}  # fmt: skip
         bus = FakeBus(accept=False)  # NATS refuses (buffer full): dropped and counted, never raised
         pub.on_event(store_event(1))
         await pub.stop()

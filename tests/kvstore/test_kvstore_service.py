@@ -13,8 +13,9 @@ import pytest
 from deepinfer.kvstore.blob import Blob, BlobKey, Tier
 from deepinfer.kvstore.client import KVStoreClient, KVStoreDataLoss, KVStoreRefused
 from deepinfer.kvstore.disk import file_name
+from deepinfer.kvstore.keys import binding_meta, resume_key
+from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.healthcheck import SERVING, status
-from deepinfer.serving.server import CHANNEL_OPTIONS
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 FP = "deepseek-v4-test-fp"
@@ -22,7 +23,13 @@ MiB = 1024 * 1024
 
 
 def key(i: int) -> bytes:
-    return bytes([i]) * 32
+    """The key of made-up resume point ``i``: the one its binding meta (:func:`meta`) derives."""
+    return resume_key(FP, bytes([i]) * 16, bytes([255 - i]) * 16, 16 + i)
+
+
+def meta(n: int, **extra: str) -> dict[str, str]:
+    """The meta that binds a blob to :func:`key` ``(n)`` (chain, tail, position), plus ``extra``."""
+    return binding_meta(bytes([n]) * 16, bytes([255 - n]) * 16, 16 + n) | extra
 
 
 def run(coro_fn, address: str):
@@ -33,7 +40,9 @@ def run(coro_fn, address: str):
     return asyncio.run(main())
 
 
-def chunk(k: bytes, offset: int, data: bytes, total: int, crc: int = 0, fp: str = FP) -> kvstore_pb2.PageChunk:
+def chunk(
+    k: bytes, offset: int, data: bytes, total: int, crc: int = 0, fp: str = FP, meta: dict[str, str] | None = None
+) -> kvstore_pb2.PageChunk:
     return kvstore_pb2.PageChunk(
         key=kvstore_pb2.PageKey(hash=k, resume_point=True),
         model_fingerprint=fp,
@@ -42,24 +51,25 @@ def chunk(k: bytes, offset: int, data: bytes, total: int, crc: int = 0, fp: str 
         total_bytes=total,
         data=data,
         crc32=crc,
+        meta=meta,
     )
 
 
 async def raw_put(address: str, chunks: list[kvstore_pb2.PageChunk]) -> kvstore_pb2.PutResponse:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+    async with open_channel(address) as ch:
         return await kvstore_pb2_grpc.KVStoreStub(ch).Put(iter(chunks), timeout=30)
 
 
 @pytest.mark.timeout(60)
 def test_round_trip_multi_chunk_and_several_blobs_in_one_put(shared_kvstore):
     big = os.urandom(3 * MiB + MiB // 2)
-    blobs = [Blob.build(BlobKey(FP, key(10 + i), True), os.urandom(n), "v1", {"i": str(i)})
+    blobs = [Blob.build(BlobKey(FP, key(10 + i), True), os.urandom(n), "v1", meta(10 + i, i=str(i)))
              for i, n in enumerate([1, MiB, 2 * MiB + 5])]  # fmt: skip
 
     async def scenario(kv: KVStoreClient):
-        await kv.put(FP, key(1), big, {"position": 512, "tail": "7"}, "deepinfer-resume-v1")
-        data, meta = await kv.get(FP, key(1))
-        assert data == big and meta == {"position": "512", "tail": "7"}
+        await kv.put(FP, key(1), big, meta(1, note="7"), "deepinfer-resume-v1")
+        data, got = await kv.get(FP, key(1))
+        assert data == big and got == meta(1, note="7")
         full = await kv.get_blob(FP, key(1))
         assert full.layout == "deepinfer-resume-v1" and full.crc32 == zlib.crc32(big)
         result = await kv.put_many(blobs)
@@ -95,7 +105,7 @@ def test_bad_inputs_are_refused_or_invalid_and_the_service_stays_healthy(shared_
         resp = await raw_put(address, [
             chunk(key(20), 0, payload[:half], len(payload), good_crc ^ 1), chunk(key(20), half, payload[half:], 0),
             chunk(b"", 0, b"abc", 3, zlib.crc32(b"abc")),
-            chunk(key(21), 0, payload, len(payload), good_crc),
+            chunk(key(21), 0, payload, len(payload), good_crc, meta=meta(21)),
             chunk(key(22), 0, bytes(9 * MiB), 9 * MiB, zlib.crc32(bytes(9 * MiB))),
             chunk(key(23), 0, b"xyz", 3, zlib.crc32(b"xyz"), fp=""),
         ])  # fmt: skip
@@ -124,9 +134,9 @@ def test_bad_inputs_are_refused_or_invalid_and_the_service_stays_healthy(shared_
                     await kv.get(*bad)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             # still serving: the good blob of the mixed stream and a new one
-            assert await kv.get(FP, key(21)) == (payload, {})
-            await kv.put(FP, key(30), b"after")
-            assert await kv.get(FP, key(30)) == (b"after", {})
+            assert await kv.get(FP, key(21)) == (payload, meta(21))
+            await kv.put(FP, key(30), b"after", meta(30))
+            assert await kv.get(FP, key(30)) == (b"after", meta(30))
 
     asyncio.run(scenario())
     assert status(address) == SERVING
@@ -145,7 +155,7 @@ def test_restart_serves_from_disk_and_a_flipped_byte_is_data_loss(kvstore_factor
 
     async def fill(c: KVStoreClient):
         for i, data in blobs.items():
-            await c.put(FP, key(i), data, {"i": str(i)})
+            await c.put(FP, key(i), data, meta(i, i=str(i)))
 
     run(fill, kv.address)
     assert kv.stop() == 0  # SIGTERM drains and exits cleanly
@@ -156,7 +166,7 @@ def test_restart_serves_from_disk_and_a_flipped_byte_is_data_loss(kvstore_factor
 
     async def after_restart(c: KVStoreClient):
         assert await c.lookup(FP, [key(0), key(1), key(2)]) == [Tier.DISK] * 3
-        assert await c.get(FP, key(0)) == (blobs[0], {"i": "0"})
+        assert await c.get(FP, key(0)) == (blobs[0], meta(0, i="0"))
         assert await c.lookup(FP, [key(0)]) == [Tier.HOST]  # promoted by the verified read
 
     run(after_restart, kv.address)
@@ -172,7 +182,7 @@ def test_restart_serves_from_disk_and_a_flipped_byte_is_data_loss(kvstore_factor
             await c.get(FP, key(1))
         assert await c.lookup(FP, [key(1)]) == [None]
         assert await c.get(FP, key(1)) is None  # gone: never served
-        assert await c.get(FP, key(2)) == (blobs[2], {"i": "2"})
+        assert await c.get(FP, key(2)) == (blobs[2], meta(2, i="2"))
 
     run(corrupt, kv.address)
     assert not path.exists()
@@ -187,7 +197,7 @@ def test_retention_expires_unused_blobs_lazily_and_by_sweep(kvstore_factory, tmp
 
     async def scenario(c: KVStoreClient):
         for i in range(3):
-            await c.put(FP, key(i), b"x" * 100)
+            await c.put(FP, key(i), b"x" * 100, meta(i))
         t0 = time.monotonic()
         while time.monotonic() - t0 < 1.8:  # keep blob 2 alive by reading it
             assert await c.get(FP, key(2)) is not None
@@ -211,16 +221,16 @@ def test_capacity_eviction_in_both_tiers(kvstore_factory, tmp_path):
 
     async def scenario(c: KVStoreClient):
         for name in "ABC":
-            await c.put(FP, k[name], blobs[name])
+            await c.put(FP, k[name], blobs[name], meta(ord(name)))
         # host holds 2 of the 1 MiB blobs: A (least recently used) left memory but is still on disk
         assert await c.lookup(FP, [k["A"], k["B"], k["C"]]) == [Tier.DISK, Tier.HOST, Tier.HOST]
-        assert await c.get(FP, k["A"]) == (blobs["A"], {})  # served from disk, promoted: B leaves memory
+        assert await c.get(FP, k["A"]) == (blobs["A"], meta(ord("A")))  # served from disk, promoted: B leaves memory
         assert await c.lookup(FP, [k["A"], k["B"], k["C"]]) == [Tier.HOST, Tier.DISK, Tier.HOST]
         # disk holds 3 files: D pushes out the least recently used file (B), which was in no other tier
-        await c.put(FP, k["D"], blobs["D"])
+        await c.put(FP, k["D"], blobs["D"], meta(ord("D")))
         assert await c.lookup(FP, [k["A"], k["B"], k["C"], k["D"]]) == [Tier.HOST, None, Tier.DISK, Tier.HOST]
         assert await c.get(FP, k["B"]) is None
-        assert await c.get(FP, k["C"]) == (blobs["C"], {})
+        assert await c.get(FP, k["C"]) == (blobs["C"], meta(ord("C")))
 
     run(scenario, kv.address)
     assert kv.metric("deepinfer_kvstore_evicted_total", tier="host") >= 3

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from deepinfer.serving.healthcheck import free_port, status, wait_serving
 
@@ -24,8 +25,10 @@ class Mesh:
     model: Path
     tmp: Path
     nats_url: str | None = None  # services register on this NATS server
+    nats: Any = None  # or on this NatsServer, each service with its own kind's credentials (url_for)
     discover: bool = False  # the balancer finds its schedulers in the NATS registry (no --scheduler)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. DEEPINFER_MAX_NUM_SEQS, DEEPINFER_OTEL_ENDPOINT
+    balancer_args: list[str] = field(default_factory=list)  # e.g. ["--served-model-name", "x"]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -40,8 +43,11 @@ class Mesh:
 
     def start(self, name: str, args: list[str]) -> None:
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        env = self.env()
+        if self.nats is not None:
+            env["DEEPINFER_NATS_URL"] = self.nats.url_for(name.split("-")[0])
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
     def address(self, name: str) -> str:
@@ -76,7 +82,8 @@ class Mesh:
         self._serve("balancer", ("balancer", *(["http"] if http else [])), lambda: [
             "services.balancer", "--model", str(self.model),
             *([] if self.discover else ["--scheduler", self.address("scheduler")]),
-            "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0))])  # fmt: skip
+            "--grpc-port", str(self.ports["balancer"]), "--http-port", str(self.ports.get("http", 0)),
+            *self.balancer_args])  # fmt: skip
         return self  # the balancer's HTTP server listens before its gRPC server reports SERVING
 
     def _serve(self, name: str, ports: tuple[str, ...], args: Callable[[], list[str]], attempts: int = 3) -> None:

@@ -119,3 +119,48 @@ def test_sigterm_drains_running_streams_and_exits_cleanly(model_dir: Path, tmp_p
         assert "Traceback" not in m.log("scheduler")
     finally:
         m.down()
+
+
+def test_readiness_follows_the_replicas_and_liveness_does_not(model_dir: Path, tmp_path: Path) -> None:
+    """The balancer's gRPC health and HTTP /health, /ready say NOT_SERVING / 503 while no replica can serve, and
+    SERVING again once one can; /live stays 200 (a liveness probe must not restart a balancer for its replicas)."""
+    try:
+        import httpx2 as httpx  # what the openai client brings (older releases: httpx)
+    except ImportError:
+        import httpx
+
+    from serving.mesh import health_status, wait_serving
+
+    m = Mesh(model_dir, tmp_path, extra_env={"DEEPINFER_REPLICA_PROBE_S": "0.1"}).up()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def wait_health(want: int) -> None:
+        deadline = time.monotonic() + 60
+        while health_status(m.address("balancer")) != want:
+            assert time.monotonic() < deadline, f"the balancer's health never became {want}"
+            time.sleep(0.05)
+
+    try:
+        sched = m.procs["scheduler"]
+        args = list(sched.args[2:])
+        assert httpx.get(f"{m.http_url()}/health").status_code == 200
+        sched.kill()
+        sched.wait()
+        wait_health(not_serving)
+        codes = {p: httpx.get(f"{m.http_url()}{p}").status_code for p in ("/health", "/ready", "/live")}
+        assert codes == {"/health": 503, "/ready": 503, "/live": 200}
+
+        async def one(**sampling):  # the channel opens in the loop that uses it
+            return await collect(stub(m), gen_request([0, 7, 8], **sampling))
+
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(one(max_tokens=4))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        m.start("scheduler", args)  # the same replica back on its port
+        wait_serving(m.address("scheduler"), proc=m.procs["scheduler"])
+        wait_health(serving)
+        assert httpx.get(f"{m.http_url()}/ready").status_code == 200
+        _, toks, _ = asyncio.run(one(max_tokens=4, ignore_eos=True))
+        assert len(toks) == 4
+    finally:
+        m.down()

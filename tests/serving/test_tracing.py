@@ -71,10 +71,11 @@ def test_one_request_is_one_trace_across_the_services(tmp_path: Path) -> None:
         by_service.setdefault(service, []).append(span)
     assert set(by_service) == {"deepinfer-balancer", "deepinfer-scheduler", "deepinfer-worker"}
 
-    (root,) = [s for s in by_service["deepinfer-balancer"] if s.name == f"text_completion {model}"]
+    name = model.name  # the served model name: the model directory's base name
+    (root,) = [s for s in by_service["deepinfer-balancer"] if s.name == f"text_completion {name}"]
     a = attrs(root)
     assert root.kind == root.SPAN_KIND_SERVER and not root.parent_span_id
-    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == str(model)
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == name
     assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.top_p"] == pytest.approx(0.9)
     assert a["gen_ai.request.temperature"] == pytest.approx(0.5)
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (4, 6)
@@ -93,3 +94,26 @@ def test_one_request_is_one_trace_across_the_services(tmp_path: Path) -> None:
     # every step that served the request links to the request's trace (context sent with its first chunk)
     served = [s for s in steps if attrs(s)["deepinfer.step.num_seqs"] > 0]
     assert served and all(any(link.trace_id == root.trace_id for link in s.links) for s in served)
+
+    # and the request's own trace holds its steps: per step that ran its tokens, a "forward" span under its span
+    in_trace = {s.span_id: s for _, s in collector.spans if s.trace_id == root.trace_id}
+    forwards = [s for s in in_trace.values() if s.name == "forward"]
+    assert forwards and all(root.span_id in ancestors(s, in_trace) for s in forwards)
+    assert sum(attrs(s)["deepinfer.step.num_tokens"] for s in forwards) >= 4 + 5
+    by_step = {attrs(s)["deepinfer.step_id"]: s for s in steps}
+    for f in forwards:  # each one links to its batch's step span, and lies within it
+        (link,) = f.links
+        batch = by_step[attrs(f)["deepinfer.step_id"]]
+        assert link.span_id == batch.span_id and attrs(f)["deepinfer.request_id"]
+        assert batch.start_time_unix_nano <= f.start_time_unix_nano <= f.end_time_unix_nano <= batch.end_time_unix_nano
+
+
+def ancestors(span, spans: dict) -> list[bytes]:
+    """The span ids above ``span`` within ``spans`` (by span id), nearest first."""
+    out = []
+    while span.parent_span_id:
+        out.append(span.parent_span_id)
+        span = spans.get(span.parent_span_id)
+        if span is None:
+            break
+    return out

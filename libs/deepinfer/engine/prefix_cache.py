@@ -176,18 +176,6 @@ class PrefixCache:
             self._evicted_index.discard(key)
         return rp
 
-    def insert_key(self, base: bytes, tail: tuple[int, ...], position: int, ident: str) -> ResumePoint:
-        """Index an entry stored elsewhere (no pages here; visible at once)."""
-        key = (base, tuple(tail))
-        rp = self._lru.get(key)
-        if rp is None:
-            rp = self._lru[key] = ResumePoint(ident, position, base, tuple(tail), [], visible=True)
-            self._index.add(key)
-        self._lru.move_to_end(key)
-        while self.over_capacity():
-            self.pop_lru()
-        return rp
-
     def remove(self, rp: ResumePoint) -> None:
         if self._lru.get((rp.base, rp.tail)) is rp:
             self.remove_key((rp.base, rp.tail))

@@ -6,7 +6,6 @@ See ``engine/prefix_cache.py`` for the index and docs/kv_cache.md for the design
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -14,25 +13,28 @@ from typing import TYPE_CHECKING
 from deepinfer.engine.interfaces import FetchOrder, FetchResult, OffloadOrder
 from deepinfer.engine.prefix_cache import ResumePoint, root_hash
 from deepinfer.engine.request import Request
+from deepinfer.kvstore.keys import anchor, binding_meta, key_tag, resume_key, tail_digest
 
 _fetch_ids = itertools.count()
 
 
-def blob_key(rp: ResumePoint) -> bytes:
-    """The kvstore key of a resume point: a hash of its chain key (base hash + tail tokens)."""
-    h = hashlib.blake2b(rp.base, digest_size=16, person=b"deepinfer-rp")
-    h.update(",".join(map(str, rp.tail)).encode())
-    return h.digest()
+def blob_binding(rp: ResumePoint, fingerprint: str) -> tuple[bytes, dict[str, str]]:
+    """The kvstore key of a resume point and the meta that binds its blob to it (chain and tail digests, position:
+    no token ids); see ``kvstore/keys.py``."""
+    tail = tail_digest(rp.base, rp.tail)
+    return resume_key(fingerprint, rp.base, tail, rp.position), binding_meta(rp.base, tail, rp.position)
 
 
-def blob_meta(rp: ResumePoint) -> dict[str, str]:
-    """What a scheduler needs to index a stored resume point without fetching it (KV events carry it)."""
-    return {"position": str(rp.position), "base": rp.base.hex(), "tail": ",".join(map(str, rp.tail))}
+def event_fields(rp: ResumePoint, fingerprint: str) -> dict[str, str | int]:
+    """What a KV event says of a resume point: its one-way tag and anchor, and its position."""
+    key, _ = blob_binding(rp, fingerprint)
+    return {"tag": key_tag(fingerprint, key).hex(), "anchor": anchor(rp.base).hex(), "position": rp.position}
 
 
 if TYPE_CHECKING:
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.prefix_cache import PrefixCache
+    from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
     from deepinfer.engine.scheduler import SchedulerConfig
 
 
@@ -45,10 +47,10 @@ class PrefixCaching:
     prefix_queries: int
     prefix_hits: int
     prefix_misses: Counter[str]
-    remote: PrefixCache | None  # resume points held by the kvstore (snapshot_id = blob key, hex)
+    remote: RemoteIndex | None  # resume points held by the kvstore (by tag and anchor: hashes only)
     _offloads: list[OffloadOrder]
     _fetches: list[FetchOrder]
-    fetching: dict[str, tuple[Request, ResumePoint]]  # fetch id -> the request waiting for it, and the entry
+    fetching: dict[str, tuple[Request, RemoteEntry]]  # fetch id -> the request waiting for it, and the entry
     waiting: deque[Request]
     kv_listeners: list
 
@@ -94,7 +96,7 @@ class PrefixCaching:
             if far is not None and (rp is None or far.position > rp.position):
                 self.prefix_queries -= req.num_tokens  # counted when the fetched state is used
                 fid = f"fetch-{next(_fetch_ids)}"
-                self._fetches.append(FetchOrder(fid, bytes.fromhex(far.snapshot_id)))
+                self._fetches.append(FetchOrder(fid, far.key))
                 req.fetch_id = fid
                 self.fetching[fid] = (req, far)
                 return True
@@ -130,18 +132,18 @@ class PrefixCaching:
             req.fetch_failed = True
             req.cache_miss_reason = f"kvstore_{f.reason or 'error'}"
             self.prefix_misses[req.cache_miss_reason] += 1
-            self.remote.remove(entry)
+            self.remote.remove(entry.tag)
         self.waiting.appendleft(req)
 
-    def add_remote(self, base: bytes, tail: tuple[int, ...], position: int, key: bytes) -> None:
+    def add_remote(self, anchor_: bytes, position: int, tag: bytes) -> None:
         """Index a resume point the kvstore holds (offloaded here, or announced by a KV event)."""
         if self.remote is not None:
-            self.remote.insert_key(base, tail, position, key.hex())
+            self.remote.add(anchor_, position, tag)
 
-    def remove_remote(self, base: bytes, tail: tuple[int, ...]) -> None:
+    def remove_remote(self, tag: bytes) -> None:
         """The kvstore holds this resume point no more."""
         if self.remote is not None:
-            self.remote.remove_key((base, tuple(tail)))
+            self.remote.remove(tag)
 
     def _unlookup(self, req: Request) -> None:
         """Undo :meth:`_lookup` (the request stays waiting; it is looked up again when admitted)."""
@@ -191,9 +193,10 @@ class PrefixCaching:
         if rp.visible:
             self._kv_event("removed", rp, "offloaded" if self.remote is not None else "evicted")
         if rp.visible and self.remote is not None:  # move it to the kvstore (the worker reads the pages first)
-            key = blob_key(rp)
-            self._offloads.append(OffloadOrder(rp.snapshot_id, key, list(rp.pages), blob_meta(rp)))
-            self.add_remote(rp.base, rp.tail, rp.position, key)
+            fp = self.config.fingerprint
+            key, meta = blob_binding(rp, fp)
+            self._offloads.append(OffloadOrder(rp.snapshot_id, key, list(rp.pages), meta))
+            self.add_remote(anchor(rp.base), rp.position, key_tag(fp, key))
             self.pages.free(rp.pages)
         elif rp.visible:
             self.pages.free(rp.pages)

@@ -46,6 +46,7 @@ from deepinfer.engine.interfaces import (
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
 from deepinfer.engine.prefix_scheduling import PrefixCaching
+from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
 from deepinfer.engine.request import Request, Status
 from deepinfer.sampling_params import SamplingParams
 
@@ -118,10 +119,10 @@ class Scheduler(PrefixCaching):
         self._pending: list[tuple[str, ResumePoint]] = []  # resume points whose snapshot is not ordered yet
         self._dropped: list[str] = []  # snapshots the worker may drop
         remote = config.remote_store and self.prefix is not None
-        self.remote = PrefixCache(config.page_size, 1 << 20) if remote else None  # kvstore entries
+        self.remote = RemoteIndex(config.fingerprint, config.page_size) if remote else None  # kvstore entries
         self._offloads: list[OffloadOrder] = []
         self._fetches: list[FetchOrder] = []
-        self.fetching: dict[str, tuple[Request, ResumePoint]] = {}
+        self.fetching: dict[str, tuple[Request, RemoteEntry]] = {}
         self.kv_listeners: list[Callable[[str, ResumePoint, str], None]] = []  # device-tier KV events
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / served from the cache
         self.prefix_misses: Counter[str] = Counter()  # requests that found nothing, by reason
@@ -135,9 +136,12 @@ class Scheduler(PrefixCaching):
         cache_salt: str | None = None,
         resume_hints: Sequence[int] = (),
         constraint: Constraint | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends);
-        ``constraint``: what its sampled tokens obey (structured output), sent to the worker with its chunks."""
+        ``constraint``: what its sampled tokens obey (structured output), sent to the worker with its chunks;
+        ``output_token_ids``: tokens it already generated elsewhere (a request moved from a failed replica): it
+        continues after them, as if it had generated them here."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -152,7 +156,13 @@ class Scheduler(PrefixCaching):
                 f"prompt needs more KV pages than the cache holds ({self.pages.num_total} pages of "
                 f"{self.config.page_size} tokens)"
             )
+        total = len(prompt_token_ids) + len(output_token_ids)
+        if output_token_ids and total >= self._max_len():
+            raise ValueError(f"output_token_ids: {total} tokens with the prompt; the limit is {self._max_len()}")
+        if output_token_ids and params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens; max_tokens is {params.max_tokens}")
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
+        req.output_token_ids = list(output_token_ids)
         req.constraint = constraint
         req.resume_hints = sorted({p for p in resume_hints if 0 < p < len(prompt_token_ids)})
         self._arrivals += 1
@@ -172,6 +182,27 @@ class Scheduler(PrefixCaching):
         if 0 < req.num_computed <= req.num_tokens:  # the state covers known tokens only: keep it
             self._resume_point(req, req.num_computed)
         self._drop(req)
+
+    def worker_lost(self) -> list[str]:
+        """The worker lost every state it held (its stream broke, it restarted): drop every request (their ids are
+        returned, for the caller to fail or move) and every device resume point; what the kvstore holds stays
+        indexed. Afterwards every page is free and the next plan starts from nothing."""
+        ids = list(self.requests)
+        for req in self.requests.values():
+            if req.pages:
+                self.pages.free(req.pages)
+                req.pages = []
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self.fetching.clear()
+        while self.prefix is not None and (rp := self.prefix.pop_lru()) is not None:
+            self.pages.free(rp.pages)
+            if rp.visible:
+                self._kv_event("removed", rp, "worker_lost")
+        for pending in (self._pending, self._released, self._dropped, self._offloads, self._fetches):
+            pending.clear()
+        return ids
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)

@@ -1,6 +1,7 @@
 """Events and discovery over NATS (ARCHITECTURE.md §5): facts about the system, never request payloads.
 
 - :mod:`.subjects`: every subject and bucket name, and token validation.
+- :mod:`.auth`: one NATS user per service kind, its subject permissions, credentials in URLs.
 - :mod:`.server`: run a real ``nats-server`` with JetStream (tests, single host).
 - :mod:`.bus`: :class:`EventBus`, the asyncio connection; publishing never blocks or fails on NATS.
 - :mod:`.registry`: :class:`Registration`, :class:`Registry` (register + refresh with a TTL) and

@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
+from deepinfer.events.auth import inbox_prefix, redact
 from deepinfer.telemetry import get_logger
 
 __all__ = ["EventBus", "Handler", "OnceLog", "decode", "encode", "quietly", "stop_tasks", "wait_event"]
@@ -138,11 +139,13 @@ class EventBus:
     async def connect(self, url: str, *, timeout_s: float = 10.0) -> None:
         """Connect to ``url``; ``ConnectionError`` if the first connection does not succeed within ``timeout_s``.
 
-        After that first success the client reconnects by itself, forever.
+        After that first success the client reconnects by itself, forever. Credentials come in the URL
+        (``nats://user:password@host:port``, see ``events/auth.py``); replies then use the inbox ``_INBOX.<user>``.
         """
         if self._nc is not None:
             raise RuntimeError("EventBus.connect called twice")
         nc = Client()
+        prefix = inbox_prefix(url)
         try:
             await asyncio.wait_for(
                 nc.connect(
@@ -156,15 +159,16 @@ class EventBus:
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                     closed_cb=self._on_closed,
+                    **({"inbox_prefix": prefix} if prefix else {}),
                 ),
                 timeout_s,
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await quietly(nc.close(), "nats close")
-            raise ConnectionError(f"could not connect to NATS at {url} within {timeout_s} s: {exc!r}") from exc
+            raise ConnectionError(f"could not connect to NATS at {redact(url)} within {timeout_s} s: {exc!r}") from exc
         self._nc = nc
         self._js = nc.jetstream(timeout=self.request_timeout_s)
-        log.info("nats_connected", url=url, name=self.name)
+        log.info("nats_connected", url=redact(url), name=self.name)
 
     @property
     def connected(self) -> bool:
@@ -198,6 +202,7 @@ class EventBus:
         """Flush what can be flushed (briefly) and close the connection. Idempotent."""
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None:
+            self._down_since = time.monotonic()  # closing: the disconnect that follows is no outage
             await quietly(nc.close(), "nats close")
 
     async def __aenter__(self) -> EventBus:
@@ -266,7 +271,7 @@ class EventBus:
         self._down_since = None
         self._errors.ok()
         url = self._nc.connected_url.geturl() if self._nc and self._nc.connected_url else None
-        log.info("nats_reconnected", url=url, outage_s=round(down, 3), name=self.name)
+        log.info("nats_reconnected", url=redact(url), outage_s=round(down, 3), name=self.name)
         for listener in list(self._listeners):  # in tasks: nats-py awaits this callback in its reconnect loop
             task = asyncio.create_task(self._run_listener(listener))
             self._tasks.add(task)

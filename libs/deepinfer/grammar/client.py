@@ -13,7 +13,7 @@ import grpc
 
 from deepinfer.grammar.spec import CompiledGrammar, GrammarError, GrammarSpec, GrammarTimeout, GrammarUnavailable
 from deepinfer.grammar.wire import grammar_from_proto, kind_to_proto
-from deepinfer.serving.server import CHANNEL_OPTIONS
+from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.tracing import inject_metadata
 from deepinfer.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 
@@ -42,7 +42,7 @@ class GrammarClient:
 
     def _connect(self) -> grammar_pb2_grpc.GrammarStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+            self._channel = open_channel(self.address, RECONNECT_OPTIONS)
             self._stub = grammar_pb2_grpc.GrammarStub(self._channel)
         return self._stub
 

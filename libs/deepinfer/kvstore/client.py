@@ -24,7 +24,7 @@ import grpc
 
 from deepinfer.kvstore.assembly import CHUNK_BYTES, blob_chunks
 from deepinfer.kvstore.blob import Blob, BlobKey, Tier
-from deepinfer.serving.server import CHANNEL_OPTIONS
+from deepinfer.rpc.channel import open_channel
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 __all__ = ["KVStoreClient", "KVStoreDataLoss", "KVStoreError", "KVStoreRefused", "PutResult"]
@@ -59,7 +59,7 @@ class KVStoreClient:
 
     def __init__(self, address: str, timeout_s: float = 60.0, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.address, self.timeout_s, self.chunk_bytes = address, timeout_s, chunk_bytes
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def put(

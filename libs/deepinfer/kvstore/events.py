@@ -1,10 +1,14 @@
 """KV events of one kvstore instance on NATS: what was stored or removed, per tier (hashes only, batched).
 
-Each message on ``subjects.kv_subject(<instance id>)`` is::
+Each message on ``subjects.kv_subject("kvstore", <instance id>)`` is::
 
     {"instance": "kvstore-host-123",
      "events": [{"type": "stored" | "removed", "tier": "host" | "disk", "fingerprint": "...",
-                 "key": "<hash hex>", "resume_point": true, "meta": {...}, "reason": "put" | ...}]}
+                 "tag": "<hex>", "anchor": "<hex>", "position": 512, "resume_point": true, "reason": "put" | ...}]}
+
+An event never carries the blob's key, its meta or a token id: ``tag`` is a one-way hash of the key, ``anchor``
+one of the resume point's chain hash (``kvstore/keys.py``); ``anchor`` and ``position`` come from the blob's
+binding meta and are absent when it has none (a blob that is not a resume point).
 
 Stored reasons: ``put``, ``promoted`` (a disk read copied into host memory), ``indexed`` (found on disk at
 start). Removed reasons: ``evicted``, ``expired``, ``corrupt``, ``removed`` (a Remove call), ``missing``.
@@ -26,6 +30,7 @@ from typing import Any
 
 from deepinfer.events import subjects
 from deepinfer.events.bus import EventBus, stop_tasks, wait_event
+from deepinfer.kvstore.keys import anchor, key_tag, parse_binding
 from deepinfer.kvstore.store import StoreEvent
 from deepinfer.telemetry import get_logger
 
@@ -38,15 +43,19 @@ def event_payload(event: StoreEvent) -> dict[str, Any] | None:
     """The JSON form of one store event (``None`` for a corrupt file whose key is unknown)."""
     if event.key is None:
         return None
-    return {
+    key = event.key
+    out: dict[str, Any] = {
         "type": event.type,
         "tier": event.tier.value,
-        "fingerprint": event.key.fingerprint,
-        "key": event.key.hex,
-        "resume_point": event.key.resume_point,
-        "meta": event.meta,
+        "fingerprint": key.fingerprint,
+        "tag": key_tag(key.fingerprint, key.hash).hex(),
+        "resume_point": key.resume_point,
         "reason": event.reason,
     }
+    binding = parse_binding(event.meta)
+    if binding is not None:
+        out["anchor"], out["position"] = anchor(binding[0]).hex(), binding[2]
+    return out
 
 
 class KVEventPublisher:
@@ -63,7 +72,7 @@ class KVEventPublisher:
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
         self.instance = instance
-        self.subject = subjects.kv_subject(instance)
+        self.subject = subjects.kv_subject("kvstore", instance)
         self.bus, self.period_s, self.batch, self.max_buffered = bus, period_s, batch, max_buffered
         self.on_drop = on_drop
         self.published = self.dropped = 0  # events

@@ -9,7 +9,7 @@ name                                            labels                 meaning
 ``deepinfer_kvstore_misses_total``              op                     Get / Lookup for an absent blob
 ``deepinfer_kvstore_stored_total``              tier, reason           blobs stored (put, promoted, indexed)
 ``deepinfer_kvstore_stored_bytes_total``        tier                   payload bytes stored
-``deepinfer_kvstore_refused_total``             reason                 blobs Put refused (bad_key, crc, ...)
+``deepinfer_kvstore_refused_total``             reason                 blobs Put refused (bad_key, key_mismatch, ...)
 ``deepinfer_kvstore_corrupt_total``             tier                   copies that failed their checks
 ``deepinfer_kvstore_evicted_total``             tier                   copies evicted for capacity
 ``deepinfer_kvstore_expired_total``             tier                   copies expired by retention
@@ -29,7 +29,7 @@ __all__ = ["KVStoreMetrics", "REFUSAL_REASONS"]
 
 OPS = ("get", "lookup")
 REFUSAL_REASONS = ("bad_key", "bad_fingerprint", "bad_meta", "empty", "too_large", "crc_mismatch", "capacity",
-                   "io_error")  # fmt: skip
+                   "io_error", "key_mismatch", "unbound_key")  # fmt: skip
 
 
 class KVStoreMetrics:

@@ -59,7 +59,7 @@ class RemoteResumeStore:
                 await self._client.put(self.fingerprint, key, data, meta, self.layout)
             except Exception as e:  # noqa: BLE001 - a lost offload only costs a future recompute
                 self.puts_failed += 1
-                log.warning("kvstore_put_failed", key=key.hex(), error=str(e))
+                log.warning("kvstore_put_failed", key=key.hex()[:16], error=str(e))
 
         async def go() -> None:
             task = self._puts[key] = asyncio.ensure_future(send())
@@ -83,12 +83,12 @@ class RemoteResumeStore:
                     out = Fetched(fetch_id, await asyncio.to_thread(self.decode, got[0]))
             except KVStoreDataLoss as e:
                 out = Fetched(fetch_id, None, "data_loss")
-                log.warning("kvstore_fetch_data_loss", key=key.hex(), error=str(e))
+                log.warning("kvstore_fetch_data_loss", key=key.hex()[:16], error=str(e))
             except grpc.aio.AioRpcError as e:
                 out = Fetched(fetch_id, None, "unavailable" if e.code() == grpc.StatusCode.UNAVAILABLE else "error")
             except Exception as e:  # noqa: BLE001 - a bad blob must never take the worker down
                 out = Fetched(fetch_id, None, "error")
-                log.warning("kvstore_fetch_failed", key=key.hex(), error=str(e))
+                log.warning("kvstore_fetch_failed", key=key.hex()[:16], error=str(e))
             with self._lock:
                 self._done.append(out)
             self._arrived.set()

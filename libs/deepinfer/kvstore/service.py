@@ -1,10 +1,13 @@
 """The ``deepinfer.v1.KVStore`` gRPC servicer (a thin adapter over :class:`Store`) and the service's run loop.
 
-Status codes: a malformed request or Put stream → INVALID_ARGUMENT naming the field; an absent (or
-expired, or other-fingerprint) blob → NOT_FOUND; a stored copy that failed its checks → DATA_LOSS (the
-copy is removed and counted, never served); anything unexpected → INTERNAL with a generic message. Bad
-blobs inside a well-formed Put stream are not errors: they are listed in ``PutResponse.refused`` as
-``"blob <i> (<key>): <field>: <why>"`` and counted under ``deepinfer_kvstore_refused_total{reason}``.
+Status codes: a malformed request or Put stream → INVALID_ARGUMENT naming the field; a resume point whose key is
+not the one its own header derives (``kvstore/keys.py``: a blob put under another prompt's key, or without its
+binding) → PERMISSION_DENIED, counted under ``refused_total{reason="key_mismatch" | "unbound_key"}``, the stream
+ends there (blobs before it stay stored); an absent (or expired, or other-fingerprint) blob → NOT_FOUND; a stored
+copy that failed its checks → DATA_LOSS (the copy is removed and counted, never served); anything unexpected →
+INTERNAL with a generic message. Other bad blobs inside a well-formed Put stream are not errors: they are listed in
+``PutResponse.refused`` as ``"blob <i> (<key>): <field>: <why>"`` and counted under
+``deepinfer_kvstore_refused_total{reason}``.
 File I/O runs in worker threads, so a large blob never stalls the event loop.
 """
 
@@ -22,6 +25,7 @@ import grpc
 from deepinfer import envs
 from deepinfer.kvstore.assembly import PutAssembler, StreamError, blob_chunks
 from deepinfer.kvstore.blob import BlobKey, BlobNotFound, BlobRefused, CorruptBlob, Tier, check_key
+from deepinfer.kvstore.keys import check_binding
 from deepinfer.kvstore.metrics import KVStoreMetrics
 from deepinfer.kvstore.store import Store
 from deepinfer.telemetry import get_logger
@@ -87,6 +91,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     continue
                 index = assembler.blobs - 1
                 if not isinstance(done, BlobRefused):
+                    await self._check_binding(done.key, done.meta, index, context)
                     try:
                         await self._call(context, self.store.put, done)
                         stored += 1
@@ -125,6 +130,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     ) -> kvstore_pb2.RemoveResponse:
         keys = await _keys(request.model_fingerprint, request.keys, context)
         return kvstore_pb2.RemoveResponse(removed=await self._call(context, self.store.remove, keys))
+
+    async def _check_binding(
+        self, key: BlobKey, meta: dict[str, str], index: int, context: grpc.aio.ServicerContext
+    ) -> None:
+        """PERMISSION_DENIED (and counted) unless a resume point is put under the key its own header derives."""
+        try:
+            check_binding(key, meta)
+        except BlobRefused as exc:
+            self.metrics.refused.labels(exc.reason).inc()
+            log.warning("kvstore_put_forged", blob=index, key=str(key), reason=exc.reason, error=str(exc))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"blob {index} ({key}): {exc}")
 
     @staticmethod
     async def _call(context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:

@@ -9,37 +9,42 @@ frees the request's pages), and ends with the finish reason and usage.
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from deepinfer import envs
 from deepinfer.chat import encode_messages
 from deepinfer.engine.determinism import merge as merge_determinism
-from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto, sampling_from_proto
+from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto
+from deepinfer.serving.admission import (
+    AdmissionGate,
+    check_prompt,
+    check_request,
+    public_status,
+    served_model_name,
+)
 from deepinfer.serving.constraints import ConstraintCompiler
-from deepinfer.serving.errors import ModelNotFound, Unavailable
+from deepinfer.serving.errors import ModelNotFound, Overloaded, Unavailable
 from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, observe_stream, status_label
-from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.serving.relay import Relay
+from deepinfer.serving.replicas import Replica, ReplicaSet
+from deepinfer.serving.server import RunningServer, status_for
 from deepinfer.serving.tracing import extract_metadata, inject_metadata, request_attributes, tracer
 from deepinfer.telemetry import get_logger
-from deepinfer.tokenizer import Detokenizer
-from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from deepinfer.tokenizer import encode_ids
+from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
-
-
-@dataclass
-class Replica:
-    address: str
-    stub: scheduler_pb2_grpc.SchedulerStub
-    in_flight: int = 0
+# a replica's stream that ends with these moves to another replica (a dead or draining replica's codes)
+MOVABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+PUBLIC = ("deepinfer.v1.Generation",)  # the balancer's services that take API keys (the rest: internal token)
 
 
 def chat_to_messages(chat: generation_pb2.ChatInput) -> tuple[list[dict], list[dict] | None]:
@@ -75,6 +80,10 @@ def chat_to_messages(chat: generation_pb2.ChatInput) -> tuple[list[dict], list[d
     return messages, tools
 
 
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     GRPC_ROUTE = "/deepinfer.v1.Generation/Generate"  # the route label of gRPC requests in the metrics
 
@@ -88,20 +97,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         self.tokenizer, self.info, self.constraints = tokenizer, info, constraints
         self.metrics = metrics if metrics is not None else METRICS
-        self.replicas: list[Replica] = []
-        self.set_replicas(replicas)
-        self._rr = itertools.count()
+        self.pool = ReplicaSet(replicas)
+        self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
         self._where: dict[str, Replica] = {}
+        self.draining = False  # SIGTERM: new requests are refused (UNAVAILABLE / 503), open ones finish
+        self.in_flight = 0  # open streams of generate(), gRPC and HTTP alike (the drain waits for them)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
 
     def set_replicas(self, addresses: list[str]) -> None:
         """Route to exactly these scheduler replicas (kept ones keep their channel and counters)."""
-        known = {r.address: r for r in self.replicas}
-        wanted = list(dict.fromkeys(addresses))
-        self.replicas = [
-            known.get(a)
-            or Replica(a, scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)))
-            for a in wanted
-        ]
+        self.pool.set(addresses)
+
+    def ready(self) -> bool:
+        """Whether a request could be served now: not draining, and some replica is routable."""
+        return not self.draining and bool(self.pool.routable())
 
     # -- helpers -------------------------------------------------------------------------------
     def _prompt(
@@ -109,7 +121,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> tuple[list[int], str | None, list[dict] | None]:
         """Prompt ids, prompt text and (chat) the tools it renders."""
         if which == "text":
-            return self.tokenizer.encode(req.text, add_special_tokens=False).ids, req.text, None
+            return encode_ids(self.tokenizer, req.text), req.text, None
         if which == "token_ids":
             return list(req.token_ids.ids), None, None
         if which == "chat":
@@ -120,7 +132,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 reasoning_effort=req.chat.reasoning_effort or None,
                 tools=tools,
             )
-            return self.tokenizer.encode(text, add_special_tokens=False).ids, text, tools
+            return encode_ids(self.tokenizer, text), text, tools
         raise ValueError("input: one of text, token_ids or chat is required")
 
     async def _constraint(
@@ -132,13 +144,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("so_args: this balancer has no grammar service (DEEPINFER_GRAMMAR_URL)")
         return None
 
-    def _pick(self) -> Replica:
-        if not self.replicas:
-            raise Unavailable("no scheduler replica is registered")
-        start = next(self._rr)
-        order = self.replicas[start % len(self.replicas) :] + self.replicas[: start % len(self.replicas)]
-        return min(order, key=lambda r: r.in_flight)
-
     # -- RPCs ----------------------------------------------------------------------------------
     async def generate(
         self, request: generation_pb2.GenerateRequest, timeout: float | None = None, parent: Context | None = None
@@ -148,6 +153,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         Raises ValueError (naming the field) before anything is sent for a bad request, and the
         replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes. The request
         is traced as one SERVER span (a child of ``parent``, if given) whose context goes to the replica."""
+        if self.draining:
+            raise _unavailable("the balancer is draining (shutting down): retry on another instance")
         op = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
         model = request.model or self.info.model
         span = _tracer.start_span(
@@ -155,6 +162,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             attributes=request_attributes(op, model, request.sampling),
         )  # fmt: skip
         stream = self._generate(request, timeout, span)
+        self.in_flight += 1
         try:
             async for out in stream:
                 if out.HasField("finished"):
@@ -171,6 +179,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 span.set_status(trace.StatusCode.ERROR, str(e) or type(e).__name__)
             raise
         finally:
+            self.in_flight -= 1
             await stream.aclose()  # the inner stream's cleanup (cancel the replica's call) runs now
             span.end()
 
@@ -180,88 +189,82 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         if request.model and request.model != self.info.model:
             raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
-        ids, _, tools = self._prompt(request.WhichOneof("input"), request)
-        if not ids:
-            raise ValueError("prompt: empty prompt (at least one token is required)")
-        if len(ids) >= self.info.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens; the model's limit is {self.info.max_model_len}")
-        params = sampling_from_proto(request.sampling)
-        params.validate_for_model(self.info.vocab_size)
+        check_request(request)  # field checks that need no tokenization; then tokenize off the event loop
+        ids, _, tools = await asyncio.to_thread(self._prompt, request.WhichOneof("input"), request)
+        params = check_prompt(request, ids, self.info.max_model_len, self.info.vocab_size)  # fills in max_tokens
         try:
             with trace.use_span(span, end_on_exit=False):  # the grammar service's compile span is a child
                 constraint = await self._constraint(request, ids, params, tools)
-            replica = self._pick()
         except Unavailable as e:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), str(e)
-            ) from e
-        replica.in_flight += 1
-        self._where[rid] = replica
-        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        emitted, n_out, first = 0, 0, True
-        call = replica.stub.Submit(
-            scheduler_pb2.SubmitRequest(
-                request_id=rid,
-                prompt_token_ids=ids,
-                sampling=request.sampling,
-                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-                constraint=constraint,
-            ),  # fmt: skip
-            timeout=timeout,
-            metadata=inject_metadata(trace.set_span_in_context(span)),
-        )
+            raise _unavailable(str(e)) from e
+        async for out in self._relay(rid, ids, request, params, constraint, timeout, span):
+            yield out
+
+    async def _relay(
+        self, rid: str, ids: list[int], request: generation_pb2.GenerateRequest, params: object,
+        constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
+        """Stream the request from a replica; when that replica fails mid-stream, move the request (its prompt and
+        the tokens sent so far) to a replica that serves — waiting for one up to ``DEEPINFER_MIGRATION_WAIT_S`` —
+        at most ``DEEPINFER_MIGRATION_LIMIT`` times, so the caller sees one uninterrupted stream."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        relay = Relay(rid, ids, params, self.tokenizer)
+        metadata = inject_metadata(trace.set_span_in_context(span))
+        attempt, replica = 0, self._route(self.pool.pick)
+        while True:
+            left = None if deadline is None else deadline - loop.time()
+            replica.in_flight += 1
+            self._where[rid] = replica
+            call = replica.stub.Submit(relay.submit(request, constraint, attempt), timeout=left, metadata=metadata)
+            try:
+                async for ev in call:
+                    out = relay.response(ev)
+                    if out is not None:
+                        if attempt and out.HasField("finished"):
+                            self.metrics.migrations.labels(self.info.model, ev.cached_tier or "recompute").inc()
+                        yield out
+                        if out.HasField("finished"):
+                            return
+                error = _unavailable(f"replica {replica.address} ended the stream without finishing")
+            except grpc.aio.AioRpcError as e:
+                error = e
+            finally:
+                call.cancel()  # stop string or caller gone: the replica frees the request's pages
+                replica.in_flight -= 1
+                self._where.pop(rid, None)
+            if error.code() not in MOVABLE or attempt >= envs.DEEPINFER_MIGRATION_LIMIT:
+                raise error
+            self.pool.failed(replica, f"{error.code().name}: {error.details()}")
+            attempt += 1
+            log.warning("request_moving", request_id=rid, replica=replica.address, attempt=attempt,
+                        sent_tokens=len(relay.generated), error=error.code().name)  # fmt: skip
+            # a request that has sent nothing yet goes where it can be served now, like a new one; one that has
+            # streamed tokens waits for a replica (the restarted one, with one replica)
+            wait = envs.DEEPINFER_MIGRATION_WAIT_S if relay.started else 0.0
+            wait = wait if deadline is None else min(wait, deadline - loop.time())
+            replica = self._route(self.pool.pick) if wait <= 0 else await self._wait_route(wait)
+
+    def _route(self, pick: Callable[..., Replica], *args: object) -> Replica:
         try:
-            prompt_rows = []
-            async for ev in call:
-                prompt_rows.extend(ev.prompt_logprobs)  # a chunked prefill scores the prompt over several steps
-                if first and not ev.token_ids and ev.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                    continue  # the first message waits for the first token and carries the whole prompt's rows
-                out = generation_pb2.GenerateResponse(request_id=rid)
-                if first:
-                    out.prompt_tokens = len(ids)
-                    if prompt_rows:
-                        out.prompt_logprobs.add()
-                        for row in prompt_rows:
-                            out.prompt_logprobs.add().entries.extend(row.entries)
-                    first = False
-                stop = None
-                for k, t in enumerate(ev.token_ids):
-                    n_out += 1
-                    out.token_ids.append(t)
-                    if k < len(ev.logprobs):
-                        out.logprobs.append(ev.logprobs[k])
-                    stop = detok.add(t, check_stop=n_out >= params.min_tokens)
-                    if stop is not None:
-                        break
-                done = stop is not None or ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                upto = len(detok.text) if done else max(emitted, len(detok.text) - hold)
-                out.text = detok.text[emitted:upto]
-                emitted = upto
-                if done:
-                    f = out.finished
-                    if stop is not None:
-                        f.reason, f.stop_string = common_pb2.FINISH_REASON_STOP, stop
-                    else:
-                        f.reason = ev.finish_reason
-                        if ev.stop_token_id and ev.finish_reason == common_pb2.FINISH_REASON_STOP:
-                            f.stop_token_id = ev.stop_token_id
-                    f.usage.prompt_tokens, f.usage.completion_tokens = len(ids), n_out
-                    f.usage.total_tokens = len(ids) + n_out
-                    f.usage.cached_tokens = ev.cached_tokens
-                    if ev.cached_tokens and ev.cached_tier:
-                        f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
-                    yield out
-                    return
-                yield out
-        finally:
-            call.cancel()  # stop string or caller gone: the replica frees the request's pages
-            replica.in_flight -= 1
-            self._where.pop(rid, None)
+            return pick(*args)
+        except Unavailable as e:
+            raise _unavailable(str(e)) from e
+
+    async def _wait_route(self, wait_s: float) -> Replica:
+        try:
+            return await self.pool.wait_pick(wait_s)
+        except Unavailable as e:
+            raise _unavailable(f"{e} (waited {wait_s:.0f} s to move the request)") from e
 
     async def Generate(  # noqa: N802
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            ticket = self.gate.admit(draining=self.draining)  # every replica full: RESOURCE_EXHAUSTED at once
+        except Overloaded as e:
+            self.metrics.count_request(self.info.model, self.GRPC_ROUTE, "resource_exhausted")
+            await context.abort(*status_for(e))
         stream = observe_stream(
             self.generate(request, context.time_remaining(), extract_metadata(context.invocation_metadata())),
             model=self.info.model,
@@ -274,8 +277,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             await context.abort(*status_for(e))
         except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or e.code().name)
+            await context.abort(*public_status(e))
         finally:
+            ticket.release()
             await stream.aclose()
 
     async def Abort(  # noqa: N802
@@ -293,7 +297,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.TokenizeResponse:
         try:
-            ids, text, _ = self._prompt(request.WhichOneof("input"), request)
+            ids, text, _ = await asyncio.to_thread(self._prompt, request.WhichOneof("input"), request)
         except ValueError as e:
             await context.abort(*status_for(e))
             return generation_pb2.TokenizeResponse()
@@ -328,6 +332,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 load = await r.stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
             except grpc.aio.AioRpcError:
                 load = common_pb2.ReplicaLoad(draining=True)
+            load.draining = load.draining or not r.healthy  # out of routing, whatever it says of itself
             load.replica_id = r.address
             out.replicas.append(load)
         return out
@@ -340,12 +345,11 @@ async def run_balancer(
     port: int,
     max_model_len: int | None,
     http_port: int | None = None,
+    served_name: str | None = None,
 ) -> None:
     """Serve ``deepinfer.v1.Generation`` for the model in ``model`` (tokenizer and config only) and, with
-    ``http_port``, the OpenAI-compatible HTTP API beside it; both drain and stop together on SIGTERM."""
-    import asyncio
-
-    from deepinfer import envs
+    ``http_port``, the OpenAI-compatible HTTP API beside it; both drain and stop together on SIGTERM. The APIs
+    name the model ``served_name`` (default: the model directory's base name, or the hub id)."""
     from deepinfer.engine.factory import resolve_model_dir
     from deepinfer.grammar import tokenizer_fingerprint
     from deepinfer.serving.server import Service, serve
@@ -357,7 +361,7 @@ async def run_balancer(
         tokenizer, envs.DEEPINFER_GRAMMAR_URL, tokenizer_fingerprint(path), envs.DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S
     )
     info = generation_pb2.ModelInfo(
-        model=str(model or path),
+        model=served_model_name(model, path, served_name),
         model_type=config.model_type,
         vocab_size=config.vocab_size,
         max_model_len=max_model_len or config.max_position_embeddings,
@@ -369,27 +373,52 @@ async def run_balancer(
     from deepinfer.serving.discovery import Discovery
 
     discovery = Discovery(service, schedulers)
+    app = None
+
+    async def started(running: RunningServer) -> None:  # readiness follows the replicas; probes start
+        service.pool.start()
+        service.gate.start()  # the replicas' capacities, known before the first burst
+        tasks.append(asyncio.create_task(_mirror_readiness(service, running)))
+
+    async def drain(grace_s: float) -> None:  # 503 / UNAVAILABLE for new requests; open streams finish
+        service.draining = True
+        if app is not None:
+            app.state.api.draining = True
+        while service.in_flight or (app is not None and app.state.api.in_flight):
+            await asyncio.sleep(0.05)
+
+    tasks: list[asyncio.Task] = []
+    grace = envs.DEEPINFER_DRAIN_GRACE_S
     try:
         await discovery.start()
         if http_port is None:
-            await serve(services, host, port)
+            await serve(services, host, port, grace_s=grace, on_drain=drain, on_started=started, public=PUBLIC)
             return
 
         from deepinfer.serving.http import create_app, start_http
 
         app = create_app(service)
         http, task = await start_http(app, host, http_port)  # listening before gRPC reports SERVING
-
-        async def drain(grace_s: float) -> None:  # health 503, refuse new requests, let open ones finish
-            app.state.api.draining = True
-            while app.state.api.in_flight:
-                await asyncio.sleep(0.05)
-
         try:
-            await serve(services, host, port, on_drain=drain)
+            await serve(services, host, port, grace_s=grace, on_drain=drain, on_started=started, public=PUBLIC)
         finally:
             http.should_exit = True
             await task
     finally:
+        for t in tasks:
+            t.cancel()
         await discovery.close()
+        await service.gate.close()
+        await service.pool.close()
         await constraints.close()
+
+
+async def _mirror_readiness(service: GenerationService, running: RunningServer, period_s: float = 0.1) -> None:
+    """gRPC health says SERVING exactly while a request could be served (a replica is routable, not draining)."""
+    serving = None
+    while not service.draining:
+        now = service.ready()
+        if now != serving:
+            await running.set_serving(now)
+            serving = now
+        await asyncio.sleep(period_s)

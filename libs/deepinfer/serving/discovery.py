@@ -22,24 +22,33 @@ class Discovery:
         self._task = None
 
     async def start(self) -> None:
+        """Follow the registry from a background task (connecting with backoff while NATS cannot be reached:
+        the static replicas serve meanwhile)."""
         import asyncio
 
         from deepinfer import envs
-        from deepinfer.events import EventBus, RegistryView
 
-        url = envs.DEEPINFER_NATS_URL
-        if not url:
-            return
-        self.bus = EventBus("balancer-discovery")
-        try:
-            await self.bus.connect(url, timeout_s=10)
-        except (ConnectionError, OSError):
-            log.warning("nats_unreachable_at_start", url=url)
-            self.bus = None
-            return
+        if envs.DEEPINFER_NATS_URL:
+            self._task = asyncio.create_task(self._follow(envs.DEEPINFER_NATS_URL))
+
+    async def _follow(self, url: str) -> None:
+        from deepinfer.events import EventBus, RegistryView
+        from deepinfer.events.auth import redact
+        from deepinfer.rpc.channel import Backoff
+
+        backoff = Backoff(max_s=5.0)
+        while True:
+            bus = EventBus("balancer-discovery")
+            try:
+                await bus.connect(url, timeout_s=10)
+                break
+            except (ConnectionError, OSError):
+                log.warning("nats_unreachable", url=redact(url))
+                await backoff.wait()
+        self.bus = bus
         self.view = RegistryView(self.bus)
         await self.view.start()
-        self._task = asyncio.create_task(self._sync())
+        await self._sync()
 
     async def _sync(self) -> None:
         import asyncio

@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP API of the balancer (PRACTICES §C1), over ``GenerationService.generate``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health`` (and
-``/ready``; 503 once draining), ``/metrics`` and ``/version``. A request is validated and its first response
-awaited before the HTTP status is sent, so bad input, a full queue or a dead replica get a proper status
-and an OpenAI error body; an error after a stream has started is sent as a ``data: {"error": ...}`` event.
-A client that goes away closes the upstream stream, which cancels the replica's request and frees its pages.
+``/ready``; 503 once draining or while no replica serves), ``/live``, ``/metrics`` and ``/version``. With API keys
+configured every route but the probes, ``/metrics`` and ``/version`` needs one (401 otherwise). A request is
+refused before its body is read when the server drains (503), the body is too large (413) or every replica is
+full (429 + ``Retry-After``, the admission gate); its JSON is parsed and its chat prompt rendered off the event
+loop. It is validated and its first response awaited before the HTTP status is sent, so bad input, a full queue
+or a dead replica get a proper status and an OpenAI error body; an error after a stream has started is sent as a
+``data: {"error": ...}`` event. A client that goes away closes the upstream stream, which cancels the replica's
+request and frees its pages.
 """
 
 from __future__ import annotations
@@ -12,23 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepinfer import __version__
+from deepinfer import __version__, envs
 from deepinfer.chat.streaming import StreamingParser
+from deepinfer.rpc.auth import ApiKeys
 from deepinfer.serving.balancer import GenerationService
+from deepinfer.serving.http_errors import ApiError, api_error
+from deepinfer.serving.http_guard import ApiKeyMiddleware, check_length, read_body
 from deepinfer.serving.metrics import (
     CONTENT_TYPE_LATEST,
     METRICS,
@@ -42,60 +47,7 @@ from deepinfer.serving.openai_protocol import (
     CompletionRequest,
     parse_chat_output,
 )
-from deepinfer.telemetry import get_logger
 from deepinfer.v1 import common_pb2, generation_pb2
-
-log = get_logger(__name__)
-
-_PARAM = re.compile(r"^(?:chat\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)(?::| must | is )")
-# gRPC status of a replica error -> (HTTP status, error type, code)
-_RPC_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-}
-_GRPC_OF_HTTP = {status: code for code, (status, _, _) in _RPC_ERRORS.items()}  # for the metrics' status label
-
-
-class ApiError(Exception):
-    """An error with its OpenAI body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.grpc_status = _GRPC_OF_HTTP.get(status, grpc.StatusCode.INTERNAL)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 429 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def api_error(exc: BaseException) -> ApiError:
-    """The OpenAI error for an exception of validation, of ``generate`` or of the replica."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ValidationError):
-        err = exc.errors()[0]
-        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-        return ApiError(400, f"{param}: {err['msg']}", param=param or None, code="invalid_value")
-    if isinstance(exc, ValueError):
-        match = _PARAM.match(str(exc))
-        return ApiError(400, str(exc), param=match.group(1) if match else None, code="invalid_value")
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RPC_ERRORS:
-        status, type_, code = _RPC_ERRORS[exc.code()]
-        details = exc.details() or exc.code().name
-        match = _PARAM.match(details) if status == 400 else None
-        return ApiError(status, details, type_, match.group(1) if match else None, code)
-    log.error("http_internal_error", exc_info=exc)
-    return ApiError(500, "internal error", "server_error", code="internal_error")
 
 
 def _sse(obj: Any) -> str:
@@ -159,6 +111,8 @@ class _Api:
     def __init__(self, service: GenerationService, metrics: Metrics) -> None:
         self.service, self.metrics, self.info = service, metrics, service.info
         self.draining, self.in_flight, self.created = False, 0, int(time.time())
+        self.gate = getattr(service, "gate", None)  # the admission gate (None: not gated here)
+        self.max_body = envs.DEEPINFER_MAX_REQUEST_BYTES
         self._tokens: dict[int, str] = {}
         tok = getattr(service.tokenizer, "token_to_id", None)
         self.think_end_id = tok("</think>") if tok is not None else None
@@ -197,10 +151,18 @@ class _Api:
             return None
         return ids.index(self.think_end_id) if self.think_end_id in ids else len(ids)
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+    def _admit(self, request: Request) -> Any:
+        """Refusals that cost nothing, before the body is read: draining, too large, every replica full."""
         if self.draining:
             raise ApiError(503, "the server is draining", "service_unavailable_error", code="service_unavailable")
-        raw = await request.body()
+        check_length(request, self.max_body)
+        return self.gate.admit() if self.gate is not None else None
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        raw = await read_body(request, self.max_body)
+        return await asyncio.to_thread(self._decode, raw, model)  # a big body's JSON: off the event loop
+
+    def _decode(self, raw: bytes, model: type[BaseModel]) -> Any:
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -222,13 +184,16 @@ class _Api:
         start: Callable[[Any, str], tuple[generation_pb2.GenerateRequest, Any]], respond: Callable[..., Any],
     ) -> Response:  # fmt: skip
         """Parse, start the stream and await its first response (errors up to then are JSON errors), then
-        ``respond(req, rid, first, stream, ctx)`` with a JSON body or an SSE generator of events."""
-        stream, sse = None, False
+        ``respond(req, rid, first, stream, ctx)`` with a JSON body or an SSE generator of events. A client that
+        goes away before its response starts cancels the request (its place at the gate and on the replica)."""
+        stream, sse, ticket, hang_up = None, False, None, None
         self.in_flight += 1
         try:
+            ticket = self._admit(request)
             req = await self._parse(request, model)
+            hang_up = asyncio.create_task(_hang_up(request, asyncio.current_task()))
             rid = f"{'chatcmpl' if model is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
-            grpc_req, ctx = start(req, rid)
+            grpc_req, ctx = await asyncio.to_thread(start, req, rid)  # chat rendering: off the event loop
             stream = observe_stream(
                 self.service.generate(grpc_req), model=self.info.model, route=route, metrics=self.metrics
             )
@@ -237,17 +202,30 @@ class _Api:
             if isinstance(body, dict):
                 return JSONResponse(body)
             sse = True
-            return _EventStream(_framed(body), partial(self._close, stream))
-        except Exception as e:
+            hang_up.cancel()  # the event stream watches for the client itself
+            return _EventStream(_framed(body), partial(self._close, stream, ticket))
+        except asyncio.CancelledError:
+            if hang_up is None or hang_up.cancelled() or not hang_up.done():
+                raise
+            asyncio.current_task().uncancel()  # the client is gone: nobody reads what follows
             if stream is None:
-                self.metrics.count_request(self.info.model, route, status_label(e))
-            return api_error(e).response()
+                self.metrics.count_request(self.info.model, route, "cancelled")
+            return Response(status_code=499)
+        except Exception as e:
+            err = api_error(e)
+            if stream is None:
+                self.metrics.count_request(self.info.model, route, status_label(err))
+            return err.response()
         finally:
+            if hang_up is not None:
+                hang_up.cancel()
             if not sse:
-                await self._close(stream)
+                await self._close(stream, ticket)
 
-    async def _close(self, stream: Any) -> None:
+    async def _close(self, stream: Any, ticket: Any = None) -> None:
         self.in_flight -= 1
+        if ticket is not None:
+            ticket.release()
         if stream is not None:
             await stream.aclose()
 
@@ -344,8 +322,16 @@ class _Api:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
+        """/health and /ready: 503 while draining or while no replica could serve a request."""
         if self.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        ready = getattr(self.service, "ready", None)
+        if ready is not None and not ready():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def live(self) -> Response:
+        """/live: 200 while the process serves (draining included)."""
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(self) -> Response:
@@ -353,6 +339,13 @@ class _Api:
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
+
+
+async def _hang_up(request: Request, handler: asyncio.Task) -> None:
+    """Cancel ``handler`` when its client disconnects (the body has been read: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handler.cancel()
 
 
 async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -369,15 +362,18 @@ def _call(call: dict[str, str]) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
 
 
-def create_app(service: GenerationService, metrics: Metrics | None = None) -> FastAPI:
-    """The OpenAI-compatible app over ``service``; ``app.state.api.draining = True`` turns /health to 503."""
+def create_app(service: GenerationService, metrics: Metrics | None = None, keys: ApiKeys | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``service``; ``app.state.api.draining = True`` turns /health to 503. With API
+    keys (``keys``, default from the environment) every route but the probes needs ``Authorization: Bearer KEY``."""
     app = FastAPI(title="deepinfer", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ApiKeyMiddleware, keys=keys if keys is not None else ApiKeys())
     api = app.state.api = _Api(service, metrics or METRICS)
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     for path in ("/health", "/ready"):
         app.add_api_route(path, api.health, methods=["GET"])
+    app.add_api_route("/live", api.live, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
 

@@ -1,12 +1,14 @@
-"""KV events of the prefix cache on NATS, both ways.
+"""KV events of the prefix cache on NATS, both ways. Events carry hashes only (``kvstore/keys.py``): a one-way
+``tag`` naming the blob, the ``anchor`` of its chain hash and its ``position``; never a key, a chain hash or a token.
 
 * :class:`KVIndexFollower`: every kvstore publishes what it stores and removes, per tier
-  (``deepinfer.kvstore.events``). A scheduler whose worker moves resume points to and from a kvstore
+  (``deepinfer.kv.kvstore.<instance>``). A scheduler whose worker moves resume points to and from a kvstore
   indexes the resume points stored for its own model fingerprint, so a prefix offloaded by any replica is a
-  hit on every replica. An entry leaves the index when no kvstore tier holds it any more (or when a fetch
-  of it fails). Device-tier events (other replicas' own caches) are not fetchable and are ignored.
+  hit on every replica with the same cache salt and tokens (the key is derived from them at lookup). An entry
+  leaves the index when no kvstore tier holds it any more (or when a fetch of it fails). Device-tier events
+  (other replicas' own caches) are not fetchable and are ignored.
 * :class:`DeviceKVPublisher`: a scheduler's own resume points, stored (snapshot taken) and removed (evicted
-  or offloaded), tier ``device``, in the kvstore's message format on ``deepinfer.kv.<scheduler instance>``,
+  or offloaded), tier ``device``, in the kvstore's message format on ``deepinfer.kv.scheduler.<instance>``,
   batched every 100 ms or 64 events.
 """
 
@@ -16,7 +18,7 @@ import asyncio
 from typing import Any
 
 from deepinfer.engine.prefix_cache import ResumePoint
-from deepinfer.engine.prefix_scheduling import blob_key, blob_meta
+from deepinfer.engine.prefix_scheduling import event_fields
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.events import subjects
 from deepinfer.events.bus import EventBus
@@ -28,10 +30,10 @@ log = get_logger(__name__)
 class KVIndexFollower:
     def __init__(self, scheduler: Scheduler, fingerprint: str) -> None:
         self.scheduler, self.fingerprint = scheduler, fingerprint
-        self.tiers: dict[str, set[str]] = {}  # blob key (hex) -> tiers holding it
+        self.tiers: dict[bytes, set[str]] = {}  # tag -> tiers holding it
 
     async def start(self, bus: EventBus) -> None:
-        await bus.subscribe(subjects.kv_wildcard(), self.on_message)
+        await bus.subscribe(subjects.kv_wildcard("kvstore"), self.on_message)
 
     async def on_message(self, subject: str, payload: dict[str, Any]) -> None:
         for ev in payload.get("events", []):
@@ -43,20 +45,18 @@ class KVIndexFollower:
     def apply(self, ev: dict[str, Any]) -> None:
         if ev.get("fingerprint") != self.fingerprint or not ev.get("resume_point") or ev.get("tier") == "device":
             return
-        meta, key = ev.get("meta") or {}, str(ev["key"])
-        if "base" not in meta:
-            return
-        base = bytes.fromhex(meta["base"])
-        tail = tuple(int(t) for t in meta["tail"].split(",") if t)
-        held = self.tiers.setdefault(key, set())
+        tag = bytes.fromhex(ev["tag"])
         if ev["type"] == "stored":
-            held.add(str(ev["tier"]))
-            self.scheduler.add_remote(base, tail, int(meta["position"]), bytes.fromhex(key))
+            if "anchor" not in ev:  # a blob stored without its binding (refused by a current kvstore)
+                return
+            self.tiers.setdefault(tag, set()).add(str(ev["tier"]))
+            self.scheduler.add_remote(bytes.fromhex(ev["anchor"]), int(ev["position"]), tag)
         elif ev["type"] == "removed":
+            held = self.tiers.get(tag, set())
             held.discard(str(ev["tier"]))
             if not held:
-                del self.tiers[key]
-                self.scheduler.remove_remote(base, tail)
+                self.tiers.pop(tag, None)
+                self.scheduler.remove_remote(tag)
 
 
 class DeviceKVPublisher:
@@ -70,8 +70,7 @@ class DeviceKVPublisher:
     def on_event(self, kind: str, rp: ResumePoint, reason: str) -> None:
         """A :attr:`Scheduler.kv_listeners` callback (runs on the scheduler's event loop)."""
         self.queue.append({"type": kind, "tier": "device", "fingerprint": self.fingerprint,
-                           "key": blob_key(rp).hex(), "resume_point": True, "meta": blob_meta(rp),
-                           "reason": reason})  # fmt: skip
+                           **event_fields(rp, self.fingerprint), "resume_point": True, "reason": reason})  # fmt: skip
         if len(self.queue) > 65536:  # NATS unreachable for long: keep the newest
             del self.queue[: len(self.queue) - 65536]
         if len(self.queue) >= self.batch:
@@ -91,7 +90,7 @@ class DeviceKVPublisher:
             while self.queue and self.bus is not None:
                 events, self.queue = self.queue[: self.batch], self.queue[self.batch :]
                 message = {"instance": self.instance, "events": events}
-                await self.bus.publish(subjects.kv_subject(self.instance), message)
+                await self.bus.publish(subjects.kv_subject("scheduler", self.instance), message)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -87,6 +87,12 @@ class Metrics:
         self.success = Counter(
             "vllm:request_success", "Finished requests by finish reason.", [*model, "finished_reason"], registry=r
         )
+        self.migrations = Counter(
+            "deepinfer_balancer_migrations",
+            "Requests moved to another replica after theirs failed mid-stream, by how the new replica rebuilt their "
+            "state (kvstore: from a resume point the kvstore held; device: from one on its device; recompute).",
+            [*model, "source"], registry=r,
+        )  # fmt: skip
 
     def count_request(self, model: str, route: str, status: str) -> None:
         """Count a request that ended before its stream started (bad JSON, unknown model, ...)."""
@@ -126,9 +132,14 @@ class SchedulerMetrics:
             "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected).",
             [*labels, "outcome"], registry=r,
         )  # fmt: skip
+        self.workers_lost = Counter(
+            "deepinfer_scheduler_worker_lost", "Times the worker's step stream broke (its requests moved away).",
+            labels, registry=r,
+        )  # fmt: skip
         for outcome in self.OUTCOMES:  # exported at 0 from the start
             self.requests.labels(model, outcome)
         self.preemptions.labels(model)
+        self.workers_lost.labels(model)
 
     def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
         """Read the gauges from the scheduler at scrape time."""
@@ -147,6 +158,9 @@ class SchedulerMetrics:
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()
+
+    def worker_lost(self) -> None:
+        self.workers_lost.labels(self.model).inc()
 
 
 class PrefixCacheCollector:

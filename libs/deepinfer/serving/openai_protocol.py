@@ -115,7 +115,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # absent: the balancer's default (16, at most what the context leaves)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -170,8 +170,14 @@ class ChatCompletionRequest(_SamplingRequest):
         on = on if flag is None else flag
         return on, effort if on else ""
 
-    def to_proto(self, request_id: str, max_model_len: int) -> tuple[generation_pb2.GenerateRequest, bool]:
-        """The wire request and whether the rendered prompt opens reasoning (ends with ``<think>``)."""
+    def to_proto(
+        self, request_id: str, max_model_len: int | None = None
+    ) -> tuple[generation_pb2.GenerateRequest, bool]:
+        """The wire request and whether the rendered prompt opens reasoning (ends with ``<think>``).
+
+        Without ``max_tokens`` / ``max_completion_tokens`` the wire field stays unset: the balancer then gives the
+        chat what the context leaves after the prompt, at most ``DEEPINFER_DEFAULT_MAX_TOKENS`` (``max_model_len``
+        is no longer needed here and only kept for callers that pass it)."""
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
         thinking, effort = self.thinking()
@@ -185,8 +191,7 @@ class ChatCompletionRequest(_SamplingRequest):
             chat.parallel_tool_calls = self.parallel_tool_calls
         messages, tools = chat_to_messages(chat)
         prompt = encode_messages(messages, chat.thinking_mode, reasoning_effort=effort or None, tools=tools)
-        # Unset max_tokens: up to the context (the engine finishes with "length" at max_model_len).
-        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max_model_len)
+        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
         sampling = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         req = generation_pb2.GenerateRequest(
             request_id=request_id, chat=chat, sampling=sampling, cache_salt=self.cache_salt

@@ -13,6 +13,7 @@ from typing import Any
 
 from deepinfer import envs
 from deepinfer.events import EventBus, LoadReporter, Registration, Registry
+from deepinfer.events.auth import redact
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -58,7 +59,7 @@ class Presence:
                 await bus.connect(url, timeout_s=5)
                 break
             except (ConnectionError, OSError) as e:
-                log.warning("nats_unreachable", url=url, error=str(e))
+                log.warning("nats_unreachable", url=redact(url), error=str(e))
                 await asyncio.sleep(2)
         self.bus = bus
         self.registry = Registry(bus, self.registration, ttl_s=self.ttl_s)
@@ -67,16 +68,19 @@ class Presence:
             r = self.registration
             self.reporter = LoadReporter(bus, r.kind, r.instance_id, self.load, period_s=self.load_period_s)
             await self.reporter.start()
-        log.info("registered", kind=self.registration.kind, address=self.registration.address, nats=url)
+        log.info("registered", kind=self.registration.kind, address=self.registration.address, nats=redact(url))
         for hook in self.on_connected:
             await hook(bus)
 
     async def close(self) -> None:
+        """Deregister and disconnect (again: a no-op)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        if self.reporter is not None:
-            await self.reporter.stop()
-        if self.registry is not None:
-            await self.registry.stop(deregister=True)
-        if self.bus is not None:
-            await self.bus.close()
+        reporter, registry, bus = self.reporter, self.registry, self.bus
+        self.reporter = self.registry = self.bus = None
+        if reporter is not None:
+            await reporter.stop()
+        if registry is not None:
+            await registry.stop(deregister=True)
+        if bus is not None:
+            await bus.close()

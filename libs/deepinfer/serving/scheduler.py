@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from deepinfer.engine.interfaces import StepPlan, StepResult
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.rpc.convert import constraint_from_proto, plan_to_proto, result_from_proto, sampling_from_proto
+from deepinfer.rpc.channel import Backoff
+from deepinfer.rpc.convert import constraint_from_proto, sampling_from_proto
 from deepinfer.serving.errors import Overloaded, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
-from deepinfer.serving.server import CHANNEL_OPTIONS, status_for
+from deepinfer.serving.remote_worker import RemoteWorker, WorkerLost
+from deepinfer.serving.server import status_for
 from deepinfer.serving.tracing import RequestTrace, extract_metadata
 from deepinfer.telemetry import get_logger, request_context
-from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 
 log = get_logger(__name__)
 _FINISH = {
@@ -34,50 +38,6 @@ _FINISH = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
-
-
-class RemoteWorker:
-    """The client end of one ``Worker.Step`` stream; steps are answered in order."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._outbox: asyncio.Queue[worker_pb2.StepPlan | None] = asyncio.Queue()
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._sent: set[str] = set()
-
-    async def info(self, timeout: float = 60.0) -> worker_pb2.WorkerInfo:
-        return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout)
-
-    async def _plans(self) -> AsyncIterator[worker_pb2.StepPlan]:
-        while (msg := await self._outbox.get()) is not None:
-            yield msg
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        await self.send(plan)
-        return await self.receive()
-
-    async def send(self, plan: StepPlan) -> None:
-        """Queue a step; results come back in order through :meth:`receive`."""
-        if self._call is None:
-            self._call = self.stub.Step(self._plans())
-        await self._outbox.put(plan_to_proto(plan, self._sent))
-
-    async def receive(self) -> StepResult:
-        if self._call is None:
-            raise Unavailable(f"worker {self.address}: no step was sent")
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as e:
-            raise Unavailable(f"worker {self.address}: {e.code().name}: {e.details()}") from e
-        if msg is grpc.aio.EOF:
-            raise Unavailable(f"worker {self.address} closed its step stream")
-        return result_from_proto(msg)
-
-    async def close(self) -> None:
-        await self._outbox.put(None)
-        await self.channel.close()
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -104,16 +64,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
         self.wakeup = asyncio.Event()
         self.draining = False
-        self.dead: str | None = None
+        self.dead: str | None = None  # why the replica cannot serve now (its worker is lost), or None
         self.step_ms = 0.0
-        self.on_dead: list = []
+        self.on_serving: list[Callable[[bool], Awaitable[None]]] = []  # health follows the worker
+        self.on_fatal: list[Callable[[], Awaitable[None]]] = []  # the replica cannot go on: stop the process
         self.pipeline_depth = 2  # steps in flight: 2 = plan step N+1 while the worker runs step N
 
     # -- the engine loop -----------------------------------------------------------------------
     async def run(self) -> None:
-        """The engine loop, pipelined: while the worker runs step N, step N+1 is planned and sent
-        (requests decoding in step N continue on placeholders that the worker fills in), so the
-        worker never waits for the scheduler; then step N's result is applied and delivered."""
+        """The engine loop, for good: steps while the worker answers; when its stream breaks, every open request
+        fails with UNAVAILABLE (the balancer moves it to a replica that serves), health turns NOT_SERVING, and the
+        worker is dialled again with backoff until it answers as the same worker (a restarted one included)."""
+        backoff = Backoff()
+        while True:
+            try:
+                await self._steps()
+            except WorkerLost as e:
+                await self._lose_worker(str(e))
+                if not await self._reconnect(backoff):
+                    return
+
+    async def _steps(self) -> None:
+        """Pipelined steps: while the worker runs step N, step N+1 is planned and sent (requests decoding in step
+        N continue on placeholders that the worker fills in), so the worker never waits for the scheduler; then
+        step N's result is applied and delivered. Raises :class:`WorkerLost` when the step stream breaks."""
         loop = asyncio.get_running_loop()
         in_flight: collections.deque[tuple[StepPlan, float]] = collections.deque()
         while True:
@@ -123,11 +97,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if plan is not None and (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots
                                          or plan.offloads or plan.fetches or self.scheduler.fetching):  # fmt: skip
                     self._attach_trace_context(plan)
-                    try:
-                        await self.worker.send(plan)
-                    except Exception as e:  # noqa: BLE001 - the replica is dead: fail every open stream
-                        await self._die(e)
-                        return
+                    await self.worker.send(plan)
                     in_flight.append((plan, loop.time()))
                     if self._traces:
                         self._mark_scheduled(plan)
@@ -135,22 +105,68 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if not in_flight:
                     if not busy:
                         self.wakeup.clear()
-                        await self.wakeup.wait()
+                        await self._idle()
                     else:
                         await asyncio.sleep(0.001)
                     continue
             plan, t0 = in_flight.popleft()
-            try:
-                result = await self.worker.receive()
-            except Exception as e:  # noqa: BLE001
-                await self._die(e)
-                return
+            result = await self.worker.receive()
             elapsed = loop.time() - t0
             self.step_ms = elapsed * 1e3
             preemptions = self.scheduler.num_preemptions
             self.metrics.step(elapsed, plan.num_tokens, preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
             self._deliver(result, self.scheduler.update(result))
+
+    async def _idle(self) -> None:
+        """Wait for work, or for the idle step stream to break (a worker that died while idle is noticed now)."""
+        waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(self.worker.lost.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.worker.lost.is_set():
+            raise WorkerLost(f"worker {self.worker.address}: the step stream ended")
+
+    async def _lose_worker(self, reason: str) -> None:
+        self.dead = reason
+        log.error("worker_lost", error=reason)
+        self.metrics.worker_lost()
+        for rid in self.scheduler.worker_lost():
+            self._traces.pop(rid, None)
+        for q in self.streams.values():
+            q.put_nowait(Unavailable(f"the replica lost its worker ({reason})"))
+        await self._serving(False)
+
+    async def _reconnect(self, backoff: Backoff) -> bool:
+        """Dial the worker until it answers; False (and the replica stays down) if it is another model now."""
+        self.worker.reset()
+        want = self.worker_info
+        while True:
+            try:
+                info = await self.worker.info(timeout=max(1.0, backoff.max_s))
+                break
+            except grpc.aio.AioRpcError as e:
+                log.info("worker_reconnecting", error=e.code().name)
+                await backoff.wait()
+        backoff.reset()
+        same = want is None or (info.fingerprint, info.num_pages, info.page_size) == (
+            want.fingerprint, want.num_pages, want.page_size)  # fmt: skip
+        if not same:
+            self.dead = f"worker {self.worker.address} came back with another model or cache geometry"
+            log.error("worker_changed", model=info.model, num_pages=info.num_pages)
+            for cb in self.on_fatal:
+                await cb()
+            return False
+        self.dead = None
+        log.info("worker_reconnected", address=self.worker.address)
+        await self._serving(True)
+        return True
+
+    async def _serving(self, serving: bool) -> None:
+        for cb in self.on_serving:
+            await cb(serving)
 
     def _attach_trace_context(self, plan: StepPlan) -> None:
         """Give each chunk its request's trace carrier (the wire sends it with the first chunk only)."""
@@ -199,18 +215,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if q is not None:
                 q.put_nowait(ev)
 
-    async def _die(self, exc: BaseException) -> None:
-        self.dead = str(exc)
-        log.error("worker_lost", error=self.dead)
-        for q in self.streams.values():
-            q.put_nowait(Unavailable(self.dead))
-        for cb in self.on_dead:
-            await cb()
-
     # -- RPCs ----------------------------------------------------------------------------------
     def _admit(self, request: scheduler_pb2.SubmitRequest) -> None:
         if self.dead is not None or self.draining:
-            raise Unavailable(self.dead or "the scheduler is draining")
+            why = f"the replica lost its worker ({self.dead})" if self.dead else "the scheduler is draining"
+            raise Unavailable(why)
         params = sampling_from_proto(request.sampling)
         params.validate_for_model(self.vocab_size)
         ids = list(request.prompt_token_ids)
@@ -227,7 +236,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if params.so_args and (constraint is None or constraint.grammar is None):
             raise ValueError("constraint: so_args needs the compiled grammar (the balancer compiles it)")
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints), constraint)
+        out = list(request.output_token_ids)
+        if any(not 0 <= t < self.vocab_size for t in out):
+            raise ValueError(f"output_token_ids: ids outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints), constraint, out)
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -309,7 +321,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "free_kv_pages": s.num_available_pages,  # pages only the prefix cache holds count as free
             "total_kv_pages": s.pages.num_total,
             "step_time_ms": self.step_ms,
-            "draining": self.draining,
+            "draining": self.draining or self.dead is not None,  # not taking requests, either way
+            "max_queued": self.max_queued,  # admission limits: the balancer refuses beyond their sum at once
+            "max_running": self.scheduler.config.max_num_seqs,
         }
 
     async def GetLoad(  # noqa: N802
@@ -328,6 +342,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
 
 
+async def _first_info(worker: RemoteWorker) -> worker_pb2.WorkerInfo:
+    """The worker's info, waiting as long as it takes (a worker loads its weights for minutes)."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await worker.info(timeout=30)
+        except grpc.aio.AioRpcError as e:
+            log.info("waiting_for_worker", address=worker.address, error=e.code().name)
+            await backoff.wait()
+
+
 async def run_scheduler(
     worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0
 ) -> None:
@@ -341,7 +366,7 @@ async def run_scheduler(
     from deepinfer.serving.server import RunningServer, Service, serve
 
     worker = RemoteWorker(worker_address)
-    info = await worker.info()
+    info = await _first_info(worker)
     config = config_from_env(
         info.page_size, info.max_model_len, info.eos_token_id, fingerprint=info.fingerprint, remote_store=info.kvstore
     )
@@ -361,10 +386,11 @@ async def run_scheduler(
     presence = Presence(registration, load=service.load_report)
 
     async def started(running: RunningServer) -> None:
-        async def not_serving() -> None:
-            await running.set_serving(False)
+        async def fatal() -> None:  # the process ends; its supervisor starts a fresh one
+            os.kill(os.getpid(), signal.SIGTERM)
 
-        service.on_dead.append(not_serving)
+        service.on_serving.append(running.set_serving)
+        service.on_fatal.append(fatal)
         tasks.append(asyncio.create_task(service.run()))
         from deepinfer.serving.kv_index import DeviceKVPublisher, KVIndexFollower
 
@@ -376,9 +402,13 @@ async def run_scheduler(
             presence.on_connected.append(publisher.start)
         await presence.start()
 
+    async def drain(grace: float) -> None:  # leave the registry first: no balancer routes here any more
+        await presence.close()
+        await service.drain(grace)
+
     svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
     try:
-        await serve([svc], host, port, grace_s=grace_s, on_drain=service.drain, on_started=started)
+        await serve([svc], host, port, grace_s=grace_s, on_drain=drain, on_started=started)
     finally:
         await presence.close()
         for t in tasks:

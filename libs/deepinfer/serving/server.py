@@ -12,20 +12,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deepinfer import envs
+from deepinfer.rpc.auth import ApiKeys, ServerGuard
+from deepinfer.rpc.channel import internal_token, is_loopback, server_options
+from deepinfer.rpc.tls import enabled as tls_enabled
+from deepinfer.rpc.tls import server_credentials
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
-
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
-CHANNEL_OPTIONS = SERVER_OPTIONS
 
 
 @dataclass
@@ -50,21 +44,50 @@ class RunningServer:
             await self.health.set(name, status)
 
 
-async def start_server(services: list[Service], host: str, port: int) -> RunningServer:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+def check_exposure(host: str, public: bool, internal: bool, keys: ApiKeys | None = None) -> None:
+    """Refuse to serve beyond loopback without credentials (unless ``DEEPINFER_ALLOW_UNAUTHENTICATED``); mutual
+    TLS (``DEEPINFER_TLS_*``) is an internal credential, as the internal token is."""
+    if is_loopback(host) or envs.DEEPINFER_ALLOW_UNAUTHENTICATED:
+        return
+    missing = []
+    if public and not (keys or ApiKeys()).enabled:
+        missing.append("DEEPINFER_API_KEYS or DEEPINFER_API_KEY_FILE (the public API's keys)")
+    if internal and internal_token() is None and not tls_enabled():
+        missing.append(
+            "DEEPINFER_INTERNAL_TOKEN or DEEPINFER_INTERNAL_TOKEN_FILE (the mesh's internal token) or "
+            "DEEPINFER_TLS_CA, DEEPINFER_TLS_CERT and DEEPINFER_TLS_KEY (mutual TLS)"
+        )
+    if missing:
+        raise RuntimeError(
+            f"refusing to listen on {host} (not loopback) without credentials: set {' and '.join(missing)}, "
+            "or DEEPINFER_ALLOW_UNAUTHENTICATED=1 on an isolated network"
+        )
+
+
+async def start_server(services: list[Service], host: str, port: int, public: tuple[str, ...] = ()) -> RunningServer:
+    """Start a gRPC server with ``services``; those named in ``public`` take API keys, the others the internal
+    token (:class:`deepinfer.rpc.auth.ServerGuard`). With TLS configured (:mod:`deepinfer.rpc.tls`) it listens
+    with TLS and, when any service is internal, requires a client certificate signed by the mesh's CA; a server
+    of public services only (the balancer) asks public clients for none."""
+    keys = ApiKeys()
+    internal = any(s.name not in public for s in services)
+    check_exposure(host, bool(public), internal, keys)
+    creds = server_credentials(require_client_auth=internal)
+    server = grpc.aio.server(options=server_options(), interceptors=[ServerGuard(public, keys)])
     for s in services:
         s.add(s.servicer, server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
     await server.start()
     running = RunningServer(server, hs, bound, names)
     await running.set_serving(True)
-    log.info("listening", address=f"{host}:{bound}", services=names)
+    log.info("listening", address=f"{host}:{bound}", services=names, tls=creds is not None)
     return running
 
 
@@ -75,9 +98,10 @@ async def serve(
     grace_s: float = 30.0,
     on_drain: Callable[[float], Awaitable[None]] | None = None,
     on_started: Callable[[RunningServer], Awaitable[None]] | None = None,
+    public: tuple[str, ...] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT: then health NOT_SERVING, ``on_drain(grace)``, stop within ``grace_s``."""
-    running = await start_server(services, host, port)
+    running = await start_server(services, host, port, public)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,7 +123,12 @@ async def serve(
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of a domain error (never leaks a traceback)."""
+    from google.protobuf.message import DecodeError
+
     from deepinfer.serving.errors import ModelNotFound, Overloaded, Unavailable
+
+    if isinstance(exc, DecodeError):
+        return grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message"
 
     if isinstance(exc, ModelNotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc)

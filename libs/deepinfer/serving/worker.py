@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import propagate, trace
 
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
@@ -32,7 +31,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for
-from deepinfer.serving.tracing import tracer
+from deepinfer.serving.tracing import StepSpans, StepTraces, tracer
 from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,7 +46,7 @@ MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (the sch
 class _Running:
     step: InFlight
     num_tokens: int
-    span: trace.Span
+    spans: StepSpans
     t0: float
     done: asyncio.Future | None = None  # the wait for the step's tokens, once started
 
@@ -61,11 +60,6 @@ async def _read(request_iterator: AsyncIterator, plans: asyncio.Queue) -> None:
         plans.put_nowait(e)
         return
     plans.put_nowait(None)
-
-
-def span_link(carrier: dict[str, str]) -> trace.Link:
-    """A link to the span whose W3C context ``carrier`` holds."""
-    return trace.Link(trace.get_current_span(propagate.extract(carrier)).get_span_context())
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -82,7 +76,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         before that step's result is collected, so the device never waits for the host's work between steps
         (placeholders read the previous step's samples on the device: ``ModelRunner.launch``)."""
         known: dict[str, SamplingParams] = {}
-        links: dict[str, trace.Link] = {}  # each request's trace, linked from the steps that serve it
+        traces = StepTraces(_tracer)  # each request's trace: linked from the steps that serve it, and their parent
         plans: asyncio.Queue[worker_pb2.StepPlan | BaseException | None] = asyncio.Queue()
         reader = asyncio.create_task(_read(request_iterator, plans))
         running: collections.deque[_Running] = collections.deque()  # launched, not finished, in order
@@ -110,16 +104,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     if isinstance(msg, BaseException):
                         raise msg
                     plan = plan_from_proto(msg, known)
-                    for rid in plan.released:
-                        links.pop(rid, None)
-                    for c in plan.chunks:
-                        if c.trace_context:
-                            links[c.request_id] = span_link(c.trace_context)
+                    traces.note(plan)
                     if running and self.parts.runner.waits_for_tokens(plan):
                         while running:
                             yield await self._finish(running.popleft())
-                    step_links = [links[c.request_id] for c in plan.chunks if c.request_id in links]
-                    running.append(await self._launch(plan, step_links))
+                    running.append(await self._launch(plan, traces))
                 except Exception as e:  # noqa: BLE001 - a bad plan: the steps already launched still report
                     error = e
                     break
@@ -139,20 +128,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 log.error("step_failed", exc_info=error)
             await context.abort(code, text)
 
-    async def _launch(self, plan: StepPlan, step_links: list[trace.Link]) -> _Running:
-        span = _tracer.start_span("step", links=step_links, attributes={
-            "deepinfer.step_id": plan.step_id,
-            "deepinfer.step.num_tokens": plan.num_tokens,
-            "deepinfer.step.num_seqs": len(plan.chunks),
-        })  # fmt: skip
+    async def _launch(self, plan: StepPlan, traces: StepTraces) -> _Running:
+        spans = traces.start(plan)  # the batch's step span and, when exported, one per traced request
         t0 = time.perf_counter()
         try:
             async with self._lock:
                 step = await asyncio.to_thread(self.parts.runner.launch, plan)
         except BaseException:
-            span.end()
+            spans.end()
             raise
-        return _Running(step, plan.num_tokens, span, t0)
+        return _Running(step, plan.num_tokens, spans, t0)
 
     async def _finish(self, r: _Running) -> worker_pb2.StepResult:
         """The step's result on the wire (an error here ends the stream: ``Step`` aborts it)."""
@@ -160,7 +145,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             async with self._lock:
                 result = await asyncio.to_thread(self.parts.runner.finish, r.step)
         finally:
-            r.span.end()
+            r.spans.end()
         elapsed = time.perf_counter() - r.t0
         self.metrics.step(elapsed, r.num_tokens)
         out = result_to_proto(result)
@@ -251,8 +236,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     # interval the loop waits up to 5 ms per wake-up while a step computes
     sys.setswitchinterval(0.0005)
     configure_logging()
-    provider = configure_tracing("deepinfer-worker")
-    try:
+    try:  # a missing extra (MissingExtra) or a model that cannot load: one line, status 2
+        provider = configure_tracing("deepinfer-worker")
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
         parts = build_worker(args.model, args.dtype, accelerator, args.max_model_len, args.num_pages, args.page_size)

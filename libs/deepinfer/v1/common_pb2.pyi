@@ -142,7 +142,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "waiting_requests", "running_requests", "queued_prefill_tokens", "free_kv_pages", "total_kv_pages", "step_time_ms", "draining")
+    __slots__ = ("replica_id", "waiting_requests", "running_requests", "queued_prefill_tokens", "free_kv_pages", "total_kv_pages", "step_time_ms", "draining", "max_queued", "max_running")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class ReplicaLoad(_message.Message):
     TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     waiting_requests: int
     running_requests: int
@@ -159,7 +161,9 @@ class ReplicaLoad(_message.Message):
     total_kv_pages: int
     step_time_ms: float
     draining: bool
-    def __init__(self, replica_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    max_queued: int
+    max_running: int
+    def __init__(self, replica_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., max_queued: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class Determinism(_message.Message):
     __slots__ = ("batch_invariant", "deterministic_sampling", "covers", "requires")

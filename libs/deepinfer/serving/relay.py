@@ -1,0 +1,92 @@
+"""One request's stream from the replicas to its caller: token events in, text deltas out.
+
+:class:`Relay` keeps what the caller has been sent (the generated tokens, the detokenizer, the text held back
+because it could still become a stop string), so the stream can continue from another replica after its replica
+failed: the new replica gets the prompt plus :attr:`Relay.generated` and its events are relayed as if nothing
+had happened — the caller sees one stream, no token twice or missing.
+"""
+
+from __future__ import annotations
+
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Detokenizer
+from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
+
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Relay:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object) -> None:
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.detok = Detokenizer(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.emitted = 0  # characters of detok.text sent
+        self.generated: list[int] = []  # token ids sent (they continue on another replica after a failure)
+        self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
+        self.prompt_rows: list[scheduler_pb2.PromptLogprobEntry] = []
+
+    def response(self, ev: scheduler_pb2.TokenEvent) -> generation_pb2.GenerateResponse | None:
+        """The caller's message for one replica event (None: nothing to send yet). A message with ``finished``
+        set is the last one."""
+        if not self.started:
+            self.prompt_rows.extend(ev.prompt_logprobs)  # a chunked prefill scores the prompt over several steps
+            if not ev.token_ids and ev.finish_reason == UNSPECIFIED:
+                return None  # the first message waits for the first token and carries the whole prompt's rows
+        out = generation_pb2.GenerateResponse(request_id=self.request_id)
+        if not self.started:
+            out.prompt_tokens = len(self.prompt_ids)
+            if self.prompt_rows:
+                out.prompt_logprobs.add()
+                for row in self.prompt_rows:
+                    out.prompt_logprobs.add().entries.extend(row.entries)
+            self.started = True
+        stop = None
+        for k, t in enumerate(ev.token_ids):
+            self.generated.append(t)
+            out.token_ids.append(t)
+            if k < len(ev.logprobs):
+                out.logprobs.append(ev.logprobs[k])
+            stop = self.detok.add(t, check_stop=len(self.generated) >= self.params.min_tokens)
+            if stop is not None:
+                break
+        done = stop is not None or ev.finish_reason != UNSPECIFIED
+        text = self.detok.text
+        upto = len(text) if done else max(self.emitted, len(text) - self.hold)
+        out.text = text[self.emitted : upto]
+        self.emitted = upto
+        if done:
+            self._finish(out.finished, ev, stop)
+        return out
+
+    def _finish(self, f: generation_pb2.Finished, ev: scheduler_pb2.TokenEvent, stop: str | None) -> None:
+        if stop is not None:
+            f.reason, f.stop_string = common_pb2.FINISH_REASON_STOP, stop
+        else:
+            f.reason = ev.finish_reason
+            if ev.stop_token_id and ev.finish_reason == common_pb2.FINISH_REASON_STOP:
+                f.stop_token_id = ev.stop_token_id
+        n_in, n_out = len(self.prompt_ids), len(self.generated)
+        f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens = n_in, n_out, n_in + n_out
+        f.usage.cached_tokens = ev.cached_tokens
+        if ev.cached_tokens and ev.cached_tier:
+            f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
+
+    def submit(
+        self, request: generation_pb2.GenerateRequest, constraint: common_pb2.Constraint | None, attempt: int
+    ) -> scheduler_pb2.SubmitRequest:
+        """The replica's request: on a move (``attempt`` > 0) with the tokens sent so far, under a fresh id, and
+        without prompt logprobs (the caller has them)."""
+        if attempt and not self.started:
+            self.prompt_rows = []  # the failed replica's partial rows: the new one scores the prompt again
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if attempt and self.started:
+            sampling.ClearField("prompt_logprobs")
+        return scheduler_pb2.SubmitRequest(
+            request_id=self.request_id if not attempt else f"{self.request_id}.{attempt}",
+            prompt_token_ids=self.prompt_ids,
+            sampling=sampling,
+            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            constraint=constraint,
+            output_token_ids=self.generated if attempt else (),
+        )

@@ -1,0 +1,144 @@
+"""The balancer's scheduler replicas: which exist (static list ∪ NATS registry), which can serve now, and the
+choice of one for a request.
+
+A replica leaves routing the moment one of its streams fails (UNAVAILABLE) or a health probe finds it not
+SERVING, and comes back when a probe finds it SERVING again; probes run every ``DEEPINFER_REPLICA_PROBE_S``.
+So a dead replica stops getting requests within about one probe period, long before its registry entry's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deepinfer import envs
+from deepinfer.rpc.channel import open_channel
+from deepinfer.serving.errors import Unavailable
+from deepinfer.telemetry import get_logger
+from deepinfer.v1 import scheduler_pb2_grpc
+
+log = get_logger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass
+class Replica:
+    address: str
+    stub: scheduler_pb2_grpc.SchedulerStub
+    channel: grpc.aio.Channel | None = None
+    in_flight: int = 0
+    healthy: bool = True  # routable: its last probe said SERVING and no stream failed since
+    late_probes: int = 0  # health probes in a row that timed out
+    health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
+
+    @classmethod
+    def connect(cls, address: str) -> Replica:
+        channel = open_channel(address)
+        return cls(address, scheduler_pb2_grpc.SchedulerStub(channel), channel,
+                   health=health_pb2_grpc.HealthStub(channel))  # fmt: skip
+
+    async def probe(self, timeout: float, patience: int = 3) -> bool:
+        """Ask the replica's gRPC health service: routable when it says SERVING. An answer of NOT_SERVING or a
+        refused connection takes it out at once; a probe that only timed out (a busy balancer's own event loop can
+        make it late) needs ``patience`` in a row."""
+        if self.health is None:
+            return self.healthy
+        try:
+            res = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                return False
+            self.late_probes += 1
+            return self.healthy and self.late_probes < patience
+        self.late_probes = 0
+        return res.status == SERVING
+
+
+class ReplicaSet:
+    """The replicas and their routing state (kept across ``set``: a known replica keeps its channel)."""
+
+    def __init__(self, addresses: list[str] = ()) -> None:  # type: ignore[assignment]
+        self.replicas: list[Replica] = []
+        self._rr = itertools.count()
+        self._task: asyncio.Task | None = None
+        self.set(list(addresses))
+
+    def set(self, addresses: list[str]) -> None:
+        known = {r.address: r for r in self.replicas}
+        wanted = list(dict.fromkeys(addresses))
+        self.replicas = [known.pop(a, None) or Replica.connect(a) for a in wanted]
+        for gone in known.values():  # no longer registered: close its channel once its streams are done
+            if gone.channel is not None and _has_loop():
+                asyncio.get_running_loop().create_task(_close_when_idle(gone))
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def pick(self) -> Replica:
+        """The routable replica with the fewest requests in flight (ties: round robin)."""
+        ready = self.routable()
+        if not ready:
+            why = "no scheduler replica is registered" if not self.replicas else "no scheduler replica is serving"
+            raise Unavailable(why)
+        start = next(self._rr) % len(ready)
+        return min(ready[start:] + ready[:start], key=lambda r: r.in_flight)
+
+    async def wait_pick(self, timeout: float) -> Replica:
+        """:meth:`pick`, waiting up to ``timeout`` seconds for a replica to become routable (a restarting one)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout)
+        while True:
+            try:
+                return self.pick()
+            except Unavailable:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+
+    def failed(self, replica: Replica, reason: str) -> None:
+        """A stream to ``replica`` failed as a dead replica's would: out of routing until a probe says SERVING."""
+        if replica.healthy:
+            log.warning("replica_down", replica=replica.address, reason=reason)
+        replica.healthy = False
+
+    async def probe_all(self, timeout: float) -> None:
+        replicas = list(self.replicas)
+        found = await asyncio.gather(*(r.probe(timeout) for r in replicas))
+        for r, ok in zip(replicas, found):
+            if ok != r.healthy:
+                log.info("replica_up" if ok else "replica_down", replica=r.address, reason="health probe")
+            r.healthy = ok
+
+    def start(self, period_s: float | None = None) -> None:
+        period = envs.DEEPINFER_REPLICA_PROBE_S if period_s is None else period_s
+        self._task = asyncio.create_task(self._probe_forever(period))
+
+    async def _probe_forever(self, period: float) -> None:
+        while True:
+            await self.probe_all(timeout=max(1.0, 2 * period))
+            await asyncio.sleep(period)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for r in self.replicas:
+            if r.channel is not None:
+                await r.channel.close()
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def _close_when_idle(replica: Replica, poll_s: float = 1.0) -> None:
+    while replica.in_flight:
+        await asyncio.sleep(poll_s)
+    await replica.channel.close()

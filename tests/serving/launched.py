@@ -1,0 +1,40 @@
+"""``deepinfer up``'s own mesh (the launcher: NATS, kvstore, grammar, replicas, the balancer) for a test module, with
+the settings it reads from the environment set for its lifetime, as `deepinfer up` reads them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from deepinfer.launcher import Mesh
+from deepinfer.serving.healthcheck import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = False, **env: str) -> Iterator[Mesh]:
+    """The started mesh (supervised like `deepinfer up`'s when ``supervise``); ``env``: DEEPINFER_* settings."""
+    saved = dict(os.environ)
+    for k in [k for k in os.environ if k.startswith("DEEPINFER_")]:
+        del os.environ[k]
+    os.environ.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
+            "DEEPINFER_CACHE_DIR": str(tmp / "cache"),
+            "DEEPINFER_LOG_LEVEL": "warning",
+        }
+        | env
+    )
+    m = Mesh(model, grpc_port=free_port(), http_port=0, replicas=replicas, log_dir=tmp)
+    try:
+        m.start()
+        if supervise:
+            m.start_supervisor()
+        yield m
+    finally:
+        m.stop()
+        os.environ.clear()
+        os.environ.update(saved)
