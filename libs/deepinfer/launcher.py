@@ -60,7 +60,7 @@ class Mesh:
             if kind in KINDS:
                 env["DEEPINFER_NATS_URL"] = self.nats.url_for(kind)
         if args[0] != "services.balancer":  # every service's metrics on a port of its own (the balancer's: HTTP)
-            mport = free_port(self.host)
+            mport = self._port()
             args = [*args, "--metrics-port", str(mport)]
             self.endpoints[f"{name} metrics"] = f"http://{self.host}:{mport}/metrics"
         self.specs[name] = (args, env)
@@ -68,6 +68,17 @@ class Mesh:
         self.procs.append((name, proc))
         if ready is not None:  # a service that exits first: its log's last lines are in the error
             wait_serving(ready, timeout, proc, self.log_dir / f"{name}.log" if self.log_dir else None)
+
+    def _port(self) -> int:
+        """A free port this mesh has not handed out yet (a port found free stays free until its service binds it,
+        so the public ports and every earlier pick are excluded)."""
+        taken = getattr(self, "_taken", None)
+        if taken is None:
+            taken = self._taken = {self.grpc_port, self.http_port}
+        while (port := free_port(self.host)) in taken:
+            pass
+        taken.add(port)
+        return port
 
     def _popen(self, name: str, mode: str) -> subprocess.Popen:
         args, env = self.specs[name]
@@ -90,14 +101,14 @@ class Mesh:
         if self.nats is None:  # an external server: every service gets DEEPINFER_NATS_URL as it is
             self.extra_env["DEEPINFER_NATS_URL"] = url
         self.endpoints["nats"] = redact(url) if self.nats is None else self.nats.address  # printed: no password
-        kport = free_port(self.host)
+        kport = self._port()
         kaddr = f"{self.host}:{kport}"
         data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
         kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
         self._spawn("kvstore", kv_args, kaddr)
         self.endpoints["kvstore"] = kaddr
         self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
-        gport = free_port(self.host)
+        gport = self._port()
         gaddr = f"{self.host}:{gport}"
         grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
         self._spawn("grammar", grammar_args, gaddr)
@@ -106,7 +117,7 @@ class Mesh:
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):
-            wport, sport = free_port(self.host), free_port(self.host)
+            wport, sport = self._port(), self._port()
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
             self._spawn(
                 f"worker-{r}",
