@@ -549,3 +549,39 @@ def test_preemption_does_not_retarget_scored_positions():
     assert worker.scored["b"] == list(range(1, 20))
     assert b.prompt_logprobs == [None] + [{pb[i]: -float(i)} for i in range(1, 20)]
     assert b.finish_reason == "length" and sched.pages.num_used == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_worker_lost_drops_every_request_and_frees_every_page(prefix_caching: bool) -> None:
+    sched = make_scheduler(num_pages=32, prefix_caching=prefix_caching)
+    worker = FakeWorker(sched)
+    for i in range(6):
+        sched.add(f"r{i}", [2 + i] * 20, greedy(max_tokens=40))
+    for _ in range(4):  # (check_state's page accounting leaves the prefix cache out: plain steps here)
+        sched.update(worker.execute(sched.schedule()))
+    assert sched.pages.num_free < sched.pages.num_total
+    assert sorted(sched.worker_lost()) == [f"r{i}" for i in range(6)]
+    assert sched.pages.num_free == sched.pages.num_total and not sched.has_unfinished()
+    assert not sched.has_pending_releases  # nothing is owed to a worker that holds nothing
+    sched.add("after", [3] * 20, greedy(max_tokens=4))  # the replica goes on with a fresh worker
+    fresh = FakeWorker(sched)  # it checks every chunk starts where its (empty) state ends
+    while sched.has_unfinished():
+        sched.update(fresh.execute(sched.schedule()))
+    assert sched.requests["after"].output_token_ids == [pos_token("after", 20 + k) for k in range(4)]
+
+
+def test_a_moved_request_continues_after_its_streamed_tokens() -> None:
+    """A request resubmitted with the tokens it already generated elsewhere produces exactly the rest of what it
+    would have produced undisturbed: those tokens count against max_tokens, and the next token is sampled at the
+    position after them."""
+    whole = make_scheduler()
+    whole.add("r", [5] * 10, greedy(max_tokens=12))
+    drain(whole, FakeWorker(whole))
+    expected = whole.requests["r"].output_token_ids
+    moved = make_scheduler()
+    moved.add("r", [5] * 10, greedy(max_tokens=12), output_token_ids=expected[:5])
+    drain(moved, FakeWorker(moved))
+    req = moved.requests["r"]
+    assert req.output_token_ids == expected and req.finish_reason == "length"
+    with pytest.raises(ValueError, match="output_token_ids"):
+        moved.add("s", [5] * 10, greedy(max_tokens=3), output_token_ids=[7, 7, 7])

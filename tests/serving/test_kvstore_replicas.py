@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import time
 
+import grpc
 import nats
 import pytest
 
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.rpc.channel import open_channel
-from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from serving.launched import launched_mesh
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,3 +77,52 @@ def test_a_resume_point_offloaded_by_one_replica_is_a_hit_on_the_other(mesh) -> 
     # replica 0's device cache: the prompt-end point stored, then offloaded; the kvstore stores it (host, disk)
     assert {("stored", "device", "snapshot", 45), ("removed", "device", "offloaded", 45),
             ("stored", "host", "put", 45), ("stored", "disk", "put", 45)} <= seen, seen  # fmt: skip
+
+
+def test_a_request_moved_off_a_dead_replica_resumes_from_the_kvstore(mesh) -> None:
+    """Last (it kills a worker). A long stream runs on one replica; another prompt there pushes the stream's
+    prompt-end resume point out to the kvstore; the stream's worker dies; the balancer moves the stream to the other
+    replica, which resumes from the kvstore's copy instead of recomputing, and the stream is token-exact."""
+    rng = random.Random(7)
+    prompt, push = [rng.randrange(2, VOCAB) for _ in range(45)], [rng.randrange(2, VOCAB) for _ in range(45)]
+
+    def gen(salt: str | None = None) -> generation_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+        return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling,
+                                              cache_salt=salt)  # fmt: skip
+
+    async def run() -> tuple[list[int], list]:
+        async with grpc.aio.insecure_channel(mesh.endpoints["grpc"]) as ch:  # the public API
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            # the undisturbed reference, under a salt of its own (it shares no cached state with the stream)
+            ref = [t async for m in stub.Generate(gen("reference"), timeout=300) for t in m.token_ids]
+            puts: list[dict] = []
+            nc = await nats.connect(mesh.nats.url)
+
+            async def on_msg(msg) -> None:
+                puts.extend(e for e in json.loads(msg.data)["events"] if e["tier"] == "host" and e["type"] == "stored")
+
+            await nc.subscribe("deepinfer.kv.>", cb=on_msg)
+            call, msgs = stub.Generate(gen(), timeout=300), []
+            async for m in call:
+                msgs.append(m)
+                if sum(len(x.token_ids) for x in msgs) >= 3:
+                    break
+            loads = (await stub.GetLoads(generation_pb2.GetLoadsRequest())).replicas
+            address = next(r.replica_id for r in loads if r.running_requests)
+            victim = next(n for n, a in mesh.endpoints.items() if a == address).replace("scheduler", "worker")
+            before = len(puts)
+            await submit(address, "push", push)  # its resume point pushes the stream's out to the kvstore
+            deadline = time.monotonic() + 30
+            while len(puts) == before:  # the kvstore stored it; the other replica learns of it the same way
+                assert time.monotonic() < deadline, "nothing reached the kvstore"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            os.kill(dict(mesh.procs)[victim].pid, signal.SIGKILL)
+            msgs += [m async for m in call]
+            await nc.close()
+            return ref, msgs
+
+    ref, msgs = asyncio.run(run())
+    assert [t for m in msgs for t in m.token_ids] == ref
+    assert msgs[-1].finished.usage.cached_tokens_by_tier["kvstore"] >= 45  # resumed from the kvstore's copy

@@ -47,7 +47,8 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address}: the step stream ended")
         if self._call is None:
             self._call = self.stub.Step(self._plans(self._outbox))
-            self._call.add_done_callback(lambda _: self.lost.set())
+            lost = self.lost  # this stream's event: a late callback of a forgotten stream must not set the next one's
+            self._call.add_done_callback(lambda _: lost.set())
         await self._outbox.put(plan_to_proto(plan, self._sent))
 
     async def receive(self) -> StepResult:

@@ -5,7 +5,8 @@ one ``Worker.Step`` stream (:class:`RemoteWorker`). Callers ``Submit`` tokenized
 their tokens as a stream. A caller that goes away (cancel, deadline) aborts its request at once:
 its pages are freed before the next step and the worker drops its state with that step. More
 waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
-open stream ends with UNAVAILABLE and health turns NOT_SERVING.
+open stream ends with UNAVAILABLE (the balancer moves those requests elsewhere), health turns NOT_SERVING, and the
+worker is dialled again until it is back (a restarted worker included); then the replica serves again.
 """
 
 from __future__ import annotations
