@@ -131,7 +131,12 @@ def test_other_credentials_cannot_register_a_scheduler_or_read_kv_events(mesh) -
         assert got == []
 
     asyncio.run(run())
-    log = mesh.nats.log_tail(100_000)
-    assert 'Publish Violation - Subject "$KV.deepinfer_registry.scheduler.fake"' in log
-    assert 'Subscription Violation - Subject "deepinfer.kv.>"' in log
-    assert 'Publish Violation - Subject "deepinfer.kv.kvstore.forged"' in log
+    wanted = [
+        'Publish Violation - Subject "$KV.deepinfer_registry.scheduler.fake"',
+        'Subscription Violation - Subject "deepinfer.kv.>"',
+        'Publish Violation - Subject "deepinfer.kv.kvstore.forged"',
+    ]
+    deadline = time.monotonic() + 20  # the server writes its log on its own time
+    while not all(w in (log := mesh.nats.log_tail(100_000)) for w in wanted):
+        assert time.monotonic() < deadline, [w for w in wanted if w not in log]
+        time.sleep(0.1)
