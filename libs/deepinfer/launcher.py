@@ -48,6 +48,9 @@ class Mesh:
     specs: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # name -> (args, env)
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     supervise: bool = True  # restart a service that exits (with backoff) until stop()
+    _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
     endpoints: dict[str, str] = field(default_factory=dict)
     nats: Any = None  # the NatsServer this mesh started (None when DEEPINFER_NATS_URL names one)
 
@@ -72,12 +75,10 @@ class Mesh:
     def _port(self) -> int:
         """A free port this mesh has not handed out yet (a port found free stays free until its service binds it,
         so the public ports and every earlier pick are excluded)."""
-        taken = getattr(self, "_taken", None)
-        if taken is None:
-            taken = self._taken = {self.grpc_port, self.http_port}
-        while (port := free_port(self.host)) in taken:
+        self._taken |= {self.grpc_port, self.http_port}
+        while (port := free_port(self.host)) in self._taken:
             pass
-        taken.add(port)
+        self._taken.add(port)
         return port
 
     def _popen(self, name: str, mode: str) -> subprocess.Popen:
@@ -157,7 +158,6 @@ class Mesh:
     def start_supervisor(self) -> None:
         """Watch the services from a thread: one that exits is started again (same command, ports and log) after
         a backoff of 0.5 s doubling per crash within a minute, up to ``DEEPINFER_RESTART_MAX_BACKOFF_S``."""
-        self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -195,8 +195,8 @@ class Mesh:
         ``grace_s`` (default ``DEEPINFER_DRAIN_GRACE_S``) plus a margin before SIGKILL."""
         from deepinfer import envs
 
-        if getattr(self, "_stopping", None) is not None:
-            self._stopping.set()
+        self._stopping.set()
+        if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         grace = envs.DEEPINFER_DRAIN_GRACE_S if grace_s is None else grace_s
         for tier in self.TIERS:

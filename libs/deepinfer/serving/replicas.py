@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,7 +62,7 @@ class Replica:
 class ReplicaSet:
     """The replicas and their routing state (kept across ``set``: a known replica keeps its channel)."""
 
-    def __init__(self, addresses: list[str] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, addresses: Iterable[str] = ()) -> None:
         self.replicas: list[Replica] = []
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
