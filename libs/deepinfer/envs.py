@@ -215,11 +215,13 @@ _declare("DEEPINFER_PREFILL_GRAPH_MAX_TOKENS", "int", _HW, """
     Largest step (in tokens) that `DEEPINFER_PREFILL_GRAPHS` replays from piecewise CUDA graphs; longer ones run
     eagerly (their launches are a smaller share of the step).""", default=8192, minimum=1)
 _declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
-    Once the worker service has loaded the model and warmed up, collect garbage once and move every object still
-    alive (the model's modules, the imported libraries, compiled kernels, captured graphs) to Python's permanent
-    generation (`gc.freeze`), as vLLM does after its warm-up and SGLang offers: a full collection during serving
-    then walks only what serving made since, instead of the few hundred thousand objects of the start-up (a
-    pause of ~0.2 s in the step loop each time on the tiny model's CPU worker; `bench/gc_heap.py`). Objects
+    Once a service has started (the worker when it has loaded the model and warmed up; the balancer, scheduler,
+    kvstore and grammar service when they serve), collect garbage once and move every object still alive (the
+    model's modules, the imported libraries, the tokenizer, compiled kernels, captured graphs) to Python's
+    permanent generation (`gc.freeze`), as vLLM does after its warm-up and SGLang offers: a full collection during
+    serving then walks only what serving made since, instead of the few hundred thousand objects of the start-up
+    (a pause of ~0.2 s in the step loop each time on the tiny model's CPU worker, `bench/gc_heap.py`; on the
+    balancer, pauses that doubled its time per request in a burst, `bench/admission.py`). Objects
     frozen are still freed when their last reference goes; only reference cycles among them are never collected,
     so a `LoadModel` thaws the heap, replaces the model and freezes again.""", default=True)
 _declare("DEEPINFER_WARMUP", "bool", _HW, """

@@ -130,6 +130,34 @@ def test_a_full_replica_is_refused_by_the_gate_on_both_front_ends(mesh: Mesh) ->
     assert err["type"] == "rate_limit_error" and "every replica is full" in err["message"]
 
 
+def test_a_grpc_burst_is_refused_by_the_gate_not_shed_by_the_transport(mesh: Mesh) -> None:
+    """3000 calls at once on one channel: gRPC core on its own sheds calls beyond 1000 waiting for the application
+    (as CANCELLED, which clients do not retry); the balancer's server takes them all, and its gate refuses each
+    with RESOURCE_EXHAUSTED and a reason."""
+
+    async def run():
+        calls = await fill(mesh, 4)
+        try:
+            async with grpc.aio.insecure_channel(mesh.address("balancer")) as channel:
+                s = generation_pb2_grpc.GenerationStub(channel)
+
+                async def one() -> str:
+                    try:
+                        await s.Generate(ids_request([0, 9], max_tokens=2), timeout=120).read()
+                        return "OK"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+
+                return await asyncio.gather(*(one() for _ in range(3000)))
+        finally:
+            for c in calls:
+                c.cancel()
+            await wait_idle(mesh)
+
+    codes = asyncio.run(run())
+    assert set(codes) == {"RESOURCE_EXHAUSTED"}, {c: codes.count(c) for c in set(codes)}
+
+
 def test_a_burst_is_refused_at_once_with_429(mesh: Mesh) -> None:
     """2000 concurrent requests against 4 places (2 running + 2 queued): the admitted ones generate for seconds;
     every other one gets 429 + Retry-After (no 500, no 503) from the balancer's gate, long before that, without

@@ -22,6 +22,7 @@ from deepinfer.rpc.tls import channel_credentials
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 INTERNAL_HEADER = "x-deepinfer-internal"  # metadata key of the internal token
 INITIAL_BACKOFF_S = 0.1
+PENDING_CALLS = 20_000  # calls a server holds before the application picks them up (gRPC core: 1000)
 
 
 def _keepalive_ms() -> tuple[int, int]:
@@ -42,6 +43,11 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, every // 2)),
         ("grpc.http2.min_ping_interval_without_data_ms", max(1, every // 2)),
         ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for its pings
+        # gRPC core sheds calls that arrived but were not yet picked up by the application once more than 1000
+        # wait (at random, as CANCELLED, which clients do not retry): a burst of thousands would lose some of its
+        # refusals that way. The application's own admission (RESOURCE_EXHAUSTED with a reason) answers them.
+        ("grpc.server.max_pending_requests", PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deepinfer import envs
+from deepinfer.engine.heap import freeze_heap
 from deepinfer.rpc.auth import ApiKeys, ServerGuard
 from deepinfer.rpc.channel import internal_token, is_loopback, server_options
 from deepinfer.rpc.tls import enabled as tls_enabled
@@ -108,6 +110,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     if on_started is not None:
         await on_started(running)
+    if envs.DEEPINFER_GC_FREEZE and not gc.get_freeze_count():  # (the worker froze after its warm-up already)
+        log.info("heap_frozen", **freeze_heap())
     done = asyncio.ensure_future(running.server.wait_for_termination())
     await asyncio.wait([done, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("draining", grace_s=grace_s)
