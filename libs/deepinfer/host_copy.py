@@ -2,7 +2,7 @@
 
 ``torch.tensor(data, device="cuda")`` and ``t.to("cuda")`` copy synchronously: the host waits until the GPU has run
 everything queued before the copy. ``ForwardBatch.build`` made two such copies per step (token ids, positions), so
-the host could not queue a step's work while the GPU ran the previous layers (``bench/host_syncs.py`` showed them
+the host could not queue a step's work while the GPU ran the previous layers (``bench/host/host_syncs.py`` showed them
 under ``torch.cuda.set_sync_debug_mode``). A ``non_blocking`` copy from pageable memory may wait as well: the driver
 stages it, and on one H200 machine such a copy of 64 integers took 11.8 ms of host time behind 25 ms of queued GPU
 work (0.28 ms on another; 0.05–0.07 ms from pinned memory on both). ``to_device`` therefore stages a host tensor in
@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-BLOCKING = False  # True: synchronous copies, as before (the A/B of bench/sweep.py --ab-h2d; a planted bug in tests)
+# True: synchronous copies, as before (the A/B of bench/engine/sweep.py --ab-h2d; a planted bug in tests)
+BLOCKING = False
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

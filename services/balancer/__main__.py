@@ -4,8 +4,8 @@ import argparse
 import asyncio
 import sys
 
-from deepinfer.serving.balancer import run_balancer
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
+from services.balancer.main import run_balancer
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,9 +5,9 @@ import asyncio
 import sys
 
 from deepinfer import envs
-from deepinfer.grammar.service import GrammarConfig, run_grammar
 from deepinfer.grammar.spec import GrammarUnavailable
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
+from services.grammar.service import GrammarConfig, run_grammar
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,8 @@ import asyncio
 import sys
 
 from deepinfer import envs
-from deepinfer.kvstore.service import KVStoreConfig, run_kvstore
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
+from services.kvstore.service import KVStoreConfig, run_kvstore
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,9 @@
-"""Scheduler service: one engine replica (admission, batching, pages, preemption, the step pipeline).
+"""The scheduler service: one engine replica (admission, batching, pages, preemption, the step pipeline) driving its
+worker over gRPC.
 
-Its core is :class:`deepinfer.engine.scheduler.Scheduler`; the gRPC adapter lands with the service-mesh issue.
+- :mod:`.servicer`: the ``deepinfer.v1.Scheduler`` servicer over the engine's scheduler
+  (:class:`deepinfer.engine.scheduler.Scheduler`);
+- :mod:`.remote_worker`: the worker's ``Step`` stream (and its loss); :mod:`.kv_index`: what the kvstores and this
+  replica hold, from and to the KV events on NATS;
+- :mod:`.main`: ``run_scheduler``, the service put together; ``python -m services.scheduler`` parses its flags.
 """

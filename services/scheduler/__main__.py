@@ -5,8 +5,8 @@ import asyncio
 import sys
 
 from deepinfer import envs
-from deepinfer.serving.scheduler import run_scheduler
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
+from services.scheduler.main import run_scheduler
 
 
 def build_parser() -> argparse.ArgumentParser:

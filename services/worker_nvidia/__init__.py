@@ -1,5 +1,5 @@
-"""NVIDIA worker service: weights and KV state on one GPU, executing steps.
+"""The NVIDIA worker service: the model's weights and state on one GPU, running the scheduler's steps.
 
-Its core is :class:`deepinfer.engine.worker.ModelRunner` on the ``nvidia`` op backend; the gRPC adapter lands
-with the service-mesh issue, the Triton kernels with the NVIDIA-backend issue.
+The worker servicer is shared with the Ascend worker (:mod:`deepinfer.serving.worker`); this service selects the
+``nvidia`` backend (Triton kernels, CUDA graphs). ``python -m services.worker_nvidia``.
 """

@@ -1,5 +1,6 @@
-"""``bench/attention_prefill.py``'s key lists: the layer kinds' lists as the sweep's model builds them (the window's
-rows oldest first, then the compressed rows a query may see), so the tiles it compares run the prefill's work."""
+"""``bench/kernels/attention_prefill.py``'s key lists: the layer kinds' lists as the sweep's model builds them (the
+window's rows oldest first, then the compressed rows a query may see), so the tiles it compares run the prefill's
+work."""
 
 import importlib.util
 import sys
@@ -13,16 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules
+    sys.path.insert(0, str(ROOT))  # bench.harness
     try:
         spec = importlib.util.spec_from_file_location(
-            "attention_prefill_under_test", ROOT / "bench" / "attention_prefill.py"
+            "attention_prefill_under_test", ROOT / "bench" / "kernels" / "attention_prefill.py"
         )
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         yield mod
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        sys.path.remove(str(ROOT))
 
 
 @pytest.mark.parametrize("kind", ["swa", "hca", "csa"])

@@ -1,5 +1,5 @@
-"""The sweep's host-side views of a run: ``bench/device_gaps.py`` (the device's idle gaps between activities of a
-profile) and ``bench/host_ops.py`` (the host's time per op, nested calls subtracted, the ops restored after)."""
+"""The sweep's host-side views of a run: ``bench/host/device_gaps.py`` (the device's idle gaps between activities of
+a profile) and ``bench/host/host_ops.py`` (the host's time per op, nested calls subtracted, the ops restored after)."""
 
 import importlib.util
 import time
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "bench" / "host" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

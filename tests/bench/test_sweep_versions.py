@@ -1,5 +1,5 @@
-"""``bench/sweep.py``'s record of what ran: the library's source hash (the device's copy of ``.git`` may name another
-commit than the tree that ran)."""
+"""``bench/harness.py``'s record of what ran (every result's ``versions``, the sweep's among them): the library's
+source hash (the device's copy of ``.git`` may name another commit than the tree that ran)."""
 
 import importlib.util
 import sys
@@ -12,17 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sweep():
-    bench = str(ROOT / "bench")
-    sys.path.insert(0, bench)  # its sibling modules
+    spec = importlib.util.spec_from_file_location("harness_under_test", ROOT / "bench" / "harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     try:
-        spec = importlib.util.spec_from_file_location("sweep_under_test", ROOT / "bench" / "sweep.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
         yield mod
     finally:
-        sys.path.remove(bench)
-        sys.modules.pop("sweep_under_test", None)
+        sys.modules.pop("harness_under_test", None)
 
 
 def test_source_hash_follows_names_and_contents(sweep, tmp_path):

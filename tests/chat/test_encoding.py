@@ -1,4 +1,4 @@
-"""DeepSeek-V4 chat encoding: the official fixtures, the worked examples of CHAT_ENCODING.md, the completion
+"""DeepSeek-V4 chat encoding: the official fixtures, the worked examples of docs/chat_format.md, the completion
 parser and input validation."""
 
 import json
@@ -14,7 +14,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "dsv4_encoding"
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 
-# Independent copy of the §3.1 tools-section text, split around the schema lines.
+# Independent copy of the tools-section text (docs/chat_format.md, "Tools section"), split around the schema lines.
 TOOLS_HEAD = (
     "## Tools\n\nYou have access to a set of tools to help answer the user's question. "
     'You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:\n\n'
@@ -117,7 +117,7 @@ def test_fixture_2_drops_earlier_reasoning():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Worked examples of CHAT_ENCODING.md
+# Worked examples (docs/chat_format.md, "Worked examples")
 
 E1 = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi"}]
 
@@ -417,7 +417,7 @@ def test_wo_eos_leaves_the_final_assistant_turn_open():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Completion parser (§4.1)
+# Completion parser (docs/chat_format.md, "Parsing completions")
 
 COMPLETION = (
     "The user wants Paris weather; call the tool.</think>\n\n<｜DSML｜tool_calls>\n"

@@ -30,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def vocab(tok):
-    """Id-ordered vocabulary as xgrammar wants it; special=True added tokens blanked (ENV_FACTS §1)."""
+    """Id-ordered vocabulary as xgrammar wants it; special=True added tokens blanked (xgrammar then masks them)."""
     encoded = [""] * VOCAB
     for text, i in tok.get_vocab(with_added_tokens=True).items():
         encoded[i] = text

@@ -1,4 +1,5 @@
-"""The official weight formats (MODEL_V4.md §4.2): FP8 e4m3 with UE8M0 block scales, MXFP4 routed experts.
+"""The official weight formats (docs/deepseek_v4.md, "Checkpoint format"): FP8 e4m3 with UE8M0 block scales,
+MXFP4 routed experts.
 
 Every decode is checked against a reference written here from the spec, not from the library:
 ``W = w8 · 2^(s − 127)`` per block for FP8, ``W = LUT[nibble] · 2^(e − 127)`` per 32 for MXFP4.

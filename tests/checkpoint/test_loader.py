@@ -1,5 +1,6 @@
-"""Loading DeepSeek-V4 checkpoints (MODEL_V4.md §4): official and transformers names, FP8 / MXFP4 / bf16 / fp32
-storage, sharding, every error naming what is wrong; plus ``checkpoint.hub`` and config parsing.
+"""Loading DeepSeek-V4 checkpoints (docs/deepseek_v4.md, "Checkpoint format"): official and transformers names,
+FP8 / MXFP4 / bf16 / fp32 storage, sharding, every error naming what is wrong; plus ``checkpoint.hub`` and config
+parsing.
 
 Expected values are computed here from the stored bytes with an independent decoder and name mapping.
 """
@@ -27,7 +28,7 @@ from models.hf_reference import hf_config, hf_state_dict
 FILE = "model.safetensors"
 
 # ---------------------------------------------------------------------------------------------------------------
-# an independent decoder (MODEL_V4.md §4.2) and name mapping (§4.1)
+# an independent decoder and name mapping (docs/deepseek_v4.md, "Checkpoint format")
 # ---------------------------------------------------------------------------------------------------------------
 
 _E8M0 = torch.tensor([math.ldexp(1.0, e - 127) for e in range(255)] + [math.nan], dtype=torch.float64)
@@ -144,7 +145,8 @@ def assert_same_params(got: DeepseekV4Model, want: DeepseekV4Model, skip: tuple[
 # official checkpoints: values and dtypes
 # ---------------------------------------------------------------------------------------------------------------
 
-# (parameter, expert, official tensor, stored dtype): a hand-written sample of §4.1's naming
+# (parameter, expert, official tensor, stored dtype): a hand-written sample of the official naming
+# (docs/deepseek_v4.md, "Tensor names")
 REPRESENTATIVE = [
     ("layers.2.ffn.w1", 3, "layers.2.ffn.experts.3.w1.weight", torch.int8),
     ("layers.4.ffn.w2", 7, "layers.4.ffn.experts.7.w2.weight", torch.int8),
@@ -210,8 +212,8 @@ def test_every_parameter_equals_its_decoded_tensor(model32, stored, config):
 
 
 KEPT_FP32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight)$")
-# MODEL_V4.md §4.2: the official runtime up-casts the compressor projections to fp32; they are stored in bf16 and
-# kept so (exact values; ops.linear_fp32 multiplies them in fp32)
+# docs/deepseek_v4.md, "Tensors kept in bf16 or fp32": the official runtime up-casts the compressor projections to
+# fp32; they are stored in bf16 and kept so (exact values; ops.linear_fp32 multiplies them in fp32)
 COMPRESSOR = re.compile(r"compressor\.w(kv|gate)\.weight$")
 
 
@@ -247,7 +249,8 @@ def test_bfloat16_load_same_values_and_fp32_exceptions(model32, model16):
 # transformers names
 # ---------------------------------------------------------------------------------------------------------------
 
-# official name -> transformers name (MODEL_V4.md §4.3), for the FP8 weights stored in the transformers variant
+# official name -> transformers name (docs/deepseek_v4.md, "transformers names"), for the FP8 weights stored in the
+# transformers variant
 HF_FP8 = {
     "layers.2.attn.wq_b.weight": "model.layers.2.self_attn.q_b_proj.weight",
     "layers.3.attn.wo_a.weight": "model.layers.3.self_attn.o_a_proj.weight",

@@ -140,7 +140,7 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
     from deepinfer.ops.nvidia import NvidiaOps
 
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors through the interpreter; on a GPU bench/sweep_v41.py runs the kernels")
+        pytest.skip("CPU tensors through the interpreter; on a GPU bench/engine/sweep_v41.py runs the kernels")
     config = _config(tiny_v41_dir)
     model = _build(tiny_v41_dir, NativeReferenceOps())
 

@@ -1,8 +1,9 @@
-"""DeepSeek-V4.1 checkpoints (MODEL_V41.md §7): released names ↔ ours, storage formats, the tiny writer and the loader.
+"""DeepSeek-V4.1 checkpoints (docs/deepseek_v41.md, "Checkpoint names and formats"): released names ↔ ours, storage
+formats, the tiny writer and the loader.
 
-Reference points: the released Flash layout (tensor count and size published by TRT-LLM, shapes of the spec's
-table), NeMo AutoModel 0.7.0's state-dict adapters (released names, shapes, quantized layouts, dequantization) and
-an independent decoder written here from the format description.
+Reference points: the released Flash layout (tensor count and size published by TRT-LLM, shapes of the table in
+docs/deepseek_v41.md), NeMo AutoModel 0.7.0's state-dict adapters (released names, shapes, quantized layouts,
+dequantization) and an independent decoder written here from the format description.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from models.nemo_v41 import backend as nemo_backend
 FILE = "model.safetensors"
 SEED = 3
 
-# -- an independent decoder (MODEL_V41.md §7.2) -----------------------------------------------------------------------
+# -- an independent decoder (docs/deepseek_v41.md, "Checkpoint names and formats") -----------------------------------
 _E8M0 = torch.tensor([math.ldexp(1.0, e - 127) for e in range(255)] + [math.nan], dtype=torch.float64)
 _FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 
@@ -119,7 +120,7 @@ def test_v41_name_round_trip(which: str, config: DeepseekV41Config) -> None:
 
 
 def test_v41_flash_layout_matches_release() -> None:
-    """The released Flash checkpoint: 96,085 tensors, 475.2 GiB, ~6.9 GiB of dense FP8 [TRT]; §7.1 shapes."""
+    """The released Flash checkpoint: 96,085 tensors, 475.2 GiB, ~6.9 GiB of dense FP8; the released shapes."""
     cfg = DeepseekV41Config()
     st = stored_tensors(cfg)
     assert len(st) == 96085

@@ -14,7 +14,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, StepPlan
+from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, WorkerStepPlan
 from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState
 
 PROMPTS = [
@@ -154,7 +154,7 @@ def test_substitute_reads_device_samples_of_several_steps() -> None:
 def test_a_placeholder_without_a_sampled_token_is_refused(model_dir) -> None:
     llm = LLM(model=model_dir, dtype="float32", num_pages=16, page_size=16)
     runner = llm.engine.worker
-    plan = StepPlan(1, chunks=[ChunkPlan("x", [PLACEHOLDER], 0, [0], True, SamplingParams(temperature=0))])
+    plan = WorkerStepPlan(1, chunks=[ChunkPlan("x", [PLACEHOLDER], 0, [0], True, SamplingParams(temperature=0))])
     with pytest.raises(ValueError, match=r"chunks.token_ids: request 'x' has no sampled token"):
         runner.launch(plan)
     assert "x" not in runner.states

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.prefix_cache import PrefixCache, root_hash
 from engine.test_scheduler import make_scheduler
 
@@ -82,7 +82,7 @@ class SnapshotWorker:
         self.held: dict[str, int] = {}
         self.snapshots: dict[str, int] = {}
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: WorkerStepPlan) -> StepResult:
         for o in plan.snapshots:
             assert self.held.get(o.request_id) == o.position, (o, self.held.get(o.request_id))
             self.snapshots[o.snapshot_id] = o.position

@@ -1,6 +1,6 @@
 """The continuous-batching scheduler, driven directly (no model).
 
-A small in-test worker plays the other side of the ``StepPlan`` / ``StepResult`` contract: it tracks how
+A small in-test worker plays the other side of the ``WorkerStepPlan`` / ``StepResult`` contract: it tracks how
 many tokens of each request it holds (dropping the ones a plan releases), checks every chunk starts where
 its state ends, scores the prompt-logprob targets and "samples" a token that depends only on the request
 and the position, so outputs are reproducible across preemption and recomputation.
@@ -15,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from deepinfer.engine.interfaces import SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.request import Request, Status
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
 
 PS = 8  # page size
@@ -64,7 +65,7 @@ class FakeWorker:
         self.held: dict[str, int] = {}  # request id -> tokens whose state the worker holds
         self.scored: dict[str, list[int]] = {}  # request id -> prompt positions scored, in order
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: WorkerStepPlan) -> StepResult:
         for rid in plan.released:
             self.held.pop(rid, None)
         out = StepResult(plan.step_id)
@@ -87,7 +88,7 @@ class FakeWorker:
         return out
 
 
-def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[Request]]:
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[WorkerStepPlan, list[Request]]:
     plan = sched.schedule()
     check_plan(sched, plan)
     check_state(sched)
@@ -96,7 +97,7 @@ def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list[Request]]
     return plan, done
 
 
-def check_plan(sched: Scheduler, plan: StepPlan) -> None:
+def check_plan(sched: Scheduler, plan: WorkerStepPlan) -> None:
     cfg = sched.config
     assert plan.num_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
@@ -144,7 +145,7 @@ def check_state(sched: Scheduler) -> None:
     assert sched.has_unfinished() == bool(running or waiting)
 
 
-def drain(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> list[StepPlan]:
+def drain(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> list[WorkerStepPlan]:
     plans = []
     for _ in range(max_steps):
         if not sched.has_unfinished():

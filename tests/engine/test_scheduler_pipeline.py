@@ -12,7 +12,7 @@ from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 
-from deepinfer.engine.interfaces import StepPlan, StepResult
+from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.scheduler import PLACEHOLDER, Scheduler
 from deepinfer.sampling_params import SamplingParams
 from engine.test_scheduler import REASONS, FakeWorker, expected_output, make_scheduler, scenarios
@@ -24,7 +24,7 @@ class PipelinedWorker(FakeWorker):
         self.last: dict[str, int] = {}
         self.placeholders = 0
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: WorkerStepPlan) -> StepResult:
         for rid in plan.released:
             self.last.pop(rid, None)
         for c in plan.chunks:
@@ -50,7 +50,7 @@ def check_pages(sched: Scheduler) -> None:
 
 
 def run_pipelined(sched: Scheduler, worker: PipelinedWorker, events: list, seed: int, depth: int = 2) -> list[str]:
-    in_flight: deque[StepPlan] = deque()
+    in_flight: deque[WorkerStepPlan] = deque()
     accepted: list[str] = []
     n = 0
 

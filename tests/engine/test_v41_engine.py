@@ -26,9 +26,10 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.hub import ModelUnavailable, check_architecture
 from deepinfer.checkpoint.tiny_v41 import IMAGE_PLACEHOLDER
-from deepinfer.engine.interfaces import ChunkPlan, StepPlan
+from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.pages import PagePool
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.models.deepseek_v41.attention import Attention
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.rpc.convert import plan_from_proto, plan_to_proto
@@ -222,7 +223,7 @@ def test_decoder_replay_setting(exact: LLM, replay: LLM) -> None:
     # the worker refuses to score a row the decoder skips (the scheduler never plans one)
     bad = ChunkPlan("bad", [5, 6, 7], 0, [0], True, SamplingParams(temperature=0), decoder_from=3)
     with pytest.raises(RuntimeError, match="the decoder starts at 3"):
-        exact.engine.worker.execute(StepPlan(10**6, [bad]))
+        exact.engine.worker.execute(WorkerStepPlan(10**6, [bad]))
     exact.engine.worker.release(["bad"])
 
 
@@ -245,8 +246,8 @@ def test_the_scheduler_plans_the_decoder_range() -> None:
     assert all(c.decoder_from is None for c in plain.schedule().chunks)
     # it travels to the worker unchanged
     chunk = ChunkPlan("a", [5, 6], 8, [0, 1], False, SamplingParams(), decoder_from=10)
-    back = plan_from_proto(plan_to_proto(StepPlan(1, [chunk, ChunkPlan("b", [5], 0, [2], True, SamplingParams())]),
-                                         set()), {})  # fmt: skip
+    plan = WorkerStepPlan(1, [chunk, ChunkPlan("b", [5], 0, [2], True, SamplingParams())])
+    back = plan_from_proto(plan_to_proto(plan, set()), {})
     assert [c.decoder_from for c in back.chunks] == [10, None]
 
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from deepinfer.grammar import CompilerPool, GrammarError, GrammarSpec, GrammarUnavailable
+from deepinfer.grammar import GrammarError, GrammarSpec, GrammarUnavailable
+from services.grammar.pool import CompilerPool
 
 
 def test_a_pool_whose_processes_cannot_start_is_unavailable() -> None:

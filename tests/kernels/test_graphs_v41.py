@@ -1,7 +1,7 @@
 """Decode steps of DeepSeek-V4.1 replayed from CUDA graphs (``deepinfer.models.deepseek_v41.graphs``) against eager
 steps.
 
-A step is one graph (``decode_step``: the attention bookkeeping in fixed shapes from a ``StepPlan``). On CPU the
+A step is one graph (``decode_step``: the attention bookkeeping in fixed shapes from a ``V41DecodePlan``). On CPU the
 plumbing is checked with the reference ops: the "graph" runs the whole-step function eagerly (static inputs, the plan
 loaded for the bucket, Engram row ids or looked-up rows, padding rows on the scratch slot and page), bit-identical to
 the eager step at a bucket's size (logits, every page a block table may name, windows and compressor rings; the lists

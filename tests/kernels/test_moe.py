@@ -16,10 +16,9 @@ from deepinfer.kernels.moe import (  # noqa: E402
     MOE_LARGE,
     MOE_SMALL,
     moe_grouped_mm,
-    moe_layout,
     moe_triton,
-    padded_blocks,
 )
+from deepinfer.kernels.moe_slots import moe_layout, padded_blocks  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from deepinfer.kernels import moe_align  # noqa: E402
-from deepinfer.kernels.moe import moe_layout, padded_blocks  # noqa: E402
+from deepinfer.kernels.moe_slots import moe_layout, padded_blocks  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

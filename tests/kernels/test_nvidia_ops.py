@@ -44,7 +44,8 @@ def test_kernel_attention_and_indexer_match_the_reference():
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU tensors through the interpreter; on a GPU bench/batch_invariance.py checks"
+    torch.cuda.is_available(),
+    reason="CPU tensors through the interpreter; on a GPU bench/engine/batch_invariance.py checks",
 )
 def test_a_model_on_the_kernel_ops_is_batch_invariant(tiny_dirs):
     from deepinfer.checkpoint.loader import load_checkpoint

@@ -50,7 +50,7 @@ def _plan(size, window, span, page_size, seed, pad=0, strided=False):
     meta = torch.stack([slots, pos, floor, live])
     pages = span // page_size
     tables = torch.randperm(size * pages + 5, generator=g)[: size * pages].view(size, pages)
-    if strided:  # a column slice of a wider matrix, as StepPlan.of's tables may be
+    if strided:  # a column slice of a wider matrix, as V4DecodePlan.of's tables may be
         wide = torch.zeros(size, pages + 3, dtype=torch.long)
         wide[:, :pages] = tables
         tables = wide[:, :pages]

@@ -14,10 +14,10 @@ from deepinfer.events.registry import RegistryView
 from deepinfer.events.server import NatsServer
 from deepinfer.kvstore.blob import BlobKey, Tier
 from deepinfer.kvstore.client import KVStoreClient
-from deepinfer.kvstore.events import KVEventPublisher
 from deepinfer.kvstore.keys import anchor, binding_meta, key_tag, resume_key
-from deepinfer.kvstore.store import StoreEvent
 from deepinfer.serving.healthcheck import free_port
+from services.kvstore.events import KVEventPublisher
+from services.kvstore.store import StoreEvent
 
 FP = "deepseek-v4-test-fp"
 CHAIN, TAIL = b"\x01" * 16, b"\x02" * 16

@@ -12,11 +12,11 @@ import pytest
 
 from deepinfer.kvstore.blob import Blob, BlobKey, Tier
 from deepinfer.kvstore.client import KVStoreClient, KVStoreDataLoss, KVStoreRefused
-from deepinfer.kvstore.disk import file_name
 from deepinfer.kvstore.keys import binding_meta, resume_key
 from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.healthcheck import SERVING, status
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.disk import file_name
 
 FP = "deepseek-v4-test-fp"
 MiB = 1024 * 1024

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from deepinfer.kvstore.blob import Blob, BlobKey, BlobNotFound, BlobRefused, CorruptBlob, Tier
-from deepinfer.kvstore.disk import DiskDir, Header, file_name
-from deepinfer.kvstore.store import Store, StoreEvent
+from services.kvstore.disk import DiskDir, Header, file_name
+from services.kvstore.store import Store, StoreEvent
 
 FP = "fp"
 

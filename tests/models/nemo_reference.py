@@ -1,8 +1,9 @@
 """NeMo AutoModel 0.7.0 (``deepseek_v41``) as a CPU test reference, installed on first use.
 
-NeMo's full dependency set is huge (megatron, TE, DeepEP, datasets ...); the V4.1 model code needs none of it
-(MODEL_V41.md §9). pyproject cannot express ``--no-deps``, so this module installs the wheel alone, once, into
-``<repo>/.deepinfer/nemo`` (git-ignored) under a file lock, and puts that directory on ``sys.path``. The few
+NeMo's full dependency set is huge (megatron, TE, DeepEP, datasets ...); the V4.1 model code needs none of it (its
+eager CPU backends run without them). pyproject cannot express ``--no-deps``, so this module installs the wheel
+alone, once, into ``<repo>/.deepinfer/nemo`` (git-ignored) under a file lock, and puts that directory on
+``sys.path``. The few
 small packages NeMo imports (transformers, pillow, typer, regex, pyyaml, ...) come from the ``dev`` extra.
 
 Tests use it through the session fixture ``nemo`` (tests/models/conftest.py); when the install fails (no

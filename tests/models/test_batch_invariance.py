@@ -1,4 +1,4 @@
-"""Batch invariance (ARCHITECTURE.md §4, issue 4): with the batch-invariant ops a sequence's logits are
+"""Batch invariance (docs/determinism.md, issue 4): with the batch-invariant ops a sequence's logits are
 bit-identical alone and inside any batch, at any position in it, however its prefill is chunked.
 
 The same harness run with the default ops finds differences, so the comparison can fail."""

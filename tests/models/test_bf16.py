@@ -19,6 +19,6 @@ def test_bfloat16_tracks_float32(tiny_dirs: dict) -> None:
     a = ref.generate({"prompt_token_ids": ids}, params)[0]
     b = low.generate({"prompt_token_ids": ids}, params)[0]
     diffs = [abs(a.prompt_logprobs[i][t] - b.prompt_logprobs[i][t]) for i, t in enumerate(ids) if i]
-    # bf16 rounding of every activation (MODEL_V4.md §6 measures ~0.13 on logits with transformers' model)
+    # bf16 rounding of every activation (~0.13 on logits with transformers' model: docs/deepseek_v4.md, "Numerics")
     assert sum(diffs) / len(diffs) < 0.2 and max(diffs) < 1.0, diffs
     assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]

@@ -1,4 +1,5 @@
-"""Inference-state equivalences (MODEL_V4.md §3): decode, chunked prefill and mixed batches equal one-shot."""
+"""Inference-state equivalences (docs/deepseek_v4.md, "Inference state per layer"): decode, chunked prefill and
+mixed batches equal one-shot."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_v41_layer_typing_parity_nemo(nemo, name):
 
 
 def test_v41_flash_layer_table():
-    """MODEL_V41.md §1.4, spelled out."""
+    """docs/deepseek_v41.md, "Layer roles (SWA, Full, Reindex, Reuse)", spelled out."""
     specs = layer_specs(DeepseekV41TextConfig())
     assert len(specs) == 43
     kinds = "".join({"swa": "S", "full": "F", "reindex": "I", "reuse": "u"}[s.kind] for s in specs)

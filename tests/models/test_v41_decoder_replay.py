@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1's encoder/decoder split (MODEL_V41.md §6.2): exact prefill vs the bounded decoder replay.
+"""DeepSeek-V4.1's encoder/decoder split (docs/deepseek_v41.md, "Encoder/decoder split and bounded decoder
+replay"): exact prefill vs the bounded decoder replay.
 
 Exact: the decoder layers see every prompt token, as in a plain forward. Bounded replay: the encoder runs on every
 prompt token, the first decoder layer still publishes its compressed rows and index keys for all of them (so the

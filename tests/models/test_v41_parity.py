@@ -136,10 +136,10 @@ def _perturbed(fn, eps: float):
 
 @pytest.mark.parametrize("name", ["sketch", "mixed", "heads8"])
 def test_v41_parity_with_cache_quantization(pairs, tokenizer, name, monkeypatch):
-    """With the §2.5 cache formats on both sides (FP8 window, NVFP4 rows, MXFP4 index keys and queries), short
-    prompts match within 1e-4 at every position whose result does not hang on a rounding boundary. The screen:
-    positions that move by more than 1e-5 when every quantizer input is scaled by (1 ± 1e-6) are excluded (on
-    "sketch" it removes exactly the 4 positions of the 17-token prompt that differ from NeMo by 1.7e-3)."""
+    """With the cache formats (docs/deepseek_v41.md, "Cache formats") on both sides (FP8 window, NVFP4 rows, MXFP4 index
+    keys and queries), short prompts match within 1e-4 at every position whose result does not hang on a rounding
+    boundary. The screen: positions that move by more than 1e-5 when every quantizer input is scaled by (1 ± 1e-6) are
+    excluded (on "sketch" it removes exactly the 4 positions of the 17-token prompt that differ from NeMo by 1.7e-3)."""
     theirs, ours = pairs[name]
     ours.set_quant_sim(True)
     seqs = _prompts(tokenizer, (30, 17, 41), seed=2)

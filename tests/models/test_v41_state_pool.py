@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 decode steps on pooled state (the model's ``StatePool``: window rings and the ratio-2 compressors'
-rings, ``decode_step.attend`` in fixed shapes from a ``StepPlan``): the same logits, bit for bit, as the per-sequence
-state, through prefill chunks, decodes past the window and across pair boundaries, a mixed step (the per-sequence
-code on pooled states), a bounded decoder replay (decoder layers whose window starts later), more sequences than the
-pool's first size, and slots given back."""
+rings, ``decode_step.attend`` in fixed shapes from a ``V41DecodePlan``): the same logits, bit for bit, as the
+per-sequence state, through prefill chunks, decodes past the window and across pair boundaries, a mixed step (the
+per-sequence code on pooled states), a bounded decoder replay (decoder layers whose window starts later), more
+sequences than the pool's first size, and slots given back."""
 
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def test_v41_parity_vit_aligner_bf16(nemo, tokenizer, text_raw):
 
 
 def test_v41_released_parameter_names():
-    """The state_dict keys are the released checkpoint names of MODEL_V41.md §7.1."""
+    """The state_dict keys are the released checkpoint names (docs/deepseek_v41.md, "Checkpoint names and formats")."""
     enc = VisionEncoder(DeepseekV41VisionConfig(**dict(TINY_VISION, num_hidden_layers=1)), 16)
     assert list(enc.state_dict()) == [
         "vision.patch_embed.proj.weight",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import ChunkPlan, SeqResult, StepResult, WorkerStepPlan
 from deepinfer.rpc.convert import (
     plan_from_proto,
     plan_to_proto,
@@ -86,7 +86,7 @@ def test_bad_wire_values_raise_naming_the_field(wire: common_pb2.SamplingParams,
 
 def test_step_plan_round_trip_sends_params_once() -> None:
     p1, p2 = SamplingParams(temperature=0), SamplingParams(seed=5, logprobs=1)
-    plan = StepPlan(
+    plan = WorkerStepPlan(
         step_id=3,
         chunks=[
             ChunkPlan("a", [1, 2, 3], 0, [4, 5], True, p1, logprob_targets=[2, 3, -1]),
@@ -111,7 +111,7 @@ def test_step_plan_round_trip_sends_params_once() -> None:
         assert a.logprob_targets == b.logprob_targets
         assert b.params.effective_seed == a.params.effective_seed
     # the next step of the same requests carries no parameters, and the worker still knows them
-    nxt = plan_to_proto(StepPlan(4, [ChunkPlan("a", [9], 3, [4, 5], True, p1)]), sent)
+    nxt = plan_to_proto(WorkerStepPlan(4, [ChunkPlan("a", [9], 3, [4, 5], True, p1)]), sent)
     assert not nxt.chunks[0].HasField("params")
     assert plan_from_proto(nxt, known).chunks[0].params is known["a"]
     with pytest.raises(ValueError, match="params"):
@@ -145,13 +145,13 @@ def test_constraint_travels_with_the_first_chunk_and_again_after_a_release() -> 
     sent: set[str] = set()
     known: dict[str, SamplingParams] = {}
     first = ChunkPlan("r", [1, 2], 0, [0], True, p, constraint=c, constraint_history=[])
-    back = plan_from_proto(plan_to_proto(StepPlan(1, [first]), sent), known).chunks[0]
+    back = plan_from_proto(plan_to_proto(WorkerStepPlan(1, [first]), sent), known).chunks[0]
     assert back.constraint == c and back.constraint_history == []
     later = ChunkPlan("r", [5], 2, [0], True, p)
-    assert plan_from_proto(plan_to_proto(StepPlan(2, [later]), sent), known).chunks[0].constraint is None
+    assert plan_from_proto(plan_to_proto(WorkerStepPlan(2, [later]), sent), known).chunks[0].constraint is None
     # re-admitted after a preemption: constraint and the tokens generated so far
     again = ChunkPlan("r", [1, 2, 5], 0, [1], True, p, constraint=c, constraint_history=[5])
-    wire = plan_to_proto(StepPlan(3, [again], released=["r"]), sent)
+    wire = plan_to_proto(WorkerStepPlan(3, [again], released=["r"]), sent)
     back = plan_from_proto(wire, known).chunks[0]
     assert back.constraint == c and back.constraint_history == [5]
     bad = worker_pb2.StepPlan(step_id=4)

@@ -13,10 +13,10 @@ import pytest
 
 from deepinfer.chat.tokens import EOS, THINK_END, TOOL_CALLS_START
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.serving.http import create_app
 from deepinfer.serving.metrics import Metrics
-from deepinfer.serving.openai_protocol import ChatCompletionRequest, ReasoningSplitter, parse_chat_output
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.balancer.http import create_app
+from services.balancer.openai_protocol import ChatCompletionRequest, ReasoningSplitter, parse_chat_output
 from serving.mesh import Mesh
 
 try:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from deepinfer.rpc.convert import sampling_from_proto
-from deepinfer.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.balancer.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -17,7 +17,7 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.factory import build_worker
-from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, StepPlan
+from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto
 from deepinfer.serving.server import Service, start_server
@@ -34,18 +34,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_wp") / "m", seed=0)
 
 
-def plans(bad_at: int | None = None) -> list[StepPlan]:
-    out = [StepPlan(1, chunks=[ChunkPlan(f"r{i}", p, 0, [i], True, GREEDY) for i, p in enumerate(PROMPTS)])]
+def plans(bad_at: int | None = None) -> list[WorkerStepPlan]:
+    out = [WorkerStepPlan(1, chunks=[ChunkPlan(f"r{i}", p, 0, [i], True, GREEDY) for i, p in enumerate(PROMPTS)])]
     for k in range(1, STEPS):
         rids = [f"r{i}" for i in range(len(PROMPTS))] + (["ghost"] if k == bad_at else [])
-        out.append(StepPlan(k + 1, chunks=[
+        out.append(WorkerStepPlan(k + 1, chunks=[
             ChunkPlan(rid, [PLACEHOLDER], len(PROMPTS[i]) + k - 1 if i < len(PROMPTS) else 0, [i], True, GREEDY)
             for i, rid in enumerate(rids)
         ]))  # fmt: skip
     return out
 
 
-async def stream(parts, steps: list[StepPlan]) -> tuple[list, grpc.StatusCode | None, str]:
+async def stream(parts, steps: list[WorkerStepPlan]) -> tuple[list, grpc.StatusCode | None, str]:
     running = await start_server(
         [Service("deepinfer.v1.Worker", WorkerService(parts, "w"), worker_pb2_grpc.add_WorkerServicer_to_server)],
         "127.0.0.1",

@@ -1,7 +1,7 @@
 """DeepSeek-V4 chat encoding: render OpenAI-style requests as prompts, parse completions back.
 
 Byte-exact with DeepSeek's reference V4 encoder (`encoding/encoding_dsv4.py`, DeepSeek-V4-Flash, April
-release). Spec: /work/shared/design/CHAT_ENCODING.md.
+release). Spec: docs/chat_format.md.
 """
 
 from deepinfer.chat.completion import parse_completion

@@ -1,9 +1,9 @@
 """Strict parser of a DeepSeek-V4 completion into reasoning, content and tool calls.
 
 Follows `parse_message_from_completion_text` of DeepSeek's reference encoder (`encoding/encoding_dsv4.py`,
-DeepSeek-V4-Flash). Spec: /work/shared/design/CHAT_ENCODING.md §4.1. The text is the raw generation
+DeepSeek-V4-Flash). Spec: docs/chat_format.md, "Parsing completions". The text is the raw generation
 (prompt excluded) including the EOS text; any deviation from the well-formed grammar raises ValueError.
-For a tolerant streaming parser see §4.2.
+For a tolerant streaming parser see ``chat.streaming`` (docs/chat_format.md, "Streaming parser").
 """
 
 from typing import Any

@@ -3,7 +3,8 @@
 Implements the preprocessing of DeepSeek's reference encoder (`encoding/encoding_dsv4.py`,
 DeepSeek-V4-Flash): tool results merged into user turns, consecutive user messages merged, tool results
 re-ordered by the preceding assistant's call ids, and earlier reasoning dropped.
-Spec: /work/shared/design/CHAT_ENCODING.md §2.2, §2.7, §3.1 and §3.4.
+Spec: docs/chat_format.md, "Preprocessing of messages", "Edge cases and validation", "Tools section" and
+"Tool results".
 Bad input raises ValueError naming the message index and field.
 """
 

@@ -1,8 +1,9 @@
 """DSML, the tool markup of DeepSeek-V4: the tools section, rendering tool calls, parsing a tool-call block.
 
 Byte-exact with `render_tools`, `encode_arguments_to_dsml` and `parse_tool_calls` of DeepSeek's reference
-encoder (`encoding/encoding_dsv4.py`, DeepSeek-V4-Flash). Spec: /work/shared/design/CHAT_ENCODING.md §3.1-§3.3
-and §4.1. The parser is stricter than the reference in one way: an unterminated block is an error.
+encoder (`encoding/encoding_dsv4.py`, DeepSeek-V4-Flash). Spec: docs/chat_format.md, "Tools section", "Tool calls
+in DSML", "Tool calls in history" and "Parsing completions". The parser is stricter than the reference in one way:
+an unterminated block is an error.
 """
 
 import json

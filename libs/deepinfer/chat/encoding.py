@@ -2,7 +2,7 @@
 
 Byte-exact with `encode_messages` of DeepSeek's reference encoder (`encoding/encoding_dsv4.py` of
 deepseek-ai/DeepSeek-V4-Flash, April release) on well-formed input; malformed input raises ValueError instead.
-Spec: /work/shared/design/CHAT_ENCODING.md §2 (prompt format), §3 (tools) and §8 (serving checklist).
+Spec: docs/chat_format.md (the prompt shape, rendering by role, the generation prompt, tools).
 Tokenize the result with `add_special_tokens=False`: BOS is part of the text.
 """
 

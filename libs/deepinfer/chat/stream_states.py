@@ -1,7 +1,7 @@
 """The states and markers of the streaming DSML parser (``chat.streaming``): what each state waits for.
 
-Spec: /work/shared/design/CHAT_ENCODING.md §4.2 (the recommended state machine) on top of §3.2 / §4.1 (the DSML
-grammar).
+Spec: docs/chat_format.md, "Streaming parser" (the state machine) on top of "Tool calls in DSML" and "Parsing
+completions" (the DSML grammar).
 """
 
 from __future__ import annotations

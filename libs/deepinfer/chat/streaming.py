@@ -1,7 +1,7 @@
 """Streaming parser of DeepSeek-V4 completions into OpenAI chat-completion deltas.
 
-Spec: /work/shared/design/CHAT_ENCODING.md §4.2 (the recommended state machine) on top of §3.2 / §4.1 (the
-DSML grammar). Input is detokenized generated text with special tokens kept (EOS text included), split
+Spec: docs/chat_format.md, "Streaming parser" (the state machine) on top of "Tool calls in DSML" and "Parsing
+completions" (the DSML grammar). Input is detokenized generated text with special tokens kept (EOS text included), split
 anywhere. Output is OpenAI delta fragments::
 
     {"reasoning_content": "..."}

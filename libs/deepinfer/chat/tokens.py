@@ -1,8 +1,8 @@
 """Control-token strings and fixed prompt texts of the DeepSeek-V4 (April release) chat format.
 
 Every string here must be byte-identical to DeepSeek's reference encoder
-(`encoding/encoding_dsv4.py` of deepseek-ai/DeepSeek-V4-Flash). Spec: /work/shared/design/CHAT_ENCODING.md
-§1 (tokens), §2.6 (reasoning effort, tasks) and §3.1 (tools section).
+(`encoding/encoding_dsv4.py` of deepseek-ai/DeepSeek-V4-Flash). Spec: docs/chat_format.md, "Special tokens",
+"Reasoning effort", "Quick-instruction tasks and latest_reminder" and "Tools section".
 """
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -14,7 +14,8 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 
-# Quick-instruction task -> the token appended after the message that carries the task (§2.6).
+# Quick-instruction task -> the token appended after the message that carries the task
+# (docs/chat_format.md, "Quick-instruction tasks and latest_reminder").
 TASK_TOKENS: dict[str, str] = {
     "action": "<｜action｜>",
     "query": "<｜query｜>",
@@ -73,7 +74,7 @@ Otherwise, output directly after {THINK_END} with tool calls or final response.
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """
 
-# DSML markup of an assistant tool-call block (§3.2).
+# DSML markup of an assistant tool-call block (docs/chat_format.md, "Tool calls in DSML").
 TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
 TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
 INVOKE_OPEN = f"<{DSML}invoke"

@@ -1,7 +1,7 @@
 """OpenAI `tool_choice` -> what the worker enforces on a DeepSeek-V4 generation.
 
-Spec: /work/shared/design/CHAT_ENCODING.md §3.2 (the DSML call syntax), §5 (where a constraint starts). The
-grammar applies to the text AFTER the reasoning: in thinking mode from the first `</think>` on, in chat mode
+Spec: docs/chat_format.md, "Tool calls in DSML" (the call syntax) and "Tool choice and where constraints start".
+The grammar applies to the text AFTER the reasoning: in thinking mode from the first `</think>` on, in chat mode
 from the first generated token (the prompt ends with `</think>`), so it starts where the content starts.
 
 The grammar is an xgrammar structural tag (its JSON text, for `GrammarCompiler.compile_structural_tag`) whose

@@ -27,7 +27,8 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is missing, corrupt or has the wrong shape."""
 
 
-# parameters the reference keeps in fp32 whatever the model dtype (MODEL_V4.md §4.2)
+# parameters the reference keeps in fp32 whatever the model dtype (mHC, ``ape``, sinks, router bias, norms;
+# docs/deepseek_v4.md ("Tensors kept in bf16 or fp32"))
 _FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight)$")
 # the compressors' projections run in fp32 (``ops.linear_fp32``) on values the checkpoint stores in bf16: loaded in
 # the model dtype when it holds them exactly (a GPU multiplies them on the tensor cores with fp32 sums), else fp32

@@ -1,4 +1,5 @@
-"""Tensor names: the official release, transformers' renaming (MODEL_V4.md §4.3), and our modules.
+"""Tensor names: the official release, transformers' renaming (docs/deepseek_v4.md ("transformers names")), and our
+modules.
 
 Official names are the canonical form. ``hf_to_official`` undoes transformers' renaming (its stacked
 experts are split by the loader); ``official_to_internal`` maps to a parameter of

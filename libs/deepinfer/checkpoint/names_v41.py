@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 tensor names and storage formats: the released checkpoint ↔ our modules (MODEL_V41.md §7).
+"""DeepSeek-V4.1 tensor names and storage formats: the released checkpoint ↔ our modules
+(docs/deepseek_v41.md ("Checkpoint names and formats")).
 
 Released names (the official inference tree; NeMo AutoModel's ``DeepseekV41StateDictAdapter`` reads and writes
 exactly these) are the canonical checkpoint form. Our parameters differ in three places only:

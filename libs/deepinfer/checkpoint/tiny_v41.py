@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names_v41 import TensorSpec, expected_tensors, internal_parameters, released_to_internal
+from deepinfer.checkpoint.tiny_files import tokenizer_dir, write_configs
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import bucket_primes
 from deepinfer.quant.formats import quantize_fp8_blocks, quantize_mxfp4
@@ -137,8 +138,6 @@ TINY_V41: dict[str, Any] = {
 # -- tokenizer ------------------------------------------------------------------------------------------------------
 def v41_tokenizer_json() -> str:
     """The DeepSeek-V4 ``tokenizer.json`` with id 129264 renamed to ``<｜deepseek_image｜>`` (special; cached)."""
-    from deepinfer.checkpoint.tiny import tokenizer_dir
-
     src = tokenizer_dir() / "tokenizer.json"
     return _patched_tokenizer(str(src), src.stat().st_mtime_ns)
 
@@ -252,14 +251,9 @@ def make_tiny_v41(path: str | Path, seed: int = 0, overrides: dict[str, Any] | N
     path.mkdir(parents=True, exist_ok=True)
     tensors = to_released_tensors(config, random_weights_v41(config, seed))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt", "generator": "deepinfer"})
-    with open(path / "config.json", "w", encoding="utf-8") as f:
-        json.dump(raw, f, indent=2)
-    with open(path / "generation_config.json", "w", encoding="utf-8") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0}, f, indent=2)
+    write_configs(path, raw)
     with open(path / "tokenizer.json", "w", encoding="utf-8") as f:
         f.write(v41_tokenizer_json())
-    from deepinfer.checkpoint.tiny import tokenizer_dir
-
     src = tokenizer_dir() / "tokenizer_config.json"
     if src.exists():
         (path / "tokenizer_config.json").write_bytes(src.read_bytes())

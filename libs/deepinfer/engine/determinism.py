@@ -49,6 +49,9 @@ def _device_name(accelerator: str) -> str:
 
     if accelerator == "nvidia" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
+    npu = getattr(torch, "npu", None)  # registered by torch_npu
+    if accelerator == "ascend" and npu is not None and npu.is_available():
+        return npu.get_device_name()
     return platform.processor() or platform.machine()
 
 

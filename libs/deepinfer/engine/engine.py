@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.chat.turns import turn_boundaries
 from deepinfer.engine.constraints import Constraint
-from deepinfer.engine.interfaces import StepPlan, StepResult, Worker
+from deepinfer.engine.interfaces import StepResult, Worker, WorkerStepPlan
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.worker import InFlight
@@ -116,7 +116,7 @@ class LLMEngine:
         plan = self._plan(lookahead=False)
         return self._apply(self.worker.execute(plan)) if plan is not None else []
 
-    def _plan(self, lookahead: bool) -> StepPlan | None:
+    def _plan(self, lookahead: bool) -> WorkerStepPlan | None:
         """The next step, or None when there is nothing to run."""
         if lookahead and not (self.scheduler.has_unfinished() or self.scheduler.has_pending_releases):
             return None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import envs
+from deepinfer.backends import platform_for
 from deepinfer.chat.tokens import THINK_END
 from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.engine import resume_format
@@ -17,7 +18,8 @@ from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.models import Model, ModelConfig, build_model, is_v41, model_type_of, parse_config
 from deepinfer.engine.pages import PagePool
-from deepinfer.engine.scheduler import Scheduler, config_from_env
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler_config import config_from_env
 from deepinfer.engine.worker import ModelRunner, min_replay
 from deepinfer.models.deepseek_v4.layers import uses_w8a8
 from deepinfer.models.deepseek_v4.state import PagedKVCache
@@ -88,7 +90,7 @@ def build_worker(
     ops = get_ops(accelerator, batch_invariant)  # refuses what this host cannot run, before any loading
     path, config = resolve_model_dir(model)
     torch_dtype = parse_dtype(dtype, accelerator)
-    device = torch.device("cuda" if accelerator == "nvidia" else "cpu")
+    device = platform_for(accelerator).device()
     net = build_model(path, config, ops, torch_dtype, device, quant_sim)
     page_size = page_size or envs.DEEPINFER_PAGE_SIZE
     limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or config.max_position_embeddings

@@ -4,7 +4,7 @@ CPython's full collection walks every tracked container object. A worker holds a
 start-up (the model's modules and parameters, torch, Triton and the other imported libraries, compiled kernels,
 captured CUDA graphs) that live as long as the process, and a full collection comes whenever enough new objects
 have survived into the oldest generation: each is a pause of the step loop as long as that walk (about 0.2 s on the
-tiny model's CPU worker, `bench/gc_heap.py`). ``gc.freeze`` moves the objects alive now to a permanent generation
+tiny model's CPU worker, `bench/host/gc_heap.py`). ``gc.freeze`` moves the objects alive now to a permanent generation
 that collections skip (vLLM freezes the heap after its warm-up; SGLang has a freeze call and warns of long
 collections). Frozen objects are still freed by reference counting; only reference cycles among them stay, which
 is why a worker that replaces its model thaws the heap first (``thaw_heap``).

@@ -76,7 +76,10 @@ class FetchResult:
 
 
 @dataclass
-class StepPlan:
+class WorkerStepPlan:
+    """What the scheduler asks a worker to do in one step (``Scheduler.schedule``; on the wire ``worker_pb2.StepPlan``):
+    the chunks to run, then what to release, snapshot, offload and fetch."""
+
     step_id: int
     chunks: list[ChunkPlan] = field(default_factory=list)
     # requests whose worker-side state must be dropped before this step runs
@@ -110,22 +113,9 @@ class StepResult:
 
 
 class Worker(Protocol):
-    """Executes steps. Implementations: the in-process model runner; later, the gRPC worker client."""
+    """Executes steps in process (``LLMEngine``'s worker): ``engine.worker.ModelRunner``, and the tests' fakes.
+    The scheduler service reaches a worker service over gRPC instead (``deepinfer.v1.Worker``'s ``Step`` stream)."""
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: WorkerStepPlan) -> StepResult: ...
 
     def release(self, request_ids: list[str]) -> None: ...
-
-
-class SchedulerInterface(Protocol):
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-    def schedule(self) -> StepPlan: ...
-
-    def update(self, result: StepResult) -> list[str]:
-        """Apply sampled tokens; returns the ids of requests that finished in this step."""
-        ...
-
-    def has_unfinished(self) -> bool: ...

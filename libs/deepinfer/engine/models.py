@@ -2,10 +2,10 @@
 
 Both models present the same engine interface — ``model(ForwardBatch, PagedKVCache) -> hidden [T, D]``,
 ``model.logits(rows) -> fp32``, ``model.config`` (``vocab_size``, ``eos_token_id``, ``max_position_embeddings``,
-``cache_layout()``, ``page_multiple``, ``min_replay()``) and ``set_quant_sim`` — so everything past this module
-treats them alike. V4.1 only: the Engram token map comes from the checkpoint's tokenizer, its §2.5 cache formats
-(FP8 window, FP4 compressed rows and index keys) are part of the released model and stay on, and prompt chunks may
-run the decoder layers on their tail only (``SeqChunk.decoder_from``; V4 ignores it).
+``cache_layout()``, ``page_multiple``, ``min_replay()``) and ``set_quant_sim`` — so everything past this module treats
+them alike. V4.1 only: the Engram token map comes from the checkpoint's tokenizer, its cache formats (FP8 window, FP4
+compressed rows and index keys; docs/deepseek_v41.md ("Cache formats")) are part of the released model and stay on, and
+prompt chunks may run the decoder layers on their tail only (``SeqChunk.decoder_from``; V4 ignores it).
 """
 
 from __future__ import annotations

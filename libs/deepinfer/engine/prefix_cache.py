@@ -1,13 +1,13 @@
 """The scheduler's device prefix cache: resume points over pages addressed by a hash chain.
 
-DeepSeek-V4's state has two parts (MODEL_V4.md §3): compressed rows and index keys, append-only and a
-function of the prefix, in pages; and a per-sequence short-term part (the 128-row window ring and the
-compressor buffers). Sharing pages is not enough to resume a prefix exactly: the short-term state at
-the resume position is needed too. A **resume point** at position ``P`` therefore holds
+DeepSeek-V4's state has two parts (docs/deepseek_v4.md ("Inference state per layer")): compressed rows and index keys,
+append-only and a function of the prefix, in pages; and a per-sequence short-term part (the 128-row window ring and the
+compressor buffers). Sharing pages is not enough to resume a prefix exactly: the short-term state at the resume position
+is needed too. A **resume point** at position ``P`` therefore holds
 
 * references to the ``P // page_size`` full pages of the prefix (so they outlive the request), and
 * a worker-side snapshot (``snapshot_id``): the short-term state at ``P`` plus the rows of the partial
-  page below ``P``, taken by the worker when the scheduler asks (``StepPlan.snapshots``).
+  page below ``P``, taken by the worker when the scheduler asks (``WorkerStepPlan.snapshots``).
 
 A resume point is addressed by the hash chain of its tokens: ``root = H(model fingerprint, cache salt)``,
 ``h_k = H(h_{k-1}, tokens of page k)`` for each full page, and the tail tokens after the last full page.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.prefix_cache import PrefixCache
     from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
-    from deepinfer.engine.scheduler import SchedulerConfig
+    from deepinfer.engine.scheduler_config import SchedulerConfig
 
 
 class PrefixCaching:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.interfaces import (
@@ -40,69 +39,16 @@ from deepinfer.engine.interfaces import (
     FetchOrder,
     OffloadOrder,
     SnapshotOrder,
-    StepPlan,
     StepResult,
+    WorkerStepPlan,
 )
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
 from deepinfer.engine.prefix_scheduling import PrefixCaching
 from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
 from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    page_size: int
-    max_model_len: int
-    eos_token_id: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    prefix_caching: bool = True
-    max_resume_points: int = 256
-    resume_interval: int = 0  # also keep resume points every this many tokens (a multiple of page_size; 0: off)
-    fingerprint: str = ""  # the model (weights, dtype, page size): part of every prefix hash
-    remote_store: bool = False  # the worker moves resume points to and from a kvstore
-    compact_replay: int = 0  # > 0: compact resume points, a hit replays this many tokens (approximate)
-    decoder_replay: int = 0  # > 0: V4.1's decoder layers see only each prompt's last this many tokens (approximate)
-
-    def __post_init__(self) -> None:
-        for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.resume_interval < 0 or self.resume_interval % self.page_size:
-            raise ValueError(f"resume_interval must be a multiple of page_size, got {self.resume_interval}")
-        if self.decoder_replay < 0:
-            raise ValueError(f"decoder_replay must be >= 0, got {self.decoder_replay}")
-
-
-def config_from_env(
-    page_size: int,
-    max_model_len: int,
-    eos_token_id: int,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    fingerprint: str = "",
-    prefix_caching: bool | None = None,
-    remote_store: bool = False,
-) -> SchedulerConfig:
-    """The scheduler's settings: the arguments where given, else the env registry's."""
-    from deepinfer import envs
-
-    return SchedulerConfig(
-        page_size=page_size,
-        max_model_len=max_model_len,
-        eos_token_id=eos_token_id,
-        max_num_seqs=max_num_seqs or envs.DEEPINFER_MAX_NUM_SEQS,
-        max_num_batched_tokens=max_num_batched_tokens or envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS,
-        prefix_caching=envs.DEEPINFER_ENABLE_PREFIX_CACHING if prefix_caching is None else prefix_caching,
-        max_resume_points=envs.DEEPINFER_PREFIX_CACHE_RESUME_POINTS,
-        resume_interval=envs.DEEPINFER_RESUME_INTERVAL,
-        fingerprint=fingerprint,
-        remote_store=remote_store,
-        compact_replay=envs.DEEPINFER_COMPACT_REPLAY_TOKENS,
-        decoder_replay=envs.DEEPINFER_DECODER_REPLAY_TOKENS,
-    )
 
 
 class Scheduler(PrefixCaching):
@@ -216,10 +162,10 @@ class Scheduler(PrefixCaching):
         return bool(self._released or self._pending or self._offloads or self._fetches or self.fetching)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self, lookahead: bool = False) -> StepPlan:
+    def schedule(self, lookahead: bool = False) -> WorkerStepPlan:
         """The next step. With ``lookahead``, requests with a token in flight continue on a placeholder."""
         self._step += 1
-        plan = StepPlan(step_id=self._step)
+        plan = WorkerStepPlan(step_id=self._step)
         for rid, rp in self._pending:
             plan.snapshots.append(SnapshotOrder(rid, rp.snapshot_id, rp.position))
             rp.visible = True

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from deepinfer.engine.interfaces import ChunkPlan, StepPlan
+from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import ModelRunner
 from deepinfer.models.decode_graphs import BUCKETS
 from deepinfer.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def warm_up(
 
     def run(chunks: list[ChunkPlan]) -> list[int]:
         nonlocal step
-        out = runner.execute(StepPlan(step_id=step, chunks=chunks))
+        out = runner.execute(WorkerStepPlan(step_id=step, chunks=chunks))
         step -= 1
         return [r.token_id for r in out.results]
 

@@ -1,4 +1,4 @@
-"""The worker runtime: runs a :class:`StepPlan` through the model, samples, computes logprobs.
+"""The worker runtime: runs a :class:`WorkerStepPlan` through the model, samples, computes logprobs.
 
 It owns the device-side state: the paged cache and each running request's short-term state.
 Seeded requests draw their sampling noise from a generator keyed by (seed, position) — a counter
@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
-from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepPlan, StepResult
+from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.models import Model
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.host_copy import tensor, to_host
@@ -60,7 +60,7 @@ class ModelRunner:
         if self.constraints is not None:
             self.constraints.release(request_ids)
 
-    def _snapshots(self, plan: StepPlan) -> None:
+    def _snapshots(self, plan: WorkerStepPlan) -> None:
         for order in plan.snapshots:
             st = self.states.get(order.request_id)
             if st is None or st.num_tokens != order.position:
@@ -80,12 +80,12 @@ class ModelRunner:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
             self.remote.fetch(f.fetch_id, f.key)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: WorkerStepPlan) -> StepResult:
         """Run a step and wait for its result: ``finish(launch(plan))``."""
         return self.finish(self.launch(plan))
 
     @torch.no_grad()
-    def launch(self, plan: StepPlan) -> InFlight:
+    def launch(self, plan: WorkerStepPlan) -> InFlight:
         """Queue a step's device work; ``finish`` returns its result. Take the ordered snapshots, drop released
         states, run the chunks (resuming from snapshots where asked), then drop the snapshots the scheduler evicted
         (a chunk of this step may still start from one). A chunk token ``PLACEHOLDER`` is the token its request
@@ -102,7 +102,7 @@ class ModelRunner:
                 self.snapshots.pop(sid, None)
                 self.fetched.pop(sid, None)
 
-    def waits_for_tokens(self, plan: StepPlan) -> bool:
+    def waits_for_tokens(self, plan: WorkerStepPlan) -> bool:
         """Whether ``plan`` must not be launched before the steps in flight are finished: a structured-output
         request's next mask needs its last token accepted on the host first."""
         cs = self.constraints
@@ -126,7 +126,7 @@ class ModelRunner:
                 result.fetched.append(FetchResult(f.fetch_id, f.payload is not None, f.reason))
         return result
 
-    def _run(self, plan: StepPlan) -> InFlight:
+    def _run(self, plan: WorkerStepPlan) -> InFlight:
         result = StepResult(step_id=plan.step_id)
         if not plan.chunks:
             return InFlight(result)
@@ -176,7 +176,7 @@ class ModelRunner:
             self._sample(logits, owners, plan, step, masks)
         return step
 
-    def _resolve(self, plan: StepPlan) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, int]]]:
+    def _resolve(self, plan: WorkerStepPlan) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, int]]]:
         """The chunks' token lists with each ``PLACEHOLDER`` resolved: to the request's last token where the host
         has it, else to 0 with (batch row, the in-flight samples and row) listed for ``ForwardBatch.substitute``."""
         token_ids, at, sources, offset = [], [], [], 0
@@ -214,7 +214,7 @@ class ModelRunner:
             raise RuntimeError(f"request {rid}: snapshot {source} is at {snap.position}, the step starts at {start}")
         return snap.restore(self.cache, table, self.device)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, owners: list, plan: StepPlan, out: list[SeqResult]) -> None:
+    def _prompt_logprobs(self, logits: torch.Tensor, owners: list, plan: WorkerStepPlan, out: list[SeqResult]) -> None:
         for i, c in enumerate(plan.chunks):
             sel = [k for k, (o, t) in enumerate(owners) if o == i and t is not None]
             if not sel:
@@ -222,7 +222,7 @@ class ModelRunner:
             targets = tensor([owners[k][1] for k in sel], logits.device, torch.long)
             out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
 
-    def _start_masks(self, plan: StepPlan) -> tuple[list[str], Future] | None:
+    def _start_masks(self, plan: WorkerStepPlan) -> tuple[list[str], Future] | None:
         """Install the constraints that arrive with this step; start filling the masks of its constrained rows."""
         cs = self.constraints
         for c in plan.chunks:
@@ -243,7 +243,7 @@ class ModelRunner:
         return lambda logits: self.constraints.apply(logits, future.result(), rows)
 
     def _sample(
-        self, logits: torch.Tensor, owners: list, plan: StepPlan, step: InFlight, masks: tuple | None = None
+        self, logits: torch.Tensor, owners: list, plan: WorkerStepPlan, step: InFlight, masks: tuple | None = None
     ) -> None:
         sel = [k for k, (_, t) in enumerate(owners) if t is None]
         if not sel:

@@ -1,4 +1,5 @@
-"""Events and discovery over NATS (ARCHITECTURE.md §5): facts about the system, never request payloads.
+"""Events and discovery over NATS: facts about the system, never request payloads (docs/architecture.md, "Events
+and discovery (NATS)").
 
 - :mod:`.subjects`: every subject and bucket name, and token validation.
 - :mod:`.auth`: one NATS user per service kind, its subject permissions, credentials in URLs.

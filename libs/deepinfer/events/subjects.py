@@ -1,6 +1,6 @@
 """Every NATS subject and JetStream bucket name deepinfer uses, defined once.
 
-Layout (ARCHITECTURE.md §5); every subject starts with ``deepinfer.``::
+Layout (docs/architecture.md, "Events and discovery (NATS)"); every subject starts with ``deepinfer.``::
 
     deepinfer.load.<kind>.<instance_id>   periodic load reports (queue depth, running, free KV pages, ...)
     deepinfer.kv.<kind>.<instance_id>     KV-cache events: blocks stored / removed (hashes only, batched)

@@ -2,7 +2,6 @@
 constraints with xgrammar against the model's tokenizer, never in the per-token path.
 
 * :class:`Compiler` compiles in this process (the offline ``LLM``; each compile process of the pool);
-* :class:`CompilerPool` compiles in child processes with a time limit and a memory cap (the grammar service);
 * :class:`GrammarClient` asks the grammar service (``python -m services.grammar``; the balancer);
 * :func:`check_limits` refuses abusive grammars in milliseconds, before any compile.
 
@@ -14,7 +13,6 @@ Nothing here imports xgrammar (or torch) until a compile or a ``TokenizerInfo`` 
 from deepinfer.grammar.client import GrammarClient
 from deepinfer.grammar.compiler import Compiler
 from deepinfer.grammar.limits import Limits, check_limits
-from deepinfer.grammar.pool import CompilerPool
 from deepinfer.grammar.spec import (
     KINDS,
     CompiledGrammar,
@@ -30,7 +28,6 @@ __all__ = [
     "KINDS",
     "CompiledGrammar",
     "Compiler",
-    "CompilerPool",
     "GrammarClient",
     "GrammarError",
     "GrammarSpec",

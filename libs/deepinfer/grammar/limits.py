@@ -1,7 +1,7 @@
 """Checks before compiling: a grammar over a limit is refused in milliseconds, never handed to xgrammar.
 
 xgrammar cannot cancel a compile, and some inputs take minutes and gigabytes (50 000 properties: 526 s and
-1.7 GB; 500-deep nesting: 16 s; see ENV_FACTS §1), so every text is checked first (``DEEPINFER_GRAMMAR_*``):
+1.7 GB; 500-deep nesting: 16 s, measured with xgrammar 0.2), so every text is checked first (``DEEPINFER_GRAMMAR_*``):
 
 * size: a JSON schema or structural tag at most ``MAX_SCHEMA_BYTES``; a regex, an EBNF grammar and each
   ``pattern`` / ``grammar`` inside a JSON document at most ``MAX_GRAMMAR_BYTES``; valid UTF-8, no NUL;

@@ -15,7 +15,8 @@ padded einsums of ``BatchInvariantOps``; the semantics are those of ``ReferenceO
   For many bf16 queries (a prefill, ``wide``) the same kernel runs with wide tiles (``ATTN_WIDE``: every one of 64
   heads in one program, 64 keys a step, 8 warps: the ``tl.dot`` become Hopper's ``wgmma``), so a query's gathered
   key rows are read once for all its heads instead of once per 16 heads. H200, 4096 queries of V4-Flash width
-  (``bench/attention_prefill.py``): 497 against 787 µs for a 128-key window, 1346 against 2160 for CSA's 640 keys.
+  (``bench/kernels/attention_prefill.py``): 497 against 787 µs for a 128-key window, 1346 against 2160 for CSA's 640
+  keys.
   ``DEEPINFER_ATTN_PREFILL=gluon`` runs the wide tiles as a Gluon kernel instead (``kernels.attention_wgmma``).
 
 Why invariant: every output element's reduction order is fixed by constexpr tile sizes (and, for attention, by the
@@ -56,7 +57,7 @@ ATTN_NARROW = {
     "num_stages": ATTN_NUM_STAGES,
 }
 # the wide tiles (module docstring): heads and keys per program, warps, stages; bf16 only (fp32 tiles of this size
-# exceed the shared memory). H200, sm_90, d = 512: 255 registers, one program an SM (bench/attention_prefill.py)
+# exceed the shared memory). H200, sm_90, d = 512: 255 registers, one program an SM (bench/kernels/attention_prefill.py)
 ATTN_WIDE = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 # split=None takes the wide tiles from this many bf16 queries on: two waves of 132 programs (fewer programs than
 # SMs would leave the GPU idle; decode batches stay on the narrow tiles)

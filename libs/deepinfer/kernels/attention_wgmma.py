@@ -3,7 +3,8 @@ and the gathered key rows in shared memory and ``wgmma`` reading them there.
 
 Why: the Triton wide tiles (``kernels.attention``, ``ATTN_WIDE``) hold the query's ``[64, 512]`` tile and the
 address tensors of the gathered rows in registers beside the ``[64, 512]`` fp32 output: 255 registers with spills,
-one program an SM, latency bound at 4.9x the FLOP roofline on an H200 (bench/results/2026-12-01-prefill-attention.md).
+one program an SM, latency bound at 4.9x the FLOP roofline on an H200
+(bench/results/engine/2026-12-01-prefill-attention.md).
 
 Semantics: ``sparse_attention_gather``'s (K = V, a per-head sink in the denominator, a query's keys in list order,
 ``count`` of them), for bf16 ``q [n, H, 512]`` with ``H`` a multiple of 64. One program: one query's 64 heads, 8
@@ -22,8 +23,8 @@ Gluon's Hopper module (the API of Triton 3.6); a build that fails logs once and 
 Gluon does not run in Triton's interpreter: the kernel's tests run on a GPU only.
 
 On by default (``DEEPINFER_ATTN_PREFILL=gluon``; ``triton`` keeps the Triton tiles). H200, 4096 queries of V4-Flash
-width (``bench/attention_prefill.py``): SWA 495 µs (Triton wide tiles 491), HCA 553 (617), CSA 1017 (1335); the
-sweep's four layers 2561 against 2935 µs (``bench/results/2026-12-01-s27-prefill.md``).
+width (``bench/kernels/attention_prefill.py``): SWA 495 µs (Triton wide tiles 491), HCA 553 (617), CSA 1017 (1335); the
+sweep's four layers 2561 against 2935 µs (``bench/results/engine/2026-12-01-s27-prefill.md``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tiles and path of an FP8 block-scaled GEMM (``fp8_gemm.fp8_linear``), picked from the shapes alone: the same
 choice inside and outside a CUDA graph, no device value read. Measured on an H200 at DeepSeek-V4-Flash's dense shapes
-(``bench/gemm_fp8.py --tune``)."""
+(``bench/kernels/gemm_fp8.py --tune``)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _interpret() -> bool:
 
 def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132) -> GemmConfig:
     """The tiles for ``[m, k] × [n, k]ᵀ`` from the shapes only (the same choice inside and outside a CUDA graph);
-    measured on an H200 at V4-Flash's shapes (``bench/gemm_fp8.py --tune``)."""
+    measured on an H200 at V4-Flash's shapes (``bench/kernels/gemm_fp8.py --tune``)."""
     w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
     if _interpret():
         cfg = GemmConfig(16, 32, 128, num_stages=1, path="w8a8" if w8a8 else "gemv" if m == 1 else "w8a16")

@@ -5,8 +5,9 @@
 activations with power-of-two scales ``sa [M, K/128]`` (``fp8_gemm.act_quant_fp8``), ``w [N, K]`` e4m3 with block
 scales ``sw [N/128, K/128]``. It is what ``fp8_linear(..., act_quant=True)`` computes on its W8A8 path; on an H200,
 with the activation quantisation included, it was 1.03–1.51× faster than that Triton kernel at 1024 rows and
-1.24–1.57× at 4096 on V4-Flash's dense shapes, and slower below (``bench/gemm_fp8.py``, ``scaled_mm_block`` against
-``fp8_linear_aq``; bench/results/2026-11-30-decode-syncs.md).
+1.24–1.57× at 4096 on V4-Flash's dense shapes, and slower below (``bench/kernels/gemm_fp8.py``, ``scaled_mm_block``
+against
+``fp8_linear_aq``; bench/results/engine/2026-11-30-decode-syncs.md).
 
 The scale tensors' expected memory layouts have changed between torch builds, so the first call on a device tries
 each candidate on a small problem against the dequantised product and keeps the first that matches; a device (or

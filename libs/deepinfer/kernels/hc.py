@@ -38,11 +38,11 @@ HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per p
 SMALL_T, SMALL_BLOCK_D, SMALL_WARPS = 132, 4096, 8
 HC_WARPS = 4  # warps of a program above SMALL_T tokens
 # hc_expand: elements of a token's row per program, and its warps; above SMALL_T tokens a wider row (H200, 4096
-# tokens at V4-Flash widths: 78 µs against 103 at 512, the roofline 72; bench/hc_prefill.py)
+# tokens at V4-Flash widths: 78 µs against 103 at 512, the roofline 72; bench/kernels/hc_prefill.py)
 EXPAND_BLOCK_D, EXPAND_WARPS, EXPAND_WIDE_BLOCK_D = 512, 4, 2048
 # the mixes by ``hc_mixes.mixes_gemm`` (True) or ``h.float()`` + ``torch.mm`` (False, the default: on an H200 the
 # kernel took 2.1-2.7x longer, 18.7 against 6.8 µs at T = 1 and 710 against 333 µs at T = 4096;
-# bench/decode_kernels.py, bench/results/2026-11-30-whole-step-graph.md)
+# bench/kernels/decode_kernels.py, bench/results/engine/2026-11-30-whole-step-graph.md)
 MIXES_KERNEL = False
 INTERPRET_ROWS = 64  # tokens per program in Triton's interpreter (numpy vectorises a program, not a grid)
 # bf16 streams on CUDA: the mixes as one bf16 GEMM against fn split into three bf16 parts (``split_mixes_parts``)

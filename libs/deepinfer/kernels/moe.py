@@ -5,9 +5,10 @@ The semantics are ``ReferenceOps.moe``: for every token ``t`` and slot ``j`` wit
 reference's ``F.linear`` returns them; ``w = weights[t, j]`` applied in fp32 before the down projection), ``h`` rounded
 to ``x.dtype``, ``o = h·w2[e]ᵀ`` in ``x.dtype``, and ``y[t] = Σ_j o`` accumulated in fp32.
 
-Two implementations share the slot layout (``moe_layout``: one stable sort of the ``T·k`` slots by expert id and
-per-expert offsets found by ``searchsorted``; nothing reads a device value on the host, so a step never waits; at
-decode sizes ``kernels.moe_align`` builds the padded layout of ``moe_triton`` in one Triton program):
+Two implementations share the slot layout (``kernels.moe_slots.moe_layout``: one stable sort of the ``T·k`` slots
+by expert id and per-expert offsets found by ``searchsorted``; nothing reads a device value on the host, so a step
+never waits; at decode sizes ``kernels.moe_align`` builds the padded layout of ``moe_triton`` in one Triton
+program):
 
 * ``moe_grouped_mm``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper, a torch fallback elsewhere) for gate,
   up and down, and ``swiglu_weighted`` (one Triton pass on CUDA) in between;
@@ -31,6 +32,8 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm_config import _interpret
+from deepinfer.kernels.moe_align import padded_slots
+from deepinfer.kernels.moe_slots import moe_layout
 from deepinfer.kernels.pdl import pdl_wait
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -61,48 +64,6 @@ def pick_config(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
     if interpret:
         return MOE_INTERPRET
     return MOE_SMALL if slots <= 6 * experts else MOE_LARGE  # the crossing measured on an H200 (T=256 vs 1024)
-
-
-@dataclass
-class MoELayout:
-    """The ``T·k`` slots (slot ``s`` = token ``s // k``, choice ``s % k``) ordered by expert."""
-
-    order: torch.Tensor  # [T·k] slot ids sorted by expert (stable: token order within an expert)
-    sorted_expert: torch.Tensor  # [T·k] expert of each sorted slot
-    ends: torch.Tensor  # [E] int32 cumulative end of each expert's group in the sorted order
-
-
-def moe_layout(idx: torch.Tensor, experts: int) -> MoELayout:
-    flat = idx.reshape(-1)
-    # the narrowest key that holds every expert id: a radix sort passes over the key's bits (int64 ids: 8 passes of
-    # 8 bits, int16: 2), and a stable sort of the same values gives the same order
-    narrow = torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32
-    keys, order = torch.sort(flat.to(narrow), stable=True)
-    sorted_expert = keys.to(flat.dtype)
-    bounds = torch.arange(1, experts + 1, device=idx.device, dtype=sorted_expert.dtype)
-    ends = torch.searchsorted(sorted_expert, bounds).to(torch.int32)
-    return MoELayout(order, sorted_expert, ends)
-
-
-def padded_blocks(layout: MoELayout, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``slots [P]``: sorted slot ids with each expert's group padded to ``block_m`` rows by the sentinel ``T·k``;
-    ``block_expert [P / block_m]``: the expert of each block, ``experts`` for blocks past the last group)."""
-    tk = layout.order.numel()
-    dev = layout.order.device
-    ends = layout.ends.long()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pends = torch.cumsum(padded, 0)
-    pstarts = pends - padded
-    starts = ends - counts
-    rank = torch.arange(tk, device=dev) - starts[layout.sorted_expert]
-    nonempty = min(experts, tk)
-    size = -(-(tk + nonempty * (block_m - 1)) // block_m) * block_m  # an upper bound of pends[-1], known on the host
-    slots = torch.full((size,), tk, dtype=torch.int32, device=dev)
-    slots[pstarts[layout.sorted_expert] + rank] = layout.order.to(torch.int32)
-    block_start = torch.arange(0, size, block_m, device=dev)
-    block_expert = torch.searchsorted(pends, block_start, right=True).to(torch.int32)
-    return slots, block_expert
 
 
 @triton.jit
@@ -343,8 +304,6 @@ def moe_triton(
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
     cfg = config or pick_config(tk, e, _interpret())
-    from deepinfer.kernels.moe_align import padded_slots  # it builds on moe_layout / padded_blocks here
-
     slots, bexp = padded_slots(idx, e, cfg.block_m)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
@@ -370,4 +329,4 @@ def moe_triton(
     return _combine(o, t, k)
 
 
-__all__ = ["MoEConfig", "moe_grouped_mm", "moe_layout", "moe_triton", "padded_blocks", "swiglu_weighted"]
+__all__ = ["MoEConfig", "moe_grouped_mm", "moe_triton", "swiglu_weighted"]

@@ -12,7 +12,7 @@ one in-register sort of the keys ``expert · S + slot`` gives each slot its rank
 slots after the sentinel fill, and each expert writes its id into its blocks after a fill with ``experts`` (what
 ``searchsorted(ends, start, right=True)`` gives: a block inside an expert's group is preceded by the groups of the
 lower experts, empty ones included; one past the last group by all of them). At T = 1 an MXFP4 MoE call spent about
-48 of its 114 µs in the torch layout (bench/results/2026-11-30-moe-mxfp4-shift.md). Above ``MAX_SLOTS`` slots or
+48 of its 114 µs in the torch layout (bench/results/kernels/2026-11-30-moe-mxfp4-shift.md). Above ``MAX_SLOTS`` slots or
 ``MAX_EXPERTS`` experts (prefill) the torch layout runs.
 """
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.moe import moe_layout, padded_blocks
+from deepinfer.kernels.moe_slots import moe_layout, padded_blocks
 from deepinfer.kernels.pdl import pdl_wait
 
 MAX_SLOTS = 2048  # T·k of one program (a bitonic sort in registers); decode steps of up to 341 tokens at top-6

@@ -78,13 +78,14 @@ log = get_logger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
-# The config table (H200, V4-Flash experts, ``bench/moe_mxfp4.py --sweep``, bench/results/2026-11-30-moe-mxfp4.md and
+# The config table (H200, V4-Flash experts, ``bench/kernels/moe_mxfp4.py --sweep``,
+# bench/results/2026-11-30-moe-mxfp4.md and
 # 2026-11-30-moe-mxfp4-shift.md): 16-row tiles up to 8 slots per expert (T <= 341 at top-6 of 256), 64 weight rows
 # on 2 warps (8-10% ahead of 128 rows on 4 warps from T = 16 on, 4% behind at T = 1); then the smallest tile that
 # holds an expert's mean slots in one block (a block decodes its weights once, whatever its padding): 32 rows on 2
 # warps up to 32 slots per expert (2.1x faster than 128-row tiles at T = 1024, 24 slots), 64 rows on 4 warps up to 64
 # (1.5x at T = 2048, 48 slots), 128-row tiles above (1.2x ahead of 64 rows at T = 4096); weights on the MMA's M side
-# from 64 rows on (bench/results/2026-11-30-pdl-moe-tiles.md). A CUDA-core path for 1-4 rows was 1.2-3.5x slower
+# from 64 rows on (bench/results/engine/2026-11-30-pdl-moe-tiles.md). A CUDA-core path for 1-4 rows was 1.2-3.5x slower
 # than 16-row tiles.
 MX_DECODE = MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)
 MX_MID = MoEConfig(block_m=32, block_n=64, block_k=128, num_warps=2, num_stages=3)

@@ -4,7 +4,8 @@ Why: ``kernels.moe_mxfp4_wgmma`` decodes each weight tile into shared memory and
 beside the activation tile. Per K step of a 128 x 128 tile that is 32 KB of decoded weights stored and 32 KB read
 again on top of the 64 KB of activation reads, and the shared-memory pipe, not the tensor cores, is the busiest unit
 (ncu on the H200: L1/shared 75%, tensor pipe 51%; 3.57 ms for a V4-Flash MoE layer at 4096 tokens, 2.3x its bf16
-FLOP roofline; ``bench/results/2026-12-01-s27-prefill.md``). Here each thread decodes exactly the weights of its own
+FLOP roofline; ``bench/results/engine/2026-12-01-s27-prefill.md``). Here each thread decodes exactly the weights of
+its own
 ``wgmma`` A fragment into registers, as CUTLASS's mixed-input GEMMs on Hopper do: no decoded tile in shared memory.
 
 The fragment: a thread of a warpgroup holds, for each 32 columns of its rows ``r`` and ``r + 8``, the MMA columns
@@ -30,8 +31,8 @@ transpose from shared memory) and waits for the half before's, whose fragment re
 (``warpgroup_mma_wait``'s ``deps``): the decode of a half overlaps the MMAs of the one before. The next step's copies
 go out between the halves.
 
-Measured (H200, one V4-Flash MoE layer at 4096 tokens, ``bench/moe_wgmma.py --frag``; results in
-``bench/results/2026-12-02-s29-frag.md``): 3.25-3.36 ms against 3.55-3.61 for the shared-memory kernels, no
+Measured (H200, one V4-Flash MoE layer at 4096 tokens, ``bench/kernels/moe_wgmma.py --frag``; results in
+``bench/results/engine/2026-12-02-s29-frag.md``): 3.25-3.36 ms against 3.55-3.61 for the shared-memory kernels, no
 spills at 245-255 registers. What remains (ncu source counters, timing probes): the tensor pipe ~60% busy; the
 copies cost ~20% (with them left out of the loop the gate/up kernel takes 1.61 instead of 2.00 ms), the decode ~10%,
 and the warps wait at the step's barriers for the warpgroup whose MMAs the tensor cores took second.
@@ -101,7 +102,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from deepinfer.kernels.moe_mxfp4_wgmma import _store, _swiglu
+    from deepinfer.kernels.moe_mxfp4_tiles import _store, _swiglu
 
     @gluon.jit
     def _frag(q, s, DOT: gl.constexpr):

@@ -80,7 +80,7 @@ def scale_align(s: torch.Tensor) -> int:
     per 128 columns and reads them in one 32-bit load. Triton itself only proves divisibility by 16, which V4.1's
     72-byte rows (K = 2304) lack: with byte loads its down projection kept the memory pipes 90% busy at 24% of DRAM
     bandwidth (ncu, T = 64), and a whole MoE call at V4.1's widths took 2433 µs at T = 64 and 96 µs at T = 1, against
-    1679 and 67 µs with this (H200, bench/results/2026-11-30-pdl-moe-tiles.md)."""
+    1679 and 67 µs with this (H200, bench/results/engine/2026-11-30-pdl-moe-tiles.md)."""
     stride = s.stride(1)
     return min(16, stride & -stride) if stride > 0 else 1
 

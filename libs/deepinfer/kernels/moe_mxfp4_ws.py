@@ -6,7 +6,8 @@ and decode, the two consumer warpgroups only issue ``wgmma``. NOT YET RUN ON A G
 Why: in ``moe_mxfp4_wgmma`` the same two warpgroups decode, wait at a CTA barrier and issue the MMAs; at 4096 tokens
 its gate/up kernel keeps the tensor pipe 53% busy (ncu: one program an SM at 254 registers; stalls at the barrier
 25%, fixed-latency waits 15%), and neither fewer barriers, deeper MMA queues nor register operands moved it
-(bench/results/2026-12-01-moe-wgmma.md). Here the decode runs in its own warps (``PRODUCER_WARPS``, few registers),
+(bench/results/kernels/2026-12-01-moe-wgmma.md). Here the decode runs in its own warps (``PRODUCER_WARPS``, few
+registers),
 up to two steps ahead of the MMAs, and the consumers keep the accumulators.
 
 Same blocks, products, sums and epilogue as ``moe_mxfp4_wgmma`` (the same tile for each K step, accumulated in the
@@ -24,7 +25,7 @@ Per K step ``s`` (ring slot ``s % STAGES`` for the activation rows, the words an
 
 from __future__ import annotations
 
-from deepinfer.kernels.moe_mxfp4_wgmma import HAVE_GLUON
+from deepinfer.kernels.moe_mxfp4_tiles import HAVE_GLUON
 
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 96  # registers a producer thread (setmaxnreg); the consumers get the rest
@@ -39,7 +40,7 @@ if HAVE_GLUON:
         mbarrier,
     )
 
-    from deepinfer.kernels.moe_mxfp4_wgmma import _decode, _drain, _epilogue, _issue, _mma, _scales
+    from deepinfer.kernels.moe_mxfp4_tiles import _decode, _drain, _epilogue, _issue, _mma, _scales
 
     @gluon.jit
     def _producer(a_ptr, w_ptr, s_ptr, v_ptr, t_ptr, slots_ptr, pid_m, row0, TK, stride_am, a_smem, w_smem, v_smem,

@@ -1,6 +1,6 @@
 """The prefill MXFP4 expert GEMMs on Hopper's FP8 tensor cores (W4A8) in Gluon: ``moe_mxfp4(act_quant=True)``'s
-products, the official expert numerics (MODEL_V4.md §4.2: FP8 activations in 1x128 blocks, the FP4 weights cast to
-FP8 in the kernel).
+products, the official expert numerics (docs/deepseek_v4.md, "MXFP4 routed experts": FP8 activations in 1x128
+blocks, the FP4 weights cast to FP8 in the kernel).
 
 Semantics. The activations come as e4m3 values ``q`` with a power-of-two scale per row and 128 columns
 (``act_quant_fp8``: ``q · s`` is ``act_quant_sim``'s rounding, exactly). A weight row's codes are cast to e4m3 against
@@ -30,7 +30,7 @@ of 64×64 a warpgroup; 128 for down), 8 warps, 128 columns a K step:
   promotes, waits for the copies of the step after next and meets the other warps at a barrier.
 
 On an H200 a V4-Flash MoE layer at 4096 tokens takes 3470-3570 µs against 3540-3560 for the W4A16 Gluon kernels
-(``kernels.moe_mxfp4_wgmma``) and 3650 for those on the same rounded activations (``bench/moe_w4a8.py``): about
+(``kernels.moe_mxfp4_wgmma``) and 3650 for those on the same rounded activations (``bench/kernels/moe_w4a8.py``): about
 level, 24% of the FP8 peak. What holds it there is no longer a single stall (the samples spread over the shared
 memory loads of the words, the barriers and the promotion); the FP8 MMA's rate itself is far from used.
 
@@ -59,7 +59,8 @@ BLOCK_M = 128  # slots a program (the MMA's M: two warpgroups)
 BLOCK_N_GATE_UP = 64  # weight rows a gate/up program (two accumulators and two partials a thread: 4 x 32 registers)
 BLOCK_N_DOWN = 128  # weight rows a down program (one accumulator and one partial: 2 x 64 registers)
 BLOCK_K = 128  # columns a K step: one activation scale block, 4 MXFP4 blocks, one 128-byte e4m3 row
-STAGES = 5  # H200, 4096 tokens (bench/moe_w4a8.py --stages): 4, 5 and 6 within 3% (3: 25% slower, earlier layout)
+# H200, 4096 tokens (bench/kernels/moe_w4a8.py --stages): 4, 5 and 6 within 3% (3: 25% slower, earlier layout)
+STAGES = 5
 NUM_WARPS = 8
 
 # 8 e2m1 codes (the word $2: code i in nibble i, bit 3 the sign) → 8 e4m3 bytes, $0 codes 0..3 and $1 codes 4..7,

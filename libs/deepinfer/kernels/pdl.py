@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for every Triton kernel of the NVIDIA backend.
 
 A decode step is a chain of a few hundred short kernels in one CUDA graph; a short kernel costs about 1.3 µs there
-beyond its work (``bench/pdl_chain.py``). On Hopper and later a kernel launched with PDL may start
+beyond its work (``bench/kernels/pdl_chain.py``). On Hopper and later a kernel launched with PDL may start
 while the kernel before it drains. Each kernel here takes ``PDL: tl.constexpr`` and begins with ``pdl_wait(PDL)``:
 
 * ``gdc_launch_dependents``: the next kernel may launch once every program of this one has started;
@@ -11,7 +11,8 @@ while the kernel before it drains. Each kernel here takes ``PDL: tl.constexpr`` 
 
 ``launch()`` gives the launch arguments: ``PDL=True`` with ``launch_pdl=True`` when every visible GPU has compute
 capability 9.0 or more, unless ``DEEPINFER_PDL=0``; nothing in Triton's interpreter or before Hopper (the kernels
-then compile without the two instructions). Measured on an H200 (``bench/results/2026-11-30-pdl-moe-tiles.md``): 1.32
+then compile without the two instructions). Measured on an H200
+(``bench/results/engine/2026-11-30-pdl-moe-tiles.md``): 1.32
 → 0.98 µs a kernel in a chain of short kernels, 1-2% of a graphed V4 decode step (the step's other launches are
 cuBLAS's and torch's, and the eager head).
 """

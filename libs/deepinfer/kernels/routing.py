@@ -1,7 +1,7 @@
 """The MoE router's epilogue and the shared expert's SwiGLU as single Triton kernels (decode sizes: each replaces a
 chain of small torch kernels that a CUDA graph replays one after another).
 
-* ``route(logits, bias, k, scaling, idx=None)``: V4's ``Gate`` after its fp32 GEMM (MODEL_V4.md §2.9):
+* ``route(logits, bias, k, scaling, idx=None)``: V4's ``Gate`` after its fp32 GEMM (docs/deepseek_v4.md, "The router"):
   ``s = sqrt(softplus(logits))``; the experts ``idx`` are the top ``k`` of ``s + bias`` in the order of a stable
   descending sort (ties to the lower expert; ``kernels.topk``'s keys), or given (hash layers); the weights are
   ``s[idx] / Σ s[idx] · scaling``. One program per token: the row's scores, ``k`` rounds of a maximum over unique

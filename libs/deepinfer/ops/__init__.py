@@ -32,11 +32,10 @@ def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
         from deepinfer.ops.nvidia import NvidiaOps
 
         return NvidiaOps()
-    if accelerator == "ascend":
-        raise RuntimeError(
-            "DEEPINFER_ACCELERATOR=ascend: the Ascend backend (torch_npu) is not available in this build; "
-            "set DEEPINFER_ACCELERATOR=cpu or nvidia"
-        )
+    if accelerator == "ascend":  # refuses where torch_npu or an NPU is missing
+        from deepinfer.backends.ascend import ascend_ops
+
+        return ascend_ops(batch_invariant)
     raise ValueError(f"unknown accelerator {accelerator!r}; expected one of nvidia, ascend, cpu")
 
 

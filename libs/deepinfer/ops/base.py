@@ -14,7 +14,7 @@ import torch
 
 class Ops(Protocol):
     name: str
-    batch_invariant: bool  # results of a row never depend on the other rows of the call (ARCHITECTURE.md §4)
+    batch_invariant: bool  # results of a row never depend on the other rows of the call (docs/determinism.md)
     native_weights: bool  # keep FP8 / MXFP4 weights as stored (quant.native) and run fp8_linear / moe_mxfp4
 
     def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -262,8 +262,9 @@ class Ops(Protocol):
         page_size: int,
         scratch_page: int,
     ) -> tuple[tuple, tuple, tuple]:
-        """Every index tensor of a decode step (``decode_step.StepPlan``) from ``meta [4, S]`` (slot, position, window
-        start ``floor``, liveness; int64) and the block tables ``[S, P]`` (None without ``ratios`` and ``rings``):
+        """Every index tensor of a decode step (``decode_step.V4DecodePlan``) from ``meta [4, S]`` (slot, position,
+        window start ``floor``, liveness; int64) and the block tables ``[S, P]`` (None without ``ratios`` and
+        ``rings``):
 
         * the window ``(first, live, put, take, start, count, idx)``: the first window position ``max(floor, pos -
           window + 1, 0)``, ``live`` bool, the new row's ring row ``slot·window + pos % window``, the ring rows in

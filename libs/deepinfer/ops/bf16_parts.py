@@ -1,9 +1,10 @@
 """An fp32 × bf16 matrix product on bf16 tensor cores, exact in its products: DeepSeek-V4.1's output head.
 
-V4.1's reference applies the head in fp32 to the final norm's fp32 output (MODEL_V41.md §3.1). The released
-checkpoint stores the head in bf16 and the loader widens it to fp32 (``checkpoint.names_v41.keeps_fp32``): an
-fp32 GEMM then reads 2.1 GB a step at V4.1-Flash's vocabulary (618 µs at one row on an H200, 1.7 ms at 64 rows on
-fp32 units; ``bench/sweep_v41.py --profile``). Two exact steps give the same products on bf16 tensor cores:
+V4.1's reference applies the head in fp32 to the final norm's fp32 output (docs/deepseek_v41.md, "Single-pass (lagged)
+mHC"). The released checkpoint stores the head in bf16 and the loader widens it to fp32
+(``checkpoint.names_v41.keeps_fp32``): an fp32 GEMM then reads 2.1 GB a step at V4.1-Flash's vocabulary (618 µs at one
+row on an H200, 1.7 ms at 64 rows on fp32 units; ``bench/engine/sweep_v41.py --profile``). Two exact steps give the same
+products on bf16 tensor cores:
 
 * ``narrow_lossless``: the widened weight holds bf16 values, so it is kept in bf16 (half the bytes) when every
   element survives the round trip (checked, never assumed).

@@ -1,4 +1,4 @@
-"""Batch-invariant ops (``DEEPINFER_BATCH_INVARIANT=1``, ARCHITECTURE.md §4).
+"""Batch-invariant ops (``DEEPINFER_BATCH_INVARIANT=1``, docs/determinism.md).
 
 A row's result must not depend on the other rows of a call, on its position among them, or on how a
 sequence's prefill was chunked. Library GEMMs break this: BLAS picks kernels, blockings and split-K

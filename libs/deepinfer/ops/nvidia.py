@@ -444,7 +444,7 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
             backend = "triton"
             if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
                 slots, experts = idx.numel(), w1.shape[0]
-                # H200, V4-Flash width (bench/results/2026-11-29-sweep-2.md): CUTLASS wins with one token (fewer
+                # H200, V4-Flash width (bench/results/engine/2026-11-29-sweep-2.md): CUTLASS wins with one token (fewer
                 # launches) and from ~24 slots per expert on; the Triton kernels in between
                 if x.shape[0] <= 4 or slots > 24 * experts:
                     backend = "grouped_mm"

@@ -1,6 +1,6 @@
 """Reference ops in plain torch: the semantics every accelerator kernel is tested against.
 
-Numerics follow the official DeepSeek-V4 inference code (MODEL_V4.md §2): fp32 for norms, RoPE,
+Numerics follow the official DeepSeek-V4 inference code (docs/deepseek_v4.md, "Numerics"): fp32 for norms, RoPE,
 mHC, attention scores/softmax, routing and MoE accumulation; results cast back to the input dtype.
 """
 

@@ -1,4 +1,5 @@
-"""The cache representations of DeepSeek-V4.1 (MODEL_V41.md §2.5), as quantize-dequantize round trips.
+"""The cache representations of DeepSeek-V4.1, as quantize-dequantize round trips (docs/deepseek_v41.md, "Cache
+formats").
 
 Applied after RoPE, over every channel (RoPE channels included), exactly as the released reference rounds them:
 

@@ -1,4 +1,4 @@
-"""The official weight formats (MODEL_V4.md §4.2), encode and decode.
+"""The official weight formats (docs/deepseek_v4.md, "Checkpoint format"), encode and decode.
 
 - FP8: ``float8_e4m3fn`` weight ``[out, in]`` with ``float8_e8m0fnu`` block scales
   ``[ceil(out/B0), ceil(in/B1)]`` (B = 128×128 for V4, 32×32 for V4.1); ``W = w8 · scale``.

@@ -1,4 +1,5 @@
-"""Weights kept on the device in the checkpoint's own formats (MODEL_V4.md §4.2), for backends with kernels for them.
+"""Weights kept on the device in the checkpoint's own formats, for backends with kernels for them
+(docs/deepseek_v4.md, "Checkpoint format").
 
 The official checkpoints store the dense linears as FP8 e4m3 with UE8M0 block scales (128×128 in V4, 32×32 in
 V4.1) and the routed experts as MXFP4 (packed e2m1 + one UE8M0 scale per 32 inputs). The reference backend

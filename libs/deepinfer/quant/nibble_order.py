@@ -14,7 +14,7 @@ weight, exactly, for every UE8M0 exponent ``s <= 128`` (``kernels.moe_mxfp4_gemm
 * ``rotate``: the bits placed so that registers 0, 1 and 2 are the word rotated left by 0, 4 and 10 bits and masked
   with ``0x81C081C0``, register 3 the two mantissas of the word rotated by 6 or-ed with the rest of the word rotated
   by 14 (``ROTATIONS``): 9 integer instructions and 4 bf16 multiplications for 8 weights (the gate/up kernel's K
-  loop: 17% fewer instructions than the shift order, ``bench/moe_sass.py``).
+  loop: 17% fewer instructions than the shift order, ``bench/kernels/moe_sass.py``).
 
 The order is a property of the module holding the weights (``quant.native.expert_order``): ``to_order`` rearranges a
 tensor in place and ``plain`` gives a plain-order copy for readers that decode with ``quant.formats``.

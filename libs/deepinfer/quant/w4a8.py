@@ -1,13 +1,14 @@
 """FP8 activations for the routed MXFP4 experts (``DEEPINFER_W4A8``): which modules take them, and the row references
 that cast their weights to e4m3 exactly for the FP8 tensor cores (``kernels.moe_w4a8_wgmma``).
 
-The activations are the official ones (MODEL_V4.md §4.2): each expert input row and each slot's hidden row rounded
-per 128 columns to e4m3 with a power-of-two scale (``moe_mxfp4(act_quant=True)``), on every path and batch size, so a
-token's numerics do not depend on the kernel that ran it. On an sm_90 GPU the prefill tiles then run W4A8: a weight
-row's codes become e4m3 against the row's reference exponent ``r`` (``row_refs``), the code ``v`` of a block with
-exponent ``s`` the e4m3 ``v · 2^(6 + s - r)`` and the row's scale ``2^(r - 133)``: exact while every non-zero block
-has ``s >= r - 11`` and ``r >= 7``. Rows that miss (outlier blocks more than 2^11 below their row's largest; real
-checkpoints' block exponents spread far less) keep the module on the W4A16 kernels, with the same activations.
+The activations are the official ones (docs/deepseek_v4.md, "Official quantization points"): each expert input row and
+each slot's hidden row rounded per 128 columns to e4m3 with a power-of-two scale (``moe_mxfp4(act_quant=True)``), on
+every path and batch size, so a token's numerics do not depend on the kernel that ran it. On an sm_90 GPU the prefill
+tiles then run W4A8: a weight row's codes become e4m3 against the row's reference exponent ``r`` (``row_refs``), the
+code ``v`` of a block with exponent ``s`` the e4m3 ``v · 2^(6 + s - r)`` and the row's scale ``2^(r - 133)``: exact
+while every non-zero block has ``s >= r - 11`` and ``r >= 7``. Rows that miss (outlier blocks more than 2^11 below their
+row's largest; real checkpoints' block exponents spread far less) keep the module on the W4A16 kernels, with the same
+activations.
 """
 
 from __future__ import annotations

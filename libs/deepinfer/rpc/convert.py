@@ -17,8 +17,8 @@ from deepinfer.engine.interfaces import (
     OffloadOrder,
     SeqResult,
     SnapshotOrder,
-    StepPlan,
     StepResult,
+    WorkerStepPlan,
 )
 from deepinfer.grammar import grammar_from_proto, grammar_to_proto
 from deepinfer.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint:
     return Constraint(grammar, tuple(msg.banned_token_ids), msg.after_think, tuple(msg.reasoning_banned_token_ids))
 
 
-def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
+def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
     """Wire form of a step; sampling parameters travel with a request's first chunk only
     (``sent_params`` tracks which requests the worker already knows and is updated here)."""
     msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released, dropped_snapshots=plan.dropped_snapshots)
@@ -157,7 +157,7 @@ def plan_to_proto(plan: StepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
     return msg
 
 
-def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) -> StepPlan:
+def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) -> WorkerStepPlan:
     """Engine form of a step; ``known`` holds the parameters of the requests seen so far."""
     for rid in msg.released:
         known.pop(rid, None)
@@ -186,7 +186,9 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
     offloads = [OffloadOrder(o.snapshot_id, o.key, list(o.pages), dict(o.meta)) for o in msg.offloads]
     fetches = [FetchOrder(f.fetch_id, f.key) for f in msg.fetches]
-    return StepPlan(msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots), offloads, fetches)
+    return WorkerStepPlan(
+        msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots), offloads, fetches
+    )
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:

@@ -1,6 +1,7 @@
 """Prometheus metrics of the balancer, the scheduler and the worker, under vLLM-compatible names where one
-exists (PRACTICES §C3). Each service has its own private registry; the scheduler and the worker serve theirs
-on ``--metrics-port`` (:func:`start_metrics_server`), the balancer on its HTTP API's ``/metrics``.
+exists (``vllm:*``: dashboards made for vLLM work unchanged). Each service has its own private registry; the
+scheduler and the worker serve theirs on ``--metrics-port`` (:func:`start_metrics_server`), the balancer on its
+HTTP API's ``/metrics``.
 
 Per-replica gauges (``vllm:num_requests_running`` ...) belong to the schedulers; the balancer records what
 it sees of each request stream. Both front ends record through ``observe_stream``::

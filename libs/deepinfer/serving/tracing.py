@@ -1,4 +1,5 @@
-"""Tracing across the services: W3C trace context in gRPC metadata, GenAI span attributes (PRACTICES §C4).
+"""Tracing across the services: W3C trace context in gRPC metadata, span attributes after OpenTelemetry's
+semantic conventions for generative AI (``gen_ai.*``).
 
 The balancer starts one SERVER span per request (``chat <model>`` / ``text_completion <model>``) and sends
 its context with ``Scheduler.Submit`` (:func:`inject_metadata`); the scheduler continues the trace
@@ -24,7 +25,7 @@ from opentelemetry.util.types import AttributeValue
 from deepinfer.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from deepinfer.engine.interfaces import StepPlan
+    from deepinfer.engine.interfaces import WorkerStepPlan
 
 __all__ = [
     "RequestTrace",
@@ -71,7 +72,7 @@ def request_attributes(operation: str, model: str, sampling: common_pb2.Sampling
     return attrs
 
 
-_tracer = trace.get_tracer("deepinfer.serving.scheduler")
+_tracer = trace.get_tracer("deepinfer.scheduler")
 
 
 @dataclass
@@ -154,7 +155,7 @@ class StepTraces:
         self.tracer, self.per_request = tracer_, per_request
         self.requests: dict[str, _Traced] = {}
 
-    def note(self, plan: StepPlan) -> None:
+    def note(self, plan: WorkerStepPlan) -> None:
         """Forget the plan's released requests; remember the trace contexts its chunks carry (first chunks)."""
         for rid in plan.released:
             self.requests.pop(rid, None)
@@ -165,7 +166,7 @@ class StepTraces:
                 own = self.per_request and sc.is_valid and sc.trace_flags.sampled
                 self.requests[c.request_id] = _Traced(trace.Link(sc), ctx if own else None)
 
-    def start(self, plan: StepPlan) -> StepSpans:
+    def start(self, plan: WorkerStepPlan) -> StepSpans:
         """Start the spans of ``plan``'s step (end them with :meth:`StepSpans.end` when it finishes)."""
         served = [(c, self.requests.get(c.request_id)) for c in plan.chunks]
         step = self.tracer.start_span("step", links=[t.link for _, t in served if t is not None], attributes={

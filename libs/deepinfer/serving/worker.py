@@ -23,7 +23,7 @@ import grpc
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.heap import freeze_heap, thaw_heap
-from deepinfer.engine.interfaces import StepPlan
+from deepinfer.engine.interfaces import WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
@@ -128,7 +128,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 log.error("step_failed", exc_info=error)
             await context.abort(code, text)
 
-    async def _launch(self, plan: StepPlan, traces: StepTraces) -> _Running:
+    async def _launch(self, plan: WorkerStepPlan, traces: StepTraces) -> _Running:
         spans = traces.start(plan)  # the batch's step span and, when exported, one per traced request
         t0 = time.perf_counter()
         try:

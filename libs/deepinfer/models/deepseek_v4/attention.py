@@ -1,4 +1,5 @@
-"""Shared-KV MQA with sink, and its compressed branches (MODEL_V4.md §2.4–§2.8).
+"""Shared-KV MQA with sink, and its compressed branches (docs/deepseek_v4.md: "Attention: shared-KV MQA",
+"Sliding-window attention (SWA)", "Heavily compressed attention (HCA)", "Compressed sparse attention (CSA)").
 
 Every layer attends to the window rows (the last ``W`` raw KV rows, the current token included);
 HCA layers add every complete compressed row, CSA layers add the indexer's top-k compressed rows.
@@ -12,7 +13,7 @@ window rows, one gather of every sequence's compressed rows (``PagedKVCache.read
 top-k over per-query row ranges, and one ``ops.sparse_attention_lists`` over per-query key lists (window rows by
 position, then compressed rows by index). A decode step (one token per sequence) keeps the bookkeeping off the
 per-sequence loop too: the windows and compressor buffers live in the model's ``StatePool`` (a slot per sequence),
-and ``decode_step.attend`` runs the step in fixed shapes from a ``StepPlan`` (what the decode CUDA graph captures).
+and ``decode_step.attend`` runs the step in fixed shapes from a ``V4DecodePlan`` (what the decode CUDA graph captures).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer.models.deepseek_v4.decode_step import StepPlan
+from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward, rows_fp32
 from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
@@ -134,7 +135,7 @@ class Attention(nn.Module):
         if pool is not None and pool.memo(chunks, "decode", lambda: _pooled_decode(chunks)):
             if self.compressor is not None and cache is None:
                 raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
-            plan = pool.memo(chunks, "plan", lambda: StepPlan.of(pool, cache, self.window, chunks))
+            plan = pool.memo(chunks, "plan", lambda: V4DecodePlan.of(pool, cache, self.window, chunks))
             res = decode_step.attend(self, t, plan, rope, ops)
             return res if out is None else out.copy_(res)
         iq = (t["iq"], t["iw"]) if "iq" in t else None

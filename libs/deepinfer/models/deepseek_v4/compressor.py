@@ -1,4 +1,5 @@
-"""Compressors and the lightning indexer of DeepSeek-V4's compressed attention (MODEL_V4.md §2.6–§2.8).
+"""Compressors and the lightning indexer of DeepSeek-V4's compressed attention (docs/deepseek_v4.md: "Compressors",
+"Lightning indexer").
 
 A compressor pools every ``ratio`` tokens' fp32 projections into one row with a softmax gate (CSA windows overlap,
 width 2m; HCA ones do not), normalises and rotates it; the indexer scores a CSA layer's compressed keys for each
@@ -214,7 +215,7 @@ class Indexer(nn.Module):
         """The rows each query keeps when query ``t`` sees rows ``0 .. visible_rows[t]`` of its sequence, stored at
         ``keys[start[t] + r]``: ``(rows [n, min(topk, width)]`` ascending, valid up to ``count [n]``; the entries past
         ``count`` are never read, ``ops.select_rows``). ``visible``: the mask ``[n, width]`` of those rows when the
-        caller has it (a decode step's ``StepPlan.indices``). ``paged``: the keys continue in a paged store
+        caller has it (a decode step's ``V4DecodePlan.indices``). ``paged``: the keys continue in a paged store
         (``ops.indexer_scores_ranges``)."""
         n = q.shape[0]
         k = min(self.topk, width)

@@ -1,6 +1,6 @@
 """DeepSeek-V4 model configuration, parsed from an HF-style ``config.json``.
 
-Accepts both spellings found in the wild (MODEL_V4.md §1.1):
+Accepts both spellings found in the wild:
 - official checkpoints: ``compress_ratios`` (one entry per layer, then one per MTP layer),
   ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``;
 - transformers: ``layer_types`` + ``compress_rates``, ``mlp_layer_types``,
@@ -142,7 +142,8 @@ class DeepseekV4Config:
         ]
 
     def min_replay(self) -> int:
-        """The shortest bounded replay that rebuilds every compressor's pending tokens (MODEL_V4.md §3.2)."""
+        """The shortest bounded replay that rebuilds every compressor's pending tokens: ``2m - 1`` for a CSA
+        compressor (its partial window and the complete one before it, for the overlap), ``m - 1`` for an HCA one."""
         need = 1
         for layer in self.compressed_layers:
             m = self.ratio(layer)

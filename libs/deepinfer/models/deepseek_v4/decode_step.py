@@ -3,9 +3,9 @@
 Every per-sequence decision of a step is made on the device from a few integers per sequence, so the step is the same
 kernels whatever each sequence's phase, and a whole step can be captured as one CUDA graph (``graphs.py``):
 
-* ``StepPlan``: per row (sequence) its pool slot, position, first window position and whether it is live (the padding
-  rows of a graphed bucket are not: they use the pool's ``scratch`` slot and the cache's ``scratch_page``), its
-  block table, and the widths of the step's lists (host ints: the exact maxima in an eager step, a bucket's
+* ``V4DecodePlan``: per row (sequence) its pool slot, position, first window position and whether it is live (the
+  padding rows of a graphed bucket are not: they use the pool's ``scratch`` slot and the cache's ``scratch_page``),
+  its block table, and the widths of the step's lists (host ints: the exact maxima in an eager step, a bucket's
   maxima in a graphed one, ``span_for``).
 * the window: the new row goes to ring row ``pos % W`` of the row's slot, then all ``W`` ring rows are read in
   position order; the last ``pos - first + 1`` of them are the row's window;
@@ -19,8 +19,8 @@ kernels whatever each sequence's phase, and a whole step can be captured as one 
 
 An eager step takes the same path (``Attention._attend_batched`` builds the plan once per step, ``StatePool.memo``),
 with exact widths, so it gives the per-sequence path's results. What every layer derives alike from the plan (window
-indices, key lists of the HCA layers, per ratio, per compressor ring) is made once per step (``StepPlan.indices``:
-``ops.step_indices``, one kernel on a GPU), as are the compressors' rotations of each ratio (``StepPlan.once``); a
+indices, key lists of the HCA layers, per ratio, per compressor ring) is made once per step (``V4DecodePlan.indices``:
+``ops.step_indices``, one kernel on a GPU), as are the compressors' rotations of each ratio (``V4DecodePlan.once``); a
 layer's ring appends and its window gather are one ``ops.append_rows``, a compressor's page writes one
 ``ops.store_rows``.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -40,12 +40,22 @@ from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
 from deepinfer.ops import Ops
 
 if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v4.attention import Attention
-    from deepinfer.models.deepseek_v4.compressor import Compressor
+    from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer
     from deepinfer.models.deepseek_v4.layers import RotaryTable
 
 T = TypeVar("T")
 SPAN_MIN = 1024  # the smallest span of a graphed step (positions): smaller contexts share its graphs
+
+
+class AttentionLayer(Protocol):
+    """What ``attend`` reads of a layer's attention (``attention.Attention``, which calls it)."""
+
+    layer_id: int
+    ratio: int  # compression ratio: 0 (window only), else the compressor's
+    head_dim: int
+    attn_sink: torch.Tensor
+    compressor: Compressor | None
+    indexer: Indexer | None  # CSA layers'
 
 
 def span_for(end: int, page_size: int) -> int:
@@ -59,7 +69,7 @@ def span_for(end: int, page_size: int) -> int:
 
 
 @dataclass(eq=False)
-class StepPlan:
+class V4DecodePlan:
     """One decode step's rows (module docstring). ``meta [4, S]`` on the device: slot, position, the lowest window
     position (``window_start``) and liveness; ``tables [S, P]``. Host ints: ``win_width`` (window entries listed per
     row) and ``widths`` (per compression ratio: rows listed per row, pages gathered per row)."""
@@ -88,14 +98,14 @@ class StepPlan:
 
     # -- building ------------------------------------------------------------------------------------------
     @classmethod
-    def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
+    def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> V4DecodePlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
         meta, ids, stage = staged_meta(4, size, pool.device)
         return cls(pool, cache, window, meta, tables, window, widths, ids=ids, stage=stage)
 
     @classmethod
-    def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> StepPlan:
+    def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> V4DecodePlan:
         """An eager step's plan: exactly as many rows as ``chunks``, exact widths."""
         slots = pool.adopt([c.state for c in chunks])
         pos, floor = [c.start for c in chunks], [c.state.window_start for c in chunks]
@@ -216,10 +226,10 @@ def block_tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> tor
 
 @dataclass(frozen=True, eq=False)
 class StepIndices:
-    """``ops.step_indices`` of a step (``StepPlan.indices``). The window: ``first`` (first window position), ``live``,
-    ``put [S]`` (the new row's row in the rings viewed ``[slots·W, d]``), ``take [S·W]`` (each row's ring rows in
-    position order, ending at ``pos``), per row its window's first row in the gathered pool and count, and the key
-    lists of a layer with no compressed rows (``lists``). ``ratios[m]``: ``(count, r_start, i_start, visible, idx,
+    """``ops.step_indices`` of a step (``V4DecodePlan.indices``). The window: ``first`` (first window position),
+    ``live``, ``put [S]`` (the new row's row in the rings viewed ``[slots·W, d]``), ``take [S·W]`` (each row's ring
+    rows in position order, ending at ``pos``), per row its window's first row in the gathered pool and count, and the
+    key lists of a layer with no compressed rows (``lists``). ``ratios[m]``: ``(count, r_start, i_start, visible, idx,
     cnt)``: per row its visible compressed rows ``(pos + 1) // m`` and its row 0 in the gathered pool (after the
     ``S·W`` window rows) and in the index pool, the indexer's mask, the HCA layers' lists. ``rings[(m, cap)]``: a
     compressor ring's ``(at, cur, prev, has_prev, w, done, page, row)`` (``_compress``)."""
@@ -235,7 +245,9 @@ class StepIndices:
     rings: dict[tuple[int, int], tuple]
 
 
-def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+def attend(
+    attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V4DecodePlan, rope: RotaryTable, ops: Ops
+) -> torch.Tensor:
     """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``project``'s tensors ``t``): writes the
     new window row and compressor projections, completes the groups that close, reads every row's keys."""
     q, kv, pool, ix = t["q"], t["kv"], plan.pool, plan.indices(ops)
@@ -271,13 +283,13 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
 
 
-def _pages(plan: StepPlan, m: int) -> torch.Tensor:
+def _pages(plan: V4DecodePlan, m: int) -> torch.Tensor:
     """Every row's first pages of compression ratio ``m``, one row after another ``[S·pages]``."""
     return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
 def _compress(
-    comp: Compressor, layer: int, name: str, plan: StepPlan, rope: RotaryTable, ops: Ops, dtype: torch.dtype
+    comp: Compressor, layer: int, name: str, plan: V4DecodePlan, rope: RotaryTable, ops: Ops, dtype: torch.dtype
 ) -> None:
     """Pool the groups that complete (``ops.group_pool`` over the compressor's rings, where ``attend`` appended the
     step's projections: the other rows pool zeros) and store every row's result, the completed ones in their pages,
@@ -294,8 +306,9 @@ def _compress(
 
 __all__ = [
     "SPAN_MIN",
+    "AttentionLayer",
     "StepIndices",
-    "StepPlan",
+    "V4DecodePlan",
     "attend",
     "block_tables",
     "bucket_widths",

@@ -1,7 +1,7 @@
 """CUDA graphs for the decode steps of ``DeepseekV4Model`` (one new token per sequence): the whole step, one graph.
 
 An eager decode step is bound by host launch time: a layer is hundreds of small kernels. ``decode_step`` makes a
-step's attention a function of fixed-shape device tensors (a ``StepPlan``: each row's pool slot, position, window
+step's attention a function of fixed-shape device tensors (a ``V4DecodePlan``: each row's pool slot, position, window
 start, liveness and block table), so everything from the token ids to the final streams is captured once per
 bucket and replayed: the embedding, and per layer ``Block.attn_in`` (mHC collapse, norm, projections, RoPE,
 compressor projections, indexer queries), ``decode_step.attend`` (window ring, compressor rings, completed rows
@@ -10,7 +10,7 @@ expand, the MoE sublayer).
 
 A bucket is a batch size (``decode_graphs.BUCKETS``) and a span (``decode_step.span_for``: the positions its lists
 cover, a few per doubling of the context). Before a replay the host loads the plan and the token ids
-(``StepPlan.fill``: one copy of ``[5, size]`` integers from pinned memory, and the block tables); a batch of ``B``
+(``V4DecodePlan.fill``: one copy of ``[5, size]`` integers from pinned memory, and the block tables); a batch of ``B``
 sequences runs in the smallest bucket ``≥ B`` and its padding rows write to the pool's scratch slot and the cache's
 scratch page. The replay's results are the eager step's (``decode_step`` with the bucket's widths: the kernels read
 only the listed rows), bit for bit at a bucket's size (``tests/kernels/test_graphs.py`` checks this on a GPU). A
@@ -25,24 +25,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from deepinfer.models.decode_graphs import BUCKETS, SegmentGraphs, bucket_for
 from deepinfer.models.deepseek_v4 import decode_step
-from deepinfer.models.deepseek_v4.decode_step import StepPlan, span_for
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan, span_for
+from deepinfer.models.deepseek_v4.layers import RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.ops import Ops
 
-if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+
+class GraphedModel(Protocol):
+    """What the decode and piecewise prefill graphs read of a ``model.DeepseekV4Model``, which makes them."""
+
+    config: DeepseekV4Config
+    ops: Ops
+    layers: nn.ModuleList  # model.Block: attn_in, attn, ffn_out
+    state_pool: StatePool | None
+    pooled_decode: bool
+
+    def embed_streams(self, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_of(self, layer_id: int) -> RotaryTable: ...
 
 
 @dataclass
 class _Bucket:
     size: int
     token_ids: torch.Tensor
-    plan: StepPlan  # its meta[1] is the step's positions
+    plan: V4DecodePlan  # its meta[1] is the step's positions
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
     h: torch.Tensor | None = None  # the step's output
 
@@ -50,7 +66,7 @@ class _Bucket:
 class DecodeGraphs(SegmentGraphs):
     """Per-bucket CUDA graphs of a ``DeepseekV4Model``'s whole decode steps (module docstring)."""
 
-    model: DeepseekV4Model
+    model: GraphedModel
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The final streams ``[B, hc_mult, D]`` of a decode step, or None when the step is not graphed (the caller
@@ -102,8 +118,8 @@ class DecodeGraphs(SegmentGraphs):
     def _bucket(self, size: int, device: torch.device, span: int = 0, cache: PagedKVCache | None = None) -> _Bucket:
         """A bucket's static inputs (zeros) and no graphs yet."""
         pool, window = self.model.state_pool, self.model.config.sliding_window
-        plan = StepPlan.empty(pool, cache, window, size, span)
+        plan = V4DecodePlan.empty(pool, cache, window, size, span)
         return _Bucket(size=size, token_ids=plan.ids, plan=plan)
 
 
-__all__ = ["BUCKETS", "DecodeGraphs", "bucket_for"]
+__all__ = ["BUCKETS", "DecodeGraphs", "GraphedModel", "bucket_for"]

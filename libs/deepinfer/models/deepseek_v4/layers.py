@@ -1,4 +1,5 @@
-"""Small building blocks: linear, RMSNorm and the interleaved rotary tables (MODEL_V4.md §2.4).
+"""Small building blocks: linear, RMSNorm and the interleaved rotary tables (docs/deepseek_v4.md
+("Rotary embeddings (RoPE)")).
 
 Several projections of one input can be read by one GEMM (what vLLM and SGLang do for MLA's ``q_a`` / ``kv_a``):
 ``join_rows`` makes their weights consecutive rows of one tensor (a backend's ``prepare_weights``), ``rows_forward``
@@ -23,7 +24,8 @@ from deepinfer.ops import Ops
 class Linear(nn.Module):
     """Bias-free linear. ``fp8`` marks weights the official checkpoint stores in FP8/FP4: with the
     quantisation simulation on, or ``w8a8`` (``DEEPINFER_W8A8``), their input is FP8-rounded per 1×128 block first
-    (MODEL_V4.md §2.12; ``act_fp8``), which a backend with FP8 tensor cores runs as a W8A8 GEMM.
+    (docs/deepseek_v4.md ("Official quantization points"); ``act_fp8``), which a backend with FP8 tensor cores runs
+    as a W8A8 GEMM.
 
     ``keeps_fp8`` (default: ``fp8``): the weight is only consumed by ``forward``, so a backend with FP8 kernels may
     keep it as stored, e4m3 plus a float32 block ``scale`` (``quant.native``); such a weight runs through

@@ -12,8 +12,10 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
@@ -125,8 +127,8 @@ class DeepseekV4Model(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(c, i) for i in c.mtp_layer_ids])
         self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
         self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
-        self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
-        self.prefill_graphs = None  # prefill_graphs.PrefillGraphs, made on the first step that may use it
+        self.decode_graphs: DecodeGraphs | None = None  # made on the first step that may use it
+        self.prefill_graphs: PrefillGraphs | None = None  # made on the first step that may use it
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
@@ -157,14 +159,10 @@ class DeepseekV4Model(nn.Module):
         h = None
         if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
             if self.decode_graphs is None:
-                from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
-
                 self.decode_graphs = DecodeGraphs(self)
             h = self.decode_graphs.run(batch, cache)  # None: not a graphed step
             if h is None and getattr(ops, "prefill_graphs", False):
                 if self.prefill_graphs is None:
-                    from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
-
                     self.prefill_graphs = PrefillGraphs(self)
                 h = self.prefill_graphs.run(batch, cache)  # None: past the largest bucket, or a failed capture
         if h is None:

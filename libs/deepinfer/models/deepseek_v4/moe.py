@@ -1,4 +1,5 @@
-"""DeepSeekMoE of V4 (MODEL_V4.md §2.9): sqrt-softplus router, hash or score routing, shared expert."""
+"""DeepSeekMoE of V4 (docs/deepseek_v4.md ("Mixture of experts (MoE) and routing")): sqrt-softplus router, hash or score
+routing, shared expert."""
 
 from __future__ import annotations
 

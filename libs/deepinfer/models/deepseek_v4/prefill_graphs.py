@@ -19,21 +19,18 @@ the bucket's size; ``tests/kernels/test_prefill_graphs.py`` checks both on a GPU
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.models.deepseek_v4.graphs import GraphedModel
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
 from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, PieceBucket, PiecewiseGraphs, prefill_bucket
-
-if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 
 
 class PrefillGraphs(PiecewiseGraphs):
     """Per-token-bucket piecewise CUDA graphs of a ``DeepseekV4Model``'s steps (module docstring)."""
 
-    model: DeepseekV4Model
+    model: GraphedModel
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The final streams ``[T, hc_mult, D]`` of ``batch``, or None when it is not graphed (the caller runs it

@@ -1,4 +1,5 @@
-"""Inference state of DeepSeek-V4 (MODEL_V4.md §3) and the description of one forward step.
+"""Inference state of DeepSeek-V4 (docs/deepseek_v4.md ("Inference state per layer")) and the description of one forward
+step.
 
 Two classes of state:
 - long-term, append-only, prefix-shareable: compressed rows of every CSA/HCA layer and the

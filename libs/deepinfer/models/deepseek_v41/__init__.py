@@ -1,1 +1,2 @@
-"""DeepSeek-V4.1(-Flash): config, layer typing, Engram hashing (model forward: not yet)."""
+"""DeepSeek-V4.1(-Flash): config, layer typing, the model (text backbone, Engram, DSpark drafter, vision tower),
+its decode steps and CUDA graphs."""

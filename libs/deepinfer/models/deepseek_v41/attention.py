@@ -1,5 +1,5 @@
-"""CSA2 attention of DeepSeek-V4.1 (MODEL_V41.md §2): shared-KV MQA with a sink over the window and, in
-compressed layers, the rows the latest index source selected from the owner's compressed KV.
+"""CSA2 attention of DeepSeek-V4.1 (docs/deepseek_v41.md ("CSA2 attention")): shared-KV MQA with a sink over the window
+and, in compressed layers, the rows the latest index source selected from the owner's compressed KV.
 
 Per layer and token ``t``: ``qlat = q_norm(wq_a(x))``, ``q = rope(wq_b(qlat))`` (no per-head Q norm), window KV
 ``fp8(rope(kv_norm(wkv(x))))``. Keys: the layer's own window rows ``[t-W+1, t]`` plus, in compressed layers, the
@@ -11,57 +11,34 @@ Layer roles (``layout.layer_specs``): Full layers compress, publish rows and ind
 select; Reindex layers select again over the owner's index keys (restricted to the candidate source's blocks);
 Reuse layers attend with the inherited selection. The per-step hand-off between layers is a :class:`StepContext`.
 
-Cache representations (§2.5) are applied where the reference applies them when ``quant_sim`` is on (the
-default for V4.1: they are part of the released model): FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and
-queries. The paged cache stores the dequantized values in the model dtype.
+Cache representations (docs/deepseek_v41.md ("Cache formats")) are applied where the reference applies them when
+``quant_sim`` is on (the default for V4.1: they are part of the released model): FP8 window KV, NVFP4 compressed rows,
+MXFP4 index keys and queries. The paged cache stores the dequantized values in the model dtype.
 
 Each sequence attends alone (its keys and mask, one ``ops.sparse_attention`` call; the batch-invariant path) or the
 batch attends at once (``attention_batched``); projections, norms and the output projection run once for the whole
 batch. A layer is ``project`` (pure, fixed shapes) → ``attend`` (state bookkeeping) → ``output`` (pure). A decode step
 (one token per sequence) on the model's ``StatePool`` takes ``decode_step.attend``: the whole bookkeeping in fixed
-shapes from a ``StepPlan`` made once per step (``StepContext.plan``), what the decode CUDA graph (``graphs``)
+shapes from a ``V41DecodePlan`` made once per step (``StepContext.plan``), what the decode CUDA graph (``graphs``)
 captures with the rest of the step.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward
-from deepinfer.models.deepseek_v4.state import CompressorBuffer, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk, SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41 import decode_step
 from deepinfer.models.deepseek_v41.attention_batched import attend_batched
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
+from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.ops import Ops
-
-
-@dataclass
-class StepContext:
-    """What one forward step's layers hand each other: the chunks, their rows in the batch, the paged cache, and
-    per chunk the owner rows read so far and the latest selection / candidate masks (transient, never cached)."""
-
-    chunks: list[SeqChunk]
-    offsets: list[tuple[int, int]]
-    positions: torch.Tensor
-    cache: PagedKVCache | None
-    rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (owner, chunk) -> rows so far
-    index_keys: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> bool [n, R] of the owner's rows
-    candidates: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    # the batched path (attention_batched): owner pools, and the latest selection / candidates of every token
-    pools: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
-    sel_rows: torch.Tensor | None = None  # [T, k] owner rows, valid first
-    sel_count: torch.Tensor | None = None  # [T]
-    cand: torch.Tensor | None = None  # [T, width] bool
-    plan: Any = None  # a decode step on pooled state: its decode_step.StepPlan, made by the first layer
 
 
 class SharedKVAttention(nn.Module):
@@ -167,7 +144,7 @@ class Attention(SharedKVAttention):
         pool = self.state_pool
         if pool is not None and not ops.batch_invariant and decode_step.pooled_decode(ctx.chunks):
             if ctx.plan is None:
-                ctx.plan = decode_step.StepPlan.of(pool, ctx.cache, self.window, ctx.chunks)
+                ctx.plan = decode_step.V41DecodePlan.of(pool, ctx.cache, self.window, ctx.chunks)
             res = decode_step.attend(self, t, ctx.plan, rope, ops)
             return res if out is None else out.copy_(res)
         if "ckv" in t:

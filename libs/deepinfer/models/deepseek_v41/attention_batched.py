@@ -11,21 +11,17 @@ alone. The selection of an index source is kept in the step context for the Reus
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import ring_span
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
+from deepinfer.models.deepseek_v41.step_context import AttentionLayer, StepContext
 from deepinfer.ops import Ops
-
-if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v41.attention import Attention, StepContext
 
 
 def _window(
-    attn: Attention, kv: torch.Tensor, ctx: StepContext
+    attn: AttentionLayer, kv: torch.Tensor, ctx: StepContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The window pool of the batch, each query's first pool row and row count, and the largest count (a host int);
     then the rings keep the last ``W`` rows of every chunk (a decode step on the model's ``StatePool`` takes
@@ -64,7 +60,7 @@ def _window(
     return pool, meta[0], meta[1], int(count.max()) if count.numel() else 0
 
 
-def _owner_pool(attn: Attention, ctx: StepContext, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _owner_pool(attn: AttentionLayer, ctx: StepContext, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Every chunk's owner rows (``kind`` rows or index) in one pool, read once per step, and each token's offset."""
     owner = attn.spec.kv_source
     got = ctx.pools.get((owner, kind))
@@ -80,7 +76,7 @@ def _owner_pool(attn: Attention, ctx: StepContext, kind: str) -> tuple[torch.Ten
 
 
 def _select(
-    attn: Attention, iq: torch.Tensor, iw: torch.Tensor, ctx: StepContext, ops: Ops
+    attn: AttentionLayer, iq: torch.Tensor, iw: torch.Tensor, ctx: StepContext, ops: Ops
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An index source's selection for every token: owner rows ``[T, k]`` (ascending, valid first) and counts."""
     ix, r = attn.indexer, attn.ratio
@@ -107,7 +103,7 @@ def _select(
 
 
 def attend_batched(
-    attn: Attention,
+    attn: AttentionLayer,
     q: torch.Tensor,
     kv: torch.Tensor,
     iq: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 configuration, parsed from the composite HF ``config.json`` (MODEL_V41.md §1).
+"""DeepSeek-V4.1 configuration, parsed from the composite HF ``config.json`` (docs/deepseek_v41.md ("Configuration")).
 
 Top level ``model_type: deepseek_v41`` with ``text_config`` and ``vision_config``; field names are those of the
 released config (= NeMo AutoModel's ``DeepseekV41TextConfig`` / ``DeepseekV41VisionConfig``), defaults the
@@ -223,7 +223,8 @@ class DeepseekV41Config:
         return self.text_config.max_position_embeddings
 
     def cache_layout(self) -> list[CacheStore]:
-        """Paged stores: each KV-source (Full) layer's compressed rows and index keys (MODEL_V41.md §6.1)."""
+        """Paged stores: each KV-source (Full) layer's compressed rows and index keys (docs/deepseek_v41.md
+        ("Inference state per layer"))."""
         t = self.text_config
         return [CacheStore(i, t.compress_ratios[i], t.head_dim, t.index_head_dim) for i in t.kv_source_layer_ids]
 

@@ -4,7 +4,7 @@ The V4.1 port of ``deepseek_v4.decode_step``: every per-sequence decision of a s
 integers per sequence, so the step is the same kernels whatever each sequence's phase, and a whole step can be
 captured as one CUDA graph (``graphs.py``).
 
-* ``StepPlan``: per row (sequence) its pool slot, position, the lowest window position of the encoder layers
+* ``V41DecodePlan``: per row (sequence) its pool slot, position, the lowest window position of the encoder layers
   (``window_start``) and of the decoder layers (``decoder_start`` too: a bounded decoder replay started there) and
   whether it is live (the padding rows of a graphed bucket are not: they use the pool's ``scratch`` slot and the
   cache's ``scratch_page``), its block table, and the widths of the step's lists (host ints: the exact maxima in an
@@ -56,14 +56,14 @@ from deepinfer.models.deepseek_v4.decode_step import (
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
+from deepinfer.models.deepseek_v41.step_context import AttentionLayer
 from deepinfer.ops import Ops
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v4.layers import RotaryTable
-    from deepinfer.models.deepseek_v41.attention import Attention
 
 T = TypeVar("T")
-POS = 1  # ``StepPlan.meta``: rows 0-3 slot, position, encoder window floor, live; rows 4-7 the same, decoder floor
+POS = 1  # ``V41DecodePlan.meta``: rows 0-3 slot, position, encoder window floor, live; rows 4-7 the same, decoder floor
 
 
 def pooled_decode(chunks: list[SeqChunk]) -> bool:
@@ -74,7 +74,7 @@ def pooled_decode(chunks: list[SeqChunk]) -> bool:
 
 
 @dataclass(eq=False)
-class StepPlan:
+class V41DecodePlan:
     """One decode step's rows (module docstring). ``meta [8, S]`` on the device: slot, position, lowest window
     position and liveness of the encoder layers (rows 0-3: V4's ``meta``) and of the decoder layers (rows 4-7);
     ``tables [S, P]``. Host ints: ``win_widths`` (window entries listed per row, encoder and decoder layers) and
@@ -105,7 +105,7 @@ class StepPlan:
 
     # -- building ------------------------------------------------------------------------------------------
     @classmethod
-    def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> StepPlan:
+    def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, span: int) -> V41DecodePlan:
         """A graphed bucket's plan: ``size`` rows, lists wide enough for positions below ``span``."""
         widths, tables = bucket_widths(cache, size, span, pool.device)
         meta, ids, stage = staged_meta(8, size, pool.device)
@@ -113,7 +113,7 @@ class StepPlan:
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
-           span: int | None = None) -> StepPlan:  # fmt: skip
+           span: int | None = None) -> V41DecodePlan:  # fmt: skip
         """An eager step's plan: exactly as many rows as ``chunks``, exact widths (``span``: a graphed bucket's
         widths instead, for positions below it)."""
         slots = pool.adopt([c.state for c in chunks])
@@ -186,7 +186,9 @@ class StepPlan:
         return self.once("decoder window", make)
 
 
-def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+def attend(
+    attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V41DecodePlan, rope: RotaryTable, ops: Ops
+) -> torch.Tensor:
     """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``Attention.project``'s tensors ``t``):
     writes the new window row (and, in a KV source, the compressed row and index key), selects (index sources) or
     reuses the latest selection, and attends over every row's keys."""
@@ -223,12 +225,12 @@ def attend(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: Ro
     return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
 
 
-def _pages(plan: StepPlan, m: int) -> torch.Tensor:
+def _pages(plan: V41DecodePlan, m: int) -> torch.Tensor:
     """Every row's first pages of compression ratio ``m``, one row after another ``[S·pages]``."""
     return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
-def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: RotaryTable, ops: Ops,
+def _publish(attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V41DecodePlan, rope: RotaryTable, ops: Ops,
              dtype: torch.dtype) -> None:  # fmt: skip
     """A KV source's compressed row and index key of every row (``Attention._publish``'s values for the rows that
     complete one) written to its page, the others to the scratch page (both are read in their pages)."""
@@ -249,7 +251,7 @@ def _publish(attn: Attention, t: dict[str, torch.Tensor], plan: StepPlan, rope: 
     ops.store_rows(cache.index_keys[layer], page, row, ik, page[:0])
 
 
-def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan, ops: Ops
+def _select(attn: AttentionLayer, iq: torch.Tensor, iw: torch.Tensor, plan: V41DecodePlan, ops: Ops
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """An index source's selection for every row: owner rows ``[S, k]`` (ascending, valid first) and counts
     (``attention_batched._select`` over the plan's pools)."""
@@ -275,4 +277,4 @@ def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, plan: StepPlan,
     return ops.select_rows(scores, torch.isfinite(scores), min(ix.topk, width))
 
 
-__all__ = ["SPAN_MIN", "StepPlan", "attend", "pooled_decode", "span_for"]
+__all__ = ["SPAN_MIN", "V41DecodePlan", "attend", "pooled_decode", "span_for"]

@@ -1,7 +1,7 @@
-"""DSpark, the parallel block drafter of DeepSeek-V4.1 (MODEL_V41.md §4), released as ``mtp.0..K-1``.
+"""DSpark, the parallel block drafter of DeepSeek-V4.1 (docs/deepseek_v41.md ("DSpark")), released as ``mtp.0..K-1``.
 
 Each stage is a V4.1 block (lagged mHC, draft MoE ``MoE.draft``) with SWA-only attention: main RoPE
-(θ = ``rope_theta``, no YaRN), no compressor or indexer, per-head sink, FP8 window KV (§2.5). Stage 0 also owns
+(θ = ``rope_theta``, no YaRN), no compressor or indexer, per-head sink, FP8 window KV (``quant_sim``). Stage 0 also owns
 ``main_proj [D, L·D]`` + ``main_norm``; the last stage owns ``norm``, the Markov head and the confidence head
 (``dspark_heads``). The embedding and the LM head are the target's, passed in.
 

@@ -1,4 +1,4 @@
-"""DSpark output heads of DeepSeek-V4.1 (MODEL_V41.md §4.1–§4.2): the Markov head, the confidence head and the
+"""DSpark output heads of DeepSeek-V4.1 (docs/deepseek_v41.md ("DSpark")): the Markov head, the confidence head and the
 block-drafting loop that combines them with the target's base logits.
 
 The last DSpark stage owns ``markov_head.{embed,head}.weight`` (both ``[V, rank]``) and
@@ -109,7 +109,8 @@ def markov_draft(
     ops: Ops,
     sampler: Sampler | None = None,
 ) -> DraftResult:
-    """The §4.2 loop over one block: Markov-corrected choice of each token, then every position's confidence.
+    """The drafting loop over one block (module docstring): Markov-corrected choice of each token, then every position's
+    confidence.
 
     ``base_logits [N, B, V]`` fp32, ``hidden [N, B, D]`` (pre-norm h, returned as is), ``confidence_hidden
     [N, B, D]`` (what the confidence head reads: h or norm(h)), ``anchors [N]`` token ids."""

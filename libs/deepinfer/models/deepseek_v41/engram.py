@@ -1,4 +1,4 @@
-"""Engram n-gram hashing of DeepSeek-V4.1 (MODEL_V41.md §3.3), as plain torch functions.
+"""Engram n-gram hashing of DeepSeek-V4.1 (docs/deepseek_v41.md ("Engram")), as plain torch functions.
 
 Raw token ids map to *compressed* ids (the tokenizer vocabulary merged under NFKC/lowercase/strip-accents
 normalization); for every position the n-grams of sizes 2..max_ngram_size ending there are hashed into

@@ -2,7 +2,7 @@
 
 The V4.1 counterpart of ``deepseek_v4.graphs`` over the same model-agnostic ``models.decode_graphs.SegmentGraphs``
 (buckets, capture, shared memory pool, eager fallback). ``decode_step`` makes a step's attention bookkeeping a
-function of fixed-shape device tensors (a ``StepPlan``: each row's pool slot, position, encoder and decoder window
+function of fixed-shape device tensors (a ``V41DecodePlan``: each row's pool slot, position, encoder and decoder window
 floors, liveness and block table), so everything from the token ids to the trunk output is captured once per bucket
 and replayed: the embedding and the streams, and per layer the Engram update (Engram layers), ``Block.attn_in`` (mHC
 mixes, collapse with the carried ``pre``, ``attn_norm``, ``Attention.project``), ``decode_step.attend`` (window ring,
@@ -11,7 +11,7 @@ indexer scores, candidate blocks, top-k, list attention) and ``Block.ffn_out`` (
 lagged FFN sublayer); then the final collapse (the trunk output ``[B, hidden]``).
 
 A bucket is a batch size (``decode_graphs.BUCKETS``) and a span (``decode_step.span_for``: the positions its lists
-cover, a few per doubling of the context). Before a replay the host loads the plan (``StepPlan.fill``: one copy of
+cover, a few per doubling of the context). Before a replay the host loads the plan (``V41DecodePlan.fill``: one copy of
 ``[5, size]`` integers, the block tables), the token ids and the Engram inputs: Engram rows are hashed on the host
 from the token ids and each sequence's history (``DeepseekV41Model._engram_rows``, which advances it); with the tables
 on the model's device the static input is the row ids and the gather is captured, with the tables elsewhere
@@ -31,26 +31,45 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from deepinfer.host_copy import StagedCopy
 from deepinfer.models.decode_graphs import SegmentGraphs
+from deepinfer.models.deepseek_v4.layers import RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41 import decode_step
-from deepinfer.models.deepseek_v41.decode_step import StepPlan, span_for
+from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
+from deepinfer.models.deepseek_v41.decode_step import V41DecodePlan, span_for
+from deepinfer.models.deepseek_v41.engram import EngramHasher
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
+from deepinfer.ops import Ops
 
-if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+
+class GraphedModel(Protocol):
+    """What the decode and piecewise prefill graphs read of a ``model.DeepseekV41Model``, which makes them."""
+
+    text: DeepseekV41TextConfig
+    ops: Ops
+    embed: nn.Embedding
+    layers: nn.ModuleList  # model.Block: engram, attn_in, attn, ffn_out
+    hasher: EngramHasher | None
+    state_pool: StatePool | None
+    pooled_decode: bool
+
+    def rope_of(self, layer: nn.Module) -> RotaryTable: ...
+
+    def _engram_rows(self, batch: ForwardBatch, device: torch.device | None = None) -> torch.Tensor | None: ...
 
 
 @dataclass
 class _Bucket:
     size: int
     token_ids: torch.Tensor
-    plan: StepPlan  # its meta holds the step's positions
+    plan: V41DecodePlan  # its meta holds the step's positions
     engram: torch.Tensor | None  # row ids [size, engram layers, hashes], with the tables on the device
     engram_rows: dict[int, torch.Tensor]  # layer -> looked-up rows [size, hashes, dim], with the tables elsewhere
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
@@ -62,7 +81,7 @@ class TextGraphs:
     """What V4.1's decode and piecewise prefill graphs share (mixed in before a ``SegmentGraphs``): text steps only,
     and the Engram inputs, as row ids with the tables on the device or as looked-up rows with them elsewhere."""
 
-    model: DeepseekV41Model
+    model: GraphedModel
 
     def tables_on_device(self, device: torch.device) -> bool:
         """Whether every Engram table lives on ``device`` (then the captured step gathers the rows)."""
@@ -101,7 +120,7 @@ class TextGraphs:
 class DecodeGraphs(TextGraphs, SegmentGraphs):
     """Per-bucket CUDA graphs of a ``DeepseekV41Model``'s decode steps (module docstring)."""
 
-    model: DeepseekV41Model
+    model: GraphedModel
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The trunk output ``[B, hidden]`` of a decode step, or None when the step is not graphed (the caller then
@@ -165,7 +184,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
     def _bucket(self, size: int, device: torch.device, span: int = 0, cache: PagedKVCache | None = None) -> _Bucket:
         """A bucket's static inputs (zeros) and no graphs yet."""
         engram, engram_rows = self._engram_buffers(size, device)
-        plan = StepPlan.empty(self.model.state_pool, cache, self.model.text.sliding_window, size, span)
+        plan = V41DecodePlan.empty(self.model.state_pool, cache, self.model.text.sliding_window, size, span)
         return _Bucket(
             size=size,
             token_ids=plan.ids,
@@ -176,4 +195,4 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
         )
 
 
-__all__ = ["DecodeGraphs", "TextGraphs"]
+__all__ = ["DecodeGraphs", "GraphedModel", "TextGraphs"]

@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 image input: preprocessing, placeholder expansion and embedding splice (MODEL_V41.md §5).
+"""DeepSeek-V4.1 image input: preprocessing, placeholder expansion and embedding splice (docs/deepseek_v41.md
+("Images")).
 
 Matches NeMo AutoModel 0.7.0's ``DeepseekV41Processor`` / ``DeepseekV41Model._image_embeddings`` exactly:
 

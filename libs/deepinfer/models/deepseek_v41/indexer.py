@@ -1,4 +1,4 @@
-"""CSA2 compressor and two-level indexer of DeepSeek-V4.1 (MODEL_V41.md §2.2–§2.3).
+"""CSA2 compressor and two-level indexer of DeepSeek-V4.1 (docs/deepseek_v41.md: "Compressors", "Two-level indexer").
 
 Only KV-source (Full) layers own a compressor: ratio 1 is a per-token projection (``norm(wkv(x))`` in the input
 dtype, no gate); ratio 2 pools non-overlapping token pairs with a channelwise softmax gate in fp32 (no position

@@ -1,4 +1,5 @@
-"""Per-layer typing of DeepSeek-V4.1, derived from the raw config lists (MODEL_V41.md §1.4).
+"""Per-layer typing of DeepSeek-V4.1, derived from the raw config lists (docs/deepseek_v41.md ("Layer roles (SWA, Full,
+Reindex, Reuse)")).
 
 Kinds: ``swa`` (ratio 0, window attention only, main RoPE), ``full`` (in ``kv_source_layer_ids``: owns the
 compressor and the index keys, computes a new top-k), ``reindex`` (index source, not KV source: new top-k over

@@ -1,4 +1,4 @@
-"""Single-pass (lagged) mHC of DeepSeek-V4.1 (MODEL_V41.md §3.1) over the ops interface.
+"""Single-pass (lagged) mHC of DeepSeek-V4.1 (docs/deepseek_v41.md ("Single-pass (lagged) mHC")) over the ops interface.
 
 The per-sublayer coefficient math is V4's (``ops.hc_mixes``: projection before the RMS factor, sigmoid pre/post,
 Sinkhorn comb; the RMS statistic uses ``rms_norm_eps`` = 1e-20 in V4.1), collapse and expand are V4's

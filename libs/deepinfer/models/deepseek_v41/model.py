@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 (V4.1-Flash) text backbone in plain PyTorch over the ops interface (MODEL_V41.md §1–§3).
+"""DeepSeek-V4.1 (V4.1-Flash) text backbone in plain PyTorch over the ops interface (docs/deepseek_v41.md).
 
 ``forward`` runs one step of several sequences (each a chunk of new tokens, prefill or decode) and returns the
 trunk output ``[T, hidden]`` (the streams collapsed with the last FFN ``pre``, before the final norm); ``logits``
@@ -22,23 +22,26 @@ from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
-from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention, StepContext
+from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher, engram_update
+from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
 from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
 from deepinfer.models.deepseek_v41.mhc import HyperConnection, Mix, embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.mhc import lagged_sublayer as _lagged
 from deepinfer.models.deepseek_v41.moe import MoE
+from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
+from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
 from deepinfer.ops import Ops, get_ops
 
 
 class EngramTable(nn.Module):
     """One Engram memory table (``layers.{i}.engram.embed.weight [rows, head_dim]``) behind a lookup op, so the
-    table can live apart from the model (host memory here; a service later): ``lookup`` gathers on the table's
-    device and moves only the rows read."""
+    table can live apart from the model (in host memory: ``DeepseekV41Model.place_engram_tables``): ``lookup``
+    gathers on the table's device and moves only the rows read."""
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
@@ -50,7 +53,7 @@ class EngramTable(nn.Module):
 
 
 class Engram(nn.Module):
-    """``layers.{i}.engram``: hashed n-gram memory gated into every residual stream (MODEL_V41.md §3.3)."""
+    """``layers.{i}.engram``: hashed n-gram memory gated into every stream (docs/deepseek_v41.md ("Engram"))."""
 
     def __init__(self, config: DeepseekV41TextConfig, layer_id: int) -> None:
         super().__init__()
@@ -165,8 +168,8 @@ class DeepseekV41Model(nn.Module):
             drafter = DSparkDrafter(c)
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
-        self.decode_graphs = None  # graphs.DecodeGraphs, made on the first step that may use it
-        self.prefill_graphs = None  # prefill_graphs.PrefillGraphs, made on the first step that may use it
+        self.decode_graphs: DecodeGraphs | None = None  # made on the first step that may use it
+        self.prefill_graphs: PrefillGraphs | None = None  # made on the first step that may use it
         # piecewise prefill graphs (DEEPINFER_PREFILL_GRAPHS; tests/kernels/test_prefill_graphs_v41.py, H200 2026-12-02)
         self.piecewise_prefill = True
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
@@ -219,8 +222,8 @@ class DeepseekV41Model(nn.Module):
                     w.data = w.data.pin_memory()
 
     def set_quant_sim(self, enabled: bool) -> None:
-        """The §2.5 cache representations (FP8 window KV, NVFP4 compressed rows, MXFP4 index keys and queries);
-        on by default: the released model computes through them."""
+        """The cache representations (docs/deepseek_v41.md ("Cache formats"): FP8 window KV, NVFP4 compressed rows,
+        MXFP4 index keys and queries); on by default: the released model computes through them."""
         for m in self.modules():
             if isinstance(m, SharedKVAttention):  # the DSpark stages' window KV too
                 m.quant_sim = enabled
@@ -269,9 +272,10 @@ class DeepseekV41Model(nn.Module):
         ``capture``, ``self.dspark_features`` holds the DSpark target features ``[T, L·hidden]`` of the step (the
         stream means entering ``dspark_target_layer_ids``; zeros on rows a bounded decoder replay skipped).
 
-        Encoder/decoder split (MODEL_V41.md §6.2): a chunk with ``decoder_from`` runs the decoder layers only on
-        positions ``>= decoder_from`` (rows before it get zeros); the first decoder layer still publishes its
-        compressed rows and index keys for every position, so the decoder's long-range memory is complete.
+        Encoder/decoder split (docs/deepseek_v41.md ("Encoder/decoder split and bounded decoder replay")): a chunk with
+        ``decoder_from`` runs the decoder layers only on positions ``>= decoder_from`` (rows before it get zeros); the
+        first decoder layer still publishes its compressed rows and index keys for every position, so the decoder's
+        long-range memory is complete.
 
         A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``:
         the whole step, one graph per batch bucket and context span), other text steps piecewise ones
@@ -281,14 +285,10 @@ class DeepseekV41Model(nn.Module):
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
             if self.decode_graphs is None:
-                from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
-
                 self.decode_graphs = DecodeGraphs(self)
             y = self.decode_graphs.run(batch, cache)  # None: not a graphed step
             if y is None and self.piecewise_prefill and getattr(ops, "prefill_graphs", False):
                 if self.prefill_graphs is None:
-                    from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
-
                     self.prefill_graphs = PrefillGraphs(self)
                 y = self.prefill_graphs.run(batch, cache)  # None: not a text step, too long, or a failed capture
             if y is not None:

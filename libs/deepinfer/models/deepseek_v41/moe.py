@@ -1,4 +1,5 @@
-"""DeepSeekMoE of V4.1 (MODEL_V41.md §3.2): modality-aware sqrt-softplus score routing, no hash layers.
+"""DeepSeekMoE of V4.1 (docs/deepseek_v41.md ("MoE: modality-aware routing")): modality-aware sqrt-softplus score
+routing, no hash layers.
 
 Differences from V4 (``deepseek_v4.moe``): every layer routes by score; the selection bias is ``bias``
 (e_score_correction) for text tokens and ``bias_vl`` for image-span tokens (all four span types); the top-k

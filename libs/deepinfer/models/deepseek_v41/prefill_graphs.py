@@ -24,19 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
-from deepinfer.models.deepseek_v41.attention import StepContext
-from deepinfer.models.deepseek_v41.graphs import TextGraphs
+from deepinfer.models.deepseek_v41.graphs import GraphedModel, TextGraphs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
+from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.piecewise_graphs import PieceBucket, PiecewiseGraphs
-
-if TYPE_CHECKING:
-    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 
 
 @dataclass
@@ -48,7 +44,7 @@ class _Bucket(PieceBucket):
 class PrefillGraphs(TextGraphs, PiecewiseGraphs):
     """Per-token-bucket piecewise CUDA graphs of a ``DeepseekV41Model``'s text steps (module docstring)."""
 
-    model: DeepseekV41Model
+    model: GraphedModel
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The trunk output ``[T, hidden]`` of ``batch``, or None when it is not graphed (the caller runs it

@@ -1,15 +1,16 @@
-"""DeepSeek-V4.1 vision tower: the 2D-RoPE ViT and the 3×3 aligner (MODEL_V41.md §1.3, §5).
+"""DeepSeek-V4.1 vision tower: the 2D-RoPE ViT and the 3×3 aligner (docs/deepseek_v41.md ("Vision tower")).
 
 A plain-torch, CPU-runnable reference of the released encoder (= the DeepSeek-V4-Flash-Vision-Exp code that NeMo
 AutoModel 0.7.0 reuses for V4.1). One image at a time, bidirectional attention over its patches:
 
     patches [vit_h*vit_w, 3, p, p] -> patch_embed -> blocks × L -> norm -> aligner -> [llm_h*llm_w, text hidden]
 
-Module and parameter names are the released checkpoint names (§7.1): :class:`VisionEncoder` holds ``vision``
-(:class:`VisionTransformer`) and ``aligner`` (:class:`VisionAligner`), so its ``state_dict`` keys are exactly
-``vision.patch_embed.proj.*``, ``vision.blocks.{j}.{norm1,attn.wqkv,attn.wo,norm2,mlp.w1,mlp.w2}.*``,
-``vision.norm.weight``, ``aligner.w1.*``, ``aligner.w2.*``. Norm weights are fp32 whatever the model dtype.
-Transport, batching across images and scheduling belong to the vision-encoder service, not here.
+Module and parameter names are the released checkpoint names (docs/deepseek_v41.md ("Checkpoint names and formats")):
+:class:`VisionEncoder` holds ``vision`` (:class:`VisionTransformer`) and ``aligner`` (:class:`VisionAligner`), so its
+``state_dict`` keys are exactly ``vision.patch_embed.proj.*``,
+``vision.blocks.{j}.{norm1,attn.wqkv,attn.wo,norm2,mlp.w1,mlp.w2}.*``, ``vision.norm.weight``, ``aligner.w1.*``,
+``aligner.w2.*``. Norm weights are fp32 whatever the model dtype. Transport, batching across images and scheduling
+belong to the vision-encoder service, not here.
 """
 
 from __future__ import annotations

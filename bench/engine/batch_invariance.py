@@ -1,0 +1,169 @@
+"""Batch-invariant mode on vs off (issue 4): bitwise checks on the device, then decode throughput.
+
+In one run, on one device (a GPU, or the CPU with ``--tiny``):
+
+* **check**: a target sequence (``--target`` prompt tokens, then 4 decode steps) runs alone, then inside
+  ``--compositions`` random batches (1–16 other sequences of 1–``--other-max`` tokens, the target's prefill cut
+  into random chunks, the others part prefill and part decode, shuffled each step). For each op set it reports
+  how many compositions gave bit-identical logits for the target and the largest |Δ logit| otherwise. The
+  default ops are the control (they are expected to differ).
+* **decode**: ``bench/engine/sweep.py``'s decode harness (a ``--context``-token context cloned to ``B`` sequences,
+  single-token steps of the whole batch, median step time) with the default ops, then with the batch-invariant
+  ops, on the same model, cache and token streams; next to the HBM roofline of the same step (sweep's ``Work``
+  with the ceilings measured in the run). The peer of the invariant mode is the default mode of the same run.
+
+Run on one GPU::
+
+    PYTHONPATH=libs:. python bench/engine/batch_invariance.py --out bench/results
+
+On the CPU (tiny config)::
+
+    PYTHONPATH=libs:. python bench/engine/batch_invariance.py --tiny --device cpu --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from bench import harness
+from bench.engine import sweep
+from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.ops import get_ops  # noqa: E402
+
+
+def run(model, seqs: list[list[int]], plans: list[list[int]], rng: random.Random | None, dev) -> torch.Tensor:
+    """Logits of every position of ``seqs[0]``; each step batches the next chunk of every sequence."""
+    ps = 256  # a multiple of every compression ratio
+    pages = -(-max(len(s) for s in seqs) // ps)
+    cache = PagedKVCache(model.config, pages * len(seqs), ps, torch.bfloat16, dev)
+    states = [SequenceState() for _ in seqs]
+    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(len(seqs))]
+    pos, out = [0] * len(seqs), []
+    for step in range(max(len(p) for p in plans)):
+        who = [i for i, p in enumerate(plans) if step < len(p) and p[step]]
+        if rng is not None:
+            rng.shuffle(who)
+        chunks, toks = [], []
+        for i in who:
+            n = plans[i][step]
+            chunks.append(SeqChunk(states[i], pos[i], n, tables[i]))
+            toks.append(seqs[i][pos[i] : pos[i] + n])
+            pos[i] += n
+        if not who:
+            continue
+        batch = ForwardBatch.build(chunks, toks, dev)
+        logits = model.logits(model(batch, cache))
+        for (a, b), i in zip(batch.offsets(), who):
+            if i == 0:
+                out.append(logits[a:b].float().cpu())
+    return torch.cat(out)
+
+
+def split(n: int, rng: random.Random, largest: int) -> list[int]:
+    plan = []
+    while n:
+        plan.append(min(n, rng.randint(1, largest)))
+        n -= plan[-1]
+    return plan
+
+
+def check(model, args, dev) -> dict:
+    vocab = model.config.vocab_size
+    rng = random.Random(args.seed)
+    target = [rng.randrange(2, vocab) for _ in range(args.target + 4)]
+    alone = run(model, [target], [[args.target, 1, 1, 1, 1]], None, dev)
+    same, worst = 0, 0.0
+    for k in range(args.compositions):
+        r = random.Random(1000 + k)
+        others = [[r.randrange(2, vocab) for _ in range(r.randint(1, args.other_max))] for _ in range(r.randint(1, 16))]
+        plans = [split(len(o), r, max(1, len(o) // 3)) if r.random() < 0.5 else [1] * len(o) for o in others]
+        tplan = [0] * r.randint(0, 2) + split(args.target, r, r.choice([17, 100, args.target])) + [1] * 4
+        got = run(model, [target, *others], [tplan, *plans], r, dev)
+        if torch.equal(got, alone):
+            same += 1
+        else:
+            worst = max(worst, (got - alone).abs().max().item())
+    return {"compositions": args.compositions, "bit_identical": same, "max_abs_diff": worst}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--hash-layers", type=int, default=2)
+    ap.add_argument("--context", type=int, default=None, help="decode context (4096; tiny 1024)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 16, 64])
+    ap.add_argument("--target", type=int, default=None, help="target prompt tokens of the check (600; tiny 150)")
+    ap.add_argument("--other-max", type=int, default=None, help="longest other sequence (300; tiny 40)")
+    ap.add_argument("--compositions", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.context = args.context or (1024 if args.tiny else 4096)
+    args.target = args.target or (150 if args.tiny else 600)
+    args.other_max = args.other_max or (40 if args.tiny else 300)
+    args.contexts, args.chunk, args.page_size, args.prefill_tokens = 1, 4096, 256, []
+    # sweep's model and decode harness read more of sweep's options (--ab, --graphs, ...): start from its defaults
+    args = argparse.Namespace(**{**vars(sweep.parse_args(["--no-peer"])), **vars(args)})
+    accel = "nvidia" if dev.type == "cuda" else "cpu"
+    ops = {"default": get_ops(accel), "invariant": get_ops(accel, batch_invariant=True)}
+    config = sweep.build_config(args)
+    model = sweep.build_ours(config, dev, args.seed)
+    ceil = sweep.probe_ceilings(dev)
+    work = sweep.Work.of(config)
+    result = {"device": harness.device_name(dev),
+              "torch": torch.__version__, "layers": config.num_hidden_layers, "context": args.context,
+              "ceilings": ceil, "command": " ".join(sys.argv), "check": {}, "decode": []}  # fmt: skip
+    for name, o in ops.items():
+        model.ops = o
+        result["check"][name] = check(model, args, dev)
+        sweep.log(f"check {name}: {result['check'][name]}")
+    rows = {}
+    for name, o in ops.items():
+        model.ops = o
+        ours = sweep.Ours(model, args, dev, args.batches)
+        budget = sweep.Budget(args.budget_s, float("inf"))
+        rows[name], _ = ours.decode(args.batches, budget)
+        del ours
+        sweep.free(dev)
+    for d, i in zip(rows["default"], rows["invariant"]):
+        roof = work.decode(d["batch"], args.context, ceil["hbm_copy_GBps"] * 1e9, ceil["fp8_TFLOPs"] * 1e12)
+        row = {"batch": d["batch"], "default_ms": d.get("ms"), "invariant_ms": i.get("ms"),
+               "roofline_ms": roof["roofline_ms"]}  # fmt: skip
+        if d.get("ms") and i.get("ms"):
+            row["invariant_throughput_fraction"] = d["ms"] / i["ms"]
+        result["decode"].append(row)
+    title = f"# batch invariance on {result['device']} ({result['layers']} layers, bf16, context {args.context})"
+    lines = [title, "",
+             "| check | bit-identical compositions | max abs diff |", "|---|---|---|"]  # fmt: skip
+    for name, c in result["check"].items():
+        lines.append(f"| {name} | {c['bit_identical']}/{c['compositions']} | {c['max_abs_diff']:.3g} |")
+    lines += ["", "| batch | default ms | invariant ms | invariant / default throughput | roofline ms |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for r in result["decode"]:
+        frac = r.get("invariant_throughput_fraction")
+        lines.append(f"| {r['batch']} | {r['default_ms'] or float('nan'):.2f} | {r['invariant_ms'] or float('nan'):.2f}"
+                     f" | {frac if frac else float('nan'):.2f} | {r['roofline_ms']:.3f} |")  # fmt: skip
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"{datetime.date.today().isoformat()}-batch-invariance-{'cpu' if dev.type == 'cpu' else 'gpu'}"
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"{stem}.md").write_text(text + f"\n\nCommand: `{result['command']}`\n")
+
+
+if __name__ == "__main__":
+    main()

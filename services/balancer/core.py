@@ -1,0 +1,245 @@
+"""The balancer's core, without transport of its own: the public Generation API's logic in front of scheduler replicas.
+
+It tokenizes (text, token ids, or chat messages through the DeepSeek-V4 chat encoding), validates,
+picks a replica (least in-flight requests, ties round-robin), streams the replica's tokens back as
+text deltas (incremental detokenization: never a partial UTF-8 character; text that could still
+become a stop string is held back), applies stop strings (cancelling the replica's stream, which
+frees the request's pages), and ends with the finish reason and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from deepinfer import envs
+from deepinfer.engine.determinism import merge as merge_determinism
+from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto
+from deepinfer.serving.errors import ModelNotFound, Unavailable
+from deepinfer.serving.metrics import METRICS, Metrics, finish_reason_name, status_label
+from deepinfer.serving.tracing import inject_metadata, request_attributes, tracer
+from deepinfer.telemetry import get_logger
+from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
+from services.balancer.admission import AdmissionGate, check_prompt, check_request
+from services.balancer.constraints import ConstraintCompiler
+from services.balancer.prompt import build_prompt
+from services.balancer.relay import Relay
+from services.balancer.replicas import Replica, ReplicaSet
+
+log = get_logger(__name__)
+_tracer = tracer(__name__)
+# a replica's stream that ends with these moves to another replica (a dead or draining replica's codes)
+MOVABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class Balancer:
+    """The balancer without its front ends: admission, routing, the relay of each request from a replica (and its
+    move to another one when that replica fails), the replicas' loads and facts. The gRPC servicer
+    (:mod:`.servicer`) and the OpenAI HTTP app (:mod:`.http`) are adapters over it."""
+
+    def __init__(
+        self,
+        tokenizer: object,
+        info: generation_pb2.ModelInfo,
+        replicas: list[str],
+        metrics: Metrics | None = None,
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
+        self.tokenizer, self.info, self.constraints = tokenizer, info, constraints
+        self.metrics = metrics if metrics is not None else METRICS
+        self.pool = ReplicaSet(replicas)
+        self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
+        self._where: dict[str, Replica] = {}
+        self.draining = False  # SIGTERM: new requests are refused (UNAVAILABLE / 503), open ones finish
+        self.in_flight = 0  # open streams of generate(), gRPC and HTTP alike (the drain waits for them)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
+
+    def set_replicas(self, addresses: list[str]) -> None:
+        """Route to exactly these scheduler replicas (kept ones keep their channel and counters)."""
+        self.pool.set(addresses)
+
+    def ready(self) -> bool:
+        """Whether a request could be served now: not draining, and some replica is routable."""
+        return not self.draining and bool(self.pool.routable())
+
+    # -- helpers -------------------------------------------------------------------------------
+    def prompt(
+        self, which: str | None, req: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
+    ) -> tuple[list[int], str | None, list[dict] | None]:
+        """Prompt ids, prompt text and (chat) the tools it renders."""
+        return build_prompt(self.tokenizer, which, req)
+
+    async def _constraint(
+        self, request: generation_pb2.GenerateRequest, ids: list[int], params: object, tools: list[dict] | None
+    ) -> common_pb2.Constraint | None:
+        if self.constraints is not None:
+            return await self.constraints.build(request, ids, params, tools)
+        if params.so_args is not None:
+            raise Unavailable("so_args: this balancer has no grammar service (DEEPINFER_GRAMMAR_URL)")
+        return None
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def generate(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None, parent: Context | None = None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The response stream of one request: shared by the gRPC and the HTTP front ends.
+
+        Raises ValueError (naming the field) before anything is sent for a bad request, and the
+        replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes. The request
+        is traced as one SERVER span (a child of ``parent``, if given) whose context goes to the replica."""
+        if self.draining:
+            raise _unavailable("the balancer is draining (shutting down): retry on another instance")
+        op = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        model = request.model or self.info.model
+        span = _tracer.start_span(
+            f"{op} {model}", context=parent, kind=trace.SpanKind.SERVER,
+            attributes=request_attributes(op, model, request.sampling),
+        )  # fmt: skip
+        stream = self._generate(request, timeout, span)
+        self.in_flight += 1
+        try:
+            async for out in stream:
+                if out.HasField("finished"):
+                    span.set_attributes({
+                        "gen_ai.response.id": out.request_id,
+                        "gen_ai.usage.input_tokens": out.finished.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": out.finished.usage.completion_tokens,
+                        "gen_ai.response.finish_reasons": [finish_reason_name(out.finished.reason)],
+                    })  # fmt: skip
+                yield out
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):
+                span.set_attribute("error.type", status_label(e))
+                span.set_status(trace.StatusCode.ERROR, str(e) or type(e).__name__)
+            raise
+        finally:
+            self.in_flight -= 1
+            await stream.aclose()  # the inner stream's cleanup (cancel the replica's call) runs now
+            span.end()
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None, span: trace.Span
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        rid = request.request_id or f"gen-{uuid.uuid4().hex}"
+        if request.model and request.model != self.info.model:
+            raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
+        check_request(request)  # field checks that need no tokenization; then tokenize off the event loop
+        ids, _, tools = await asyncio.to_thread(self.prompt, request.WhichOneof("input"), request)
+        params = check_prompt(request, ids, self.info.max_model_len, self.info.vocab_size)  # fills in max_tokens
+        try:
+            with trace.use_span(span, end_on_exit=False):  # the grammar service's compile span is a child
+                constraint = await self._constraint(request, ids, params, tools)
+        except Unavailable as e:
+            raise _unavailable(str(e)) from e
+        async for out in self._relay(rid, ids, request, params, constraint, timeout, span):
+            yield out
+
+    async def _relay(
+        self, rid: str, ids: list[int], request: generation_pb2.GenerateRequest, params: object,
+        constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
+        """Stream the request from a replica; when that replica fails mid-stream, move the request (its prompt and
+        the tokens sent so far) to a replica that serves — waiting for one up to ``DEEPINFER_MIGRATION_WAIT_S`` —
+        at most ``DEEPINFER_MIGRATION_LIMIT`` times, so the caller sees one uninterrupted stream."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        relay = Relay(rid, ids, params, self.tokenizer)
+        metadata = inject_metadata(trace.set_span_in_context(span))
+        attempt, replica = 0, self._route(self.pool.pick)
+        while True:
+            left = None if deadline is None else deadline - loop.time()
+            replica.in_flight += 1
+            self._where[rid] = replica
+            call = replica.stub.Submit(relay.submit(request, constraint, attempt), timeout=left, metadata=metadata)
+            try:
+                async for ev in call:
+                    out = relay.response(ev)
+                    if out is not None:
+                        if attempt and out.HasField("finished"):
+                            self.metrics.migrations.labels(self.info.model, ev.cached_tier or "recompute").inc()
+                        yield out
+                        if out.HasField("finished"):
+                            return
+                error = _unavailable(f"replica {replica.address} ended the stream without finishing")
+            except grpc.aio.AioRpcError as e:
+                error = e
+            finally:
+                call.cancel()  # stop string or caller gone: the replica frees the request's pages
+                replica.in_flight -= 1
+                self._where.pop(rid, None)
+            if error.code() not in MOVABLE or attempt >= envs.DEEPINFER_MIGRATION_LIMIT:
+                raise error
+            self.pool.failed(replica, f"{error.code().name}: {error.details()}")
+            attempt += 1
+            log.warning("request_moving", request_id=rid, replica=replica.address, attempt=attempt,
+                        sent_tokens=len(relay.generated), error=error.code().name)  # fmt: skip
+            # a request that has sent nothing yet goes where it can be served now, like a new one; one that has
+            # streamed tokens waits for a replica (the restarted one, with one replica)
+            wait = envs.DEEPINFER_MIGRATION_WAIT_S if relay.started else 0.0
+            wait = wait if deadline is None else min(wait, deadline - loop.time())
+            replica = self._route(self.pool.pick) if wait <= 0 else await self._wait_route(wait)
+
+    def _route(self, pick: Callable[..., Replica], *args: object) -> Replica:
+        try:
+            return pick(*args)
+        except Unavailable as e:
+            raise _unavailable(str(e)) from e
+
+    async def _wait_route(self, wait_s: float) -> Replica:
+        try:
+            return await self.pool.wait_pick(wait_s)
+        except Unavailable as e:
+            raise _unavailable(f"{e} (waited {wait_s:.0f} s to move the request)") from e
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort these requests on the replicas that run them; the ids that were aborted."""
+        aborted = []
+        for rid in request_ids:
+            replica = self._where.get(rid)
+            if replica is not None:
+                res = await replica.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=[rid]), timeout=10)
+                aborted += list(res.aborted)
+        return aborted
+
+    async def model_info(self) -> generation_pb2.ModelInfo:
+        """The static model facts, plus what the replicas run (accelerator, dtype, determinism)."""
+        found = []
+        for r in self.replicas:
+            try:
+                found.append(await r.stub.GetReplicaInfo(scheduler_pb2.GetReplicaInfoRequest(), timeout=5))
+            except grpc.aio.AioRpcError:
+                continue  # a replica that is down or starting does not decide the answer
+        info = generation_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        if found:
+            d = merge_determinism([determinism_from_proto(r.determinism) for r in found])
+            info.determinism.CopyFrom(determinism_to_proto(d))
+            info.batch_invariant, info.deterministic_sampling = d.batch_invariant, d.deterministic_sampling
+            info.accelerator = found[0].accelerator if len({r.accelerator for r in found}) == 1 else "mixed"
+            info.dtype = found[0].dtype if len({r.dtype for r in found}) == 1 else "mixed"
+        return info
+
+    async def loads(self) -> generation_pb2.GetLoadsResponse:
+        """Each replica's load as it reports it; one out of routing (or unreachable) says draining."""
+        out = generation_pb2.GetLoadsResponse()
+        for r in self.replicas:
+            try:
+                load = await r.stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                load = common_pb2.ReplicaLoad(draining=True)
+            load.draining = load.draining or not r.healthy  # out of routing, whatever it says of itself
+            load.replica_id = r.address
+            out.replicas.append(load)
+        return out
