@@ -16,9 +16,10 @@ What it measures, in one run:
   ``_keep_in_fp32_modules_strict`` kept fp32 as ``from_pretrained`` would). Decode: one ``--context``-token
   prefill, its ``DynamicCache`` replicated to ``B`` rows (``reorder_cache``), then single-token forwards with
   ``logits_to_keep=1``. Prefill: one forward of ``L`` tokens with a cache;
-* **roofline** of the same work in the checkpoint's native formats (MODEL_V4.md §4.2, §5): FP8 e4m3 linears with
-  128×128 UE8M0 scales, bf16 where the checkpoint keeps bf16, fp32 mHC/APE/sinks/router bias, routed experts
-  MXFP4 incl. scales; a decode step of ``B`` sequences reads the dense weights once, ``E·(1−(1−k/E)^B)`` distinct
+* **roofline** of the same work in the checkpoint's native formats (docs/deepseek_v4.md, "Checkpoint format" and
+  "Inference state per layer"): FP8 e4m3 linears with 128×128 UE8M0 scales, bf16 where the checkpoint keeps bf16,
+  fp32 mHC/APE/sinks/router bias, routed experts MXFP4 incl. scales; a decode step of ``B`` sequences reads the dense
+  weights once, ``E·(1−(1−k/E)^B)`` distinct
   experts per MoE layer and each sequence's KV at the context length (window rows, CSA top-k rows + indexer keys,
   HCA rows, 583 B per row and 68 B per indexer key). ``roofline_ms = max(bytes / copy GB/s, FLOPs / FP8 TFLOP/s)``
   with the ceilings measured above; prefill also reports ``fraction_of_fp8_peak`` = (FLOPs / measured FP8 peak) /
@@ -95,13 +96,14 @@ from deepinfer.quant.w4a8 import set_w4a8  # noqa: E402
 
 T0 = time.monotonic()
 
-# H200 SXM datasheet (PERF_ANCHORS.md §1), for reference next to the measured ceilings
+# H200 SXM datasheet figures, for reference next to the measured ceilings
 H200_DATASHEET = {"hbm_GBps": 4800.0, "bf16_TFLOPs": 989.0, "fp8_TFLOPs": 1979.0}
 
 # parameters our engine keeps in fp32 whatever the model dtype (as deepinfer.checkpoint.loader._FP32; the
 # compressors' projections stay bf16, as the checkpoint stores them, and run in fp32 through ops.linear_fp32)
 OURS_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias|norm\.weight)$")
-# native checkpoint formats (MODEL_V4.md §4.1/§4.2), by internal parameter name
+# native checkpoint formats (docs/deepseek_v4.md, "Official quantization points" and "Checkpoint format"), by
+# internal parameter name
 NATIVE_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|ffn\.shared_w[123])\.weight$")
 NATIVE_FP32 = re.compile(r"(hc_\w+_(fn|base|scale)|\.ape|attn_sink|gate\.bias)$")
 # transformers' _keep_in_fp32_modules_strict of DeepseekV4 (used when the class does not carry it)
@@ -119,7 +121,7 @@ def log(msg: str) -> None:
 
 
 def flash_ratios(n: int, hca: int = 128) -> tuple[int, ...]:
-    """V4-Flash's layer pattern (MODEL_V4.md §1.1): SWA, SWA, then CSA / HCA alternating."""
+    """V4-Flash's layer pattern (docs/deepseek_v4.md, "Layer schedule"): SWA, SWA, then CSA / HCA alternating."""
     return tuple(([0, 0] + [4 if i % 2 == 0 else hca for i in range(max(n - 2, 0))])[:n])
 
 
