@@ -5,6 +5,7 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY libs ./libs
+COPY kernels ./kernels
 COPY services ./services
 COPY proto ./proto
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -35,6 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+# NeMo AutoModel, the DeepSeek-V4.1 reference (deepinfer.checkpoint.references.ensure_nemo), installed once for the
+# checkout (git-ignored): the V4.1 benchmarks' peer and the tests' reference share it
+NEMO_DIR = ROOT / ".deepinfer" / "nemo"
 
 
 # --- the common flags ---------------------------------------------------------------------------------------------
@@ -162,6 +166,11 @@ def pct(xs: Sequence[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def rel_diff(a: Any, b: Any) -> float:
+    """``‖a − b‖ / ‖b‖`` of two tensors, in fp64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 # --- the record of a result ----------------------------------------------------------------------------------------
 
 
@@ -187,18 +196,21 @@ def git_commit() -> str | None:
         return None
 
 
-def source_hash(root: Path) -> str:
-    """The first 12 hex digits of a SHA-256 over the library's Python files (paths and contents) under ``root``:
-    what ran, even where ``git`` reads another checkout's ``.git`` (an A/B tree unpacked from an archive)."""
+def source_hash(*roots: Path) -> str:
+    """The first 12 hex digits of a SHA-256 over the Python files (paths from each root's parent, and contents) under
+    ``roots``: what ran, even where ``git`` reads another checkout's ``.git`` (an A/B tree unpacked from an
+    archive)."""
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root.parent)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
 def versions() -> dict[str, Any]:
-    """Python, torch, CUDA, deepinfer, transformers and triton versions, the git commit and the library's hash."""
+    """Python, torch, CUDA, deepinfer, transformers and triton versions, the git commit and the hash of the library
+    and its kernels."""
     import torch
 
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
@@ -208,7 +220,7 @@ def versions() -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             v[mod] = None
     v["git"] = git_commit()
-    v["source"] = source_hash(ROOT / "libs" / "deepinfer")
+    v["source"] = source_hash(ROOT / "libs" / "deepinfer", ROOT / "kernels")
     return v
 
 
@@ -259,3 +271,87 @@ def note_skipped(skipped: dict[str, str]) -> None:
     """Print one line naming the parts a CPU smoke mode leaves out and why (nothing when none)."""
     if skipped:
         print("skipped on the CPU: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()), flush=True)
+
+
+# --- the MoE kernels' smoke mode -----------------------------------------------------------------------------------
+
+
+def mxfp4_experts(e: int, i: int, d: int, g: Any, dev: Any) -> tuple[Any, ...]:
+    """Random MXFP4 routed experts ``(w1, s1, w2, s2, w3, s3)``, codes as a checkpoint stores them: ``e`` experts of
+    gate / up ``[i, d]`` and down ``[d, i]``, e2m1 codes two a byte, UE8M0 exponents spread over 5 (gate / up
+    2^-9…2^-5, down 2^-11…2^-7), drawn from the generator ``g`` (gate, up, down)."""
+    import torch
+
+    def packed(n: int, k: int, lo: int) -> tuple[Any, Any]:
+        w = torch.randint(0, 256, (e, n, k // 2), generator=g, device=dev, dtype=torch.uint8).view(torch.int8)
+        return w, torch.randint(lo, lo + 5, (e, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+
+    (w1, s1), (w3, s3), (w2, s2) = packed(i, d, 118), packed(i, d, 118), packed(d, i, 116)
+    return w1, s1, w2, s2, w3, s3
+
+
+def in_order(experts: tuple[Any, ...], order: str, copy: bool = True) -> tuple[Any, ...]:
+    """``experts`` (``mxfp4_experts``) with the codes in the nibble ``order`` (``deepinfer.quant.nibble_order``):
+    copies, or in place with ``copy=False``; the exponents are shared."""
+    from deepinfer.quant.nibble_order import to_order
+
+    w1, s1, w2, s2, w3, s3 = experts
+    ws = [w.clone() if copy else w for w in (w1, w2, w3)]
+    for w in ws:
+        to_order(w, order)
+    return ws[0], s1, ws[1], s2, ws[2], s3
+
+
+def moe_smoke(
+    args: argparse.Namespace,
+    dev: Any,
+    stem: str,
+    shape: tuple[int, int, int, int],
+    limit: float,
+    variants: Callable[[tuple, tuple], dict[str, tuple[tuple, dict[str, Any]]]],
+    skipped: dict[str, str],
+    peaks: dict[str, float],
+) -> None:
+    """The CPU smoke mode of the prefill MoE benchmarks, whose Gluon kernels compile for sm_90 only: the Triton tiles
+    of the same calls (``moe_mxfp4.WGMMA_PREFILL = False``) in Triton's interpreter, on the host's clock.
+
+    ``shape = (E, I, D, K)``: random experts (``mxfp4_experts`` from seed 0, and their copy in the rotate order);
+    for each count of ``args.tokens``, random fp32 activations (the interpreter's bf16 math is wrong), a random top-K
+    routing and weights. ``variants(plain, rotate)`` names the calls: ``{name: (experts, keyword arguments)}``; each
+    ``moe_mxfp4(x, idx, w, *experts, limit, **kwargs)`` is timed over ``args.calls`` calls and compared with
+    ``ReferenceOps.moe_mxfp4`` of the same arguments (relative difference), beside the FLOP rooflines at ``peaks``
+    (TFLOP/s by name, e.g. ``{"FP8": 1460.0}``). ``skipped`` says what the smoke mode leaves out; with ``args.out``
+    the rows go to ``<date>-<stem>.json``."""
+    import torch
+
+    from deepinfer.kernels import moe_mxfp4
+    from deepinfer.ops.reference import ReferenceOps
+
+    e, i, d, k = shape
+    note_skipped(skipped)
+    g = torch.Generator(device=dev).manual_seed(0)
+    plain = mxfp4_experts(e, i, d, g, dev)
+    calls = variants(plain, in_order(plain, "rotate"))
+    ref_ops, rows, saved = ReferenceOps("cpu"), [], moe_mxfp4.WGMMA_PREFILL
+    moe_mxfp4.WGMMA_PREFILL = False  # the Triton tiles
+    try:
+        for t in (int(v) for v in str(args.tokens).split(",")):
+            x = torch.randn(t, d, generator=g, device=dev)
+            idx = torch.rand(t, e, generator=g, device=dev).argsort(dim=1)[:, :k]
+            w = torch.rand(t, k, generator=g, device=dev)
+            flop = 2 * 3 * t * k * d * i
+            roofs = {name: flop / (tflops * 1e12) * 1e6 for name, tflops in peaks.items()}
+            for name, (experts, kwargs) in calls.items():
+                run = functools.partial(moe_mxfp4.moe_mxfp4, x, idx, w, *experts, limit, **kwargs)
+                rel = rel_diff(run(), ref_ops.moe_mxfp4(x, idx, w, *experts, limit, **kwargs))
+                us = per_call_us(run, args.calls)
+                row = {"T": t, "round": 0, "variant": name, "us": us, "rel_vs_reference": rel}
+                rows.append(row | {f"{p.lower()}_roofline_us": r for p, r in roofs.items()})
+                roof = ", ".join(f"{p} {r:.3g} µs" for p, r in roofs.items())
+                print(f"T={t} round 0: {name} {us:.0f} µs (FLOP roofline {roof}); relative difference to "
+                      f"ReferenceOps.moe_mxfp4 {rel:.2e}", flush=True)  # fmt: skip
+    finally:
+        moe_mxfp4.WGMMA_PREFILL = saved
+    if args.out is not None:
+        res = {**result_header(dev, args), "shape_E_I_D_k": list(shape), "rows": rows}
+        write_json(args.out / f"{res['date']}-{stem}.json", res)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 
 
 def run_plan(model, plan, graphs: bool, *, vocab: int, low: int, page: int, dev: str, seed: int = 0, decodes: int = 0):

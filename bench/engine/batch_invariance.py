@@ -34,58 +34,24 @@ import torch
 
 from bench import harness
 from bench.engine import sweep
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
-from deepinfer.ops import get_ops  # noqa: E402
+from bench.engine.compositions import split, target_logits
+from deepinfer.ops import get_ops
 
-
-def run(model, seqs: list[list[int]], plans: list[list[int]], rng: random.Random | None, dev) -> torch.Tensor:
-    """Logits of every position of ``seqs[0]``; each step batches the next chunk of every sequence."""
-    ps = 256  # a multiple of every compression ratio
-    pages = -(-max(len(s) for s in seqs) // ps)
-    cache = PagedKVCache(model.config, pages * len(seqs), ps, torch.bfloat16, dev)
-    states = [SequenceState() for _ in seqs]
-    tables = [torch.arange(i * pages, (i + 1) * pages, device=dev) for i in range(len(seqs))]
-    pos, out = [0] * len(seqs), []
-    for step in range(max(len(p) for p in plans)):
-        who = [i for i, p in enumerate(plans) if step < len(p) and p[step]]
-        if rng is not None:
-            rng.shuffle(who)
-        chunks, toks = [], []
-        for i in who:
-            n = plans[i][step]
-            chunks.append(SeqChunk(states[i], pos[i], n, tables[i]))
-            toks.append(seqs[i][pos[i] : pos[i] + n])
-            pos[i] += n
-        if not who:
-            continue
-        batch = ForwardBatch.build(chunks, toks, dev)
-        logits = model.logits(model(batch, cache))
-        for (a, b), i in zip(batch.offsets(), who):
-            if i == 0:
-                out.append(logits[a:b].float().cpu())
-    return torch.cat(out)
-
-
-def split(n: int, rng: random.Random, largest: int) -> list[int]:
-    plan = []
-    while n:
-        plan.append(min(n, rng.randint(1, largest)))
-        n -= plan[-1]
-    return plan
+PAGE_SIZE = 256  # a multiple of every compression ratio
 
 
 def check(model, args, dev) -> dict:
     vocab = model.config.vocab_size
     rng = random.Random(args.seed)
     target = [rng.randrange(2, vocab) for _ in range(args.target + 4)]
-    alone = run(model, [target], [[args.target, 1, 1, 1, 1]], None, dev)
+    alone = target_logits(model, [target], [[args.target, 1, 1, 1, 1]], None, PAGE_SIZE, torch.bfloat16, dev)
     same, worst = 0, 0.0
     for k in range(args.compositions):
         r = random.Random(1000 + k)
         others = [[r.randrange(2, vocab) for _ in range(r.randint(1, args.other_max))] for _ in range(r.randint(1, 16))]
         plans = [split(len(o), r, max(1, len(o) // 3)) if r.random() < 0.5 else [1] * len(o) for o in others]
         tplan = [0] * r.randint(0, 2) + split(args.target, r, r.choice([17, 100, args.target])) + [1] * 4
-        got = run(model, [target, *others], [tplan, *plans], r, dev)
+        got = target_logits(model, [target, *others], [tplan, *plans], r, PAGE_SIZE, torch.bfloat16, dev)
         if torch.equal(got, alone):
             same += 1
         else:

@@ -278,7 +278,7 @@ class Engine:
 
 class Peer:
     def __init__(self, model):
-        from bench.engine.peers import build_hf_model
+        from deepinfer.checkpoint.references import build_hf_model
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

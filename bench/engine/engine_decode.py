@@ -44,7 +44,7 @@ from bench.engine import sweep
 from deepinfer.engine.engine import LLMEngine  # noqa: E402
 from deepinfer.engine.factory import build_scheduler  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
-from deepinfer.models.deepseek_v4.state import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.quant.native import prepare_native  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 from deepinfer.tokenizer import load_tokenizer  # noqa: E402

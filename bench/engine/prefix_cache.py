@@ -34,7 +34,7 @@ from bench.engine import sweep
 from deepinfer.engine.pages import PagePool  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
-from deepinfer.models.deepseek_v4.state import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -27,7 +27,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench import harness
 from bench.engine import sweep
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.quant.native import prepare_native  # noqa: E402
 
 

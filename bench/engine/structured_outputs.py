@@ -39,7 +39,7 @@ from deepinfer.engine.pages import PagePool  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
 from deepinfer.grammar import Compiler, GrammarSpec  # noqa: E402
-from deepinfer.models.deepseek_v4.state import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -47,7 +47,7 @@ Smoke test on CPU (≈ 1–2 min)::
 
 Imports from deepinfer only ``deepinfer`` (package init), ``deepinfer.models.deepseek_v4.{config,model,state}``,
 ``deepinfer.ops`` (→ ``deepinfer.ops.reference``, ``deepinfer.quant.formats``); with ``--tiny`` also
-``deepinfer.checkpoint.tiny`` (→ safetensors); for the peer ``models.hf_reference`` from ``tests/`` (→ transformers,
+``deepinfer.checkpoint.tiny`` (→ safetensors); for the peer ``deepinfer.checkpoint.references`` (→ transformers,
 ``deepinfer.checkpoint.names``). No structlog, OpenTelemetry or tokenizer package is needed.
 """
 
@@ -81,15 +81,11 @@ from bench.host.device_gaps import device_gaps
 from bench.host.host_ops import decode_spans, host_op_times, issue_timeline
 from deepinfer.engine.heap import freeze_heap, thaw_heap  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.layers import set_w8a8  # noqa: E402
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
-from deepinfer.models.deepseek_v4.state import (  # noqa: E402
-    CompressorBuffer,
-    ForwardBatch,
-    PagedKVCache,
-    SeqChunk,
-    SequenceState,
-)
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState  # noqa: E402
 from deepinfer.ops import get_ops  # noqa: E402
 from deepinfer.quant.native import prepare_native  # noqa: E402
 from deepinfer.quant.w4a8 import set_w4a8  # noqa: E402
@@ -990,7 +986,7 @@ class Peer:
     def __init__(self, config: DeepseekV4Config, args: argparse.Namespace, dev: torch.device) -> None:
         from transformers import DeepseekV4ForCausalLM  # noqa: F401 - fails early when the class is missing
 
-        from bench.engine.peers import hf_config
+        from deepinfer.checkpoint.references import hf_config
 
         self.args, self.dev = args, dev
         prev = torch.get_default_dtype()

@@ -67,7 +67,9 @@ from bench.engine.weight_sets import OrderSets, WeightSets
 from bench.harness import device_name as gpu_name
 from bench.harness import sync, timed, versions
 from deepinfer.checkpoint.names_v41 import expected_tensors  # noqa: E402
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 from deepinfer.models.deepseek_v41.engram import bucket_primes  # noqa: E402
 from deepinfer.models.deepseek_v41.layout import layer_specs  # noqa: E402
@@ -349,10 +351,11 @@ class Ours:
 def peer_prefill(config: DeepseekV41Config, args: argparse.Namespace, dev: torch.device, budget: Budget) -> dict:
     """NeMo AutoModel's model (eager attention, torch experts), bf16, own random weights: prefill forwards."""
     try:
-        from bench.engine.peers import ensure_nemo
-        from bench.engine.peers import nemo_backend as backend
+        from bench.harness import NEMO_DIR
+        from deepinfer.checkpoint.references import ensure_nemo
+        from deepinfer.checkpoint.references import nemo_backend as backend
 
-        ensure_nemo()
+        ensure_nemo(NEMO_DIR)
         from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config as NemoConfig
         from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
         from transformers import PreTrainedTokenizerFast

@@ -131,7 +131,7 @@ def decode_spans(model: Any, run: Callable[[], object], sync: Callable[[], None]
     from deepinfer import host_copy
     from deepinfer.models import decode_graphs
     from deepinfer.models.deepseek_v4 import decode_step, graphs
-    from deepinfer.models.deepseek_v4.state import ForwardBatch
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
     from deepinfer.models.deepseek_v4.state_pool import StatePool
 
     targets = [
@@ -191,7 +191,7 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
         return f"graph {replays[0] - 1} replayed"
 
     from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan
-    from deepinfer.models.deepseek_v4.state import ForwardBatch
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
     from deepinfer.models.deepseek_v4.state_pool import StatePool
 
     after(ForwardBatch, "build", "batch built")

@@ -127,7 +127,9 @@ def on_gpu(batch: int, steps: int, dtype: torch.dtype, context: int = 200) -> tu
     events; the host's plan upload included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
 
     dev = "cuda"
     model = build("nvidia", dtype, dev, graphs=True)
@@ -167,8 +169,10 @@ def on_gpu(batch: int, steps: int, dtype: torch.dtype, context: int = 200) -> tu
 def run(batch: int, steps: int, kind: str, dtype: torch.dtype, context: int = 30) -> Census:
     """The census of ``steps`` graphed-step functions at ``batch`` sequences (after one eager decode step that gives
     every state its pool slot); its counts are summed over the steps."""
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
     from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
 
     model = build(kind, dtype)
     gen = torch.Generator().manual_seed(0)

@@ -6,8 +6,9 @@ For DeepSeek-V4-Flash's dense FP8 linears and M ∈ {1, 16, 64, 256, 1024, 4096}
   rows) and ``fp8_linear(..., act_quant=True)`` (W8A8 from ``W8A8_MIN_M`` rows), with the config each one picked,
 * the peer: bf16 ``F.linear`` with the dequantised weight (cuBLAS),
 * ``torch._scaled_mm`` with per-tensor scales (cuBLAS FP8, no block scales: a ceiling reference), where it runs,
-* ``torch._scaled_mm`` with DeepSeek's block scales (1×128 activations, 128×128 weight; torch ≥ 2.9 on SM90), with
-  the activation quantisation (``scaled_mm_block``) and without it (``scaled_mm_block_gemm``), where it runs,
+* ``torch._scaled_mm`` with DeepSeek's block scales (1×128 activations, 128×128 weight; torch ≥ 2.9 on SM90) as the
+  library calls it (``deepinfer.kernels.fp8_scaled_mm.block_scaled_mm``), with the activation quantisation
+  (``scaled_mm_block``) and without it (``scaled_mm_block_gemm``), where it runs,
 
 each as a CUDA graph of ``--calls`` back-to-back calls (no launch gaps) cycling through enough copies of the weight
 (> ``--cycle-mb`` MB) that none is L2-resident, so small M measures HBM traffic. Columns: µs per call, effective
@@ -40,12 +41,14 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from bench.harness import add_common_args, interpret_if_cpu, median_ms, note_skipped, pick_device
+from bench.harness import add_common_args, interpret_if_cpu, median_ms, note_skipped, pick_device, rel_diff
 
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
 import deepinfer.kernels.fp8_gemm_config as fc  # noqa: E402
+from deepinfer.kernels import fp8_scaled_mm  # noqa: E402
 from deepinfer.kernels.fp8_gemm import GemmConfig, fp8_grouped_linear, fp8_linear, pick_config  # noqa: E402
+from deepinfer.kernels.fp8_quant import act_quant_fp8  # noqa: E402
 from deepinfer.quant.formats import dequantize_fp8_blocks  # noqa: E402
 
 SHAPES = {  # DeepSeek-V4-Flash (N, K)
@@ -105,10 +108,6 @@ def time_graph(fn, copies, calls, reps):
     return best
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def bench_shape(name, n, k, ms, args, rows):
     wbytes = n * k
     copies = max(2, math.ceil(args.cycle_mb * 1e6 / wbytes))
@@ -130,12 +129,15 @@ def bench_shape(name, n, k, ms, args, rows):
                 lambda i, x8=x8: torch._scaled_mm(x8, ws[i].t(), scale_a=ones, scale_b=ones, out_dtype=torch.bfloat16),
                 PEAK_FP8,
             )
-        block = scaled_mm_block(x, ws[0], ss[0]) if DEV == "cuda" else None
+        block = scaled_mm_block(x, n) if DEV == "cuda" else None
         if block is not None:
-            xq, sa, layout = block
-            impls["scaled_mm_block"] = (lambda i, x=x, f=layout: f(x, ws[i], ss[i]), PEAK_FP8)
+            xq, sa = block
+            impls["scaled_mm_block"] = (
+                lambda i, x=x: fp8_scaled_mm.block_scaled_mm(*act_quant_fp8(x), ws[i], ss[i], torch.bfloat16),
+                PEAK_FP8,
+            )
             impls["scaled_mm_block_gemm"] = (
-                lambda i, xq=xq, sa=sa, f=layout: f(None, ws[i], ss[i], pre=(xq, sa)),
+                lambda i, xq=xq, sa=sa: fp8_scaled_mm.block_scaled_mm(xq, sa, ws[i], ss[i], torch.bfloat16),
                 PEAK_FP8,
             )
         ref = F.linear(x, wd[0])
@@ -143,7 +145,7 @@ def bench_shape(name, n, k, ms, args, rows):
             bytes_ = wbytes * (2 if impl == "bf16_F.linear" else 1)
             roof = max(bytes_ / HBM_BPS, flops / peak) * 1e6
             try:
-                err = rel_err(fn(0), ref) if impl in ("fp8_linear", "scaled_mm_block") else None
+                err = rel_diff(fn(0), ref) if impl in ("fp8_linear", "scaled_mm_block") else None
                 us = time_graph(fn, copies, args.calls, args.reps)
             except Exception as e:  # e.g. _scaled_mm's shape limits
                 print(f"  {name} M={m} {impl}: {type(e).__name__}: {str(e)[:100]}")
@@ -156,47 +158,13 @@ def bench_shape(name, n, k, ms, args, rows):
             )  # fmt: skip
 
 
-def _block_layouts():
-    """Ways to pass DeepSeek's scales to ``torch._scaled_mm`` (BlockWise1x128 × BlockWise128x128): the scale tensors'
-    memory layouts differ between torch builds, so each is tried."""
-    col = lambda t: t.t().contiguous().t()  # noqa: E731 - outer-dim-major (column-major) copy
-
-    def make(fa, fb):
-        def f(x, w, s, pre=None):
-            from deepinfer.kernels.fp8_gemm import act_quant_fp8
-
-            q, sa = pre if pre is not None else act_quant_fp8(x)
-            return torch._scaled_mm(q, w.t(), scale_a=fa(sa), scale_b=fb(s.t()), out_dtype=torch.bfloat16)
-
-        return f
-
-    return {
-        "a col-major, b col-major": make(col, col),
-        "a row-major, b row-major": make(lambda t: t, lambda t: t.contiguous()),
-        "a col-major, b row-major": make(col, lambda t: t.contiguous()),
-        "a row-major, b col-major": make(lambda t: t, col),
-    }
-
-
-def scaled_mm_block(x, w, s):
-    """(quantised x, its scales, the first layout of ``_block_layouts`` that runs and matches the dequantised
-    reference) or None: ``_scaled_mm`` with block scales is missing on this build / GPU."""
-    from deepinfer.kernels.fp8_gemm import act_quant_fp8
-
-    if not hasattr(torch, "_scaled_mm") or x.shape[1] % 128:
+def scaled_mm_block(x, n):
+    """(quantised x, its scales) where ``torch._scaled_mm`` takes DeepSeek's block scales for ``x`` times an
+    ``n``-row weight (``deepinfer.kernels.fp8_scaled_mm``: the scales' layout probed once per device), else None."""
+    if x.shape[1] % 128 or n % 128 or not fp8_scaled_mm.available(x.device):
+        print("  _scaled_mm with block scales: not on this build / GPU / shape")
         return None
-    q, sa = act_quant_fp8(x)
-    ref = F.linear((q.float() * sa.repeat_interleave(128, 1)).bfloat16(), dequantize_fp8_blocks(w, s, torch.bfloat16))
-    for name, f in _block_layouts().items():
-        try:
-            err = rel_err(f(None, w, s, pre=(q, sa)), ref)
-        except Exception as e:  # noqa: BLE001 - unsupported here
-            print(f"  _scaled_mm block scales, {name}: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        print(f"  _scaled_mm block scales, {name}: rel err {err:.2e}")
-        if err < 1e-2:
-            return q, sa, f
-    return None
+    return act_quant_fp8(x)
 
 
 def candidates(m):
@@ -244,7 +212,7 @@ def bench_grouped(args):
         x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
         ours = time_graph(lambda i, x=x: fp8_grouped_linear(x, ws[i], ss[i]), copies, args.calls, args.reps)
         peer = time_graph(lambda i, x=x: torch.einsum("tgk,grk->tgr", x, wd[i]), copies, args.calls, args.reps)
-        err = rel_err(fp8_grouped_linear(x, ws[0], ss[0]), torch.einsum("tgk,grk->tgr", x.float(), wd[0].float()))
+        err = rel_diff(fp8_grouped_linear(x, ws[0], ss[0]), torch.einsum("tgk,grk->tgr", x.float(), wd[0].float()))
         roof = g * r * k / HBM_BPS * 1e6
         print(f"wo_a grouped M={m}: fp8 {ours:.2f} us, bf16 einsum {peer:.2f} us, FP8 roofline {roof:.2f} us, "
               f"rel err {err:.1e}", flush=True)  # fmt: skip

@@ -54,6 +54,7 @@ from bench.harness import (
     device_name,
     interpret_if_cpu,
     median_ms,
+    mxfp4_experts,
     note_skipped,
     pick_device,
 )
@@ -192,14 +193,7 @@ def profile(t, mx, sx, dev) -> None:
 
 
 def experts(dev):
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def packed(n, k, lo, hi):
-        w = torch.randint(0, 256, (E, n, k // 2), generator=g, device=dev, dtype=torch.uint8).view(torch.int8)
-        return w, torch.randint(lo, hi + 1, (E, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
-
-    (w1, s1), (w3, s3), (w2, s2) = packed(I, D, 118, 122), packed(I, D, 118, 122), packed(D, I, 116, 120)
-    return (w1, s1, w2, s2, w3, s3)
+    return mxfp4_experts(E, I, D, torch.Generator(device=dev).manual_seed(0), dev)
 
 
 def routings(t, n, dev, seed):

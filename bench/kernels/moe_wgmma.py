@@ -14,23 +14,25 @@ CUDA time by name.
 
 The Gluon kernels compile for sm_90 only: the smoke mode runs the peer, the Triton tiles of the same call, at tiny
 experts (E = 8, D = I = 64, top 2, T = 4, fp32 activations) in Triton's interpreter on the host's clock, checks them
-against ``ReferenceOps.moe_mxfp4`` and prints the roofline; every Gluon variant, their bit-identity checks and the
-CUDA profile are skipped there. ``--out DIR`` writes the rows as JSON.
+against ``ReferenceOps.moe_mxfp4`` and prints the roofline (``bench.harness.moe_smoke``); every Gluon variant, their
+bit-identity checks and the CUDA profile are skipped there. ``--out DIR`` writes the rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
 import torch
 
 from bench.harness import (
     add_common_args,
+    in_order,
     interpret_if_cpu,
-    note_skipped,
+    moe_smoke,
+    mxfp4_experts,
     per_call_us,
     pick_device,
+    rel_diff,
     result_header,
     write_json,
 )
@@ -38,21 +40,9 @@ from bench.harness import (
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
-from deepinfer.quant.nibble_order import to_order  # noqa: E402
 
 E, I, D, K = 256, 2048, 4096, 6
 LIMIT = 10.0
-
-
-def experts(g: torch.Generator, dev: str | torch.device = "cuda") -> tuple[torch.Tensor, ...]:
-    def packed(e: int, n: int, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randint(0, 256, (e, n, k // 2), generator=g, device=dev, dtype=torch.uint8).view(torch.int8)
-        to_order(w, "rotate")
-        return w, torch.randint(lo, hi + 1, (e, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
-
-    (w1, s1), (w3, s3), (w2, s2) = packed(E, I, D, 118, 122), packed(E, I, D, 118, 122), packed(E, D, I, 116, 120)
-    return w1, s1, w2, s2, w3, s3
 
 
 def main() -> None:
@@ -70,7 +60,7 @@ def main() -> None:
     if dev.type != "cuda":
         return smoke(args, dev)
     g = torch.Generator(device="cuda").manual_seed(0)
-    mx = experts(g)
+    mx = in_order(mxfp4_experts(E, I, D, g, "cuda"), "rotate", copy=False)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         x = torch.randn(t, D, generator=g, device="cuda").bfloat16()
@@ -120,13 +110,13 @@ def main() -> None:
         if args.frag:
             wg.FRAG = True
             got = run()
-            rel = ((got - out).norm() / out.norm()).item()
+            rel = rel_diff(got, out)
             print(f"T={t}: gluon fragments against gluon wgmma, relative difference {rel:.2e}")
             print(f"T={t}: a Gluon build failed: {mod.WGMMA_FAILED}")  # the profile below: the fragment kernels
         mod.WGMMA_PREFILL, mod.moe_mxfp4_wgmma.WS = False, None
         ref = run()
         mod.WGMMA_PREFILL = None
-        rel = ((out - ref).norm() / ref.norm()).item()
+        rel = rel_diff(out, ref)
         print(f"T={t}: gluon against the triton tiles, relative difference {rel:.2e}")
         from torch.profiler import ProfilerActivity, profile
 
@@ -142,35 +132,14 @@ def main() -> None:
 
 def smoke(args: argparse.Namespace, dev: torch.device) -> None:
     """``--device cpu``: the Triton tiles (the peer) in the interpreter against ``ReferenceOps.moe_mxfp4``, the
-    roofline, the measurement loop and the JSON; the Gluon kernels need an sm_90 GPU."""
-    global E, I, D, K
+    roofline, the measurement loop and the JSON (``bench.harness.moe_smoke``); the Gluon kernels need an sm_90 GPU."""
+    shape = (E, I, D, K)
     if args.tiny:
-        E, I, D, K, args.tokens, args.calls = 8, 64, 64, 2, "4", 1
-    note_skipped({"the Gluon variants, their bit-identity checks": "Gluon compiles for sm_90 only",
-                  "the CUDA profile": "CUDA kernel times"})  # fmt: skip
-    g = torch.Generator(device=dev).manual_seed(0)
-    mx = experts(g, dev)
-    rows = []
-    for t in (int(v) for v in args.tokens.split(",")):
-        x = torch.randn(t, D, generator=g, device=dev)  # fp32: the interpreter's bf16 math is wrong
-        idx = torch.rand(t, E, generator=g, device=dev).argsort(dim=1)[:, :K]
-        w = torch.rand(t, K, generator=g, device=dev)
-        roof = 2 * 3 * t * K * D * I / (args.bf16_tflops * 1e12) * 1e6
-        mod.WGMMA_PREFILL = False
-        try:
-            run = partial(mod.moe_mxfp4, x, idx, w, *mx, LIMIT, order="rotate")
-            out = run()
-            us = per_call_us(run, args.calls)
-        finally:
-            mod.WGMMA_PREFILL = None
-        ref = ReferenceOps("cpu").moe_mxfp4(x, idx, w, *mx, LIMIT, order="rotate")
-        rel = ((out - ref).norm() / ref.norm()).item()
-        rows.append({"T": t, "round": 0, "variant": "triton tiles", "us": us, "roofline_us": roof, "rel_vs_ref": rel})
-        print(f"T={t} round 0: triton tiles {us:.0f} µs (bf16 FLOP roofline {roof:.3f} µs)", flush=True)
-        print(f"T={t}: triton tiles against ReferenceOps.moe_mxfp4, relative difference {rel:.2e}", flush=True)
-    if args.out:
-        res = {**result_header(dev, args), "shape_E_I_D_k": [E, I, D, K], "rows": rows}
-        write_json(args.out / f"{res['date']}-moe-wgmma.json", res)
+        shape, args.tokens, args.calls = (8, 64, 64, 2), "4", 1
+    skipped = {"the Gluon variants, their bit-identity checks": "Gluon compiles for sm_90 only",
+               "the CUDA profile": "CUDA kernel times"}  # fmt: skip
+    variants = lambda plain, rotate: {"triton tiles": (rotate, {"order": "rotate"})}  # noqa: E731
+    moe_smoke(args, dev, "moe-wgmma", shape, LIMIT, variants, skipped, {"bf16": args.bf16_tflops})
 
 
 if __name__ == "__main__":

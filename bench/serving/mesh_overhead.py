@@ -3,12 +3,12 @@
     PYTHONPATH=libs:. python bench/serving/mesh_overhead.py [--requests 16] [--max-tokens 32] [--concurrency 8]
     PYTHONPATH=libs:. python bench/serving/mesh_overhead.py --tiny --device cpu   # smoke mode
 
-Starts a worker (cpu backend), a scheduler and a balancer as real processes on loopback (``BenchMesh``),
-runs greedy requests over gRPC ``Generate`` (streaming) and the same requests with
-``LLM.generate`` in this process, and prints throughput of both, their ratio, and the inter-token
-latency seen by the client (p50 / p99) against the offline engine's step time. The peer here is the
-offline engine itself: the mesh adds two gRPC hops, protobuf and detokenization per token. Roofline: the
-mesh cannot be faster than the offline engine running the same batches (ratio 1.0).
+Starts ``deepinfer up``'s mesh on loopback (``deepinfer.launcher.Mesh``: NATS, the kvstore, the grammar service, a
+worker on the cpu backend, a scheduler and the balancer, each its own process), runs greedy requests over gRPC
+``Generate`` (streaming) and the same requests with ``LLM.generate`` in this process, and prints throughput of both,
+their ratio, and the inter-token latency seen by the client (p50 / p99) against the offline engine's step time. The
+peer here is the offline engine itself: the mesh adds two gRPC hops, protobuf and detokenization per token. Roofline:
+the mesh cannot be faster than the offline engine running the same batches (ratio 1.0).
 """
 
 from __future__ import annotations
@@ -16,92 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import torch
 
-from bench.harness import ROOT, command_line, git_commit, write_json
+from bench.harness import ROOT, command_line, git_commit, pct, write_json
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.serving.healthcheck import free_port, wait_serving
+from deepinfer.launcher import Mesh
+from deepinfer.serving.healthcheck import free_port
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 def prompts(n: int) -> list[list[int]]:
     return [[0] + [1000 + 37 * i + k for k in range(12 + i % 5)] for i in range(n)]
-
-
-class BenchMesh:
-    """Worker (cpu backend), scheduler and balancer as real processes on loopback (a trimmed copy of the tests'
-    ``tests/serving/mesh.py``; bench does not import from tests/)."""
-
-    def __init__(self, model: Path, tmp: Path, max_num_seqs: int) -> None:
-        self.model, self.tmp, self.max_num_seqs = model, tmp, max_num_seqs
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.ports: dict[str, int] = {}
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-        env.update(DEEPINFER_ACCELERATOR="cpu", DEEPINFER_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
-        # as `deepinfer up` does on the cpu backend: the worker leaves a core to the scheduler and the balancer
-        threads = str(max(1, (os.cpu_count() or 2) - 1))
-        return env | {"DEEPINFER_MAX_NUM_SEQS": str(self.max_num_seqs), "DEEPINFER_TORCH_THREADS": threads}
-
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
-
-    def _serve(self, name: str, ports: tuple[str, ...], args: Callable[[], list[str]], attempts: int = 3) -> None:
-        """Start ``name`` on fresh ``ports`` and wait until it serves (again on other ports if one was taken)."""
-        for attempt in range(attempts):
-            for n in ports:
-                self.ports[n] = free_port()
-            log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", *args()], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
-            )
-            try:
-                wait_serving(self.address(name), proc=self.procs[name])
-                return
-            except RuntimeError:  # it exited before serving
-                if attempt == attempts - 1:
-                    raise
-
-    def up(self, num_pages: int = 256) -> BenchMesh:
-        self._serve("worker", ("worker",), lambda: [
-            "services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
-            "--page-size", "16", "--num-pages", str(num_pages)])  # fmt: skip
-        self._serve("scheduler", ("scheduler",), lambda: [
-            "services.scheduler", "--worker", self.address("worker"),
-            "--port", str(self.ports["scheduler"])])  # fmt: skip
-        self._serve("balancer", ("balancer",), lambda: [
-            "services.balancer", "--model", str(self.model), "--scheduler", self.address("scheduler"),
-            "--grpc-port", str(self.ports["balancer"]), "--http-port", "0"])  # fmt: skip
-        return self
-
-    def down(self) -> None:
-        for p in reversed(list(self.procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def through_mesh(
@@ -169,12 +101,21 @@ def main() -> None:
     threads = max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
     llm = LLM(model=model, dtype="float32", page_size=16, num_pages=512, max_num_seqs=args.concurrency)
-    mesh = BenchMesh(model, tmp, max_num_seqs=args.concurrency).up(num_pages=512)
+    os.environ["DEEPINFER_KVSTORE_DIR"] = str(tmp / "kvstore")  # the mesh's kvstore starts empty
+    services = {  # the offline engine's cache and batch; the launcher gives the cpu worker cores - 1 threads
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
+        "DEEPINFER_LOG_LEVEL": "warning",
+        "DEEPINFER_PAGE_SIZE": "16",
+        "DEEPINFER_NUM_PAGES": "512",
+        "DEEPINFER_MAX_NUM_SEQS": str(args.concurrency),
+    }
+    mesh = Mesh(model, grpc_port=free_port(), http_port=0, log_dir=tmp, extra_env=services)
     runs: list[dict[str, float]] = []
     try:
+        mesh.start()
         for _ in range(args.repeats):  # alternate the two paths so that a noisy minute hits both
             off_wall, off_steps = offline(llm, ps, args.max_tokens)
-            mesh_wall, gaps = asyncio.run(through_mesh(mesh.address("balancer"), ps, args.max_tokens, args.concurrency))
+            mesh_wall, gaps = asyncio.run(through_mesh(mesh.endpoints["grpc"], ps, args.max_tokens, args.concurrency))
             runs.append(
                 {
                     "off_tps": n_tokens / off_wall,
@@ -186,7 +127,7 @@ def main() -> None:
                 }
             )
     finally:
-        mesh.down()
+        mesh.stop()
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     added = [r["mesh_p50"] - r["off_p50"] for r in runs]
     print(

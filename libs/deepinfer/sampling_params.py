@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
-TOP_P_EPS = 1e-6  # top-p's tolerance at the boundary, for every sampler (engine.sampler, kernels.sampling)
 SO_SCHEMA_TYPES = ("regex", "json_schema", "json", "ebnf", "json_object", "structural_tag")
 _STR_SCHEMA_TYPES = ("regex", "ebnf")
 _JSON_SCHEMA_TYPES = ("json_schema", "json", "structural_tag")

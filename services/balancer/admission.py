@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from deepinfer import envs
+from deepinfer.engine.request import validate_request
 from deepinfer.rpc.convert import sampling_from_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.errors import Overloaded
@@ -187,7 +188,7 @@ def check_prompt(
         chat = request.WhichOneof("input") == "chat"
         s.max_tokens = min(left, envs.DEEPINFER_DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
     params = sampling_from_proto(s)
-    params.validate_for_model(vocab_size)
+    validate_request(ids, params, vocab_size)
     return params
 
 

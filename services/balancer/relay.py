@@ -9,7 +9,7 @@ had happened — the caller sees one stream, no token twice or missing.
 from __future__ import annotations
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.tokenizer import Detokenizer
+from deepinfer.tokenizer import TextStream
 from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
 
 UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -18,9 +18,7 @@ UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 class Relay:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object) -> None:
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
-        self.detok = Detokenizer(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.emitted = 0  # characters of detok.text sent
+        self.text = TextStream(tokenizer, params)
         self.generated: list[int] = []  # token ids sent (they continue on another replica after a failure)
         self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
         self.prompt_rows: list[scheduler_pb2.PromptLogprobEntry] = []
@@ -40,20 +38,18 @@ class Relay:
                 for row in self.prompt_rows:
                     out.prompt_logprobs.add().entries.extend(row.entries)
             self.started = True
-        stop = None
+        stop, last = None, len(ev.token_ids) - 1
         for k, t in enumerate(ev.token_ids):
             self.generated.append(t)
             out.token_ids.append(t)
             if k < len(ev.logprobs):
                 out.logprobs.append(ev.logprobs[k])
-            stop = self.detok.add(t, check_stop=len(self.generated) >= self.params.min_tokens)
+            # the replica ends a request with STOP only for EOS or a stop token: that token's text is not checked
+            stop = self.text.add(t, ends=k == last and ev.finish_reason == common_pb2.FINISH_REASON_STOP)
             if stop is not None:
                 break
         done = stop is not None or ev.finish_reason != UNSPECIFIED
-        text = self.detok.text
-        upto = len(text) if done else max(self.emitted, len(text) - self.hold)
-        out.text = text[self.emitted : upto]
-        self.emitted = upto
+        out.text = self.text.delta(done)
         if done:
             self._finish(out.finished, ev, stop)
         return out

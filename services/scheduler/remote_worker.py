@@ -66,6 +66,11 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address} closed its step stream")
         return result_from_proto(msg)
 
+    def waits_for_tokens(self, plan: WorkerStepPlan) -> bool:
+        """Never: the worker service holds a structured-output step until its tokens are in (the runner contract's
+        in-process rule, kept on the worker's side of the stream)."""
+        return False
+
     def reset(self) -> None:
         """Forget the broken stream: the next step opens a new one, sending every request's parameters again."""
         if self._call is not None:

@@ -21,6 +21,7 @@ import grpc
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.step_loop import StepLoop, Turn
 from deepinfer.rpc.channel import Backoff
 from deepinfer.rpc.convert import constraint_from_proto, sampling_from_proto
 from deepinfer.serving.errors import Overloaded, Unavailable
@@ -67,7 +68,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.step_ms = 0.0
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []  # health follows the worker
         self.on_fatal: list[Callable[[], Awaitable[None]]] = []  # the replica cannot go on: stop the process
-        self.pipeline_depth = 2  # steps in flight: 2 = plan step N+1 while the worker runs step N
+        self.loop = StepLoop(scheduler, depth=2)  # 2 steps in flight: plan step N+1 while the worker runs step N
 
     # -- the engine loop -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -84,38 +85,34 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     return
 
     async def _steps(self) -> None:
-        """Pipelined steps: while the worker runs step N, step N+1 is planned and sent (requests decoding in step
-        N continue on placeholders that the worker fills in), so the worker never waits for the scheduler; then
-        step N's result is applied and delivered. Raises :class:`WorkerLost` when the step stream breaks."""
-        loop = asyncio.get_running_loop()
-        in_flight: collections.deque[tuple[WorkerStepPlan, float]] = collections.deque()
+        """The engine loop (``engine.step_loop``, the offline engine's too) over the worker's step stream: while
+        the worker runs step N, step N+1 is planned and sent; then step N's result is applied and delivered.
+        Raises :class:`WorkerLost` when the step stream breaks."""
+        clock = asyncio.get_running_loop().time
+        sent: collections.deque[tuple[int, float]] = collections.deque()  # each step in flight: tokens, sent at
         while True:
-            if len(in_flight) < self.pipeline_depth:
-                busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
-                plan = self.scheduler.schedule(lookahead=bool(in_flight)) if busy else None
-                if plan is not None and (plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots
-                                         or plan.offloads or plan.fetches or self.scheduler.fetching):  # fmt: skip
-                    self._attach_trace_context(plan)
-                    await self.worker.send(plan)
-                    in_flight.append((plan, loop.time()))
-                    if self._traces:
-                        self._mark_scheduled(plan)
-                    continue
-                if not in_flight:
-                    if not busy:
-                        self.wakeup.clear()
-                        await self._idle()
-                    else:
-                        await asyncio.sleep(0.001)
-                    continue
-            plan, t0 = in_flight.popleft()
-            result = await self.worker.receive()
-            elapsed = loop.time() - t0
-            self.step_ms = elapsed * 1e3
-            preemptions = self.scheduler.num_preemptions
-            self.metrics.step(elapsed, plan.num_tokens, preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
-            self._deliver(result, self.scheduler.update(result))
+            turn = self.loop.turn(self.worker.waits_for_tokens)
+            if turn is Turn.SEND:
+                plan = self.loop.plan
+                self._attach_trace_context(plan)
+                await self.worker.send(plan)
+                sent.append((plan.num_tokens, clock()))
+                if self._traces:
+                    self._mark_scheduled(plan)
+            elif turn is Turn.RECEIVE:
+                result = await self.worker.receive()
+                tokens, t0 = sent.popleft()
+                elapsed = clock() - t0
+                self.step_ms = elapsed * 1e3
+                preemptions = self.scheduler.num_preemptions
+                self.metrics.step(elapsed, tokens, preemptions - self._preemptions_seen)
+                self._preemptions_seen = preemptions
+                self._deliver(result, self.loop.received(result))
+            elif turn is Turn.WAIT:
+                await asyncio.sleep(0.001)  # a kvstore fetch outstanding: idle steps collect it
+            else:
+                self.wakeup.clear()
+                await self._idle()
 
     async def _idle(self) -> None:
         """Wait for work, or for the idle step stream to break (a worker that died while idle is noticed now)."""
@@ -130,6 +127,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _lose_worker(self, reason: str) -> None:
         self.dead = reason
+        self.loop.forget()
         log.error("worker_lost", error=reason)
         self.metrics.worker_lost()
         for rid in self.scheduler.worker_lost():
@@ -219,8 +217,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.dead is not None or self.draining:
             why = f"the replica lost its worker ({self.dead})" if self.dead else "the scheduler is draining"
             raise Unavailable(why)
+        # the balancer checked the request against the model (``engine.request.validate_request``); the ids are checked
+        # again because an id past the vocabulary would fault the worker's device, whoever sent it
         params = sampling_from_proto(request.sampling)
-        params.validate_for_model(self.vocab_size)
         ids = list(request.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:

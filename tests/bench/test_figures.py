@@ -1,6 +1,6 @@
 """The README's performance figures are the ones bench/results/latest.json holds, and each of those is what its
-committed result file says (``bench/figures.py check``, run as a process: tests do not import bench); a figure
-changed on either side, or one whose file says otherwise, is caught."""
+committed result file says (``bench/figures.py check``, run as a process, as CI runs it); a figure changed on either
+side, or one whose file says otherwise, is caught."""
 
 from __future__ import annotations
 

@@ -1,35 +1,15 @@
 """The sweep's host-side views of a run: ``bench/host/device_gaps.py`` (the device's idle gaps between activities of
 a profile) and ``bench/host/host_ops.py`` (the host's time per op, nested calls subtracted, the ops restored after)."""
 
-import importlib.util
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 from torch.autograd import DeviceType
 
+from bench.host.device_gaps import device_gaps
+from bench.host.host_ops import host_op_times, host_spans, issue_timeline
 from deepinfer.ops.reference import ReferenceOps
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "bench" / "host" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def gaps():
-    return _load("device_gaps").device_gaps
-
-
-@pytest.fixture(scope="module")
-def host_ops():
-    return _load("host_ops").host_op_times
 
 
 class _Profile:
@@ -42,7 +22,7 @@ class _Profile:
         return self._events
 
 
-def test_gaps_are_the_span_without_any_device_activity(gaps):
+def test_gaps_are_the_span_without_any_device_activity():
     cuda, cpu = DeviceType.CUDA, DeviceType.CPU
     prof = _Profile([
         ("k1", 0, 10, cuda), ("k2", 5, 20, cuda),  # overlapping streams: busy 0..20
@@ -50,17 +30,17 @@ def test_gaps_are_the_span_without_any_device_activity(gaps):
         ("k3", 30, 40, cuda), ("k4", 41, 50, cuda), ("k5", 45, 47, cuda),  # a 10 µs gap, then 1 µs
         ("k6", 150, 160, cuda),  # a 100 µs gap
     ])  # fmt: skip
-    out = gaps(prof, top=5, min_us=5.0)
+    out = device_gaps(prof, top=5, min_us=5.0)
     assert out["activities"] == 6 and out["gaps"] == 3
     assert out["span_ms"] == 0.16 and out["busy_ms"] == 0.049 and out["idle_ms"] == 0.111
     assert out["idle_in_gaps_over_min_ms"] == 0.11  # the 1 µs gap is under min_us
     assert [g["us"] for g in out["top_gaps"]] == [100.0, 10.0]
     assert out["top_gaps"][0] == {"us": 100.0, "after": "k4", "before": "k6"}
     assert out["top_gaps"][1]["after"] == "k2" and out["top_gaps"][1]["before"] == "k3"
-    assert gaps(_Profile([("cpu", 0, 5, cpu)])) == {"activities": 0}
+    assert device_gaps(_Profile([("cpu", 0, 5, cpu)])) == {"activities": 0}
 
 
-def test_host_op_times_nest_and_restore(host_ops):
+def test_host_op_times_nest_and_restore():
     ops = ReferenceOps()
     x, w = torch.randn(8, 16), torch.randn(4, 16)
 
@@ -74,7 +54,7 @@ def test_host_op_times_nest_and_restore(host_ops):
         ops.rms_norm(ops.linear(x, w), None, 1e-6)
         time.sleep(0.003)  # outside any op
 
-    out = host_ops(ops, run, lambda: None)
+    out = host_op_times(ops, run, lambda: None)
     assert out["ops"]["linear"]["calls"] == 1 and out["ops"]["linear"]["self_ms"] >= 2.0
     assert out["ops"]["rms_norm"]["calls"] == 1
     assert out["outside_ops_ms"] >= 3.0 and out["issue_ms"] >= 5.0
@@ -82,7 +62,7 @@ def test_host_op_times_nest_and_restore(host_ops):
     assert ops.linear is slow_linear and "rms_norm" not in ops.__dict__  # restored
 
 
-def test_nested_ops_count_once_in_self_time(host_ops):
+def test_nested_ops_count_once_in_self_time():
     ops = ReferenceOps()
     inner = ops.act_quant_sim
 
@@ -91,15 +71,10 @@ def test_nested_ops_count_once_in_self_time(host_ops):
         return ops.act_quant_sim(x, block)  # through the wrapper: a nested op call
 
     ops.fp4_quant_sim = outer
-    out = host_ops(ops, lambda: ops.fp4_quant_sim(torch.randn(4, 32), 32), lambda: None)
+    out = host_op_times(ops, lambda: ops.fp4_quant_sim(torch.randn(4, 32), 32), lambda: None)
     fp4, act = out["ops"]["fp4_quant_sim"], out["ops"]["act_quant_sim"]
     assert act["calls"] == 1 and fp4["ms"] >= fp4["self_ms"] + act["ms"] * 0.99
     assert ops.act_quant_sim == inner
-
-
-@pytest.fixture(scope="module")
-def timeline():
-    return _load("host_ops").issue_timeline
 
 
 class _Event:  # a CUDA event that completes when recorded (the host's clock)
@@ -113,7 +88,7 @@ class _Event:  # a CUDA event that completes when recorded (the host's clock)
         return (other.t - self.t) * 1e3
 
 
-def test_issue_timeline_marks_each_layer_and_restores(timeline, monkeypatch):
+def test_issue_timeline_marks_each_layer_and_restores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
@@ -138,7 +113,7 @@ def test_issue_timeline_marks_each_layer_and_restores(timeline, monkeypatch):
             return self.ffn(self.attn.attend(self.attn._compress_batched(self.attn_in(x))))
 
     model = SimpleNamespace(layers=[Layer(), Layer()])
-    out = timeline(model, lambda: [layer(torch.ones(2)) for layer in model.layers])
+    out = issue_timeline(model, lambda: [layer(torch.ones(2)) for layer in model.layers])
     at = [r["at"] for r in out]
     assert at == ["start"] + [f"layer {i}{s}" for i in range(2) for s in ("", " projections done",
               " a compressor done", " attention done", " moe done")] + ["issued"]  # fmt: skip
@@ -168,7 +143,6 @@ class _Owner:
 def test_host_spans_time_nested_targets_per_run_and_restore():
     """``host_spans``: a class's method, a classmethod and an instance attribute timed over several runs (medians per
     run), the nested target's time out of the outer one's self time, every attribute as it was afterwards."""
-    mod = _load("host_ops")
     inst = _Owner()
     inst.extra = extra = lambda: time.sleep(0.001)
     raw_make, raw_outer, raw_double = _Owner.__dict__["make"], _Owner.__dict__["outer"], _Owner.__dict__["double"]
@@ -181,7 +155,7 @@ def test_host_spans_time_nested_targets_per_run_and_restore():
 
     targets = [(_Owner, "outer", "outer"), (_Owner, "inner", "inner"), (_Owner, "make", "make"),
                (inst, "extra", "extra"), (_Owner, "double", "double"), (_Owner, "absent", "absent")]  # fmt: skip
-    got = mod.host_spans(targets, run, lambda: None, repeats=3)
+    got = host_spans(targets, run, lambda: None, repeats=3)
     sp = got["spans"]
     assert sp["outer"]["calls"] == 2 and sp["inner"]["calls"] == 2 and sp["make"]["calls"] == 1
     assert sp["extra"]["calls"] == 1 and sp["double"]["calls"] == 1 and "absent" not in sp

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer.checkpoint.hub import ModelUnavailable, check_architecture, resolve_model
 from deepinfer.checkpoint.loader import CheckpointError, load_checkpoint
+from deepinfer.checkpoint.references import hf_config, hf_state_dict
 from deepinfer.checkpoint.tiny import TINY_V4, make_tiny_model
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config, YarnParams
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import quantize_fp8_blocks, quantize_mxfp4
-from models.hf_reference import hf_config, hf_state_dict
 
 FILE = "model.safetensors"
 

@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.models import build_model, parse_config
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.ops.reference import ReferenceOps
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8_blocks
 from deepinfer.quant.native import (

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from bench.harness import NEMO_DIR
 from deepinfer.checkpoint.loader import CheckpointError
 from deepinfer.checkpoint.loader_v41 import load_v41_checkpoint
 from deepinfer.checkpoint.names_v41 import (
@@ -28,6 +29,7 @@ from deepinfer.checkpoint.names_v41 import (
     released_to_internal,
     stored_tensors,
 )
+from deepinfer.checkpoint.references import NemoUnavailable, ensure_nemo, nemo_backend
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.checkpoint.tiny_v41 import (
     IMAGE_PLACEHOLDER,
@@ -39,7 +41,6 @@ from deepinfer.checkpoint.tiny_v41 import (
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.engram import bucket_primes, compressed_token_map
 from deepinfer.models.deepseek_v41.layout import layer_specs
-from models.nemo_v41 import backend as nemo_backend
 
 FILE = "model.safetensors"
 SEED = 3
@@ -386,10 +387,8 @@ def test_v41_loader_errors(
 # -- NeMo AutoModel's adapters as the reference for names, layouts and dequantization ----------------------------------
 @pytest.fixture(scope="module")
 def nemo(tiny: Path) -> dict:
-    from models.nemo_reference import NemoUnavailable, ensure_nemo
-
     try:
-        ensure_nemo()
+        ensure_nemo(NEMO_DIR)
         from nemo_automodel.components.models.deepseek_v41 import config as ncfg
         from nemo_automodel.components.models.deepseek_v41 import state_dict_adapter as nsda
         from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -477,7 +476,9 @@ def test_v41_tiny_checkpoint_parity_with_nemo(nemo: dict, tiny: Path, config: De
     (fp32, cache formats off, the documented top-k tie rule): every tensor lands where NeMo puts it."""
     from tokenizers import Tokenizer
 
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model
     from models.nemo_v41 import nemo_logits, reference_rules
 
@@ -503,7 +504,9 @@ def test_v41_model_built_on_meta_loads_to_the_same_logits(tiny: Path, config: De
     model built in host memory."""
     from tokenizers import Tokenizer
 
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 
     token_map = compressed_token_map(Tokenizer.from_file(str(tiny / "tokenizer.json")))[0]

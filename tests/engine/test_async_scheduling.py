@@ -15,7 +15,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, WorkerStepPlan
-from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.state import SequenceState
 
 PROMPTS = [
     "Once upon a time",
@@ -59,7 +60,7 @@ class Trace:
     """Records the runner's launches and collections, and how many placeholders each launch took on the device."""
 
     def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-        runner = llm.engine.worker
+        runner = llm.engine.runner
         self.calls: list[tuple[str, int]] = []
         self.on_device: list[int] = []
         launch, finish, substitute = runner.launch, runner.finish, ForwardBatch.substitute
@@ -103,7 +104,7 @@ def check_async_equals_sync(model_dir, monkeypatch, **kw) -> None:
     launches = sum(k == "launch" for k, _ in trace.calls)
     assert trace.ahead() >= launches // 2, trace.calls  # most steps launched before the previous one's tokens
     assert sum(trace.on_device) >= 10  # decode tokens taken from the previous step's samples on the device
-    runner = llm.engine.worker
+    runner = llm.engine.runner
     assert set(runner.sampled) <= set(runner.states) and not llm.engine.has_unfinished_requests()
     assert all(isinstance(t, int) for t in runner.sampled.values())  # every step collected
 
@@ -124,7 +125,7 @@ def test_gpu_async_engine_gives_the_synchronous_outputs(model_dir, monkeypatch) 
 
 def test_structured_rows_wait_for_their_tokens(model_dir) -> None:
     llm = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=16, async_scheduling=True)
-    runner = llm.engine.worker
+    runner = llm.engine.runner
     waits = []
     check = runner.waits_for_tokens
     runner.waits_for_tokens = lambda plan: waits.append(check(plan)) or waits[-1]
@@ -153,7 +154,7 @@ def test_substitute_reads_device_samples_of_several_steps() -> None:
 
 def test_a_placeholder_without_a_sampled_token_is_refused(model_dir) -> None:
     llm = LLM(model=model_dir, dtype="float32", num_pages=16, page_size=16)
-    runner = llm.engine.worker
+    runner = llm.engine.runner
     plan = WorkerStepPlan(1, chunks=[ChunkPlan("x", [PLACEHOLDER], 0, [0], True, SamplingParams(temperature=0))])
     with pytest.raises(ValueError, match=r"chunks.token_ids: request 'x' has no sampled token"):
         runner.launch(plan)
@@ -172,7 +173,7 @@ def test_abort_with_a_step_in_flight(model_dir) -> None:
     eng.add_request("b", [9, 8, 7, 6], p)
     for _ in range(4):
         eng.step()
-    assert eng._in_flight is not None and "a" in {c.request_id for c in eng._in_flight.result.results}
+    assert eng.runner.launched and "a" in {c.request_id for plan in eng.loop.in_flight for c in plan.chunks}
     (aborted,) = eng.abort_request(["a"])
     assert aborted.outputs[0].finish_reason == "abort"
     done = []
@@ -183,4 +184,4 @@ def test_abort_with_a_step_in_flight(model_dir) -> None:
     while eng.scheduler.has_pending_releases or eng.has_unfinished_requests():
         eng.step()  # the last releases travel with a plan
     pages = eng.scheduler.pages
-    assert pages.num_free == pages.num_total and eng.worker.states == {} and eng.worker.sampled == {}
+    assert pages.num_free == pages.num_total and eng.runner.states == {} and eng.runner.sampled == {}

@@ -15,7 +15,9 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.chat import encode_messages
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 
 MAX_TOKENS = 30
 VOCAB = 129280

@@ -260,7 +260,7 @@ def test_compact_mode_replays_the_last_tokens_and_its_drift_is_measured(model_di
     cold = LLM(model=model_dir, enable_prefix_caching=False, **kw)
     first = ids(90, 11)
     run(compact, first)
-    assert all(s.compact and not s.state.windows for s in compact.engine.worker.snapshots.values())
+    assert all(s.compact and not s.state.windows for s in compact.engine.runner.snapshots.values())
     follow = first + ids(9, 12)
     w, c = run(compact, follow), run(cold, follow)
     assert w[0] == 90 - replay  # the replayed tokens are computed again

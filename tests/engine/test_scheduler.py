@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from deepinfer.engine.interfaces import SeqResult, StepResult, WorkerStepPlan
+from deepinfer.engine.interfaces import ImmediateRunner, SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
@@ -57,7 +57,7 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class FakeWorker:
+class FakeWorker(ImmediateRunner):
     """The worker side of the contract, without a model."""
 
     def __init__(self, sched: Scheduler, token_fn: TokenFn = pos_token) -> None:

@@ -1,19 +1,19 @@
 """The scheduler's lookahead (async pipeline): step N+1 is planned before step N's result is applied.
 
-Driven like the scheduler service drives its worker (two steps in flight, results in order), with a
-model-free worker that fills placeholders with the token it sampled the step before. The outputs must
-be exactly those of the synchronous schedule, and no page may leak.
+Driven by the engine loop (``StepLoop``: two steps in flight, results in order), with a model-free
+worker that fills placeholders with the token it sampled the step before. The outputs must be exactly
+those of the synchronous schedule, and no page may leak.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.scheduler import PLACEHOLDER, Scheduler
+from deepinfer.engine.step_loop import StepLoop, Turn
 from deepinfer.sampling_params import SamplingParams
 from engine.test_scheduler import REASONS, FakeWorker, expected_output, make_scheduler, scenarios
 
@@ -50,21 +50,19 @@ def check_pages(sched: Scheduler) -> None:
 
 
 def run_pipelined(sched: Scheduler, worker: PipelinedWorker, events: list, seed: int, depth: int = 2) -> list[str]:
-    in_flight: deque[WorkerStepPlan] = deque()
+    """The engine loop (``StepLoop``, as the scheduler service and the offline engine run it) turned once after each
+    batch of arrivals and aborts, then until nothing is left."""
+    loop = StepLoop(sched, depth)
     accepted: list[str] = []
     n = 0
 
-    def pump(force: bool) -> None:
-        if len(in_flight) < depth:
-            plan = sched.schedule(lookahead=bool(in_flight))
-            if plan.chunks or plan.released:
-                in_flight.append(plan)
-                check_pages(sched)
-                if not force:
-                    return
-        if in_flight:
-            sched.update(worker.execute(in_flight.popleft()))
-            check_pages(sched)
+    def pump() -> None:
+        turn = loop.turn(worker.waits_for_tokens)
+        if turn is Turn.SEND:
+            worker.send(loop.plan)
+        elif turn is Turn.RECEIVE:
+            loop.received(worker.receive())
+        check_pages(sched)
 
     for arrivals, aborts in events:
         for a in arrivals:
@@ -86,11 +84,11 @@ def run_pipelined(sched: Scheduler, worker: PipelinedWorker, events: list, seed:
         for k in aborts:
             if accepted:
                 sched.abort([accepted[k % len(accepted)]])
-        pump(force=False)
+        pump()
     for _ in range(5000):
-        if not (sched.has_unfinished() or in_flight):
+        if not loop.busy:
             break
-        pump(force=not sched.has_unfinished())
+        pump()
     else:
         raise AssertionError("pipeline made no progress")
     return accepted

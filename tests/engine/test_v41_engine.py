@@ -223,8 +223,8 @@ def test_decoder_replay_setting(exact: LLM, replay: LLM) -> None:
     # the worker refuses to score a row the decoder skips (the scheduler never plans one)
     bad = ChunkPlan("bad", [5, 6, 7], 0, [0], True, SamplingParams(temperature=0), decoder_from=3)
     with pytest.raises(RuntimeError, match="the decoder starts at 3"):
-        exact.engine.worker.execute(WorkerStepPlan(10**6, [bad]))
-    exact.engine.worker.release(["bad"])
+        exact.engine.runner.execute(WorkerStepPlan(10**6, [bad]))
+    exact.engine.runner.release(["bad"])
 
 
 def test_the_scheduler_plans_the_decoder_range() -> None:

@@ -43,7 +43,7 @@ def _answers(llm: LLM) -> list[list[int]]:
 
 def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
     cold, warm = _llm(model_dir), _llm(model_dir)
-    runner = warm.engine.worker
+    runner = warm.engine.runner
     plans = []
     execute = runner.execute
     monkeypatch.setattr(runner, "execute", lambda plan: plans.append(plan) or execute(plan))

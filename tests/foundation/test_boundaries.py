@@ -1,6 +1,7 @@
 """The layout's boundaries, read from the code's own imports (every ``import`` statement, at module level or inside a
 function): the shared libraries never import a service; a service imports only itself and the shared libraries;
-the model code never imports the kernels (it reaches them through the op interface of a backend)."""
+the model code never imports the kernels (it reaches them through the op interface of a backend); the kernels import
+nothing of the engine; the benchmarks never import from tests/ (tests may import bench/)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,117 @@ def test_the_model_code_never_imports_the_kernels() -> None:
         return None
 
     bad = violations(ROOT / "libs" / "deepinfer" / "models", "deepinfer.models", forbidden)
+    assert not bad, "\n".join(bad)
+
+
+def imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, name) of what every import statement of ``path`` brings in: ``import a.b`` is ``a.b`` and ``from a
+    import b`` is ``a.b`` (so ``from deepinfer import envs`` is ``deepinfer.envs``; relative imports resolved)."""
+    out, package = [], module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def test_the_kernels_import_nothing_of_the_engine() -> None:
+    """The kernels (the top-level ``kernels/``, installed as ``deepinfer.kernels``) import nothing of ``deepinfer`` but
+    ``deepinfer.kernels``: what a kernel needs of the engine (a setting, a reference op) its caller hands it, and the
+    number formats they compute in are defined with them (``kernels/formats.py``)."""
+
+    def forbidden(name: str) -> str | None:
+        parts = name.split(".")
+        if parts[0] == "deepinfer" and parts[1:2] != ["kernels"]:
+            return "the kernels import nothing of the engine"
+        if parts[0] == "kernels":
+            return "the kernels are deepinfer.kernels"
+        return None
+
+    found = [
+        (path, line, module, name)
+        for path, module in modules(ROOT / "kernels", "deepinfer.kernels")
+        for line, name in imported_names(path, module)
+    ]
+    assert len({module for _, _, module, _ in found}) > 30, "the scan sees the kernels"
+    bad = [f"{p.relative_to(ROOT)}:{line}: {m} imports {n} ({why})" for p, line, m, n in found if (why := forbidden(n))]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_kernels_folder_by_its_name() -> None:
+    """``kernels/`` is the package ``deepinfer.kernels``: imported as a top-level ``kernels`` (the repository's root is
+    on the path in a source checkout) its modules would load a second time, with their own state."""
+
+    def forbidden(module: str, target: str) -> str | None:
+        return "import deepinfer.kernels" if target.split(".")[0] == "kernels" else None
+
+    tops = [("libs/deepinfer", "deepinfer"), ("kernels", "deepinfer.kernels"), ("services", "services")]
+    tops += [("bench", "bench"), ("tests", "tests")]
+    bad = [b for folder, prefix in tops for b in violations(ROOT / folder, prefix, forbidden)]
+    assert not bad, "\n".join(bad)
+
+
+def _depth(root: Path, parts: list[str]) -> int:
+    """How many leading parts of a dotted name lie under ``root`` as a package folder or a module file."""
+    depth = 0
+    for i in range(1, len(parts) + 1):
+        path = root.joinpath(*parts[:i])
+        if not (path.is_dir() or path.with_suffix(".py").is_file()):
+            break
+        depth = i
+    return depth
+
+
+def _loads(path: Path, module: str) -> list[tuple[int, str]]:
+    """What ``path`` may load: every import statement's module, ``x.y`` of each ``from x import y``, the module
+    named in ``import_module("...")`` / ``__import__("...")``, and any string outside a docstring that is a path
+    into tests/ (``"tests"``, ``"tests/..."``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    out = imports(path, module)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+            "import_module",
+            "__import__",
+        ):
+            out += [(node.lineno, a.value) for a in node.args[:1] if isinstance(a, ast.Constant)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if node.value == "tests" or node.value.startswith("tests/"):
+                out.append((node.lineno, "tests"))
+    return out
+
+
+def test_bench_never_imports_tests() -> None:
+    """bench/ runs with ``PYTHONPATH=libs:.``, tests/ off the path: what a benchmark and a test both need lives in
+    libs/deepinfer (what the product offers, e.g. the reference models) or in bench/ (which tests may import), never
+    in tests/. A name bench loads that resolves deeper under tests/ than under the repository's root or libs/ is one
+    (``models.*``, ``serving.*``, ``conftest``, and ``bench.smoke_support``: tests/bench joins the namespace package
+    ``bench``), and so is a helper module of tests/ by its own name (``smoke_support``), ``tests.*`` or a path into
+    tests/."""
+    tests = ROOT / "tests"
+    # the tests' helper modules, top-level names where pytest puts their folder on the path (smoke_support, mesh, ...)
+    helpers = {p.stem for p in tests.rglob("*.py") if not p.name.startswith("test_")}
+
+    def forbidden(module: str, target: str) -> str | None:
+        parts = target.split(".")
+        ours = max(_depth(ROOT, parts), _depth(ROOT / "libs", parts))
+        if parts[0] == "tests" or _depth(tests, parts) > ours or (parts[0] in helpers and not ours):
+            return "code bench and tests share belongs in libs/deepinfer or bench/, never in tests/"
+        return None
+
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {module} loads {target} ({why})"
+        for path, module in modules(ROOT / "bench", "bench")
+        for line, target in _loads(path, module)
+        if (why := forbidden(module, target))
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from deepinfer.host_copy import StagedCopy
-from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.state import SequenceState
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

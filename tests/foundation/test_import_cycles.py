@@ -1,5 +1,6 @@
 """No import cycles among the project's modules: a static scan of ``libs/deepinfer`` (the generated protobuf code in
-``libs/deepinfer/v1`` left out) and the top-level ``services`` package.
+``libs/deepinfer/v1`` left out), the kernels (the top-level ``kernels/``, installed as ``deepinfer.kernels``) and the
+top-level ``services`` package.
 
 Every ``import`` / ``from ... import`` statement counts, wherever it stands (module level, inside a function, under
 ``if TYPE_CHECKING:``): a module depends on each project module an import names, resolved to the longest module
@@ -15,7 +16,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"deepinfer": ROOT / "libs" / "deepinfer", "services": ROOT / "services"}
+PACKAGES = {
+    "deepinfer": ROOT / "libs" / "deepinfer",
+    "deepinfer.kernels": ROOT / "kernels",
+    "services": ROOT / "services",
+}
 EXCLUDED = [ROOT / "libs" / "deepinfer" / "v1"]  # generated protobuf / gRPC code
 
 
@@ -115,6 +120,7 @@ def test_the_scan_finds_a_cycle() -> None:
 def test_the_scan_sees_both_packages() -> None:
     graph = import_graph()
     assert "deepinfer.engine.scheduler" in graph and "services.scheduler" in graph
+    assert "deepinfer.kernels.formats" in graph["deepinfer.quant.formats"]  # kernels/, as deepinfer.kernels
     assert not any(m.startswith("deepinfer.v1") for m in graph)
     assert "deepinfer.engine.interfaces" in graph["deepinfer.engine.scheduler"]
 

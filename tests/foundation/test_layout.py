@@ -27,6 +27,34 @@ def test_layout() -> None:
     assert (ROOT / "docs" / "architecture.md").exists()
 
 
+def test_the_wheel_lists_every_package() -> None:
+    """pyproject.toml names the wheel's packages one by one (``deepinfer.kernels`` comes from the top-level ``kernels/``
+    through ``package-dir``, which package discovery cannot express): every package folder of ``libs/deepinfer``,
+    ``kernels`` and ``services`` is listed, and each listed package's folder exists."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs, listed = setup["package-dir"], set(setup["packages"])
+    tops = {
+        "deepinfer": ROOT / "libs" / "deepinfer",
+        "deepinfer.kernels": ROOT / "kernels",
+        "services": ROOT / "services",
+    }
+    found = {
+        ".".join([name, *i.parent.relative_to(top).parts])
+        for name, top in tops.items()
+        for i in top.rglob("__init__.py")
+    }
+    assert found == listed, f"not listed: {sorted(found - listed)}; no such package: {sorted(listed - found)}"
+
+    def folder(package: str) -> Path:  # setuptools' rule: the longest mapped prefix
+        prefix = max((k for k in dirs if not k or package == k or package.startswith(k + ".")), key=len)
+        return ROOT / dirs[prefix] / package[len(prefix) :].lstrip(".").replace(".", "/")
+
+    assert all((folder(p) / "__init__.py").is_file() for p in listed)
+    assert folder("deepinfer.kernels.x") == ROOT / "kernels" / "x"
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     readme = (ROOT / "README.md").read_text()

@@ -12,29 +12,39 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_attention import _idx, _randn, _ref_attention, _rel  # noqa: E402
+
 from deepinfer import envs  # noqa: E402
 from deepinfer.kernels import attention as attn  # noqa: E402
 from deepinfer.kernels import attention_wgmma as wg  # noqa: E402
 from deepinfer.kernels.attention import sparse_attention_gather  # noqa: E402
-from kernels.test_attention import _idx, _randn, _ref_attention, _rel  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not (HOPPER and wg.HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
 
 
-def test_the_environment_and_the_inputs_pick_it(monkeypatch):
-    """``DEEPINFER_ATTN_PREFILL``: gluon (default) or triton; gluon only for bf16 ``[n, 64·k, 512]`` on sm_90."""
+def test_the_setting_and_the_inputs_pick_it(monkeypatch):
+    """``DEEPINFER_ATTN_PREFILL``: gluon (default) or triton, handed over by the nvidia backend as ``ENABLED`` (the
+    kernels read no settings); the kernel only for bf16 ``[n, 64·k, 512]`` on sm_90."""
+    from deepinfer.kernels import moe_mxfp4_wgmma, pdl
+    from deepinfer.ops.nvidia_settings import hand_over
+
+    for module, knob in ((wg, "ENABLED"), (moe_mxfp4_wgmma, "PREFILL"), (pdl, "ENABLED")):
+        monkeypatch.setattr(module, knob, getattr(module, knob))  # as they were, after the test
     monkeypatch.setattr(wg, "FAILED", False)
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
-    monkeypatch.delenv("DEEPINFER_ATTN_PREFILL", raising=False)
-    assert envs.get("DEEPINFER_ATTN_PREFILL") == "gluon"
     assert not wg.use(q)  # a CPU tensor
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "Triton")
-    assert envs.get("DEEPINFER_ATTN_PREFILL") == "triton" and not wg.use(q)
+    for value, want in (("Triton", False), (None, True), ("triton", False), ("gluon", True)):
+        if value is None:
+            monkeypatch.delenv("DEEPINFER_ATTN_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", value)
+        hand_over()
+        assert wg.ENABLED is want, value
     monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "cuda-cores")
     with pytest.raises(envs.EnvError, match="DEEPINFER_ATTN_PREFILL"):
-        wg.use(q)
+        hand_over()
 
 
 def test_a_failed_build_falls_back_once(monkeypatch):
@@ -86,19 +96,19 @@ def test_gpu_matches_the_triton_wide_tiles_and_the_reference(monkeypatch):
         int(c) for c in torch.randint(1, W + 1, (n - 10,), generator=torch.Generator().manual_seed(5))
     ]
     q, keys, idx, count, sink, scale = _problem(n, W, K, counts, seed=100)
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "gluon")
+    monkeypatch.setattr(wg, "ENABLED", True)  # DEEPINFER_ATTN_PREFILL=gluon
     monkeypatch.setattr(wg, "FAILED", False)
     assert wg.use(q)
     got = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False, wide=True)
     assert not wg.FAILED
     assert torch.equal(got[0], torch.zeros_like(got[0]))
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "triton")
+    monkeypatch.setattr(wg, "ENABLED", False)  # DEEPINFER_ATTN_PREFILL=triton
     tiles = sparse_attention_gather(q, keys, idx, count, sink, scale, split=False, wide=True)
     rel, rel_max = _rel(got, tiles.double().cpu())
     assert rel < 2e-3 and rel_max < 2e-2, (rel, rel_max)
     rel, rel_max = _rel(got, _ref_attention(q, keys, idx, count, sink, scale))
     assert rel < 2e-2 and rel_max < 5e-2, (rel, rel_max)
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "gluon")
+    monkeypatch.setattr(wg, "ENABLED", True)
     one = sparse_attention_gather(q[5:6], keys, idx[5:6], count[5:6], sink, scale, split=False, wide=True)
     assert torch.equal(one, got[5:6])
     # int64 lists and counts (as the model's key lists come) give the same bits
@@ -116,7 +126,7 @@ def test_gpu_paged_keys(monkeypatch):
     store = _randn(40, R, 512, seed=210, dtype=torch.bfloat16)
     pages = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:12].to(q.device)
     idx = torch.randint(0, K + 12 * R, (n, W), generator=torch.Generator().manual_seed(4)).to(q.device, torch.int32)
-    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL", "gluon")
+    monkeypatch.setattr(wg, "ENABLED", True)
     monkeypatch.setattr(wg, "FAILED", False)
     got = sparse_attention_gather(q, pool, idx, count, sink, scale, split=False, wide=True, paged=(store, pages))
     want = sparse_attention_gather(q, gathered(pool, (store, pages)), idx, count, sink, scale, split=False, wide=True)

@@ -15,8 +15,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.graphs import BUCKETS, DecodeGraphs, bucket_for  # noqa: E402
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from gpu_waits import assert_steps_never_wait  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -224,11 +226,11 @@ def test_pdl_launches_change_no_bit(monkeypatch):
     included: ``_setup`` runs it)."""
     from deepinfer.kernels import pdl
 
+    monkeypatch.setattr(pdl, "ENABLED", pdl.ENABLED)  # as it was, after the test
     runs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("DEEPINFER_PDL", flag)
-        pdl.reset()
-        assert bool(pdl.launch()) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
+    for flag in (True, False):
+        pdl.configure(flag)  # DEEPINFER_PDL, as the nvidia backend hands it over
+        assert bool(pdl.launch()) == (flag and torch.cuda.get_device_capability()[0] >= 9)
         model = _model(torch.bfloat16)
         cache, states, tables, steps = _setup(model, 4, 37, seed=5)
         eager = _decode(model, cache, states, tables, steps, graphs=False, keep=True)

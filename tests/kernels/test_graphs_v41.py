@@ -22,7 +22,9 @@ import torch
 pytest.importorskip("triton")
 
 from deepinfer.checkpoint.names_v41 import keeps_fp32  # noqa: E402
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState  # noqa: E402
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 from deepinfer.models.deepseek_v41.engram import compressed_token_map  # noqa: E402
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs  # noqa: E402

@@ -134,9 +134,9 @@ def test_gpu_no_host_sync():
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="the kernel needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("t", "k", "d"), [(1, 1, 8), (3, 6, 40), (5, 8, 1500)])
 def test_combine_sums_each_tokens_slots_in_order(t: int, k: int, d: int):
-    """``_combine`` (one kernel on CUDA / in the interpreter) equals the fp32 sum of a token's slots taken in slot
+    """``combine`` (one kernel on CUDA / in the interpreter) equals the fp32 sum of a token's slots taken in slot
     order, bit for bit, for bf16 and fp32 slot outputs."""
-    from deepinfer.kernels.moe import _combine
+    from deepinfer.kernels.moe import combine
 
     g = torch.Generator().manual_seed(t * k)
     for dtype in (torch.float32, torch.bfloat16):
@@ -144,5 +144,5 @@ def test_combine_sums_each_tokens_slots_in_order(t: int, k: int, d: int):
         want = o.view(t, k, d)[:, 0].float()
         for j in range(1, k):
             want = want + o.view(t, k, d)[:, j].float()
-        got = _combine(o.to(DEVICE), t, k)
+        got = combine(o.to(DEVICE), t, k)
         assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)

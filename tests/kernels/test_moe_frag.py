@@ -11,13 +11,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_moe_mxfp4 import _decoded, _rel  # noqa: E402
+from test_moe_wgmma import _calls as _wg_calls  # noqa: E402
+from test_moe_wgmma import _problem, hopper_only  # noqa: E402
+
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer.kernels import moe_mxfp4_frag as frag  # noqa: E402
 from deepinfer.kernels import moe_mxfp4_wgmma as wg  # noqa: E402
 from deepinfer.kernels.moe import moe_triton  # noqa: E402
-from kernels.test_moe_mxfp4 import _decoded, _rel  # noqa: E402
-from kernels.test_moe_wgmma import _calls as _wg_calls  # noqa: E402
-from kernels.test_moe_wgmma import _problem, hopper_only  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +59,8 @@ def test_the_permutation_kernel_is_the_gather(dtype):
 
 def test_which_shapes_and_scales_take_the_fragment_kernels(monkeypatch):
     """Whole 128-row tiles, whole 128-column steps (two at least), exponent rows on 4-byte boundaries; the choice is
-    ``FRAG`` or, where that is None, ``DEEPINFER_MOE_PREFILL=gluon`` (the default; ``gluon-smem``: the decoded tiles
-    through shared memory)."""
+    ``FRAG`` or, where that is None, ``PREFILL == "gluon"`` (``DEEPINFER_MOE_PREFILL``'s default; ``gluon-smem``: the
+    decoded tiles through shared memory)."""
     assert frag.fits(2048, 4096) and frag.fits(4096, 2048) and frag.fits(2304, 5120) and frag.fits(5120, 2304)
     assert not frag.fits(2048 + 64, 4096) and not frag.fits(2048, 4096 + 64) and not frag.fits(2048, 128)
     rows = torch.zeros(3 * 128 + 4, dtype=torch.uint8)
@@ -68,11 +69,11 @@ def test_which_shapes_and_scales_take_the_fragment_kernels(monkeypatch):
     assert not mod._frag(2048, 4096 + 64, rows[:128], rows[128:256], rows[256:384])
     monkeypatch.setattr(wg, "FRAG", None)
     monkeypatch.setattr(wg, "WS", None)
-    monkeypatch.delenv("DEEPINFER_MOE_PREFILL", raising=False)
+    monkeypatch.setattr(wg, "PREFILL", "gluon")
     assert wg.use_frag() and mod._frag(2048, 4096, rows[:128])
-    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "gluon-smem")
+    monkeypatch.setattr(wg, "PREFILL", "gluon-smem")
     assert not wg.use_frag() and not mod._frag(2048, 4096, rows[:128]) and not wg.use_ws()
-    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "gluon-ws")
+    monkeypatch.setattr(wg, "PREFILL", "gluon-ws")
     assert not wg.use_frag() and wg.use_ws()
 
 

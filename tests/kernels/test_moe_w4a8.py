@@ -12,13 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_moe_mxfp4 import _rel  # noqa: E402
+
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer.kernels import moe_w4a8_wgmma as w4  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import MX_MID64, MX_PREFILL, moe_mxfp4  # noqa: E402
 from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant import w4a8  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, order_experts, routed_experts  # noqa: E402
-from kernels.test_moe_mxfp4 import _rel  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability() == (9, 0)
@@ -121,7 +122,7 @@ def test_dispatch_rule_on_the_host(monkeypatch):
     assert not w4.fits(64, 128, True) and w4.fits(64, 256, True)
     monkeypatch.setattr(w4, "available", lambda x: True)
     monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
-    monkeypatch.delenv("DEEPINFER_MOE_PREFILL", raising=False)
+    monkeypatch.setattr(mod.moe_mxfp4_wgmma, "PREFILL", "gluon")  # DEEPINFER_MOE_PREFILL's default
     assert mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, interpret=False)
     assert not mod._w4a8(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False)
     assert not mod._w4a8(MX_MID64, x, "plain", 2048, 4096, interpret=False)
@@ -129,7 +130,7 @@ def test_dispatch_rule_on_the_host(monkeypatch):
     s = torch.zeros(64, dtype=torch.uint8)
     assert mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, False, s[:32], s[4:36])
     assert not mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, False, s[:32], s[1:33])  # a view off a word boundary
-    monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "triton")
+    monkeypatch.setattr(mod.moe_mxfp4_wgmma, "PREFILL", "triton")
     assert not mod._w4a8(MX_PREFILL, x, "plain", 2048, 4096, interpret=False)
 
 

@@ -13,12 +13,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_moe_mxfp4 import _decoded, _packed, _rel, _shifted  # noqa: E402
+
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
 from deepinfer import envs  # noqa: E402
 from deepinfer.kernels import moe_mxfp4_wgmma as wg  # noqa: E402
 from deepinfer.kernels.moe import moe_triton  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import MX_MID64, MX_PREFILL, moe_mxfp4  # noqa: E402
-from kernels.test_moe_mxfp4 import _decoded, _packed, _rel, _shifted  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HOPPER = torch.cuda.is_available() and not INTERPRET and torch.cuda.get_device_capability() == (9, 0)
@@ -34,26 +35,36 @@ def _gluon_unless_a_test_says(monkeypatch):
     monkeypatch.setattr(wg, "FRAG", False)
 
 
-def test_environment_picks_the_kernels(monkeypatch):
-    """``DEEPINFER_MOE_PREFILL``: gluon (default; the fragment kernels, ``test_moe_frag.py``) / gluon-smem / gluon-ws /
-    triton, where the module flags are unset; a flag wins."""
+def test_the_setting_picks_the_kernels(monkeypatch):
+    """``DEEPINFER_MOE_PREFILL``, handed over by the nvidia backend as ``PREFILL`` (the kernels read no settings):
+    gluon (default; the fragment kernels, ``test_moe_frag.py``) / gluon-smem / gluon-ws / triton, where the module
+    flags are unset; a flag wins."""
+    from deepinfer.kernels import attention_wgmma, pdl
+    from deepinfer.ops.nvidia_settings import hand_over
+
+    for module, knob in ((wg, "PREFILL"), (attention_wgmma, "ENABLED"), (pdl, "ENABLED")):
+        monkeypatch.setattr(module, knob, getattr(module, knob))  # as they were, after the test
+    assert envs.registry()["DEEPINFER_MOE_PREFILL"].choices == wg.PREFILL_KERNELS
     monkeypatch.setattr(wg, "available", lambda x: True)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
     monkeypatch.setattr(wg, "WS", None)
     monkeypatch.delenv("DEEPINFER_MOE_PREFILL", raising=False)
+    hand_over()
+    assert wg.PREFILL == "gluon"
     assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and not wg.use_ws()
     monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "gluon-ws")
+    hand_over()
     assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and wg.use_ws()
     monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "Triton")
+    hand_over()
     assert not mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and not wg.use_ws()
     monkeypatch.setattr(mod, "WGMMA_PREFILL", True)
     monkeypatch.setattr(wg, "WS", True)
     assert mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False) and wg.use_ws()
-    monkeypatch.setattr(mod, "WGMMA_PREFILL", None)
     monkeypatch.setenv("DEEPINFER_MOE_PREFILL", "cuda-cores")
     with pytest.raises(envs.EnvError, match="DEEPINFER_MOE_PREFILL"):
-        mod._wgmma(MX_PREFILL, x, "rotate", 2048, 4096, interpret=False)
+        hand_over()
 
 
 def test_dispatch_rule_on_the_host():

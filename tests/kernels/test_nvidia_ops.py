@@ -48,10 +48,14 @@ def test_kernel_attention_and_indexer_match_the_reference():
     reason="CPU tensors through the interpreter; on a GPU bench/engine/batch_invariance.py checks",
 )
 def test_a_model_on_the_kernel_ops_is_batch_invariant(tiny_dirs):
+    from bench.engine.compositions import target_logits
     from deepinfer.checkpoint.loader import load_checkpoint
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from models.test_batch_invariance import run, tokens
+    from models.test_batch_invariance import PAGE, tokens
+
+    def run(model, seqs, plans, rng):
+        return [target_logits(model, seqs, plans, rng, PAGE)]
 
     path = tiny_dirs["odd"]
     model = DeepseekV4Model(DeepseekV4Config.from_file(path / "config.json"), KernelInvariantOps())
@@ -141,7 +145,11 @@ def test_batched_attention_equals_the_per_sequence_loop(name):
     per-sequence loop, within fp32 rounding of the attention sums."""
     import random
 
-    from models.test_batch_invariance import composition, run, tokens
+    from bench.engine.compositions import sequence_logits
+    from models.test_batch_invariance import PAGE, composition, tokens
+
+    def run(model, seqs, plans, rng):
+        return sequence_logits(model, seqs, plans, rng, PAGE)
 
     model = _model(name, ReferenceOps())
     target = tokens(150, 7, model.config.vocab_size)
@@ -157,7 +165,9 @@ def test_batched_attention_equals_the_per_sequence_loop(name):
 
 def test_batched_attention_replays_like_the_per_sequence_loop():
     """A bounded replay (compact resume point: no window rows below the replay, compressed rows not rewritten)."""
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
     from models.test_batch_invariance import tokens
 
     model = _model("base", ReferenceOps())
@@ -180,7 +190,9 @@ def test_batched_attention_replays_like_the_per_sequence_loop():
 
 def _run_on(model, seqs, plans, dev):
     """``models.test_batch_invariance.run`` on ``dev``: each step batches the next chunk of every sequence."""
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
 
     pages = -(-max(len(s) for s in seqs) // 16)
     cache = PagedKVCache(model.config, pages * len(seqs), 16, device=dev)
@@ -302,6 +314,9 @@ def test_joined_projections_match_the_separate_ones():
     assert joined >= 3 and w2.data_ptr() == w1.data_ptr() + w1.numel() * w1.element_size()
     c1, c2 = attn.compressor.wgate.weight, attn.indexer.compressor.wkv.weight
     assert c2.data_ptr() == c1.data_ptr() + c1.numel() * c1.element_size()
+    # the first run captured CUDA graphs (on a GPU) that read the separate weights' old storage: prepare_weights joins
+    # before any capture; here they are dropped, so the second run captures the joined GEMMs
+    model.decode_graphs = model.prefill_graphs = None
     got = _run_on(model, seqs, plans, dev)
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() < 1e-5, (a - b).abs().max().item()

@@ -18,9 +18,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, SeqChunk, SequenceState  # noqa: E402
+from test_graphs_v41 import PADDED_ATOL, _model  # noqa: E402
+
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs  # noqa: E402
-from kernels.test_graphs_v41 import PADDED_ATOL, _model  # noqa: E402
 from models.tiny_v41 import build_tokenizer  # noqa: E402
 from prefill_pieces import eager_pieces, failing_capture, run_plan, same_runs  # noqa: E402
 

@@ -229,8 +229,10 @@ def test_pooled_decode_with_the_kernels_is_the_reference(name):
     run by the kernels: the same logits, caches and pooled state as with the torch glue, bit for bit."""
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
     from models.tiny_configs import CONFIGS
 
     config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], "num_nextn_predict_layers": 0})

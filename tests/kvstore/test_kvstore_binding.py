@@ -129,7 +129,7 @@ def test_a_blob_forged_under_another_prompts_key_is_refused_and_the_victim_keeps
     for prompt in (victim, attacker):  # each prompt's resume points move to the kvstore
         run(llm, prompt)
         llm.reset_prefix_cache()
-        llm.engine.worker.remote.flush()
+        llm.engine.runner.remote.flush()
 
     async def forge() -> None:
         async with KVStoreClient(kv.address, timeout_s=30) as c:
@@ -148,4 +148,4 @@ def test_a_blob_forged_under_another_prompts_key_is_refused_and_the_victim_keeps
     assert got == (45, run(cold, follow)[1])  # resumed from its own state, fetched from the kvstore
     salted = victim + ids(5, 24)
     assert run(llm, salted, salt="tenant-b") == (0, run(cold, salted)[1])  # another tenant finds nothing
-    assert llm.engine.worker.remote.puts_failed == 0
+    assert llm.engine.runner.remote.puts_failed == 0

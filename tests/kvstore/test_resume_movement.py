@@ -43,7 +43,7 @@ def warm(model_dir, monkeypatch, address: str) -> LLM:
 
 def offload_everything(llm: LLM) -> None:
     llm.reset_prefix_cache()
-    llm.engine.worker.remote.flush()
+    llm.engine.runner.remote.flush()
 
 
 def test_evicted_resume_points_come_back_from_the_kvstore(model_dir, cold, monkeypatch, kvstore_factory, tmp_path):
@@ -52,7 +52,7 @@ def test_evicted_resume_points_come_back_from_the_kvstore(model_dir, cold, monke
     first = ids(45, 1)
     run(llm, first)
     offload_everything(llm)
-    assert llm.engine.scheduler.pages.num_used == 0 and not llm.engine.worker.snapshots
+    assert llm.engine.scheduler.pages.num_used == 0 and not llm.engine.runner.snapshots
     assert kv.metric("deepinfer_kvstore_stored_total", tier="host", reason="put") >= 1
     follow = first + ids(9, 2)
     got = run(llm, follow)
@@ -93,4 +93,4 @@ def test_kvstore_down_means_recompute_with_identical_output(model_dir, cold, mon
     got = run(llm, follow)
     assert got[0] == 0 and got[1:] == run(cold, follow)[1:]
     assert llm.engine.scheduler.prefix_misses["kvstore_unavailable"] == 1
-    assert llm.engine.worker.remote.puts_failed == 0
+    assert llm.engine.runner.remote.puts_failed == 0

@@ -30,8 +30,8 @@ def test_v41_resume_points_move_through_the_kvstore(tiny_v41_dir, monkeypatch, k
     first = ids(45, 1)  # odd: a ratio-2 owner holds a pending half group at the resume point
     run(llm, first)
     llm.reset_prefix_cache()
-    llm.engine.worker.remote.flush()
-    assert llm.engine.scheduler.pages.num_used == 0 and not llm.engine.worker.snapshots
+    llm.engine.runner.remote.flush()
+    assert llm.engine.scheduler.pages.num_used == 0 and not llm.engine.runner.snapshots
     follow = first + ids(9, 2)
     got = run(llm, follow)
     assert got[:2] == (45, "kvstore")  # the prompt-end resume point, fetched back

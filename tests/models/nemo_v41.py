@@ -3,6 +3,7 @@
 - ``build_pair(name)`` builds NeMo's model (fp32, eager attention, torch MoE, random weights with non-trivial sinks,
   gate biases, mHC and norms) on a tiny config of ``tiny_v41`` and our :class:`DeepseekV41Model` with the same
   weights (copied by name: the released names are ours; NeMo's are mapped here).
+- NeMo runs on its plain-torch backend (``deepinfer.checkpoint.references.nemo_backend``).
 - ``reference_rules()``: the two switches the parity tests run NeMo under.
   * ``cache_quant=False`` makes NeMo's ``quantize_cache`` the identity (ours is switched off with
     ``set_quant_sim(False)``): rounding flips in the FP8/FP4 caches amplify op-order differences of ~1e-6, so
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from deepinfer.checkpoint.references import nemo_backend
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import compressed_token_map
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
@@ -47,20 +49,6 @@ def reference_rules(cache_quant: bool = False) -> Iterator[None]:
     finally:
         torch.Tensor.topk = _TOPK
         attention.quantize_cache = saved
-
-
-def backend():
-    from nemo_automodel.components.models.common import BackendConfig
-
-    return BackendConfig(
-        attn="eager",
-        linear="torch",
-        rms_norm="torch_fp32",
-        experts="torch",
-        dispatcher="torch",
-        enable_hf_state_dict_adapter=False,
-        rope_fusion=False,
-    )
 
 
 # a tiny vision tower (the reference sketch's): 14-px patches, 3x3 merge, at least 42x42 pixels
@@ -183,7 +171,7 @@ def build_pair(name: str, tokenizer, seed: int = 0, batch_invariant: bool = Fals
         text_config=raw["text_config"], vision_config=raw["vision_config"], image_token_id=raw["image_token_id"]
     )
     torch.manual_seed(seed)
-    theirs = DeepseekV41ForCausalLM(ncfg, backend=backend(), tokenizer=tokenizer)
+    theirs = DeepseekV41ForCausalLM(ncfg, backend=nemo_backend(), tokenizer=tokenizer)
     theirs.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     _randomize(theirs, seed)
     theirs.eval()

@@ -1,7 +1,8 @@
 """Batch invariance (docs/determinism.md, issue 4): with the batch-invariant ops a sequence's logits are
 bit-identical alone and inside any batch, at any position in it, however its prefill is chunked.
 
-The same harness run with the default ops finds differences, so the comparison can fail."""
+The same harness run with the default ops finds differences, so the comparison can fail. The step loop
+(``bench/engine/compositions.py``) is the one ``bench/engine/batch_invariance.py`` runs on a GPU."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import random
 import pytest
 import torch
 
+from bench.engine.compositions import split, target_logits
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
 from deepinfer.ops import BatchInvariantOps, ReferenceOps
 
 PAGE = 16
@@ -31,41 +32,6 @@ def model(request: pytest.FixtureRequest, tiny_dirs: dict) -> DeepseekV4Model:
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def split(n: int, rng: random.Random, largest: int) -> list[int]:
-    plan = []
-    while n:
-        plan.append(min(n, rng.randint(1, largest)))
-        n -= plan[-1]
-    return plan
-
-
-def run(model: DeepseekV4Model, seqs: list[list[int]], plans: list[list[int]], rng: random.Random | None) -> list:
-    """Each step batches the next chunk of every unfinished sequence, in a shuffled order; returns the
-    logits of every position of every sequence (one head call per step, as the runner does)."""
-    pages = -(-max(len(s) for s in seqs) // PAGE)
-    cache = PagedKVCache(model.config, pages * len(seqs), PAGE)
-    states = [SequenceState() for _ in seqs]
-    tables = [torch.arange(i * pages, (i + 1) * pages) for i in range(len(seqs))]
-    pos, outs = [0] * len(seqs), [[] for _ in seqs]
-    for step in range(max(len(p) for p in plans)):
-        who = [i for i, p in enumerate(plans) if step < len(p) and p[step]]  # 0: not in this step
-        if not who:
-            continue
-        if rng is not None:
-            rng.shuffle(who)
-        chunks, toks = [], []
-        for i in who:
-            n = plans[i][step]
-            chunks.append(SeqChunk(states[i], pos[i], n, tables[i]))
-            toks.append(seqs[i][pos[i] : pos[i] + n])
-            pos[i] += n
-        batch = ForwardBatch.build(chunks, toks)
-        logits = model.logits(model(batch, cache))
-        for (a, b), i in zip(batch.offsets(), who):
-            outs[i].append(logits[a:b])
-    return [torch.cat(o) for o in outs]
 
 
 def composition(model: DeepseekV4Model, target: list[int], seed: int) -> tuple[list, list, random.Random]:
@@ -88,7 +54,7 @@ def composition(model: DeepseekV4Model, target: list[int], seed: int) -> tuple[l
 
 
 def alone(model: DeepseekV4Model, target: list[int]) -> torch.Tensor:
-    return run(model, [target], [[TARGET_LEN - 8] + [1] * 8], None)[0]
+    return target_logits(model, [target], [[TARGET_LEN - 8] + [1] * 8], None, PAGE)
 
 
 def differing(model: DeepseekV4Model, seeds: range) -> list[tuple[int, float]]:
@@ -97,7 +63,7 @@ def differing(model: DeepseekV4Model, seeds: range) -> list[tuple[int, float]]:
     out = []
     for seed in seeds:
         seqs, plans, rng = composition(model, target, seed)
-        got = run(model, seqs, plans, rng)[0]
+        got = target_logits(model, seqs, plans, rng, PAGE)
         if not torch.equal(got, ref):
             out.append((seed, (got - ref).abs().max().item()))
     return out

@@ -102,7 +102,9 @@ def test_weights_replaced_after_a_join_take_separate_gemms():
 def test_v41_joined_projections_match_the_separate_ones():
     """A tiny V4.1 model (every attention kind, DSpark stages): ``wq_a`` with ``wkv`` joined by each attention's
     ``join_projections`` gives the logits of the separate GEMMs, prefill chunks and decode steps."""
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
     from deepinfer.models.deepseek_v41.config import DeepseekV41Config
     from deepinfer.models.deepseek_v41.engram import compressed_token_map
     from deepinfer.models.deepseek_v41.model import DeepseekV41Model

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.references import build_hf_model
 from deepinfer.tokenizer import load_tokenizer
-from models.hf_reference import build_hf_model
 from models.tiny_configs import CONFIGS
 
 TEXTS = [
@@ -51,7 +51,9 @@ def test_prompt_logprobs_match_transformers(pair: tuple) -> None:
 
 
 def test_full_vocab_logprobs_match_transformers(pair: tuple) -> None:
-    from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+    from deepinfer.models.deepseek_v4.state import SequenceState
 
     llm, hf = pair
     p = prompts(llm.config.vocab_size)[-1]

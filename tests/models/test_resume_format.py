@@ -9,8 +9,10 @@ import torch
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine import resume_format
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 
 PS = 16
 

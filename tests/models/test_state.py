@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 from models.tiny_configs import CONFIGS
 
 PAGE = 16

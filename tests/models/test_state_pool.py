@@ -10,8 +10,10 @@ import torch
 
 from deepinfer.checkpoint.tiny import TINY_V4, random_weights
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 from deepinfer.models.deepseek_v4.state_pool import RingBuffer, stacked_rows
 from deepinfer.ops.reference import ReferenceOps
 from models.test_batch_invariance import tokens

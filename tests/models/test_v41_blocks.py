@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepinfer.checkpoint.references import nemo_backend
 from deepinfer.models.deepseek_v4.layers import RMSNorm
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.models.deepseek_v41.mhc import (
@@ -26,7 +27,6 @@ from deepinfer.models.deepseek_v41.mhc import (
 )
 from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.ops import get_ops
-from models.nemo_v41 import backend
 from models.tiny_v41 import build_tokenizer, text_config
 
 ATOL = 1e-5
@@ -138,7 +138,7 @@ def _attend(attn: _StubAttention, norm: RMSNorm, ops, x: torch.Tensor) -> torch.
 def _nemo_block(nemo, cfg, ncfg, layer: int, g: torch.Generator):
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41Block
 
-    blk = DeepseekV41Block(ncfg, layer, backend(), _moe_config(ncfg)).eval()
+    blk = DeepseekV41Block(ncfg, layer, nemo_backend(), _moe_config(ncfg)).eval()
     assert blk.engram is None, "pick layers without Engram"
     blk.attn = _StubAttention(cfg.hidden_size, g)
     _randomize_block(blk, g)

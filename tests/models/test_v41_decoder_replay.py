@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import compressed_token_map
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.ops import get_ops
 from models.nemo_v41 import build_pair, nemo_logits, reference_rules
 from models.tiny_v41 import build_tokenizer

@@ -11,7 +11,9 @@ import gc
 import pytest
 import torch
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.state_pool import RingBuffer
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from models.test_v41_decoder_replay import _model

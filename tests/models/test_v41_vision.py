@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.checkpoint.references import nemo_backend
 from deepinfer.models.deepseek_v41.config import DeepseekV41VisionConfig
 from deepinfer.models.deepseek_v41.image import (
     IMAGE,
@@ -32,7 +33,6 @@ from deepinfer.models.deepseek_v41.image import (
     splice_image_embeddings,
 )
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionEncoder, VisionTransformer
-from models.nemo_v41 import backend
 from models.tiny_v41 import IMAGE_PLACEHOLDER, build_tokenizer, text_config
 
 ATOL = 1e-5
@@ -265,7 +265,7 @@ def test_v41_parity_image_embeddings(nemo, tokenizer, text_raw):
     from nemo_automodel.components.models.deepseek_v41.processing import DeepseekV41Processor
 
     ncfg = _nemo_config(tokenizer, text_raw, TINY_VISION)
-    model = DeepseekV41ForCausalLM(ncfg, backend=backend(), tokenizer=tokenizer).model.eval()
+    model = DeepseekV41ForCausalLM(ncfg, backend=nemo_backend(), tokenizer=tokenizer).model.eval()
     g = torch.Generator().manual_seed(21)
     _randomize(model.vision, g)
     _randomize(model.aligner, g)

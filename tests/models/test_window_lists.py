@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.models.deepseek_v4.state import SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v4.window_lists import step_window_lists, window_lists
 

@@ -1,10 +1,13 @@
 """OpenAI chat-completion delta fragments of the streaming parser (``chat.streaming``): tool-call ids, the JSON
-escaping of string arguments, and folding fragments together."""
+escaping of string arguments, writing the fragments of one parse step (:class:`DeltaWriter`) and folding fragments
+together."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 Delta = dict[str, Any]
@@ -27,6 +30,89 @@ def held_suffix(text: str, marker: str) -> int:
 def json_str_body(text: str) -> str:
     """JSON string escaping without the quotes; per character, so fragments concatenate."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+@dataclass
+class OpenCall:
+    """The tool call being streamed: its index, the parameters seen so far and the kind of the current value."""
+
+    index: int
+    params: set[str] = field(default_factory=set)
+    value_is_string: bool = False
+
+
+class DeltaWriter:
+    """Builds the delta fragments of one parse step (``out``, taken with :meth:`take`): text of either kind and the
+    tool calls, their ``arguments`` written as the JSON object ``{"k": v, "k2": v2}`` fragment by fragment.
+
+    id_factory: makes the id of each tool call. ``call`` is the call being streamed (None between calls);
+    ``call_count`` counts the calls started."""
+
+    def __init__(self, id_factory: Callable[[], str]) -> None:
+        self._id_factory = id_factory
+        self.out: list[Delta] = []
+        self.call: OpenCall | None = None
+        self.call_count = 0
+
+    def take(self) -> list[Delta]:
+        """The fragments written since the last call (and start anew)."""
+        out, self.out = self.out, []
+        return out
+
+    def text(self, key: str, text: str) -> None:
+        """``text`` as ``{key: text}`` ("content" or "reasoning_content"), joined to the last fragment of that key."""
+        if not text:
+            return
+        last = self.out[-1] if self.out else None
+        if last is not None and key in last:
+            last[key] += text
+        else:
+            self.out.append({key: text})
+
+    def args(self, text: str) -> None:
+        """An ``arguments`` fragment of the open call (dropped when none is open)."""
+        if not text or self.call is None:
+            return
+        last = self.out[-1] if self.out else None
+        if last is not None and "tool_calls" in last:
+            entry = last["tool_calls"][0]
+            if entry["index"] == self.call.index and "id" not in entry:
+                entry["function"]["arguments"] += text
+                return
+        self.out.append({"tool_calls": [{"index": self.call.index, "function": {"arguments": text}}]})
+
+    def start_call(self, name: str) -> None:
+        """Open the next tool call: its id, type and name, with empty ``arguments``."""
+        self.call = OpenCall(index=self.call_count)
+        self.call_count += 1
+        call = {"name": name, "arguments": ""}
+        entry = {"index": self.call.index, "id": self._id_factory(), "type": "function", "function": call}
+        self.out.append({"tool_calls": [entry]})
+
+    def end_call(self) -> None:
+        """Close the open call's ``arguments`` object (if a call is open)."""
+        if self.call is not None:
+            self.args("}" if self.call.params else "{}")
+            self.call = None
+
+    def start_param(self, name: str, is_string: bool) -> None:
+        """The key of a new parameter of the open call (and the opening quote of a string value)."""
+        call = self.call
+        self.args(("{" if not call.params else ", ") + json.dumps(name, ensure_ascii=False) + ": ")
+        call.params.add(name)
+        call.value_is_string = is_string
+        if is_string:
+            self.args('"')
+
+    def value(self, text: str) -> None:
+        """A piece of the current parameter's value: JSON-escaped in a string, verbatim otherwise."""
+        if text and self.call is not None:
+            self.args(json_str_body(text) if self.call.value_is_string else text)
+
+    def end_value(self) -> None:
+        """The end of the current parameter's value (the closing quote of a string)."""
+        if self.call is not None and self.call.value_is_string:
+            self.args('"')
 
 
 def merge_adjacent(deltas: list[Delta]) -> list[Delta]:

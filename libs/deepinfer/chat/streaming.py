@@ -36,12 +36,11 @@ started but not closed keeps its partial arguments (`unfinished_call` is True: r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from deepinfer.chat.completion import parse_completion
-from deepinfer.chat.deltas import Delta, held_suffix, json_str_body, merge_adjacent, merge_deltas, new_call_id
+from deepinfer.chat.deltas import Delta, DeltaWriter, held_suffix, merge_adjacent, merge_deltas, new_call_id
+from deepinfer.chat.stream_headers import Header, read_invoke_header, read_param_header
 from deepinfer.chat.stream_states import (
     AFTER_BLOCK,
     BLOCK,
@@ -49,17 +48,9 @@ from deepinfer.chat.stream_states import (
     CONTENT,
     DONE,
     EXPECT_GT,
-    HEADER_LIMIT,
     INVOKE,
     INVOKE_HEADER,
-    INVOKE_HEADER_ENDS,
-    INVOKE_HEADER_RE,
-    LENIENT_NAME_RE,
-    LENIENT_PARAM_RE,
-    PARAM_ATTR_RE,
     PARAM_HEADER,
-    PARAM_HEADER_ENDS,
-    PARAM_NAME_PREFIX,
     PIECE,
     PREFIXES,
     REASONING,
@@ -71,16 +62,9 @@ from deepinfer.chat.stream_states import (
     VALUE,
     VALUE_END,
 )
-from deepinfer.chat.tokens import DSML, INVOKE_CLOSE, PARAMETER_OPEN, THINK_END, THINKING_MODES, TOOL_CALLS_START
+from deepinfer.chat.tokens import DSML, THINK_END, THINKING_MODES, TOOL_CALLS_START
 
 __all__ = ["StreamingParser", "merge_deltas", "new_call_id"]
-
-
-@dataclass
-class _Call:
-    index: int
-    params: set[str] = field(default_factory=set)
-    value_is_string: bool = False
 
 
 class StreamingParser:
@@ -99,27 +83,29 @@ class StreamingParser:
         if thinking_mode not in THINKING_MODES:
             raise ValueError(f"thinking_mode: expected one of {THINKING_MODES}, got {thinking_mode!r}")
         self.thinking_mode = thinking_mode
-        self._id_factory = id_factory or new_call_id
+        self._writer = DeltaWriter(id_factory or new_call_id)
         self._state = REASONING if thinking_mode == "thinking" else CONTENT
         self._after_gt = BLOCK  # the state after EXPECT_GT
         self._return_state = CONTENT  # the state after STRAY
         self._buf = ""
         self._text: list[str] = []  # everything fed, for the reference check at finish()
-        self._out: list[Delta] = []
         self._final = False
         self._finished = False
-        self._call: _Call | None = None
         self._stray_len = 0
         self._blocks = 0
         self.issues: list[str] = []
         self.saw_eos = False
-        self.tool_call_count = 0
         self.unfinished_call = False
 
     @property
     def malformed(self) -> bool:
         """Whether the completion deviated from the well-formed DSML / reasoning format so far."""
         return bool(self.issues)
+
+    @property
+    def tool_call_count(self) -> int:
+        """How many tool calls were started so far."""
+        return self._writer.call_count
 
     @property
     def in_reasoning(self) -> bool:
@@ -147,7 +133,7 @@ class StreamingParser:
         self._final = True
         out = self._run()
         self._finished = True
-        if self._call is not None:
+        if self._writer.call is not None:
             self.unfinished_call = True
             if self.saw_eos:
                 self._issue("tool call not terminated before EOS")
@@ -161,7 +147,7 @@ class StreamingParser:
     # ---------------------------------------------------------------------------------------------------
 
     def _run(self) -> list[Delta]:
-        self._out = []
+        self._writer.take()
         try:
             while self._step():
                 pass
@@ -169,8 +155,7 @@ class StreamingParser:
             self._issue(f"internal error: {type(e).__name__}: {e}")
             self._state = DONE
             self._buf = ""
-        out, self._out = self._out, []
-        return out
+        return self._writer.take()
 
     def _issue(self, message: str) -> None:
         if len(self.issues) < 100:
@@ -189,40 +174,6 @@ class StreamingParser:
         if state in TABLES:
             return self._step_tags(state)
         return getattr(self, f"_step_{state}")()
-
-    # Emitting ------------------------------------------------------------------------------------------
-
-    def _emit_text(self, key: str, text: str) -> None:
-        if not text:
-            return
-        last = self._out[-1] if self._out else None
-        if last is not None and key in last:
-            last[key] += text
-        else:
-            self._out.append({key: text})
-
-    def _emit_args(self, text: str) -> None:
-        if not text or self._call is None:
-            return
-        last = self._out[-1] if self._out else None
-        if last is not None and "tool_calls" in last:
-            entry = last["tool_calls"][0]
-            if entry["index"] == self._call.index and "id" not in entry:
-                entry["function"]["arguments"] += text
-                return
-        self._out.append({"tool_calls": [{"index": self._call.index, "function": {"arguments": text}}]})
-
-    def _start_call(self, name: str) -> None:
-        self._call = _Call(index=self.tool_call_count)
-        self.tool_call_count += 1
-        call = {"name": name, "arguments": ""}
-        entry = {"index": self._call.index, "id": self._id_factory(), "type": "function", "function": call}
-        self._out.append({"tool_calls": [entry]})
-
-    def _end_call(self) -> None:
-        if self._call is not None:
-            self._emit_args("}" if self._call.params else "{}")
-            self._call = None
 
     # Between tags: reasoning, content, block, invoke, after the block, skipping ------------------------
 
@@ -262,9 +213,9 @@ class StreamingParser:
         if not text:
             return
         if state == REASONING:
-            self._emit_text("reasoning_content", text)
+            self._writer.text("reasoning_content", text)
         elif state == CONTENT:
-            self._emit_text("content", text)
+            self._writer.text("content", text)
         elif state in (SKIP_INVOKE, SKIP_PARAM):
             pass
         elif text.strip():  # non-whitespace text between DSML tags: keep it, as content
@@ -272,7 +223,7 @@ class StreamingParser:
             if state == AFTER_BLOCK:
                 self._state = CONTENT
                 text = text.lstrip()
-            self._emit_text("content", text)
+            self._writer.text("content", text)
 
     def _on_marker(self, state: str, action: str, marker: str) -> None:
         if action == "eos":
@@ -281,7 +232,7 @@ class StreamingParser:
                 self._issue("EOS inside the reasoning (no '</think>')")
             elif state in (BLOCK, INVOKE, SKIP_INVOKE, SKIP_PARAM):
                 self._issue("tool-call block not terminated before EOS")
-                self._end_call()
+                self._writer.end_call()
             self._state = DONE
         elif action == "end_reasoning":
             self._state = CONTENT
@@ -303,10 +254,10 @@ class StreamingParser:
         elif action == "block_end":
             if state in (INVOKE, SKIP_PARAM):
                 self._issue("invoke not terminated before the end of the block")
-            self._end_call()
+            self._writer.end_call()
             self._state = AFTER_BLOCK
         elif action == "invoke_end":
-            self._end_call()
+            self._writer.end_call()
             self._after_gt = BLOCK
             self._state = EXPECT_GT
         elif action == "param":
@@ -327,7 +278,7 @@ class StreamingParser:
             return
         if state in (INVOKE, SKIP_PARAM):
             self._issue("invoke not terminated before the next one")
-            self._end_call()
+            self._writer.end_call()
         if marker in (TOOL_CALLS_START, BLOCK_START_BARE):
             self._issue("nested tool-call block")
 
@@ -362,68 +313,45 @@ class StreamingParser:
     # Invoke header ---------------------------------------------------------------------------------------
 
     def _step_invoke_header(self) -> bool:
-        buf = self._buf
-        hits = [(i, t) for t in INVOKE_HEADER_ENDS if (i := buf.find(t)) != -1]
-        if not hits and not self._final and len(buf) <= HEADER_LIMIT:
+        header = read_invoke_header(self._buf, self._final)
+        if not self._take_header(header):
             return False
-        at, tag = min(hits) if hits else (len(buf), "")
-        header = buf[:at]
-        match = INVOKE_HEADER_RE.fullmatch(header) if tag in (PARAMETER_OPEN, INVOKE_CLOSE) else None
-        if match is None:
-            if not tag and self._final:
-                self._buf = ""  # truncated inside the header: the call never started
-                return False
-            self._issue(f"malformed invoke header {header[:60]!r}")
-            match = LENIENT_NAME_RE.search(header)
-        self._buf = buf[at:]
-        if match is None:
+        if header.name is None:
             self._state = SKIP_INVOKE
         else:
-            self._start_call(match.group(1))
+            self._writer.start_call(header.name)
             self._state = INVOKE
         return True
 
     # Parameter header ------------------------------------------------------------------------------------
 
     def _step_param_header(self) -> bool:
-        buf = self._buf
-        call = self._call
+        call = self._writer.call
         if call is None:  # a parameter outside an invoke (after a malformed invoke header)
             self._state = SKIP_PARAM
             return True
-        stop = min((i for t in PARAM_HEADER_ENDS if (i := buf.find(t)) != -1), default=-1)
-        prefixed = buf.startswith(PARAM_NAME_PREFIX)
-        attr = PARAM_ATTR_RE.search(buf, len(PARAM_NAME_PREFIX)) if prefixed else None
-        undecided = stop == -1 and not self._final and len(buf) <= HEADER_LIMIT
-        if attr is not None and (stop == -1 or stop >= attr.end()):
-            # As the reference: the name runs up to the first `" string="true|false">`.
-            name, is_string, rest = buf[len(PARAM_NAME_PREFIX) : attr.start()], attr.group(1) == "true", attr.end()
-        elif undecided and (prefixed or PARAM_NAME_PREFIX.startswith(buf)):
+        header = read_param_header(self._buf, self._final)
+        if not self._take_header(header):
             return False
-        else:
-            lenient = LENIENT_PARAM_RE.match(buf)
-            if lenient is None or (stop != -1 and lenient.end() > stop):
-                if undecided and ">" not in buf:
-                    return False
-                if stop == -1 and self._final:
-                    self._buf = ""  # truncated inside the header
-                    return False
-                self._issue(f"malformed parameter header {buf[:60]!r} dropped")
-                self._state = SKIP_PARAM
-                return True
-            self._issue(f"malformed parameter header {buf[: lenient.end()]!r}")
-            name, is_string, rest = lenient.group(1), lenient.group(2) == "true", lenient.end()
-        self._buf = buf[rest:]
-        if name in call.params:
-            self._issue(f"duplicate parameter {name!r} dropped")
-            self._state = SKIP_PARAM
+        if header.name is not None and header.name in call.params:
+            self._issue(f"duplicate parameter {header.name!r} dropped")
+        elif header.name is not None:
+            self._writer.start_param(header.name, header.is_string)
+            self._state = VALUE
             return True
-        self._emit_args(("{" if not call.params else ", ") + json.dumps(name, ensure_ascii=False) + ": ")
-        call.params.add(name)
-        call.value_is_string = is_string
-        if is_string:
-            self._emit_args('"')
-        self._state = VALUE
+        self._state = SKIP_PARAM
+        return True
+
+    def _take_header(self, header: Header | None) -> bool:
+        """Consume a header read at the start of the buffer; False: undecided yet, or truncated (text dropped)."""
+        if header is None:
+            return False
+        if header.truncated:
+            self._buf = ""
+            return False
+        if header.issue is not None:
+            self._issue(header.issue)
+        self._buf = self._buf[header.end :]
         return True
 
     # Parameter value -------------------------------------------------------------------------------------
@@ -433,17 +361,12 @@ class StreamingParser:
         at = buf.find(VALUE_END)
         if at == -1:
             keep = 0 if self._final else held_suffix(buf, VALUE_END)
-            self._emit_value(buf[: len(buf) - keep])
+            self._writer.value(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             return False
-        self._emit_value(buf[:at])
-        if self._call is not None and self._call.value_is_string:
-            self._emit_args('"')
+        self._writer.value(buf[:at])
+        self._writer.end_value()
         self._buf = buf[at + len(VALUE_END) :]
         self._after_gt = INVOKE
         self._state = EXPECT_GT
         return True
-
-    def _emit_value(self, text: str) -> None:
-        if text and self._call is not None:
-            self._emit_args(json_str_body(text) if self._call.value_is_string else text)

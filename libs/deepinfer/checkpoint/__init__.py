@@ -1,1 +1,2 @@
-"""Checkpoints: tensor names, the safetensors loader, the hub download and the tiny-model generator."""
+"""Checkpoints: tensor names, the safetensors loader, the hub download, the tiny-model generator and the public
+reference models to compare with (``references``)."""

@@ -87,19 +87,49 @@ def load_checkpoint(
 ) -> None:
     """Fill every parameter and buffer of ``model`` from the checkpoint directory ``path``."""
     path = Path(path)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    params = {k: v for k, v in params.items() if not k.startswith(("rope_",))}
-    filled: set[str] = set()
-    expert_filled: dict[str, set[int]] = {}
-    pending: dict[str, tuple[torch.Tensor, Path]] = {}  # quantised weights waiting for their scale
-    scales: dict[str, tuple[torch.Tensor, Path]] = {}
-    n_experts = model.config.n_routed_experts
-    block = tuple(model.config.weight_block_size)
+    filler = _Filler(model, dtype)
+    for key, t, file in _iter_tensors(safetensors_files(path), progress):
+        name = hf_to_official(key) if is_hf_name(key) else key
+        for sub, st in _split_hf_experts(name, t):
+            filler.add(sub, st, file)
+    filler.check_complete(path)
 
-    def place(name: str, t: torch.Tensor, file: Path) -> None:
+
+class _Filler:
+    """The parameters and buffers of a model being filled, tensor by tensor: what is filled so far (routed experts
+    one by one), and the quantised weights and scales that wait for each other."""
+
+    def __init__(self, model: DeepseekV4Model, dtype: torch.dtype) -> None:
+        params = dict(model.named_parameters())
+        params.update(dict(model.named_buffers()))
+        self.params = {k: v for k, v in params.items() if not k.startswith(("rope_",))}
+        self.model, self.dtype = model, dtype
+        self.filled: set[str] = set()
+        self.expert_filled: dict[str, set[int]] = {}
+        self.pending: dict[str, tuple[torch.Tensor, Path]] = {}  # quantised weights waiting for their scale
+        self.scales: dict[str, tuple[torch.Tensor, Path]] = {}
+        self.n_experts = model.config.n_routed_experts
+        self.block = tuple(model.config.weight_block_size)
+
+    def add(self, name: str, t: torch.Tensor, file: Path) -> None:
+        """One checkpoint tensor (official name): placed, or kept until its weight / scale comes."""
+        if name.endswith(".scale"):
+            base = name[: -len(".scale")] + ".weight"
+            self.scales[base] = (t, file)
+            if base in self.pending:
+                self.decode(base)
+        elif t.dtype in (torch.float8_e4m3fn, torch.int8) and name.endswith(".weight"):
+            self.pending[name] = (t, file)
+            if name in self.scales:
+                self.decode(name)
+        else:
+            self.place(name, t, file)
+
+    def place(self, name: str, t: torch.Tensor, file: Path) -> None:
+        """Store a (decoded) tensor in its parameter, cast to the model dtype or kept in fp32."""
         if name.startswith("mtp.") and re.match(r"^mtp\.\d+\.(embed|head)\.", name):
             return  # MTP copies of the shared embedding/head
+        model, params, dtype, n_experts = self.model, self.params, self.dtype, self.n_experts
         target, expert = official_to_internal(name)
         p = params.get(target)
         if p is None:
@@ -123,14 +153,15 @@ def load_checkpoint(
                 if p.dtype != dtype:
                     p.data = torch.empty(p.shape, dtype=dtype)
                 p.data[expert] = value
-                expert_filled.setdefault(target, set()).add(expert)
+                self.expert_filled.setdefault(target, set()).add(expert)
             else:
                 p.data = value.contiguous()
-                filled.add(target)
+                self.filled.add(target)
 
-    def place_native(name: str, w: torch.Tensor, s: torch.Tensor, file: Path) -> bool:
+    def place_native(self, name: str, w: torch.Tensor, s: torch.Tensor, file: Path) -> bool:
         """A weight whose parameter was switched to the stored format (``quant.native.prepare_native``) is kept as
         stored, with its scales; False: decode it to the model dtype."""
+        params, block, n_experts = self.params, self.block, self.n_experts
         target, expert = official_to_internal(name)
         p = params.get(target)
         if p is None:
@@ -146,7 +177,7 @@ def load_checkpoint(
             with torch.no_grad():
                 p.data = w.contiguous()
                 params[f"{owner}.scale"].data = s.float().contiguous()
-            filled.update((target, f"{owner}.scale"))
+            self.filled.update((target, f"{owner}.scale"))
             return True
         if is_mxfp4(p) and w.dtype == torch.int8 and expert is not None:
             sp = params[f"{target}_scale"]
@@ -160,47 +191,36 @@ def load_checkpoint(
             with torch.no_grad():
                 p.data[expert] = w.view(p.dtype)
                 sp.data[expert] = s.view(torch.uint8)
-            expert_filled.setdefault(target, set()).add(expert)
-            filled.add(f"{target}_scale")
+            self.expert_filled.setdefault(target, set()).add(expert)
+            self.filled.add(f"{target}_scale")
             return True
         return False
 
-    def decode(name: str) -> None:
-        (w, wf), (s, _) = pending.pop(name), scales.pop(name)
-        if place_native(name, w, s, wf):
+    def decode(self, name: str) -> None:
+        """A quantised weight whose scale has come: kept as stored, or dequantised and placed."""
+        (w, wf), (s, _) = self.pending.pop(name), self.scales.pop(name)
+        if self.place_native(name, w, s, wf):
             return
         try:
             if w.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8_blocks(w, s, block=block)
+                t = dequantize_fp8_blocks(w, s, block=self.block)
             else:
                 t = dequantize_mxfp4(w, s)
         except ValueError as e:
             raise CheckpointError(f"tensor {name!r} in {wf.name}: {e}") from e
-        place(name, t, wf)
+        self.place(name, t, wf)
 
-    for key, t, file in _iter_tensors(safetensors_files(path), progress):
-        name = hf_to_official(key) if is_hf_name(key) else key
-        for sub, st in _split_hf_experts(name, t):
-            if sub.endswith(".scale"):
-                base = sub[: -len(".scale")] + ".weight"
-                scales[base] = (st, file)
-                if base in pending:
-                    decode(base)
-            elif st.dtype in (torch.float8_e4m3fn, torch.int8) and sub.endswith(".weight"):
-                pending[sub] = (st, file)
-                if sub in scales:
-                    decode(sub)
-            else:
-                place(sub, st, file)
-    for name, (_, file) in pending.items():
-        raise CheckpointError(f"quantised tensor {name!r} in {file.name} has no scale tensor {name[:-7]}.scale")
-    # reported under their checkpoint (official) names, routed experts one by one
-    missing = [
-        internal_to_official(k, e)
-        for k in params
-        if k not in filled
-        for e in (range(n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
-        if e not in expert_filled.get(k, ())
-    ]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+    def check_complete(self, path: Path) -> None:
+        """Raise unless every weight found its scale and every parameter was filled."""
+        for name, (_, file) in self.pending.items():
+            raise CheckpointError(f"quantised tensor {name!r} in {file.name} has no scale tensor {name[:-7]}.scale")
+        # reported under their checkpoint (official) names, routed experts one by one
+        missing = [
+            internal_to_official(k, e)
+            for k in self.params
+            if k not in self.filled
+            for e in (range(self.n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
+            if e not in self.expert_filled.get(k, ())
+        ]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

@@ -191,12 +191,8 @@ def load_v41_checkpoint(
     """
     path = Path(path)
     skip = tuple(skip)
-    block = _block_size(path)
     files, weight_map = checkpoint_files(path)
-    targets = dict(model.state_dict(keep_vars=True))
-    filled: set[str] = set()
-    experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
-    expert_rows: dict[str, set[int]] = {}
+    filler = _Filler(model, dtype, _block_size(path))
     with ExitStack() as stack:
         reader = _Reader(files, weight_map, stack)
         names = sorted(k for k in reader.where if not k.endswith(".scale"))
@@ -205,62 +201,87 @@ def load_v41_checkpoint(
                 if not key.startswith(skip):
                     raise CheckpointError(f"scale tensor {key!r} in {reader.where[key].name} has no weight")
         for name in tqdm(names, desc="Loading DeepSeek-V4.1 checkpoint", disable=not progress, unit="tensor"):
-            if name.startswith(skip):
-                continue
-            file = reader.where[name].name
-            target, expert = released_to_internal(name)
-            ref = targets.get(target)
-            if ref is None:
-                raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter {target!r}")
-            if (expert is None) == is_stacked_expert(target):
-                raise CheckpointError(f"tensor {name!r} in {file} does not match the layout of parameter {target!r}")
-            t = reader.get(name)
-            scale_name = name.removesuffix(".weight") + ".scale"
-            if name.endswith(".weight") and scale_name in reader.where:
-                scale = reader.get(scale_name)
-                kept = _keep_native(model, target, expert, ref, t, scale, block, experts, targets)
-                if kept:
-                    filled.update(kept)
-                    if expert is not None:
-                        expert_rows.setdefault(target, set()).add(expert)
-                    continue
-                try:
-                    t = decode_tensor(name, t, scale, block)
-                except ValueError as e:
-                    raise CheckpointError(f"tensor {name!r} in {file}: {e}") from e
-            elif t.dtype in (torch.float8_e4m3fn, torch.int8):
-                raise CheckpointError(f"quantized tensor {name!r} in {file} has no scale tensor {scale_name!r}")
-            shape = logical_shape(ref)
-            want = shape[1:] if expert is not None else shape
-            if tuple(t.shape) != want:
-                raise CheckpointError(f"tensor {name!r} in {file} has shape {tuple(t.shape)}, expected {want}")
-            if is_fp8(ref) or (is_mxfp4(ref) and expert is not None):  # prepared for a format it is not stored in
-                filled.add(unprepare(model, target))
-                out_dtype = dtype
-            elif not ref.dtype.is_floating_point:
-                out_dtype = ref.dtype
-            else:
-                out_dtype = torch.float32 if keeps_fp32(target) else dtype
-            if expert is None:
-                _set(model, target, t.to(_device(ref), out_dtype).contiguous())
-                filled.add(target)
-                continue
-            if expert >= ref.shape[0]:
-                raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {ref.shape[0]} experts")
-            if target not in experts:
-                experts[target] = torch.empty(shape, dtype=out_dtype, device=_device(ref))
-            experts[target][expert] = t
-            expert_rows.setdefault(target, set()).add(expert)
-    for target, value in experts.items():
-        _set(model, target, value)
-    missing = [
-        internal_to_released(k, e)
-        for k, ref in targets.items()
-        if k not in filled
-        for e in (range(ref.shape[0]) if is_stacked_expert(k) else [None])
-        if e not in expert_rows.get(k, ())
-    ]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path} lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
-        )
+            if not name.startswith(skip):
+                filler.load(reader, name)
+    filler.check_complete(path)
+
+
+class _Filler:
+    """The targets of a model being filled, tensor by tensor: what is filled so far, and the stacked routed experts
+    being assembled (set once all are read)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, block: tuple[int, int]) -> None:
+        self.model, self.dtype, self.block = model, dtype, block
+        self.targets = dict(model.state_dict(keep_vars=True))
+        self.filled: set[str] = set()
+        self.experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
+        self.expert_rows: dict[str, set[int]] = {}
+
+    def load(self, reader: _Reader, name: str) -> None:
+        """Read released tensor ``name`` (with its scale), decode it unless its target keeps the stored format, and
+        store it."""
+        file = reader.where[name].name
+        target, expert = released_to_internal(name)
+        ref = self.targets.get(target)
+        if ref is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter {target!r}")
+        if (expert is None) == is_stacked_expert(target):
+            raise CheckpointError(f"tensor {name!r} in {file} does not match the layout of parameter {target!r}")
+        t = reader.get(name)
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if name.endswith(".weight") and scale_name in reader.where:
+            scale = reader.get(scale_name)
+            kept = _keep_native(self.model, target, expert, ref, t, scale, self.block, self.experts, self.targets)
+            if kept:
+                self.filled.update(kept)
+                if expert is not None:
+                    self.expert_rows.setdefault(target, set()).add(expert)
+                return
+            try:
+                t = decode_tensor(name, t, scale, self.block)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name!r} in {file}: {e}") from e
+        elif t.dtype in (torch.float8_e4m3fn, torch.int8):
+            raise CheckpointError(f"quantized tensor {name!r} in {file} has no scale tensor {scale_name!r}")
+        self.store(name, file, target, expert, ref, t)
+
+    def store(self, name: str, file: str, target: str, expert: int | None, ref: torch.Tensor, t: torch.Tensor) -> None:
+        """Store the decoded value ``t`` of tensor ``name`` (from ``file``) in ``target`` (row ``expert`` of a stacked
+        one), cast as the target keeps it."""
+        shape = logical_shape(ref)
+        want = shape[1:] if expert is not None else shape
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name!r} in {file} has shape {tuple(t.shape)}, expected {want}")
+        if is_fp8(ref) or (is_mxfp4(ref) and expert is not None):  # prepared for a format it is not stored in
+            self.filled.add(unprepare(self.model, target))
+            out_dtype = self.dtype
+        elif not ref.dtype.is_floating_point:
+            out_dtype = ref.dtype
+        else:
+            out_dtype = torch.float32 if keeps_fp32(target) else self.dtype
+        if expert is None:
+            _set(self.model, target, t.to(_device(ref), out_dtype).contiguous())
+            self.filled.add(target)
+            return
+        if expert >= ref.shape[0]:
+            raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {ref.shape[0]} experts")
+        if target not in self.experts:
+            self.experts[target] = torch.empty(shape, dtype=out_dtype, device=_device(ref))
+        self.experts[target][expert] = t
+        self.expert_rows.setdefault(target, set()).add(expert)
+
+    def check_complete(self, path: Path) -> None:
+        """Set the stacked experts; raise unless every target was filled."""
+        for target, value in self.experts.items():
+            _set(self.model, target, value)
+        missing = [
+            internal_to_released(k, e)
+            for k, ref in self.targets.items()
+            if k not in self.filled
+            for e in (range(ref.shape[0]) if is_stacked_expert(k) else [None])
+            if e not in self.expert_rows.get(k, ())
+        ]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path} lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
+            )

@@ -22,7 +22,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import config_from_env
 from deepinfer.engine.worker import ModelRunner, min_replay
 from deepinfer.models.deepseek_v4.layers import uses_w8a8
-from deepinfer.models.deepseek_v4.state import PagedKVCache
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.ops import get_ops
 from deepinfer.quant.w4a8 import uses_w4a8
 from deepinfer.telemetry import get_logger

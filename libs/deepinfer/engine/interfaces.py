@@ -7,6 +7,7 @@ plain dataclasses, so the gRPC services can carry them as protobuf messages unch
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,10 +113,32 @@ class StepResult:
     fetched: list[FetchResult] = field(default_factory=list)  # kvstore fetches completed since the last step
 
 
-class Worker(Protocol):
-    """Executes steps in process (``LLMEngine``'s worker): ``engine.worker.ModelRunner``, and the tests' fakes.
-    The scheduler service reaches a worker service over gRPC instead (``deepinfer.v1.Worker``'s ``Step`` stream)."""
+class Runner(Protocol):
+    """What the engine loop (``engine.step_loop``) drives: it sends steps and receives their results in order.
+    In process ``engine.worker.ModelRunner`` (plain calls); in the mesh the scheduler service's ``RemoteWorker``
+    (the same methods, awaited, over the ``deepinfer.v1.Worker`` ``Step`` stream)."""
 
-    def execute(self, plan: WorkerStepPlan) -> StepResult: ...
+    def send(self, plan: WorkerStepPlan) -> None: ...
 
-    def release(self, request_ids: list[str]) -> None: ...
+    def receive(self) -> StepResult: ...
+
+    def waits_for_tokens(self, plan: WorkerStepPlan) -> bool: ...
+
+
+class ImmediateRunner:
+    """A :class:`Runner` that computes each step when it is sent (:meth:`execute`); :meth:`receive` returns the
+    results in order."""
+
+    def execute(self, plan: WorkerStepPlan) -> StepResult:
+        raise NotImplementedError
+
+    def send(self, plan: WorkerStepPlan) -> None:
+        if not hasattr(self, "_results"):
+            self._results: collections.deque[StepResult] = collections.deque()
+        self._results.append(self.execute(plan))
+
+    def receive(self) -> StepResult:
+        return self._results.popleft()
+
+    def waits_for_tokens(self, plan: WorkerStepPlan) -> bool:
+        return False

@@ -63,3 +63,20 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """The model's rules for a new request, checked once where it enters the system (``LLMEngine.add_request`` in
+    process, the balancer in the mesh): a prompt of at least one token, every id in the vocabulary, the sampling
+    parameters' model-dependent rules (``SamplingParams.validate_for_model``; their field rules hold from
+    construction). Raises ValueError naming the field."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("prompt: empty prompt (at least one token is required)")
+    bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt_token_ids: {len(bad)} token ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]!r}"
+        )
+    params.validate_for_model(vocab_size)

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.host_copy import tensor, to_device
-from deepinfer.sampling_params import TOP_P_EPS, SamplingParams
+from deepinfer.kernels.sampling_rules import TOP_P_EPS
+from deepinfer.sampling_params import SamplingParams
 
 
 @dataclass

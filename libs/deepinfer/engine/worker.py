@@ -8,6 +8,7 @@ on earlier draws, or on a preemption in between.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, Ste
 from deepinfer.engine.models import Model
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.host_copy import tensor, to_host
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk, SequenceState, StateSnapshot
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,6 +54,7 @@ class ModelRunner:
         self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
         # each request's last sampled token: its value, or (the device samples of a step in flight, row)
         self.sampled: dict[str, int | tuple[torch.Tensor, int]] = {}
+        self.launched: collections.deque[InFlight] = collections.deque()  # sent, not received (``send``)
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -83,6 +87,13 @@ class ModelRunner:
     def execute(self, plan: WorkerStepPlan) -> StepResult:
         """Run a step and wait for its result: ``finish(launch(plan))``."""
         return self.finish(self.launch(plan))
+
+    def send(self, plan: WorkerStepPlan) -> None:
+        """The engine loop's runner contract (``interfaces.Runner``): ``launch``, results in order by ``receive``."""
+        self.launched.append(self.launch(plan))
+
+    def receive(self) -> StepResult:
+        return self.finish(self.launched.popleft())
 
     @torch.no_grad()
     def launch(self, plan: WorkerStepPlan) -> InFlight:

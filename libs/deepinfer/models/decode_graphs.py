@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer.models.deepseek_v4.state import ForwardBatch
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from deepinfer.models.decode_graphs import SegmentGraphs
-from deepinfer.models.deepseek_v4.state import ForwardBatch
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 
 # steps of <= 50% padding below 128 tokens, <= 33% above; multiples of 2048 past the ladder
 PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)

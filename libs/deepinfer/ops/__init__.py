@@ -25,13 +25,12 @@ def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
                 "DEEPINFER_ACCELERATOR=nvidia but no CUDA device is visible; set DEEPINFER_ACCELERATOR=cpu "
                 "to run the reference backend"
             )
-        if batch_invariant:
-            from deepinfer.ops.nvidia import NvidiaInvariantOps
+        from deepinfer.ops.nvidia import NvidiaInvariantOps, NvidiaOps
+        from deepinfer.ops.nvidia_settings import hand_over
 
-            return NvidiaInvariantOps()
-        from deepinfer.ops.nvidia import NvidiaOps
-
-        return NvidiaOps()
+        ops = NvidiaInvariantOps() if batch_invariant else NvidiaOps()
+        hand_over()  # the kernels read no settings: the backend hands them over (DEEPINFER_PDL, the prefill kernels)
+        return ops
     if accelerator == "ascend":  # refuses where torch_npu or an NPU is missing
         from deepinfer.backends.ascend import ascend_ops
 

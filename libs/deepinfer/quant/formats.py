@@ -13,29 +13,12 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0
+# the formats the kernels compute in are defined once, with the kernels (deepinfer.kernels.formats)
+from deepinfer.kernels.formats import FP8_MAX, MXFP4_BLOCK, dequantize_fp8_blocks, expand_blocks, pow2_scale
+
 FP4_MAX = 6.0
-MXFP4_BLOCK = 32
 # e2m1 code -> value; bit 3 is the sign
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
-    """UE8M0 scale: the smallest power of two ``s`` with ``amax / s <= qmax`` (``2^ceil(log2(amax/qmax))``,
-    computed exactly from the float's exponent, so no libm rounding can move it)."""
-    x = amax.float().clamp_min(floor) / qmax
-    mant, exp = torch.frexp(x)  # x = mant · 2^exp, mant in [0.5, 1)
-    exp = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two is its own ceiling
-    return torch.ldexp(torch.ones_like(x), exp)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
-    s = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return s[: shape[0], : shape[1]]
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,27 +32,8 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     padded[:out, :inp] = wf.abs()
     amax = padded.view(nb0, block[0], nb1, block[1]).amax(dim=(1, 3))
     scale = pow2_scale(amax, FP8_MAX, 1e-30)
-    q = (wf / _expand_blocks(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (wf / expand_blocks(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.to(torch.float8_e8m0fnu)
-
-
-def dequantize_fp8_blocks(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    block: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Decode an e4m3 weight with its block scales; the block size is inferred from the shapes."""
-    out, inp = q.shape
-    if block is None:
-        # block sizes are powers of two (128 for V4, 32 for V4.1); with nb >= 2 blocks along a dim of size n
-        # the block B satisfies n/nb <= B < 2n/nb, so it is the smallest power of two >= ceil(n/nb)
-        # (plain ceil(n/nb) is wrong when n is not a multiple of B, e.g. 200 rows in 2 blocks of 128)
-        block = (_pow2_at_least(-(-out // scale.shape[0])), _pow2_at_least(-(-inp // scale.shape[1])))
-    expected = (-(-out // block[0]), -(-inp // block[1]))
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(q.shape)}")
-    return (q.float() * _expand_blocks(scale, q.shape, block)).to(dtype)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,3 +98,19 @@ def fp4_codes(v: torch.Tensor) -> torch.Tensor:
 def fp4_round(v: torch.Tensor) -> torch.Tensor:
     """Values rounded onto the e2m1 grid (for the quantisation simulation)."""
     return _fp4_values(v.device)[fp4_codes(v)]
+
+
+__all__ = [
+    "FP4_MAX",
+    "FP4_VALUES",
+    "FP8_MAX",
+    "MXFP4_BLOCK",
+    "dequantize_fp8_blocks",
+    "dequantize_mxfp4",
+    "expand_blocks",
+    "fp4_codes",
+    "fp4_round",
+    "pow2_scale",
+    "quantize_fp8_blocks",
+    "quantize_mxfp4",
+]

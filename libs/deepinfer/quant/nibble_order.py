@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.formats import ORDERS, check_order  # the orders' names: the kernels' decodes take them
+
 SHIFT_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)  # nibble j of a word holds the word's code SHIFT_ORDER[j]
 # rotate: register b's left rotation (register 3: its mantissa bits', then its other bits')
 ROTATIONS = (0, 4, 10, (6, 14))
-ORDERS = ("plain", "shift", "rotate")
 SCALE_RANGE = (0, 128)  # UE8M0 exponents the shift / rotate decodes take exactly (2^(s-1) is a normal bfloat16)
 _CHUNK_WORDS = 1 << 24  # words rearranged per step (64 MiB of int32 temporaries)
 _TARGET = (6, 7, 8, 15)  # the bit of a bfloat16 that holds code bit 0 (mantissa), 1, 2 (exponent), 3 (sign)
@@ -50,11 +51,6 @@ def _rotate_sources() -> tuple[int, ...]:
 ROTATE_SOURCES = _rotate_sources()
 _SHIFT_SOURCES = tuple(4 * SHIFT_ORDER[p // 4] + p % 4 for p in range(32))
 _SOURCES = {"shift": _SHIFT_SOURCES, "rotate": ROTATE_SOURCES}
-
-
-def check_order(order: str) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"MXFP4 nibble order must be one of {ORDERS}, got {order!r}")
 
 
 def _words(w: torch.Tensor) -> torch.Tensor | None:

@@ -26,8 +26,9 @@ from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan
+from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward, rows_fp32
-from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v4.window_lists import WindowLists, step_window_lists

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from deepinfer.host_copy import StagedCopy, to_device
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
 from deepinfer.ops import Ops
 

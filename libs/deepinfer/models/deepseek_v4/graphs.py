@@ -34,8 +34,9 @@ from deepinfer.models.decode_graphs import BUCKETS, SegmentGraphs, bucket_for
 from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan, span_for
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.layers import RotaryTable
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops
 

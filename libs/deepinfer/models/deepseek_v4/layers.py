@@ -86,7 +86,8 @@ def join_rows(linears: Sequence[Linear]) -> bool:
     """Make the weights of ``linears`` (and their FP8 block scales) consecutive rows of one new tensor, each weight
     (scale) a view of its rows, so that ``rows_forward`` / ``rows_fp32`` read them with one GEMM. Only for weights of
     one dtype, device and input width with the same activation rounding and, in FP8, the same scale blocks, every
-    weight but the last filling whole row blocks; returns whether it joined them (else nothing changed)."""
+    weight but the last filling whole row blocks; returns whether it joined them (else nothing changed). Call it before
+    any graph is captured: a captured graph keeps reading the weights' old storage."""
     ws = [lin.weight for lin in linears]
     if len(ws) < 2:
         return False

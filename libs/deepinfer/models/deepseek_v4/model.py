@@ -12,11 +12,12 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
 

@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.graphs import GraphedModel
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, PieceBucket, PiecewiseGraphs, prefill_bucket
 
 

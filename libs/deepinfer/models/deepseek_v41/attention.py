@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
+from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward
-from deepinfer.models.deepseek_v4.state import CompressorBuffer, SeqChunk, SequenceState
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41 import decode_step
 from deepinfer.models.deepseek_v41.attention_batched import attend_batched

@@ -53,7 +53,8 @@ from deepinfer.models.deepseek_v4.decode_step import (
     staged_meta,
     step_widths,
 )
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.models.deepseek_v41.step_context import AttentionLayer

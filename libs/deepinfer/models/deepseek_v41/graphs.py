@@ -38,8 +38,9 @@ from torch import nn
 
 from deepinfer.host_copy import StagedCopy
 from deepinfer.models.decode_graphs import SegmentGraphs
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.layers import RotaryTable
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41 import decode_step
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
@@ -55,7 +56,7 @@ class GraphedModel(Protocol):
     text: DeepseekV41TextConfig
     ops: Ops
     embed: nn.Embedding
-    layers: nn.ModuleList  # model.Block: engram, attn_in, attn, ffn_out
+    layers: nn.ModuleList  # block.Block: engram, attn_in, attn, ffn_out
     hasher: EngramHasher | None
     state_pool: StatePool | None
     pooled_decode: bool

@@ -2,8 +2,9 @@
 
 ``forward`` runs one step of several sequences (each a chunk of new tokens, prefill or decode) and returns the
 trunk output ``[T, hidden]`` (the streams collapsed with the last FFN ``pre``, before the final norm); ``logits``
-applies the final norm and the head in fp32 to the rows asked for. Per layer: Engram (layers in
-``engram_layer_ids``) into all streams, then the lagged mHC around CSA2 attention and the modality-aware MoE.
+applies the final norm and the head in fp32 to the rows asked for. Per layer (``block.Block``): Engram
+(layers in ``engram_layer_ids``) into all streams, then the lagged mHC around CSA2 attention and the modality-aware
+MoE; the encoder/decoder split is ``decoder_split``.
 
 Per-sequence state lives in the engine's :class:`SequenceState` (window rings, the ratio-2 owners' pending half
 group, the last ``max_ngram_size - 1`` token ids for Engram) and the paged cache (the owners' compressed rows and
@@ -19,119 +20,24 @@ import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention
-from deepinfer.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+from deepinfer.models.deepseek_v41.block import Block
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.decoder_split import decoder_context, split_at_decoder
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
-from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher, engram_update
+from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
-from deepinfer.models.deepseek_v41.layout import LayerSpec, layer_specs
-from deepinfer.models.deepseek_v41.mhc import HyperConnection, Mix, embed_streams, final_collapse, initial_pre
-from deepinfer.models.deepseek_v41.mhc import lagged_sublayer as _lagged
-from deepinfer.models.deepseek_v41.moe import MoE
+from deepinfer.models.deepseek_v41.layout import layer_specs
+from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
 from deepinfer.ops import Ops, get_ops
-
-
-class EngramTable(nn.Module):
-    """One Engram memory table (``layers.{i}.engram.embed.weight [rows, head_dim]``) behind a lookup op, so the
-    table can live apart from the model (in host memory: ``DeepseekV41Model.place_engram_tables``): ``lookup``
-    gathers on the table's device and moves only the rows read."""
-
-    def __init__(self, rows: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(rows, dim), requires_grad=False)
-
-    def lookup(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Table rows ``[..., n, dim]`` for row ids ``rows [..., n]``, on ``device``."""
-        return to_device(self.weight[rows.to(self.weight.device)], device)
-
-
-class Engram(nn.Module):
-    """``layers.{i}.engram``: hashed n-gram memory gated into every stream (docs/deepseek_v41.md ("Engram"))."""
-
-    def __init__(self, config: DeepseekV41TextConfig, layer_id: int) -> None:
-        super().__init__()
-        c = config
-        self.slot = tuple(c.engram_layer_ids).index(layer_id)
-        self.eps = c.rms_norm_eps
-        self.embed = EngramTable(c.engram_num_embeddings[self.slot], c.engram_head_dim)
-        self.wkv = Linear(
-            c.num_engram_hashes * c.engram_head_dim, (c.hc_mult + 1) * c.hidden_size, fp8=True, keeps_fp8=False
-        )
-        self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
-        self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size), requires_grad=False)
-
-    def forward(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        return self.update(h, self.embed.lookup(rows, h.device), token_mask, ops)
-
-    def update(self, h: torch.Tensor, e: torch.Tensor, token_mask: torch.Tensor | None, ops: Ops) -> torch.Tensor:
-        """The streams ``h`` updated with looked-up table rows ``e [T, hashes, head_dim]``."""
-        return engram_update(h, e, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask, ops)
-
-
-class Block(nn.Module):
-    """``layers.{i}``: (Engram) → lagged mHC around attention → lagged mHC around the MoE."""
-
-    def __init__(self, config: DeepseekV41TextConfig, spec: LayerSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hc_attn = HyperConnection(config)
-        self.hc_ffn = HyperConnection(config)
-        self.attn = Attention(config, spec)
-        self.ffn = MoE(config)
-        self.engram = Engram(config, spec.index) if spec.engram else None
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        pre: torch.Tensor,
-        ctx: StepContext,
-        rope: RotaryTable,
-        ops: Ops,
-        engram_rows: torch.Tensor | None,
-        text_mask: torch.Tensor | None,
-        image_mask: torch.Tensor | None,
-        capture: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streams ``h [T, N, D]`` and the previous sublayer's ``pre`` → new streams and this block's FFN ``pre``.
-        ``capture`` receives the (post-Engram) streams entering the attention mHC: a DSpark target feature."""
-        if self.engram is not None:
-            h = self.engram(h, engram_rows, text_mask, ops)
-        if capture is not None:
-            capture.append(h)
-        mix, t = self.attn_in(h, pre, ctx.positions, rope, ops)
-        return self.ffn_out(self.attn.attend(t, ctx, rope, ops), t, h, mix, image_mask, ops)
-
-    def attn_in(
-        self, h: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, ops: Ops
-    ) -> tuple[Mix, dict[str, torch.Tensor]]:
-        """The attention sublayer up to the state (lagged mHC, ``mhc.lagged_sublayer``): the mixes of the
-        (post-Engram) streams ``h``, and ``Attention.project`` of ``attn_norm(collapse(h, pre))``. Touches no state."""
-        mix = self.hc_attn(h, ops)
-        return mix, self.attn.project(self.attn_norm(ops.hc_collapse(h, pre), ops), positions, rope, ops)
-
-    def ffn_out(
-        self,
-        out: torch.Tensor,
-        t: dict[str, torch.Tensor],
-        h: torch.Tensor,
-        mix: Mix,
-        image_mask: torch.Tensor | None,
-        ops: Ops,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output ``out [T, H, d]`` projected (``Attention.output``) and expanded into the streams
-        ``h`` with ``mix``, then the lagged FFN sublayer; returns the new streams and the FFN ``pre``. Touches no
-        state."""
-        h = ops.hc_expand(self.attn.output(out, t["cos"], t["sin"], ops), h, mix.post, mix.comb)
-        return _lagged(h, mix.pre, self.hc_ffn, lambda x: self.ffn(self.ffn_norm(x, ops), image_mask, ops), ops)
 
 
 class DeepseekV41Model(nn.Module):
@@ -307,13 +213,13 @@ class DeepseekV41Model(nn.Module):
         for layer in self.layers:
             rope = self.rope_of(layer)
             if layer.spec.index == self.decoder_start and any(ch.decoder_from is not None for ch in ctx.chunks):
-                active = self._split(layer, h, pre, ctx, rows, image, rope)
+                active = split_at_decoder(layer, self.specs, h, pre, ctx, rows, image, rope, ops)
                 if active is not None and active.numel() == 0:  # no chunk reaches its decoder part yet
                     break
                 if active is not None:
                     h, pre, rows = h[active], pre[active], None if rows is None else rows[active]
                     image = None if image is None else image[active]
-                    ctx = self._decoder_context(ctx, active)
+                    ctx = decoder_context(ctx, active)
             e_rows = None if layer.engram is None else rows[:, layer.engram.slot]
             cap = captured if layer.spec.index in targets else None
             h, pre = layer(h, pre, ctx, rope, ops, e_rows, None if image is None else ~image, image, cap)
@@ -345,68 +251,6 @@ class DeepseekV41Model(nn.Module):
     def decoder_start(self) -> int:
         """The first decoder layer (CED: layers ``num_hidden_layers // 2 ..``)."""
         return self.text.num_hidden_layers // 2
-
-    def _split(
-        self,
-        layer: Block,
-        h: torch.Tensor,
-        pre: torch.Tensor,
-        ctx: StepContext,
-        rows: torch.Tensor | None,
-        image: torch.Tensor | None,
-        rope: RotaryTable,
-    ) -> torch.Tensor | None:
-        """At the first decoder layer: publish its compressed rows for the positions the decoder skips and return
-        the batch rows it runs on (None when it runs on all)."""
-        if any(s.kind == "full" and s.index != layer.spec.index for s in self.specs if s.stage == "decoder"):
-            raise ValueError(
-                "a bounded decoder replay needs every decoder KV source at the first decoder layer "
-                f"({self.decoder_start}): later ones would miss the skipped positions' rows"
-            )
-        skip, chunks, offsets, o = [], [], [], 0
-        for chunk, (a, _) in zip(ctx.chunks, ctx.offsets):
-            d = chunk.start if chunk.decoder_from is None else min(max(chunk.decoder_from, chunk.start), chunk.end)
-            if d > chunk.start:
-                skip.append(torch.arange(a, a + d - chunk.start))
-                chunks.append(SeqChunk(chunk.state, chunk.start, d - chunk.start, chunk.block_table))
-                offsets.append((o, o + d - chunk.start))
-                o += d - chunk.start
-                chunk.state.decoder_start = max(chunk.state.decoder_start, d)
-        if not skip:
-            return None
-        idx = torch.cat(skip).to(h.device)
-        hs = h[idx]
-        if layer.engram is not None:
-            hs = layer.engram(hs, rows[idx][:, layer.engram.slot], None if image is None else ~image[idx], self.ops)
-        xs = layer.attn_norm(self.ops.hc_collapse(hs, pre[idx]), self.ops)
-        layer.attn.publish(xs, StepContext(chunks, offsets, ctx.positions[idx], ctx.cache), rope, self.ops)
-        keep = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
-        keep[idx] = False
-        return keep.nonzero().flatten()
-
-    @staticmethod
-    def _decoder_context(ctx: StepContext, active: torch.Tensor) -> StepContext:
-        """The step context of the decoder rows ``active`` (sorted batch rows): chunks cut to their decoder part,
-        their selection / candidate masks cut alike."""
-        act = set(active.tolist())
-        chunks, offsets, sel, cand, o = [], [], {}, {}, 0
-        for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
-            n = sum(1 for r in range(a, b) if r in act)
-            if not n:
-                continue
-            j = len(chunks)
-            chunks.append(SeqChunk(chunk.state, chunk.end - n, n, chunk.block_table))
-            offsets.append((o, o + n))
-            o += n
-            if i in ctx.selection:
-                sel[j] = ctx.selection[i][-n:]
-            if ctx.candidates.get(i) is not None:
-                cand[j] = ctx.candidates[i][-n:]
-        out = StepContext(chunks, offsets, ctx.positions[active], ctx.cache, selection=sel, candidates=cand)
-        if ctx.sel_rows is not None:  # the batched path's per-token selection
-            out.sel_rows, out.sel_count = ctx.sel_rows[active], ctx.sel_count[active]
-        out.cand = None if ctx.cand is None else ctx.cand[active]
-        return out
 
     @torch.no_grad()
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.host_copy import to_device
-from deepinfer.models.deepseek_v4.state import ForwardBatch, PagedKVCache
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v41.graphs import GraphedModel, TextGraphs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.step_context import StepContext

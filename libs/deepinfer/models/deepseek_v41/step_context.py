@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
-from deepinfer.models.deepseek_v4.state import PagedKVCache, SeqChunk
+from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
 

@@ -1,0 +1,113 @@
+"""The tiles and path of an FP8 block-scaled GEMM (``fp8_gemm.fp8_linear``), picked from the shapes alone: the same
+choice inside and outside a CUDA graph, no device value read. Measured on an H200 at DeepSeek-V4-Flash's dense shapes
+(``bench/kernels/gemm_fp8.py --tune``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+ACT_BLOCK = 128
+W8A8_MIN_M = 256  # from this many rows (act_quant, 128-wide K blocks): FP8 tensor cores (H200: 1.4x W8A16 at 256)
+SCALED_MM_MIN_M = 1024  # from this many rows on the W8A8 path: torch._scaled_mm (H200: 1.3-1.6x the Triton W8A8)
+SWAP_W8A8_MIN_M = 16  # from this many rows up to W8A8_MIN_M (act_quant, 128-wide K blocks): w8a8 with swap_ab
+DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuBLAS (H200: 2.2x W8A16 at 1024)
+_PATHS = ("gemv", "w8a16", "w8a8", "dequant")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles and path of one call. ``path``: ``"gemv"`` (one row, CUDA cores), ``"w8a16"`` (bf16/fp32 tensor
+    cores), ``"w8a8"`` (FP8 tensor cores: act_quant, a 128-wide weight K block, block_k 128) or ``"dequant"`` (the
+    weight dequantised to ``x.dtype`` by a kernel, then ``F.linear``). ``scale_x`` (w8a16): multiply the weight
+    scale into the activation tile instead of the weight tile (block_n dividing the row block; gemv always does)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # K chunks of gemv / w8a16 (rounded so that none is empty)
+    num_warps: int = 4
+    num_stages: int = 3
+    path: str = "w8a16"
+    scale_x: bool = False
+    fuse_quant: bool = True  # act_quant on gemv / w8a16: quantise in the GEMM, else in a pre-pass
+    group_m: int = 8  # w8a8 program ordering
+    swap_ab: bool = False  # w8a8 for few rows: the weight as the MMA's wide operand, split-K as split_k
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132) -> GemmConfig:
+    """The tiles for ``[m, k] × [n, k]ᵀ`` from the shapes only (the same choice inside and outside a CUDA graph);
+    measured on an H200 at V4-Flash's shapes (``bench/kernels/gemm_fp8.py --tune``)."""
+    w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
+    if interpreted():
+        cfg = GemmConfig(16, 32, 128, num_stages=1, path="w8a8" if w8a8 else "gemv" if m == 1 else "w8a16")
+        return replace(cfg, split_k=2 if n <= 64 and k >= 512 else 1)
+    if w8a8:
+        return GemmConfig(64, 64 if m <= 512 else 128, 128, num_warps=4, num_stages=4, path="w8a8")
+    if act_quant and block[1] == ACT_BLOCK and SWAP_W8A8_MIN_M <= m:  # few rows: FP8 MMA, weights on the wide side
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, 128), k // ACT_BLOCK, 1
+        while tiles * split < sms and steps >= 8 * split:
+            split *= 2
+        return GemmConfig(bm, 128, 128, split_k=split, num_warps=4, num_stages=4, path="w8a8", swap_ab=True)
+    if m >= DEQUANT_MIN_M and not act_quant:
+        return GemmConfig(64, 128, 128, path="dequant")
+    if m == 1 and block[0] % 16 == 0:  # CUDA cores; ~1.5 waves of programs, several K tiles each when possible
+        bn, bk, warps = (32, 256, 4) if n >= 16384 and block[0] % 32 == 0 else (16, 512, 4)
+        if bn == 16 and k >= 2048 and n >= 16 * sms:
+            bk, warps = 1024, 8
+        tiles, steps, split = triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+        while 2 * tiles * split < 3 * sms and 2 * split <= steps:
+            split *= 2
+        return GemmConfig(1, bn, bk, split_k=split, num_warps=warps, num_stages=1, path="gemv")
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    bn = 64 if m <= 16 else 128
+    tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, 128), 1
+    while (
+        (tiles * split < sms and steps >= 8 * split) if bm <= 16 else (2 * tiles * split <= sms and steps >= 4 * split)
+    ):
+        split *= 2  # fill the SMs, keeping several K steps per chunk
+    warps = 4 if bm * bn < 64 * 128 else 8
+    return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=3, fuse_quant=bm <= 16)
+
+
+def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bool, dt: torch.dtype) -> None:
+    bad = None
+    if cfg.path == "w8a8" and (not act_quant or block[1] != ACT_BLOCK or cfg.block_k != ACT_BLOCK):
+        bad = "w8a8 needs act_quant, a 128-wide weight K block and block_k 128"
+    elif cfg.path in ("gemv", "w8a16") and act_quant and cfg.fuse_quant and cfg.block_k % ACT_BLOCK:
+        bad = f"a fused act_quant needs block_k a multiple of {ACT_BLOCK}"
+    elif cfg.path == "w8a16" and act_quant and cfg.fuse_quant and cfg.block_k != ACT_BLOCK:
+        bad = f"w8a16 with a fused act_quant needs block_k {ACT_BLOCK}"
+    elif cfg.path == "gemv" and (m != 1 or block[0] % cfg.block_n):
+        bad = "gemv needs one row and block_n dividing the weight's row block"
+    elif cfg.path == "w8a16" and cfg.scale_x and (block[0] % cfg.block_n or dt == torch.float16):
+        bad = "scale_x needs block_n dividing the weight's row block and bf16 / fp32 activations"
+    elif cfg.path not in _PATHS:
+        bad = f"unknown path {cfg.path!r}"
+    if bad:
+        raise ValueError(f"fp8_linear: config {cfg}: {bad}")
+
+
+__all__ = [
+    "ACT_BLOCK",
+    "DEQUANT_MIN_M",
+    "SCALED_MM_MIN_M",
+    "SWAP_W8A8_MIN_M",
+    "W8A8_MIN_M",
+    "GemmConfig",
+    "pick_config",
+]
