@@ -324,8 +324,8 @@ def moe_smoke(
     the rows go to ``<date>-<stem>.json``."""
     import torch
 
+    from deepinfer.backends.reference import ReferenceOps
     from deepinfer.kernels import moe_mxfp4
-    from deepinfer.ops.reference import ReferenceOps
 
     e, i, d, k = shape
     note_skipped(skipped)

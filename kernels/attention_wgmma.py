@@ -51,7 +51,7 @@ BLOCK_N = 64  # keys a step
 STAGES = 2  # the key ring: 64 KB of query + 2 x 64 KB of keys + 8 KB of P in shared memory
 NUM_WARPS = 8
 FAILED = False  # set once a build fails: every later call keeps the Triton tiles
-# DEEPINFER_ATTN_PREFILL == "gluon" (its default): the nvidia backend hands the setting over (ops.nvidia_settings)
+# DEEPINFER_ATTN_PREFILL == "gluon" (its default): the nvidia backend hands the setting over (backends.nvidia.settings)
 ENABLED = True
 
 

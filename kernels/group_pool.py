@@ -12,9 +12,9 @@ pooled row is, per channel ``c < d``, ``sum_j softmax_j(score_j[c]) · kv_j[c]``
 Rows with ``live[s]`` False are zeros (the torch path pools every row and keeps the completed ones; these pool only
 the rows the caller marks live). A channel whose every score is ``-inf`` is NaN, as torch's softmax makes it.
 
-The torch definition is ``ReferenceOps.group_pool`` (``deepinfer.ops.reference``, what the tests check this against):
-``Compressor._rows``'s gather/``where``/``cat`` construction and ``ReferenceOps.softmax_pool``'s expression, bit for
-bit, then the ``live`` mask. ``group_pool`` is the kernel: grid
+The torch definition is ``ReferenceOps.group_pool`` (``deepinfer.backends.reference``, what the tests check this
+against): ``Compressor._rows``'s gather/``where``/``cat`` construction and ``ReferenceOps.softmax_pool``'s expression,
+bit for bit, then the ``live`` mask. ``group_pool`` is the kernel: grid
 ``(S, cdiv(d, BLOCK_D))``; a program loads its row's ``live`` flag and stores zeros if it is False; otherwise it
 loads the group's ring rows of its channel block through the indices, takes the per-channel max over the rows,
 ``e = exp(score - max)``, ``p = e / sum(e)`` and ``sum(p · kv)``, all in fp32. When the group's rows times

@@ -1,6 +1,6 @@
 """Fused mHC (manifold-constrained hyper-connection) kernels: one launch where the reference takes ~130.
 
-The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.ops.reference``):
+The semantics are ``ReferenceOps.hc_mixes`` / ``hc_collapse`` / ``hc_expand`` (``deepinfer.backends.reference``):
 
 * ``hc_pre(h, fn, scale, base, iters, eps, norm_eps)``: the mixes ``(flatten(h) · fnᵀ) · rsqrt(mean(h²) + norm_eps)``
   (the ``[T, M]`` product: bf16 streams on CUDA, one bf16 GEMM against ``fn`` split into three exact bf16 parts,

@@ -46,7 +46,7 @@ BLOCK_K = 64  # columns a K step (two MXFP4 scale blocks; one 128-byte swizzled 
 STAGES = 4  # the cp.async ring of activation and word tiles
 NUM_WARPS = 8
 # moe_mxfp4's prefill kernels: one of PREFILL_KERNELS, DEEPINFER_MOE_PREFILL (its default) as the nvidia backend hands
-# the setting over (ops.nvidia_settings); "triton" keeps the Triton tiles
+# the setting over (backends.nvidia.settings); "triton" keeps the Triton tiles
 PREFILL_KERNELS = ("gluon", "gluon-smem", "gluon-ws", "triton")
 PREFILL = "gluon"
 WS: bool | None = None  # the warp-specialised variant (kernels.moe_mxfp4_ws); None: PREFILL == "gluon-ws"

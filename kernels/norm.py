@@ -1,6 +1,6 @@
 """RMSNorm and interleaved RoPE in one Triton launch each (the reference takes ~7 and ~10 small launches).
 
-The semantics are ``ReferenceOps.rms_norm`` and ``ReferenceOps.rope`` (``deepinfer.ops.reference``):
+The semantics are ``ReferenceOps.rms_norm`` and ``ReferenceOps.rope`` (``deepinfer.backends.reference``):
 
 * ``rms_norm(x, weight, eps)``: ``w · x · rsqrt(mean(x²) + eps)`` over the last dim in fp32, ``x.dtype`` out.
 * ``rope(x, cos, sin, inverse)``: the GPT-J pair rotation of the last ``2 · cos.shape[-1]`` dims of ``x`` (``sin``

@@ -118,7 +118,7 @@ def _sm_count(index: int) -> int:
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, lane) -> its tickets (zero between calls)
-# The lane of the calling code: 0, or 1 inside the side branch of Ops.parallel (ops.nvidia_streams), whose kernels
+# The lane of the calling code: 0, or 1 inside the side branch of Ops.parallel (backends.nvidia.streams), whose kernels
 # may run at the same time as lane 0's: each lane draws its tickets from its own counters.
 LANE: contextvars.ContextVar[int] = contextvars.ContextVar("small_gemm_lane", default=0)
 

@@ -2,20 +2,20 @@
 routers' small top-k (``topk_rows``: ``Ops.topk_indices`` of rows of at most 4096 columns, ``k <= 32``, ``k`` rounds
 of a maximum over the row's unique keys in one program, for the stable sort that took ~20 µs a call on an H200).
 
-``select_rows(scores [..., W], visible [..., W] bool, k) -> (rows [..., min(k, W)] long, count [...] long)``: each
-row's top ``kk = min(k, W)`` columns in the order of a stable descending sort of the scores (a higher score first;
-among equal scores the lower column first), of which the visible ones, ascending, are ``rows[..., :count]``.
-``rows[..., :count]`` and ``count`` equal ``ReferenceOps.select_rows`` (and ``ops.nvidia.packed_select_rows``)
-exactly. The entries past ``count`` are the chosen invisible columns in DESCENDING order (``packed_select_rows``
-lists them ascending; the callers never read them): valid column indices in ``[0, W)``.
+``select_rows(scores [..., W], visible [..., W] bool, k) -> (rows [..., min(k, W)] long, count [...] long)``: each row's
+top ``kk = min(k, W)`` columns in the order of a stable descending sort of the scores (a higher score first; among equal
+scores the lower column first), of which the visible ones, ascending, are ``rows[..., :count]``. ``rows[..., :count]``
+and ``count`` equal ``ReferenceOps.select_rows`` (and ``backends.nvidia.topk.packed_select_rows``) exactly. The entries
+past ``count`` are the chosen invisible columns in DESCENDING order (``packed_select_rows`` lists them ascending; the
+callers never read them): valid column indices in ``[0, W)``.
 
 Keys. A score (float32 / bfloat16 / float16, compared in fp32, which holds them exactly) is ordered by
-``ops.nvidia.packed_keys``' int32 ``v``: ``+bits(|s|)`` for ``s ≥ 0``, ``−bits(|s|)`` for ``s < 0``, so ``−0.0`` and
-``+0.0`` tie (``v = 0``) and every NaN gets ``0x7f800001``, above ``+inf`` and tied with the other NaNs. Ties go to
-the lower column. The kk-th key is ``T`` (a ``v``) with ``need ≥ 0``: a column is chosen iff ``v > T``, or ``v == T``
-and fewer than ``need`` columns left of it have ``v == T``. A coarse 8-bit key ``c(v)``, non-decreasing in ``v``,
-narrows the search: 0 is ``-inf`` (the masked columns), 1..127 the other negatives and 128..255 the rest, by quarter
-binades of ``|s|`` in ``[2^-16, 2^16)`` (clamped outside).
+``backends.nvidia.topk.packed_keys``' int32 ``v``: ``+bits(|s|)`` for ``s ≥ 0``, ``−bits(|s|)`` for ``s < 0``, so
+``−0.0`` and ``+0.0`` tie (``v = 0``) and every NaN gets ``0x7f800001``, above ``+inf`` and tied with the other NaNs.
+Ties go to the lower column. The kk-th key is ``T`` (a ``v``) with ``need ≥ 0``: a column is chosen iff ``v > T``, or
+``v == T`` and fewer than ``need`` columns left of it have ``v == T``. A coarse 8-bit key ``c(v)``, non-decreasing in
+``v``, narrows the search: 0 is ``-inf`` (the masked columns), 1..127 the other negatives and 128..255 the rest, by
+quarter binades of ``|s|`` in ``[2^-16, 2^16)`` (clamped outside).
 
 One program per row; the row is read in chunks of ``BLOCK`` columns, the candidate list in chunks of ``LBLOCK``:
 

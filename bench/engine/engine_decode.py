@@ -43,6 +43,7 @@ from bench import harness
 from bench.engine import sweep
 from deepinfer.engine.engine import LLMEngine  # noqa: E402
 from deepinfer.engine.factory import build_scheduler  # noqa: E402
+from deepinfer.engine.models import family_of  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.quant.native import prepare_native  # noqa: E402
@@ -60,7 +61,7 @@ def run_engine(model, cache, dev, config, tok, b: int, args, async_scheduling: b
     total = args.warmup + steps + 3 + prefill_steps(b, args)  # the first requests decode while the last prefill
     sched = build_scheduler(config, cache.num_pages, cache.page_size, args.context + total + 1, max_num_seqs=b,
                             max_num_batched_tokens=max(args.chunk, b), prefix_caching=False)  # fmt: skip
-    runner = ModelRunner(model, cache, dev)
+    runner = ModelRunner(model, cache, dev, family=family_of(model.config))
     engine = LLMEngine(sched, runner, tok, config.vocab_size, async_scheduling=async_scheduling)
     rng = random.Random(args.seed)
     params = SamplingParams(**MIXES[args.mix], max_tokens=total, ignore_eos=True, seed=args.seed)

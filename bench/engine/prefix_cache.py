@@ -31,6 +31,7 @@ import torch
 
 from bench import harness
 from bench.engine import sweep
+from deepinfer.engine.models import family_of  # noqa: E402
 from deepinfer.engine.pages import PagePool  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
@@ -43,7 +44,7 @@ def conversation(model, args, dev, cache_on: bool) -> list[dict]:
     ps, turns = args.page_size, args.turns
     total = turns * (args.user + args.reply) + ps
     pages = 2 * -(-total // ps) + 8
-    runner = ModelRunner(model, PagedKVCache(c, pages, ps, torch.bfloat16, dev), dev)
+    runner = ModelRunner(model, PagedKVCache(c, pages, ps, torch.bfloat16, dev), dev, family=family_of(model.config))
     cfg = SchedulerConfig(page_size=ps, max_model_len=total + ps, eos_token_id=c.eos_token_id,
                           max_num_batched_tokens=args.chunk, prefix_caching=cache_on, fingerprint="bench")  # fmt: skip
     sched = Scheduler(cfg, PagePool(pages))

@@ -35,6 +35,7 @@ from bench import harness
 from bench.engine import sweep
 from deepinfer.engine.constraints import Constraint  # noqa: E402
 from deepinfer.engine.factory import constraint_set  # noqa: E402
+from deepinfer.engine.models import family_of  # noqa: E402
 from deepinfer.engine.pages import PagePool  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from deepinfer.engine.worker import ModelRunner  # noqa: E402
@@ -64,7 +65,7 @@ def decode(model, args, dev, batch: int, constraint: Constraint | None) -> dict:
     c, ps = model.config, args.page_size
     total = args.prompt + args.tokens + ps
     pages = batch * -(-total // ps) + 4
-    runner = ModelRunner(model, PagedKVCache(c, pages, ps, torch.bfloat16, dev), dev)
+    runner = ModelRunner(model, PagedKVCache(c, pages, ps, torch.bfloat16, dev), dev, family=family_of(model.config))
     runner.constraints = constraint_set(None, c)
     cfg = SchedulerConfig(page_size=ps, max_model_len=total + ps, eos_token_id=c.eos_token_id, max_num_seqs=batch,
                           max_num_batched_tokens=max(batch * args.prompt, 2048), prefix_caching=False)  # fmt: skip

@@ -46,7 +46,7 @@ Smoke test on CPU (≈ 1–2 min)::
     PYTHONPATH=libs:. python bench/engine/sweep.py --tiny --device cpu --out /tmp/sweep
 
 Imports from deepinfer only ``deepinfer`` (package init), ``deepinfer.models.deepseek_v4.{config,model,state}``,
-``deepinfer.ops`` (→ ``deepinfer.ops.reference``, ``deepinfer.quant.formats``); with ``--tiny`` also
+``deepinfer.ops`` (→ ``deepinfer.backends.reference``, ``deepinfer.quant.formats``); with ``--tiny`` also
 ``deepinfer.checkpoint.tiny`` (→ safetensors); for the peer ``deepinfer.checkpoint.references`` (→ transformers,
 ``deepinfer.checkpoint.names``). No structlog, OpenTelemetry or tokenizer package is needed.
 """
@@ -932,8 +932,8 @@ def moe_bench(config: DeepseekV4Config, dev: torch.device, bw: float, budget: Bu
     """One layer's routed experts alone at the model's width (bf16 weights, random distinct routing): the reference
     loop, ``torch._grouped_mm`` and the Triton kernels (both tile configs), timed, with the relative error against
     the reference and the time to read the touched experts' bf16 bytes at the measured copy bandwidth."""
+    from deepinfer.backends.reference import ReferenceOps
     from deepinfer.kernels import moe as kmoe
-    from deepinfer.ops.reference import ReferenceOps
 
     e, i, d, k = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size, config.num_experts_per_tok
     g = torch.Generator(device=dev).manual_seed(7)

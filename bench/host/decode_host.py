@@ -27,13 +27,13 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from bench.harness import add_common_args
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.checkpoint.tiny import TINY_V4, random_weights  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 
 def aten_calls(step) -> int:

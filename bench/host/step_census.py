@@ -104,13 +104,13 @@ def wrap_ops(ops: object, census: Census) -> None:
 
 
 def build(kind: str, dtype: torch.dtype, device: str = "cpu", graphs: bool = False):
+    from deepinfer.backends.reference import ReferenceOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.reference import ReferenceOps
 
     if kind == "nvidia":
-        from deepinfer.ops.nvidia import NvidiaOps
+        from deepinfer.backends.nvidia import NvidiaOps
 
         ops = NvidiaOps(cuda_graphs=graphs)
     else:

@@ -66,8 +66,8 @@ def hbm_bw(dev: torch.device) -> float:
 
 
 def group_pool_rows(bw: float) -> list[dict]:
+    from deepinfer.backends.reference import ReferenceOps
     from deepinfer.kernels.group_pool import group_pool
-    from deepinfer.ops.reference import ReferenceOps
 
     ref, rows = ReferenceOps(), []
     kinds = (("HCA", False, 8, 32), ("CSA", True, 4, 32)) if TINY else (("HCA", False, 128, 512), ("CSA", True, 4, 512))
@@ -113,8 +113,8 @@ def attention_rows(bw: float) -> list[dict]:
 
 
 def select_rows_rows(bw: float) -> list[dict]:
-    from deepinfer.ops.nvidia import NvidiaOps
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.backends.reference import ReferenceOps
 
     ref, ours, rows = ReferenceOps("nvidia"), NvidiaOps(), []
     k = 16 if TINY else 512

@@ -29,8 +29,8 @@ from bench.harness import (
 
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels import hc  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 
 def configs(text: str) -> list[tuple[int, int]]:

@@ -17,8 +17,8 @@ import torch
 
 from deepinfer.backends import platform_for
 from deepinfer.backends.ascend import AscendOps
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.ops import get_ops
-from deepinfer.ops.reference import ReferenceOps
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from torch.autograd import DeviceType
 
 from bench.host.device_gaps import device_gaps
 from bench.host.host_ops import host_op_times, host_spans, issue_timeline
-from deepinfer.ops.reference import ReferenceOps
+from deepinfer.backends.reference import ReferenceOps
 
 
 class _Profile:

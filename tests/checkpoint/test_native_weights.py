@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.models import build_model, parse_config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import SequenceState
-from deepinfer.ops.reference import ReferenceOps
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8_blocks
 from deepinfer.quant.native import (
     EXPERT_WEIGHTS,
@@ -139,7 +139,7 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
     pytest.importorskip("triton")
     import os
 
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors through the interpreter; on a GPU bench/engine/sweep_v41.py runs the kernels")

@@ -66,9 +66,9 @@ def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
 
 
 def test_decode_sizes_follow_the_graph_buckets():
-    assert decode_sizes(256, 256) == list(BUCKETS)
-    assert decode_sizes(48, 256) == [1, 2, 4, 8, 16, 24, 32, 48]
-    assert decode_sizes(256, 20) == [1, 2, 4, 8, 16]
+    assert decode_sizes(256, 256, BUCKETS) == list(BUCKETS)
+    assert decode_sizes(48, 256, BUCKETS) == [1, 2, 4, 8, 16, 24, 32, 48]
+    assert decode_sizes(256, 20, BUCKETS) == [1, 2, 4, 8, 16]
 
 
 def test_the_factory_warms_only_the_nvidia_backend(model_dir, monkeypatch):

@@ -1,7 +1,9 @@
 """The layout's boundaries, read from the code's own imports (every ``import`` statement, at module level or inside a
 function): the shared libraries never import a service; a service imports only itself and the shared libraries;
-the model code never imports the kernels (it reaches them through the op interface of a backend); the kernels import
-nothing of the engine; the benchmarks never import from tests/ (tests may import bench/)."""
+the model code never imports the kernels (it reaches them through the op interface of a backend) nor a backend; the
+backend folders never import each other (but nvidia and ascend build on the reference op set); the engine imports
+no DeepSeek model package (it reaches a model through its family); the kernels import nothing of the engine; the
+benchmarks never import from tests/ (tests may import bench/)."""
 
 from __future__ import annotations
 
@@ -71,6 +73,62 @@ def test_the_model_code_never_imports_the_kernels() -> None:
         return None
 
     bad = violations(ROOT / "libs" / "deepinfer" / "models", "deepinfer.models", forbidden)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_model_code_never_imports_a_backend() -> None:
+    """The model talks to the op interface (``deepinfer.ops``: ``Ops``, ``get_ops``) only; which op set runs it is the
+    engine's choice (``deepinfer.backends``)."""
+
+    def forbidden(module: str, target: str) -> str | None:
+        if target == "deepinfer.backends" or target.startswith("deepinfer.backends."):
+            return "models call the op interface (deepinfer.ops), never a backend"
+        return None
+
+    bad = violations(ROOT / "libs" / "deepinfer" / "models", "deepinfer.models", forbidden)
+    assert not bad, "\n".join(bad)
+
+
+# the backend folders each backend folder may import: the nvidia and ascend op sets subclass ReferenceOps
+BACKENDS_BUILT_ON = {"nvidia": {"reference"}, "ascend": {"reference"}, "reference": set()}
+
+
+def test_the_backends_never_import_each_other() -> None:
+    """Each backend folder owns its ops; only the reference op set is shared, as the base the nvidia and ascend op sets
+    subclass (``NvidiaOps(..., ReferenceOps)``, ``AscendOps(ReferenceOps)``)."""
+    top = ROOT / "libs" / "deepinfer" / "backends"
+    folders = {p.name for p in top.iterdir() if (p / "__init__.py").is_file()}
+    assert set(BACKENDS_BUILT_ON) == folders, "every backend folder has an entry in BACKENDS_BUILT_ON"
+
+    def forbidden(module: str, target: str) -> str | None:
+        own, parts = module.split(".")[2:3], target.split(".")
+        if not own or parts[:2] != ["deepinfer", "backends"] or len(parts) < 3 or parts[2] not in folders:
+            return None
+        if parts[2] != own[0] and parts[2] not in BACKENDS_BUILT_ON[own[0]]:
+            return f"the {own[0]} backend must not import the {parts[2]} backend"
+        return None
+
+    bad = violations(top, "deepinfer.backends", forbidden)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_engine_imports_no_model_package() -> None:
+    """The engine knows a model through its family (``engine/model_api.py``, looked up by ``model_type`` in
+    ``engine/models.py``): no module of ``deepinfer.engine`` imports a DeepSeek model package, so V4 and V4.1 plug in
+    as any other model would."""
+
+    def forbidden(name: str) -> bool:  # deepinfer.models.deepseek_v4*, deepinfer.models.deepseek_v41*
+        parts = name.split(".")
+        return parts[:2] == ["deepinfer", "models"] and len(parts) > 2 and parts[2].startswith("deepseek_v4")
+
+    found = [
+        (path, line, module, name)
+        for path, module in modules(ROOT / "libs" / "deepinfer" / "engine", "deepinfer.engine")
+        for line, name in imported_names(path, module)  # ``from deepinfer.models import deepseek_v4`` included
+    ]
+    assert len({module for _, _, module, _ in found}) > 15, "the scan sees the engine"
+    why = "the engine reaches a model through its family (engine.model_api, engine.models)"
+    bad = [f"{p.relative_to(ROOT)}:{line}: {m} imports {n} ({why})" for p, line, m, n in found if forbidden(n)]
     assert not bad, "\n".join(bad)
 
 

@@ -333,7 +333,7 @@ def test_gpu_bf16_indexer_ranges_real_shapes():
 
 def test_matches_reference_ops_fp32():
     """Same semantics as ``ReferenceOps`` (mask-based; the key list is the mask's set of rows)."""
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.reference import ReferenceOps
 
     ops = ReferenceOps()
     n, H, d, K, W = 3, 2, 16, 50, 45

@@ -27,8 +27,8 @@ hopper_only = pytest.mark.skipif(not (HOPPER and wg.HAVE_GLUON), reason="needs a
 def test_the_setting_and_the_inputs_pick_it(monkeypatch):
     """``DEEPINFER_ATTN_PREFILL``: gluon (default) or triton, handed over by the nvidia backend as ``ENABLED`` (the
     kernels read no settings); the kernel only for bf16 ``[n, 64·k, 512]`` on sm_90."""
+    from deepinfer.backends.nvidia.settings import hand_over
     from deepinfer.kernels import moe_mxfp4_wgmma, pdl
-    from deepinfer.ops.nvidia_settings import hand_over
 
     for module, knob in ((wg, "ENABLED"), (moe_mxfp4_wgmma, "PREFILL"), (pdl, "ENABLED")):
         monkeypatch.setattr(module, knob, getattr(module, knob))  # as they were, after the test

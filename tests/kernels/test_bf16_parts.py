@@ -1,11 +1,11 @@
-"""The fp32 × bf16 head product by exact bf16 parts (``deepinfer.ops.bf16_parts``) against the reference's fp32 GEMM,
-and the lossless narrowing of a widened head (``NvidiaOps.prepare_weights``)."""
+"""The fp32 × bf16 head product by exact bf16 parts (``deepinfer.backends.nvidia.bf16_parts``) against the reference's
+fp32 GEMM, and the lossless narrowing of a widened head (``NvidiaOps.prepare_weights``)."""
 
 import pytest
 import torch
 
-from deepinfer.ops.bf16_parts import bf16_parts, linear_by_parts, narrow_lossless
-from deepinfer.ops.reference import ReferenceOps
+from deepinfer.backends.nvidia.bf16_parts import bf16_parts, linear_by_parts, narrow_lossless
+from deepinfer.backends.reference import ReferenceOps
 
 CUDA = torch.cuda.is_available()
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -52,7 +52,7 @@ def test_linear_by_parts_is_the_fp32_gemm(rows):
 
 @gpu_only
 def test_nvidia_ops_narrow_a_widened_head_and_use_the_parts():
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     class Net(torch.nn.Module):
         def __init__(self):

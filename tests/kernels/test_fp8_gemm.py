@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels.fp8_gemm import (  # noqa: E402
     GemmConfig,
     act_quant_fp8,
@@ -20,7 +21,6 @@ from deepinfer.kernels.fp8_gemm import (  # noqa: E402
     fp8_linear,
     pick_config,
 )
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels import hc, norm  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

@@ -33,10 +33,10 @@ def test_buckets():
 
 
 def _model(dtype: torch.dtype = torch.float32):
+    from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.nvidia import NvidiaOps
 
     config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
     model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
@@ -172,11 +172,11 @@ def test_the_graphed_step_equals_the_eager_step_on_cpu(name, kernels):
     bit for bit (its lists are as wide as the bucket's span, the kernels read only the listed rows); with the
     reference ops within rounding (torch's reductions over the wider lists round differently). In a padded bucket (3
     in 4) within rounding: the padding rows write only to the scratch slot and page."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.backends.reference import ReferenceOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.nvidia import NvidiaOps
-    from deepinfer.ops.reference import ReferenceOps
     from models.tiny_configs import CONFIGS
 
     if kernels and not INTERPRET:

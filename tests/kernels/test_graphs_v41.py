@@ -168,7 +168,7 @@ class EagerSegments(DecodeGraphs):
 
 
 def _reference_model(tokenizer, name: str):
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.reference import ReferenceOps
 
     ops = ReferenceOps()
     ops.cuda_graphs = True
@@ -211,7 +211,7 @@ def test_the_whole_v41_step_with_the_kernels_on_cpu(tokenizer):
     step at a bucket's size (4 sequences) gives the eager step's logits, caches and states bit for bit, the eager
     step's lists being narrower (exact widths; at these positions some rows see fewer compressed rows than the
     top-k): the kernels read only the listed rows."""
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     ops = NvidiaOps(cuda_graphs=True)
     ops.select_backend = "kernel"
@@ -253,7 +253,7 @@ def test_v41_steps_the_graphs_refuse(tokenizer):
 
 
 def _nvidia_model(tokenizer, dtype: torch.dtype, name: str = "sketch"):
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     return _model(tokenizer, NvidiaOps(cuda_graphs=True), name, dtype)
 

@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.checkpoint.tiny import TINY_V4  # noqa: E402
 from deepinfer.kernels.group_pool import group_pool  # noqa: E402
 from deepinfer.models.deepseek_v4.compressor import Compressor  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer.models.deepseek_v4.layers import RotaryTable  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels.moe import (  # noqa: E402
     MOE_LARGE,
     MOE_SMALL,
@@ -19,7 +20,6 @@ from deepinfer.kernels.moe import (  # noqa: E402
     moe_triton,
 )
 from deepinfer.kernels.moe_slots import moe_layout, padded_blocks  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -117,7 +117,7 @@ def test_gpu_bf16_real_shapes(t):
 
 @gpu_only
 def test_gpu_no_host_sync():
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     x, idx, w, w1, w2, w3 = _problem(33, 32, 256, 512, 6, seed=2, dtype=torch.bfloat16)
     for backend in ("grouped_mm", "triton"):

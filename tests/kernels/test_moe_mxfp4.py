@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels.moe import MoEConfig, moe_triton  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
     MX_DECODE,
@@ -25,7 +26,6 @@ from deepinfer.kernels.moe_mxfp4 import (  # noqa: E402
     splits_mxfp4,
 )
 from deepinfer.kernels.moe_mxfp4_split import pick_split, scale_align, split_steps  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant.formats import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, quantize_experts  # noqa: E402
 from deepinfer.quant.nibble_order import plain, shift_order_fits, to_order, to_shift_order  # noqa: E402

@@ -15,9 +15,9 @@ pytest.importorskip("triton")
 from test_moe_mxfp4 import _rel  # noqa: E402
 
 import deepinfer.kernels.moe_mxfp4 as mod  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels import moe_w4a8_wgmma as w4  # noqa: E402
 from deepinfer.kernels.moe_mxfp4 import MX_MID64, MX_PREFILL, moe_mxfp4  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 from deepinfer.quant import w4a8  # noqa: E402
 from deepinfer.quant.native import dequantize_experts, order_experts, routed_experts  # noqa: E402
 

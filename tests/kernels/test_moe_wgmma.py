@@ -39,8 +39,8 @@ def test_the_setting_picks_the_kernels(monkeypatch):
     """``DEEPINFER_MOE_PREFILL``, handed over by the nvidia backend as ``PREFILL`` (the kernels read no settings):
     gluon (default; the fragment kernels, ``test_moe_frag.py``) / gluon-smem / gluon-ws / triton, where the module
     flags are unset; a flag wins."""
+    from deepinfer.backends.nvidia.settings import hand_over
     from deepinfer.kernels import attention_wgmma, pdl
-    from deepinfer.ops.nvidia_settings import hand_over
 
     for module, knob in ((wg, "PREFILL"), (attention_wgmma, "ENABLED"), (pdl, "ENABLED")):
         monkeypatch.setattr(module, knob, getattr(module, knob))  # as they were, after the test

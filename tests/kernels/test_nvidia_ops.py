@@ -1,4 +1,4 @@
-"""The nvidia op sets' kernel attention (``deepinfer.ops.nvidia``) against the reference ops, and batch
+"""The nvidia op sets' kernel attention (``deepinfer.backends.nvidia``) against the reference ops, and batch
 invariance of a model running them. On CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.ops.invariant import BatchInvariantOps  # noqa: E402
-from deepinfer.ops.nvidia import _KernelAttention, visible_keys  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
+from deepinfer.backends.nvidia.invariant import _KernelAttention, visible_keys  # noqa: E402
+from deepinfer.backends.reference import (
+    BatchInvariantOps,  # noqa: E402
+    ReferenceOps,  # noqa: E402
+)
 
 
 class KernelInvariantOps(_KernelAttention, BatchInvariantOps):
@@ -85,7 +87,7 @@ def _device():
 def test_attention_lists_and_index_ranges_match_the_per_sequence_ops():
     """The list / range forms of sparse attention and indexer scores equal the per-sequence ops on each sequence's keys
     (reference ops, and NvidiaOps' kernels: the interpreter on CPU)."""
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     dev = _device()
     g = torch.Generator().manual_seed(3)
@@ -214,7 +216,7 @@ def _run_on(model, seqs, plans, dev):
 
 def test_a_model_on_nvidia_ops_matches_the_reference():
     """NvidiaOps end to end (on CPU its Triton kernels run in the interpreter): MoE, batched attention, indexer."""
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
     from models.test_batch_invariance import tokens
 
     dev = _device()
@@ -234,7 +236,7 @@ def test_a_model_on_nvidia_ops_matches_the_reference():
 def test_the_output_head_in_half_precision_matches_the_fp32_reference():
     """bf16 operands are exact in fp32: the fast head (one bf16 GEMM, fp32 accumulate and output) equals the
     reference's cast-then-fp32 GEMM up to summation order. On CPU both take the reference path."""
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     dev = _device()
     torch.manual_seed(0)
@@ -249,10 +251,10 @@ def test_a_model_on_native_weights_matches_the_reference():
     """NvidiaOps with the weights kept as stored (``quant.native``: FP8 linears through ``kernels.fp8_gemm``, MXFP4
     experts through ``kernels.moe_mxfp4``; the interpreter on CPU) against the reference ops on the same stored
     weights (which decode them per call), with the official FP8 activation rounding on and off."""
+    from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.nvidia import NvidiaOps
     from deepinfer.quant.native import prepare_native
     from models.test_batch_invariance import tokens
 
@@ -283,10 +285,10 @@ def test_joined_projections_match_the_separate_ones():
     """``NvidiaOps.prepare_weights`` joins the projections of a layer's input (``join_projections``: ``wq_a`` with
     ``wkv`` in FP8, the compressors' ``wkv`` / ``wgate``; here by hand, as on CPU it does not): the model gives what
     it gave with separate GEMMs (kernels in the interpreter on CPU), prefill and decode, V4 and V4.1."""
+    from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.nvidia import NvidiaOps
     from deepinfer.quant.native import prepare_native
     from models.test_batch_invariance import tokens
 

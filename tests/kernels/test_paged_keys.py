@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels import attention_split  # noqa: E402
 from deepinfer.kernels.attention import ATTN_BLOCK_N, sparse_attention_gather  # noqa: E402
 from deepinfer.kernels.paged_keys import gathered  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -54,7 +54,7 @@ def test_paged_keys_read_what_the_gather_holds(split, monkeypatch):
 
 
 def test_a_store_the_kernel_cannot_read_is_refused_or_gathered():
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     q, window, (store, pages), idx, count, sink, scale = _case(2)
     with pytest.raises(ValueError, match="store"):

@@ -39,11 +39,11 @@ def test_on_from_hopper(monkeypatch):
 
 def test_the_backend_hands_the_setting_over(monkeypatch):
     """``DEEPINFER_PDL`` (the kernels read no settings): the nvidia backend hands it to ``configure``
-    (``ops.nvidia_settings.hand_over``), which forgets a decision it changes; a bad value is an error there, on any
+    (``backends.nvidia.settings.hand_over``), which forgets a decision it changes; a bad value is an error there, on any
     host."""
+    from deepinfer.backends.nvidia.settings import hand_over
     from deepinfer.envs import EnvError
     from deepinfer.kernels import attention_wgmma, moe_mxfp4_wgmma
-    from deepinfer.ops.nvidia_settings import hand_over
 
     monkeypatch.setattr(attention_wgmma, "ENABLED", attention_wgmma.ENABLED)  # as they were, after the test
     monkeypatch.setattr(moe_mxfp4_wgmma, "PREFILL", moe_mxfp4_wgmma.PREFILL)

@@ -52,10 +52,10 @@ def test_a_weak_reference_aliases_without_owning():
 
 
 def _model(dtype: torch.dtype = torch.float32, ops=None, name: str = "base"):
+    from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from deepinfer.ops.nvidia import NvidiaOps
     from models.tiny_configs import CONFIGS
 
     config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], "num_nextn_predict_layers": 0})
@@ -93,8 +93,8 @@ def test_the_pieces_equal_the_eager_step_on_cpu(plan, kernels):
     steps: bit for bit at a bucket's size, within rounding in padded buckets (torch's GEMMs round by their row
     count). With the reference ops, and with the Triton kernels in the interpreter (the attention kernels writing
     into the pieces' buffer)."""
-    from deepinfer.ops.nvidia import NvidiaOps
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.backends.reference import ReferenceOps
 
     if kernels and not INTERPRET:
         pytest.skip("the Triton kernels on the host need TRITON_INTERPRET=1")

@@ -58,7 +58,7 @@ PLANS = {
 
 
 def _eager_pieces_model(tokenizer, name: str, tables: str, ops=None):
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.reference import ReferenceOps
 
     model = _model(tokenizer, ops or ReferenceOps(), name, dev="cpu")
     if tables == "host":
@@ -93,7 +93,7 @@ def test_the_v41_pieces_with_looked_up_engram_rows_on_cpu(tokenizer):
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on the host need TRITON_INTERPRET=1")
 def test_the_v41_pieces_with_the_kernels_on_cpu(tokenizer):
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     model = _eager_pieces_model(tokenizer, "sketch", "device", NvidiaOps(cuda_graphs=True))
     steps = [[(0, 9), (1, 5)]]  # bucket 16: the interpreter is slow
@@ -116,7 +116,7 @@ def test_v41_steps_the_pieces_refuse(tokenizer):
 
 
 def _nvidia_model(tokenizer, dtype: torch.dtype, name: str = "sketch"):
-    from deepinfer.ops.nvidia import NvidiaOps
+    from deepinfer.backends.nvidia import NvidiaOps
 
     model = _model(tokenizer, NvidiaOps(cuda_graphs=True), name, dtype)
     model.ops.prefill_graphs = model.piecewise_prefill = True
@@ -161,7 +161,7 @@ def test_v41_failed_captures_and_refused_steps_run_eagerly(tokenizer, monkeypatc
 def test_v41_pieces_switch_off(tokenizer):
     """The pieces are on by default (their GPU tests passed on an H200); ``piecewise_prefill = False`` runs prefill
     steps eagerly whatever ``ops.prefill_graphs`` says."""
-    from deepinfer.ops.reference import ReferenceOps
+    from deepinfer.backends.reference import ReferenceOps
 
     model = _model(tokenizer, ReferenceOps(), "sketch", dev="cpu")
     assert model.piecewise_prefill

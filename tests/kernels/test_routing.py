@@ -1,5 +1,5 @@
 """``deepinfer.kernels.routing``: the router epilogue (``route``) against V4's ``Gate`` arithmetic in torch, and the
-shared expert's SwiGLU (``swiglu``) against ``ops.reference.swiglu``. Without a GPU the kernels run in Triton's
+shared expert's SwiGLU (``swiglu``) against ``backends.reference.swiglu``. Without a GPU the kernels run in Triton's
 interpreter on host tensors; on a CUDA machine with ``TRITON_INTERPRET`` unset, at V4-Flash's router shapes."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
+from deepinfer.backends.reference import swiglu as ref_swiglu  # noqa: E402
 from deepinfer.kernels.routing import route, swiglu  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
-from deepinfer.ops.reference import swiglu as ref_swiglu  # noqa: E402
 
 REF = ReferenceOps()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

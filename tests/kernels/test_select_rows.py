@@ -1,7 +1,7 @@
-"""``NvidiaOps.topk_indices`` / ``select_rows`` through packed unique keys (``deepinfer.ops.nvidia.packed_keys``)
-against the reference's stable sorts. On the CPU ``packed_topk=True`` forces the packed path, so the packing and the
-selection are checked here bit for bit; the CUDA test checks the default (auto) path on a GPU against the reference
-computed on the CPU."""
+"""``NvidiaOps.topk_indices`` / ``select_rows`` through packed unique keys
+(``deepinfer.backends.nvidia.topk.packed_keys``) against the reference's stable sorts. On the CPU ``packed_topk=True``
+forces the packed path, so the packing and the selection are checked here bit for bit; the CUDA test checks the default
+(auto) path on a GPU against the reference computed on the CPU."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.nvidia import NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.topk import packed_keys, packed_select_rows  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.models.deepseek_v4.compressor import Indexer  # noqa: E402
-from deepinfer.ops.nvidia import NvidiaOps, packed_keys, packed_select_rows  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 REF = ReferenceOps()
 NEG, POS, NAN = float("-inf"), float("inf"), float("nan")

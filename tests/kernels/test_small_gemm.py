@@ -132,8 +132,8 @@ def test_decode_shapes_against_torch_mm(k, n):
 
 @gpu_only
 def test_cuda_graph_replay_matches_eager():
+    from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.kernels.hc import split_mixes_parts
-    from deepinfer.ops.nvidia import NvidiaOps
 
     ops = NvidiaOps()
     x, w = _inputs(1, 256, 4096, torch.bfloat16, seed=1)

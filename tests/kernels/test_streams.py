@@ -1,5 +1,5 @@
-"""``Ops.parallel`` (``ops.nvidia_streams.StreamOps``): two independent pieces of work forked onto a side stream and
-joined back, the MoE's shared expert beside its routed experts.
+"""``Ops.parallel`` (``backends.nvidia.streams.StreamOps``): two independent pieces of work forked onto a side stream
+and joined back, the MoE's shared expert beside its routed experts.
 
 On the CPU: the branches run one after the other, in order, and the split-K tickets are per lane. On a CUDA machine:
 a V4 MoE layer (MXFP4 experts, FP8 shared expert, split-K GEMMs with tickets in both branches) gives the same
@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.nvidia.streams import StreamOps  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels import small_gemm  # noqa: E402
-from deepinfer.ops.nvidia_streams import StreamOps  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from deepinfer.backends.nvidia import NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.topk import packed_topk_indices  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels.topk import select_rows, topk_rows  # noqa: E402
-from deepinfer.ops.nvidia import NvidiaOps, packed_topk_indices  # noqa: E402
-from deepinfer.ops.reference import ReferenceOps  # noqa: E402
 
 REF = ReferenceOps()
 NEG, POS, NAN = float("-inf"), float("inf"), float("nan")

@@ -12,11 +12,11 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine import resume_format
 from deepinfer.engine.prefix_cache import page_hashes, root_hash
 from deepinfer.kvstore.blob import BlobKey, BlobRefused
 from deepinfer.kvstore.client import KVStoreClient
 from deepinfer.kvstore.keys import binding_meta, check_binding, resume_key, tail_digest
+from deepinfer.models.deepseek_v4 import resume_format
 
 VOCAB = 129280
 PS = 16

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from bench.engine.compositions import split, target_logits
+from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
 from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.ops import BatchInvariantOps, ReferenceOps
 
 PAGE = 16
 TARGET_LEN = 150  # past the window (128 in the base config) and many compressed rows

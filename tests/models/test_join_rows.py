@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.models.deepseek_v4.layers import Linear, join_rows, rows_forward, rows_fp32
-from deepinfer.ops.reference import ReferenceOps
 from deepinfer.quant.formats import quantize_fp8_blocks
 
 OPS = ReferenceOps()

@@ -1,4 +1,4 @@
-"""Resume points as bytes (``engine/resume_format.py``): a sequence's state encoded, decoded into another
+"""Resume points as bytes (``models/deepseek_v4/resume_format.py``): a sequence's state encoded, decoded into another
 cache at other page ids, continues exactly as the original (bit-identical logits)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer.checkpoint.loader import load_checkpoint
-from deepinfer.engine import resume_format
+from deepinfer.models.deepseek_v4 import resume_format
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model

@@ -4,9 +4,9 @@ tensor without a version counter (``torch.inference_mode``); always the values o
 
 import torch
 
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.models.deepseek_v4.config import YarnParams
 from deepinfer.models.deepseek_v4.layers import RotaryTable
-from deepinfer.ops.reference import ReferenceOps
 
 
 def _fresh(positions, ops):

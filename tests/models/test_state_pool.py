@@ -8,6 +8,7 @@ import gc
 
 import torch
 
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.checkpoint.tiny import TINY_V4, random_weights
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
@@ -15,7 +16,6 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 from deepinfer.models.deepseek_v4.state_pool import RingBuffer, stacked_rows
-from deepinfer.ops.reference import ReferenceOps
 from models.test_batch_invariance import tokens
 
 N_SEQ, PAGES = 11, 6  # 11 sequences: the pool (8 slots at first) grows once

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from deepinfer import envs
+from deepinfer.backends.reference import ReferenceOps
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.factory import build_worker
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, join_rows, rows_forward, set_w8a8, uses_w8a8
 from deepinfer.models.deepseek_v4.state import SequenceState
-from deepinfer.ops.reference import ReferenceOps
 from deepinfer.quant.formats import quantize_fp8_blocks
 
 OPS = ReferenceOps()

@@ -59,7 +59,7 @@ def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1
     """The guarantee of a worker running ``ops`` (one of a group of ``world_size`` expert-parallel ranks)."""
     import torch
 
-    from deepinfer.ops.invariant import BLOCK, TILE_M
+    from deepinfer.backends.reference.invariant import BLOCK, TILE_M
 
     requires = {
         "accelerator": accelerator,

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import ModelRunner
-from deepinfer.models.decode_graphs import BUCKETS
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.telemetry import get_logger
 
@@ -32,10 +31,11 @@ DECODES = 2  # decode steps of each batch size (capture, then replay)
 PREFIX = "__warmup__"  # request ids: never a client's
 
 
-def decode_sizes(max_num_seqs: int, graph_max_batch: int) -> list[int]:
-    """The decode graph buckets a worker may meet: ``BUCKETS`` up to the smaller of the two limits."""
+def decode_sizes(max_num_seqs: int, graph_max_batch: int, buckets: Sequence[int]) -> list[int]:
+    """The decode graph buckets a worker may meet: the model's ``buckets`` (``ModelFamily.decode_buckets``) up to
+    the smaller of the two limits."""
     top = min(max_num_seqs, graph_max_batch)
-    return [b for b in BUCKETS if b <= top]
+    return [b for b in buckets if b <= top]
 
 
 def _tokens(n: int, vocab: int, salt: int) -> list[int]:

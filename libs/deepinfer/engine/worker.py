@@ -15,15 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine import resume_format
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepResult, WorkerStepPlan
-from deepinfer.engine.models import Model
+from deepinfer.engine.model_api import ModelFamily, PagedCache, SequenceState, ServedModel, Snapshot
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.host_copy import tensor, to_host
-from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
-from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,14 +38,17 @@ def min_replay(config: object) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: PagedKVCache, device: torch.device | str = "cpu") -> None:
-        self.model, self.cache, self.device = model, cache, torch.device(device)
+    def __init__(
+        self, model: ServedModel, cache: PagedCache, device: torch.device | str = "cpu", *, family: ModelFamily
+    ) -> None:
+        # the model and the family that made it and ``cache`` (states, resume points, batches: ``model_api``)
+        self.model, self.cache, self.device, self.family = model, cache, torch.device(device), family
         self.sampler = Sampler()
         self.states: dict[str, SequenceState] = {}
         self.tables: dict[str, torch.Tensor] = {}  # each running request's last block table
-        self.snapshots: dict[str, StateSnapshot] = {}  # prefix-cache resume points, in host memory
+        self.snapshots: dict[str, Snapshot] = {}  # prefix-cache resume points, in host memory
         self.remote = None  # a kvstore.remote.RemoteResumeStore when resume points move to a kvstore
-        self.fetched: dict[str, tuple[StateSnapshot, dict]] = {}  # resume points fetched from the kvstore
+        self.fetched: dict[str, tuple[Snapshot, dict]] = {}  # resume points fetched from the kvstore
         self.compact_replay = 0  # > 0: compact snapshots, resumed by a bounded replay of this many tokens
         self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
         # each request's last sampled token: its value, or (the device samples of a step in flight, row)
@@ -71,14 +70,14 @@ class ModelRunner:
                 held = None if st is None else st.num_tokens
                 raise RuntimeError(f"snapshot {order.snapshot_id}: request {order.request_id} holds {held} tokens, "
                                    f"not {order.position}")  # fmt: skip
-            self.snapshots[order.snapshot_id] = StateSnapshot.take(
-                st, self.cache, self.tables[order.request_id], compact=self.compact_replay > 0
+            self.snapshots[order.snapshot_id] = self.family.take_snapshot(
+                st, self.cache, self.tables[order.request_id], self.compact_replay > 0
             )
         for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
             snap = self.snapshots.pop(o.snapshot_id, None)
             if snap is not None and self.remote is not None:
                 pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
-                self.remote.put(o.key, resume_format.encode(snap, pages), o.meta)
+                self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta)
         for f in plan.fetches:
             if self.remote is None:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
@@ -152,7 +151,9 @@ class ModelRunner:
         for c, table in zip(plan.chunks, tables):
             if c.resume_from is not None:
                 self.states[c.request_id] = self._resume(c.request_id, c.resume_from, c.start, table)
-            st = self.states.setdefault(c.request_id, SequenceState())
+            st = self.states.get(c.request_id)
+            if st is None:
+                st = self.states[c.request_id] = self.family.new_state()
             if st.num_tokens != c.start:
                 raise RuntimeError(f"request {c.request_id}: step starts at {c.start}, state holds {st.num_tokens}")
             if c.decoder_from is not None and (c.logprob_targets is not None or c.sample):
@@ -162,9 +163,9 @@ class ModelRunner:
                     raise RuntimeError(f"request {c.request_id}: logits asked at {first}, the decoder starts at "
                                        f"{c.decoder_from}")  # fmt: skip
             self.tables[c.request_id] = table
-            chunks.append(SeqChunk(st, c.start, len(c.token_ids), table, c.decoder_from))
+            chunks.append((st, c.start, len(c.token_ids), table, c.decoder_from))
         masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
-        batch = ForwardBatch.build(chunks, token_ids, device=self.device)
+        batch = self.family.batch(chunks, token_ids, self.device)
         batch.substitute(at, sources)
         hidden = self.model(batch, self.cache)
         # rows whose logits we need: prompt-logprob rows, then the sampling rows
@@ -189,7 +190,7 @@ class ModelRunner:
 
     def _resolve(self, plan: WorkerStepPlan) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, int]]]:
         """The chunks' token lists with each ``PLACEHOLDER`` resolved: to the request's last token where the host
-        has it, else to 0 with (batch row, the in-flight samples and row) listed for ``ForwardBatch.substitute``."""
+        has it, else to 0 with (batch row, the in-flight samples and row) listed for the batch's ``substitute``."""
         token_ids, at, sources, offset = [], [], [], 0
         for c in plan.chunks:
             toks = c.token_ids

@@ -1,36 +1,28 @@
 """The op interface the model calls, and backend selection.
 
-The model never imports a kernel: it calls ``ops.<name>``. The ``cpu`` backend (plain torch, any
-device) defines the semantics; accelerator backends override single ops with kernels that are
-tested against it.
+The model never imports a kernel or a backend: it calls ``ops.<name>`` on an :class:`Ops` (``base``). Each backend
+owns its op set in its folder under ``deepinfer.backends``: ``reference`` (the ``cpu`` backend: plain torch, any device)
+defines the semantics; ``nvidia`` and ``ascend`` override single ops with kernels that are tested against it.
+:func:`get_ops` is the one place that maps an accelerator's name to its op set; it imports the backend only when
+called, so importing the interface imports no backend (and no Triton).
 """
 
 from __future__ import annotations
 
 from deepinfer.ops.base import Ops
-from deepinfer.ops.invariant import BatchInvariantOps
-from deepinfer.ops.reference import ReferenceOps
 
 
 def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
     """The op set for ``accelerator`` (nvidia | ascend | cpu); ``batch_invariant`` selects the ops whose
-    results for a row never depend on the rest of the batch (``deepinfer.ops.invariant``)."""
+    results for a row never depend on the rest of the batch (``deepinfer.backends.reference.invariant``)."""
     if accelerator == "cpu":
+        from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
+
         return BatchInvariantOps() if batch_invariant else ReferenceOps()
-    if accelerator == "nvidia":
-        import torch
+    if accelerator == "nvidia":  # refuses where no CUDA device is visible
+        from deepinfer.backends.nvidia import nvidia_ops
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "DEEPINFER_ACCELERATOR=nvidia but no CUDA device is visible; set DEEPINFER_ACCELERATOR=cpu "
-                "to run the reference backend"
-            )
-        from deepinfer.ops.nvidia import NvidiaInvariantOps, NvidiaOps
-        from deepinfer.ops.nvidia_settings import hand_over
-
-        ops = NvidiaInvariantOps() if batch_invariant else NvidiaOps()
-        hand_over()  # the kernels read no settings: the backend hands them over (DEEPINFER_PDL, the prefill kernels)
-        return ops
+        return nvidia_ops(batch_invariant)
     if accelerator == "ascend":  # refuses where torch_npu or an NPU is missing
         from deepinfer.backends.ascend import ascend_ops
 
@@ -38,4 +30,4 @@ def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
     raise ValueError(f"unknown accelerator {accelerator!r}; expected one of nvidia, ascend, cpu")
 
 
-__all__ = ["BatchInvariantOps", "Ops", "ReferenceOps", "get_ops"]
+__all__ = ["Ops", "get_ops"]

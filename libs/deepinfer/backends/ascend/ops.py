@@ -6,7 +6,7 @@ from types import ModuleType
 
 import torch
 
-from deepinfer.ops.reference import ReferenceOps
+from deepinfer.backends.reference.ops import ReferenceOps
 
 
 class AscendOps(ReferenceOps):

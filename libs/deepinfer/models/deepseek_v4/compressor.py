@@ -16,7 +16,6 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.ops import Ops
-from deepinfer.ops.reference import hadamard
 
 
 class Compressor(nn.Module):
@@ -263,3 +262,19 @@ def _joined(a: torch.Tensor, b: torch.Tensor, dst: list[torch.Tensor], src: list
             dst.append(out[lo : lo + part.shape[0]])
             src.append(part)
     return out
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh–Hadamard transform over the last dim (a power of two): the indexer's rotation before its FP4
+    round trip under ``DEEPINFER_QUANT_SIM`` (docs/deepseek_v4.md, "Lightning indexer")."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    y = x.float()
+    h = 1
+    while h < n:
+        y = y.unflatten(-1, (-1, 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n**-0.5).to(x.dtype)

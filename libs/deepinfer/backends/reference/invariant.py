@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.ops.reference import ReferenceOps
+from deepinfer.backends.reference.ops import ReferenceOps
 
 TILE_M = 16  # rows per GEMM call on the cpu backend
 BLOCK = 64  # elements per block of a padded sum (one full AVX-512 fp32 accumulator set)

@@ -1,7 +1,7 @@
 """``NvidiaOps``' DeepSeek-V4 decode-step glue (``models/deepseek_v4/decode_step.py``): on CUDA one Triton launch each
 (``deepinfer.kernels.step_glue``, ``step_glue_rows``: the reference's values bit for bit) where ``step_glue.fits``
 takes the arguments' layouts, the reference (the next class in the op set's MRO) elsewhere. A mixin, kept apart from
-``ops/nvidia.py``; importing it imports no Triton.
+``ops.py``; importing it imports no Triton.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 class StepGlueOps:
     """``step_indices``, ``key_lists``, ``append_rows``, ``store_rows``, ``compress_score`` and ``moe_combine`` (the
-    ``Ops`` protocol documents them) for an op set deriving from ``ReferenceOps`` (``class NvidiaOps(StepGlueOps,
-    ReferenceOps)``)."""
+    ``Ops`` protocol documents them) for an op set deriving from ``ReferenceOps`` (``class NvidiaOps(StreamOps,
+    StepGlueOps, NvidiaMoEOps, ReferenceOps)``)."""
 
     def _glue(self, name: str, *args: object) -> object:
         from deepinfer.kernels import step_glue

@@ -1,4 +1,5 @@
-"""The byte format of a resume point outside the device: what the kvstore holds and moves between replicas.
+"""The byte format of a DeepSeek-V4 / V4.1 resume point outside the device (the family's ``encode_resume`` /
+``decode_resume``, ``family.py``): what the kvstore holds and moves between replicas.
 
 A resume point at position ``P`` is the ``P // page_size`` full pages of the prefix (compressed rows and
 index keys of every compressed layer) plus the worker's snapshot (window rings, compressor buffers, the

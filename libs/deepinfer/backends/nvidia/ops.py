@@ -1,120 +1,37 @@
-"""The op sets of the nvidia backend.
+"""``NvidiaOps``, the nvidia backend's default op set: the reference semantics with the MoE as sorted slots + grouped
+GEMMs (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
+RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its ``cuda_graphs``
+flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
+(``deepinfer.models.deepseek_v4.graphs``) and, with ``prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``), other steps from
+piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_weights`` flag
+(``DEEPINFER_NATIVE_WEIGHTS``) keeps the checkpoint's FP8 linears and MXFP4 experts as stored
+(``deepinfer.quant.native``) and runs them through ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
+``select_rows`` (the indexer's top-k) is one Triton program a row on CUDA (``deepinfer.kernels.topk``),
+``topk_indices`` over wide rows one ``torch.topk`` of packed unique keys (``topk.packed_keys``), instead of full
+stable sorts.
 
-* ``NvidiaOps`` (the default): the reference semantics with the MoE as sorted slots + grouped GEMMs
-  (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
-  RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its
-  ``cuda_graphs`` flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
-  (``deepinfer.models.deepseek_v4.graphs``) and, with ``prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``), other steps
-  from piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_weights`` flag
-  (``DEEPINFER_NATIVE_WEIGHTS``) keeps the checkpoint's FP8 linears and MXFP4 experts as stored
-  (``deepinfer.quant.native``) and runs them through ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
-  ``select_rows`` (the indexer's top-k) is one Triton program a row on CUDA (``deepinfer.kernels.topk``),
-  ``topk_indices`` over wide rows one ``torch.topk`` of packed unique keys (``packed_keys``), instead of full stable
-  sorts.
-* ``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``): ``ops.invariant`` with Triton kernels. Sparse attention
-  runs over each query's visible keys gathered into a canonical order (window rows by position, then compressed
-  rows by index) and the lightning indexer over fixed key tiles; both kernels are batch-invariant by construction.
+Its mixins: ``StreamOps`` (``streams``: ``parallel`` on a side stream), ``StepGlueOps`` (``step_glue``: the decode
+step's glue), ``NvidiaMoEOps`` (``moe``: the experts and the stored FP8 / MXFP4 weights); the rest of the reference
+semantics it inherits from ``ReferenceOps`` (``deepinfer.backends.reference``). ``NvidiaInvariantOps``
+(``DEEPINFER_BATCH_INVARIANT=1``) is in ``invariant``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.ops.bf16_parts import linear_by_parts, narrow_lossless
-from deepinfer.ops.invariant import BatchInvariantOps
-from deepinfer.ops.nvidia_glue import StepGlueOps
-from deepinfer.ops.nvidia_streams import StreamOps
-from deepinfer.ops.reference import ReferenceOps
+from deepinfer.backends.nvidia.bf16_parts import linear_by_parts
+from deepinfer.backends.nvidia.moe import MOE_BACKENDS, NvidiaMoEOps
+from deepinfer.backends.nvidia.step_glue import StepGlueOps
+from deepinfer.backends.nvidia.streams import StreamOps
+from deepinfer.backends.nvidia.topk import packed_select_rows, packed_topk_indices
+from deepinfer.backends.reference.ops import ReferenceOps
 
-MOE_BACKENDS = ("auto", "grouped_mm", "triton")
 SELECT_BACKENDS = ("auto", "kernel", "packed", "reference")  # NvidiaOps.select_backend
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_NAN_MAGNITUDE = 0x7F800001  # one past the bits of +inf: the magnitude every NaN is given in packed_keys
-_COLUMN_MAX = (1 << 32) - 1  # the low 32 bits of a packed key: _COLUMN_MAX - column
 
 
-def packed_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys ``[..., W]`` of ``scores [..., W]`` (float32 / bfloat16 / float16, compared in fp32, which holds them
-    exactly), unique within a row and ordered as the reference's stable descending sort orders the scores: a higher
-    score has the larger key and, among equal scores, the lower column has the larger key.
-
-    ``key = v · 2³² + (2³² − 1 − column)`` with ``v`` the order-preserving int32 of the score: ``+bits(|s|)`` for
-    ``s ≥ 0``, ``−bits(|s|)`` for ``s < 0``. So ``−0.0`` and ``+0.0`` get the same ``v = 0`` (a sort compares them
-    equal: they tie and the lower column wins), ``±inf`` get ``±0x7f800000``, and every NaN, whatever its sign and
-    payload, gets ``0x7f800001``: above ``+inf`` and tied with the other NaNs, as the CPU's ``torch.sort`` orders NaN
-    (larger than every number, equal to each other; CUDA's radix-sort path of ``torch.sort`` may place negative-sign
-    NaNs elsewhere, pytorch#190781 — the CPU order is the one followed here). Scores are never NaN in practice.
-    Element-wise ops only: no host sync, no data-dependent shape (CUDA-graph capturable)."""
-    s = scores.float()
-    magnitude = s.abs().view(torch.int32).clamp_(max=_NAN_MAGNITUDE)
-    value = torch.where(s < 0, -magnitude, magnitude)
-    low = torch.arange(_COLUMN_MAX, _COLUMN_MAX - s.shape[-1], -1, dtype=torch.int64, device=s.device)
-    return torch.add(low, value, alpha=1 << 32)  # int64 arithmetic (the int32 operand is promoted)
-
-
-def packed_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``ReferenceOps.topk_indices`` (the first ``k`` of a stable descending sort over the last dim) as one
-    ``torch.topk`` of ``packed_keys``: the keys are unique, so the selection and its order are fully determined and
-    equal the stable sort's first ``min(k, W)`` columns exactly, in the same order. Any device (the tests run it on
-    the CPU); ``scores`` in float32 / bfloat16 / float16."""
-    k = min(k, scores.shape[-1])
-    return torch.topk(packed_keys(scores), k, dim=-1, largest=True, sorted=True).indices
-
-
-def packed_select_rows(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ReferenceOps.select_rows`` without full-width sorts: the top ``min(k, W)`` columns by ``packed_keys``
-    (unordered), then one sort of those ``k`` indices with the invisible ones pushed after the visible ones.
-    ``rows[..., :count]`` (the chosen visible rows, ascending) and ``count`` equal the reference's exactly; the entries
-    past ``count`` are the chosen invisible rows, ascending (the reference lists the rows it did not choose there):
-    valid row indices in ``[0, W)``, never read by the callers. Any device; no host sync."""
-    width = scores.shape[-1]
-    k = min(k, width)
-    if k == 0:
-        rows = torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
-        return rows, rows.sum(-1)
-    top = torch.topk(packed_keys(scores), k, dim=-1, largest=True, sorted=False).indices
-    shown = visible.gather(-1, top)
-    # visible rows shifted to [-W, 0) sort before the invisible ones in [0, W); the remainder undoes the shift
-    rows = torch.add(top, shown, alpha=-width).sort(dim=-1).values.remainder(width)
-    return rows, shown.sum(-1)
-
-
-def _kernels() -> tuple:
-    try:
-        from deepinfer.kernels.attention import sparse_attention_gather
-        from deepinfer.kernels.indexer import indexer_scores_fixed
-    except ImportError as e:  # pragma: no cover - a CUDA host without triton
-        raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
-    return sparse_attention_gather, indexer_scores_fixed
-
-
-def visible_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query, the indices of its visible keys first, in list order (``[n, K]``), and their count."""
-    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
-    return order, mask.sum(1)
-
-
-class _KernelAttention:
-    def _load_kernels(self) -> None:
-        self._attend, self._index = _kernels()
-
-    def sparse_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        idx, count = visible_keys(mask)
-        return self._attend(q, keys.to(q.dtype), idx, count, sink.float(), scale, split=False)
-
-    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._index(q, keys.to(q.dtype), weights.float())
-
-
-class NvidiaInvariantOps(StreamOps, _KernelAttention, BatchInvariantOps):
-    def __init__(self) -> None:
-        BatchInvariantOps.__init__(self, "nvidia")
-        self._load_kernels()
-
-
-class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
+class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
     """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
@@ -277,7 +194,7 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
     def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """bf16 / fp16 on CUDA: one half-precision GEMM with fp32 accumulation and fp32 output (no fp32 copy of the
         ~1 GB head weight each step); fp32 ``y`` with a bf16 head (V4.1, ``prepare_weights``): the same GEMM on
-        ``y``'s three exact bf16 parts (``ops.bf16_parts``); the reference's cast-then-fp32-GEMM elsewhere."""
+        ``y``'s three exact bf16 parts (``bf16_parts``); the reference's cast-then-fp32-GEMM elsewhere."""
         if y.is_cuda and w.dtype == torch.bfloat16 and y.dtype == torch.float32:
             try:
                 return linear_by_parts(y, w)
@@ -365,88 +282,3 @@ class NvidiaOps(StreamOps, StepGlueOps, ReferenceOps):
 
             return cache_round(x, fmt)
         return super().cache_round(x, fmt)
-
-    def fp8_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
-        from deepinfer.kernels.fp8_gemm import fp8_linear
-
-        return fp8_linear(x, w, scale, act_quant=act_quant)
-
-    def fp8_grouped_linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
-            return super().fp8_grouped_linear(x, w, scale)
-        from deepinfer.kernels.fp8_gemm import fp8_grouped_linear
-
-        return fp8_grouped_linear(x, w, scale)
-
-    def moe_mxfp4(
-        self,
-        x: torch.Tensor,
-        idx: torch.Tensor,
-        weights: torch.Tensor,
-        w1: torch.Tensor,
-        s1: torch.Tensor,
-        w2: torch.Tensor,
-        s2: torch.Tensor,
-        w3: torch.Tensor,
-        s3: torch.Tensor,
-        limit: float,
-        order: str = "plain",
-        act_quant: bool = False,
-        refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        from deepinfer.kernels.moe_mxfp4 import moe_mxfp4
-
-        return moe_mxfp4(x, idx, weights, w1, s1, w2, s2, w3, s3, limit, order=order, act_quant=act_quant, refs=refs)
-
-    def prepare_weights(self, model: torch.nn.Module) -> None:
-        """On a GPU: the MXFP4 experts with FP8 activations (``quant.w4a8``) get their row references where the W4A8
-        kernels run (sm_90 with Gluon, ``DEEPINFER_MOE_PREFILL`` not ``triton``), the other MXFP4 experts go into the
-        rotate order (``quant.nibble_order``: a cheaper decode in
-        ``kernels.moe_mxfp4``), the projections of one input become one GEMM where the model joins them (a module's
-        ``join_projections``: ``layers.join_rows``), and an output head widened to fp32 from bf16 (V4.1's loader) is
-        kept in bf16 when that is lossless (``ops.bf16_parts``: ``logits_linear`` reads half the bytes, on tensor
-        cores)."""
-        from deepinfer import envs
-        from deepinfer.kernels.moe_w4a8_wgmma import runs_on
-        from deepinfer.quant.native import order_experts
-        from deepinfer.quant.w4a8 import prepare_w4a8
-
-        devices = {p.device for p in model.parameters() if p.is_cuda}
-        if devices:
-            if all(runs_on(d) for d in devices) and envs.get("DEEPINFER_MOE_PREFILL") != "triton":
-                prepare_w4a8(model)  # FP8-activation experts whose weights cast exactly keep their codes as stored
-            order_experts(model, "rotate")
-            for module in model.modules():
-                join = getattr(module, "join_projections", None)
-                if callable(join) and all(p.is_cuda for p in module.parameters()):
-                    join()
-            head = getattr(model, "head", None)
-            if isinstance(getattr(head, "weight", None), torch.nn.Parameter) and head.weight.is_cuda:
-                narrow_lossless(head.weight)
-
-    def moe(
-        self,
-        x: torch.Tensor,
-        idx: torch.Tensor,
-        weights: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        w3: torch.Tensor,
-        limit: float,
-        act_quant: bool = False,
-    ) -> torch.Tensor:
-        hidden = None
-        if act_quant:  # the official FP8 activations (not a fast path: bf16 experts are a comparison mode)
-            x = self.act_quant_sim(x, 128) if x.shape[-1] % 128 == 0 else x
-            hidden = (lambda h: self.act_quant_sim(h, 128)) if w2.shape[-1] % 128 == 0 else None
-        backend = self.moe_backend
-        if backend == "auto":
-            backend = "triton"
-            if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-                slots, experts = idx.numel(), w1.shape[0]
-                # H200, V4-Flash width (bench/results/engine/2026-11-29-sweep-2.md): CUTLASS wins with one token (fewer
-                # launches) and from ~24 slots per expert on; the Triton kernels in between
-                if x.shape[0] <= 4 or slots > 24 * experts:
-                    backend = "grouped_mm"
-        fn = self._moe.moe_grouped_mm if backend == "grouped_mm" else self._moe.moe_triton
-        return fn(x, idx, weights, w1, w2, w3, limit, hidden=hidden)

@@ -1,0 +1,95 @@
+"""DeepSeek-V4 as the engine serves it (``engine.model_api.ModelFamily``): its config, model and checkpoint
+loader, its paged cache, per-sequence state, resume points (``resume_format``) and step batches. DeepSeek-V4.1
+(``deepseek_v41.family``) shares the cache, state, resume points and batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from deepinfer import envs
+from deepinfer.models.decode_graphs import BUCKETS
+from deepinfer.models.deepseek_v4 import resume_format
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.layers import set_w8a8, uses_w8a8
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
+from deepinfer.quant.w4a8 import set_w4a8, uses_w4a8
+
+
+class DeepseekV4Family:
+    model_type = "deepseek_v4"
+    resume_layout = resume_format.LAYOUT
+    decode_buckets: Sequence[int] = BUCKETS
+
+    def parse_config(self, raw: dict) -> DeepseekV4Config:
+        return DeepseekV4Config.from_dict(raw)
+
+    def build(
+        self,
+        path: Path,
+        config: DeepseekV4Config,
+        ops: object,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_sim: bool | None,
+    ) -> torch.nn.Module:
+        """``quant_sim``: the official quantisation points are simulated only when asked (``DEEPINFER_QUANT_SIM``
+        when None). With ``ops.native_weights`` the FP8 linears and MXFP4 experts stay in their stored formats
+        (``quant.native``), then ``ops.prepare_weights`` arranges them for its kernels."""
+        from deepinfer.checkpoint.loader import load_checkpoint
+        from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+        from deepinfer.quant.native import prepare_native
+
+        net = DeepseekV4Model(config, ops)
+        if getattr(ops, "native_weights", False):
+            prepare_native(net, tuple(config.weight_block_size), quantize=False)
+        load_checkpoint(net, path, dtype=dtype)
+        net.to(device)
+        sim = envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim
+        set_w8a8(net, envs.DEEPINFER_W8A8)
+        set_w4a8(net, envs.DEEPINFER_W4A8)
+        net.set_quant_sim(sim)  # before prepare_weights, which joins projections of equal activation roundings
+        ops.prepare_weights(net)
+        return net
+
+    def new_cache(
+        self, config: object, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> PagedKVCache:
+        return PagedKVCache(config, num_pages, page_size, dtype, device)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState()
+
+    def take_snapshot(
+        self, state: SequenceState, cache: PagedKVCache, block_table: torch.Tensor, compact: bool
+    ) -> StateSnapshot:
+        return StateSnapshot.take(state, cache, block_table, compact=compact)
+
+    def encode_resume(self, snapshot: StateSnapshot, pages: resume_format.Pages) -> bytes:
+        return resume_format.encode(snapshot, pages)
+
+    def decode_resume(self, data: bytes) -> tuple[StateSnapshot, resume_format.Pages]:
+        return resume_format.decode(data)
+
+    def batch(
+        self,
+        chunks: Sequence[tuple[SequenceState, int, int, torch.Tensor, int | None]],
+        token_ids: list[list[int]],
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        return ForwardBatch.build([SeqChunk(*c) for c in chunks], token_ids, device=device)
+
+    def fingerprint_facts(self, model: torch.nn.Module) -> list[str]:
+        facts = []
+        if uses_w8a8(model):  # FP8 activations in the linears (DEEPINFER_W8A8)
+            facts.append("w8a8")
+        if uses_w4a8(model):  # FP8 activations in the routed experts (DEEPINFER_W4A8)
+            facts.append("w4a8")
+        return facts
+
+
+FAMILY = DeepseekV4Family()

@@ -1,0 +1,60 @@
+"""DeepSeek-V4.1 as the engine serves it (``engine.model_api.ModelFamily``): its own config, model and loader
+(the Engram token map from the checkpoint's tokenizer); V4's paged cache, sequence state, resume points and step
+batches (``deepseek_v4.family``). Its cache formats (FP8 window, FP4 compressed rows and index keys;
+docs/deepseek_v41.md ("Cache formats")) are part of the released model and stay on unless ``quant_sim`` is False,
+and a prompt chunk may run the decoder layers on its tail only (``decoder_from``: ``DEEPINFER_DECODER_REPLAY_TOKENS``,
+which changes the decoder layers' window state resume points hold, so it joins the fingerprint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deepinfer import envs
+from deepinfer.models.deepseek_v4.family import DeepseekV4Family
+from deepinfer.models.deepseek_v4.layers import set_w8a8
+from deepinfer.models.deepseek_v41.config import MODEL_TYPE, DeepseekV41Config
+from deepinfer.quant.w4a8 import set_w4a8
+
+
+class DeepseekV41Family(DeepseekV4Family):
+    model_type = MODEL_TYPE
+
+    def parse_config(self, raw: dict) -> DeepseekV41Config:
+        return DeepseekV41Config.from_dict(raw)
+
+    def build(
+        self,
+        path: Path,
+        config: DeepseekV41Config,
+        ops: object,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_sim: bool | None,
+    ) -> torch.nn.Module:
+        from deepinfer.checkpoint.engram_vocab import engram_token_map_of
+        from deepinfer.checkpoint.loader_v41 import load_v41_checkpoint
+        from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+        from deepinfer.quant.native import prepare_native
+
+        has_engram = bool(config.text_config.engram_layer_ids)
+        token_map = engram_token_map_of(path)[0] if has_engram else None
+        with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
+            net = DeepseekV41Model(config, ops, token_map)
+            if getattr(ops, "native_weights", False):
+                prepare_native(net, tuple(config.weight_block_size), quantize=False)
+        load_v41_checkpoint(net, path, dtype)
+        net.to(device)
+        set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
+        set_w4a8(net, envs.DEEPINFER_W4A8)  # before prepare_weights: W4A8 experts keep their codes as stored
+        ops.prepare_weights(net)
+        net.set_quant_sim(quant_sim is not False)
+        return net
+
+    def fingerprint_facts(self, model: torch.nn.Module) -> list[str]:
+        replay = envs.DEEPINFER_DECODER_REPLAY_TOKENS
+        return ([f"decoder_replay={replay}"] if replay else []) + super().fingerprint_facts(model)
+
+
+FAMILY = DeepseekV41Family()
