@@ -16,7 +16,7 @@ from torch import nn
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine import factory, models
+from deepinfer.engine import models
 from deepinfer.models.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
@@ -188,7 +188,7 @@ def _expected(prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture
-def toy_dir(tmp_path, monkeypatch):
+def toy_dir(tmp_path):
     tiny = make_tiny_model(tmp_path / "tiny", seed=0)  # for its tokenizer
     path = tmp_path / "toy"
     path.mkdir()
@@ -197,8 +197,6 @@ def toy_dir(tmp_path, monkeypatch):
             shutil.copy(f, path / f.name)
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     (path / "config.json").write_text(json.dumps({"model_type": TOY, "vocab_size": vocab, "eos_token_id": 1}))
-    # the hub's check knows the DeepSeek architectures only: the toy's config is read as it is
-    monkeypatch.setattr(factory, "check_architecture", lambda p: json.loads((p / "config.json").read_text()))
     models.register(ToyFamily())
     yield path
     models.unregister(TOY)

@@ -193,3 +193,18 @@ def test_tool_choice_none_never_emits_markup(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=40)
     out = llm.chat([{"role": "user", "content": "hi"}], params, tools=TOOLS, tool_choice="none")[0]
     assert 128825 not in out.outputs[0].token_ids  # ｜DSML｜
+
+
+def test_the_offline_engine_loads_no_grpc_stubs() -> None:
+    """The offline ``LLM`` compiles grammars in process: it never imports the grammar service's gRPC stubs (their
+    generated code refuses an older grpcio, which an offline user need not have)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deepinfer.llm, deepinfer.engine.structured, deepinfer.grammar\n"
+        "stubs = [m for m in sys.modules if m.endswith('_pb2_grpc')]\n"
+        "assert not stubs, stubs\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": "libs:."})

@@ -123,7 +123,7 @@ def test_a_bad_v41_config_is_refused(tmp_path, tiny_v41_dir) -> None:
     raw = json.loads((tiny_v41_dir / "config.json").read_text())
     raw["text_config"]["kv_source_layer_ids"] = [0]  # an SWA layer cannot be a KV source
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelUnavailable, match="DeepSeek-V4.1 config .* is invalid"):
+    with pytest.raises(ModelUnavailable, match="deepseek_v41 config .* is invalid"):
         check_architecture(tmp_path)
 
 

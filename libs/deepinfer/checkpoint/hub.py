@@ -5,13 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deepinfer.models.deepseek_v4.config import SUPPORTED_MODEL_TYPES
-from deepinfer.models.deepseek_v41.config import MODEL_TYPE as V41_MODEL_TYPE
-from deepinfer.models.deepseek_v41.config import DeepseekV41Config
-
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 _PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model"]
-ARCHITECTURES = (V41_MODEL_TYPE, *SUPPORTED_MODEL_TYPES)  # model_type values this build serves
 
 
 class ModelUnavailable(RuntimeError):
@@ -55,29 +50,24 @@ def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir
 
 
 def check_architecture(model_dir: Path) -> dict:
-    """The parsed config.json; refuses a missing config, an architecture this build does not run, or a
-    DeepSeek-V4.1 config that does not validate."""
+    """The parsed config.json; refuses a missing config, a ``model_type`` no model family of this build serves
+    (the engine's registry, ``engine.models``), or a config its family does not accept."""
+    from deepinfer.engine.models import family_for, model_type_of  # the registry builds on this package: late
+
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
         raise ModelUnavailable(_advice(f"{model_dir} has no config.json."))
     with open(cfg_file, encoding="utf-8") as f:
         raw = json.load(f)
-    mt = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
-    if mt == V41_MODEL_TYPE:
-        _check_v41(model_dir, raw)
-    elif mt not in SUPPORTED_MODEL_TYPES:
-        raise ModelUnavailable(
-            _advice(
-                f"The model in {model_dir} has model_type {mt!r}, which this build does not run yet "
-                f"(supported: {', '.join(ARCHITECTURES)})."
-            )
-        )
-    return raw
-
-
-def _check_v41(model_dir: Path, raw: dict) -> None:
-    """A DeepSeek-V4.1 config must parse (composite config, layer typing, Engram sizes)."""
+    mt = model_type_of(raw)
     try:
-        DeepseekV41Config.from_dict(raw)
+        if mt is None:
+            raise ValueError("config.json names no model_type")
+        family = family_for(mt)
+    except ValueError as e:
+        raise ModelUnavailable(_advice(f"The model in {model_dir} is not one this build runs yet: {e}.")) from e
+    try:
+        family.parse_config(raw)
     except (ValueError, TypeError, KeyError) as e:
-        raise ModelUnavailable(_advice(f"The DeepSeek-V4.1 config in {model_dir} is invalid: {e}")) from e
+        raise ModelUnavailable(_advice(f"The {mt} config in {model_dir} is invalid: {e}")) from e
+    return raw

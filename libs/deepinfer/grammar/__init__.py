@@ -10,7 +10,8 @@ rebuilds it with ``xgrammar.CompiledGrammar.deserialize_json(text, build_tokeniz
 Nothing here imports xgrammar (or torch) until a compile or a ``TokenizerInfo`` is needed.
 """
 
-from deepinfer.grammar.client import GrammarClient
+from typing import TYPE_CHECKING
+
 from deepinfer.grammar.compiler import Compiler
 from deepinfer.grammar.limits import Limits, check_limits
 from deepinfer.grammar.spec import (
@@ -23,6 +24,18 @@ from deepinfer.grammar.spec import (
 )
 from deepinfer.grammar.vocab import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
 from deepinfer.grammar.wire import grammar_from_proto, grammar_to_proto
+
+if TYPE_CHECKING:
+    from deepinfer.grammar.client import GrammarClient
+
+
+def __getattr__(name: str) -> object:
+    if name == "GrammarClient":  # imported on use: the offline engine never loads the service's gRPC stubs
+        from deepinfer.grammar.client import GrammarClient
+
+        return GrammarClient
+    raise AttributeError(name)
+
 
 __all__ = [
     "KINDS",
