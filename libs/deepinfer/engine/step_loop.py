@@ -16,6 +16,7 @@ in flight is collected.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from enum import Enum
 
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
@@ -42,9 +43,14 @@ class StepLoop:
     @property
     def busy(self) -> bool:
         """Requests are unfinished, or steps are in flight."""
-        return self.scheduler.has_unfinished() or self.scheduler.has_pending_releases or bool(self.in_flight)
+        return self._has_work or bool(self.in_flight)
 
-    def turn(self, waits_for_tokens: object = None) -> Turn:
+    @property
+    def _has_work(self) -> bool:
+        """Requests are unfinished, or released ones wait to be told to the runner."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_pending_releases
+
+    def turn(self, waits_for_tokens: Callable[[WorkerStepPlan], bool] | None = None) -> Turn:
         """What the driver does next. ``waits_for_tokens`` (the runner's, or None): whether a plan must wait for
         the steps in flight. After ``Turn.SEND`` the plan is in :attr:`plan` and counts as in flight."""
         if self._held is not None:
@@ -60,8 +66,7 @@ class StepLoop:
                 return self._send(plan)
         if self.in_flight:
             return Turn.RECEIVE
-        s = self.scheduler
-        return Turn.WAIT if s.has_unfinished() or s.has_pending_releases else Turn.IDLE
+        return Turn.WAIT if self._has_work else Turn.IDLE
 
     def received(self, result: StepResult) -> list[Request]:
         """Apply the oldest step's result; the requests it finished (still in the scheduler until popped)."""
@@ -82,9 +87,8 @@ class StepLoop:
 
     def _next_plan(self) -> WorkerStepPlan | None:
         """The next step (planned ahead of the steps in flight), or None when there is nothing to run."""
-        s = self.scheduler
-        if not (s.has_unfinished() or s.has_pending_releases):
+        if not self._has_work:
             return None
-        plan = s.schedule(lookahead=bool(self.in_flight))
+        plan = self.scheduler.schedule(lookahead=bool(self.in_flight))
         busy = plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots or plan.offloads
-        return plan if busy or plan.fetches or s.fetching else None
+        return plan if busy or plan.fetches or self.scheduler.fetching else None
