@@ -17,7 +17,7 @@ UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 class Relay:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object) -> None:
-        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.request_id, self.prompt_ids = request_id, prompt_ids
         self.text = TextStream(tokenizer, params)
         self.generated: list[int] = []  # token ids sent (they continue on another replica after a failure)
         self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
