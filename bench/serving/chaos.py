@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         DEEPINFER_RESTART_MAX_BACKOFF_S="2",
         DEEPINFER_REPLICA_PROBE_S="0.2",
     )
-    mesh = Mesh(model, grpc_port=free_port(), http_port=free_port(), replicas=2, log_dir=tmp, accelerator=args.device)
+    mesh = Mesh(model, grpc_port=0, http_port=free_port(), replicas=2, log_dir=tmp, accelerator=args.device)
     try:
         mesh.start()
         mesh.start_supervisor()

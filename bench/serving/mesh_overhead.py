@@ -28,7 +28,6 @@ from bench.harness import ROOT, command_line, git_commit, pct, write_json
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.launcher import Mesh
-from deepinfer.serving.healthcheck import free_port
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -109,7 +108,7 @@ def main() -> None:
         "DEEPINFER_NUM_PAGES": "512",
         "DEEPINFER_MAX_NUM_SEQS": str(args.concurrency),
     }
-    mesh = Mesh(model, grpc_port=free_port(), http_port=0, log_dir=tmp, extra_env=services)
+    mesh = Mesh(model, grpc_port=0, http_port=0, log_dir=tmp, extra_env=services)
     runs: list[dict[str, float]] = []
     try:
         mesh.start()

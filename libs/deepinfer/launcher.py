@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer.serving.healthcheck import free_port, wait_serving
+from deepinfer.serving.healthcheck import free_port, reserve_port, wait_serving
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -37,7 +37,7 @@ class Mesh:
 
     model: Path
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
+    grpc_port: int = 50051  # the balancer's (0: a free port, reserved until it serves)
     http_port: int = 8000
     replicas: int = 1
     accelerator: str = "cpu"
@@ -49,6 +49,7 @@ class Mesh:
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     supervise: bool = True  # restart a service that exits (with backoff) until stop()
     _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
+    _held: dict[int, Any] = field(default_factory=dict, init=False, repr=False)  # port -> its reserving socket
     _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
     endpoints: dict[str, str] = field(default_factory=dict)
@@ -70,7 +71,12 @@ class Mesh:
         proc = self._popen(name, "w")
         self.procs.append((name, proc))
         if ready is not None:  # a service that exits first: its log's last lines are in the error
-            wait_serving(ready, timeout, proc, self.log_dir / f"{name}.log" if self.log_dir else None)
+            try:
+                wait_serving(ready, timeout, proc, self.log_dir / f"{name}.log" if self.log_dir else None)
+            finally:  # serving (or gone): the port needs holding no longer
+                held = self._held.pop(int(ready.rpartition(":")[2]), None)
+                if held is not None:
+                    held.close()
 
     def _port(self) -> int:
         """A free port this mesh has not handed out yet (a port found free stays free until its service binds it,
@@ -78,6 +84,15 @@ class Mesh:
         self._taken |= {self.grpc_port, self.http_port}
         while (port := free_port(self.host)) in self._taken:
             pass
+        self._taken.add(port)
+        return port
+
+    def _grpc_port(self) -> int:
+        """A port for a service's gRPC server, held (:func:`reserve_port`) until that service serves: between the
+        pick and the bind, often seconds of model loading, nothing else on the machine can take it."""
+        held = reserve_port(self.host)
+        port = held.getsockname()[1]
+        self._held[port] = held
         self._taken.add(port)
         return port
 
@@ -102,14 +117,14 @@ class Mesh:
         if self.nats is None:  # an external server: every service gets DEEPINFER_NATS_URL as it is
             self.extra_env["DEEPINFER_NATS_URL"] = url
         self.endpoints["nats"] = redact(url) if self.nats is None else self.nats.address  # printed: no password
-        kport = self._port()
+        kport = self._grpc_port()
         kaddr = f"{self.host}:{kport}"
         data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
         kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
         self._spawn("kvstore", kv_args, kaddr)
         self.endpoints["kvstore"] = kaddr
         self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
-        gport = self._port()
+        gport = self._grpc_port()
         gaddr = f"{self.host}:{gport}"
         grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
         self._spawn("grammar", grammar_args, gaddr)
@@ -118,7 +133,7 @@ class Mesh:
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         for r in range(self.replicas):
-            wport, sport = self._port(), self._port()
+            wport, sport = self._grpc_port(), self._grpc_port()
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
             self._spawn(
                 f"worker-{r}",
@@ -132,6 +147,8 @@ class Mesh:
             )
             schedulers += ["--scheduler", saddr]
             self.endpoints[f"scheduler-{r}"] = saddr
+        if self.grpc_port == 0:
+            self.grpc_port = self._grpc_port()
         args = [
             "services.balancer",
             "--model",
@@ -212,6 +229,9 @@ class Mesh:
                     p.kill()
                     p.wait()
         self.procs.clear()
+        for held in self._held.values():  # a start that failed part-way
+            held.close()
+        self._held.clear()
         if self.nats is not None:
             self.nats.close()
             self.nats = None

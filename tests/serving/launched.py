@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from deepinfer.launcher import Mesh
-from deepinfer.serving.healthcheck import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +27,7 @@ def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = F
         }
         | env
     )
-    m = Mesh(model, grpc_port=free_port(), http_port=0, replicas=replicas, log_dir=tmp)
+    m = Mesh(model, grpc_port=0, http_port=0, replicas=replicas, log_dir=tmp)
     try:
         m.start()
         if supervise:

@@ -7,6 +7,7 @@ the service's certificate (internal services require one), exactly as the mesh's
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -21,11 +22,44 @@ from deepinfer.rpc.tls import channel_credentials
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+_pick = random.Random()  # its own generator: a test that seeds ``random`` must not make two processes pick alike
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (and to ``bind(host, 0)``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now on ``host`` (for local deployments and tests)."""
-    with socket.socket() as s:
+    """A port that is free right now on ``host``, below the ephemeral range: between this pick and its server's
+    bind, no outgoing connection can be given it (the kernel takes those from the ephemeral range). For a gRPC
+    server's port prefer :func:`reserve_port`, which holds the port until the server listens."""
+    top = _ephemeral_floor()
+    bottom = max(1024, top // 2)
+    for _ in range(256):
+        port = _pick.randrange(bottom, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A bound, not listening socket holding a free port for a gRPC server: no other socket can bind the port and
+    no outgoing connection is given it while the holder is open, yet a gRPC server (which binds with
+    ``SO_REUSEPORT``) of the same user can listen on it. Close it once that server is serving."""
+    s = socket.socket()
+    s.bind((host, 0))  # bound before SO_REUSEPORT is set: never shares a port another server already listens on
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return s
 
 
 def status(address: str, timeout: float = 3.0) -> int:
