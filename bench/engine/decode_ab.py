@@ -14,7 +14,7 @@ kernels), ``native_eager`` and ``native_graphs`` (FP8 linears and MXFP4 experts 
 ``weights_vs_bf16`` compares the logits of the two weight sets (same values, other kernels). ``--ab-pool`` compares
 ``POOL_VARIANTS``: the decode state kept per sequence against the pooled state (``state_pool.py``), both graphed;
 ``--ab-h2d`` compares ``H2D_VARIANTS``: the step's host-to-device copies synchronous against asynchronous from pinned
-memory (``deepinfer/host_copy.py``); ``--ab-order`` compares ``ORDER_VARIANTS``: the MXFP4 experts' codes as stored
+memory (``runtime/host_copy.py``); ``--ab-order`` compares ``ORDER_VARIANTS``: the MXFP4 experts' codes as stored
 against the shift and rotate orders (``quant/nibble_order.py``).
 
 Each variant decodes from its own copy of the states and cache pages. After ``--warmup`` steps of each, ``--repeats``
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from deepinfer import host_copy
+from deepinfer.runtime import host_copy
 
 VARIANTS = {  # name -> (ops.fused, ops.cuda_graphs, weight set): the A/B of the fused kernels and the graphs
     "eager_unfused": (False, False, None),
@@ -54,7 +54,7 @@ POOL_VARIANTS = {
     "graphs_per_sequence": (True, True, None),
     "graphs_pooled": (True, True, None),
 }
-# the A/B of the host-to-device copies (``--ab-h2d``; deepinfer/host_copy.py): the step's metadata copied
+# the A/B of the host-to-device copies (``--ab-h2d``; deepinfer/runtime/host_copy.py): the step's metadata copied
 # synchronously (the host waits for the queued GPU work, as ForwardBatch.build did) against asynchronously from pinned
 # memory, both with pooled state and graphs
 H2D_VARIANTS = {

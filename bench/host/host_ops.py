@@ -128,11 +128,10 @@ def decode_spans(model: Any, run: Callable[[], object], sync: Callable[[], None]
     its parts, the bucket, the replay) and the logits."""
     import torch
 
-    from deepinfer import host_copy
-    from deepinfer.models import decode_graphs
     from deepinfer.models.deepseek_v4 import decode_step, graphs
     from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
     from deepinfer.models.deepseek_v4.state_pool import StatePool
+    from deepinfer.runtime import decode_graphs, host_copy
 
     targets = [
         (ForwardBatch, "build", "ForwardBatch.build"),

@@ -56,7 +56,22 @@ TRIM: dict[str, list[str]] = {
     ],
     "engine/sweep.py": ["--batches", "1,4", "--prefill-tokens", "128,256", "--repeats", "2", "--budget-s", "5"],
     "engine/sweep_v41.py": ["--batches", "1,4", "--prefill-tokens", "128", "--repeats", "2", "--budget-s", "5"],
-    "engine/batch_invariance.py": ["--compositions", "1", "--batches", "1", "--repeats", "1", "--warmup", "1"],
+    "engine/batch_invariance.py": [
+        "--compositions",
+        "1",
+        "--batches",
+        "1",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--target",
+        "48",
+        "--other-max",
+        "12",
+        "--context",
+        "256",
+    ],
 }
 TIMEOUT_S = {"serving/chaos.py": 300}
 # GPU-only benchmarks whose --tiny --device cpu mode is still to be written: strict xfail, so that adding the smoke
@@ -87,7 +102,26 @@ def _admission(out: Path, stdout: str) -> None:
     assert "| http | deepinfer balancer |" in stdout and "bare stack (peer)" in stdout
 
 
-CHECKS: dict[str, Callable[[Path, str], None]] = {"serving/chaos.py": _chaos, "serving/admission.py": _admission}
+def _schema_conformance(out: Path, stdout: str) -> None:
+    """Real schemas through every engine: each schema counted once per engine, ours beside the raw-schema peers;
+    the figures printed per set and in all."""
+    result = json.loads(next(out.glob("*.json")).read_text())
+    engines = result["engines"]
+    assert engines[:2] == ["ours", "xgrammar"], engines
+    total = result["summary"]["all"]
+    for engine in engines:
+        s = total[engine]
+        assert s["n"] == len(result["schemas"]) >= 8, s  # one schema of each of the eight sets
+        assert s["compiled"] + s["refused_named"] + s["refused_other"] + s["timeout"] + s["crash"] == s["n"], s
+        assert s["valid"] + s["violations"] + s["unjudged"] == s["finished"], s
+    assert "silent violations" in stdout and "| **all** |" in stdout
+
+
+CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "serving/chaos.py": _chaos,
+    "serving/admission.py": _admission,
+    "serving/schema_conformance.py": _schema_conformance,
+}
 
 
 def scripts(subject: str) -> list:

@@ -17,7 +17,7 @@ from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine import warmup
 from deepinfer.engine.warmup import decode_sizes, warm_up
 from deepinfer.llm import LLM
-from deepinfer.models.decode_graphs import BUCKETS
+from deepinfer.runtime.decode_graphs import BUCKETS
 from deepinfer.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py

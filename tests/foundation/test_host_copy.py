@@ -1,12 +1,12 @@
-"""Host-to-device copies that never wait for the GPU (``deepinfer.host_copy``) and the lazy device copies of a
+"""Host-to-device copies that never wait for the GPU (``deepinfer.runtime.host_copy``) and the lazy device copies of a
 ``ForwardBatch`` built from host lists."""
 
 import pytest
 import torch
 
-from deepinfer.host_copy import StagedCopy
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.runtime.host_copy import StagedCopy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

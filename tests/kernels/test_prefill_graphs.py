@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
-from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, prefill_bucket, weak_ref, weaken  # noqa: E402
+from deepinfer.runtime.piecewise_graphs import PREFILL_BUCKETS, prefill_bucket, weak_ref, weaken  # noqa: E402
 from prefill_pieces import eager_pieces, failing_capture, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,9 +1,12 @@
 """Where the model runs: one platform per accelerator (its torch device type), and one folder per backend, each owning
 its op set (an implementation of :class:`deepinfer.ops.Ops`).
 
-The engine asks :func:`platform_for` for the device to place the model and its state on, and
-:func:`deepinfer.ops.get_ops` (the interface's one dispatch, importing a backend's folder only when asked for it) for
-the backend's ops; nothing else needs to know which accelerator it is. The model code never imports this package.
+The engine asks :func:`platform_for` for the platform (:class:`deepinfer.runtime.platform.Platform`) to place the
+model and its state on, the runtime asks :func:`platform_of` a tensor's device for its streams, events, graphs and
+host copies, and :func:`deepinfer.ops.get_ops` (the interface's one dispatch, importing a backend's folder only when
+asked for it) gives the backend's ops; nothing else needs to know which accelerator it is, and no module outside a
+backend's folder names a vendor's device API (tests/foundation/test_boundaries.py). The model code never imports
+this package.
 
 * ``cpu``: the reference op set (plain torch: the semantics every other backend is tested against) and its
   batch-invariant variant (:mod:`deepinfer.backends.reference`);
@@ -17,33 +20,6 @@ The backend folders do not import each other, except that ``nvidia`` and ``ascen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from deepinfer.runtime.platform import ACCELERATORS, Platform, platform_for, platform_of
 
-import torch
-
-ACCELERATORS = ("nvidia", "ascend", "cpu")
-
-
-@dataclass(frozen=True)
-class Platform:
-    """An accelerator as the engine sees it: its name and the torch device type its tensors live on."""
-
-    name: str  # nvidia | ascend | cpu
-    device_type: str  # cuda | npu | cpu
-
-    def device(self, index: int | None = None) -> torch.device:
-        return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
-
-
-_PLATFORMS = {"nvidia": Platform("nvidia", "cuda"), "ascend": Platform("ascend", "npu"), "cpu": Platform("cpu", "cpu")}
-
-
-def platform_for(accelerator: str) -> Platform:
-    """The platform of ``accelerator`` (nvidia | ascend | cpu)."""
-    try:
-        return _PLATFORMS[accelerator]
-    except KeyError:
-        raise ValueError(f"unknown accelerator {accelerator!r}; expected one of {', '.join(ACCELERATORS)}") from None
-
-
-__all__ = ["ACCELERATORS", "Platform", "platform_for"]
+__all__ = ["ACCELERATORS", "Platform", "platform_for", "platform_of"]

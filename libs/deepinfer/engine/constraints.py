@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.host_copy import to_device
+from deepinfer.runtime.host_copy import to_device
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -187,8 +187,10 @@ class ConstraintSet:
         words = packed.shape[1]
         full = torch.full((logits.shape[0], words), -1, dtype=torch.int32)
         full[list(rows)] = packed
-        dev = logits.device.type
-        backend = "cpu" if dev == "cpu" else "auto" if dev == "cuda" else "torch_native"
+        from deepinfer.runtime.platform import platform_of
+
+        host, triton = logits.device.type == "cpu", platform_of(logits.device).triton
+        backend = "cpu" if host else "auto" if triton else "torch_native"  # xgrammar's kernels: Triton's or torch's
         vocab = min(self.vocab_size, logits.shape[-1])
         xgr.apply_token_bitmask_inplace(
             logits, full.to(logits.device), vocab_size=vocab, indices=list(rows), backend=backend

@@ -6,7 +6,6 @@ docs/determinism.md explains each item.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,14 +44,9 @@ class Determinism:
 
 
 def _device_name(accelerator: str) -> str:
-    import torch
+    from deepinfer.runtime.platform import platform_for
 
-    if accelerator == "nvidia" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    npu = getattr(torch, "npu", None)  # registered by torch_npu
-    if accelerator == "ascend" and npu is not None and npu.is_available():
-        return npu.get_device_name()
-    return platform.processor() or platform.machine()
+    return platform_for(accelerator).device_name()  # the host's processor where no such device is visible
 
 
 def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1) -> Determinism:

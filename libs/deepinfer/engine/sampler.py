@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.host_copy import tensor, to_device
 from deepinfer.kernels.sampling_rules import TOP_P_EPS
+from deepinfer.runtime.host_copy import tensor, to_device
+from deepinfer.runtime.platform import platform_of
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -135,7 +136,8 @@ class Sampler:
         if constrain is not None:  # a grammar's masks: choose among the allowed tokens, report raw logprobs
             logits = logits.clone()
             constrain(logits)
-        use_kernel = self.kernel if self.kernel is not None else logits.is_cuda and not all(p.greedy for p in params)
+        triton = platform_of(device).triton  # the sampling kernel is Triton's
+        use_kernel = self.kernel if self.kernel is not None else triton and not all(p.greedy for p in params)
         if use_kernel:  # (an all-greedy step stays on torch: the same tokens, fewer host launches)
             token_ids, chosen_lp = self._kernel(logits, raw, params, seeds)
             raw_lp = None

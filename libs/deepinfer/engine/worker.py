@@ -19,7 +19,8 @@ from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.model_api import ModelFamily, PagedCache, SequenceState, ServedModel, Snapshot
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
-from deepinfer.host_copy import tensor, to_host
+from deepinfer.runtime.host_copy import tensor, to_host
+from deepinfer.runtime.platform import Event
 
 _MASK64 = (1 << 64) - 1
 
@@ -315,7 +316,7 @@ class InFlight:
     constrained: bool = False
     idle: bool = False  # no chunks and no fetches
     host: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
+    event: Event | None = None  # the platform's (deepinfer.runtime.platform)
 
     def wait(self) -> None:
         if self.event is not None:

@@ -7,9 +7,9 @@ from deepinfer.envs.registry import declare, get
 
 
 def _default_accelerator() -> str:
-    import torch  # lazily: only when the default is actually needed
+    from deepinfer.runtime.platform import platform_for  # lazily (torch): only when the default is actually needed
 
-    return "nvidia" if torch.cuda.is_available() else "cpu"
+    return "nvidia" if platform_for("nvidia").available() else "cpu"
 
 
 _HW, _SCHED, _NUM, _OBS = "Hardware and model", "Scheduling and memory", "Numerics", "Observability"
@@ -18,10 +18,10 @@ _HW, _SCHED, _NUM, _OBS = "Hardware and model", "Scheduling and memory", "Numeri
 declare("DEEPINFER_ACCELERATOR", "enum", _HW, """
     Which accelerator backend runs the model: `nvidia` (CUDA and Triton kernels), `ascend` (torch-npu
     kernels; needs the `deepinfer[ascend]` extra on a host with CANN) or `cpu` (the pure PyTorch reference
-    path used by the tests). The default probes `torch.cuda.is_available()`, importing torch only when the
+    path used by the tests). The default probes whether a CUDA device is visible, importing torch only when the
     value is needed; Ascend is never chosen automatically.""",
     choices=("nvidia", "ascend", "cpu"), default=_default_accelerator,
-    default_doc="`nvidia` when `torch.cuda.is_available()`, else `cpu`")
+    default_doc="`nvidia` when a CUDA device is visible, else `cpu`")
 declare("DEEPINFER_HF_MODEL_DIR", "path", _HW, """
     Path to a local copy of the model: a Hugging Face snapshot directory holding `config.json`, the
     tokenizer and the safetensors shards. When set, the weights are loaded from here and nothing is

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
@@ -33,6 +32,7 @@ from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v4.window_lists import WindowLists, step_window_lists
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 class Attention(nn.Module):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 class Compressor(nn.Module):

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 import torch
 
-from deepinfer.host_copy import StagedCopy, to_device
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, stacked_rows
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import StagedCopy, to_device
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from deepinfer import envs
-from deepinfer.models.decode_graphs import BUCKETS
 from deepinfer.models.deepseek_v4 import resume_format
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
@@ -18,6 +17,7 @@ from deepinfer.models.deepseek_v4.layers import set_w8a8, uses_w8a8
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 from deepinfer.quant.w4a8 import set_w4a8, uses_w4a8
+from deepinfer.runtime.decode_graphs import BUCKETS
 
 
 class DeepseekV4Family:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.runtime.host_copy import to_device
+from deepinfer.runtime.platform import platform_of
 
 
 @dataclass
@@ -29,13 +30,6 @@ class SeqChunk:
     @property
     def end(self) -> int:
         return self.start + self.length
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``device`` with its index, as a tensor made there reports it (``cuda`` → ``cuda:0``)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class ForwardBatch:
@@ -62,7 +56,7 @@ class ForwardBatch:
         self.chunks, self.input_embeds, self.image_mask = chunks, input_embeds, image_mask
         self.host_token_ids, self.host_positions = host_token_ids, host_positions
         self._host_both: torch.Tensor | None = None  # [2, T] whose rows are the two (build): copied as it is
-        self.device = token_ids.device if token_ids is not None else _indexed(torch.device(device))
+        self.device = token_ids.device if token_ids is not None else platform_of(device).indexed(torch.device(device))
 
     @property
     def token_ids(self) -> torch.Tensor:

@@ -18,19 +18,18 @@ bucket's capture runs the step twice and captures it: the step's writes are idem
 
 A graph holds the pool's and the cache's tensors: the buckets are dropped when the pool reallocates
 (``StatePool.generation``) or another cache comes. Buckets, capture, the shared memory pool and the eager fallback of a
-bucket whose capture fails are the model-agnostic ``models.decode_graphs.SegmentGraphs``.
+bucket whose capture fails are the model-agnostic ``runtime.decode_graphs.SegmentGraphs``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from deepinfer.models.decode_graphs import BUCKETS, SegmentGraphs, bucket_for
 from deepinfer.models.deepseek_v4 import decode_step
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan, span_for
@@ -39,6 +38,7 @@ from deepinfer.models.deepseek_v4.layers import RotaryTable
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops
+from deepinfer.runtime.decode_graphs import BUCKETS, SegmentGraphs, bucket_for
 
 
 class GraphedModel(Protocol):
@@ -60,7 +60,7 @@ class _Bucket:
     size: int
     token_ids: torch.Tensor
     plan: V4DecodePlan  # its meta[1] is the step's positions
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
+    graphs: list[Any] = field(default_factory=list)  # the platform's graphs (anything with replay() in tests)
     h: torch.Tensor | None = None  # the step's output
 
 

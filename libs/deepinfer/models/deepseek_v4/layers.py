@@ -19,6 +19,7 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.config import YarnParams
 from deepinfer.ops import Ops
+from deepinfer.runtime.platform import platform_of
 
 
 class Linear(nn.Module):
@@ -220,7 +221,7 @@ class RotaryTable:
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return platform_of(t.device).capturing()
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.config import CacheStore
+from deepinfer.runtime.host_copy import to_device
 
 
 class CacheConfig(Protocol):

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for the prefill and mixed steps of ``DeepseekV4Model`` (``models.piecewise_graphs``).
+"""Piecewise CUDA graphs for the prefill and mixed steps of ``DeepseekV4Model`` (``runtime.piecewise_graphs``).
 
 A step of ``T`` tokens runs in the smallest token bucket ``≥ T`` (``prefill_bucket``). The pieces of a bucket:
 
@@ -25,7 +25,7 @@ import torch
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.graphs import GraphedModel
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.models.piecewise_graphs import PREFILL_BUCKETS, PieceBucket, PiecewiseGraphs, prefill_bucket
+from deepinfer.runtime.piecewise_graphs import PREFILL_BUCKETS, PieceBucket, PiecewiseGraphs, prefill_bucket
 
 
 class PrefillGraphs(PiecewiseGraphs):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
 from deepinfer.models.deepseek_v4.state_pool import StatePool
+from deepinfer.runtime.host_copy import to_device
 
 
 @dataclass

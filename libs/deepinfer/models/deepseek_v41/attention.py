@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
@@ -40,6 +39,7 @@ from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 class SharedKVAttention(nn.Module):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.state import ring_span
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.models.deepseek_v41.step_context import AttentionLayer, StepContext
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 def _window(

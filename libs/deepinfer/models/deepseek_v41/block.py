@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v41.attention import Attention
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
@@ -19,6 +18,7 @@ from deepinfer.models.deepseek_v41.mhc import lagged_sublayer as _lagged
 from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 class EngramTable(nn.Module):

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from deepinfer.host_copy import StagedCopy, to_device
 from deepinfer.models.deepseek_v4.decode_step import (
     SPAN_MIN,
     StepIndices,
@@ -59,6 +58,7 @@ from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v41.indexer import candidate_blocks
 from deepinfer.models.deepseek_v41.step_context import AttentionLayer
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import StagedCopy, to_device
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v4.layers import RotaryTable

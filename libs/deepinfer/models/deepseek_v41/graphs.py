@@ -1,6 +1,6 @@
 """CUDA graphs for the decode steps of ``DeepseekV41Model`` (one new token per sequence): the whole step, one graph.
 
-The V4.1 counterpart of ``deepseek_v4.graphs`` over the same model-agnostic ``models.decode_graphs.SegmentGraphs``
+The V4.1 counterpart of ``deepseek_v4.graphs`` over the same model-agnostic ``runtime.decode_graphs.SegmentGraphs``
 (buckets, capture, shared memory pool, eager fallback). ``decode_step`` makes a step's attention bookkeeping a
 function of fixed-shape device tensors (a ``V41DecodePlan``: each row's pool slot, position, encoder and decoder window
 floors, liveness and block table), so everything from the token ids to the trunk output is captured once per bucket
@@ -31,13 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from deepinfer.host_copy import StagedCopy
-from deepinfer.models.decode_graphs import SegmentGraphs
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.layers import RotaryTable
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
@@ -48,6 +46,8 @@ from deepinfer.models.deepseek_v41.decode_step import V41DecodePlan, span_for
 from deepinfer.models.deepseek_v41.engram import EngramHasher
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
 from deepinfer.ops import Ops
+from deepinfer.runtime.decode_graphs import SegmentGraphs
+from deepinfer.runtime.host_copy import StagedCopy
 
 
 class GraphedModel(Protocol):
@@ -73,7 +73,7 @@ class _Bucket:
     plan: V41DecodePlan  # its meta holds the step's positions
     engram: torch.Tensor | None  # row ids [size, engram layers, hashes], with the tables on the device
     engram_rows: dict[int, torch.Tensor]  # layer -> looked-up rows [size, hashes, dim], with the tables elsewhere
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # anything with replay() in tests
+    graphs: list[Any] = field(default_factory=list)  # the platform's graphs (anything with replay() in tests)
     y: torch.Tensor | None = None  # the step's output
     engram_stage: StagedCopy | None = None  # the host copies into ``engram``
 

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm
 from deepinfer.models.deepseek_v4.state import CompressorBuffer
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
+from deepinfer.runtime.host_copy import to_device
 
 
 class Compressor(nn.Module):

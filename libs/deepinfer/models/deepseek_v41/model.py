@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
@@ -38,6 +37,8 @@ from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
 from deepinfer.ops import Ops, get_ops
+from deepinfer.runtime.host_copy import to_device
+from deepinfer.runtime.platform import platform_of
 
 
 class DeepseekV41Model(nn.Module):
@@ -118,13 +119,15 @@ class DeepseekV41Model(nn.Module):
 
     def place_engram_tables(self, device: torch.device | str) -> None:
         """Keep the Engram tables on ``device`` (e.g. host memory: ~200 GB in the released model) whatever device
-        the rest of the model is on; lookups gather there and move only the rows read. Call after ``.to()``."""
+        the rest of the model is on; lookups gather there and move only the rows read. Call after ``.to()``. Host
+        tables are pinned where the model's platform copies from pinned memory."""
         dev = torch.device(device)
+        pin = dev.type == "cpu" and platform_of(self.head.weight.device).pinned_copies
         for layer in self.layers:
             if layer.engram is not None:
                 w = layer.engram.embed.weight
                 w.data = w.data.to(dev)
-                if dev.type == "cpu" and torch.cuda.is_available():
+                if pin:
                     w.data = w.data.pin_memory()
 
     def set_quant_sim(self, enabled: bool) -> None:

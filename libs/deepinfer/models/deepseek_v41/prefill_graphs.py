@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for the prefill and mixed steps of ``DeepseekV41Model`` (``models.piecewise_graphs``).
+"""Piecewise CUDA graphs for the prefill and mixed steps of ``DeepseekV41Model`` (``runtime.piecewise_graphs``).
 
 The V4.1 counterpart of ``deepseek_v4.prefill_graphs``. A text step of ``T`` tokens runs in the smallest token
 bucket ``≥ T``. The pieces of a bucket:
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.host_copy import to_device
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v41.graphs import GraphedModel, TextGraphs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.step_context import StepContext
-from deepinfer.models.piecewise_graphs import PieceBucket, PiecewiseGraphs
+from deepinfer.runtime.host_copy import to_device
+from deepinfer.runtime.piecewise_graphs import PieceBucket, PiecewiseGraphs
 
 
 @dataclass

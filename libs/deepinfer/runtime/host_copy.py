@@ -7,7 +7,8 @@ under ``torch.cuda.set_sync_debug_mode``). A ``non_blocking`` copy from pageable
 stages it, and on one H200 machine such a copy of 64 integers took 11.8 ms of host time behind 25 ms of queued GPU
 work (0.28 ms on another; 0.05–0.07 ms from pinned memory on both). ``to_device`` therefore stages a host tensor in
 pinned memory (PyTorch's caching host allocator, which holds a block until the copies reading it have completed)
-and copies it asynchronously, ordered on the current stream like any other work.
+and copies it asynchronously, ordered on the current stream like any other work. Which devices take that path, and
+their events and streams, the platform says (``Platform.pinned_copies``; :mod:`deepinfer.runtime.platform`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from deepinfer.runtime.platform import Event, platform_of
+
 # True: synchronous copies, as before (the A/B of bench/engine/sweep.py --ab-h2d; a planted bug in tests)
 BLOCKING = False
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` on ``device``; a host tensor bound for a CUDA device goes through pinned memory, asynchronously (the
-    copy is ordered on the current stream like any other work, so later kernels see the data)."""
+    """``t`` on ``device``; a host tensor bound for an accelerator with pinned copies goes through pinned memory,
+    asynchronously (the copy is ordered on the current stream like any other work, so later kernels see the data)."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu" or BLOCKING:
+    if t.device.type != "cpu" or BLOCKING or not platform_of(device).pinned_copies:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -41,10 +44,11 @@ class StagedCopy:
 
     def __init__(self, dst: torch.Tensor, depth: int = 4) -> None:
         self.dst = dst
-        cuda = dst.device.type == "cuda"
-        self._bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(depth)] if cuda else []
+        self.platform = platform_of(dst.device)
+        pinned = self.platform.pinned_copies
+        self._bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(depth)] if pinned else []
         self._arrays = [b.numpy() for b in self._bufs]  # the same memory, for writes from numpy
-        self._events: list[torch.cuda.Event | None] = [None] * len(self._bufs)
+        self._events: list[Event | None] = [None] * len(self._bufs)
         self._next = self._taken = 0
         self.fallbacks = 0  # copies that found no free buffer (tests, benchmarks)
 
@@ -64,7 +68,7 @@ class StagedCopy:
         """A free pinned buffer of ``dst``'s shape, as a numpy array for the host to write the next copy into (then
         ``send``), or None: the copy goes through ``copy``'s other path (no pinned buffers on a host-memory ``dst``,
         ``BLOCKING``, a graph capture, or every buffer still read by a queued copy: counted in ``fallbacks``)."""
-        if not self._bufs or BLOCKING or torch.cuda.is_current_stream_capturing():
+        if not self._bufs or BLOCKING or self.platform.capturing():
             return None
         for _ in range(len(self._bufs)):
             i = self._next
@@ -82,8 +86,8 @@ class StagedCopy:
         self.dst[:n].copy_(self._bufs[i][:n], non_blocking=True)
         ev = self._events[i]
         if ev is None:
-            ev = self._events[i] = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.dst.device))
+            ev = self._events[i] = self.platform.event()
+        ev.record(self.platform.current_stream(self.dst.device))
 
 
 def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -91,15 +95,17 @@ def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torc
     return to_device(torch.tensor(data, dtype=dtype), device)
 
 
-def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``t`` copied to pinned host memory without waiting, and the event that marks the copy done (None: ``t`` was on
-    the host already). Read the copy only after ``event.synchronize()``."""
-    if t.device.type != "cuda":
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+    """``t`` copied to pinned host memory without waiting, and the event that marks the copy done (None: ``t`` is on
+    a platform without pinned copies, the host's among them: ``t`` itself). Read the copy only after
+    ``event.synchronize()``."""
+    platform = platform_of(t.device)
+    if not platform.pinned_copies:
         return t, None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))  # the copy's stream, whatever this thread's current device
+    event = platform.event()
+    event.record(platform.current_stream(t.device))  # the copy's stream, whatever this thread's current device
     return host, event
 
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer.models.decode_graphs import SegmentGraphs
-from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
+from deepinfer.runtime.decode_graphs import SegmentGraphs
+
+if TYPE_CHECKING:
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 
 # steps of <= 50% padding below 128 tokens, <= 33% above; multiples of 2048 past the ladder
 PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -77,7 +79,7 @@ class PieceBucket:
     token_ids: torch.Tensor  # [size]
     positions: torch.Tensor  # [size]
     carry: list[Any]
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    graphs: list[Any] = field(default_factory=list)  # the platform's graphs (``Platform.graph``)
 
 
 class PiecewiseGraphs(SegmentGraphs):

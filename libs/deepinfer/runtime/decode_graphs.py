@@ -1,4 +1,5 @@
-"""Model-agnostic part of the decode CUDA graphs: batch-size buckets, capture of a step's segments, failure fallback.
+"""Model-agnostic part of the decode-step graphs (``Platform.graphs``: CUDA graphs on nvidia): batch-size buckets,
+capture of a step's segments, failure fallback.
 
 A decode step (one new token per sequence) is bound by host launch time when run eagerly. A model splits it into
 ``L + 1`` segments around the eager per-layer state bookkeeping (the attention's window rings, compressor buffers,
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
+from deepinfer.runtime.platform import platform_of
+
+if TYPE_CHECKING:
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +77,10 @@ class SegmentGraphs:
         return size, id(ops), getattr(ops, "fused", None), getattr(ops, "moe_backend", None)
 
     def applies(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` is a decode step this can replay (``graphable``, on CUDA, not capturing)."""
-        return batch.device.type == "cuda" and not torch.cuda.is_current_stream_capturing() and self.graphable(batch)
+        """Whether ``batch`` is a decode step this can replay (``graphable``, on a platform with graphs, not
+        capturing)."""
+        platform = platform_of(batch.device)
+        return platform.graphs and not platform.capturing() and self.graphable(batch)
 
     def graphable(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a decode step (one token per chunk) whatever its device; a model may refuse more."""
@@ -111,12 +117,12 @@ class SegmentGraphs:
 
     # -- capture ------------------------------------------------------------------------------------------------
 
-    def capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def capture_stream(self, device: torch.device) -> Any:
         """The side stream every capture runs on (one per device: the libraries' per-stream workspaces, cuBLAS's
         some MiB each, are made once, not once per bucket)."""
         streams = self.__dict__.setdefault("_streams", {})
         if device not in streams:
-            streams[device] = torch.cuda.Stream(device)
+            streams[device] = platform_of(device).new_stream(device)
         return streams[device]
 
     def _capture(
@@ -124,21 +130,22 @@ class SegmentGraphs:
     ) -> Any | None:
         bk = self._bucket(size, device, *extra)
         segs = self._segments(bk)
+        platform = platform_of(device)
         try:
             if before is not None:
                 before(bk)
             side = self.capture_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            side.wait_stream(platform.current_stream(device))
+            with platform.stream(side):
                 for _ in range(2):  # warm-up: kernel compilation, library handles, lazy device tables
                     for j, seg in enumerate(segs):
                         seg()
                         self._after(bk, j, captured=False)
                 side.synchronize()
                 if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
+                    self.pool = platform.graph_pool()
                 for j, seg in enumerate(segs):
-                    g = torch.cuda.CUDAGraph()
+                    g = platform.graph()
                     g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
                         seg()
@@ -146,11 +153,11 @@ class SegmentGraphs:
                         g.capture_end()
                     bk.graphs.append(g)
                     self._after(bk, j, captured=True)
-            torch.cuda.current_stream(device).wait_stream(side)
+            platform.current_stream(device).wait_stream(side)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this bucket runs eagerly
-            log.warning("%s CUDA graphs: capture of size %d failed, running it eagerly: %s", self.kind, size, e)
+            log.warning("%s graphs: capture of size %d failed, running it eagerly: %s", self.kind, size, e)
             self.failures[size] = f"{type(e).__name__}: {e}"[:500]
-            torch.cuda.synchronize(device)
+            platform.synchronize(device)
             return None
         return bk
 

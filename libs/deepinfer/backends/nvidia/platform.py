@@ -1,0 +1,57 @@
+"""The nvidia platform: CUDA devices, streams, events and graphs for the runtime (:mod:`deepinfer.runtime.platform`).
+Imports torch only (no Triton): the host-copy and graph code asks for it on every step."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from deepinfer.runtime.platform import Event, Platform
+
+
+class CudaPlatform(Platform):
+    name = "nvidia"
+    device_type = "cuda"
+    graphs = True
+    pinned_copies = True
+    triton = True
+
+    def indexed(self, device: torch.device) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else super().device_name()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Event:
+        return torch.cuda.Event()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    def graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+
+PLATFORM = CudaPlatform()
+
+__all__ = ["PLATFORM", "CudaPlatform"]
