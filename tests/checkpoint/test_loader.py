@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from structlog.testing import capture_logs
 
 from deepinfer.checkpoint.hub import ModelUnavailable, check_architecture, resolve_model
 from deepinfer.checkpoint.loader import CheckpointError, load_checkpoint
+from deepinfer.checkpoint.mtp import has_mtp
 from deepinfer.checkpoint.references import hf_config, hf_state_dict
 from deepinfer.checkpoint.tiny import TINY_V4, make_tiny_model
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config, YarnParams
@@ -300,14 +302,26 @@ def test_transformers_named_checkpoint_loads(tmp_path, ckpt, config, stored, mod
 
 
 def test_transformers_checkpoint_without_mtp(tmp_path, ckpt, model32):
-    """What transformers' save_pretrained writes (no MTP, all dequantised) loads into a model without MTP."""
+    """transformers' names without MTP (all dequantised) load into a model without MTP, or into one with MTP that
+    then loses it (tests/checkpoint/test_transformers_save.py loads what its save_pretrained really writes)."""
     path = write(tmp_path / "hf", hf_state_dict(model32), ckpt)
     raw = json.loads((ckpt / "config.json").read_text())
     no_mtp = DeepseekV4Config.from_dict({**raw, "num_nextn_predict_layers": 0})
     assert_same_params(load(path, no_mtp), model32, skip=("mtp.",))
-    # a model that runs MTP needs its tensors
+    # a model built with MTP loses it (no tensor of the block at all), with a warning; the rest is loaded
+    with capture_logs() as logs:
+        with_mtp = load(path, DeepseekV4Config.from_dict(raw))
+    assert [e["event"] for e in logs] == ["checkpoint has no MTP block: speculative decoding is off for this model"]
+    assert len(with_mtp.mtp) == 0 and not has_mtp(with_mtp) and has_mtp(model32)
+    assert_same_params(with_mtp, model32, skip=("mtp.",))
+    # one tensor of the block: the block is there in part, an error naming the rest
+    partial = write(
+        tmp_path / "partial",
+        {**hf_state_dict(model32), "mtp.0.hnorm.weight": torch.ones(model32.config.hidden_size)},
+        ckpt,
+    )
     with pytest.raises(CheckpointError, match=r"mtp\.0\."):
-        load(path, DeepseekV4Config.from_dict(raw))
+        load(partial, DeepseekV4Config.from_dict(raw))
 
 
 def test_transformers_names_load_in_bfloat16(tmp_path, ckpt, config, stored, model32, model16):

@@ -1,4 +1,7 @@
-"""Where a model's files come from: a local directory, ``DEEPINFER_HF_MODEL_DIR``, or the Hugging Face hub."""
+"""Where a model's files come from: a local directory, ``DEEPINFER_HF_MODEL_DIR``, or the Hugging Face hub.
+
+A local directory may also be a NeMo AutoModel checkpoint as its ``save_pretrained`` leaves it: the servable files
+(config.json, tokenizer, consolidated safetensors) are in its ``model/consolidated`` folder, which is used then."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir
         model = local_dir_env or DEFAULT_MODEL
     p = Path(model).expanduser()
     if p.is_dir():
-        return p
+        return consolidated_dir(p)
     if p.exists() or str(model).startswith((".", "/")):
         raise ModelUnavailable(_advice(f"The model path {model} is not a directory."))
     from huggingface_hub import hf_hub_download, snapshot_download
@@ -47,6 +50,14 @@ def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir
             _advice(f"Could not download the weights of {model!r} from the Hugging Face hub ({type(e).__name__}: {e}).")
         ) from e
     return Path(path)
+
+
+def consolidated_dir(path: Path) -> Path:
+    """``path``, or its NeMo ``model/consolidated`` folder where ``path`` has no config.json and that folder has."""
+    nemo = path / "model" / "consolidated"
+    if not (path / "config.json").exists() and (nemo / "config.json").exists():
+        return nemo
+    return path
 
 
 def check_architecture(model_dir: Path) -> dict:

@@ -1,9 +1,10 @@
 """Load a DeepSeek-V4 safetensors checkpoint into :class:`DeepseekV4Model`.
 
-Accepts official and transformers tensor names, FP8 e4m3 weights with UE8M0 block scales and
-MXFP4 routed experts (dequantised here, unless the model was switched to the stored formats by
-``quant.native.prepare_native``: then they are kept as stored, with their scales). Every problem
-names the tensor and the file: a missing tensor, a wrong shape, an unreadable file.
+Accepts official and transformers tensor names (its in-memory names and what its ``save_pretrained`` writes), FP8
+e4m3 weights with UE8M0 block scales and MXFP4 routed experts (dequantised here, unless the model was switched to the
+stored formats by ``quant.native.prepare_native``: then they are kept as stored, with their scales). Every problem
+names the tensor and the file: a missing tensor, a wrong shape, an unreadable file. A checkpoint without any
+``mtp.*`` tensor (what transformers saves) loads with a warning, its model without MTP (``checkpoint.mtp``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
@@ -105,6 +107,7 @@ class _Filler:
         self.params = {k: v for k, v in params.items() if not k.startswith(("rope_",))}
         self.model, self.dtype = model, dtype
         self.filled: set[str] = set()
+        self.saw_mtp = False  # the checkpoint holds some mtp.* tensor
         self.expert_filled: dict[str, set[int]] = {}
         self.pending: dict[str, tuple[torch.Tensor, Path]] = {}  # quantised weights waiting for their scale
         self.scales: dict[str, tuple[torch.Tensor, Path]] = {}
@@ -113,6 +116,7 @@ class _Filler:
 
     def add(self, name: str, t: torch.Tensor, file: Path) -> None:
         """One checkpoint tensor (official name): placed, or kept until its weight / scale comes."""
+        self.saw_mtp = self.saw_mtp or name.startswith(MTP_PREFIX)
         if name.endswith(".scale"):
             base = name[: -len(".scale")] + ".weight"
             self.scales[base] = (t, file)
@@ -211,7 +215,8 @@ class _Filler:
         self.place(name, t, wf)
 
     def check_complete(self, path: Path) -> None:
-        """Raise unless every weight found its scale and every parameter was filled."""
+        """Raise unless every weight found its scale and every parameter was filled; a checkpoint without any MTP
+        tensor takes the MTP block out of the model (``checkpoint.mtp``)."""
         for name, (_, file) in self.pending.items():
             raise CheckpointError(f"quantised tensor {name!r} in {file.name} has no scale tensor {name[:-7]}.scale")
         # reported under their checkpoint (official) names, routed experts one by one
@@ -222,5 +227,9 @@ class _Filler:
             for e in (range(self.n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
             if e not in self.expert_filled.get(k, ())
         ]
-        if missing:
-            raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+        mtp, other = split_missing(missing)
+        if mtp and not other and not self.saw_mtp:
+            drop_mtp(self.model, path, len(mtp))
+        elif missing:
+            shown = other or missing  # the tensors that make it fail, before the MTP block
+            raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(shown[:5])}")

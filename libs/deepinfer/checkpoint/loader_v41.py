@@ -8,7 +8,9 @@ stored dtype, so an ``expert_dtype: fp8`` or bf16 conversion loads too.
 
 Targets are ``model.state_dict()``'s keys (parameters and persistent buffers; derived buffers must be
 non-persistent). Every problem names the tensor and the file: missing, unexpected, wrong shape, a weight without
-its scale (or the reverse), an unreadable file.
+its scale (or the reverse), an unreadable file. NeMo AutoModel's save (``DeepseekV41StateDictAdapter.to_hf``) writes
+these names, unquantized and without the DSpark stages: a checkpoint without any ``mtp.*`` tensor loads with a
+warning, its model without DSpark (``checkpoint.mtp``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer.checkpoint.loader import CheckpointError
+from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
@@ -187,7 +190,8 @@ def load_v41_checkpoint(
     ``path`` is a checkpoint directory (sharded with an index, or any ``*.safetensors``) or one file. Values are
     cast to ``dtype`` except the fp32 set of :func:`keeps_fp32` and integer targets. ``skip`` lists released-name
     prefixes to ignore (e.g. ``("mtp.",)`` for a model built without the DSpark drafter, ``("vision.", "aligner.",
-    "image_")`` for a text-only one); anything else the module lacks is an error, and so is a target left unfilled.
+    "image_")`` for a text-only one); anything else the module lacks is an error, and so is a target left unfilled,
+    except a DSpark block the checkpoint has no tensor of (``checkpoint.mtp``: the model loses its ``mtp``).
     """
     path = Path(path)
     skip = tuple(skip)
@@ -203,7 +207,8 @@ def load_v41_checkpoint(
         for name in tqdm(names, desc="Loading DeepSeek-V4.1 checkpoint", disable=not progress, unit="tensor"):
             if not name.startswith(skip):
                 filler.load(reader, name)
-    filler.check_complete(path)
+        saw_mtp = any(k.startswith(MTP_PREFIX) for k in reader.where)
+    filler.check_complete(path, saw_mtp)
 
 
 class _Filler:
@@ -270,8 +275,9 @@ class _Filler:
         self.experts[target][expert] = t
         self.expert_rows.setdefault(target, set()).add(expert)
 
-    def check_complete(self, path: Path) -> None:
-        """Set the stacked experts; raise unless every target was filled."""
+    def check_complete(self, path: Path, saw_mtp: bool) -> None:
+        """Set the stacked experts; raise unless every target was filled (a DSpark block the checkpoint holds no
+        tensor of, ``saw_mtp`` False, is taken out of the model instead)."""
         for target, value in self.experts.items():
             _set(self.model, target, value)
         missing = [
@@ -281,7 +287,11 @@ class _Filler:
             for e in (range(ref.shape[0]) if is_stacked_expert(k) else [None])
             if e not in self.expert_rows.get(k, ())
         ]
-        if missing:
+        mtp, other = split_missing(missing)
+        if mtp and not other and not saw_mtp:
+            drop_mtp(self.model, path, len(mtp))
+        elif missing:
+            shown = other or missing  # the tensors that make it fail, before the DSpark block
             raise CheckpointError(
-                f"checkpoint {path} lacks {len(missing)} tensors the model needs, e.g. {', '.join(missing[:5])}"
+                f"checkpoint {path} lacks {len(missing)} tensors the model needs, e.g. {', '.join(shown[:5])}"
             )

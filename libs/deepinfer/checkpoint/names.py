@@ -2,7 +2,9 @@
 modules.
 
 Official names are the canonical form. ``hf_to_official`` undoes transformers' renaming (its stacked
-experts are split by the loader); ``official_to_internal`` maps to a parameter of
+experts are split by the loader), in memory (``model.layers.0.self_attn.kv_norm.weight``) and as its
+``save_pretrained`` writes it back (``model.layers.0.attn.norm.weight``: its reverse renaming keeps the ``model.``
+prefix and turns ``kv_norm`` into ``norm``); ``official_to_internal`` maps to a parameter of
 :class:`~deepinfer.models.deepseek_v4.model.DeepseekV4Model` plus an expert index for routed experts.
 """
 
@@ -25,6 +27,7 @@ _HF_RULES: list[tuple[str, str]] = [
     (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
     (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
     (r"\.self_attn\.", ".attn."),
+    (r"\.attn\.norm\.", ".attn.kv_norm."),  # what save_pretrained writes back for self_attn.kv_norm
     (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
     (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
     (r"\.attn\.q_b_proj\.", ".attn.wq_b."),

@@ -101,6 +101,8 @@ class DeepseekV41TextConfig:
             kw["engram_num_embeddings"] = ()
         if "rope_scaling" in raw:
             kw["rope_scaling"] = _parse_yarn(raw["rope_scaling"])
+        elif isinstance(raw.get("rope_parameters"), dict):  # transformers 5 writes it so (NeMo's save_pretrained)
+            kw["rope_scaling"] = _parse_yarn(raw["rope_parameters"])
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
