@@ -11,6 +11,9 @@
   * ``torch.Tensor.topk`` with the documented tie rule (equal scores to the lower index). NeMo calls plain
     ``topk``, whose choice among equal values depends on the row width, and ReLU makes exact-zero indexer
     scores common; with the rule both sides select the same rows.
+- ``record_cache_rounds()`` / ``replay_cache_rounds(ops, log)``: NeMo's cache roundings (input and output of every
+  ``quantize_cache`` call) and our ``ops.cache_round`` returning NeMo's output for the call whose input matches
+  ours: the rounding-boundary ties of the cache formats broken the same way on both sides (docs/parity.md).
 """
 
 from __future__ import annotations
@@ -49,6 +52,53 @@ def reference_rules(cache_quant: bool = False) -> Iterator[None]:
     finally:
         torch.Tensor.topk = _TOPK
         attention.quantize_cache = saved
+
+
+@contextlib.contextmanager
+def record_cache_rounds() -> Iterator[list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """``(format, input, output)`` of every ``quantize_cache`` call NeMo makes (rows flattened, fp32)."""
+    from nemo_automodel.components.models.deepseek_v41 import attention
+
+    saved, log = attention.quantize_cache, []
+
+    def recording(values, *, format, block_size):  # noqa: A002 - NeMo's signature
+        out = saved(values, format=format, block_size=block_size)
+        log.append((format, values.detach().float().flatten(0, -2), out.detach().float().flatten(0, -2)))
+        return out
+
+    attention.quantize_cache = recording
+    try:
+        yield log
+    finally:
+        attention.quantize_cache = saved
+
+
+@contextlib.contextmanager
+def replay_cache_rounds(ops, log: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Iterator[dict[str, int]]:
+    """Our ``ops.cache_round(x, fmt)`` returns NeMo's rounding of the logged call of that format whose input equals
+    ``x`` within op-order noise (rtol 1e-4); yields ``{"replayed": n, "own": n}`` (calls without a match round
+    themselves)."""
+    own, saved = ops.cache_round, vars(ops).get("cache_round")
+    used, counts = set(), {"replayed": 0, "own": 0}
+
+    def cache_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+        flat = x.detach().float().flatten(0, -2)
+        for i, (f, inp, out) in enumerate(log):
+            if i not in used and f == fmt and inp.shape == flat.shape and torch.allclose(inp, flat, 1e-4, 1e-5):
+                used.add(i)
+                counts["replayed"] += 1
+                return out.view(x.shape).to(x.dtype)
+        counts["own"] += 1
+        return own(x, fmt)
+
+    ops.cache_round = cache_round
+    try:
+        yield counts
+    finally:
+        if saved is None:
+            del ops.cache_round
+        else:
+            ops.cache_round = saved
 
 
 # a tiny vision tower (the reference sketch's): 14-px patches, 3x3 merge, at least 42x42 pixels
