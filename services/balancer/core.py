@@ -91,10 +91,19 @@ class Balancer:
         return None
 
     # -- RPCs ----------------------------------------------------------------------------------
+    def replica_of(self, request_id: str) -> str | None:
+        """The address of the replica that runs ``request_id`` now (None: not running)."""
+        replica = self._where.get(request_id)
+        return replica.address if replica is not None else None
+
     async def generate(
-        self, request: generation_pb2.GenerateRequest, timeout: float | None = None, parent: Context | None = None
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The response stream of one request: shared by the gRPC and the HTTP front ends.
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None, parent: Context | None = None,
+        prefer: str | None = None, shared: bool = False,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
+        """The response stream of one request: shared by the gRPC and the HTTP front ends. ``prefer``: the address
+        of the replica to send it to while that one is routable; ``shared``: other requests for the same prompt
+        follow (the samples of an ``n`` > 1 request), so the replica keeps a prefix-cache resume point one token
+        short of the prompt's end, where they resume (a prompt never resumes at its own end).
 
         Raises ValueError (naming the field) before anything is sent for a bad request, and the
         replica's ``grpc.aio.AioRpcError`` (RESOURCE_EXHAUSTED, UNAVAILABLE, ...) as it comes. The request
@@ -107,7 +116,7 @@ class Balancer:
             f"{op} {model}", context=parent, kind=trace.SpanKind.SERVER,
             attributes=request_attributes(op, model, request.sampling),
         )  # fmt: skip
-        stream = self._generate(request, timeout, span)
+        stream = self._generate(request, timeout, span, (prefer, shared))
         self.in_flight += 1
         try:
             async for out in stream:
@@ -130,8 +139,9 @@ class Balancer:
             span.end()
 
     async def _generate(
-        self, request: generation_pb2.GenerateRequest, timeout: float | None, span: trace.Span
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self, request: generation_pb2.GenerateRequest, timeout: float | None, span: trace.Span,
+        route: tuple[str | None, bool] = (None, False),
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         if request.model and request.model != self.info.model:
             raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
@@ -143,12 +153,13 @@ class Balancer:
                 constraint = await self._constraint(request, ids, params, tools)
         except Unavailable as e:
             raise _unavailable(str(e)) from e
-        async for out in self._relay(rid, ids, request, params, constraint, timeout, span):
+        async for out in self._relay(rid, ids, request, params, constraint, timeout, span, route):
             yield out
 
     async def _relay(
         self, rid: str, ids: list[int], request: generation_pb2.GenerateRequest, params: object,
         constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
+        route: tuple[str | None, bool] = (None, False),
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
         """Stream the request from a replica; when that replica fails mid-stream, move the request (its prompt and
         the tokens sent so far) to a replica that serves — waiting for one up to ``DEEPINFER_MIGRATION_WAIT_S`` —
@@ -157,12 +168,14 @@ class Balancer:
         deadline = None if timeout is None else loop.time() + timeout
         relay = Relay(rid, ids, params, self.tokenizer)
         metadata = inject_metadata(trace.set_span_in_context(span))
-        attempt, replica = 0, self._route(self.pool.pick)
+        (prefer, shared), attempt = route, 0
+        replica = self._route(self.pool.pick, prefer)
         while True:
             left = None if deadline is None else deadline - loop.time()
             replica.in_flight += 1
             self._where[rid] = replica
-            call = replica.stub.Submit(relay.submit(request, constraint, attempt), timeout=left, metadata=metadata)
+            submit = relay.submit(request, constraint, attempt, shared)
+            call = replica.stub.Submit(submit, timeout=left, metadata=metadata)
             try:
                 async for ev in call:
                     out = relay.response(ev)

@@ -9,7 +9,9 @@ full (429 + ``Retry-After``, the admission gate); its JSON is parsed and its cha
 loop. It is validated and its first response awaited before the HTTP status is sent, so bad input, a full queue
 or a dead replica get a proper status and an OpenAI error body; an error after a stream has started is sent as a
 ``data: {"error": ...}`` event. A client that goes away closes the upstream stream, which cancels the replica's
-request and frees its pages.
+request and frees its pages. A request with ``n`` > 1 runs as ``n`` samples (:mod:`.http_choices`), each with a place
+at the gate: the first alone, the others once it has produced its first token, on its replica (whose prefix cache
+then holds the prompt).
 """
 
 from __future__ import annotations
@@ -40,8 +42,18 @@ from deepinfer.serving.metrics import (
     observe_stream,
     status_label,
 )
-from deepinfer.v1 import common_pb2, generation_pb2
+from deepinfer.v1 import generation_pb2
 from services.balancer.core import Balancer
+from services.balancer.http_choices import (
+    collect,
+    merge,
+    openai_deltas,
+    sample_requests,
+    summed_usage,
+    text_choice,
+    tool_call,
+    with_usage,
+)
 from services.balancer.http_errors import ApiError, api_error
 from services.balancer.http_guard import ApiKeyMiddleware, check_length, read_body
 from services.balancer.openai_protocol import (
@@ -50,33 +62,6 @@ from services.balancer.openai_protocol import (
     parse_chat_output,
 )
 from services.balancer.sse import EventStream, framed, hang_up
-
-
-def _openai_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Parser fragments as chat-completion deltas: reasoning also under vLLM's ``reasoning`` name; adjacent
-    text fragments of one kind merged."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        if "reasoning_content" in d:
-            d = {"reasoning_content": d["reasoning_content"], "reasoning": d["reasoning_content"]}
-        if out and d.keys() == out[-1].keys() and "tool_calls" not in d:
-            out[-1] = {k: out[-1][k] + d[k] for k in d}
-        else:
-            out.append(dict(d))
-    return out
-
-
-def _usage(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
-    details = {"cached_tokens": u.cached_tokens, "cached_tokens_by_tier": dict(u.cached_tokens_by_tier)}
-    out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                           "total_tokens": u.total_tokens, "prompt_tokens_details": details}  # fmt: skip
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return out
-
-
-def _text_choice(text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _finish(out: generation_pb2.GenerateResponse) -> str:
@@ -164,50 +149,73 @@ class _Api:
         self, request: Request, route: str, model: type[BaseModel],
         start: Callable[[Any, str], tuple[generation_pb2.GenerateRequest, Any]], respond: Callable[..., Any],
     ) -> Response:  # fmt: skip
-        """Parse, start the stream and await its first response (errors up to then are JSON errors), then
-        ``respond(req, rid, first, stream, ctx)`` with a JSON body or an SSE generator of events. A client that
-        goes away before its response starts cancels the request (its place at the gate and on the replica)."""
-        stream, streaming, ticket, watch = None, False, None, None
+        """Parse, start the samples' streams and await their first responses (errors up to then are JSON errors),
+        then ``respond(req, rid, firsts, streams, ctx)`` with a JSON body or an SSE generator of events. A client
+        that goes away before its response starts cancels the request (its places at the gate and on the replica)."""
+        streams: list[Any] = []
+        streaming, tickets, watch = False, [], None
         self.in_flight += 1
         try:
-            ticket = self._admit(request)
+            tickets.append(self._admit(request))
             req = await self._parse(request, model)
             watch = asyncio.create_task(hang_up(request, asyncio.current_task()))
             rid = f"{'chatcmpl' if model is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
             grpc_req, ctx = await asyncio.to_thread(start, req, rid)  # chat rendering: off the event loop
-            stream = observe_stream(
-                self.service.generate(grpc_req), model=self.info.model, route=route, metrics=self.metrics
-            )
-            first = await anext(stream)
-            body = await respond(req, rid, first, stream, ctx)
+            samples = sample_requests(grpc_req, req.n)
+            for _ in samples[1:] if self.gate is not None else ():
+                tickets.append(self.gate.admit())  # a place per sample
+            firsts = await self._open(samples, route, streams)
+            body = await respond(req, rid, firsts, streams, ctx)
             if isinstance(body, dict):
                 return JSONResponse(body)
             streaming = True
             watch.cancel()  # the event stream watches for the client itself
-            return EventStream(framed(body), partial(self._close, stream, ticket))
+            return EventStream(framed(body), partial(self._close, streams, tickets))
         except asyncio.CancelledError:
             if watch is None or watch.cancelled() or not watch.done():
                 raise
             asyncio.current_task().uncancel()  # the client is gone: nobody reads what follows
-            if stream is None:
+            if not streams:
                 self.metrics.count_request(self.info.model, route, "cancelled")
             return Response(status_code=499)
         except Exception as e:
             err = api_error(e)
-            if stream is None:
+            if not streams:
                 self.metrics.count_request(self.info.model, route, status_label(err))
             return err.response()
         finally:
             if watch is not None:
                 watch.cancel()
             if not streaming:
-                await self._close(stream, ticket)
+                await self._close(streams, tickets)
 
-    async def _close(self, stream: Any, ticket: Any = None) -> None:
+    async def _open(self, samples: list[generation_pb2.GenerateRequest], route: str, streams: list[Any]) -> list[Any]:
+        """Start the samples' streams (into ``streams``, for the caller to close) and await each first response:
+        the first sample's, then the others', sent to the first one's replica while it is routable."""
+
+        def observe(sample: generation_pb2.GenerateRequest, **routing: Any) -> Any:
+            gen = self.service.generate(sample, **routing)  # n == 1: no routing arguments
+            return observe_stream(gen, model=self.info.model, route=route, metrics=self.metrics)
+
+        # with n > 1 the first sample keeps a resume point that the others resume from, on its replica
+        streams.append(observe(samples[0], **({"shared": True} if len(samples) > 1 else {})))
+        firsts = [await anext(streams[0])]
+        if len(samples) > 1:
+            prefer = self.service.replica_of(samples[0].request_id)
+            streams += [observe(sample, prefer=prefer) for sample in samples[1:]]
+            got = await asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True)
+            for g in got:
+                if isinstance(g, BaseException):
+                    raise g
+            firsts += got
+        return firsts
+
+    async def _close(self, streams: list[Any], tickets: list[Any]) -> None:
         self.in_flight -= 1
-        if ticket is not None:
-            ticket.release()
-        if stream is not None:
+        for ticket in tickets:
+            if ticket is not None:
+                ticket.release()
+        for stream in streams:
             await stream.aclose()
 
     # -- completions -------------------------------------------------------------------------------
@@ -216,29 +224,31 @@ class _Api:
             request, "/v1/completions", CompletionRequest, lambda req, rid: (req.to_proto(rid), None), self._completion
         )
 
-    async def _completion(self, req: CompletionRequest, rid: str, first: Any, stream: Any, _: None) -> Any:
+    async def _completion(self, req: CompletionRequest, rid: str, firsts: list, streams: list, _: None) -> Any:
         want_lp = req.logprobs is not None
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.info.model}
         if not req.stream:
-            outs = [first] + [o async for o in stream]
-            lp = self.completion_logprobs([x for o in outs for x in o.logprobs], 0) if want_lp else None
-            choice = _text_choice("".join(o.text for o in outs), lp, _finish(outs[-1]))
-            return head | {"choices": [choice], "usage": _usage(outs[-1].finished.usage)}
+            choices = []
+            for i, outs in enumerate(samples := await collect(firsts, streams)):
+                lp = self.completion_logprobs([x for o in outs for x in o.logprobs], 0) if want_lp else None
+                choices.append(text_choice(i, "".join(o.text for o in outs), lp, _finish(outs[-1])))
+            return head | {"choices": choices, "usage": summed_usage([o[-1].finished.usage for o in samples])}
         extra = {"usage": None} if req.include_usage else {}
+        usages: list[Any] = [None] * len(streams)
 
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            offset, out = 0, first
+        async def events(i: int) -> AsyncIterator[dict[str, Any]]:
+            offset, out = 0, firsts[i]
             while out is not None:
                 done = out.HasField("finished")
                 lp = self.completion_logprobs(out.logprobs, offset) if want_lp and out.logprobs else None
                 offset += len(out.text)
                 if out.text or lp or done:
-                    yield head | {"choices": [_text_choice(out.text, lp, _finish(out) if done else None)]} | extra
-                if done and req.include_usage:
-                    yield head | {"choices": [], "usage": _usage(out.finished.usage)}
-                out = await anext(stream, None)
+                    yield head | {"choices": [text_choice(i, out.text, lp, _finish(out) if done else None)]} | extra
+                if done:
+                    usages[i] = out.finished.usage
+                out = await anext(streams[i], None)
 
-        return events()
+        return with_usage(req.include_usage, head, merge([events(i) for i in range(len(streams))]), usages)
 
     # -- chat completions --------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -247,39 +257,37 @@ class _Api:
             lambda req, rid: req.to_proto(rid, self.info.max_model_len), self._chat,
         )  # fmt: skip
 
-    async def _chat(self, req: ChatCompletionRequest, rid: str, first: Any, stream: Any, reasoning: bool) -> Any:
+    async def _chat(self, req: ChatCompletionRequest, rid: str, firsts: list, streams: list, reasoning: bool) -> Any:
         """``reasoning``: the rendered prompt opened reasoning (it ends with ``<think>``)."""
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.info.model}
         if not req.stream:
-            outs = [first] + [o async for o in stream]
-            last, ids = outs[-1], [t for o in outs for t in o.token_ids]
-            finish = _finish(last)
-            r, content, calls = parse_chat_output("".join(o.text for o in outs), reasoning, finish)
-            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-            if req.thinking()[0]:
-                message["reasoning_content"] = message["reasoning"] = r
-            if calls:
-                message["tool_calls"] = [_call(c) for c in calls]
-                finish = "tool_calls"
-            lp = {"content": self.chat_logprobs([x for o in outs for x in o.logprobs])} if req.logprobs else None
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
-            usage = _usage(last.finished.usage, self.reasoning_tokens(ids, reasoning))
-            return head | {"choices": [choice], "usage": usage}
+            samples = await collect(firsts, streams)
+            choices = [self._chat_choice(req, i, outs, reasoning) for i, outs in enumerate(samples)]
+            ids = [[t for o in outs for t in o.token_ids] for outs in samples]
+            usage = summed_usage(
+                [o[-1].finished.usage for o in samples], [self.reasoning_tokens(x, reasoning) for x in ids]
+            )
+            return head | {"choices": choices, "usage": usage}
         head["object"] = "chat.completion.chunk"
         extra = {"usage": None} if req.include_usage else {}
+        usages: list[Any] = [None] * len(streams)
+        reasoning_tokens: list[int | None] = [None] * len(streams)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
-            return head | {"choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]} | extra
+        async def events(i: int) -> AsyncIterator[dict[str, Any]]:
+            def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+                return (
+                    head | {"choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]} | extra
+                )
 
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            parser, ids, out = StreamingParser("thinking" if reasoning else "chat"), [], first
+            # each tool call is sent whole once it closes: a call cut short (max_tokens) is never sent
+            parser, ids, out = StreamingParser("thinking" if reasoning else "chat", whole_calls=True), [], firsts[i]
             yield chunk({"role": "assistant", "content": ""})
             while out is not None:
                 ids += out.token_ids
                 done = out.HasField("finished")
                 deltas = parser.feed(out.text) + (parser.finish() if done else [])
                 lp = {"content": self.chat_logprobs(out.logprobs)} if req.logprobs and out.logprobs else None
-                for k, delta in enumerate(_openai_deltas(deltas)):
+                for k, delta in enumerate(openai_deltas(deltas)):
                     yield chunk(delta, lp=lp if k == 0 else None)
                     lp = None
                 if lp:
@@ -289,12 +297,24 @@ class _Api:
                     if parser.tool_call_count and finish == "stop" and not parser.unfinished_call:
                         finish = "tool_calls"
                     yield chunk({}, finish)
-                    if req.include_usage:
-                        usage = _usage(out.finished.usage, self.reasoning_tokens(ids, reasoning))
-                        yield head | {"choices": [], "usage": usage}
-                out = await anext(stream, None)
+                    usages[i], reasoning_tokens[i] = out.finished.usage, self.reasoning_tokens(ids, reasoning)
+                out = await anext(streams[i], None)
 
-        return events()
+        gens = [events(i) for i in range(len(streams))]
+        return with_usage(req.include_usage, head, merge(gens), usages, reasoning_tokens)
+
+    def _chat_choice(self, req: ChatCompletionRequest, i: int, outs: list, reasoning: bool) -> dict[str, Any]:
+        """One sample's choice: a tool call cut short (``length``) is dropped; ``tool_calls`` only on a normal stop."""
+        finish = _finish(outs[-1])
+        r, content, calls = parse_chat_output("".join(o.text for o in outs), reasoning, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if req.thinking()[0]:
+            message["reasoning_content"] = message["reasoning"] = r
+        if calls:
+            message["tool_calls"] = [tool_call(c) for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
+        lp = {"content": self.chat_logprobs([x for o in outs for x in o.logprobs])} if req.logprobs else None
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     # -- other routes ------------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -320,10 +340,6 @@ class _Api:
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
-
-
-def _call(call: dict[str, str]) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
 
 
 def create_app(service: Balancer, metrics: Metrics | None = None, keys: ApiKeys | None = None) -> FastAPI:

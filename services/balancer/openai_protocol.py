@@ -1,12 +1,14 @@
 """OpenAI-compatible request models, their mapping to ``deepinfer.v1`` requests, and the chat output parser.
 
 Requests are pydantic models that ignore unknown fields (as vLLM does). Fields the engine cannot honour
-(``n`` > 1, penalties, ``echo``, ``logit_bias``) are refused with a ValueError naming the field rather than
-silently ignored. Structured output comes from ``response_format`` (json_object, json_schema) or, in the
-extra body, vLLM's ``structured_outputs`` / ``guided_*`` fields or DeepInfer's ``so_args``; ``tool_choice``
-(auto, none, required, a named function) travels to the balancer, which compiles the tool-call grammar.
-Chat output is split into reasoning, content and tool calls by ``ReasoningSplitter``, a subset of the state
-machine of the completion parser (docs/chat_format.md, "Streaming parser") that works on streamed text deltas.
+(penalties, ``echo``, ``logit_bias``, ``n`` over ``MAX_N``, ``best_of`` other than ``n``) are refused with a
+ValueError naming the field rather than silently ignored. Structured output comes from ``response_format``
+(json_object, json_schema) or, in the extra body, vLLM's ``structured_outputs`` / ``guided_*`` fields or
+DeepInfer's ``so_args``; ``tool_choice`` (auto, none, required, a named function) travels to the balancer, which
+compiles the tool-call grammar. Chat output is split into reasoning, content and tool calls by
+``ReasoningSplitter``, a subset of the state machine of the completion parser (docs/chat_format.md, "Streaming
+parser") that works on streamed text deltas; output cut by ``max_tokens`` goes through the streaming parser,
+which drops a tool call cut short.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from deepinfer.chat import encode_messages, parse_completion
+from deepinfer.chat import encode_messages, merge_deltas, parse_completion
 from deepinfer.chat.dsml import parse_tool_calls
+from deepinfer.chat.streaming import StreamingParser
 from deepinfer.chat.tokens import EOS, THINK_END, THINK_START, TOOL_CALLS_START
 from deepinfer.rpc.convert import structured_output_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, generation_pb2
-from services.balancer.openai_structured import so_args_of, tool_choice_of
+from services.balancer.openai_structured import check_strict, so_args_of, strict_of, tool_choice_of
 from services.balancer.prompt import chat_to_messages
 
 # reasoning_effort -> (thinking, the encoder's effort); DeepSeek's API maps low/medium up and xhigh to max.
 REASONING_EFFORTS = {"none": (False, ""), "low": (True, "high"), "medium": (True, "high"), "high": (True, "high"),
                      "xhigh": (True, "max"), "max": (True, "max")}  # fmt: skip
+MAX_N = 16  # the most samples (``n``) one request may ask for: each is a request of its own on a replica
 
 
 class StreamOptions(BaseModel):
@@ -75,8 +79,8 @@ class _SamplingRequest(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: an integer in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise ValueError(f"{name}: not supported (must be 0)")
@@ -126,8 +130,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError(f"best_of: only best_of == n ({self.n}) is supported, got {self.best_of}")
         prompt: Any = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -248,6 +252,8 @@ def _tool(t: dict[str, Any], i: int) -> generation_pb2.Tool:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ValueError(f"tools[{i}].function: expected {{'name': str, 'description': str, 'parameters': {{...}}}}")
     params = fn.get("parameters")
+    if strict_of(fn, f"tools[{i}].function"):
+        check_strict(params, f"tools[{i}].function.parameters")
     return generation_pb2.Tool(
         name=fn["name"],
         description=str(fn.get("description") or ""),
@@ -311,10 +317,17 @@ class ReasoningSplitter:
 def parse_chat_output(text: str, reasoning: bool, finish_reason: str) -> tuple[str, str, list[dict[str, str]]]:
     """(reasoning_content, content, tool calls) of a whole completion.
 
-    The project's strict parser first; when the output is malformed, the tolerant splitter. Reasoning that
-    never closed stays reasoning on ``length`` and becomes content on ``stop`` (docs/chat_format.md, "Parsing
-    completions").
+    Output cut by ``max_tokens`` (``length``) goes through the streaming parser in its ``whole_calls`` mode, as a
+    stream does: a tool call cut short is dropped, and so is a cut-off start of DSML markup; the content is the
+    text before the markup began, the calls are the ones that closed. Otherwise the project's strict parser first;
+    when the output is malformed, the tolerant splitter. Reasoning that never closed stays reasoning on ``length``
+    and becomes content on ``stop`` (docs/chat_format.md, "Parsing completions").
     """
+    if finish_reason == "length":
+        parser = StreamingParser("thinking" if reasoning else "chat", whole_calls=True)
+        message = merge_deltas(parser.feed(text) + parser.finish())
+        calls = [c["function"] for c in message["tool_calls"]]
+        return message["reasoning_content"], message["content"], calls
     try:
         parsed = parse_completion(text if text.endswith(EOS) else text + EOS, "thinking" if reasoning else "chat")
         calls = [c["function"] for c in parsed["tool_calls"]]

@@ -66,8 +66,46 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ValueError("response_format.json_schema: expected {'name': str, 'schema': {...}, 'strict': bool}")
         schema = spec.get("schema")
+        if strict_of(spec, "response_format.json_schema"):
+            check_strict(schema or {}, "response_format.json_schema.schema")
         return {"schema_type": "json_schema", "schema": schema} if schema else {"schema_type": "json_object"}
     raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def strict_of(holder: dict, where: str) -> bool:
+    """The ``strict`` flag of a json_schema response format or a tool function (absent: false)."""
+    strict = holder.get("strict", False)
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"{where}.strict: expected a boolean")
+    return bool(strict)
+
+
+def check_strict(schema: Any, where: str) -> None:
+    """OpenAI's rules for a strict schema: the root an object, and every object lists all its properties in
+    ``required`` and has ``additionalProperties: false``. A schema that breaks them is refused naming the
+    place, as OpenAI does (the grammar enforces any schema it accepts, strict or not)."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise ValueError(f"{where}: with strict, the root schema must be an object (type 'object')")
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        is_object = node.get("type") == "object" or (isinstance(node.get("type"), list) and "object" in node["type"])
+        if is_object or "properties" in node:
+            if node.get("additionalProperties") is not False:
+                raise ValueError(f"{where}: {path or '/'}: with strict, 'additionalProperties' must be false")
+            props = node.get("properties") or {}
+            missing = [k for k in props if k not in (node.get("required") or [])]
+            if missing:
+                raise ValueError(f"{where}: {path or '/'}: with strict, 'required' must list every property "
+                                 f"(missing {', '.join(repr(k) for k in missing[:5])})")  # fmt: skip
+        for key, value in node.items():
+            if key not in ("enum", "const", "default", "examples") and isinstance(value, dict | list):
+                stack.append((value, f"{path}/{key}"))
 
 
 def tool_choice_of(choice: Any, has_tools: bool) -> tuple[str, str]:

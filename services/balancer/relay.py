@@ -68,10 +68,12 @@ class Relay:
             f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
 
     def submit(
-        self, request: generation_pb2.GenerateRequest, constraint: common_pb2.Constraint | None, attempt: int
-    ) -> scheduler_pb2.SubmitRequest:
+        self, request: generation_pb2.GenerateRequest, constraint: common_pb2.Constraint | None, attempt: int,
+        shared: bool = False,
+    ) -> scheduler_pb2.SubmitRequest:  # fmt: skip
         """The replica's request: on a move (``attempt`` > 0) with the tokens sent so far, under a fresh id, and
-        without prompt logprobs (the caller has them)."""
+        without prompt logprobs (the caller has them). ``shared``: more requests for this prompt follow, so the
+        replica keeps a resume point one token short of the prompt's end (the first sample of ``n``)."""
         if attempt and not self.started:
             self.prompt_rows = []  # the failed replica's partial rows: the new one scores the prompt again
         sampling = common_pb2.SamplingParams()
@@ -85,4 +87,5 @@ class Relay:
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             constraint=constraint,
             output_token_ids=self.generated if attempt else (),
+            resume_hints=[len(self.prompt_ids) - 1] if shared and not attempt and len(self.prompt_ids) > 1 else (),
         )

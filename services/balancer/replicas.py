@@ -79,12 +79,15 @@ class ReplicaSet:
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def pick(self) -> Replica:
-        """The routable replica with the fewest requests in flight (ties: round robin)."""
+    def pick(self, prefer: str | None = None) -> Replica:
+        """The routable replica with the fewest requests in flight (ties: round robin); ``prefer`` (an address)
+        wins while it is routable (the samples of one prompt go where its prefix is cached)."""
         ready = self.routable()
         if not ready:
             why = "no scheduler replica is registered" if not self.replicas else "no scheduler replica is serving"
             raise Unavailable(why)
+        if prefer is not None and (same := next((r for r in ready if r.address == prefer), None)) is not None:
+            return same
         start = next(self._rr) % len(ready)
         return min(ready[start:] + ready[:start], key=lambda r: r.in_flight)
 

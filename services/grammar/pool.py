@@ -272,7 +272,10 @@ class CompilerPool:
             reply = await child.request({"id": self._next_id, "kind": spec.kind, "text": spec.text}, timeout_s)
         except TimeoutError:
             await self._replace(child, "timeout")
-            raise GrammarTimeout(f"{spec.kind}: compile timed out after {timeout_s:g} s") from None
+            raise GrammarTimeout(
+                f"{spec.kind}: compile timed out after {timeout_s:g} s (the limit: DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S "
+                "or the request's timeout)"
+            ) from None
         except ProcessDied as e:
             await self._replace(child, f"crash: {e}")
             raise GrammarError(f"{spec.kind}: the grammar compiler crashed on this grammar ({e})", "crash") from None
@@ -286,7 +289,8 @@ class CompilerPool:
         if not reply.get("ok"):
             error = str(reply.get("error"))
             if "out of memory" in error:
-                error += f" (the compile processes' cap is {self._config.memory_bytes} bytes)"
+                cap = self._config.memory_bytes
+                error += f" (the compile processes' cap is {cap} bytes, DEEPINFER_GRAMMAR_MEMORY_BYTES)"
             raise GrammarError(error, str(reply.get("outcome") or "invalid"))
         grammar = CompiledGrammar(
             reply["compiled_json"], key, self.tokenizer_fingerprint, tuple(reply["allowed_control_token_ids"])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from deepinfer.chat import StreamingParser, merge_deltas, parse_completion
 from deepinfer.chat.dsml import ToolCall, render_tool_calls
+from deepinfer.chat.stream_states import partial_markup
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "dsv4_encoding"
 BOS = "<｜begin▁of▁sentence｜>"
@@ -21,10 +22,10 @@ DSML = "｜DSML｜"
 FORBIDDEN = (BOS, EOS, "<think>", "</think>", DSML)
 
 
-def stream(text, mode, cuts=(), finish=True):
+def stream(text, mode, cuts=(), finish=True, whole_calls=False):
     """Feed `text` split at `cuts`; return (merged message, parser, raw deltas)."""
     counter = itertools.count()
-    parser = StreamingParser(mode, id_factory=lambda: f"call_{next(counter)}")
+    parser = StreamingParser(mode, id_factory=lambda: f"call_{next(counter)}", whole_calls=whole_calls)
     bounds = [0, *cuts, len(text)]
     deltas = []
     for a, b in itertools.pairwise(bounds):
@@ -205,6 +206,9 @@ def test_generated_random_splits(completion, rnd):
         message, parser, _ = stream(text, mode, cuts)
         assert comparable(message) == expected
         assert not parser.issues, parser.issues
+        whole, _, deltas = stream(text, mode, cuts, whole_calls=True)  # each call in one delta, same message
+        assert comparable(whole) == expected
+        assert sum("tool_calls" in d for d in deltas) == len(expected[2])
         for _, arguments in expected[2]:
             json.loads(arguments)  # string arguments parse back (non-string ones are the generated JSON)
 
@@ -226,11 +230,20 @@ def test_truncated_generations(completion, rnd):
             assert name == full_name and full_args.startswith(args)
         message, parser, _ = stream(prefix, mode, cuts)
         assert_clean(message)
+        whole, whole_parser, _ = stream(prefix, mode, cuts, whole_calls=True)
+        assert_clean(whole)  # only closed calls, each whole: a prefix of the complete list
+        assert (
+            comparable(whole)[:2] == comparable(message)[:2]
+            and comparable(whole)[2] == full[2][: len(whole["tool_calls"])]
+        )
+        assert len(whole["tool_calls"]) == len(message["tool_calls"]) - whole_parser.unfinished_call
         try:
             expected = comparable(parse_completion(prefix + EOS, mode))
         except ValueError:
             continue
-        assert comparable(message) == expected
+        # a cut-off start of DSML markup at the end (from its "<｜") is dropped, never released as text
+        cut = next((i for i in range(len(expected[1])) if partial_markup(expected[1][i:])), len(expected[1]))
+        assert comparable(message) == (expected[0], expected[1][:cut], expected[2])
         assert not parser.unfinished_call
 
 
@@ -241,15 +254,26 @@ def test_truncated_inside_a_call():
     assert message["content"] == ""
     assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa<'}
     assert parser.unfinished_call and not parser.saw_eos and not parser.malformed
+    # whole_calls (the HTTP server's mode): the cut call was never sent, a closed one is sent in one delta
+    message, parser, deltas = stream(text[:cut], "chat", cuts=[7, 40], whole_calls=True)
+    assert message == {"reasoning_content": "", "content": "", "tool_calls": []} and parser.unfinished_call
+    text = "Hi\n\n" + render_tool_calls([CALLS[1], CALLS[0]])
+    cut = text.index("Pa<ris") + 3
+    message, parser, deltas = stream(text[:cut], "chat", cuts=list(range(1, cut)), whole_calls=True)
+    assert message["content"] == "Hi" and len(message["tool_calls"]) == 1 and parser.unfinished_call
+    assert [d for d in deltas if "tool_calls" in d] == [{"tool_calls": [message["tool_calls"][0] | {"index": 0}]}]
 
 
 def test_truncated_block_opener_is_dropped():
     for end in ("\n\n<｜DSML｜", "\n\n<｜DSML｜tool_c", "<｜DSML｜invo"):
         message, _, _ = stream("Hello" + end, "chat")
         assert message == {"reasoning_content": "", "content": "Hello", "tool_calls": []}
+    for end, content in (("\n\n<｜DS", "Hello"), ("<｜", "Hello"), ("\n</｜DSML｜in", "Hello\n"), ("</｜D", "Hello")):
+        message, _, _ = stream("Hello" + end, "chat", cuts=[3, 6])  # cut-off markup from its "<｜": dropped too
+        assert message["content"] == content
     # Fragments that never became markup are released.
-    message, _, _ = stream("Hello\n\n<｜DS", "chat")
-    assert message["content"] == "Hello\n\n<｜DS"
+    message, _, _ = stream("Hello\n\n<", "chat")
+    assert message["content"] == "Hello\n\n<"
     message, parser, _ = stream("still thinking\n\n</thi", "thinking")
     assert message["reasoning_content"] == "still thinking\n\n</thi" and parser.in_reasoning
 

@@ -187,6 +187,44 @@ def test_reasoning_is_split_in_messages_and_deltas() -> None:
     ]
 
 
+@pytest.mark.parametrize("cut", [CALL.index("Paris") + 2, CALL.index("invoke name") + 5, len(TOOL_CALLS_START) - 6])
+def test_tool_call_cut_by_max_tokens_is_dropped_streamed_and_not(cut) -> None:
+    """A tool call cut by max_tokens: finish_reason "length", no tool call, content only the text before the
+    markup; the stream never carried any of the markup (nor the partial call)."""
+    text = "Sure." + CALL[:cut]
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=9, total_tokens=12)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    outs = [generation_pb2.GenerateResponse(token_ids=[5], text=p) for p in pieces]
+    outs[-1].finished.CopyFrom(generation_pb2.Finished(reason=common_pb2.FINISH_REASON_LENGTH, usage=usage))
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    choice = asyncio.run(post(FakeService(*outs), "/v1/chat/completions", body)).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == "Sure."
+    res = asyncio.run(post(FakeService(*outs), "/v1/chat/completions", body | {"stream": True}))
+    chunks = [json.loads(e[6:])["choices"][0] for e in res.text.split("\n\n")[:-2] if e]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Sure."
+    assert not any("tool_calls" in c["delta"] for c in chunks) and "｜" not in res.text
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == ["length"]
+
+
+def test_closed_tool_calls_before_the_cut_are_kept() -> None:
+    second = CALL.replace(f"{TOOL_CALLS_START}>\n", "").replace("\n</｜DSML｜tool_calls>", "")
+    text = "ok" + CALL.removesuffix("</｜DSML｜tool_calls>") + second[:40]
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=9, total_tokens=12)
+    last = generation_pb2.GenerateResponse(token_ids=[5], text=text[10:])
+    last.finished.CopyFrom(generation_pb2.Finished(reason=common_pb2.FINISH_REASON_LENGTH, usage=usage))
+    outs = [generation_pb2.GenerateResponse(token_ids=[5], text=text[:10]), last]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    choice = asyncio.run(post(FakeService(*outs), "/v1/chat/completions", body)).json()["choices"][0]
+    calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "ok"
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}]
+    res = asyncio.run(post(FakeService(*outs), "/v1/chat/completions", body | {"stream": True}))
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in res.text.split("\n\n")[:-2] if e]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert [tc["function"] for tc in streamed] == calls and streamed[0]["index"] == 0 and streamed[0]["id"]
+
+
 # -- the real mesh -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
@@ -301,7 +339,10 @@ def test_thinking_mode_and_tool_choice_none(client: openai.OpenAI, model: str) -
     [
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),

@@ -164,6 +164,12 @@ def test_bad_grammars_are_refused_fast_and_the_mesh_stays_healthy(client: openai
         assert time.monotonic() - t0 < 3.0, kw  # the grammar service answers in <= 1 s; the rest is transport
         body = err.value.body
         assert body and body.get("message")
+    # a keyword the grammar cannot enforce: refused naming it (never compiled with the keyword ignored)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(ab)+$", "maxLength": 4}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=STORY, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+    assert "/properties/a/maxLength: maxLength beside pattern" in err.value.body["message"]
     # the same nesting as the JSON body itself: a 400, not a server error
     r = httpx.post(f"{mesh.http_url()}/v1/chat/completions", timeout=10, headers={"content-type": "application/json"},
                    content='{"model": "m", "messages": [], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")  # fmt: skip
@@ -212,6 +218,25 @@ def test_tool_calls_parse_and_validate_streamed_and_not(client: openai.OpenAI, m
     for c in calls.values():
         assert c["id"] and c["name"] == "get_weather"
         jsonschema.validate(json.loads(c["arguments"]), schema)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12, 20])
+def test_tool_call_cut_by_max_tokens_never_leaks_markup(client: openai.OpenAI, model: str, max_tokens: int) -> None:
+    """tool_choice=required forces a tool call; max_tokens cuts it: finish_reason "length", no (partial) tool call,
+    no markup in the content, streamed or not."""
+    kw = {"model": model, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": max_tokens,
+          "temperature": 1.0, "seed": 4, "tools": TOOLS, "tool_choice": "required"}  # fmt: skip
+    res = client.chat.completions.create(**kw)
+    choice = res.choices[0]
+    assert choice.finish_reason == "length" and res.usage.completion_tokens == max_tokens
+    assert not choice.message.tool_calls and not choice.message.content
+    content, finish, calls = "", None, []
+    for ev in client.chat.completions.create(stream=True, **kw):
+        for c in ev.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "length" and not calls and content == ""
 
 
 def test_grammar_service_down_fails_constrained_requests_fast_only(client: openai.OpenAI, mesh: Mesh, model) -> None:

@@ -46,13 +46,16 @@ class DeltaWriter:
     tool calls, their ``arguments`` written as the JSON object ``{"k": v, "k2": v2}`` fragment by fragment.
 
     id_factory: makes the id of each tool call. ``call`` is the call being streamed (None between calls);
-    ``call_count`` counts the calls started."""
+    ``call_count`` counts the calls started. With ``whole_calls`` a call is held back until it closes and then
+    written as one fragment (id, name and the whole ``arguments``); :meth:`drop_call` discards an open one."""
 
-    def __init__(self, id_factory: Callable[[], str]) -> None:
+    def __init__(self, id_factory: Callable[[], str], whole_calls: bool = False) -> None:
         self._id_factory = id_factory
         self.out: list[Delta] = []
         self.call: OpenCall | None = None
         self.call_count = 0
+        self._whole = whole_calls
+        self._held: dict[str, Any] | None = None  # the open call's entry (whole_calls)
 
     def take(self) -> list[Delta]:
         """The fragments written since the last call (and start anew)."""
@@ -73,6 +76,9 @@ class DeltaWriter:
         """An ``arguments`` fragment of the open call (dropped when none is open)."""
         if not text or self.call is None:
             return
+        if self._held is not None:
+            self._held["function"]["arguments"] += text
+            return
         last = self.out[-1] if self.out else None
         if last is not None and "tool_calls" in last:
             entry = last["tool_calls"][0]
@@ -87,13 +93,23 @@ class DeltaWriter:
         self.call_count += 1
         call = {"name": name, "arguments": ""}
         entry = {"index": self.call.index, "id": self._id_factory(), "type": "function", "function": call}
-        self.out.append({"tool_calls": [entry]})
+        if self._whole:
+            self._held = entry
+        else:
+            self.out.append({"tool_calls": [entry]})
 
     def end_call(self) -> None:
         """Close the open call's ``arguments`` object (if a call is open)."""
         if self.call is not None:
             self.args("}" if self.call.params else "{}")
             self.call = None
+            if self._held is not None:
+                self.out.append({"tool_calls": [self._held]})
+                self._held = None
+
+    def drop_call(self) -> None:
+        """Discard the open call (with ``whole_calls`` none of it has been written)."""
+        self.call, self._held = None, None
 
     def start_param(self, name: str, is_string: bool) -> None:
         """The key of a new parameter of the open call (and the opening quote of a string value)."""

@@ -92,6 +92,15 @@ PREFIXES = {
     state: (frozenset(m[:i] for m in table for i in range(1, len(m))), max(map(len, table)))
     for state, table in TABLES.items()
 }
+_MARKUP = tuple(m for m in OPENERS if DSML in m and "<" in m)  # the openers of DSML tags
+
+
+def partial_markup(held: str) -> bool:
+    """Whether text held back at the end of the generation is DSML markup cut off: it holds `｜DSML｜`, or it
+    reaches the `<｜` (or `</｜`) of a DSML tag opener it is a prefix of (a lone `<` or blank line is still text)."""
+    return DSML in held or (("<｜" in held or "</｜" in held) and any(m.startswith(held) for m in _MARKUP))
+
+
 # Where the header of an invoke / parameter certainly ends.
 INVOKE_HEADER_ENDS = (PARAMETER_OPEN, INVOKE_CLOSE, EOS, TOOL_CALLS_CLOSE, INVOKE_OPEN)
 PARAM_HEADER_ENDS = (f"/{DSML}parameter", EOS, INVOKE_CLOSE, TOOL_CALLS_CLOSE, PARAMETER_OPEN, INVOKE_OPEN)
@@ -124,4 +133,5 @@ __all__ = [
     "TABLES",
     "VALUE",
     "VALUE_END",
+    "partial_markup",
 ]

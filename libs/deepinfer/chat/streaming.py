@@ -30,8 +30,11 @@ Deviations the parser repairs (each recorded in `issues`; the reference parser w
   tags is not checked; text after the block becomes content; text after EOS is ignored.
 - Reasoning that never sees `</think>` stays reasoning (it has already been streamed as such).
 
-Truncation (the text ends without EOS, e.g. max_tokens): `finish()` releases held-back text; a call that was
-started but not closed keeps its partial arguments (`unfinished_call` is True: report finish_reason "length").
+Truncation (the text ends without EOS, e.g. max_tokens): `finish()` releases held-back text, except a cut-off
+start of DSML markup (from its `<｜`), which is dropped; a call that was started but not closed sets
+`unfinished_call` (report finish_reason "length"). By default such a call has streamed its partial arguments;
+with `whole_calls=True` each call is held back until its invoke closes and then sent whole, so a cut call is
+dropped and never reaches the client.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ from deepinfer.chat.stream_states import (
     TABLES,
     VALUE,
     VALUE_END,
+    partial_markup,
 )
-from deepinfer.chat.tokens import DSML, THINK_END, THINKING_MODES, TOOL_CALLS_START
+from deepinfer.chat.tokens import THINK_END, THINKING_MODES, TOOL_CALLS_START
 
 __all__ = ["StreamingParser", "merge_deltas", "new_call_id"]
 
@@ -73,17 +77,20 @@ class StreamingParser:
     thinking_mode: "thinking" when the prompt ends with `<think>` (the output starts inside the reasoning),
         "chat" when it ends with `</think>`: the same value the prompt was rendered with.
     id_factory: makes the id of each tool call (default `new_call_id`).
+    whole_calls: send each tool call as one delta once its invoke closes (a call cut short is dropped).
 
     `feed(text)` returns the deltas the new text completes; `finish()` the rest, once, when the generation
     has ended. Afterwards: `issues` (deviations from the reference format, empty for a well-formed
     completion), `malformed`, `saw_eos`, `tool_call_count`, `unfinished_call`.
     """
 
-    def __init__(self, thinking_mode: str, id_factory: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self, thinking_mode: str, id_factory: Callable[[], str] | None = None, whole_calls: bool = False
+    ) -> None:
         if thinking_mode not in THINKING_MODES:
             raise ValueError(f"thinking_mode: expected one of {THINKING_MODES}, got {thinking_mode!r}")
         self.thinking_mode = thinking_mode
-        self._writer = DeltaWriter(id_factory or new_call_id)
+        self._writer = DeltaWriter(id_factory or new_call_id, whole_calls)
         self._state = REASONING if thinking_mode == "thinking" else CONTENT
         self._after_gt = BLOCK  # the state after EXPECT_GT
         self._return_state = CONTENT  # the state after STRAY
@@ -135,6 +142,7 @@ class StreamingParser:
         self._finished = True
         if self._writer.call is not None:
             self.unfinished_call = True
+            self._writer.drop_call()  # with whole_calls nothing of it was sent; otherwise its arguments stay open
             if self.saw_eos:
                 self._issue("tool call not terminated before EOS")
         if self.saw_eos:
@@ -198,8 +206,8 @@ class StreamingParser:
         text, self._buf = self._buf[:end], self._buf[end:]
         if marker is None and self._final and self._buf:
             # The generation ended inside what could have been a marker: release it as text, unless it
-            # holds DSML (a truncated tool-call opener), which is dropped.
-            if DSML not in self._buf:
+            # is a cut-off start of DSML markup (a truncated tool-call opener), which is dropped.
+            if not partial_markup(self._buf):
                 text += self._buf
             self._buf = ""
         self._on_text(state, text)

@@ -7,10 +7,13 @@ kind               xgrammar call
 =================  =====================================================================================
 ``regex``          ``compile_regex(text)``
 ``ebnf``           ``compile_grammar(text)`` (root rule ``root``)
-``json_schema``    ``compile_json_schema(text, strict_mode=True, <whitespace>)``
+``json_schema``    ``compile_json_schema(rewritten, strict_mode=True, <whitespace>)``
 ``json_object``    ``compile_json_schema('{"type":"object"}', strict_mode=False, <whitespace>)``: any object
 ``structural_tag`` ``compile_structural_tag(text)``, each ``json_schema`` format's ``max_whitespace_cnt`` capped
 =================  =====================================================================================
+
+A JSON schema (and each ``json_schema`` format of a structural tag) is compiled as the schema pass rewrote it
+(:mod:`deepinfer.grammar.schema_pass`, run by the limits check): every keyword enforced, rewritten, or refused.
 
 JSON never has unbounded whitespace (``DEEPINFER_GRAMMAR_JSON_WHITESPACE``): 0, the default, is compact JSON
 (``any_whitespace=False, separators=(",", ":")`` — without ``separators`` xgrammar still emits ``", "`` and
@@ -40,6 +43,7 @@ __all__ = ["Compiler", "clean_message", "compile_options", "named_control_tokens
 _CPP_LOCATION = re.compile(r"(?:\[\d\d:\d\d:\d\d\] )?(?:/[^\s:]+/)?[\w.+-]+\.(?:cc|cpp|cxx|h|hpp)(?::\d+)?: ?")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ?")
 _MAX_MESSAGE = 600
+SCHEMA_PASS_VERSION = 1  # bump when the schema pass rewrites differently: cached grammars must not be reused
 
 
 @functools.cache
@@ -49,7 +53,7 @@ def _xgrammar_version() -> str:
 
 def compile_options(json_whitespace: int) -> str:
     """The compile settings that change a grammar for the same text (part of the cache key)."""
-    return f"xgrammar={_xgrammar_version()};json_whitespace={json_whitespace}"
+    return f"xgrammar={_xgrammar_version()};json_whitespace={json_whitespace};schema_pass={SCHEMA_PASS_VERSION}"
 
 
 def clean_message(message: str) -> str:
@@ -161,7 +165,8 @@ class Compiler:
             elif kind == "ebnf":
                 grammar = compiler.compile_grammar(spec.text)
             elif kind == "json_schema":
-                grammar = compiler.compile_json_schema(spec.text, strict_mode=True, **json_options)
+                text = found.compile_text if found.compile_text is not None else spec.text
+                grammar = compiler.compile_json_schema(text, strict_mode=True, **json_options)
             elif kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **json_options)
             else:

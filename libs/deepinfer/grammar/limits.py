@@ -66,6 +66,7 @@ class Inspection:
     document: Any = None
     strings: list[str] = field(default_factory=list)
     token_ids: set[int] = field(default_factory=set)
+    compile_text: str | None = None  # a JSON schema after the schema pass: what xgrammar compiles
 
 
 def check_limits(spec: GrammarSpec, limits: Limits | None = None) -> None:
@@ -144,7 +145,28 @@ def _inspect_json(text: str, kind: str, lim: Limits) -> Inspection:
     depth = _walk(doc, kind, lim, found)
     if depth > lim.max_depth:
         raise GrammarError(f"{kind}: nesting depth {depth} exceeds the limit {lim.max_depth}", "limit")
+    if kind == "json_schema":
+        found.compile_text = _rewritten(doc, lim)
+    else:
+        from deepinfer.grammar.schema_pass import normalize_tag
+
+        found.document = normalize_tag(doc)
     return found
+
+
+def _rewritten(doc: dict, lim: Limits) -> str:
+    """The schema pass's output, held to the same limits as the input (inlining $ref and distributing
+    anyOf/oneOf can multiply properties and enum values)."""
+    from deepinfer.grammar.schema_pass import normalize_schema
+
+    text = json.dumps(normalize_schema(doc), ensure_ascii=False, separators=(",", ":"))
+    what = "the schema after expanding $ref/allOf/anyOf"
+    _check_text(text, "json_schema", what, lim.max_schema_bytes)
+    try:
+        _walk(json.loads(text), "json_schema", lim, Inspection())
+    except GrammarError as e:
+        raise GrammarError(f"{e} ({what})", e.outcome) from None
+    return text
 
 
 def _walk(doc: dict, kind: str, lim: Limits, found: Inspection) -> int:
