@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.certs import add_parser as add_certs_parser
 
     add_certs_parser(sub)
+    from deepinfer.loadgen.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
