@@ -52,6 +52,8 @@ SCHEMAS = {
             {"properties": {"kind": {"const": "square"}, "side": {"type": "boolean"}}, "required": ["kind", "side"]},
         ],
     },  # fmt: skip
+    # an optional group ending in a repetition: xgrammar alone lets the tail through without the head ("6K")
+    "pattern_optional_group": {"type": "string", "pattern": "^(Z[0-9]{0,3})?K$"},
     "oneof_by_type": {"oneOf": [{"type": "string", "maxLength": 4}, {"type": "integer"}, {"type": "null"}]},
     # dependencies: present trigger → dependents present
     "dependencies": {
@@ -284,3 +286,17 @@ def test_structural_tag_schemas_pass_too(compiler: Compiler, info) -> None:
     for text, ok in (('<r>"abc"</r>', False), ('<r>"ab"</r>', True)):
         matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(grammar.compiled_json, info))
         assert (matcher.accept_string(text) and matcher.is_completed()) is ok, text
+
+
+def test_optional_groups_are_written_so_xgrammar_enforces_them(compiler: Compiler, info) -> None:
+    from deepinfer.grammar.schema_rules import optional_groups
+
+    assert optional_groups(r"^(Z[0-9]*)?K$") == r"^(Z[0-9]*){0,1}K$"
+    assert optional_groups(r"(a)??(?:b)?") == r"(a){0,1}?(?:b){0,1}"  # lazy kept; (?: opens, it is no quantifier
+    for unchanged in (r"\)?", r"[)?]", r"[]?)]", r"a?b", r"[\]]?"):
+        assert optional_groups(unchanged) == unchanged
+    schema = json.dumps({"type": "string", "pattern": "^(Z[0-9]*)?K$"})
+    compiled = compiler.compile(GrammarSpec("json_schema", schema))
+    grammar = xgrammar.CompiledGrammar.deserialize_json(compiled.compiled_json, info)
+    for text, ok in (('"6K"', False), ('"Z12K"', True), ('"K"', True), ('"ZK"', True)):
+        assert xgrammar.GrammarMatcher(grammar).accept_string(text) is ok, text

@@ -8,6 +8,8 @@ Rewrites (each accepts only values the original accepts):
 * ``pattern`` that is one character class (or ``.``, ``\\d``, ``\\w`` ...) with a quantifier, plus
   ``minLength`` / ``maxLength`` → the same class with the bounds intersected (xgrammar ignores the lengths
   beside a pattern); any other pattern with a length bound is refused;
+* an optional group in a ``pattern``, ``(...)?`` → ``(...){0,1}`` (the same language: xgrammar 0.2.9 compiles a
+  schema's ``(Z[0-9]*)?K`` so that it accepts ``6K``, the group's tail without its head; its ``{0,1}`` is right);
 * ``enum`` / ``const`` beside other keywords → the enum values that satisfy them (xgrammar checks only the enum);
 * no ``type`` but keywords of one type → that type; a list of types with type-specific keywords → an ``anyOf``
   of one branch per type;
@@ -24,7 +26,7 @@ from typing import Any
 from deepinfer.grammar.schema_merge import ANNOTATIONS, Never, type_set
 from deepinfer.grammar.spec import GrammarError
 
-__all__ = ["FORMATS", "check_node", "disjoint", "one_of"]
+__all__ = ["FORMATS", "check_node", "disjoint", "one_of", "optional_groups"]
 
 # What xgrammar 0.2.9 enforces, by the type it applies to (checked by the tests against generated outputs).
 _BY_TYPE = {
@@ -139,7 +141,36 @@ def _check_object(node: dict, path: str) -> dict:
     return node
 
 
+def optional_groups(pattern: str) -> str:
+    """``pattern`` with every group made optional by ``?`` written ``{0,1}`` (module docstring); escapes and character
+    classes are read as such, so ``\\)?`` and ``[)?]`` stay as they are."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":  # a leading ] is a member of the class
+                out.append("[]")
+                i += 2
+                continue
+        elif c == ")" and pattern[i + 1 : i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def _check_string(node: dict, path: str) -> dict:
+    if isinstance(node.get("pattern"), str):
+        node = {**node, "pattern": optional_groups(node["pattern"])}
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     lo, hi = node.get("minLength", 0), node.get("maxLength")
     if hi is not None and lo > hi:
