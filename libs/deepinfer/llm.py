@@ -1,4 +1,9 @@
-"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``."""
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``.
+
+Images (a model that takes them, docs/deepseek_v41.md ("Images")): a ``generate`` prompt dict may carry
+``multi_modal_data={"image": ...}`` (one image per image placeholder token of its prompt, in order), a chat message
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` content parts; ``image_inputs`` says
+which sources are accepted."""
 
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ from deepinfer import envs
 from deepinfer.chat import encode_messages
 from deepinfer.engine.engine import LLMEngine, RequestOutput
 from deepinfer.engine.factory import build_scheduler, build_worker
+from deepinfer.engine.model_api import ImageEncoder
+from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.structured import LocalConstraints
+from deepinfer.image_inputs import chat_images, prompt_images
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
@@ -34,6 +42,7 @@ class LLM:
         batch_invariant: bool | None = None,
         enable_prefix_caching: bool | None = None,
         async_scheduling: bool | None = None,
+        allowed_local_media_path: str | Path | None = None,
     ) -> None:
         parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant)
         self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
@@ -47,6 +56,24 @@ class LLM:
             async_scheduling = envs.DEEPINFER_ASYNC_SCHEDULING
         self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size, async_scheduling)
         self.constraints = LocalConstraints(parts.path, self.tokenizer)
+        self.family = parts.family
+        # images may be read from files under this folder only (None: no local files)
+        self.local_media = None if allowed_local_media_path is None else Path(allowed_local_media_path)
+        self._image_encoder = None  # the family's built-in encoder, made on the first image
+
+    def image_encoder(self) -> ImageEncoder:
+        """The encoder of this model's images (its own vision tower); ValueError for a model without image input."""
+        if self._image_encoder is None:
+            self._image_encoder = self.family.image_encoder(self.model)
+        return self._image_encoder
+
+    def _encode(self, prompt: Any, where: str) -> tuple[list[int], str | None, MultiModalInput | None]:
+        ids, text = self._tokenize(prompt)
+        images = prompt_images(prompt, where, self.local_media)
+        if images is None:
+            return ids, text, None
+        ids, mm = prepare_images(self.family, self.config, self.image_encoder(), ids, images)
+        return ids, text, mm
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -67,7 +94,8 @@ class LLM:
         use_tqdm: bool = False,
         _tools: tuple[list[dict] | None, Any, str, bool] = (None, None, "chat", True),
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a dict with ``prompt_token_ids``); outputs in input order.
+        """Generate for each prompt (a string, or a dict with ``prompt`` or ``prompt_token_ids``, and optionally
+        ``multi_modal_data={"image": [...]}`` and ``cache_salt``); outputs in input order.
 
         Every prompt is validated, and every ``so_args`` grammar compiled, before any is queued: a bad one
         raises ValueError and none runs."""
@@ -79,21 +107,21 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
-        encoded = [self._tokenize(p) for p in prompts]
-        for ids, _ in encoded:
+        encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for ids, _, _ in encoded:
             self._validate(ids)
         for p in plist:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(p).__name__}")
-        constraints = [self.constraints.for_request(p.so_args, ids, *_tools) for (ids, _), p in zip(encoded, plist)]
+        constraints = [self.constraints.for_request(p.so_args, ids, *_tools) for (ids, *_), p in zip(encoded, plist)]
         order: dict[str, int] = {}
         try:
-            for i, ((ids, text), p, raw, c) in enumerate(zip(encoded, plist, prompts, constraints)):
+            for i, ((ids, text, mm), p, raw, c) in enumerate(zip(encoded, plist, prompts, constraints)):
                 rid = self.engine.new_request_id()
                 salt = raw.get("cache_salt") if isinstance(raw, dict) else None
                 if salt is not None and not isinstance(salt, str):
                     raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt, constraint=c)
+                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt, constraint=c, mm=mm)
                 order[rid] = i
         except Exception:
             # a later prompt or params failed the engine's checks: withdraw the ones already queued
@@ -145,13 +173,27 @@ class LLM:
         ``tool_choice`` ("auto" by default, "none", "required" or ``{"type": "function", "function": {"name":
         …}}``) constrains the output so that tool calls are well-formed DSML whose arguments follow the
         tools' JSON schemas; ``deepinfer.chat.parse_completion`` turns the text (decoded with special
-        tokens) into OpenAI-style tool calls; ``parallel_tool_calls=False`` allows one call at most."""
+        tokens) into OpenAI-style tool calls; ``parallel_tool_calls=False`` allows one call at most. An
+        ``image_url`` content part becomes the model's image placeholder in the text, its image goes with it."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            encode_messages(m, thinking_mode=thinking_mode, reasoning_effort=reasoning_effort, tools=tools)
-            for m in convs
-        ]
+        prompts = []
+        for m in convs:
+            m, images = self._chat_images(m)
+            text = encode_messages(m, thinking_mode=thinking_mode, reasoning_effort=reasoning_effort, tools=tools)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         choice = tool_choice if tool_choice is not None else ("auto" if tools else None)
         return self.generate(
             prompts, sampling_params, use_tqdm=use_tqdm, _tools=(tools, choice, thinking_mode, parallel_tool_calls)
         )
+
+    def _chat_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+        if not isinstance(messages, list) or not any(
+            isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages
+        ):
+            return messages, []
+        image_id = getattr(self.config, "image_token_id", None)
+        placeholder = None if image_id is None else self.tokenizer.id_to_token(image_id)
+        out, images = chat_images(messages, placeholder or "", self.local_media)
+        if images and not placeholder:
+            self.image_encoder()  # refuses: the model takes no images
+        return out, images

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from deepinfer.chat.turns import turn_boundaries
 from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.interfaces import Runner, StepResult
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.request import Request, validate_request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.step_loop import StepLoop, Turn
@@ -76,11 +77,16 @@ class LLMEngine:
         cache_salt: str | None = None,
         resume_hints: list[int] | None = None,
         constraint: Constraint | None = None,
+        mm: MultiModalInput | None = None,
     ) -> None:
+        """Queue a request; ``mm``: its images, its prompt's placeholders already expanded
+        (``multimodal.prepare_images``)."""
         validate_request(prompt_token_ids, params, self.vocab_size)
+        if mm is not None and not isinstance(mm, MultiModalInput):
+            raise ValueError(f"mm must be a MultiModalInput, got {type(mm).__name__}")
         try:
             hints = turn_boundaries(prompt_token_ids, self.tokenizer) if resume_hints is None else resume_hints
-            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt, hints, constraint)
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt, hints, constraint, mm=mm)
         except ValueError as e:
             raise ValueError(f"prompt: {e}") from e
         self._prompts[request_id] = prompt

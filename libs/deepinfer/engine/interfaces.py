@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a chunk token: "the token this request sampled in its step before", resolved on the worker
@@ -40,6 +41,8 @@ class ChunkPlan:
     constraint: Constraint | None = None
     constraint_history: list[int] | None = None
     decoder_from: int | None = None
+    # the request's images (engine.multimodal), on a chunk that covers one of their spans (in process only so far)
+    mm: MultiModalInput | None = None
 
 
 @dataclass

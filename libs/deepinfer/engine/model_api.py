@@ -10,6 +10,10 @@ A resume point (prefix caching): ``family.take_snapshot`` at a position, ``snaps
 ``snapshot.restore_replay`` (a compact one, by a bounded replay); off the device it is bytes
 (``family.encode_resume`` / ``decode_resume``, tagged ``family.resume_layout``) with the pages the cache reads and
 writes (``cache.read_pages`` / ``write_pages``).
+Images (a family that takes them): ``family.prepare_images`` expands a prompt's image placeholders and encodes the
+images through an :class:`ImageEncoder` (``family.image_encoder(model)``: the model's own tower, or a stand-in such as
+a vision-encoder service); its payload comes back to ``family.batch`` with the chunks that cover an image span
+(``engine.multimodal``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ class StepBatch(Protocol):
         ...
 
 
+class ImageEncoder(Protocol):
+    """One image's encoded bytes (PNG, JPEG, ...) -> the features a family splices into its prompt (DeepSeek-V4.1:
+    ``ImageFeatures``). ValueError for bytes that are no image."""
+
+    def encode(self, image: bytes) -> Any: ...
+
+
 @runtime_checkable
 class ServedModel(Protocol):
     """The model: an ``nn.Module`` with its config, a forward over a batch and the logits of rows."""
@@ -135,10 +146,24 @@ class ModelFamily(Protocol):
         chunks: Sequence[tuple[Any, int, int, torch.Tensor, int | None]],
         token_ids: list[list[int]],
         device: torch.device | str,
+        mm: Sequence[Any] | None = None,
     ) -> Any:
         """A step's batch from its chunks, each (state, start, length, block table, decoder_from), and their
         token ids. ``decoder_from`` (a bounded decoder replay): the first position whose decoder layers run, or
-        None for every position; a model without such a split ignores it."""
+        None for every position; a model without such a split ignores it. ``mm`` (only when a chunk covers an image
+        span): per chunk its request's ``multimodal.MultiModalInput`` or None."""
+        ...
+
+    def image_encoder(self, model: Any) -> ImageEncoder:
+        """The model's built-in image encoder (ValueError: the model takes no images)."""
+        ...
+
+    def prepare_images(
+        self, config: Any, encoder: ImageEncoder, token_ids: list[int], images: Sequence[bytes]
+    ) -> tuple[list[int], list[tuple[int, int]], Any]:
+        """A prompt's image placeholders (one per image, in order) expanded, the images encoded: ``(token ids,
+        [start, end) span of each image, payload for batch)``. ValueError naming the field for a placeholder count
+        that differs from the images, an image that does not decode or fit, or a model without image input."""
         ...
 
     def fingerprint_facts(self, model: Any) -> list[str]:
@@ -147,4 +172,14 @@ class ModelFamily(Protocol):
         ...
 
 
-__all__ = ["ModelConfig", "ModelFamily", "PagedCache", "Pages", "SequenceState", "ServedModel", "Snapshot", "StepBatch"]
+__all__ = [
+    "ImageEncoder",
+    "ModelConfig",
+    "ModelFamily",
+    "PagedCache",
+    "Pages",
+    "SequenceState",
+    "ServedModel",
+    "Snapshot",
+    "StepBatch",
+]

@@ -90,9 +90,9 @@ class PrefixCaching:
             return False
         self.prefix_queries += req.num_tokens
         root, limit = self._root(req), req.num_tokens - 1
-        rp = self.prefix.lookup(req.all_token_ids, root, limit)
+        rp = self.prefix.lookup(req.cache_token_ids, root, limit)
         if self.remote is not None and not req.fetch_failed:
-            far = self.remote.lookup(req.all_token_ids, root, limit)
+            far = self.remote.lookup(req.cache_token_ids, root, limit)
             if far is not None and (rp is None or far.position > rp.position):
                 self.prefix_queries -= req.num_tokens  # counted when the fetched state is used
                 fid = f"fetch-{next(_fetch_ids)}"
@@ -102,7 +102,7 @@ class PrefixCaching:
                 return True
         if rp is None:
             plain = root_hash(self.config.fingerprint, None)
-            req.cache_miss_reason = self.prefix.miss_reason(req.all_token_ids, root, plain, limit)
+            req.cache_miss_reason = self.prefix.miss_reason(req.cache_token_ids, root, plain, limit)
             self.prefix_misses[req.cache_miss_reason] += 1
             return
         self.prefix_hits += rp.position
@@ -164,7 +164,7 @@ class PrefixCaching:
             return
         full = req.pages[: position // self.config.page_size]
         plain = root_hash(self.config.fingerprint, None)
-        rp = self.prefix.insert(req.all_token_ids[:position], self._root(req), full, plain)
+        rp = self.prefix.insert(req.cache_token_ids[:position], self._root(req), full, plain)
         if rp is not None:
             self.pages.incref(full)
             self._pending.append((req.request_id, rp))

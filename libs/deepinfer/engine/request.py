@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -43,10 +44,18 @@ class Request:
     fetch_failed: bool = False  # the kvstore could not serve it: recompute
     constraint: Constraint | None = None  # structured output, enforced by the worker
     constraint_sent: bool = False  # the worker holds its matcher (sent with a chunk since the last drop)
+    mm: MultiModalInput | None = None  # its images: spans of the prompt, their digests, the family's payload
+    cache_prompt: list[int] | None = None  # the prompt as the prefix cache keys it (``mm.cache_tokens``)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The tokens the prefix cache keys on: image-span positions keyed by their image's digest."""
+        prompt = self.prompt_token_ids if self.cache_prompt is None else self.cache_prompt
+        return prompt + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

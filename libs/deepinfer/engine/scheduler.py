@@ -24,7 +24,10 @@ any running request is preempted.
 Bounded decoder replay (DeepSeek-V4.1, ``decoder_replay`` = ``DEEPINFER_DECODER_REPLAY_TOKENS`` > 0): each prompt
 chunk's plan carries ``decoder_from``, the first position whose decoder layers run (the prompt's last
 ``decoder_replay`` tokens), so however the prompt is chunked the decoder sees the same tokens; requests with prompt
-logprobs and generated tokens run every layer. V4 models ignore it.
+logprobs, prompts with images and generated tokens run every layer. V4 models ignore it.
+
+Images (``engine.multimodal``): a request's image spans travel with each chunk that covers part of one (a chunk may
+cut a span: the model splices the slice it covers), and its prefix-cache keys fold in each image's digest.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from deepinfer.engine.interfaces import (
     StepResult,
     WorkerStepPlan,
 )
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
 from deepinfer.engine.prefix_scheduling import PrefixCaching
@@ -83,11 +87,13 @@ class Scheduler(PrefixCaching):
         resume_hints: Sequence[int] = (),
         constraint: Constraint | None = None,
         output_token_ids: Sequence[int] = (),
+        mm: MultiModalInput | None = None,
     ) -> None:
         """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends);
         ``constraint``: what its sampled tokens obey (structured output), sent to the worker with its chunks;
         ``output_token_ids``: tokens it already generated elsewhere (a request moved from a failed replica): it
-        continues after them, as if it had generated them here."""
+        continues after them, as if it had generated them here; ``mm``: its images (``engine.multimodal``), sent
+        with the chunks that cover their spans and folded into its prefix-cache keys."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -110,6 +116,9 @@ class Scheduler(PrefixCaching):
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
         req.output_token_ids = list(output_token_ids)
         req.constraint = constraint
+        if mm is not None:
+            mm.check(len(prompt_token_ids))
+            req.mm, req.cache_prompt = mm, mm.cache_tokens(prompt_token_ids)
         req.resume_hints = sorted({p for p in resume_hints if 0 < p < len(prompt_token_ids)})
         self._arrivals += 1
         self.requests[request_id] = req
@@ -337,13 +346,14 @@ class Scheduler(PrefixCaching):
             constraint=constraint,
             constraint_history=list(req.output_token_ids) if constraint is not None else None,
             decoder_from=self._decoder_from(req, start),
+            mm=req.mm if req.mm is not None and req.mm.overlaps(start, start + n) else None,
         )
 
     def _decoder_from(self, req: Request, start: int) -> int | None:
         """Bounded decoder replay (V4.1): a prompt chunk runs the decoder layers from the prompt's last
         ``decoder_replay`` tokens on; generated tokens, and every token of a request that scores its prompt
-        (prompt logprobs), run all layers (None)."""
+        (prompt logprobs), and a prompt with images, run all layers (None)."""
         n = self.config.decoder_replay
-        if not n or start >= req.num_prompt_tokens or req.wants_prompt_logprobs:
+        if not n or start >= req.num_prompt_tokens or req.wants_prompt_logprobs or req.mm is not None:
             return None
         return max(start, req.num_prompt_tokens - n)

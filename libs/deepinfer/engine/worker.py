@@ -166,7 +166,8 @@ class ModelRunner:
             self.tables[c.request_id] = table
             chunks.append((st, c.start, len(c.token_ids), table, c.decoder_from))
         masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
-        batch = self.family.batch(chunks, token_ids, self.device)
+        mm = [c.mm for c in plan.chunks]  # images: only chunks that cover part of a span carry them
+        batch = self.family.batch(chunks, token_ids, self.device, *([mm] if any(m is not None for m in mm) else []))
         batch.substitute(at, sources)
         hidden = self.model(batch, self.cache)
         # rows whose logits we need: prompt-logprob rows, then the sampling rows

@@ -80,8 +80,19 @@ class DeepseekV4Family:
         chunks: Sequence[tuple[SequenceState, int, int, torch.Tensor, int | None]],
         token_ids: list[list[int]],
         device: torch.device | str,
+        mm: Sequence[object | None] | None = None,
     ) -> ForwardBatch:
+        if mm is not None and any(m is not None for m in mm):
+            self.image_encoder(None)  # refuses
         return ForwardBatch.build([SeqChunk(*c) for c in chunks], token_ids, device=device)
+
+    def image_encoder(self, model: object) -> object:
+        raise ValueError(f"images: {self.model_type} takes no image input")
+
+    def prepare_images(
+        self, config: object, encoder: object, token_ids: list[int], images: Sequence[bytes]
+    ) -> tuple[list[int], list[tuple[int, int]], object]:
+        raise ValueError(f"images: {self.model_type} takes no image input")
 
     def fingerprint_facts(self, model: torch.nn.Module) -> list[str]:
         facts = []

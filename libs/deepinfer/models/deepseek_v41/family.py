@@ -3,18 +3,25 @@
 batches (``deepseek_v4.family``). Its cache formats (FP8 window, FP4 compressed rows and index keys;
 docs/deepseek_v41.md ("Cache formats")) are part of the released model and stay on unless ``quant_sim`` is False,
 and a prompt chunk may run the decoder layers on its tail only (``decoder_from``: ``DEEPINFER_DECODER_REPLAY_TOKENS``,
-which changes the decoder layers' window state resume points hold, so it joins the fingerprint)."""
+which changes the decoder layers' window state resume points hold, so it joins the fingerprint). Image prompts
+(``image_input``): the built-in encoder is the checkpoint's vision tower, and a step whose chunks cover image spans
+is an ``ImageBatch``, whose embeddings the model splices at prefill."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from deepinfer import envs
 from deepinfer.models.deepseek_v4.family import DeepseekV4Family
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import set_w8a8
+from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE, DeepseekV41Config
+from deepinfer.models.deepseek_v41.image_input import BuiltinImageEncoder, ImageBatch, ImagePrompt, prepare_image_prompt
 from deepinfer.quant.w4a8 import set_w4a8
 
 
@@ -51,6 +58,33 @@ class DeepseekV41Family(DeepseekV4Family):
         ops.prepare_weights(net)
         net.set_quant_sim(quant_sim is not False)
         return net
+
+    def image_encoder(self, model: torch.nn.Module) -> BuiltinImageEncoder:
+        return BuiltinImageEncoder(model)
+
+    def prepare_images(
+        self, config: DeepseekV41Config, encoder: object, token_ids: list[int], images: Sequence[bytes]
+    ) -> tuple[list[int], list[tuple[int, int]], ImagePrompt]:
+        return prepare_image_prompt(config, encoder, token_ids, images)
+
+    def batch(
+        self,
+        chunks: Sequence[tuple[SequenceState, int, int, torch.Tensor, int | None]],
+        token_ids: list[list[int]],
+        device: torch.device | str,
+        mm: Sequence[Any] | None = None,
+    ) -> ForwardBatch:
+        """V4's batch; with images, an :class:`ImageBatch` whose chunks carry their slice of the image spans (the
+        model splices the features in: ``image_input.chunk_embeddings``)."""
+        if mm is None or all(m is None for m in mm):
+            return super().batch(chunks, token_ids, device)
+        batch = ImageBatch.build([SeqChunk(*c) for c in chunks], token_ids, device=device)
+        batch.images = tuple(
+            (a, c[1], c[2], m.data) for (a, _), c, m in zip(batch.offsets(), chunks, mm) if m is not None
+        )
+        if not all(isinstance(p, ImagePrompt) for *_, p in batch.images):
+            raise ValueError("mm: a DeepSeek-V4.1 image payload (image_input.ImagePrompt) is required")
+        return batch
 
     def fingerprint_facts(self, model: torch.nn.Module) -> list[str]:
         replay = envs.DEEPINFER_DECODER_REPLAY_TOKENS

@@ -31,6 +31,7 @@ from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
+from deepinfer.models.deepseek_v41.image_input import ImageBatch, chunk_embeddings
 from deepinfer.models.deepseek_v41.layout import layer_specs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
 from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
@@ -191,6 +192,8 @@ class DeepseekV41Model(nn.Module):
         (``ops.prefill_graphs`` and ``piecewise_prefill``; ``prefill_graphs.PrefillGraphs``), with eager results; not
         with ``capture``."""
         ops, c = self.ops, self.text
+        if isinstance(batch, ImageBatch) and batch.images and batch.input_embeds is None:  # an image prompt's chunks
+            batch.input_embeds, batch.image_mask = chunk_embeddings(self, batch)
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
             if self.decode_graphs is None:
