@@ -88,6 +88,18 @@ def obj(rng: random.Random, n: int, depth: int = 0) -> dict:
     return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
 
+def union(rng: random.Random) -> dict:
+    """anyOf or oneOf of objects; a oneOf's branches carry a required ``kind`` const each (the schema pass accepts a
+    oneOf only when its branches are disjoint: a grammar cannot enforce 'exactly one')."""
+    branches = [obj(rng, rng.randint(2, 5)) for _ in range(rng.randint(2, 6))]
+    if rng.random() < 0.5:
+        return {"anyOf": branches}
+    for j, b in enumerate(branches):
+        b["properties"]["kind"] = {"const": f"k{j}"}
+        b["required"] = ["kind", *b["required"]]
+    return {"oneOf": branches}
+
+
 def corpus(n_schemas: int, seed: int) -> list[tuple[str, GrammarSpec]]:
     rng = random.Random(seed)
     families = {
@@ -105,9 +117,7 @@ def corpus(n_schemas: int, seed: int) -> list[tuple[str, GrammarSpec]]:
             },
             "required": ["items"],
         },
-        "union": lambda: {
-            "anyOf" if rng.random() < 0.5 else "oneOf": [obj(rng, rng.randint(2, 5)) for _ in range(rng.randint(2, 6))]
-        },
+        "union": lambda: union(rng),
         "pattern": lambda: {
             "type": "object",
             "properties": {
