@@ -27,7 +27,7 @@ from deepinfer.telemetry import get_logger
 from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
 from services.balancer.admission import AdmissionGate, check_prompt, check_request
 from services.balancer.constraints import ConstraintCompiler
-from services.balancer.prompt import build_prompt
+from services.balancer.prompt import build_prompt, check_images, prompt_images
 from services.balancer.relay import Relay
 from services.balancer.replicas import Replica, ReplicaSet
 
@@ -53,8 +53,12 @@ class Balancer:
         replicas: list[str],
         metrics: Metrics | None = None,
         constraints: ConstraintCompiler | None = None,
+        image_token_id: int | None = None,
     ) -> None:
         self.tokenizer, self.info, self.constraints = tokenizer, info, constraints
+        # images (a model with image input): the placeholder token an image stands on in a prompt; None: no images
+        self.image_token_id = image_token_id
+        self.image_placeholder = None if image_token_id is None else tokenizer.id_to_token(image_token_id)
         self.metrics = metrics if metrics is not None else METRICS
         self.pool = ReplicaSet(replicas)
         self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
@@ -79,7 +83,7 @@ class Balancer:
         self, which: str | None, req: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest
     ) -> tuple[list[int], str | None, list[dict] | None]:
         """Prompt ids, prompt text and (chat) the tools it renders."""
-        return build_prompt(self.tokenizer, which, req)
+        return build_prompt(self.tokenizer, which, req, self.image_placeholder)
 
     async def _constraint(
         self, request: generation_pb2.GenerateRequest, ids: list[int], params: object, tools: list[dict] | None
@@ -147,17 +151,19 @@ class Balancer:
             raise ModelNotFound(f"model: {request.model!r} is not served here (serving {self.info.model!r})")
         check_request(request)  # field checks that need no tokenization; then tokenize off the event loop
         ids, _, tools = await asyncio.to_thread(self.prompt, request.WhichOneof("input"), request)
+        images = prompt_images(request.WhichOneof("input"), request)
+        check_images(ids, images, self.image_token_id, request.sampling)
         params = check_prompt(request, ids, self.info.max_model_len, self.info.vocab_size)  # fills in max_tokens
         try:
             with trace.use_span(span, end_on_exit=False):  # the grammar service's compile span is a child
                 constraint = await self._constraint(request, ids, params, tools)
         except Unavailable as e:
             raise _unavailable(str(e)) from e
-        async for out in self._relay(rid, ids, request, params, constraint, timeout, span, route):
+        async for out in self._relay(rid, (ids, images), request, params, constraint, timeout, span, route):
             yield out
 
     async def _relay(
-        self, rid: str, ids: list[int], request: generation_pb2.GenerateRequest, params: object,
+        self, rid: str, prompt: tuple[list[int], list[bytes]], request: generation_pb2.GenerateRequest, params: object,
         constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
         route: tuple[str | None, bool] = (None, False),
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
@@ -166,7 +172,7 @@ class Balancer:
         at most ``DEEPINFER_MIGRATION_LIMIT`` times, so the caller sees one uninterrupted stream."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        relay = Relay(rid, ids, params, self.tokenizer)
+        relay = Relay(rid, prompt[0], params, self.tokenizer, prompt[1])
         metadata = inject_metadata(trace.set_span_in_context(span))
         (prefer, shared), attempt = route, 0
         replica = self._route(self.pool.pick, prefer)

@@ -76,6 +76,7 @@ class _Api:
 
     def __init__(self, service: Balancer, metrics: Metrics) -> None:
         self.service, self.metrics, self.info = service, metrics, service.info
+        self._image_placeholder = getattr(service, "image_placeholder", None)  # None: the model takes no images
         self.draining, self.in_flight, self.created = False, 0, int(time.time())
         self.gate = getattr(service, "gate", None)  # the admission gate (None: not gated here)
         self.max_body = envs.DEEPINFER_MAX_REQUEST_BYTES
@@ -254,7 +255,7 @@ class _Api:
     async def chat_completions(self, request: Request) -> Response:
         return await self._run(
             request, "/v1/chat/completions", ChatCompletionRequest,
-            lambda req, rid: req.to_proto(rid, self.info.max_model_len), self._chat,
+            lambda req, rid: req.to_proto(rid, self.info.max_model_len, self._image_placeholder), self._chat,
         )  # fmt: skip
 
     async def _chat(self, req: ChatCompletionRequest, rid: str, firsts: list, streams: list, reasoning: bool) -> Any:

@@ -44,7 +44,9 @@ async def run_balancer(
         eos_token_id=config.eos_token_id,
         structured_output_types=constraints.kinds,
     )
-    service = Balancer(tokenizer, info, schedulers, constraints=constraints)
+    vision = getattr(config, "vision_config", None)  # DeepSeek-V4.1 with a vision tower takes images
+    image_id = config.image_token_id if vision is not None and vision.num_hidden_layers > 0 else None
+    service = Balancer(tokenizer, info, schedulers, constraints=constraints, image_token_id=image_id)
     servicer = GenerationServicer(service)
     services = [Service("deepinfer.v1.Generation", servicer, generation_pb2_grpc.add_GenerationServicer_to_server)]
     from services.balancer.discovery import Discovery

@@ -18,10 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from deepinfer import envs
 from deepinfer.chat import encode_messages, merge_deltas, parse_completion
 from deepinfer.chat.dsml import parse_tool_calls
 from deepinfer.chat.streaming import StreamingParser
 from deepinfer.chat.tokens import EOS, THINK_END, THINK_START, TOOL_CALLS_START
+from deepinfer.image_inputs import image_bytes
 from deepinfer.rpc.convert import structured_output_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import common_pb2, generation_pb2
@@ -175,25 +177,26 @@ class ChatCompletionRequest(_SamplingRequest):
         return on, effort if on else ""
 
     def to_proto(
-        self, request_id: str, max_model_len: int | None = None
+        self, request_id: str, max_model_len: int | None = None, image_placeholder: str | None = None
     ) -> tuple[generation_pb2.GenerateRequest, bool]:
         """The wire request and whether the rendered prompt opens reasoning (ends with ``<think>``).
 
         Without ``max_tokens`` / ``max_completion_tokens`` the wire field stays unset: the balancer then gives the
         chat what the context leaves after the prompt, at most ``DEEPINFER_DEFAULT_MAX_TOKENS`` (``max_model_len``
-        is no longer needed here and only kept for callers that pass it)."""
+        is no longer needed here and only kept for callers that pass it). ``image_placeholder``: the model's image
+        placeholder token (None: the model takes no images, and an ``image_url`` part is refused naming it)."""
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
         thinking, effort = self.thinking()
         chat = generation_pb2.ChatInput(thinking_mode="thinking" if thinking else "chat", reasoning_effort=effort)
-        chat.messages.extend(_message(m, i) for i, m in enumerate(self.messages))
+        chat.messages.extend(_message(m, i, image_placeholder) for i, m in enumerate(self.messages))
         choice, function = tool_choice_of(self.tool_choice, bool(self.tools))
         if self.tools and choice != "none":  # "none": tools are not rendered (docs/chat_format.md, "Tools section")
             chat.tools.extend(_tool(t, i) for i, t in enumerate(self.tools))
         chat.tool_choice, chat.tool_choice_function = choice, function
         if self.parallel_tool_calls is not None:
             chat.parallel_tool_calls = self.parallel_tool_calls
-        messages, tools = chat_to_messages(chat)
+        messages, tools = chat_to_messages(chat, image_placeholder)
         prompt = encode_messages(messages, chat.thinking_mode, reasoning_effort=effort or None, tools=tools)
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
         sampling = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
@@ -218,16 +221,53 @@ def _text(value: Any, where: str, tool: bool) -> str:
         elif tool:
             texts.append(f"[Unsupported {part.get('type')}]")
         else:
-            raise ValueError(f"{where}[{k}]: only text parts are supported")
+            raise ValueError(f"{where}[{k}]: only text and image_url parts are supported")
     return "\n\n".join(texts)
 
 
-def _message(m: dict[str, Any], i: int) -> generation_pb2.ChatMessage:
+def _image_parts(content: list, where: str, placeholder: str | None) -> list[generation_pb2.ContentPart]:
+    """Content with ``image_url`` parts as wire parts: text, and each image's bytes (a ``data:`` URL, or a local
+    file under ``DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH``; never fetched over the network)."""
+    parts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"{where}[{k}]: expected an object")
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(generation_pb2.ContentPart(text=part["text"]))
+            continue
+        if kind != "image_url":
+            raise ValueError(f"{where}[{k}]: only text and image_url parts are supported")
+        if placeholder is None:
+            raise ValueError(f"{where}[{k}].image_url: this model takes no image input")
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise ValueError(f"{where}[{k}].image_url: expected {{'url': str}}")
+        local = envs.DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH
+        try:
+            data = image_bytes(url, f"{where}[{k}].image_url", local)
+        except ValueError as e:
+            if local is None and "local image files" in str(e):
+                raise ValueError(f"{where}[{k}].image_url: local image files are not allowed on this server "
+                                 "(DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH is unset)") from None  # fmt: skip
+            raise
+        parts.append(generation_pb2.ContentPart(image=data))
+    return parts
+
+
+def _message(m: dict[str, Any], i: int, image_placeholder: str | None = None) -> generation_pb2.ChatMessage:
     where = f"messages[{i}]"
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise ValueError(f"{where}.role: required")
-    out = generation_pb2.ChatMessage(role=role, content=_text(m.get("content"), f"{where}.content", role == "tool"))
+    content = m.get("content")
+    images = isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+    if images and role != "tool":  # a tool result keeps other parts as a text marker
+        out = generation_pb2.ChatMessage(role=role)
+        out.parts.extend(_image_parts(content, f"{where}.content", image_placeholder))
+    else:
+        out = generation_pb2.ChatMessage(role=role, content=_text(content, f"{where}.content", role == "tool"))
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     for name, value in (
         ("reasoning_content", reasoning),

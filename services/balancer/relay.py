@@ -16,8 +16,12 @@ UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class Relay:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object) -> None:
-        self.request_id, self.prompt_ids = request_id, prompt_ids
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: object,
+        images: list[bytes] = (),
+    ) -> None:  # fmt: skip
+        self.request_id, self.prompt_ids, self.images = request_id, prompt_ids, list(images)
+        self.num_prompt_tokens = len(prompt_ids)
         self.text = TextStream(tokenizer, params)
         self.generated: list[int] = []  # token ids sent (they continue on another replica after a failure)
         self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
@@ -30,9 +34,11 @@ class Relay:
             self.prompt_rows.extend(ev.prompt_logprobs)  # a chunked prefill scores the prompt over several steps
             if not ev.token_ids and ev.finish_reason == UNSPECIFIED:
                 return None  # the first message waits for the first token and carries the whole prompt's rows
+        if ev.prompt_tokens:  # the replica's count: with images, after their placeholders are expanded
+            self.num_prompt_tokens = ev.prompt_tokens
         out = generation_pb2.GenerateResponse(request_id=self.request_id)
         if not self.started:
-            out.prompt_tokens = len(self.prompt_ids)
+            out.prompt_tokens = self.num_prompt_tokens
             if self.prompt_rows:
                 out.prompt_logprobs.add()
                 for row in self.prompt_rows:
@@ -61,7 +67,7 @@ class Relay:
             f.reason = ev.finish_reason
             if ev.stop_token_id and ev.finish_reason == common_pb2.FINISH_REASON_STOP:
                 f.stop_token_id = ev.stop_token_id
-        n_in, n_out = len(self.prompt_ids), len(self.generated)
+        n_in, n_out = self.num_prompt_tokens, len(self.generated)
         f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens = n_in, n_out, n_in + n_out
         f.usage.cached_tokens = ev.cached_tokens
         if ev.cached_tokens and ev.cached_tier:
@@ -87,5 +93,6 @@ class Relay:
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             constraint=constraint,
             output_token_ids=self.generated if attempt else (),
+            images=self.images,
             resume_hints=[len(self.prompt_ids) - 1] if shared and not attempt and len(self.prompt_ids) > 1 else (),
         )

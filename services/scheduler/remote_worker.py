@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.rpc.channel import open_channel
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
+
+PREPARE_TIMEOUT_S = 300.0  # encoding a request's images on the worker
 
 
 class WorkerLost(Exception):
@@ -29,9 +32,24 @@ class RemoteWorker:
         self._outbox: asyncio.Queue[worker_pb2.StepPlan | None] = asyncio.Queue()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._sent: set[str] = set()
+        self._image_drops: list[str] = []  # requests whose prepared images go with the next step (dropped_images)
 
     async def info(self, timeout: float = 60.0) -> worker_pb2.WorkerInfo:
         return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), wait_for_ready=True, timeout=timeout)
+
+    async def prepare_images(
+        self, request_id: str, token_ids: list[int], images: list[bytes]
+    ) -> tuple[list[int], MultiModalInput]:
+        """Have the worker encode a request's images (the features stay there) and expand its placeholders: the
+        expanded ids and the spans and digests the scheduler plans with (``data`` is None on this side)."""
+        msg = worker_pb2.PrepareImagesRequest(request_id=request_id, token_ids=token_ids, images=images)
+        out = await self.stub.PrepareImages(msg, timeout=PREPARE_TIMEOUT_S)
+        spans = tuple(zip(out.spans[0::2], out.spans[1::2]))
+        return list(out.token_ids), MultiModalInput(spans, tuple(out.digests), None)
+
+    def drop_images(self, request_id: str) -> None:
+        """The request is over: its prepared images are dropped with the next step (after every earlier one)."""
+        self._image_drops.append(request_id)
 
     async def _plans(self, outbox: asyncio.Queue) -> AsyncIterator[worker_pb2.StepPlan]:
         while (msg := await outbox.get()) is not None:
@@ -49,7 +67,10 @@ class RemoteWorker:
             self._call = self.stub.Step(self._plans(self._outbox))
             lost = self.lost  # this stream's event: a late callback of a forgotten stream must not set the next one's
             self._call.add_done_callback(lambda _: lost.set())
-        await self._outbox.put(plan_to_proto(plan, self._sent))
+        msg = plan_to_proto(plan, self._sent)
+        msg.dropped_images.extend(self._image_drops)
+        self._image_drops.clear()
+        await self._outbox.put(msg)
 
     async def receive(self) -> StepResult:
         if self._call is None:

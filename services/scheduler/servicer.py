@@ -7,6 +7,9 @@ its pages are freed before the next step and the worker drops its state with tha
 waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
 open stream ends with UNAVAILABLE (the balancer moves those requests elsewhere), health turns NOT_SERVING, and the
 worker is dialled again until it is back (a restarted worker included); then the replica serves again.
+
+A request with images is prepared by the worker first (``Worker.PrepareImages``: the features stay there); it is
+queued with the expanded prompt, and when it ends the worker drops its features with the next step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.step_loop import StepLoop, Turn
@@ -181,6 +185,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _deliver(self, result: StepResult, finished: list[Request]) -> None:
         events: dict[str, scheduler_pb2.TokenEvent] = {}
+        done: dict[str, Request] = {}
         now = time.time_ns() if self._traces else 0
         for r in result.results:
             t = self._traces.get(r.request_id)
@@ -206,21 +211,39 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 t.cached_tokens, t.miss_reason = req.num_cached_tokens, req.cache_miss_reason
             if isinstance(req.stop_reason, int):
                 ev.stop_token_id = req.stop_reason
-            self.scheduler.pop_finished(req.request_id)
+            done[req.request_id] = self.scheduler.pop_finished(req.request_id)
         for rid, ev in events.items():
+            req = self.scheduler.requests.get(rid) or done.get(rid)
+            ev.prompt_tokens = req.num_prompt_tokens if req is not None else 0
             q = self.streams.get(rid)
             if q is not None:
                 q.put_nowait(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
-    def _admit(self, request: scheduler_pb2.SubmitRequest) -> None:
+    async def _prepare_images(self, request: scheduler_pb2.SubmitRequest) -> tuple[list[int], MultiModalInput | None]:
+        """The prompt ids to queue and, for a request with images, what the worker prepared for them (the features
+        stay on the worker; the scheduler plans with the expanded ids, the spans and the digests)."""
+        ids = list(request.prompt_token_ids)
+        if not request.images:
+            return ids, None
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {self.vocab_size})")
+        if self.dead is not None or self.draining:
+            raise Unavailable("the replica is not serving now")
+        try:
+            return await self.worker.prepare_images(request.request_id, ids, list(request.images))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise Unavailable(f"the worker could not prepare the images ({e.code().name}: {e.details()})") from None
+
+    def _admit(self, request: scheduler_pb2.SubmitRequest, ids: list[int], mm: MultiModalInput | None) -> None:
         if self.dead is not None or self.draining:
             why = f"the replica lost its worker ({self.dead})" if self.dead else "the scheduler is draining"
             raise Unavailable(why)
         # the balancer checked the request against the model (``engine.request.validate_request``); the ids are checked
         # again because an id past the vocabulary would fault the worker's device, whoever sent it
         params = sampling_from_proto(request.sampling)
-        ids = list(request.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {len(bad)} ids outside the vocabulary [0, {self.vocab_size})")
@@ -237,15 +260,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         out = list(request.output_token_ids)
         if any(not 0 <= t < self.vocab_size for t in out):
             raise ValueError(f"output_token_ids: ids outside the vocabulary [0, {self.vocab_size})")
-        self.scheduler.add(request.request_id, ids, params, salt, list(request.resume_hints), constraint, out)
+        hints = list(request.resume_hints) if mm is None else []  # hints name positions of the unexpanded prompt
+        self.scheduler.add(request.request_id, ids, params, salt, hints, constraint, out, mm=mm)
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         rid = request.request_id
         try:
-            self._admit(request)
+            if request.images and rid in self.streams:
+                raise ValueError(f"request_id: {rid!r} is already running")
+            ids, mm = await self._prepare_images(request)
         except Exception as e:  # noqa: BLE001
+            self.metrics.outcome("rejected")
+            await context.abort(*status_for(e))
+            return
+        try:
+            self._admit(request, ids, mm)
+        except Exception as e:  # noqa: BLE001
+            if mm is not None:
+                self.worker.drop_images(rid)
             self.metrics.outcome("rejected")
             await context.abort(*status_for(e))
             return
@@ -269,6 +303,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.streams.pop(rid, None)
             self._traces.pop(rid, None)
+            if mm is not None:  # the worker drops the request's image features with the next step
+                self.worker.drop_images(rid)
             trace_.record(rid, len(request.prompt_token_ids), outcome)
             if not done:  # client gone, deadline or server abort: free the pages now
                 self.metrics.outcome("aborted")

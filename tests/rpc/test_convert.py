@@ -160,3 +160,23 @@ def test_constraint_travels_with_the_first_chunk_and_again_after_a_release() -> 
     chunk.constraint.grammar.cache_key = "k"
     with pytest.raises(ValueError, match="constraint.grammar.compiled_json"):
         plan_from_proto(bad, {})
+
+
+def test_image_chunks_carry_a_flag_and_take_the_workers_prepared_images() -> None:
+    """Image features never travel in a step: a chunk that covers an image span is flagged, and the worker gives it
+    the images it prepared for the request (PrepareImages); a flagged chunk without them is refused."""
+    from deepinfer.engine.multimodal import MultiModalInput, content_digest
+
+    p = SamplingParams(max_tokens=4)
+    sched_side = MultiModalInput(((1, 4),), (content_digest(b"png"),), None)
+    worker_side = MultiModalInput(((1, 4),), (content_digest(b"png"),), "features")
+    plan = WorkerStepPlan(
+        1, [ChunkPlan("r", [1, 2, 2], 0, [0], False, p, mm=sched_side), ChunkPlan("s", [7], 0, [1], True, p)]
+    )
+    wire = plan_to_proto(plan, set())
+    assert [c.images for c in wire.chunks] == [True, False]
+    assert b"features" not in wire.SerializeToString()
+    back = plan_from_proto(wire, {}, {"r": worker_side})
+    assert back.chunks[0].mm is worker_side and back.chunks[1].mm is None
+    with pytest.raises(ValueError, match=r"chunks.images: no images were prepared for request 'r'"):
+        plan_from_proto(wire, {}, {})

@@ -369,6 +369,29 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI, model: str) -> No
     assert e.value.status_code == 400 and e.value.param == "temperature"
 
 
+def test_a_model_without_image_input_refuses_images(mesh: Mesh, client: openai.OpenAI, model: str) -> None:
+    """DeepSeek-V4 takes no images: an image_url part is 400 naming it, gRPC image bytes INVALID_ARGUMENT."""
+    url = "data:image/png;base64,iVBORw0KGgo="
+    content = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert "messages[0].content[1].image_url: this model takes no image input" in e.value.body["message"]
+
+    async def generate(req: generation_pb2.GenerateRequest) -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(mesh.address("balancer")) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30)]
+            return err.value
+
+    ids = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[0, 5]), images=[b"\x89PNG"])
+    chat = generation_pb2.GenerateRequest(chat=generation_pb2.ChatInput(messages=[generation_pb2.ChatMessage(
+        role="user", parts=[generation_pb2.ContentPart(image=b"\x89PNG")])]))  # fmt: skip
+    for req, says in ((ids, "images: this model takes no image input"),
+                      (chat, "chat.messages[0].parts[0].image: this model takes no image input")):  # fmt: skip
+        err = asyncio.run(generate(req))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.details(), err.details()
+
+
 def test_metrics_expose_the_counters(mesh: Mesh, client: openai.OpenAI, model: str) -> None:
     client.completions.create(model=model, prompt="Hi", max_tokens=2)
     text = httpx.get(f"{mesh.http_url()}/metrics").text

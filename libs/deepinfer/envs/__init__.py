@@ -110,6 +110,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_TLS_CERT: Path | None
     DEEPINFER_TLS_KEY: Path | None
     DEEPINFER_MAX_REQUEST_BYTES: int
+    DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH: Path | None
     DEEPINFER_MAX_TEMPERATURE: float
     DEEPINFER_DEFAULT_MAX_TOKENS: int
     DEEPINFER_MIGRATION_LIMIT: int

@@ -136,6 +136,10 @@ declare("DEEPINFER_TLS_KEY", "path", _SRV, """
 declare("DEEPINFER_MAX_REQUEST_BYTES", "int", _SRV, """
     Largest HTTP request body the balancer reads; a larger one is refused with 413 before it is parsed.""",
     default=4 * 1024**2, default_doc="`4194304` (4 MiB)", minimum=1024)
+declare("DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH", "path", _SRV, """
+    A directory whose files the balancer may read as images: an `image_url` content part of an OpenAI chat
+    request may then name a local path or `file://` URL inside it. Unset: only `data:` URLs are accepted.
+    Images are never fetched over the network (`http(s)://` URLs are refused with 400).""", must_be_dir=True)
 declare("DEEPINFER_MAX_TEMPERATURE", "float", _SRV, """
     Largest sampling temperature a request may ask for (finite values only); above it the request is
     refused with 400 / INVALID_ARGUMENT.""", default=100.0, minimum=0.0)

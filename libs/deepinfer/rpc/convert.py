@@ -7,6 +7,8 @@ servicer can map them to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.determinism import Determinism
@@ -147,6 +149,7 @@ def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.Ste
         )
         if c.decoder_from is not None:
             chunk.decoder_from = c.decoder_from
+        chunk.images = c.mm is not None  # the features stay on the worker (Worker.PrepareImages)
         if c.constraint is not None:
             chunk.constraint.CopyFrom(constraint_to_proto(c.constraint))
             chunk.constraint_history.extend(c.constraint_history or [])
@@ -157,8 +160,11 @@ def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.Ste
     return msg
 
 
-def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) -> WorkerStepPlan:
-    """Engine form of a step; ``known`` holds the parameters of the requests seen so far."""
+def plan_from_proto(
+    msg: worker_pb2.StepPlan, known: dict[str, SamplingParams], images: Mapping[str, Any] | None = None
+) -> WorkerStepPlan:
+    """Engine form of a step; ``known`` holds the parameters of the requests seen so far, ``images`` the images
+    the worker prepared (``multimodal.MultiModalInput`` by request id), which a chunk flagged ``images`` takes."""
     for rid in msg.released:
         known.pop(rid, None)
     chunks = []
@@ -181,6 +187,7 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
                 constraint=constraint_from_proto(c.constraint) if c.HasField("constraint") else None,
                 constraint_history=list(c.constraint_history) if c.HasField("constraint") else None,
                 decoder_from=c.decoder_from if c.HasField("decoder_from") else None,
+                mm=_prepared(images, c.request_id) if c.images else None,
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
@@ -189,6 +196,13 @@ def plan_from_proto(msg: worker_pb2.StepPlan, known: dict[str, SamplingParams]) 
     return WorkerStepPlan(
         msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots), offloads, fetches
     )
+
+
+def _prepared(images: Mapping[str, Any] | None, request_id: str) -> Any:
+    mm = None if images is None else images.get(request_id)
+    if mm is None:
+        raise ValueError(f"chunks.images: no images were prepared for request {request_id!r} (PrepareImages)")
+    return mm
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:

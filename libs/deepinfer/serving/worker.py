@@ -24,8 +24,10 @@ from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.heap import freeze_heap, thaw_heap
 from deepinfer.engine.interfaces import WorkerStepPlan
+from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
+from deepinfer.image_inputs import MAX_IMAGE_BYTES
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
@@ -68,6 +70,30 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # the runner executes one step at a time
         self._streams = 0  # open Step streams (a model is only replaced while there are none)
+        self.images: dict[str, MultiModalInput] = {}  # prepared images by request id (PrepareImages)
+        self._encoder = None  # the model's image encoder, made on the first image
+
+    async def PrepareImages(  # noqa: N802
+        self, request: worker_pb2.PrepareImagesRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrepareImagesResponse:
+        """Encode a request's images and expand its placeholders; the features stay here for its chunks."""
+        p, rid = self.parts, request.request_id
+        try:
+            if not rid:
+                raise ValueError("request_id: required")
+            if any(len(b) > MAX_IMAGE_BYTES for b in request.images):
+                raise ValueError(f"images: an image is larger than {MAX_IMAGE_BYTES} bytes")
+            async with self._lock:  # the device runs one thing at a time: encode between steps
+                if self._encoder is None:
+                    self._encoder = p.family.image_encoder(p.model)
+                ids, mm = await asyncio.to_thread(
+                    prepare_images, p.family, p.config, self._encoder, list(request.token_ids), list(request.images)
+                )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.images[rid] = mm
+        spans = [x for span in mm.spans for x in span]
+        return worker_pb2.PrepareImagesResponse(token_ids=ids, spans=spans, digests=list(mm.digests))
 
     async def Step(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
@@ -103,7 +129,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 try:
                     if isinstance(msg, BaseException):
                         raise msg
-                    plan = plan_from_proto(msg, known)
+                    plan = plan_from_proto(msg, known, self.images)
+                    for rid in msg.dropped_images:  # the plan's chunks hold what they need
+                        self.images.pop(rid, None)
                     traces.note(plan)
                     if running and self.parts.runner.waits_for_tokens(plan):
                         while running:
@@ -122,6 +150,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 nxt.cancel()
             self._streams -= 1
             self.parts.runner.release(list(known))
+            for rid in known:
+                self.images.pop(rid, None)
         if error is not None:
             code, text = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
@@ -179,6 +209,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     request.num_pages or None,
                     request.page_size or None,
                 )
+                self._encoder, self.images = None, {}
             except (ValueError, ModelUnavailable) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {e}")
             finally:

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareImagesRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrepareImagesResponse(_message.Message):
+    __slots__ = ("token_ids", "spans", "digests")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    spans: _containers.RepeatedScalarFieldContainer[int]
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class LoadModelRequest(_message.Message):
     __slots__ = ("model", "dtype", "num_pages", "page_size", "max_model_len")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -22,7 +42,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots", "offloads", "fetches")
+    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots", "offloads", "fetches", "dropped_images")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +50,7 @@ class StepPlan(_message.Message):
     DROPPED_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
     released: _containers.RepeatedScalarFieldContainer[str]
@@ -37,7 +58,8 @@ class StepPlan(_message.Message):
     dropped_snapshots: _containers.RepeatedScalarFieldContainer[str]
     offloads: _containers.RepeatedCompositeFieldContainer[OffloadOrder]
     fetches: _containers.RepeatedCompositeFieldContainer[FetchOrder]
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ...) -> None: ...
+    dropped_images: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ..., dropped_images: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OffloadOrder(_message.Message):
     __slots__ = ("snapshot_id", "key", "pages", "meta")
@@ -87,7 +109,7 @@ class SnapshotOrder(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ChunkPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history", "decoder_from")
+    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history", "decoder_from", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +129,7 @@ class ChunkPlan(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_HISTORY_FIELD_NUMBER: _ClassVar[int]
     DECODER_FROM_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -119,7 +142,8 @@ class ChunkPlan(_message.Message):
     constraint: _common_pb2.Constraint
     constraint_history: _containers.RepeatedScalarFieldContainer[int]
     decoder_from: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ...) -> None: ...
+    images: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ..., images: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "forward_ms", "fetched")

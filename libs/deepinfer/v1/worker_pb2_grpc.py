@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.PrepareImages = channel.unary_unary(
+                '/deepinfer.v1.Worker/PrepareImages',
+                request_serializer=deepinfer_dot_v1_dot_worker__pb2.PrepareImagesRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_worker__pb2.PrepareImagesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -75,6 +80,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareImages(self, request, context):
+        """Encodes a request's images with the model's vision tower and expands its image placeholders. The features
+        stay on the worker, keyed by request id, until a StepPlan lists the request in dropped_images (or the Step
+        stream that served it ends); the scheduler plans with the expanded ids, spans and digests.
+        INVALID_ARGUMENT: a model without image input, bytes that are no image, a placeholder count that differs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.LoadModel,
                     request_deserializer=deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'PrepareImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareImages,
+                    request_deserializer=deepinfer_dot_v1_dot_worker__pb2.PrepareImagesRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_worker__pb2.PrepareImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class Worker:
             '/deepinfer.v1.Worker/LoadModel',
             deepinfer_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
             deepinfer_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Worker/PrepareImages',
+            deepinfer_dot_v1_dot_worker__pb2.PrepareImagesRequest.SerializeToString,
+            deepinfer_dot_v1_dot_worker__pb2.PrepareImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
