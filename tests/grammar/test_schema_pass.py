@@ -233,6 +233,10 @@ def test_refused_naming_the_keyword(schema: dict, named: str, compiler: Compiler
 def test_rewrites() -> None:
     lengths = normalize_schema({"type": "string", "pattern": "[a-z]*", "minLength": 2, "maxLength": 5})
     assert lengths == {"type": "string", "pattern": "^[a-z]{2,5}$"}
+    long = normalize_schema({"type": "string", "maxLength": 8192})  # lowered: the same strings up to 1024 chars
+    assert long["pattern"].endswith("{0,1024}$") and "maxLength" not in long
+    with pytest.raises(GrammarError, match=r"/minLength: minLength 5000 is above 1024"):
+        normalize_schema({"type": "string", "minLength": 5000})
     assert normalize_schema({"type": "string", "enum": ["a", "bcd"], "maxLength": 2}) == {"enum": ["a"]}
     recursive = normalize_schema(
         {"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}

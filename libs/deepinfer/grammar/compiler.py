@@ -43,7 +43,7 @@ __all__ = ["Compiler", "clean_message", "compile_options", "named_control_tokens
 _CPP_LOCATION = re.compile(r"(?:\[\d\d:\d\d:\d\d\] )?(?:/[^\s:]+/)?[\w.+-]+\.(?:cc|cpp|cxx|h|hpp)(?::\d+)?: ?")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ?")
 _MAX_MESSAGE = 600
-SCHEMA_PASS_VERSION = 2  # bump when the schema pass rewrites differently: cached grammars must not be reused
+SCHEMA_PASS_VERSION = 3  # bump when the schema pass rewrites differently: cached grammars must not be reused
 
 
 @functools.cache
