@@ -4,8 +4,8 @@ It caps its own private memory (``RLIMIT_DATA`` = ``memory_bytes``) before loadi
 :class:`~deepinfer.grammar.compiler.Compiler` (no cache: the pool caches), then talks line-delimited JSON on
 stdin/stdout — never pickle:
 
-* ``--config``: ``{"model_dir": str | null, "memory_bytes": int, "json_whitespace": int, "limits": {...},
-  "parent_pid": int}``;
+* ``--config``: ``{"model_dir": str | null, "memory_bytes": int, "json_whitespace": int, "json_indent": int,
+  "limits": {...}, "parent_pid": int}``;
 * first line out, once ready: ``{"ready": true, "pid": int, "tokenizer_fingerprint": str}``;
 * per line in ``{"id": int, "kind": str, "text": str}``, one line out: ``{"id", "ok": true, "compiled_json",
   "cache_key", "allowed_control_token_ids", "compile_ms"}`` or ``{"id", "ok": false, "error", "outcome",
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     compiler = Compiler(
         config.get("model_dir"), cache_bytes=0, limits=Limits(**config.get("limits", {})),
-        json_whitespace=int(config.get("json_whitespace", 0)),
+        json_whitespace=int(config.get("json_whitespace", 0)), json_indent=int(config.get("json_indent", 0)),
     )  # fmt: skip
     compiler._compiler()  # load xgrammar and the tokenizer info now, before saying ready
     out.write(json.dumps({"ready": True, "pid": os.getpid(), "tokenizer_fingerprint": compiler.tokenizer_fingerprint})

@@ -62,6 +62,7 @@ class _Config:
     json_whitespace: int
     limits: dict = field(default_factory=dict)
     parent_pid: int = 0
+    json_indent: int = 0
 
 
 class CompilerPool:
@@ -82,6 +83,7 @@ class CompilerPool:
         json_whitespace: int | None = None,
         start_timeout_s: float = 120.0,
         on_restart: Callable[[str], None] | None = None,
+        json_indent: int | None = None,
     ) -> None:
         self.model_dir = str(model_dir) if model_dir is not None else None
         self.workers = envs.DEEPINFER_GRAMMAR_WORKERS if workers is None else int(workers)
@@ -89,8 +91,9 @@ class CompilerPool:
         self.limits = limits if limits is not None else Limits.from_env()
         ws = envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE if json_whitespace is None else int(json_whitespace)
         memory = envs.DEEPINFER_GRAMMAR_MEMORY_BYTES if memory_bytes is None else int(memory_bytes)
-        self._config = _Config(self.model_dir, memory, ws, asdict(self.limits), os.getpid())
-        self.options = compile_options(ws)
+        indent = envs.DEEPINFER_GRAMMAR_JSON_INDENT if json_indent is None else int(json_indent)
+        self._config = _Config(self.model_dir, memory, ws, asdict(self.limits), os.getpid(), indent)
+        self.options = compile_options(ws, indent)
         self.cache = GrammarCache(envs.DEEPINFER_GRAMMAR_CACHE_BYTES if cache_bytes is None else cache_bytes)
         self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
         self.start_timeout_s = start_timeout_s

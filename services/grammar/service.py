@@ -45,6 +45,7 @@ class GrammarConfig:
     memory_bytes: int = 2 * 1024**3
     cache_bytes: int = 512 * 1024**2
     json_whitespace: int = 0
+    json_indent: int = 0
     limits: Limits = Limits()
 
     @classmethod
@@ -56,6 +57,7 @@ class GrammarConfig:
             memory_bytes=envs.DEEPINFER_GRAMMAR_MEMORY_BYTES,
             cache_bytes=envs.DEEPINFER_GRAMMAR_CACHE_BYTES,
             json_whitespace=envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE,
+            json_indent=envs.DEEPINFER_GRAMMAR_JSON_INDENT,
             limits=Limits.from_env(),
         )
 
@@ -63,6 +65,7 @@ class GrammarConfig:
         return CompilerPool(
             self.model_dir, workers=self.workers, timeout_s=self.timeout_s, memory_bytes=self.memory_bytes,
             cache_bytes=self.cache_bytes, limits=self.limits, json_whitespace=self.json_whitespace,
+            json_indent=self.json_indent,
         )  # fmt: skip
 
 
@@ -143,7 +146,8 @@ async def run_grammar(
     me = instance_id("grammar")
     log.info("grammar_config", instance=me, model_dir=str(config.model_dir) if config.model_dir else None,
              tokenizer_fingerprint=pool.tokenizer_fingerprint, workers=config.workers, timeout_s=config.timeout_s,
-             json_whitespace=config.json_whitespace, limits=vars(config.limits))  # fmt: skip
+             json_whitespace=config.json_whitespace, json_indent=config.json_indent,
+             limits=vars(config.limits))  # fmt: skip
     await pool.start()  # SERVING only once compile processes are ready
     capacity = {"workers": config.workers, "timeout_s": config.timeout_s,
                 "tokenizer_fingerprint": pool.tokenizer_fingerprint}  # fmt: skip

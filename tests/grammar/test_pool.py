@@ -27,3 +27,27 @@ def test_a_pool_whose_processes_cannot_start_is_unavailable() -> None:
             await pool.compile(GrammarSpec("regex", "a"))
 
     asyncio.run(scenario())
+
+
+def test_the_pools_processes_compile_with_the_json_indent() -> None:
+    """DEEPINFER_GRAMMAR_JSON_INDENT reaches the compile processes (their config), and the cache key says so."""
+    import json
+
+    import xgrammar
+
+    from deepinfer.grammar import build_tokenizer_info
+
+    async def scenario() -> str:
+        pool = CompilerPool(workers=1, json_indent=2)
+        try:
+            assert "json_indent=2" in pool.options
+            grammar, _ = await pool.compile(
+                GrammarSpec("json_schema", '{"type":"object","properties":{"a":{"enum":[1]}}}')
+            )
+            return grammar.compiled_json
+        finally:
+            await pool.close()
+
+    compiled = xgrammar.CompiledGrammar.deserialize_json(asyncio.run(scenario()), build_tokenizer_info())
+    assert xgrammar.GrammarMatcher(compiled).accept_string(json.dumps({"a": 1}, indent=2))
+    assert not xgrammar.GrammarMatcher(compiled).accept_string(json.dumps({"a": 1}))

@@ -304,3 +304,17 @@ def test_optional_groups_are_written_so_xgrammar_enforces_them(compiler: Compile
     grammar = xgrammar.CompiledGrammar.deserialize_json(compiled.compiled_json, info)
     for text, ok in (('"6K"', False), ('"Z12K"', True), ('"K"', True), ('"ZK"', True)):
         assert xgrammar.GrammarMatcher(grammar).accept_string(text) is ok, text
+
+
+def test_indented_json_is_laid_out_as_json_dumps_indent(info) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {
+        "type": "string", "maxLength": 3}}}, "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    value = {"a": 1, "b": ["x", "yz"]}
+    indented = Compiler(json_indent=2, cache_bytes=0)
+    assert indented.options != Compiler(cache_bytes=0).options  # a cached compact grammar is never reused
+    compiled = indented.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    grammar = xgrammar.CompiledGrammar.deserialize_json(compiled.compiled_json, info)
+    compact = json.dumps(value, separators=(",", ":"))
+    cases = [(json.dumps(value, indent=2), True), (json.dumps(value), False), (json.dumps(value, indent=4), False)]
+    for text, ok in [*cases, (compact, False)]:
+        assert xgrammar.GrammarMatcher(grammar).accept_string(text) is ok, text

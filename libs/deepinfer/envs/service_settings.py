@@ -78,6 +78,11 @@ declare("DEEPINFER_GRAMMAR_JSON_WHITESPACE", "int", _GR, """
     (separators `,` and `:`). N > 0: at most N whitespace characters in a row wherever JSON allows them
     (structural tags' JSON schemas get at most max(N, 1), xgrammar having no compact mode there). Never
     unbounded, so a schema whose language is finite always terminates.""", default=0, minimum=0, maximum=1024)
+declare("DEEPINFER_GRAMMAR_JSON_INDENT", "int", _GR, """
+    Indented JSON: N > 0 lays grammar-constrained JSON (`json_schema`, `json_object`) out exactly as
+    `json.dumps(value, indent=N)` does — a newline and N spaces per nesting level, `", "` never, `": "` after
+    keys — in place of `DEEPINFER_GRAMMAR_JSON_WHITESPACE`'s layout. 0: off. Read where grammars compile
+    (the grammar service and the offline engine).""", default=0, minimum=0, maximum=16)
 _SRV = "Serving: liveness, admission and security"
 declare("DEEPINFER_GRPC_KEEPALIVE_S", "float", _SRV, """
     Interval of the HTTP/2 keepalive pings every gRPC channel of the mesh sends, idle or not. Every gRPC

@@ -51,9 +51,20 @@ def _xgrammar_version() -> str:
     return importlib.metadata.version("xgrammar")
 
 
-def compile_options(json_whitespace: int) -> str:
+def compile_options(json_whitespace: int, json_indent: int = 0) -> str:
     """The compile settings that change a grammar for the same text (part of the cache key)."""
-    return f"xgrammar={_xgrammar_version()};json_whitespace={json_whitespace};schema_pass={SCHEMA_PASS_VERSION}"
+    layout = f"json_whitespace={json_whitespace}" + (f";json_indent={json_indent}" if json_indent else "")
+    return f"xgrammar={_xgrammar_version()};{layout};schema_pass={SCHEMA_PASS_VERSION}"
+
+
+def json_layout(json_whitespace: int, json_indent: int) -> dict[str, Any]:
+    """xgrammar's JSON options: indented as ``json.dumps(indent=N)``, else compact, else at most N whitespace
+    characters in a row."""
+    if json_indent:
+        return {"any_whitespace": False, "indent": json_indent, "separators": (",", ": ")}
+    if json_whitespace == 0:
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True, "max_whitespace_cnt": json_whitespace}
 
 
 def clean_message(message: str) -> str:
@@ -102,12 +113,14 @@ class Compiler:
         limits: Limits | None = None,
         json_whitespace: int | None = None,
         max_threads: int = 1,
+        json_indent: int | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.limits = limits if limits is not None else Limits.from_env()
         ws = envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE if json_whitespace is None else int(json_whitespace)
         self.json_whitespace = ws
-        self.options = compile_options(ws)
+        self.json_indent = envs.DEEPINFER_GRAMMAR_JSON_INDENT if json_indent is None else int(json_indent)
+        self.options = compile_options(ws, self.json_indent)
         self.cache = GrammarCache(envs.DEEPINFER_GRAMMAR_CACHE_BYTES if cache_bytes is None else cache_bytes)
         self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
         self.max_threads = max_threads
@@ -155,10 +168,7 @@ class Compiler:
 
     def _xgrammar_compile(self, spec: GrammarSpec, found: Inspection) -> str:
         compiler, kind, ws = self._compiler(), spec.kind, self.json_whitespace
-        json_options: dict[str, Any] = (
-            {"any_whitespace": False, "separators": (",", ":")} if ws == 0
-            else {"any_whitespace": True, "max_whitespace_cnt": ws}
-        )  # fmt: skip
+        json_options = json_layout(ws, self.json_indent)
         try:
             if kind == "regex":
                 grammar = compiler.compile_regex(spec.text)
