@@ -18,8 +18,11 @@ from urllib.parse import unquote, urlparse
 MAX_IMAGE_BYTES = 64 << 20  # an encoded image larger than this is refused
 
 
-def image_bytes(source: Any, where: str, local_root: Path | None = None) -> bytes:
-    """The encoded bytes of one image ``source``; ValueError naming ``where`` when it cannot be used."""
+def image_bytes(
+    source: Any, where: str, local_root: Path | None = None, allow_with: str = "LLM(allowed_local_media_path=...)"
+) -> bytes:
+    """The encoded bytes of one image ``source``; ValueError naming ``where`` when it cannot be used (``allow_with``:
+    what lets local files be read, named in the refusal of one)."""
     if isinstance(source, bytes | bytearray | memoryview):
         data = bytes(source)
     elif _is_pil(source):
@@ -27,7 +30,7 @@ def image_bytes(source: Any, where: str, local_root: Path | None = None) -> byte
         source.save(buf, format="PNG")
         data = buf.getvalue()
     elif isinstance(source, str | Path):
-        data = _from_reference(str(source), where, local_root)
+        data = _from_reference(str(source), where, local_root, allow_with)
     else:
         raise ValueError(
             f"{where}: an image must be bytes, a PIL image, a data: URL or a local path, got {type(source).__name__}"
@@ -47,7 +50,7 @@ def _is_pil(x: Any) -> bool:
     return isinstance(x, Image.Image)
 
 
-def _from_reference(ref: str, where: str, local_root: Path | None) -> bytes:
+def _from_reference(ref: str, where: str, local_root: Path | None, allow_with: str) -> bytes:
     scheme = urlparse(ref).scheme.lower() if "://" in ref or ref.startswith("data:") else ""
     if scheme == "data":
         head, sep, payload = ref.partition(",")
@@ -62,7 +65,7 @@ def _from_reference(ref: str, where: str, local_root: Path | None) -> bytes:
     if scheme not in ("", "file"):
         raise ValueError(f"{where}: unsupported image URL scheme {scheme!r} (use a data: URL)")
     if local_root is None:
-        raise ValueError(f"{where}: local image files are not allowed (set LLM(allowed_local_media_path=...))")
+        raise ValueError(f"{where}: local image files are not allowed (set {allow_with})")
     path = Path(unquote(urlparse(ref).path) if scheme == "file" else ref).resolve()
     root = local_root.resolve()
     if not path.is_relative_to(root):

@@ -244,14 +244,8 @@ def _image_parts(content: list, where: str, placeholder: str | None) -> list[gen
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
             raise ValueError(f"{where}[{k}].image_url: expected {{'url': str}}")
-        local = envs.DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH
-        try:
-            data = image_bytes(url, f"{where}[{k}].image_url", local)
-        except ValueError as e:
-            if local is None and "local image files" in str(e):
-                raise ValueError(f"{where}[{k}].image_url: local image files are not allowed on this server "
-                                 "(DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH is unset)") from None  # fmt: skip
-            raise
+        local, setting = envs.DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH, "DEEPINFER_ALLOWED_LOCAL_MEDIA_PATH on the balancer"
+        data = image_bytes(url, f"{where}[{k}].image_url", local, setting)
         parts.append(generation_pb2.ContentPart(image=data))
     return parts
 
