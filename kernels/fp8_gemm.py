@@ -247,7 +247,7 @@ def fp8_linear(
             xq = (q.float().unflatten(-1, (-1, ACT_BLOCK)) * s[..., None]).flatten(-2)
         return (xq @ dequantize_fp8_blocks(w, scale, torch.float32, block).t()).to(dt).view(*lead, n)
     sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-    cfg = config or pick_config(m, n, k, block, act_quant, sms)
+    cfg = config or pick_config(m, n, k, block, act_quant, sms, x2.element_size())
     check_config(cfg, m, block, act_quant, dt)
     w = w.contiguous()
     y = torch.empty((m, n), dtype=dt, device=x.device)
@@ -341,7 +341,7 @@ def fp8_grouped_linear(
     cfg = None
     if x.is_cuda or interpreted():
         sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-        cfg = config or pick_config(t, n, k, block, False, sms)
+        cfg = config or pick_config(t, n, k, block, False, sms, x.element_size())
         check_config(cfg, t, block, False, x.dtype)
     if cfg is None or cfg.path not in ("gemv", "w8a16") or r % cfg.block_n:
         if cfg is None:

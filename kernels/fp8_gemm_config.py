@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from deepinfer.kernels.shared_memory import fit_stages
+
 ACT_BLOCK = 128
 W8A8_MIN_M = 256  # from this many rows (act_quant, 128-wide K blocks): FP8 tensor cores (H200: 1.4x W8A16 at 256)
 SCALED_MM_MIN_M = 1024  # from this many rows on the W8A8 path: torch._scaled_mm (H200: 1.3-1.6x the Triton W8A8)
@@ -48,9 +50,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132) -> GemmConfig:
+def pick_config(
+    m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132, elem_bytes: int = 2
+) -> GemmConfig:
     """The tiles for ``[m, k] × [n, k]ᵀ`` from the shapes only (the same choice inside and outside a CUDA graph);
-    measured on an H200 at V4-Flash's shapes (``bench/kernels/gemm_fp8.py --tune``)."""
+    measured on an H200 at V4-Flash's shapes (``bench/kernels/gemm_fp8.py --tune``). ``elem_bytes``: of the
+    activations (fp32 ones take fewer w8a16 stages: the tiles are sized for bf16)."""
     w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
     if interpreted():
         cfg = GemmConfig(16, 32, 128, num_stages=1, path="w8a8" if w8a8 else "gemv" if m == 1 else "w8a16")
@@ -81,7 +86,8 @@ def pick_config(m: int, n: int, k: int, block: tuple[int, int], act_quant: bool,
     ):
         split *= 2  # fill the SMs, keeping several K steps per chunk
     warps = 4 if bm * bn < 64 * 128 else 8
-    return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=3, fuse_quant=bm <= 16)
+    stages = fit_stages(3, (bm * elem_bytes + bn) * 128)  # an activation tile and an FP8 weight tile a stage
+    return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=stages, fuse_quant=bm <= 16)
 
 
 def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bool, dt: torch.dtype) -> None:

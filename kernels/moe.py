@@ -24,7 +24,7 @@ slot order (the reference adds them in expert-id order: results agree to fp32 ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,6 +35,7 @@ from deepinfer.kernels.fp8_gemm_config import interpreted
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_slots import moe_layout
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.shared_memory import fit_stages
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,10 +61,18 @@ MOE_LARGE = MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stag
 MOE_INTERPRET = MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
-def pick_config(slots: int, experts: int, interpret: bool = False) -> MoEConfig:
+def stage_bytes(cfg: MoEConfig, elem_bytes: int) -> int:
+    """Shared memory of one pipeline stage of the gate/up kernel (the larger of the two): an ``x`` tile and the
+    ``w1`` and ``w3`` tiles."""
+    return (cfg.block_m * cfg.block_k + 2 * cfg.block_n * cfg.block_k) * elem_bytes
+
+
+def pick_config(slots: int, experts: int, interpret: bool = False, elem_bytes: int = 2) -> MoEConfig:
     if interpret:
         return MOE_INTERPRET
-    return MOE_SMALL if slots <= 6 * experts else MOE_LARGE  # the crossing measured on an H200 (T=256 vs 1024)
+    cfg = MOE_SMALL if slots <= 6 * experts else MOE_LARGE  # the crossing measured on an H200 (T=256 vs 1024)
+    stages = fit_stages(cfg.num_stages, stage_bytes(cfg, elem_bytes))  # fp32 operands: fewer stages
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 @triton.jit
@@ -303,7 +312,7 @@ def moe_triton(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    cfg = config or pick_config(tk, e, interpreted())
+    cfg = config or pick_config(tk, e, interpreted(), max(x.element_size(), w1.element_size()))
     slots, bexp = padded_slots(idx, e, cfg.block_m)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()

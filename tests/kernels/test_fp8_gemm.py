@@ -7,6 +7,7 @@ DeepSeek-V4-Flash's dense shapes on both paths and bit-reproducibility of split-
 
 import functools
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from deepinfer.kernels.fp8_gemm import (  # noqa: E402
     fp8_linear,
     pick_config,
 )
+from deepinfer.kernels.shared_memory import SHARED_MEMORY  # noqa: E402
 from deepinfer.quant.formats import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -94,6 +96,20 @@ def test_w8a16_matches_reference_fp32(m, n, k, block, act_quant, variant):
     picked = cfg or pick_config(m, n, k, (block, block), act_quant)
     # "auto" with act_quant from 16 rows is the FP8 MMA (swap_ab W8A8): its tolerance on a GPU (see the W8A8 test)
     assert _rel(out, ref) < (1e-3 if picked.path == "w8a8" and DEVICE == "cuda" else 1e-5)
+
+
+def test_fp32_activations_take_the_stages_that_fit(monkeypatch):
+    """The w8a16 tiles are sized for bf16 activations; fp32 ones at 128 rows a tile take two stages instead of three
+    (three need 240 KiB of shared memory, past the H200's 227 KiB: the launch failed), bf16 ones keep three."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for m in (100, 256, 500):
+        bf16 = pick_config(m, 1024, 4096, (128, 128), False)
+        fp32 = pick_config(m, 1024, 4096, (128, 128), False, 132, 4)
+        assert (bf16.path, bf16.block_m, bf16.num_stages) == ("w8a16", 128, 3)
+        assert replace(fp32, num_stages=3) == bf16 and fp32.num_stages == 2
+        assert fp32.num_stages * (fp32.block_m * 4 + fp32.block_n) * fp32.block_k <= SHARED_MEMORY
+    small = pick_config(48, 1024, 4096, (128, 128), False, 132, 4)
+    assert small.block_m == 64 and small.num_stages == 3  # 144 KiB fit
 
 
 def test_split_k_and_leading_dims():

@@ -18,8 +18,11 @@ from deepinfer.kernels.moe import (  # noqa: E402
     MOE_SMALL,
     moe_grouped_mm,
     moe_triton,
+    pick_config,
+    stage_bytes,
 )
 from deepinfer.kernels.moe_slots import moe_layout, padded_blocks  # noqa: E402
+from deepinfer.kernels.shared_memory import SHARED_MEMORY, fit_stages  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -113,6 +116,27 @@ def test_gpu_bf16_real_shapes(t):
         moe_triton(x, idx, w, w1, w2, w3, 10.0, config=MOE_LARGE),
     ):
         assert _rel(out, ref) < 1e-2
+
+
+def test_fp32_tiles_fit_the_shared_memory():
+    """The tiles are sized for bf16; fp32 operands take fewer pipeline stages so that a block's shared memory fits
+    (the large tiles' three fp32 stages need 240 KiB, past the H200's 227 KiB)."""
+    for slots in (6, 64 * 6, 4096 * 6):
+        bf16, fp32 = pick_config(slots, 64), pick_config(slots, 64, elem_bytes=4)
+        assert bf16 in (MOE_SMALL, MOE_LARGE) and fp32.num_stages < bf16.num_stages
+        assert fp32.num_stages * stage_bytes(fp32, 4) <= SHARED_MEMORY
+        assert (fp32.block_m, fp32.block_n, fp32.block_k) == (bf16.block_m, bf16.block_n, bf16.block_k)
+    assert MOE_LARGE.num_stages * stage_bytes(MOE_LARGE, 4) > SHARED_MEMORY
+    assert pick_config(10**6, 64) is MOE_LARGE and fit_stages(3, 10**6) == 1 and fit_stages(4, 1000, limit=2500) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("t", [2, 256])
+def test_gpu_fp32_tiles_launch(t):
+    """fp32 experts at both tile sizes: the launch fits the shared memory and matches the reference."""
+    x, idx, w, w1, w2, w3 = _problem(t, 8, 64, 128, 6, seed=t, dtype=torch.float32)
+    ref = ReferenceOps().moe(x, idx, w, w1, w2, w3, 10.0)
+    assert _rel(moe_triton(x, idx, w, w1, w2, w3, 10.0), ref) < 1e-5
 
 
 @gpu_only

@@ -144,13 +144,18 @@ class SegmentGraphs:
                 side.synchronize()
                 if self.pool is None:
                     self.pool = platform.graph_pool()
+                rng = platform.rng_snapshot(device)
                 for j, seg in enumerate(segs):
                     g = platform.graph()
                     g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
                         seg()
                     finally:
-                        g.capture_end()
+                        try:
+                            g.capture_end()
+                        except Exception:
+                            platform.rng_restore(rng)  # the generators are left marked as capturing
+                            raise
                     bk.graphs.append(g)
                     self._after(bk, j, captured=True)
             platform.current_stream(device).wait_stream(side)

@@ -83,6 +83,14 @@ class Platform:
         """A memory pool several graphs can share."""
         raise NotImplementedError(f"the {self.name} platform has no graphs")
 
+    def rng_snapshot(self, device: torch.device) -> Any:
+        """What :meth:`rng_restore` needs to undo a failed capture's mark on the device's default random generator
+        (the host's: nothing)."""
+        return None
+
+    def rng_restore(self, snapshot: Any) -> None:
+        """Put back the default random generator taken by :meth:`rng_snapshot` before a capture that failed."""
+
 
 HOST = Platform()
 ACCELERATORS = ("nvidia", "ascend", "cpu")

@@ -51,6 +51,18 @@ class CudaPlatform(Platform):
     def graph_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
+    def rng_snapshot(self, device: torch.device) -> list[tuple[torch.Generator, torch.Generator]]:
+        """Clones of the default generators a capture registers (the current device's and ``device``'s). A capture
+        whose ``capture_end`` raises never runs the generators' epilogue: they stay marked as capturing, and every
+        later random op on the device (sampling of unseeded requests) fails with "Offset increment outside graph
+        capture encountered unexpectedly"."""
+        indices = {torch.cuda.current_device(), self.indexed(device).index}
+        return [(g, g.clone_state()) for g in (torch.cuda.default_generators[i] for i in sorted(indices))]
+
+    def rng_restore(self, snapshot: list[tuple[torch.Generator, torch.Generator]]) -> None:
+        for generator, saved in snapshot:
+            generator.graphsafe_set_state(saved)
+
 
 PLATFORM = CudaPlatform()
 
