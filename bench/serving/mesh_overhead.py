@@ -1,14 +1,24 @@
-"""What the service mesh costs: the same workload through the offline API and through the mesh.
+"""What the service mesh costs: the same requests through the in-process engine and through `deepinfer up`'s mesh.
 
-    PYTHONPATH=libs:. python bench/serving/mesh_overhead.py [--requests 16] [--max-tokens 32] [--concurrency 8]
-    PYTHONPATH=libs:. python bench/serving/mesh_overhead.py --tiny --device cpu   # smoke mode
+    PYTHONPATH=libs:. python bench/serving/mesh_overhead.py --out bench/results/serving      # one GPU (≈ 10 min)
+    PYTHONPATH=libs:. python bench/serving/mesh_overhead.py --tiny --device cpu              # smoke mode
 
-Starts ``deepinfer up``'s mesh on loopback (``deepinfer.launcher.Mesh``: NATS, the kvstore, the grammar service, a
-worker on the cpu backend, a scheduler and the balancer, each its own process), runs greedy requests over gRPC
-``Generate`` (streaming) and the same requests with ``LLM.generate`` in this process, and prints throughput of both,
-their ratio, and the inter-token latency seen by the client (p50 / p99) against the offline engine's step time. The
-peer here is the offline engine itself: the mesh adds two gRPC hops, protobuf and detokenization per token. Roofline:
-the mesh cannot be faster than the offline engine running the same batches (ratio 1.0).
+On a GPU the model is a random checkpoint of V4-Flash's width in the official format (``--layers`` layers, FP8 /
+MXFP4 as stored; ``checkpoint.synthetic``), on the CPU the tiny model. For each concurrency ``c`` (``--concurrency``)
+``c`` requests of ``--prompt-len`` random prompt tokens and ``--max-tokens`` greedy output tokens (``ignore_eos``)
+start together:
+
+* **peer, the in-process engine** (``LLM``'s engine stepped in this process, async scheduling as served): wall time,
+  output tokens/s, and its step times (a step gives each running request its next token: the TPOT the mesh can at
+  best reach);
+* **ours, the mesh** (``deepinfer.launcher.Mesh``: NATS, kvstore, grammar service, the worker on the same backend,
+  its scheduler, the balancer, each its own process; the scheduler reaches its worker through a Unix socket) through
+  each of ``--protocols`` (gRPC ``Generate`` and OpenAI HTTP completions, streamed; the load generator of
+  ``deepinfer bench serve``): output tokens/s, TPOT and ITL percentiles, and stalls (gaps between tokens more than
+  1 ms above the request's median gap).
+
+The roofline is the peer: the mesh cannot beat the engine running the same batches (ratio 1.0). The two paths
+alternate per concurrency so that a noisy minute hits both.
 """
 
 from __future__ import annotations
@@ -20,133 +30,168 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-
-import grpc
-import torch
+from typing import Any
 
 from bench.harness import ROOT, command_line, git_commit, pct, write_json
 from deepinfer import LLM, SamplingParams
-from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.launcher import Mesh
-from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from deepinfer.loadgen import runner, workload
+from deepinfer.loadgen.grpc_client import GrpcClient
+from deepinfer.loadgen.http_client import OpenAIClient
+from deepinfer.loadgen.metrics import summarize
+from deepinfer.serving.healthcheck import free_port
+
+PAGE_SIZE = 64
 
 
-def prompts(n: int) -> list[list[int]]:
-    return [[0] + [1000 + 37 * i + k for k in range(12 + i % 5)] for i in range(n)]
+def make_model(tmp: Path, device: str, layers: int) -> Path:
+    if device == "cpu":
+        from deepinfer.checkpoint.tiny import make_tiny_model
+
+        return make_tiny_model(tmp / "model", seed=0)
+    from deepinfer.checkpoint.synthetic import flash_config, write_random_checkpoint
+
+    return write_random_checkpoint(tmp / "model", flash_config(layers), seed=0)
 
 
-async def through_mesh(
-    address: str, ps: list[list[int]], max_tokens: int, concurrency: int
-) -> tuple[float, list[float]]:
-    gaps: list[float] = []
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(stub: generation_pb2_grpc.GenerationStub, p: list[int]) -> None:
-        req = generation_pb2.GenerateRequest(
-            token_ids=generation_pb2.TokenIds(ids=p),
-            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-        )
-        async with sem:
-            last = None
-            async for msg in stub.Generate(req, timeout=600):
-                now = time.perf_counter()
-                if last is not None and msg.token_ids:
-                    gaps.extend([(now - last) / len(msg.token_ids)] * len(msg.token_ids))
-                last = now
-
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        await asyncio.gather(*[one(stub, p) for p in ps[:2]])  # warm-up
-        t0 = time.perf_counter()
-        gaps.clear()
-        await asyncio.gather(*[one(stub, p) for p in ps])
-        return time.perf_counter() - t0, gaps
+def sessions(c: int, args: argparse.Namespace, seed: int) -> list[workload.Session]:
+    """``c`` prompts of random ids (no two share a prefix: no prefix-cache hit on either path)."""
+    return workload.build(c, args.prompt_len, args.max_tokens, token_range=(1000, 100_000), seed=seed)
 
 
-def offline(llm: LLM, ps: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
-    """All requests at once (the engine batches them continuously, as the mesh's scheduler does); returns the
-    wall time and every step's duration (a step gives each running request its next token)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in ps[:2]], params)  # warm-up
-    engine, steps = llm.engine, []
-    for p in ps:
-        engine.add_request(engine.new_request_id(), p, params)
-    t0 = time.perf_counter()
+def offline(llm: LLM, ss: list[workload.Session]) -> dict[str, float]:
+    """All requests added at once, the engine stepped until they finish: wall time, tokens/s, step times."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=ss[0].turns[0].output_len, ignore_eos=True)
+    for s in ss:
+        engine.add_request(engine.new_request_id(), s.turns[0].prompt_ids, params)
+    steps, t0 = [], time.perf_counter()
     while engine.has_unfinished_requests():
         s0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - s0)
-    return time.perf_counter() - t0, steps
+    wall = time.perf_counter() - t0
+    decode = steps[len(steps) // 4 :]  # past the prefills: the steady decode steps
+    tokens = sum(s.turns[0].output_len for s in ss)
+    return {"wall_s": wall, "output_throughput": tokens / wall, "step_p50_ms": statistics.median(decode) * 1e3,
+            "step_p99_ms": pct(decode, 0.99) * 1e3}  # fmt: skip
+
+
+def stalls(outcomes: list[Any], above_ms: float = 1.0) -> int:
+    """Gaps between tokens more than ``above_ms`` over their request's median gap."""
+    n = 0
+    for o in outcomes:
+        if len(o.itl) > 2:
+            med = statistics.median(o.itl)
+            n += sum(gap - med > above_ms / 1e3 for gap in o.itl)
+    return n
+
+
+async def through_mesh(mesh: Mesh, protocol: str, ss: list[workload.Session], model: str) -> dict[str, Any]:
+    if protocol == "grpc":
+        client: Any = GrpcClient(mesh.endpoints["grpc"], model, chat=False)
+    else:
+        client = OpenAIClient(mesh.endpoints["http"], model, chat=False)
+    enter = getattr(client, "__aenter__", None)
+    if enter is not None:
+        await enter()
+    try:
+        outcomes, duration = await runner.run(client, ss, max_concurrency=len(ss), params={"temperature": 0})
+    finally:
+        if enter is not None:
+            await client.__aexit__(None, None, None)
+    summary = summarize(outcomes, duration)
+    keep = ("completed", "failed", "output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+            "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms", "errors")  # fmt: skip
+    return {k: summary[k] for k in keep if k in summary} | {"stalls_over_1ms": stalls(outcomes)}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    ap.add_argument("--tiny", action="store_true", help="smoke mode: concurrency 1 and 2, 16-token prompts, 4 tokens")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the V4-Flash-width model (GPU)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated")
+    ap.add_argument("--protocols", default="grpc,http", help="grpc and/or http")
+    ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
+    args = ap.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        args.prompt_len, args.max_tokens, args.concurrency = 16, 4, "1,2"
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.protocol_list = [p for p in args.protocols.split(",") if p]
+    if not set(args.protocol_list) <= {"grpc", "http"}:
+        ap.error(f"--protocols: grpc and/or http, got {args.protocols!r}")
+    return args
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    print(f"workload: c requests x {args.prompt_len} prompt tokens, {args.max_tokens} greedy output tokens, "
+          f"all started together; {args.device}")  # fmt: skip
+    print("| c | path | tokens/s | × peer | TPOT p50 ms | ITL p99 ms | TTFT p50 ms | stalls > 1 ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        off = r["offline"]
+        print(f"| {r['c']} | in-process engine (peer) | {off['output_throughput']:.0f} | 1.00 | "
+              f"{off['step_p50_ms']:.2f} | {off['step_p99_ms']:.2f} | — | — |")  # fmt: skip
+        for proto in args.protocol_list:
+            m = r[proto]
+            ratio = m["output_throughput"] / off["output_throughput"]
+            lat = f"{m.get('median_tpot_ms', 0):.2f} | {m.get('p99_itl_ms', 0):.2f} | {m.get('median_ttft_ms', 0):.1f}"
+            print(f"| {r['c']} | mesh, {proto} | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
+                  f"{m['stalls_over_1ms']} |")  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true", help="smoke mode: 4 requests x 4 tokens, one run")
-    ap.add_argument("--device", choices=["cpu"], default="cpu", help="only cpu: the mesh's worker on the cpu backend")
-    ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-cpu.json")
-    args = ap.parse_args()
-    if args.tiny:
-        args.requests, args.max_tokens, args.concurrency, args.repeats = 4, 4, 2, 1
+    args = parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mesh-overhead-"))
-    model = make_tiny_model(tmp / "model", seed=0)
-    ps = prompts(args.requests)
-    n_tokens = args.requests * args.max_tokens
+    t0 = time.perf_counter()
+    model = make_model(tmp, args.device, args.layers)
+    print(f"[{time.perf_counter() - t0:.0f} s] checkpoint written: {model}", flush=True)
+    accelerator = "cpu" if args.device == "cpu" else "nvidia"
+    tokens = args.prompt_len + args.max_tokens
+    pages = max(args.levels) * -(-tokens // PAGE_SIZE) + 64
+    settings = {"DEEPINFER_PAGE_SIZE": str(PAGE_SIZE), "DEEPINFER_NUM_PAGES": str(pages),
+                "DEEPINFER_MAX_NUM_SEQS": str(max(args.levels))}  # fmt: skip
+    os.environ.update(settings)  # the in-process engine reads the same settings as the mesh's services
+    os.environ["DEEPINFER_KVSTORE_DIR"] = str(tmp / "kvstore")
+    dtype = "float32" if args.device == "cpu" else "auto"
+    if args.device == "cpu":  # the compute threads the launcher gives the mesh's cpu worker
+        import torch
 
-    # the same compute threads as the mesh's worker, so that the difference is what the mesh adds
-    threads = max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
-    llm = LLM(model=model, dtype="float32", page_size=16, num_pages=512, max_num_seqs=args.concurrency)
-    os.environ["DEEPINFER_KVSTORE_DIR"] = str(tmp / "kvstore")  # the mesh's kvstore starts empty
-    services = {  # the offline engine's cache and batch; the launcher gives the cpu worker cores - 1 threads
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
-        "DEEPINFER_LOG_LEVEL": "warning",
-        "DEEPINFER_PAGE_SIZE": "16",
-        "DEEPINFER_NUM_PAGES": "512",
-        "DEEPINFER_MAX_NUM_SEQS": str(args.concurrency),
-    }
-    mesh = Mesh(model, grpc_port=0, http_port=0, log_dir=tmp, extra_env=services)
-    runs: list[dict[str, float]] = []
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    llm = LLM(model=model, dtype=dtype, accelerator=accelerator, async_scheduling=True, num_pages=pages,
+              page_size=PAGE_SIZE, max_num_seqs=max(args.levels))  # fmt: skip
+    llm.generate([{"prompt_token_ids": [0, 5, 6]}], SamplingParams(max_tokens=2))  # warm-up
+    print(f"[{time.perf_counter() - t0:.0f} s] in-process engine ready", flush=True)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]), "DEEPINFER_LOG_LEVEL": "warning"}
+    http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
+    mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator, extra_env=env | settings)
+    rows: list[dict[str, Any]] = []
     try:
         mesh.start()
-        for _ in range(args.repeats):  # alternate the two paths so that a noisy minute hits both
-            off_wall, off_steps = offline(llm, ps, args.max_tokens)
-            mesh_wall, gaps = asyncio.run(through_mesh(mesh.endpoints["grpc"], ps, args.max_tokens, args.concurrency))
-            runs.append(
-                {
-                    "off_tps": n_tokens / off_wall,
-                    "off_p50": statistics.median(off_steps) * 1e3,
-                    "off_p99": pct(off_steps, 0.99) * 1e3,
-                    "mesh_tps": n_tokens / mesh_wall,
-                    "mesh_p50": pct(gaps, 0.5) * 1e3,
-                    "mesh_p99": pct(gaps, 0.99) * 1e3,
-                }
-            )
+        print(f"[{time.perf_counter() - t0:.0f} s] mesh serving", flush=True)
+        asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model.name))  # warm-up
+        for c in args.levels:
+            row: dict[str, Any] = {"c": c, "offline": offline(llm, sessions(c, args, seed=c))}
+            for proto in args.protocol_list:
+                row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model.name))
+            rows.append(row)
+            print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done", flush=True)
     finally:
         mesh.stop()
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    added = [r["mesh_p50"] - r["off_p50"] for r in runs]
-    print(
-        f"workload: {args.requests} requests x {args.max_tokens} tokens, greedy, {args.concurrency} concurrent; "
-        f"{args.repeats} alternating runs, medians; torch threads {threads} (offline engine and mesh worker)"
-    )
-    print("| path | tokens/s | inter-token p50 ms | inter-token p99 ms |")
-    print("|---|---:|---:|---:|")
-    print(f"| offline engine (peer) | {med['off_tps']:.0f} | {med['off_p50']:.2f} | {med['off_p99']:.2f} |")
-    mesh_row = f"{med['mesh_tps']:.0f} | {med['mesh_p50']:.2f} | {med['mesh_p99']:.2f}"
-    print(f"| mesh: balancer → scheduler → worker | {mesh_row} |")
-    print(f"\nthroughput ratio mesh / offline: {med['mesh_tps'] / med['off_tps']:.2f} (roofline 1.00)")
-    print(
-        f"added latency per token, mesh p50 − offline step p50, per run: {', '.join(f'{a:+.1f}' for a in added)} ms; "
-        f"median {statistics.median(added):+.2f} ms"
-    )
+    report(args, rows)
     if args.out:
-        res = {"date": time.strftime("%Y-%m-%d"), "command": command_line(), "git": git_commit(), "args": vars(args),
-               "medians": med, "added_ms": added, "runs": runs}  # fmt: skip
-        write_json(args.out / f"{res['date']}-mesh-overhead-cpu.json", res)
+        res = {"date": time.strftime("%Y-%m-%d"), "command": command_line(), "git": git_commit(),
+               "device": args.device, "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
+               "mesh_over_inprocess": {str(r["c"]): r[args.protocol_list[0]]["output_throughput"]
+                                       / r["offline"]["output_throughput"] for r in rows}}  # fmt: skip
+        write_json(args.out / f"{res['date']}-mesh-overhead-{args.device}.json", res)
 
 
 if __name__ == "__main__":

@@ -83,34 +83,36 @@ TINY_V4: dict[str, Any] = {
 ARCHES: dict[str, dict[str, Any]] = {"deepseek_v4": TINY_V4, "deepseek_v41": TINY_V41}  # V4.1: written by tiny_v41
 
 
+def random_tensor(
+    config: DeepseekV4Config, name: str, shape: torch.Size, g: torch.Generator, head_scale: float = 4.0
+) -> torch.Tensor:
+    """One random parameter (internal name) with a sensible scale: norms near 1, non-trivial sinks and biases."""
+    if name.endswith("tid2eid"):
+        rnd = torch.rand(shape[0], config.n_routed_experts, generator=g)
+        return rnd.argsort(dim=1)[:, : shape[1]].contiguous()
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(("_fn",)):
+        return 0.5 * torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    if name.endswith(("_base", "gate.bias")):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("_scale"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(("attn_sink", ".ape")):
+        return 0.5 * torch.randn(shape, generator=g)
+    if name == "embed.weight":
+        return torch.randn(shape, generator=g)
+    if name == "head.weight":
+        return head_scale * torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    return torch.randn(shape, generator=g) / shape[-1] ** 0.5
+
+
 def random_weights(config: DeepseekV4Config, seed: int, head_scale: float = 4.0) -> dict[str, torch.Tensor]:
     """Random parameters (internal names) with sensible scales and non-trivial sinks/biases."""
     g = torch.Generator().manual_seed(seed)
     model = DeepseekV4Model(config)
-    out: dict[str, torch.Tensor] = {}
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        shape = p.shape
-        if name.endswith("tid2eid"):
-            e, k = config.n_routed_experts, shape[1]
-            rnd = torch.rand(shape[0], e, generator=g)
-            out[name] = rnd.argsort(dim=1)[:, :k].contiguous()
-        elif name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(("_fn",)):
-            out[name] = 0.5 * torch.randn(shape, generator=g) / shape[-1] ** 0.5
-        elif name.endswith(("_base", "gate.bias")):
-            out[name] = 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("_scale"):
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(("attn_sink", ".ape")):
-            out[name] = 0.5 * torch.randn(shape, generator=g)
-        elif name == "embed.weight":
-            out[name] = torch.randn(shape, generator=g)
-        elif name == "head.weight":
-            out[name] = head_scale * torch.randn(shape, generator=g) / shape[-1] ** 0.5
-        else:
-            out[name] = torch.randn(shape, generator=g) / shape[-1] ** 0.5
-    return out
+    params = list(model.named_parameters()) + list(model.named_buffers())
+    return {name: random_tensor(config, name, p.shape, g, head_scale) for name, p in params}
 
 
 def _is_fp8(name: str) -> bool:
@@ -131,25 +133,31 @@ def _is_fp8(name: str) -> bool:
     )
 
 
+def official_tensors(config: DeepseekV4Config, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One internal-name weight in the official names and storage formats (routed experts: one MXFP4 pair per
+    expert; FP8 linears: e4m3 with block scales)."""
+    if t.dim() == 3 and name.endswith((".w1", ".w2", ".w3")):
+        out = {}
+        for e in range(t.shape[0]):
+            off = internal_to_official(name, e)
+            out[off], out[off[: -len("weight")] + "scale"] = quantize_mxfp4(t[e])
+        return out
+    off = internal_to_official(name)
+    if _is_fp8(off):
+        q, scale = quantize_fp8_blocks(t, tuple(config.weight_block_size))
+        return {off: q, off[: -len("weight")] + "scale": scale}
+    if t.dtype == torch.long:
+        return {off: t}
+    if off.endswith(("_fn", "_base", "_scale", ".ape", "attn_sink", "gate.bias")):
+        return {off: t.float()}
+    return {off: t.to(torch.bfloat16)}
+
+
 def to_official_tensors(config: DeepseekV4Config, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Encode internal-name weights into the official names and storage formats."""
-    block = tuple(config.weight_block_size)
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if t.dim() == 3 and name.endswith((".w1", ".w2", ".w3")):
-            for e in range(t.shape[0]):
-                off = internal_to_official(name, e)
-                out[off], out[off[: -len("weight")] + "scale"] = quantize_mxfp4(t[e])
-            continue
-        off = internal_to_official(name)
-        if _is_fp8(off):
-            out[off], out[off[: -len("weight")] + "scale"] = quantize_fp8_blocks(t, block)
-        elif t.dtype == torch.long:
-            out[off] = t
-        elif off.endswith(("_fn", "_base", "_scale", ".ape", "attn_sink", "gate.bias")):
-            out[off] = t.float()
-        else:
-            out[off] = t.to(torch.bfloat16)
+        out.update(official_tensors(config, name, t))
     return out
 
 
