@@ -81,6 +81,7 @@ from bench.host.device_gaps import device_gaps
 from bench.host.host_ops import decode_spans, host_op_times, issue_timeline
 from deepinfer.engine.heap import freeze_heap, thaw_heap  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
+from deepinfer.models.deepseek_v4.family import FAMILY as V4_FAMILY  # noqa: E402
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.layers import set_w8a8  # noqa: E402
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
@@ -498,6 +499,7 @@ def build_ours(config: DeepseekV4Config, dev: torch.device, seed: int, moe_backe
             model = DeepseekV4Model(config, ops).eval()
     finally:
         torch.set_default_dtype(prev)
+    model.step_graphs = V4_FAMILY.step_graphs()  # as the engine's build: graphs where the op set allows them
     fill_ours(model, seed, dev)
     return model
 

@@ -72,6 +72,7 @@ from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 from deepinfer.models.deepseek_v41.engram import bucket_primes  # noqa: E402
+from deepinfer.models.deepseek_v41.family import FAMILY as V41_FAMILY  # noqa: E402
 from deepinfer.models.deepseek_v41.layout import layer_specs  # noqa: E402
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
 from deepinfer.ops import get_ops  # noqa: E402
@@ -206,6 +207,7 @@ def build_ours(config: DeepseekV41Config, dev: torch.device, seed: int) -> Deeps
             model = DeepseekV41Model(config, ops, token_map)
     finally:
         torch.set_default_dtype(prev)
+    model.step_graphs = V41_FAMILY.step_graphs()  # as the engine's build: graphs where the op set allows them
     g = torch.Generator(device=dev).manual_seed(seed)
     keep32 = ("hc_", "attn_sink", "gate.bias", "head.weight", "compressor.w", "norm")
     for name, p in model.named_parameters():

@@ -107,6 +107,7 @@ def build(kind: str, dtype: torch.dtype, device: str = "cpu", graphs: bool = Fal
     from deepinfer.backends.reference import ReferenceOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 
     if kind == "nvidia":
@@ -117,6 +118,7 @@ def build(kind: str, dtype: torch.dtype, device: str = "cpu", graphs: bool = Fal
         ops = ReferenceOps()
     config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
     model = DeepseekV4Model(config, ops)
+    model.step_graphs = FAMILY.step_graphs()  # as the engine's build: graphs where the op set allows them
     model.load_state_dict(random_weights(config, seed=0), strict=False)
     return model.to(device, dtype)
 

@@ -36,10 +36,12 @@ def _model(dtype: torch.dtype = torch.float32):
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 
     config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
     model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
+    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     model.load_state_dict(random_weights(config, seed=0), strict=False)
     return model.to(DEVICE, dtype)
 
@@ -176,6 +178,7 @@ def test_the_graphed_step_equals_the_eager_step_on_cpu(name, kernels):
     from deepinfer.backends.reference import ReferenceOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from models.tiny_configs import CONFIGS
 
@@ -185,6 +188,7 @@ def test_the_graphed_step_equals_the_eager_step_on_cpu(name, kernels):
     ops = NvidiaOps(cuda_graphs=True) if kernels else ReferenceOps()
     ops.cuda_graphs = True
     model = DeepseekV4Model(config, ops)
+    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     model.load_state_dict(random_weights(config, seed=1), strict=False)
     model.decode_graphs = EagerSegments(model, max_batch=8)
     for n_seq, exact in ((4, True), (3, False))[: 1 if kernels else 2]:  # the interpreter is slow: one bucket

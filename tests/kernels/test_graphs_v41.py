@@ -27,6 +27,7 @@ from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 from deepinfer.models.deepseek_v41.engram import compressed_token_map  # noqa: E402
+from deepinfer.models.deepseek_v41.family import FAMILY  # noqa: E402
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs  # noqa: E402
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
 from gpu_waits import assert_steps_never_wait  # noqa: E402
@@ -51,6 +52,7 @@ def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.floa
     raw = {"model_type": "deepseek_v41", "text_config": text_config(name, tokenizer),
            "vision_config": {"num_hidden_layers": 0}, "image_token_id": 3}  # fmt: skip
     m = DeepseekV41Model(DeepseekV41Config.from_dict(raw), ops, engram_token_map=compressed_token_map(tokenizer)[0])
+    m.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in m.named_parameters():

@@ -132,11 +132,13 @@ def _model(name, ops):
     the GPU image lacks the tokenizer package that ``tiny_dirs`` needs)."""
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from models.tiny_configs import CONFIGS
 
     config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name]})
     model = DeepseekV4Model(config, ops)
+    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     model.load_state_dict(random_weights(config, seed=list(CONFIGS).index(name)))
     return model
 
@@ -254,6 +256,7 @@ def test_a_model_on_native_weights_matches_the_reference():
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer.quant.native import prepare_native
     from models.test_batch_invariance import tokens
@@ -264,6 +267,7 @@ def test_a_model_on_native_weights_matches_the_reference():
         {**TINY_V4, "num_hidden_layers": 3, "compress_ratios": [0, 4, 8, 0], "num_hash_layers": 1}
     )
     model = DeepseekV4Model(config, ReferenceOps())
+    model.step_graphs = FAMILY.step_graphs()  # NvidiaOps below: graphs where it allows them, as the engine's build
     model.load_state_dict(random_weights(config, seed=5))
     prepare_native(model, tuple(config.weight_block_size), quantize=True)
     vocab = model.config.vocab_size
@@ -288,6 +292,7 @@ def test_joined_projections_match_the_separate_ones():
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer.quant.native import prepare_native
     from models.test_batch_invariance import tokens
@@ -299,6 +304,7 @@ def test_joined_projections_match_the_separate_ones():
          "quantization_config": {**TINY_V4["quantization_config"], "weight_block_size": [32, 32]}}
     )  # fmt: skip
     model = DeepseekV4Model(config, ReferenceOps())
+    model.step_graphs = FAMILY.step_graphs()  # NvidiaOps below: graphs where it allows them, as the engine's build
     model.load_state_dict(random_weights(config, seed=6))
     prepare_native(model, (32, 32), quantize=True)
     model.to(dev).ops = NvidiaOps(native_weights=True)

@@ -55,11 +55,13 @@ def _model(dtype: torch.dtype = torch.float32, ops=None, name: str = "base"):
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from models.tiny_configs import CONFIGS
 
     config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], "num_nextn_predict_layers": 0})
     model = DeepseekV4Model(config, ops or NvidiaOps(cuda_graphs=True))
+    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     model.ops.cuda_graphs = model.ops.prefill_graphs = True
     model.load_state_dict(random_weights(config, seed=0), strict=False)
     return model.to(DEVICE if ops is None else "cpu", dtype)

@@ -1,15 +1,17 @@
 """The op interface the model calls, and backend selection.
 
-The model never imports a kernel or a backend: it calls ``ops.<name>`` on an :class:`Ops` (``base``). Each backend
-owns its op set in its folder under ``deepinfer.backends``: ``reference`` (the ``cpu`` backend: plain torch, any device)
-defines the semantics; ``nvidia`` and ``ascend`` override single ops with kernels that are tested against it.
-:func:`get_ops` is the one place that maps an accelerator's name to its op set; it imports the backend only when
-called, so importing the interface imports no backend (and no Triton).
+The model never imports a kernel or a backend: it calls ``ops.<name>`` on an :class:`Ops` (``base``: the union of the
+interface's layers, one module each: ``core`` (model-agnostic), ``hyper_connections``, ``hybrid_attention`` and
+``decode_step`` (the DeepSeek-V4 family's)). Each backend owns its op set in its folder under ``deepinfer.backends``:
+``reference`` (the ``cpu`` backend: plain torch, any device) defines the semantics; ``nvidia`` and ``ascend``
+implement ops with kernels that are tested against it, and declare the ones they take from it as they are
+(``FROM_REFERENCE``). :func:`get_ops` is the one place that maps an accelerator's name to its op set; it imports the
+backend only when called, so importing the interface imports no backend (and no Triton).
 """
 
 from __future__ import annotations
 
-from deepinfer.ops.base import Ops
+from deepinfer.ops.base import LAYERS, CoreOps, DecodeStepOps, HybridAttentionOps, HyperConnectionOps, Ops, op_names
 
 
 def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
@@ -30,4 +32,13 @@ def get_ops(accelerator: str = "cpu", batch_invariant: bool = False) -> Ops:
     raise ValueError(f"unknown accelerator {accelerator!r}; expected one of nvidia, ascend, cpu")
 
 
-__all__ = ["Ops", "get_ops"]
+__all__ = [
+    "LAYERS",
+    "CoreOps",
+    "DecodeStepOps",
+    "HybridAttentionOps",
+    "HyperConnectionOps",
+    "Ops",
+    "get_ops",
+    "op_names",
+]

@@ -41,6 +41,18 @@ class _KernelAttention:
 
 
 class NvidiaInvariantOps(StreamOps, _KernelAttention, BatchInvariantOps):
+    # the ops taken from the reference backend's batch-invariant set (BatchInvariantOps, and through it ReferenceOps) as
+    # they are; its own: sparse_attention, indexer_scores (_KernelAttention) and parallel (StreamOps)
+    FROM_REFERENCE = frozenset({
+        "act_quant_sim", "fp4_quant_sim", "fp8_grouped_linear", "fp8_linear", "grouped_linear", "linear",
+        "linear_fp32", "logits_linear", "moe", "moe_combine", "moe_mxfp4", "pointwise", "prepare_weights",
+        "rms_norm", "rope", "route", "swiglu", "topk_indices",  # core
+        "hc_collapse", "hc_expand", "hc_mixes", "hc_pre",  # mHC
+        "cache_round", "compress_score", "group_pool", "indexer_scores_ranges", "select_rows", "softmax_pool",
+        "sparse_attention_lists",  # hybrid attention
+        "append_rows", "key_lists", "step_indices", "store_rows",  # decode step
+    })  # fmt: skip
+
     def __init__(self) -> None:
         BatchInvariantOps.__init__(self, "nvidia")
         self._load_kernels()

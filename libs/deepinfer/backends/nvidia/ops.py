@@ -1,9 +1,9 @@
 """``NvidiaOps``, the nvidia backend's default op set: the reference semantics with the MoE as sorted slots + grouped
 GEMMs (``deepinfer.kernels.moe``: no host sync, no per-expert Python loop) and, with ``fused`` (the default), mHC,
 RMSNorm and RoPE as one Triton launch each (``deepinfer.kernels.hc``, ``deepinfer.kernels.norm``). Its ``cuda_graphs``
-flag (``DEEPINFER_CUDA_GRAPHS``) lets the model replay decode steps from CUDA graphs
-(``deepinfer.models.deepseek_v4.graphs``) and, with ``prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``), other steps from
-piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_weights`` flag
+flag (``DEEPINFER_CUDA_GRAPHS``) lets the runtime (``deepinfer.runtime.step_graphs``) replay decode steps from CUDA
+graphs (``deepinfer.models.deepseek_v4.graphs``) and, with ``prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``), other
+steps from piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_weights`` flag
 (``DEEPINFER_NATIVE_WEIGHTS``) keeps the checkpoint's FP8 linears and MXFP4 experts as stored
 (``deepinfer.quant.native``) and runs them through ``deepinfer.kernels.fp8_gemm`` and ``deepinfer.kernels.moe_mxfp4``.
 ``select_rows`` (the indexer's top-k) is one Triton program a row on CUDA (``deepinfer.kernels.topk``),
@@ -11,9 +11,10 @@ piecewise ones (``deepinfer.models.deepseek_v4.prefill_graphs``). Its ``native_w
 stable sorts.
 
 Its mixins: ``StreamOps`` (``streams``: ``parallel`` on a side stream), ``StepGlueOps`` (``step_glue``: the decode
-step's glue), ``NvidiaMoEOps`` (``moe``: the experts and the stored FP8 / MXFP4 weights); the rest of the reference
-semantics it inherits from ``ReferenceOps`` (``deepinfer.backends.reference``). ``NvidiaInvariantOps``
-(``DEEPINFER_BATCH_INVARIANT=1``) is in ``invariant``.
+step's glue), ``NvidiaMoEOps`` (``moe``: the experts and the stored FP8 / MXFP4 weights); the ops it runs as the
+reference does, it takes from ``ReferenceOps`` (``deepinfer.backends.reference``) and lists in ``FROM_REFERENCE``
+(``tests/backends/test_fallbacks.py``: every op of ``deepinfer.ops.Ops`` is either its own or listed there).
+``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``) is in ``invariant``.
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
     RoPE as single Triton kernels (off: the reference's torch ops). ``cuda_graphs``: decode steps may replay CUDA
-    graphs (read by the model; default ``DEEPINFER_CUDA_GRAPHS``), and, with ``prefill_graphs`` (default
+    graphs (read by ``runtime.step_graphs``; default ``DEEPINFER_CUDA_GRAPHS``), and, with ``prefill_graphs`` (default
     ``DEEPINFER_PREFILL_GRAPHS``), other steps piecewise ones. ``native_weights``: the engine keeps FP8 / MXFP4
     weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``).
     ``packed_topk``: ``topk_indices`` / ``select_rows`` through ``packed_keys`` and one ``torch.topk`` (same results
     as the reference's stable sorts): ``None`` (default) for float rows on CUDA wider than ``packed_above``, ``True``
     for float rows on any device (the tests), ``False`` never."""
+
+    # the ops taken from ReferenceOps as they are (every other op of deepinfer.ops.Ops is overridden here or in a mixin,
+    # many falling back to the reference for the inputs their kernels do not take)
+    FROM_REFERENCE = frozenset({
+        "act_quant_sim", "fp4_quant_sim", "grouped_linear", "linear", "pointwise",  # core
+        "hc_collapse",  # mHC
+        "indexer_scores", "softmax_pool", "sparse_attention",  # hybrid attention
+    })  # fmt: skip
 
     # rows up to this width keep the reference's sorts: torch.sort on CUDA sorts a row of at most 4096 in one kernel,
     # cheaper than packing + topk for short rows such as the MoE router's 256 experts. H200, k = 512, CUDA graphs:

@@ -1,6 +1,7 @@
 """DeepSeek-V4 as the engine serves it (``engine.model_api.ModelFamily``): its config, model and checkpoint
-loader, its paged cache, per-sequence state, resume points (``resume_format``) and step batches. DeepSeek-V4.1
-(``deepseek_v41.family``) shares the cache, state, resume points and batches."""
+loader, its step graphs (``step_graphs``: attached to the model it builds), its paged cache, per-sequence state,
+resume points (``resume_format``) and step batches. DeepSeek-V4.1 (``deepseek_v41.family``) shares the cache, state,
+resume points and batches."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
 from deepinfer.quant.w4a8 import set_w4a8, uses_w4a8
 from deepinfer.runtime.decode_graphs import BUCKETS
+from deepinfer.runtime.step_graphs import StepGraphs
 
 
 class DeepseekV4Family:
@@ -27,6 +29,15 @@ class DeepseekV4Family:
 
     def parse_config(self, raw: dict) -> DeepseekV4Config:
         return DeepseekV4Config.from_dict(raw)
+
+    def step_graphs(self) -> StepGraphs:
+        """The runtime's graphs for this family's model (``runtime.step_graphs``): ``graphs.DecodeGraphs`` for decode
+        steps, ``prefill_graphs.PrefillGraphs`` for the others; ``build`` attaches them (``model.step_graphs``), and
+        so does whoever builds the model by hand and wants its steps graphed."""
+        from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
+        from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
+
+        return StepGraphs(DecodeGraphs, PrefillGraphs)
 
     def build(
         self,
@@ -39,12 +50,14 @@ class DeepseekV4Family:
     ) -> torch.nn.Module:
         """``quant_sim``: the official quantisation points are simulated only when asked (``DEEPINFER_QUANT_SIM``
         when None). With ``ops.native_weights`` the FP8 linears and MXFP4 experts stay in their stored formats
-        (``quant.native``), then ``ops.prepare_weights`` arranges them for its kernels."""
+        (``quant.native``), then ``ops.prepare_weights`` arranges them for its kernels. The model gets the family's
+        ``step_graphs`` (used where ``ops`` allows graphs)."""
         from deepinfer.checkpoint.loader import load_checkpoint
         from deepinfer.models.deepseek_v4.model import DeepseekV4Model
         from deepinfer.quant.native import prepare_native
 
         net = DeepseekV4Model(config, ops)
+        net.step_graphs = self.step_graphs()
         if getattr(ops, "native_weights", False):
             prepare_native(net, tuple(config.weight_block_size), quantize=False)
         load_checkpoint(net, path, dtype=dtype)

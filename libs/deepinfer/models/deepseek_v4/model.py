@@ -7,19 +7,22 @@ the MTP block. Nothing here knows about scheduling, transport or kernels.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
-from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
+
+if TYPE_CHECKING:
+    from deepinfer.runtime.step_graphs import StepGraphs
 
 
 def _hc_params(module: nn.Module, prefix: str, n: int, dim: int, outputs: int) -> None:
@@ -128,8 +131,12 @@ class DeepseekV4Model(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(c, i) for i in c.mtp_layer_ids])
         self.rope_main = RotaryTable(c.qk_rope_head_dim, c.rope_theta, None)
         self.rope_compress = RotaryTable(c.qk_rope_head_dim, c.compress_rope_theta, c.yarn)
-        self.decode_graphs: DecodeGraphs | None = None  # made on the first step that may use it
-        self.prefill_graphs: PrefillGraphs | None = None  # made on the first step that may use it
+        # the runtime's choice of graphs for a step (runtime.step_graphs.StepGraphs, attached by the family's build or
+        # family.step_graphs(); None: every step eager); it makes and keeps the graphs here on the first step that may
+        # use them (graphs.DecodeGraphs, prefill_graphs.PrefillGraphs)
+        self.step_graphs: StepGraphs | None = None
+        self.decode_graphs: Any = None
+        self.prefill_graphs: Any = None
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
@@ -150,22 +157,14 @@ class DeepseekV4Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor:
-        """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``. A decode step replays CUDA
-        graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``), other steps piecewise ones
-        (``ops.prefill_graphs``; ``prefill_graphs.PrefillGraphs``), with eager results."""
+        """Run the trunk on ``batch``; returns the final hidden streams ``[T, hc_mult, D]``. With ``step_graphs``
+        attached the step may replay CUDA graphs, as the runtime decides (``runtime.step_graphs``: a decode step
+        ``graphs.DecodeGraphs``, other steps piecewise ``prefill_graphs.PrefillGraphs``), with eager results."""
         ops = self.ops
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if self.state_pool is not None:
             self.state_pool.begin_step()
-        h = None
-        if getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
-            if self.decode_graphs is None:
-                self.decode_graphs = DecodeGraphs(self)
-            h = self.decode_graphs.run(batch, cache)  # None: not a graphed step
-            if h is None and getattr(ops, "prefill_graphs", False):
-                if self.prefill_graphs is None:
-                    self.prefill_graphs = PrefillGraphs(self)
-                h = self.prefill_graphs.run(batch, cache)  # None: past the largest bucket, or a failed capture
+        h = None if self.step_graphs is None else self.step_graphs.run(self, batch, cache)  # None: run eagerly
         if h is None:
             offsets = batch.offsets()
             h = self.embed_streams(batch.token_ids)

@@ -23,6 +23,7 @@ from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE, DeepseekV41Config
 from deepinfer.models.deepseek_v41.image_input import BuiltinImageEncoder, ImageBatch, ImagePrompt, prepare_image_prompt
 from deepinfer.quant.w4a8 import set_w4a8
+from deepinfer.runtime.step_graphs import StepGraphs
 
 
 class DeepseekV41Family(DeepseekV4Family):
@@ -30,6 +31,13 @@ class DeepseekV41Family(DeepseekV4Family):
 
     def parse_config(self, raw: dict) -> DeepseekV41Config:
         return DeepseekV41Config.from_dict(raw)
+
+    def step_graphs(self) -> StepGraphs:
+        """V4.1's graphs (``deepseek_v41.graphs.DecodeGraphs``, ``deepseek_v41.prefill_graphs.PrefillGraphs``)."""
+        from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
+        from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
+
+        return StepGraphs(DecodeGraphs, PrefillGraphs)
 
     def build(
         self,
@@ -49,6 +57,7 @@ class DeepseekV41Family(DeepseekV4Family):
         token_map = engram_token_map_of(path)[0] if has_engram else None
         with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
             net = DeepseekV41Model(config, ops, token_map)
+            net.step_graphs = self.step_graphs()
             if getattr(ops, "native_weights", False):
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
         load_v41_checkpoint(net, path, dtype)

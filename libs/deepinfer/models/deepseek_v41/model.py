@@ -14,6 +14,7 @@ index keys). Nothing here knows about scheduling, transport or kernels.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,17 +30,18 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.decoder_split import decoder_context, split_at_decoder
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher
-from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
 from deepinfer.models.deepseek_v41.image import ImageFeatures, PreprocessedImage, splice_image_embeddings
 from deepinfer.models.deepseek_v41.image_input import ImageBatch, chunk_embeddings
 from deepinfer.models.deepseek_v41.layout import layer_specs
 from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, initial_pre
-from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
 from deepinfer.ops import Ops, get_ops
 from deepinfer.runtime.host_copy import to_device
 from deepinfer.runtime.platform import platform_of
+
+if TYPE_CHECKING:
+    from deepinfer.runtime.step_graphs import StepGraphs
 
 
 class DeepseekV41Model(nn.Module):
@@ -76,8 +78,12 @@ class DeepseekV41Model(nn.Module):
             drafter = DSparkDrafter(c)
             object.__setattr__(self, "dspark", drafter)  # not a submodule: its stages are registered as ``mtp``
             self.mtp = drafter.mtp
-        self.decode_graphs: DecodeGraphs | None = None  # made on the first step that may use it
-        self.prefill_graphs: PrefillGraphs | None = None  # made on the first step that may use it
+        # the runtime's choice of graphs for a step (runtime.step_graphs.StepGraphs, attached by the family's build or
+        # family.step_graphs(); None: every step eager); it makes and keeps the graphs here on the first step that may
+        # use them (graphs.DecodeGraphs, prefill_graphs.PrefillGraphs)
+        self.step_graphs: StepGraphs | None = None
+        self.decode_graphs: Any = None
+        self.prefill_graphs: Any = None
         # piecewise prefill graphs (DEEPINFER_PREFILL_GRAPHS; tests/kernels/test_prefill_graphs_v41.py, H200 2026-12-02)
         self.piecewise_prefill = True
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
@@ -187,26 +193,19 @@ class DeepseekV41Model(nn.Module):
         first decoder layer still publishes its compressed rows and index keys for every position, so the decoder's
         long-range memory is complete.
 
-        A decode step replays CUDA graphs where the op set allows it (``ops.cuda_graphs``; ``graphs.DecodeGraphs``:
-        the whole step, one graph per batch bucket and context span), other text steps piecewise ones
-        (``ops.prefill_graphs`` and ``piecewise_prefill``; ``prefill_graphs.PrefillGraphs``), with eager results; not
-        with ``capture``."""
+        With ``step_graphs`` attached the step may replay CUDA graphs, as the runtime decides (``runtime.step_graphs``:
+        a decode step ``graphs.DecodeGraphs``, the whole step, one graph per batch bucket and context span; other text
+        steps piecewise ``prefill_graphs.PrefillGraphs`` unless ``piecewise_prefill`` is off), with eager results;
+        never with ``capture``."""
         ops, c = self.ops, self.text
         if isinstance(batch, ImageBatch) and batch.images and batch.input_embeds is None:  # an image prompt's chunks
             batch.input_embeds, batch.image_mask = chunk_embeddings(self, batch)
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
-        if not capture and getattr(ops, "cuda_graphs", False) and not ops.batch_invariant:
-            if self.decode_graphs is None:
-                self.decode_graphs = DecodeGraphs(self)
-            y = self.decode_graphs.run(batch, cache)  # None: not a graphed step
-            if y is None and self.piecewise_prefill and getattr(ops, "prefill_graphs", False):
-                if self.prefill_graphs is None:
-                    self.prefill_graphs = PrefillGraphs(self)
-                y = self.prefill_graphs.run(batch, cache)  # None: not a text step, too long, or a failed capture
-            if y is not None:
-                for chunk in batch.chunks:
-                    chunk.state.num_tokens = chunk.end
-                return y
+        y = None if self.step_graphs is None else self.step_graphs.run(self, batch, cache, capture)
+        if y is not None:  # replayed from graphs (None: run eagerly)
+            for chunk in batch.chunks:
+                chunk.state.num_tokens = chunk.end
+            return y
         x = self.embed(batch.token_ids) if batch.input_embeds is None else batch.input_embeds
         h = embed_streams(x, c.hc_mult)
         pre = initial_pre(x.shape[0], c.hc_mult, x.device)
