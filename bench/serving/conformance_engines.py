@@ -1,8 +1,11 @@
-"""The worker side of ``schema_conformance.py``: three grammar engines over the DeepSeek-V4 tokenizer, each compiling
+"""The worker side of ``schema_conformance.py``: four grammar engines over the DeepSeek-V4 tokenizer, each compiling
 a JSON schema and generating from it token by token under its own mask, no model involved.
 
-* ``ours``: :class:`deepinfer.grammar.Compiler` (limits check, schema pass, xgrammar, ``serialize_json``), the
-  matcher rebuilt from the serialized grammar as a worker does;
+* ``ours``: :class:`deepinfer.grammar.Compiler` with ``backend="xgrammar"`` (limits check, schema pass, xgrammar,
+  ``serialize_json``), the matcher rebuilt from the serialized grammar as a worker does;
+* ``auto``: the same with ``backend="auto"`` (xgrammar unless the pass or xgrammar refuses, then llguidance on the
+  raw schema); the matcher the grammar's backend says, rebuilt from its text as a worker does. ``auto_llg`` is
+  its llguidance compile alone (what the grammar service falls back to when xgrammar runs out of time);
 * ``xgrammar``: xgrammar's ``GrammarCompiler.compile_json_schema`` on the raw schema, same options (strict mode,
   compact JSON), no pass;
 * ``llguidance``: ``LLMatcher.grammar_from_json_schema`` on the raw schema (compact JSON), its ``LLMatcher``.
@@ -26,12 +29,12 @@ from typing import Any
 import numpy as np
 
 EOS = 1
-ENGINES = ("ours", "xgrammar", "llguidance")
+ENGINES = ("ours", "xgrammar", "llguidance", "auto")
 CLOSERS = (b'"', b"}", b"]", b'"}', b'"]', b"}]", b"0", b"1", b"null", b"true", b"false")
 
 
 def available_engines() -> tuple[str, ...]:
-    """The engines this environment can run (llguidance is optional: the ``dev`` extra)."""
+    """The engines this environment can run (without llguidance: ours and xgrammar)."""
     try:
         import llguidance  # noqa: F401
     except ImportError:
@@ -55,7 +58,8 @@ class Engines:
         self.adversarial = np.array([bool(t) and any(b < 0x20 or b in b'"\\' or b >= 0x80 for b in t)
                                      for t in self.tokens])  # fmt: skip
         self.closers = np.array([t in CLOSERS for t in self.tokens])
-        self.ours = Compiler(cache_bytes=0, json_whitespace=0)
+        self.ours = Compiler(cache_bytes=0, json_whitespace=0, backend="xgrammar")
+        self.auto = Compiler(cache_bytes=0, json_whitespace=0, backend="auto") if len(available_engines()) > 2 else None
         self.xgr = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.llg_tokenizer = None
         if "llguidance" in available_engines():
@@ -67,13 +71,15 @@ class Engines:
     # --- compiling: returns (state, message); state None when refused -------------------------------------------
 
     def compile(self, engine: str, schema: str) -> tuple[Any, str]:
-        if engine == "ours":
+        if engine in ("ours", "auto", "auto_llg"):
             from deepinfer.grammar import GrammarError, GrammarSpec
 
+            compiler, backend = (self.ours, None) if engine == "ours" else (self.auto, engine[5:] and "llguidance")
             try:
-                return self.ours.compile(GrammarSpec("json_schema", schema)).compiled_json, ""
+                grammar = compiler.compile(GrammarSpec("json_schema", schema), backend or None)
             except GrammarError as e:
                 return None, f"{e.outcome}: {e}"
+            return (grammar if engine != "ours" else grammar.compiled_json), ""
         if engine == "xgrammar":
             try:
                 return self.xgr.compile_json_schema(schema, strict_mode=True, any_whitespace=False,
@@ -91,6 +97,12 @@ class Engines:
         return (None, error[:400]) if error else (grammar, "")
 
     def matcher(self, engine: str, state: Any) -> Matcher:
+        if engine in ("auto", "auto_llg"):  # a CompiledGrammar, rebuilt from its text by its backend
+            if state.backend == "llguidance":
+                from deepinfer.grammar.llg import parser_limits
+
+                return LlgMatcher(self, state.compiled_json, parser_limits())
+            return XgrMatcher(self, None, state.compiled_json)
         if engine == "llguidance":
             return LlgMatcher(self, state)
         return XgrMatcher(self, state if engine == "xgrammar" else None, state if engine == "ours" else None)
@@ -159,11 +171,11 @@ class XgrMatcher(Matcher):
 
 
 class LlgMatcher(Matcher):
-    def __init__(self, engines: Engines, grammar: str) -> None:
+    def __init__(self, engines: Engines, grammar: str, limits: Any = None) -> None:
         import llguidance
         import llguidance.numpy as lnp
 
-        self.m = llguidance.LLMatcher(engines.llg_tokenizer, grammar, log_level=0)
+        self.m = llguidance.LLMatcher(engines.llg_tokenizer, grammar, log_level=0, limits=limits)
         self.size, self.fill = engines.vocab_size, lnp.fill_next_token_bitmask
         self.mask = lnp.allocate_token_bitmask(1, self.size)
 

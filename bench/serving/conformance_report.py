@@ -12,6 +12,10 @@ from bench.harness import pct
 # a refusal naming the keyword: ours points at it (``json_schema: /properties/x/uniqueItems: ...``), llguidance
 # lists it (``Unimplemented keys: ["uniqueItems"]``)
 _NAMED = re.compile(r"json_schema: (/\S*)?/[^/\s]+: |Unimplemented keys?: ")
+_AUTO = (
+    ", **auto** (ours with the backend chosen per schema: llguidance on the raw schema where the pass or "
+    "xgrammar refuses it or xgrammar runs past 3/4 of the compile timeout)"
+)
 PUBLISHED = {
     "paper": {
         "source": "Geng et al., 'Generating Structured Outputs from Language Models: Benchmark and Studies' "
@@ -117,7 +121,8 @@ def table(summary: dict, engines: tuple[str, ...], args: argparse.Namespace, n: 
     return [
         f"# Conformance on real schemas (JSONSchemaBench sample, {n} schemas), DeepSeek-V4 tokenizer", "",
         f"Engines in the same run: **ours** (limits + schema pass + xgrammar), **xgrammar** on the raw schema "
-        f"(same options, no pass){', **llguidance** on the raw schema' if 'llguidance' in engines else ''}; "
+        f"(same options, no pass){', **llguidance** on the raw schema' if 'llguidance' in engines else ''}"
+        f"{_AUTO if 'auto' in engines else ''}; "
         f"compact JSON; {args.walks} walks per schema and engine ({args.max_tokens}-token budget, closing from "
         f"half); compile timeout {args.compile_timeout:.0f} s; {args.workers} worker processes.", "",
         "Coverage: compiled / refused naming the keyword / refused otherwise (limit, unsatisfiable, compile "

@@ -1,9 +1,12 @@
 """Conformance on real schemas: a seeded sample of JSONSchemaBench (40 schemas from each of eight sets), compiled
 and generated from by three grammar engines over the DeepSeek-V4 tokenizer in the same run, no model involved.
 
-Engines (``conformance_engines.py``): **ours** (``deepinfer.grammar.Compiler``: limits, schema pass, xgrammar),
-and the peers on the raw schema, **xgrammar** alone (same options, no pass) and **llguidance** (when installed: the
-``dev`` extra). Each engine compiles each schema in a worker process (killed past ``--compile-timeout``), then
+Engines (``conformance_engines.py``): **ours** (``deepinfer.grammar.Compiler`` with the xgrammar backend: limits,
+schema pass, xgrammar), the peers on the raw schema, **xgrammar** alone (same options, no pass) and **llguidance**,
+and **auto** (ours with ``DEEPINFER_GRAMMAR_BACKEND=auto``: xgrammar unless the pass or xgrammar refuses the
+schema, then llguidance on the raw schema; an xgrammar compile past 3/4 of ``--compile-timeout`` gives way to
+llguidance in the time left, as the grammar service does). Each engine compiles each schema in a worker process
+(killed past ``--compile-timeout``), then
 generates ``--walks`` outputs under its own token mask with random, adversarial and closing choices; the
 ``jsonschema`` package judges every finished output against the schema as written (formats checked).
 
@@ -40,6 +43,7 @@ from typing import Any
 from bench.harness import ROOT, add_common_args, pick_device, result_header, save_result
 from bench.serving.conformance_engines import available_engines, compact, serve
 from bench.serving.conformance_report import PUBLISHED, compact_walks, summarize, table
+from services.grammar.pool import AUTO_XGRAMMAR_SHARE
 
 SAMPLE = ROOT / "bench" / "serving" / "data" / "jsonschemabench_sample.jsonl.gz"
 SETS = ("Github_easy", "Github_medium", "Github_hard", "Kubernetes", "Snowplow", "WashingtonPost", "Glaiveai2K",
@@ -113,11 +117,14 @@ class Worker:
             pass
         return None
 
-    def run(self, engine: str, schema: str, seeds: list[int], max_tokens: int, args: argparse.Namespace) -> dict:
+    def run(
+        self, engine: str, schema: str, seeds: list[int], max_tokens: int, args: argparse.Namespace,
+        timeout_s: float | None = None,
+    ) -> dict:  # fmt: skip
         if self.proc is None:
             self.start()
         self.conn.send((engine, schema, seeds, max_tokens))
-        got = self._recv(args.compile_timeout)
+        got = self._recv(args.compile_timeout if timeout_s is None else timeout_s)
         if got is None:
             crashed = not self.proc.is_alive()
             self.stop()
@@ -153,7 +160,14 @@ def measure(row: dict, engines: tuple[str, ...], worker: Worker, args: argparse.
     text, seeds = compact(row["schema"]), [args.seed * 1000 + i for i in range(args.walks)]
     out = {"set": row["set"], "id": row["id"], "bytes": len(text.encode())}
     for engine in engines:
-        got = worker.run(engine, text, seeds, args.max_tokens, args)
+        if engine == "auto":  # the grammar service's fallback: xgrammar gets 3/4 of the limit, llguidance the rest
+            t0, share = time.perf_counter(), AUTO_XGRAMMAR_SHARE * args.compile_timeout
+            got = worker.run(engine, text, seeds, args.max_tokens, args, share)
+            if got["status"] == "timeout":
+                left = args.compile_timeout - (time.perf_counter() - t0)
+                got = worker.run("auto_llg", text, seeds, args.max_tokens, args, left) | {"fallback": True}
+        else:
+            got = worker.run(engine, text, seeds, args.max_tokens, args)
         walks = [(e, t, n, judge(row["schema"], t) if e == "eos" else None) for e, t, n in got.get("walks", [])]
         got["walks"] = [
             {"ended": e, "tokens": n, "verdict": v} | ({"text": t[:400]} if v and v[0] == "i" else {})

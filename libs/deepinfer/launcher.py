@@ -5,7 +5,8 @@ NATS is the server named by ``DEEPINFER_NATS_URL``, or a local ``nats-server`` s
 generated credentials: each service gets its own kind's user in its ``DEEPINFER_NATS_URL``, see ``events/auth.py``).
 
 Every service is its own process (``python -m services.<name>``), exactly as on many machines; this
-module only picks ports, starts them in dependency order, waits for each to report SERVING through
+module only picks ports (and, per replica, a Unix socket in a private directory through which the scheduler
+reaches its worker), starts them in dependency order, waits for each to report SERVING through
 gRPC health checking and prints the endpoints (every service's metrics too). While it runs, a service that
 exits is started again with backoff (same command and ports: its peers reconnect to it); on Ctrl-C or SIGTERM
 the mesh drains in order (balancer, schedulers, workers, then the rest). Internal calls carry a generated
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +51,8 @@ class Mesh:
     specs: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # name -> (args, env)
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     supervise: bool = True  # restart a service that exits (with backoff) until stop()
+    unix_sockets: bool = True  # each scheduler reaches its worker through a Unix socket (not with TLS)
+    _sockets: Path | None = field(default=None, init=False, repr=False)  # their private directory
     _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
     _held: dict[int, Any] = field(default_factory=dict, init=False, repr=False)  # port -> its reserving socket
     _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
@@ -77,6 +82,17 @@ class Mesh:
                 held = self._held.pop(int(ready.rpartition(":")[2]), None)
                 if held is not None:
                     held.close()
+
+    def _socket_dir(self) -> Path | None:
+        """A private directory (mode 0700, removed by :meth:`stop`) for the worker's Unix sockets, or None: TLS is
+        configured (its certificates name TCP hosts) or ``unix_sockets`` is off."""
+        from deepinfer.rpc.tls import enabled as tls_enabled
+
+        if not self.unix_sockets or tls_enabled():
+            return None
+        if self._sockets is None:
+            self._sockets = Path(tempfile.mkdtemp(prefix="deepinfer-mesh-"))  # mkdtemp makes it 0700
+        return self._sockets
 
     def _port(self) -> int:
         """A free port this mesh has not handed out yet (a port found free stays free until its service binds it,
@@ -132,17 +148,19 @@ class Mesh:
         self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
         schedulers = []
         worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
+        sockets = self._socket_dir()
         for r in range(self.replicas):
             wport, sport = self._grpc_port(), self._grpc_port()
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
-            self._spawn(
-                f"worker-{r}",
-                [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport)],
-                waddr,
-            )
+            worker_args = [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport)]
+            dial = waddr  # the scheduler's way to its worker: a Unix socket on this host, else TCP
+            if sockets is not None:
+                worker_args += ["--unix-socket", str(sockets / f"worker-{r}.sock")]
+                dial = f"unix:{sockets / f'worker-{r}.sock'}"
+            self._spawn(f"worker-{r}", worker_args, waddr)
             self._spawn(
                 f"scheduler-{r}",
-                ["services.scheduler", "--worker", waddr, "--host", self.host, "--port", str(sport)],
+                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport)],
                 saddr,
             )
             schedulers += ["--scheduler", saddr]
@@ -235,6 +253,9 @@ class Mesh:
         if self.nats is not None:
             self.nats.close()
             self.nats = None
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
 
     def __enter__(self) -> Mesh:
         self.start()

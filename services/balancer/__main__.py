@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import sys
 
+from deepinfer.serving.server import tune_interpreter
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
 from services.balancer.main import run_balancer
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
+    tune_interpreter()
     configure_logging()
     http_port = args.http_port if args.http_port > 0 else None
     try:

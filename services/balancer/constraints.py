@@ -98,11 +98,13 @@ class ConstraintCompiler:
     async def _compile(self, spec: tuple[str, str], where: str, optional: bool) -> Any:
         from deepinfer.grammar import GrammarError, GrammarSpec, GrammarUnavailable, check_limits
 
-        try:  # the cheap checks here: an abusive grammar never leaves the balancer (large texts off the loop)
+        # the cheap checks here: an abusive grammar never leaves the balancer (large texts off the loop); the schema
+        # pass is the grammar service's, whose backend (DEEPINFER_GRAMMAR_BACKEND) decides what a refusal of it means
+        try:
             if len(spec[1]) > 65536:
-                await asyncio.to_thread(check_limits, GrammarSpec(*spec))
+                await asyncio.to_thread(check_limits, GrammarSpec(*spec), None, "skip")
             else:
-                check_limits(GrammarSpec(*spec))
+                check_limits(GrammarSpec(*spec), schema_pass="skip")
         except GrammarError as e:
             raise ValueError(f"{where}: {e}") from None
         if self.client is None:

@@ -5,10 +5,11 @@ It caps its own private memory (``RLIMIT_DATA`` = ``memory_bytes``) before loadi
 stdin/stdout — never pickle:
 
 * ``--config``: ``{"model_dir": str | null, "memory_bytes": int, "json_whitespace": int, "json_indent": int,
-  "limits": {...}, "parent_pid": int}``;
+  "backend": str, "limits": {...}, "parent_pid": int}``;
 * first line out, once ready: ``{"ready": true, "pid": int, "tokenizer_fingerprint": str}``;
-* per line in ``{"id": int, "kind": str, "text": str}``, one line out: ``{"id", "ok": true, "compiled_json",
-  "cache_key", "allowed_control_token_ids", "compile_ms"}`` or ``{"id", "ok": false, "error", "outcome",
+* per line in ``{"id": int, "kind": str, "text": str, "backend"?: str}`` (``backend``: this compile's, in
+  place of the configured one), one line out: ``{"id", "ok": true, "compiled_json", "cache_key",
+  "allowed_control_token_ids", "backend", "compile_ms"}`` or ``{"id", "ok": false, "error", "outcome",
   "fatal"}`` (``fatal``: this process exits after answering, e.g. after running out of memory).
 
 Anything else the libraries print goes to stderr (fd 1 is re-pointed there), so stdout carries only replies.
@@ -61,7 +62,7 @@ def _answer(compiler: Any, request: dict) -> dict:
     rid = request.get("id")
     t0 = time.perf_counter()
     try:
-        compiled = compiler.compile(GrammarSpec(request["kind"], request["text"]))
+        compiled = compiler.compile(GrammarSpec(request["kind"], request["text"]), request.get("backend"))
     except GrammarError as e:
         return {"id": rid, "ok": False, "error": str(e), "outcome": e.outcome, "fatal": e.outcome == "crash"}
     except MemoryError:
@@ -69,7 +70,7 @@ def _answer(compiler: Any, request: dict) -> dict:
                 "outcome": "crash", "fatal": True}  # fmt: skip
     return {
         "id": rid, "ok": True, "compiled_json": compiled.compiled_json, "cache_key": compiled.cache_key,
-        "allowed_control_token_ids": list(compiled.allowed_control_token_ids),
+        "allowed_control_token_ids": list(compiled.allowed_control_token_ids), "backend": compiled.backend,
         "compile_ms": (time.perf_counter() - t0) * 1e3,
     }  # fmt: skip
 
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     compiler = Compiler(
         config.get("model_dir"), cache_bytes=0, limits=Limits(**config.get("limits", {})),
         json_whitespace=int(config.get("json_whitespace", 0)), json_indent=int(config.get("json_indent", 0)),
+        backend=str(config.get("backend") or "xgrammar"),
     )  # fmt: skip
-    compiler._compiler()  # load xgrammar and the tokenizer info now, before saying ready
+    compiler.warm()  # load xgrammar, llguidance and the tokenizer now, before saying ready
     out.write(json.dumps({"ready": True, "pid": os.getpid(), "tokenizer_fingerprint": compiler.tokenizer_fingerprint})
               + "\n")  # fmt: skip
     for line in sys.stdin.buffer:

@@ -12,6 +12,11 @@ for the same grammar share one compile. The outcomes:
 * either way a new child replaces it in the background, and the other children keep serving;
 * no child can start (e.g. a memory cap below what loading xgrammar needs) → :class:`GrammarUnavailable`.
 
+With ``DEEPINFER_GRAMMAR_BACKEND=auto`` a ``json_schema`` or ``regex`` whose xgrammar compile runs past
+:data:`AUTO_XGRAMMAR_SHARE` of the time limit is compiled again with llguidance, in another child, within
+what is left of the limit: the total stays bounded by the limit, and only if llguidance fails too is it a
+:class:`GrammarTimeout` (or llguidance's refusal).
+
 A caller that gives up (cancellation) does not stop a compile that a child has begun: it finishes within
 its time limit and its result is cached, so a retry is a cache hit.
 """
@@ -27,7 +32,7 @@ from pathlib import Path
 
 from deepinfer import envs
 from deepinfer.grammar.cache import GrammarCache
-from deepinfer.grammar.compiler import compile_options
+from deepinfer.grammar.compiler import backend_for, check_backend, compile_options
 from deepinfer.grammar.limits import Limits, inspect_spec
 from deepinfer.grammar.spec import (
     KINDS,
@@ -42,10 +47,12 @@ from deepinfer.grammar.vocab import tokenizer_fingerprint
 from deepinfer.telemetry import get_logger
 from services.grammar.process import CompileProcess, ProcessDied
 
-__all__ = ["CompilerPool"]
+__all__ = ["AUTO_XGRAMMAR_SHARE", "CompilerPool"]
 
 log = get_logger(__name__)
 _INLINE_CHECK_CHARS = 64 * 1024
+AUTO_XGRAMMAR_SHARE = 0.75  # auto: the share of the time limit xgrammar gets; llguidance gets the rest
+_PASS_MODE = {"xgrammar": "raise", "auto": "keep", "llguidance": "skip"}
 
 
 @dataclass(eq=False)
@@ -63,6 +70,7 @@ class _Config:
     limits: dict = field(default_factory=dict)
     parent_pid: int = 0
     json_indent: int = 0
+    backend: str = "xgrammar"
 
 
 class CompilerPool:
@@ -84,6 +92,7 @@ class CompilerPool:
         start_timeout_s: float = 120.0,
         on_restart: Callable[[str], None] | None = None,
         json_indent: int | None = None,
+        backend: str | None = None,
     ) -> None:
         self.model_dir = str(model_dir) if model_dir is not None else None
         self.workers = envs.DEEPINFER_GRAMMAR_WORKERS if workers is None else int(workers)
@@ -92,8 +101,9 @@ class CompilerPool:
         ws = envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE if json_whitespace is None else int(json_whitespace)
         memory = envs.DEEPINFER_GRAMMAR_MEMORY_BYTES if memory_bytes is None else int(memory_bytes)
         indent = envs.DEEPINFER_GRAMMAR_JSON_INDENT if json_indent is None else int(json_indent)
-        self._config = _Config(self.model_dir, memory, ws, asdict(self.limits), os.getpid(), indent)
-        self.options = compile_options(ws, indent)
+        self.backend = check_backend(envs.DEEPINFER_GRAMMAR_BACKEND if backend is None else backend, indent)
+        self._config = _Config(self.model_dir, memory, ws, asdict(self.limits), os.getpid(), indent, self.backend)
+        self.options = compile_options(ws, indent, self.backend)
         self.cache = GrammarCache(envs.DEEPINFER_GRAMMAR_CACHE_BYTES if cache_bytes is None else cache_bytes)
         self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
         self.start_timeout_s = start_timeout_s
@@ -211,10 +221,11 @@ class CompilerPool:
             hit = self.cache.get(self.key(spec))
             if hit is not None:
                 return hit, True
+        mode = _PASS_MODE[backend_for(spec.kind, self.backend, self._config.json_indent)]
         if isinstance(spec.text, str) and len(spec.text) > _INLINE_CHECK_CHARS:  # ~80 ms per MB: off the loop
-            await asyncio.to_thread(inspect_spec, spec, self.limits)
+            await asyncio.to_thread(inspect_spec, spec, self.limits, mode)
         else:
-            inspect_spec(spec, self.limits)
+            inspect_spec(spec, self.limits, mode)
         if not self._started:
             await self.start()
         key = self.key(spec)
@@ -222,7 +233,7 @@ class CompilerPool:
         if job is None:
             job = self._jobs[key] = _Job()
             limit = timeout_s if timeout_s is not None and timeout_s > 0 else self.timeout_s
-            job.task = asyncio.create_task(self._run(job, spec, key, limit))
+            job.task = asyncio.create_task(self._run_routed(job, spec, key, limit))
             job.task.add_done_callback(lambda t, k=key, j=job: self._finished(k, j, t))
         job.waiters += 1
         try:
@@ -267,12 +278,38 @@ class CompilerPool:
                 return child
             await self._replace(child, "crash: died while idle")
 
-    async def _run(self, job: _Job, spec: GrammarSpec, key: str, timeout_s: float) -> CompiledGrammar:
+    async def _run_routed(self, job: _Job, spec: GrammarSpec, key: str, timeout_s: float) -> CompiledGrammar:
+        """:meth:`_run`; under ``auto``, past its share of the time an xgrammar compile gives way to llguidance."""
+        if backend_for(spec.kind, self.backend, self._config.json_indent) != "auto":
+            return await self._run(job, spec, key, timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            return await self._run(job, spec, key, timeout_s * AUTO_XGRAMMAR_SHARE)
+        except GrammarTimeout as first:
+            left = deadline - loop.time()
+            log.info("grammar_auto_fallback", kind=spec.kind, reason="xgrammar timeout", left_s=round(left, 3))
+            try:
+                return await asyncio.wait_for(self._run(job, spec, key, left, "llguidance"), max(left, 0.001))
+            except TimeoutError:
+                raise GrammarTimeout(f"{first} (then llguidance did not finish within the {timeout_s:g} s)") from None
+            except GrammarTimeout as second:
+                raise GrammarTimeout(f"{first} (then llguidance: {second})") from None
+            except GrammarError as second:
+                why = str(second).split(": llguidance: ", 1)[-1]
+                raise GrammarError(f"{first}, and llguidance refuses it: {why}", second.outcome) from None
+
+    async def _run(
+        self, job: _Job, spec: GrammarSpec, key: str, timeout_s: float, backend: str | None = None
+    ) -> CompiledGrammar:
         child = await self._take_child()
         job.started = True
         self._next_id += 1
+        message = {"id": self._next_id, "kind": spec.kind, "text": spec.text}
+        if backend is not None:
+            message["backend"] = backend
         try:
-            reply = await child.request({"id": self._next_id, "kind": spec.kind, "text": spec.text}, timeout_s)
+            reply = await child.request(message, timeout_s)
         except TimeoutError:
             await self._replace(child, "timeout")
             raise GrammarTimeout(
@@ -295,9 +332,8 @@ class CompilerPool:
                 cap = self._config.memory_bytes
                 error += f" (the compile processes' cap is {cap} bytes, DEEPINFER_GRAMMAR_MEMORY_BYTES)"
             raise GrammarError(error, str(reply.get("outcome") or "invalid"))
-        grammar = CompiledGrammar(
-            reply["compiled_json"], key, self.tokenizer_fingerprint, tuple(reply["allowed_control_token_ids"])
-        )
+        controls, backend = tuple(reply["allowed_control_token_ids"]), str(reply.get("backend") or "xgrammar")
+        grammar = CompiledGrammar(reply["compiled_json"], key, self.tokenizer_fingerprint, controls, backend)
         if reply.get("cache_key") != key:
             raise GrammarUnavailable("a compile process uses other settings than the pool (cache key mismatch)")
         self.cache.put(grammar)

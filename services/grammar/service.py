@@ -47,6 +47,7 @@ class GrammarConfig:
     json_whitespace: int = 0
     json_indent: int = 0
     limits: Limits = Limits()
+    backend: str = "auto"
 
     @classmethod
     def from_env(cls, model_dir: str | Path | None = None) -> GrammarConfig:
@@ -59,13 +60,14 @@ class GrammarConfig:
             json_whitespace=envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE,
             json_indent=envs.DEEPINFER_GRAMMAR_JSON_INDENT,
             limits=Limits.from_env(),
+            backend=envs.DEEPINFER_GRAMMAR_BACKEND,
         )
 
     def pool(self) -> CompilerPool:
         return CompilerPool(
             self.model_dir, workers=self.workers, timeout_s=self.timeout_s, memory_bytes=self.memory_bytes,
             cache_bytes=self.cache_bytes, limits=self.limits, json_whitespace=self.json_whitespace,
-            json_indent=self.json_indent,
+            json_indent=self.json_indent, backend=self.backend,
         )  # fmt: skip
 
 
@@ -146,7 +148,7 @@ async def run_grammar(
     me = instance_id("grammar")
     log.info("grammar_config", instance=me, model_dir=str(config.model_dir) if config.model_dir else None,
              tokenizer_fingerprint=pool.tokenizer_fingerprint, workers=config.workers, timeout_s=config.timeout_s,
-             json_whitespace=config.json_whitespace, json_indent=config.json_indent,
+             json_whitespace=config.json_whitespace, json_indent=config.json_indent, backend=config.backend,
              limits=vars(config.limits))  # fmt: skip
     await pool.start()  # SERVING only once compile processes are ready
     capacity = {"workers": config.workers, "timeout_s": config.timeout_s,

@@ -5,13 +5,14 @@ import asyncio
 import sys
 
 from deepinfer import envs
+from deepinfer.serving.server import tune_interpreter
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
 from services.scheduler.main import run_scheduler
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="deepinfer scheduler: one engine replica")
-    p.add_argument("--worker", required=True, help="address of its worker (host:port)")
+    p.add_argument("--worker", required=True, help="address of its worker (host:port, or unix:PATH on this host)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50071)
     p.add_argument("--max-queued", type=int, default=1024, help="waiting requests beyond this are refused")
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
+    tune_interpreter()
     configure_logging()
     try:
         provider = configure_tracing("deepinfer-scheduler")

@@ -148,7 +148,7 @@ def info() -> xgrammar.TokenizerInfo:
 
 @pytest.fixture(scope="module")
 def compiler(info: xgrammar.TokenizerInfo) -> Compiler:
-    return Compiler(cache_bytes=0, json_whitespace=0)
+    return Compiler(cache_bytes=0, json_whitespace=0, backend="xgrammar")  # auto: see test_llguidance.py
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_expansion_is_bounded(compiler: Compiler) -> None:
 def test_after_the_value_only_eos(whitespace: int, info) -> None:
     """Once the JSON value is complete nothing but EOS may follow (no trailing whitespace, no second value)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    grammar = Compiler(cache_bytes=0, json_whitespace=whitespace).compile(
+    grammar = Compiler(cache_bytes=0, json_whitespace=whitespace, backend="xgrammar").compile(
         GrammarSpec("json_schema", json.dumps(schema))
     )
     matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(grammar.compiled_json, info))

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -132,8 +134,23 @@ def test_every_service_exports_metrics_on_a_printed_port(mesh: Mesh) -> None:
     assert all("# TYPE" in body for body in bodies.values())
 
 
+def test_each_scheduler_reaches_its_worker_through_a_private_unix_socket(mesh: Mesh) -> None:
+    """The launcher gives each replica's worker a Unix socket in a directory of its own user's (0700), the socket
+    0600; its scheduler dials it. (The kill -9 tests above restart workers on the same path: a stale socket is
+    replaced.)"""
+    for r in (0, 1):
+        worker_args, scheduler_args = mesh.specs[f"worker-{r}"][0], mesh.specs[f"scheduler-{r}"][0]
+        path = Path(worker_args[worker_args.index("--unix-socket") + 1])
+        assert scheduler_args[scheduler_args.index("--worker") + 1] == f"unix:{path}"
+        assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
 def test_sigterm_drains_long_streams_in_order(mesh: Mesh, reference) -> None:
-    """Last: it stops the mesh. The balancer stops admitting, the streams it has finish, then the rest stops."""
+    """Last: it stops the mesh. The balancer stops admitting, the streams it has finish, then the rest stops (and
+    the workers' socket directory goes)."""
+    sockets = mesh._socket_dir()
+    assert sockets is not None and sockets.is_dir()
     stopper = threading.Thread(target=mesh.stop)
 
     async def run() -> tuple[list, grpc.StatusCode | None]:
@@ -159,3 +176,4 @@ def test_sigterm_drains_long_streams_in_order(mesh: Mesh, reference) -> None:
     out, late = asyncio.run(run())
     assert out == reference
     assert late == grpc.StatusCode.UNAVAILABLE
+    assert not sockets.exists()

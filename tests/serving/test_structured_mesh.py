@@ -91,6 +91,23 @@ def test_response_format_json_schema_forces_valid_json(client: openai.OpenAI, mo
     jsonschema.validate(json.loads("".join(parts)), SCHEMA)
 
 
+def test_a_schema_only_llguidance_enforces_is_enforced_through_the_mesh(client: openai.OpenAI, model: str) -> None:
+    """The grammar service's default backend, auto, compiles with llguidance a schema the schema pass refuses (a
+    fractional multipleOf, minLength beside a pattern); the grammar travels to the worker saying so."""
+    price = {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 20}
+    code = {"type": "string", "pattern": "^(a|b)+$", "minLength": 2, "maxLength": 4}
+    schema = {"type": "object", "additionalProperties": False, "required": ["price", "code"],
+              "properties": {"price": price, "code": code}}  # fmt: skip
+    for seed in (0, 1):
+        res = client.chat.completions.create(
+            model=model, messages=STORY, max_tokens=60, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )  # fmt: skip
+        choice = res.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
 def test_extra_body_regex_choice_grammar_and_completions(client: openai.OpenAI, model: str) -> None:
     res = client.chat.completions.create(
         model=model, messages=STORY, max_tokens=30, temperature=1.0, seed=2,
@@ -164,12 +181,13 @@ def test_bad_grammars_are_refused_fast_and_the_mesh_stays_healthy(client: openai
         assert time.monotonic() - t0 < 3.0, kw  # the grammar service answers in <= 1 s; the rest is transport
         body = err.value.body
         assert body and body.get("message")
-    # a keyword the grammar cannot enforce: refused naming it (never compiled with the keyword ignored)
-    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(ab)+$", "maxLength": 4}}}
+    # a keyword neither grammar backend can enforce: refused naming it (never compiled with the keyword ignored)
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"a": unique}}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=STORY, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
-    assert "/properties/a/maxLength: maxLength beside pattern" in err.value.body["message"]
+    assert "/properties/a/uniqueItems: uniqueItems: true is not enforced" in err.value.body["message"]
     # the same nesting as the JSON body itself: a 400, not a server error
     r = httpx.post(f"{mesh.http_url()}/v1/chat/completions", timeout=10, headers={"content-type": "application/json"},
                    content='{"model": "m", "messages": [], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")  # fmt: skip

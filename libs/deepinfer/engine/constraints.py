@@ -1,4 +1,6 @@
-"""Structured-output constraints on the worker: one xgrammar matcher per constrained request.
+"""Structured-output constraints on the worker: one matcher per constrained request — xgrammar's, or
+llguidance's (:mod:`deepinfer.engine.llg_matcher`) for a grammar whose ``backend`` is ``llguidance``; both fill
+the same packed mask layout, so requests of either backend share a batch, each filling its own row.
 
 A :class:`Constraint` arrives with a request's first chunk (and again, with the tokens generated so far,
 after a preemption). For every sampling row of a constrained request the worker asks
@@ -48,7 +50,7 @@ class Constraint:
 @dataclass
 class _Matcher:
     constraint: Constraint
-    matcher: Any  # xgrammar.GrammarMatcher, or None without a grammar
+    matcher: Any  # xgrammar.GrammarMatcher or an LlgMatcher, or None without a grammar
     forbidden: torch.Tensor  # packed: the tokens masked whenever the grammar is active
     before: torch.Tensor  # packed: the tokens masked before "</think>" (EOS, the banned ones)
     active: bool  # the grammar applies (False before "</think>" in thinking mode)
@@ -73,12 +75,14 @@ class ConstraintSet:
         tokenizer_fingerprint: str = "",
         max_rollback: int = 16,
         cache_size: int = 64,
+        llg_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self._tokenizer_info, self._info = tokenizer_info, None
+        self._llg_tokenizer, self._llg = llg_tokenizer, None  # llguidance's LLTokenizer (built on first use)
         self.control_ids, self.vocab_size, self.eos = control_ids, vocab_size, eos_token_id
         self.think_end, self.fingerprint, self.max_rollback = think_end_id, tokenizer_fingerprint, max_rollback
         self.matchers: dict[str, _Matcher] = {}
-        self._compiled: OrderedDict[str, Any] = OrderedDict()  # deserialized grammars by cache key
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # deserialized grammars (llguidance: templates)
         self._cache_size = cache_size
         self._pool: ThreadPoolExecutor | None = None
         self._lock, self._info_lock = threading.Lock(), threading.Lock()
@@ -209,6 +213,14 @@ class ConstraintSet:
                 self._info = self._tokenizer_info()
             return self._info
 
+    def _llg_tokenizer_(self) -> Any:
+        with self._info_lock:
+            if self._llg is None:
+                if self._llg_tokenizer is None:
+                    raise ValueError("constraint.grammar: an llguidance grammar, and this worker has no llguidance")
+                self._llg = self._llg_tokenizer()
+            return self._llg
+
     def _matcher(self, g: Any) -> Any:
         import xgrammar as xgr
 
@@ -217,23 +229,40 @@ class ConstraintSet:
                 f"constraint.grammar: compiled for tokenizer {g.tokenizer_fingerprint[:12]}, this worker uses "
                 f"{self.fingerprint[:12]}"
             )
-        return xgr.GrammarMatcher(self._grammar(g))  # rollback is unlimited in xgrammar >= 0.2
+        backend = getattr(g, "backend", "xgrammar") or "xgrammar"
+        if backend == "llguidance":
+            from deepinfer.engine.llg_matcher import LlgMatcher
 
-    def _grammar(self, g: Any) -> Any:
+            return LlgMatcher(self._grammar(g, backend), self.eos, self.vocab_size)
+        if backend != "xgrammar":
+            raise ValueError(f"constraint.grammar: unknown grammar backend {backend!r}")
+        return xgr.GrammarMatcher(self._grammar(g, backend))  # rollback is unlimited in xgrammar >= 0.2
+
+    def _load(self, g: Any, backend: str) -> Any:
+        if backend == "llguidance":
+            from deepinfer.engine.llg_matcher import llg_template
+
+            return llg_template(self._llg_tokenizer_(), g.compiled_json)
         import xgrammar as xgr
 
-        compiled = self._compiled.get(g.cache_key) if g.cache_key else None
+        return xgr.CompiledGrammar.deserialize_json(g.compiled_json, self._info_())
+
+    def _grammar(self, g: Any, backend: str) -> Any:
+        key = f"{backend}:{g.cache_key}" if g.cache_key else ""
+        compiled = self._compiled.get(key) if key else None
         if compiled is None:
             try:
-                compiled = xgr.CompiledGrammar.deserialize_json(g.compiled_json, self._info_())
-            except Exception as e:  # noqa: BLE001 - xgrammar raises its own error types
+                compiled = self._load(g, backend)
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - xgrammar and llguidance raise their own error types
                 raise ValueError(f"constraint.grammar: cannot load the compiled grammar: {e}") from None
-            if g.cache_key:
-                self._compiled[g.cache_key] = compiled
+            if key:
+                self._compiled[key] = compiled
                 while len(self._compiled) > self._cache_size:
                     self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(g.cache_key)
+            self._compiled.move_to_end(key)
         return compiled
 
     def _accept(self, m: _Matcher, token: int) -> None:

@@ -134,6 +134,7 @@ def build_worker(
 def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:
     """The worker's structured-output matchers, against the model's tokenizer (loaded on first use)."""
     from deepinfer.grammar import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
+    from deepinfer.grammar.llg import build_llg_tokenizer
 
     controls = control_token_ids(path)
     by_text = {text: i for i, text in controls.items()}
@@ -144,6 +145,7 @@ def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:
         config.eos_token_id,
         by_text.get(THINK_END),
         tokenizer_fingerprint(path),
+        llg_tokenizer=lambda: build_llg_tokenizer(path),
     )
 
 

@@ -83,6 +83,17 @@ declare("DEEPINFER_GRAMMAR_JSON_INDENT", "int", _GR, """
     `json.dumps(value, indent=N)` does — a newline and N spaces per nesting level, `", "` never, `": "` after
     keys — in place of `DEEPINFER_GRAMMAR_JSON_WHITESPACE`'s layout. 0: off. Read where grammars compile
     (the grammar service and the offline engine).""", default=0, minimum=0, maximum=16)
+declare("DEEPINFER_GRAMMAR_BACKEND", "enum", _GR, """
+    Which engine compiles and enforces `json_schema`, `json_object` and `regex` constraints: `xgrammar` (after
+    the schema pass, which rewrites or refuses what xgrammar cannot enforce), `llguidance` (the raw schema;
+    llguidance refuses every keyword it does not implement), or `auto`: per schema, xgrammar unless the schema
+    pass refuses the schema or xgrammar fails or times out on it, then llguidance on the original schema (a
+    refusal of both names the keyword). `ebnf` (xgrammar's GBNF) and `structural_tag` always compile with
+    xgrammar; with `DEEPINFER_GRAMMAR_JSON_INDENT` set, `auto` keeps JSON on xgrammar and `llguidance` is
+    refused (it cannot lay JSON out indented: the grammar service does not start, the offline engine refuses
+    its first constrained request). Read where grammars compile (the grammar service's
+    compile processes and the offline engine); part of the compile cache key.""",
+    choices=("auto", "xgrammar", "llguidance"), default="auto")
 _SRV = "Serving: liveness, admission and security"
 declare("DEEPINFER_GRPC_KEEPALIVE_S", "float", _SRV, """
     Interval of the HTTP/2 keepalive pings every gRPC channel of the mesh sends, idle or not. Every gRPC
@@ -96,6 +107,19 @@ declare("DEEPINFER_RECONNECT_MAX_BACKOFF_S", "float", _SRV, """
     Longest wait between two reconnection attempts of a long-lived stream (the scheduler's `Step` stream to
     its worker, the balancer's replica probes, the kvstore and grammar clients). Attempts start at 0.1 s
     and double up to this.""", default=5.0, minimum=0.01)
+declare("DEEPINFER_SWITCH_INTERVAL_S", "float", _SRV, """
+    Python's thread switch interval (`sys.setswitchinterval`) in the balancer, the schedulers and the workers.
+    Each runs its event loop beside threads that compute (the worker's steps, the balancer's detokenization);
+    with Python's default of 5 ms an event loop woken by a message can wait up to that long for the GIL, a
+    stall of a whole token or more between the scheduler and its worker.""",
+    default=0.0005, default_doc="`0.0005` (0.5 ms)", minimum=0.0001, maximum=0.1)
+declare("DEEPINFER_WORKER_UNIX_SOCKET", "path", _SRV, """
+    A Unix socket the worker serves on besides its TCP port (`python -m services.worker_nvidia
+    --unix-socket` overrides it), for a scheduler on the same host (`--worker unix:PATH`): one hop through
+    the kernel instead of the TCP stack per step message. The socket file is made readable and writable by
+    the worker's user only (mode 0600); calls on it still need the internal token. `deepinfer up` gives each
+    co-located worker and scheduler one in a private directory unless TLS is configured (the certificates name
+    TCP hosts). Unset: TCP only.""")
 declare("DEEPINFER_DRAIN_GRACE_S", "float", _SRV, """
     Seconds a service given SIGTERM lets its in-flight requests finish before it aborts the rest (the
     scheduler's `--grace` overrides it). `deepinfer up` stops the balancer first, then the schedulers,

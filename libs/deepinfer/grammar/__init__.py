@@ -1,13 +1,16 @@
 """Structured-output grammars: checking and compiling regex, JSON schema, JSON object, EBNF and structural-tag
-constraints with xgrammar against the model's tokenizer, never in the per-token path.
+constraints with xgrammar or llguidance (``DEEPINFER_GRAMMAR_BACKEND``, :mod:`deepinfer.grammar.llg`) against the
+model's tokenizer, never in the per-token path.
 
 * :class:`Compiler` compiles in this process (the offline ``LLM``; each compile process of the pool);
 * :class:`GrammarClient` asks the grammar service (``python -m services.grammar``; the balancer);
 * :func:`check_limits` refuses abusive grammars in milliseconds, before any compile.
 
-The compiled grammar travels as :class:`CompiledGrammar` (xgrammar's ``serialize_json()`` text); a worker
-rebuilds it with ``xgrammar.CompiledGrammar.deserialize_json(text, build_tokenizer_info(model_dir))``.
-Nothing here imports xgrammar (or torch) until a compile or a ``TokenizerInfo`` is needed.
+The compiled grammar travels as :class:`CompiledGrammar` (xgrammar's ``serialize_json()`` text, or llguidance's
+grammar text, as its ``backend`` says); a worker rebuilds it with
+``xgrammar.CompiledGrammar.deserialize_json(text, build_tokenizer_info(model_dir))`` or an ``LLMatcher`` over
+``build_llg_tokenizer(model_dir)``. Nothing here imports xgrammar, llguidance (or torch) until a compile or a
+tokenizer view is needed.
 """
 
 from typing import TYPE_CHECKING

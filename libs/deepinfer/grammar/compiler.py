@@ -20,6 +20,14 @@ JSON never has unbounded whitespace (``DEEPINFER_GRAMMAR_JSON_WHITESPACE``): 0, 
 ``": "``); N > 0 allows at most N whitespace characters in a row. The whitespace setting and xgrammar's version
 are part of the cache key, so a key never names two different grammars. xgrammar's errors become
 :class:`GrammarError` with the C++ source locations removed.
+
+The backend (``DEEPINFER_GRAMMAR_BACKEND``, part of the cache key): ``xgrammar`` as above; ``llguidance``
+compiles ``json_schema`` (as written, no pass), ``json_object`` and ``regex`` with llguidance
+(:mod:`deepinfer.grammar.llg`); ``auto`` compiles with xgrammar unless the schema pass refuses the schema or
+xgrammar refuses it, then with llguidance on the original text — a refusal of both is the pass's (or
+xgrammar's) message, naming the keyword, with llguidance's reason appended. ``ebnf`` and ``structural_tag``
+are always xgrammar's. :meth:`Compiler.compile` takes a ``backend`` for one compile (the pool's fallback
+after an xgrammar compile timed out).
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ from typing import Any
 from deepinfer import envs
 from deepinfer.grammar.cache import GrammarCache
 from deepinfer.grammar.limits import Inspection, Limits, inspect_spec
-from deepinfer.grammar.spec import KINDS, CompiledGrammar, GrammarError, GrammarSpec, cache_key
+from deepinfer.grammar.llg import LLG_KINDS, build_llg_tokenizer, llg_compile, llg_json_options, llg_version
+from deepinfer.grammar.spec import BACKENDS, KINDS, CompiledGrammar, GrammarError, GrammarSpec, cache_key
 from deepinfer.grammar.vocab import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
 
-__all__ = ["Compiler", "clean_message", "compile_options", "named_control_tokens"]
+__all__ = ["Compiler", "backend_for", "check_backend", "clean_message", "compile_options", "named_control_tokens"]
 
 _CPP_LOCATION = re.compile(r"(?:\[\d\d:\d\d:\d\d\] )?(?:/[^\s:]+/)?[\w.+-]+\.(?:cc|cpp|cxx|h|hpp)(?::\d+)?: ?")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ?")
@@ -51,10 +60,34 @@ def _xgrammar_version() -> str:
     return importlib.metadata.version("xgrammar")
 
 
-def compile_options(json_whitespace: int, json_indent: int = 0) -> str:
+def compile_options(json_whitespace: int, json_indent: int = 0, backend: str = "xgrammar") -> str:
     """The compile settings that change a grammar for the same text (part of the cache key)."""
     layout = f"json_whitespace={json_whitespace}" + (f";json_indent={json_indent}" if json_indent else "")
-    return f"xgrammar={_xgrammar_version()};{layout};schema_pass={SCHEMA_PASS_VERSION}"
+    text = f"xgrammar={_xgrammar_version()};{layout};schema_pass={SCHEMA_PASS_VERSION}"
+    return text if backend == "xgrammar" else f"{text};backend={backend};llguidance={llg_version()}"
+
+
+def check_backend(backend: str, json_indent: int = 0) -> str:
+    """``backend`` if it is a valid setting with ``json_indent`` (ValueError otherwise)."""
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"grammar backend {backend!r}: expected auto, {', '.join(BACKENDS)}")
+    if backend == "llguidance" and json_indent:
+        raise ValueError("DEEPINFER_GRAMMAR_BACKEND=llguidance cannot lay JSON out indented "
+                         "(DEEPINFER_GRAMMAR_JSON_INDENT): use xgrammar or auto")  # fmt: skip
+    return backend
+
+
+def backend_for(kind: str, backend: str, json_indent: int = 0) -> str:
+    """The backend that compiles ``kind`` under the setting ``backend``: ``xgrammar``, ``llguidance`` or
+    ``auto`` (xgrammar first, llguidance after a refusal)."""
+    if kind not in LLG_KINDS or backend == "xgrammar" or (backend == "auto" and json_indent):
+        return "xgrammar"
+    return backend
+
+
+def _both_refused(first: GrammarError, second: GrammarError) -> GrammarError:
+    why = str(second).split(": llguidance: ", 1)[-1]
+    return GrammarError(f"{first} (llguidance refuses it too: {why})", first.outcome)
 
 
 def json_layout(json_whitespace: int, json_indent: int) -> dict[str, Any]:
@@ -114,13 +147,16 @@ class Compiler:
         json_whitespace: int | None = None,
         max_threads: int = 1,
         json_indent: int | None = None,
+        backend: str | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.limits = limits if limits is not None else Limits.from_env()
         ws = envs.DEEPINFER_GRAMMAR_JSON_WHITESPACE if json_whitespace is None else int(json_whitespace)
         self.json_whitespace = ws
         self.json_indent = envs.DEEPINFER_GRAMMAR_JSON_INDENT if json_indent is None else int(json_indent)
-        self.options = compile_options(ws, self.json_indent)
+        chosen = envs.DEEPINFER_GRAMMAR_BACKEND if backend is None else backend
+        self.backend = check_backend(chosen, self.json_indent)
+        self.options = compile_options(ws, self.json_indent, self.backend)
         self.cache = GrammarCache(envs.DEEPINFER_GRAMMAR_CACHE_BYTES if cache_bytes is None else cache_bytes)
         self.tokenizer_fingerprint = tokenizer_fingerprint(model_dir)
         self.max_threads = max_threads
@@ -138,24 +174,55 @@ class Compiler:
         """The cache key of ``spec`` here (tokenizer fingerprint, kind, text, compile options)."""
         return cache_key(self.tokenizer_fingerprint, spec.kind, spec.text, self.options)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Check, then compile ``spec`` (or take it from the cache); raises :class:`GrammarError`."""
-        return self.compile_cached(spec)[0]
+    def compile(self, spec: GrammarSpec, backend: str | None = None) -> CompiledGrammar:
+        """Check, then compile ``spec`` (or take it from the cache); raises :class:`GrammarError`.
+        ``backend`` overrides the setting for this compile (the cache key stays the setting's)."""
+        return self.compile_cached(spec, backend)[0]
 
-    def compile_cached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, bool]:
+    def compile_cached(self, spec: GrammarSpec, backend: str | None = None) -> tuple[CompiledGrammar, bool]:
         """:meth:`compile`, also saying whether the result came from the cache."""
         if spec.kind in KINDS and isinstance(spec.text, str):  # a hit passed the checks when it was compiled
             hit = self.cache.get(self.key(spec))
             if hit is not None:
                 return hit, True
-        found = inspect_spec(spec, self.limits)
+        route = backend_for(spec.kind, check_backend(backend or self.backend, self.json_indent), self.json_indent)
+        mode = {"xgrammar": "raise", "auto": "keep", "llguidance": "skip"}[route]
+        found = inspect_spec(spec, self.limits, mode)
         key = self.key(spec)
-        compiled = CompiledGrammar(
-            self._xgrammar_compile(spec, found), key, self.tokenizer_fingerprint,
-            named_control_tokens(found, self.controls),
-        )  # fmt: skip
+        text, used = self._compile_routed(spec, found, route)
+        compiled = CompiledGrammar(text, key, self.tokenizer_fingerprint, named_control_tokens(found, self.controls),
+                                   used)  # fmt: skip
         self.cache.put(compiled)
         return compiled, False
+
+    def warm(self) -> None:
+        """Load what compiling needs now (xgrammar and its tokenizer info; llguidance's tokenizer if used)."""
+        self._compiler()
+        if self.backend != "xgrammar":
+            build_llg_tokenizer(self.model_dir)
+
+    def _compile_routed(self, spec: GrammarSpec, found: Inspection, route: str) -> tuple[str, str]:
+        """(grammar text, backend) of ``spec`` compiled on ``route``."""
+        if route == "xgrammar":
+            return self._xgrammar_compile(spec, found), "xgrammar"
+        if route == "llguidance":
+            return self._llg_compile(spec), "llguidance"
+        first = found.pass_error
+        if first is None:
+            try:
+                return self._xgrammar_compile(spec, found), "xgrammar"
+            except GrammarError as e:
+                if e.outcome != "invalid":
+                    raise
+                first = e
+        try:
+            return self._llg_compile(spec), "llguidance"
+        except GrammarError as e:
+            raise _both_refused(first, e) from None
+
+    def _llg_compile(self, spec: GrammarSpec) -> str:
+        options = llg_json_options(self.json_whitespace, self.json_indent)
+        return llg_compile(spec.kind, spec.text, options, build_llg_tokenizer(self.model_dir))
 
     def _compiler(self) -> Any:
         with self._lock:

@@ -67,15 +67,21 @@ class Inspection:
     strings: list[str] = field(default_factory=list)
     token_ids: set[int] = field(default_factory=set)
     compile_text: str | None = None  # a JSON schema after the schema pass: what xgrammar compiles
+    pass_error: GrammarError | None = None  # the schema pass's refusal, kept (``schema_pass="keep"``)
 
 
-def check_limits(spec: GrammarSpec, limits: Limits | None = None) -> None:
-    """Raise :class:`GrammarError` if ``spec`` is malformed or over a limit (fast: no compiling)."""
-    inspect_spec(spec, limits)
+def check_limits(spec: GrammarSpec, limits: Limits | None = None, schema_pass: str = "raise") -> None:
+    """Raise :class:`GrammarError` if ``spec`` is malformed or over a limit (fast: no compiling); ``schema_pass``
+    as :func:`inspect_spec` (``skip``: the schema pass is left to the compiler, whose backend decides)."""
+    inspect_spec(spec, limits, schema_pass)
 
 
-def inspect_spec(spec: GrammarSpec, limits: Limits | None = None) -> Inspection:
-    """:func:`check_limits`, returning what the checks parsed (reused by the compiler)."""
+def inspect_spec(spec: GrammarSpec, limits: Limits | None = None, schema_pass: str = "raise") -> Inspection:
+    """:func:`check_limits`, returning what the checks parsed (reused by the compiler).
+
+    ``schema_pass`` says what a JSON schema's pass does: ``raise`` its refusal (xgrammar compiles the
+    rewrite), ``keep`` it in :attr:`Inspection.pass_error` (``auto``: llguidance may take the original),
+    or ``skip`` the pass (llguidance compiles the schema as written)."""
     lim = limits if limits is not None else Limits.from_env()
     kind, text = spec.kind, spec.text
     if kind not in KINDS:
@@ -91,7 +97,7 @@ def inspect_spec(spec: GrammarSpec, limits: Limits | None = None) -> Inspection:
             raise GrammarError(f"{kind}: the grammar is empty")
         _check_repeats(text, kind, "", lim.max_repeat)
         return Inspection(strings=[text])
-    return _inspect_json(text, kind, lim)
+    return _inspect_json(text, kind, lim, schema_pass)
 
 
 def _check_text(text: str, kind: str, what: str, cap: int) -> None:
@@ -130,7 +136,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _inspect_json(text: str, kind: str, lim: Limits) -> Inspection:
+def _inspect_json(text: str, kind: str, lim: Limits, schema_pass: str = "raise") -> Inspection:
     try:
         doc = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -145,9 +151,14 @@ def _inspect_json(text: str, kind: str, lim: Limits) -> Inspection:
     depth = _walk(doc, kind, lim, found)
     if depth > lim.max_depth:
         raise GrammarError(f"{kind}: nesting depth {depth} exceeds the limit {lim.max_depth}", "limit")
-    if kind == "json_schema":
+    if kind == "json_schema" and schema_pass == "keep":
+        try:
+            found.compile_text = _rewritten(doc, lim)
+        except GrammarError as e:
+            found.pass_error = e
+    elif kind == "json_schema" and schema_pass != "skip":
         found.compile_text = _rewritten(doc, lim)
-    else:
+    elif kind == "structural_tag":
         from deepinfer.grammar.schema_pass import normalize_tag
 
         found.document = normalize_tag(doc)

@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass
 
 __all__ = [
+    "BACKENDS",
     "KINDS",
     "OUTCOMES",
     "CompiledGrammar",
@@ -17,6 +18,7 @@ __all__ = [
     "cache_key",
 ]
 
+BACKENDS = ("xgrammar", "llguidance")  # what a CompiledGrammar can be; the setting adds "auto"
 KINDS = ("regex", "json_schema", "json_object", "ebnf", "structural_tag")
 JSON_KINDS = frozenset({"json_schema", "json_object", "structural_tag"})
 # How a compile ended (the grammar service's metric label): compiled, refused by xgrammar, refused by the
@@ -36,14 +38,16 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A compiled grammar as it travels: xgrammar's ``CompiledGrammar.serialize_json()`` text, the cache key,
-    the tokenizer it was compiled against, and the control tokens the grammar names (the only control tokens
-    a worker may let through under this grammar)."""
+    """A compiled grammar as it travels: ``compiled_json`` is xgrammar's ``CompiledGrammar.serialize_json()``
+    text (``backend == "xgrammar"``) or llguidance's grammar text, as ``LLMatcher`` takes it (``"llguidance"``);
+    then the cache key, the tokenizer it was compiled against, and the control tokens the grammar names (the
+    only control tokens a worker may let through under this grammar)."""
 
     compiled_json: str
     cache_key: str
     tokenizer_fingerprint: str
     allowed_control_token_ids: tuple[int, ...]
+    backend: str = "xgrammar"
 
     @property
     def nbytes(self) -> int:

@@ -44,6 +44,7 @@ def grammar_to_proto(grammar: CompiledGrammar) -> common_pb2.CompiledGrammar:
         cache_key=grammar.cache_key,
         tokenizer_fingerprint=grammar.tokenizer_fingerprint,
         allowed_control_token_ids=list(grammar.allowed_control_token_ids),
+        backend=grammar.backend,
     )
 
 
@@ -53,4 +54,5 @@ def grammar_from_proto(message: common_pb2.CompiledGrammar) -> CompiledGrammar:
         message.cache_key,
         message.tokenizer_fingerprint,
         tuple(message.allowed_control_token_ids),
+        message.backend or "xgrammar",
     )

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
+import stat
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -46,6 +50,23 @@ class RunningServer:
             await self.health.set(name, status)
 
 
+def tune_interpreter() -> None:
+    """A service process's interpreter settings: the thread switch interval (``DEEPINFER_SWITCH_INTERVAL_S``)."""
+    sys.setswitchinterval(envs.DEEPINFER_SWITCH_INTERVAL_S)
+
+
+def _bind_unix(server: grpc.aio.Server, path: Path, creds: grpc.ServerCredentials | None) -> None:
+    """Listen on the Unix socket ``path`` too (a stale socket of an earlier run is replaced; any other file is
+    refused, never deleted)."""
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise RuntimeError(f"cannot listen on unix:{path}: a file that is not a socket is there")
+        path.unlink()
+    address = f"unix:{path}"
+    if (server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)) == 0:
+        raise RuntimeError(f"cannot listen on {address}")
+
+
 def check_exposure(host: str, public: bool, internal: bool, keys: ApiKeys | None = None) -> None:
     """Refuse to serve beyond loopback without credentials (unless ``DEEPINFER_ALLOW_UNAUTHENTICATED``); mutual
     TLS (``DEEPINFER_TLS_*``) is an internal credential, as the internal token is."""
@@ -66,11 +87,14 @@ def check_exposure(host: str, public: bool, internal: bool, keys: ApiKeys | None
         )
 
 
-async def start_server(services: list[Service], host: str, port: int, public: tuple[str, ...] = ()) -> RunningServer:
+async def start_server(
+    services: list[Service], host: str, port: int, public: tuple[str, ...] = (), unix_socket: Path | None = None
+) -> RunningServer:
     """Start a gRPC server with ``services``; those named in ``public`` take API keys, the others the internal
     token (:class:`deepinfer.rpc.auth.ServerGuard`). With TLS configured (:mod:`deepinfer.rpc.tls`) it listens
     with TLS and, when any service is internal, requires a client certificate signed by the mesh's CA; a server
-    of public services only (the balancer) asks public clients for none."""
+    of public services only (the balancer) asks public clients for none. ``unix_socket``: a Unix socket it
+    listens on too, mode 0600 (same credentials and guard)."""
     keys = ApiKeys()
     internal = any(s.name not in public for s in services)
     check_exposure(host, bool(public), internal, keys)
@@ -86,10 +110,14 @@ async def start_server(services: list[Service], host: str, port: int, public: tu
     bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
+    if unix_socket is not None:
+        _bind_unix(server, unix_socket, creds)
     await server.start()
+    if unix_socket is not None:
+        os.chmod(unix_socket, 0o600)  # the socket's own user only (the directory should be private too)
     running = RunningServer(server, hs, bound, names)
     await running.set_serving(True)
-    log.info("listening", address=f"{host}:{bound}", services=names, tls=creds is not None)
+    log.info("listening", address=f"{host}:{bound}", unix=str(unix_socket or ""), services=names, tls=creds is not None)
     return running
 
 
@@ -101,9 +129,10 @@ async def serve(
     on_drain: Callable[[float], Awaitable[None]] | None = None,
     on_started: Callable[[RunningServer], Awaitable[None]] | None = None,
     public: tuple[str, ...] = (),
+    unix_socket: Path | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT: then health NOT_SERVING, ``on_drain(grace)``, stop within ``grace_s``."""
-    running = await start_server(services, host, port, public)
+    running = await start_server(services, host, port, public, unix_socket)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

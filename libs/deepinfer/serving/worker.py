@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -32,7 +32,7 @@ from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
-from deepinfer.serving.server import Service, serve, status_for
+from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
 from deepinfer.serving.tracing import StepSpans, StepTraces, tracer
 from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--unix-socket", type=Path, help="also serve on this Unix socket, for a scheduler on this host "
+                   "(default: DEEPINFER_WORKER_UNIX_SOCKET)")  # fmt: skip
     return p
 
 
@@ -265,7 +267,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # steps run in a thread beside the event loop that reads the next plan; with the default 5 ms GIL switch
     # interval the loop waits up to 5 ms per wake-up while a step computes
-    sys.setswitchinterval(0.0005)
+    tune_interpreter()
     configure_logging()
     try:  # a missing extra (MissingExtra) or a model that cannot load: one line, status 2
         provider = configure_tracing("deepinfer-worker")
@@ -293,7 +295,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     if args.metrics_port > 0:
         stop_metrics = start_metrics_server(servicer.metrics.registry, args.host, args.metrics_port)
     try:
-        asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration)))
+        unix = args.unix_socket or envs.DEEPINFER_WORKER_UNIX_SOCKET
+        asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration), unix))
     finally:
         if stop_metrics is not None:
             stop_metrics()
@@ -301,11 +304,13 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve_with_presence(services: list[Service], host: str, port: int, presence: Presence) -> None:
+async def _serve_with_presence(
+    services: list[Service], host: str, port: int, presence: Presence, unix_socket: Path | None = None
+) -> None:
     async def started(_: object) -> None:
         await presence.start()
 
     try:
-        await serve(services, host, port, on_started=started)
+        await serve(services, host, port, on_started=started, unix_socket=unix_socket)
     finally:
         await presence.close()

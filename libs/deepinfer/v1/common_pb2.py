@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/common.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xf7\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x04H\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x39\n\x11structured_output\x18\r \x01(\x0b\x32\x1e.deepinfer.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x95\x02\n\x10StructuredOutput\x12>\n\x0bschema_type\x18\x01 \x01(\x0e\x32).deepinfer.v1.StructuredOutput.SchemaType\x12\x0e\n\x06schema\x18\x02 \x01(\t\"\xb0\x01\n\nSchemaType\x12\x1b\n\x17SCHEMA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCHEMA_TYPE_REGEX\x10\x01\x12\x1b\n\x17SCHEMA_TYPE_JSON_SCHEMA\x10\x02\x12\x1b\n\x17SCHEMA_TYPE_JSON_OBJECT\x10\x03\x12\x14\n\x10SCHEMA_TYPE_EBNF\x10\x04\x12\x1e\n\x1aSCHEMA_TYPE_STRUCTURAL_TAG\x10\x05\"}\n\x0f\x43ompiledGrammar\x12\x15\n\rcompiled_json\x18\x01 \x01(\t\x12\x11\n\tcache_key\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12!\n\x19\x61llowed_control_token_ids\x18\x04 \x03(\x05\"\x8f\x01\n\nConstraint\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.deepinfer.v1.CompiledGrammar\x12\x18\n\x10\x62\x61nned_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x61\x66ter_think\x18\x03 \x01(\x08\x12\"\n\x1areasoning_banned_token_ids\x18\x04 \x03(\x05\"\x87\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x05 \x01(\x05\x12J\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x03(\x0b\x32+.deepinfer.v1.Usage.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf4\x01\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x15\n\rfree_kv_pages\x18\x05 \x01(\x05\x12\x16\n\x0etotal_kv_pages\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\nmax_queued\x18\t \x01(\x05\x12\x13\n\x0bmax_running\x18\n \x01(\x05\"\xc2\x01\n\x0b\x44\x65terminism\x12\x17\n\x0f\x62\x61tch_invariant\x18\x01 \x01(\x08\x12\x1e\n\x16\x64\x65terministic_sampling\x18\x02 \x01(\x08\x12\x0e\n\x06\x63overs\x18\x03 \x03(\t\x12\x39\n\x08requires\x18\x04 \x03(\x0b\x32\'.deepinfer.v1.Determinism.RequiresEntry\x1a/\n\rRequiresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x42\x02P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/common.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xf7\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x04H\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x39\n\x11structured_output\x18\r \x01(\x0b\x32\x1e.deepinfer.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x95\x02\n\x10StructuredOutput\x12>\n\x0bschema_type\x18\x01 \x01(\x0e\x32).deepinfer.v1.StructuredOutput.SchemaType\x12\x0e\n\x06schema\x18\x02 \x01(\t\"\xb0\x01\n\nSchemaType\x12\x1b\n\x17SCHEMA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11SCHEMA_TYPE_REGEX\x10\x01\x12\x1b\n\x17SCHEMA_TYPE_JSON_SCHEMA\x10\x02\x12\x1b\n\x17SCHEMA_TYPE_JSON_OBJECT\x10\x03\x12\x14\n\x10SCHEMA_TYPE_EBNF\x10\x04\x12\x1e\n\x1aSCHEMA_TYPE_STRUCTURAL_TAG\x10\x05\"\x8e\x01\n\x0f\x43ompiledGrammar\x12\x15\n\rcompiled_json\x18\x01 \x01(\t\x12\x11\n\tcache_key\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12!\n\x19\x61llowed_control_token_ids\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x8f\x01\n\nConstraint\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.deepinfer.v1.CompiledGrammar\x12\x18\n\x10\x62\x61nned_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x61\x66ter_think\x18\x03 \x01(\x08\x12\"\n\x1areasoning_banned_token_ids\x18\x04 \x03(\x05\"\x87\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x05 \x01(\x05\x12J\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x03(\x0b\x32+.deepinfer.v1.Usage.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf4\x01\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x15\n\rfree_kv_pages\x18\x05 \x01(\x05\x12\x16\n\x0etotal_kv_pages\x18\x06 \x01(\x05\x12\x14\n\x0cstep_time_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\nmax_queued\x18\t \x01(\x05\x12\x13\n\x0bmax_running\x18\n \x01(\x05\"\xc2\x01\n\x0b\x44\x65terminism\x12\x17\n\x0f\x62\x61tch_invariant\x18\x01 \x01(\x08\x12\x1e\n\x16\x64\x65terministic_sampling\x18\x02 \x01(\x08\x12\x0e\n\x06\x63overs\x18\x03 \x03(\t\x12\x39\n\x08requires\x18\x04 \x03(\x0b\x32\'.deepinfer.v1.Determinism.RequiresEntry\x1a/\n\rRequiresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x42\x02P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,30 +36,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_options = b'8\001'
   _globals['_DETERMINISM_REQUIRESENTRY']._loaded_options = None
   _globals['_DETERMINISM_REQUIRESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1952
-  _globals['_FINISHREASON']._serialized_end=2097
+  _globals['_FINISHREASON']._serialized_start=1970
+  _globals['_FINISHREASON']._serialized_end=2115
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=547
   _globals['_STRUCTUREDOUTPUT']._serialized_start=550
   _globals['_STRUCTUREDOUTPUT']._serialized_end=827
   _globals['_STRUCTUREDOUTPUT_SCHEMATYPE']._serialized_start=651
   _globals['_STRUCTUREDOUTPUT_SCHEMATYPE']._serialized_end=827
-  _globals['_COMPILEDGRAMMAR']._serialized_start=829
-  _globals['_COMPILEDGRAMMAR']._serialized_end=954
-  _globals['_CONSTRAINT']._serialized_start=957
-  _globals['_CONSTRAINT']._serialized_end=1100
-  _globals['_USAGE']._serialized_start=1103
-  _globals['_USAGE']._serialized_end=1366
-  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_start=1309
-  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_end=1366
-  _globals['_TOKENLOGPROB']._serialized_start=1368
-  _globals['_TOKENLOGPROB']._serialized_end=1456
-  _globals['_TOPLOGPROB']._serialized_start=1458
-  _globals['_TOPLOGPROB']._serialized_end=1505
-  _globals['_REPLICALOAD']._serialized_start=1508
-  _globals['_REPLICALOAD']._serialized_end=1752
-  _globals['_DETERMINISM']._serialized_start=1755
-  _globals['_DETERMINISM']._serialized_end=1949
-  _globals['_DETERMINISM_REQUIRESENTRY']._serialized_start=1902
-  _globals['_DETERMINISM_REQUIRESENTRY']._serialized_end=1949
+  _globals['_COMPILEDGRAMMAR']._serialized_start=830
+  _globals['_COMPILEDGRAMMAR']._serialized_end=972
+  _globals['_CONSTRAINT']._serialized_start=975
+  _globals['_CONSTRAINT']._serialized_end=1118
+  _globals['_USAGE']._serialized_start=1121
+  _globals['_USAGE']._serialized_end=1384
+  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_start=1327
+  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_end=1384
+  _globals['_TOKENLOGPROB']._serialized_start=1386
+  _globals['_TOKENLOGPROB']._serialized_end=1474
+  _globals['_TOPLOGPROB']._serialized_start=1476
+  _globals['_TOPLOGPROB']._serialized_end=1523
+  _globals['_REPLICALOAD']._serialized_start=1526
+  _globals['_REPLICALOAD']._serialized_end=1770
+  _globals['_DETERMINISM']._serialized_start=1773
+  _globals['_DETERMINISM']._serialized_end=1967
+  _globals['_DETERMINISM_REQUIRESENTRY']._serialized_start=1920
+  _globals['_DETERMINISM_REQUIRESENTRY']._serialized_end=1967
 # @@protoc_insertion_point(module_scope)

@@ -77,16 +77,18 @@ class StructuredOutput(_message.Message):
     def __init__(self, schema_type: _Optional[_Union[StructuredOutput.SchemaType, str]] = ..., schema: _Optional[str] = ...) -> None: ...
 
 class CompiledGrammar(_message.Message):
-    __slots__ = ("compiled_json", "cache_key", "tokenizer_fingerprint", "allowed_control_token_ids")
+    __slots__ = ("compiled_json", "cache_key", "tokenizer_fingerprint", "allowed_control_token_ids", "backend")
     COMPILED_JSON_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_CONTROL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     compiled_json: str
     cache_key: str
     tokenizer_fingerprint: str
     allowed_control_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, compiled_json: _Optional[str] = ..., cache_key: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., allowed_control_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    backend: str
+    def __init__(self, compiled_json: _Optional[str] = ..., cache_key: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., allowed_control_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("grammar", "banned_token_ids", "after_think", "reasoning_banned_token_ids")
