@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names import internal_to_official
 from deepinfer.checkpoint.tiny import TINY_V4, official_tensors, random_tensor
-from deepinfer.checkpoint.tiny_files import tokenizer_dir, write_configs
+from deepinfer.checkpoint.tiny_files import copy_tokenizer, write_configs
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.quant.formats import MXFP4_BLOCK
@@ -116,10 +115,7 @@ def write_random_checkpoint(path: str | Path, raw: dict[str, Any], seed: int = 0
         shards.add(official_tensors(config, name, random_tensor(config, name, p.shape, g)))
     shards.write_index()
     write_configs(path, raw)
-    src = tokenizer_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, path / name)
+    copy_tokenizer(path)
     return path
 
 

@@ -10,7 +10,6 @@ distributions are peaky (greedy comparisons are then robust to float noise).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.names import internal_to_official
-from deepinfer.checkpoint.tiny_files import tokenizer_dir, write_configs
+from deepinfer.checkpoint.tiny_files import copy_tokenizer, write_configs
 from deepinfer.checkpoint.tiny_v41 import TINY_V41, make_tiny_v41
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
@@ -176,8 +175,5 @@ def make_tiny_model(
     tensors = to_official_tensors(config, random_weights(config, seed))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt", "generator": "deepinfer"})
     write_configs(path, raw)
-    src = tokenizer_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, path / name)
+    copy_tokenizer(path)
     return path
