@@ -34,6 +34,7 @@ from deepinfer import envs
 from deepinfer.grammar.cache import GrammarCache
 from deepinfer.grammar.compiler import backend_for, check_backend, compile_options
 from deepinfer.grammar.limits import Limits, inspect_spec
+from deepinfer.grammar.llg import llg_reason
 from deepinfer.grammar.spec import (
     KINDS,
     CompiledGrammar,
@@ -296,7 +297,7 @@ class CompilerPool:
             except GrammarTimeout as second:
                 raise GrammarTimeout(f"{first} (then llguidance: {second})") from None
             except GrammarError as second:
-                why = str(second).split(": llguidance: ", 1)[-1]
+                why = llg_reason(second)
                 raise GrammarError(f"{first}, and llguidance refuses it: {why}", second.outcome) from None
 
     async def _run(

@@ -43,7 +43,14 @@ from typing import Any
 from deepinfer import envs
 from deepinfer.grammar.cache import GrammarCache
 from deepinfer.grammar.limits import Inspection, Limits, inspect_spec
-from deepinfer.grammar.llg import LLG_KINDS, build_llg_tokenizer, llg_compile, llg_json_options, llg_version
+from deepinfer.grammar.llg import (
+    LLG_KINDS,
+    build_llg_tokenizer,
+    llg_compile,
+    llg_json_options,
+    llg_reason,
+    llg_version,
+)
 from deepinfer.grammar.spec import BACKENDS, KINDS, CompiledGrammar, GrammarError, GrammarSpec, cache_key
 from deepinfer.grammar.vocab import build_tokenizer_info, control_token_ids, tokenizer_fingerprint
 
@@ -86,8 +93,7 @@ def backend_for(kind: str, backend: str, json_indent: int = 0) -> str:
 
 
 def _both_refused(first: GrammarError, second: GrammarError) -> GrammarError:
-    why = str(second).split(": llguidance: ", 1)[-1]
-    return GrammarError(f"{first} (llguidance refuses it too: {why})", first.outcome)
+    return GrammarError(f"{first} (llguidance refuses it too: {llg_reason(second)})", first.outcome)
 
 
 def json_layout(json_whitespace: int, json_indent: int) -> dict[str, Any]:

@@ -33,9 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.grammar.spec import GrammarError
-from deepinfer.grammar.vocab import EOS_TEXT, _stat_key, _vocab, tokenizer_path
+from deepinfer.grammar.vocab import EOS_TEXT, stat_key, tokenizer_path, vocab_of
 
-__all__ = ["LLG_KINDS", "build_llg_tokenizer", "llg_compile", "llg_json_options", "llg_version", "parser_limits"]
+__all__ = [
+    "LLG_KINDS",
+    "build_llg_tokenizer",
+    "llg_compile",
+    "llg_json_options",
+    "llg_reason",
+    "llg_version",
+    "parser_limits",
+]
 
 LLG_KINDS = frozenset({"json_schema", "json_object", "regex"})
 _MAX_MESSAGE = 600
@@ -75,7 +83,7 @@ def parser_limits() -> Any:
 def _tokenizer(key: tuple[str, int, int]) -> Any:
     import llguidance
 
-    encoded, added = _vocab(key)
+    encoded, added = vocab_of(key)
     eos = [i for i, (text, _) in added.items() if text == EOS_TEXT]
     return llguidance.LLTokenizer(
         Path(key[0]).read_text(encoding="utf-8"), n_vocab=len(encoded), eos_token=eos[0] if eos else 1
@@ -85,7 +93,12 @@ def _tokenizer(key: tuple[str, int, int]) -> Any:
 def build_llg_tokenizer(model_dir: str | Path | None = None) -> Any:
     """llguidance's ``LLTokenizer`` of the tokenizer (cached per file): the vocabulary size and EOS as in
     :func:`~deepinfer.grammar.vocab.build_tokenizer_info`."""
-    return _tokenizer(_stat_key(tokenizer_path(model_dir)))
+    return _tokenizer(stat_key(tokenizer_path(model_dir)))
+
+
+def llg_reason(error: GrammarError) -> str:
+    """The reason in a refusal of :func:`llg_compile` ("<kind>: llguidance: <why>"), without its prefix."""
+    return str(error).split(": llguidance: ", 1)[-1]
 
 
 def _clean(message: str) -> str:

