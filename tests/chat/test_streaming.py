@@ -241,10 +241,27 @@ def test_truncated_generations(completion, rnd):
             expected = comparable(parse_completion(prefix + EOS, mode))
         except ValueError:
             continue
-        # a cut-off start of DSML markup at the end (from its "<｜") is dropped, never released as text
-        cut = next((i for i in range(len(expected[1])) if partial_markup(expected[1][i:])), len(expected[1]))
+        # a cut-off start of DSML markup at the end of the text (from its "<｜") is dropped, never released as text;
+        # content that only ends with such characters, the text going on after them, keeps them
+        tail = (
+            i for i in range(len(expected[1])) if partial_markup(expected[1][i:]) and prefix.endswith(expected[1][i:])
+        )
+        cut = next(tail, len(expected[1]))
         assert comparable(message) == (expected[0], expected[1][:cut], expected[2])
         assert not parser.unfinished_call
+
+
+def test_text_ending_like_markup_before_tool_calls_is_kept():
+    """Content whose last characters could start DSML markup ("<｜"), then blank lines and tool calls: the text went
+    on, so those characters are content, cut short or not (a case found by test_truncated_generations)."""
+    call = (
+        '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x</｜DSML｜parameter>\n</｜DSML｜invoke>'
+    )
+    text = f"0000<｜\n\n<｜DSML｜tool_calls>\n{call}\n</｜DSML｜tool_calls>"
+    for prefix in (text, text[: text.index("</｜DSML｜tool_calls>")]):
+        message, _, _ = stream(prefix, "chat", [5, 9, 30])
+        assert message["content"] == "0000<｜"
+    assert stream("0000<｜", "chat", [3])[0]["content"] == "0000"  # the text ends there: a cut-off start, dropped
 
 
 def test_truncated_inside_a_call():
