@@ -17,6 +17,7 @@ from deepinfer import envs
 from deepinfer.chat import encode_messages
 from deepinfer.engine.engine import LLMEngine, RequestOutput
 from deepinfer.engine.factory import build_scheduler, build_worker
+from deepinfer.engine.image_cache import FeatureCache
 from deepinfer.engine.model_api import ImageEncoder
 from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.structured import LocalConstraints
@@ -62,9 +63,11 @@ class LLM:
         self._image_encoder = None  # the family's built-in encoder, made on the first image
 
     def image_encoder(self) -> ImageEncoder:
-        """The encoder of this model's images (its own vision tower); ValueError for a model without image input."""
+        """The encoder of this model's images (its own vision tower, behind a cache of features by image digest:
+        ``DEEPINFER_IMAGE_FEATURE_CACHE_BYTES``); ValueError for a model without image input."""
         if self._image_encoder is None:
-            self._image_encoder = self.family.image_encoder(self.model)
+            encoder = self.family.image_encoder(self.model)
+            self._image_encoder = FeatureCache(encoder, envs.DEEPINFER_IMAGE_FEATURE_CACHE_BYTES)
         return self._image_encoder
 
     def _encode(self, prompt: Any, where: str) -> tuple[list[int], str | None, MultiModalInput | None]:

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from deepinfer import envs
+from deepinfer.chat.turns import turn_boundaries
 from deepinfer.engine.determinism import merge as merge_determinism
 from deepinfer.rpc.convert import determinism_from_proto, determinism_to_proto
 from deepinfer.serving.errors import ModelNotFound, Unavailable
@@ -33,7 +34,8 @@ from services.balancer.replicas import Replica, ReplicaSet
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
-# a replica's stream that ends with these moves to another replica (a dead or draining replica's codes)
+# a replica's stream that ends with these moves to another replica (a dead or draining replica's codes); any other
+# ends the request with it: e.g. INTERNAL ``constraint.grammar: ...`` (the worker could not enforce the grammar)
 MOVABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
 
 
@@ -63,6 +65,7 @@ class Balancer:
         self.pool = ReplicaSet(replicas)
         self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
         self._where: dict[str, Replica] = {}
+        self.samples: dict[str, int] = {}  # gRPC requests with n > 1 now running: id -> n (samples {id}-{i})
         self.draining = False  # SIGTERM: new requests are refused (UNAVAILABLE / 503), open ones finish
         self.in_flight = 0  # open streams of generate(), gRPC and HTTP alike (the drain waits for them)
 
@@ -159,12 +162,15 @@ class Balancer:
                 constraint = await self._constraint(request, ids, params, tools)
         except Unavailable as e:
             raise _unavailable(str(e)) from e
-        async for out in self._relay(rid, (ids, images), request, params, constraint, timeout, span, route):
+        # a chat's turn ends (positions right after each <｜Assistant｜>): the replica keeps resume points there, where
+        # the conversation's next turn resumes (chat/turns.py)
+        hints = turn_boundaries(ids, self.tokenizer) if request.WhichOneof("input") == "chat" else []
+        async for out in self._relay(rid, (ids, images, hints), request, params, constraint, timeout, span, route):
             yield out
 
     async def _relay(
-        self, rid: str, prompt: tuple[list[int], list[bytes]], request: generation_pb2.GenerateRequest, params: object,
-        constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
+        self, rid: str, prompt: tuple[list[int], list[bytes], list[int]], request: generation_pb2.GenerateRequest,
+        params: object, constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
         route: tuple[str | None, bool] = (None, False),
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
         """Stream the request from a replica; when that replica fails mid-stream, move the request (its prompt and
@@ -173,6 +179,7 @@ class Balancer:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         relay = Relay(rid, prompt[0], params, self.tokenizer, prompt[1])
+        relay.hints = prompt[2]
         metadata = inject_metadata(trace.set_span_in_context(span))
         (prefer, shared), attempt = route, 0
         replica = self._route(self.pool.pick, prefer)
@@ -226,10 +233,13 @@ class Balancer:
         """Abort these requests on the replicas that run them; the ids that were aborted."""
         aborted = []
         for rid in request_ids:
-            replica = self._where.get(rid)
-            if replica is not None:
-                res = await replica.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=[rid]), timeout=10)
-                aborted += list(res.aborted)
+            n = self.samples.get(rid)
+            for sub in [rid] if n is None else [f"{rid}-{i}" for i in range(n)]:  # an n > 1 request: its samples
+                replica = self._where.get(sub)
+                if replica is not None:
+                    res = await replica.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=[sub]), timeout=10)
+                    if res.aborted and (n is None or rid not in aborted):
+                        aborted.append(rid)
         return aborted
 
     async def model_info(self) -> generation_pb2.ModelInfo:

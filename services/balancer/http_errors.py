@@ -2,7 +2,9 @@
 
 ``api_error`` maps validation errors (pydantic, ValueError naming the field) to 400 with ``param``, a body over
 the limit to 413, the admission gate's refusal and a replica's RESOURCE_EXHAUSTED to 429 (``Retry-After``), a
-replica gone or one that cancelled the request to 503, a deadline to 504, anything else to a generic 500.
+replica gone or one that cancelled the request to 503, a deadline to 504, a request the engine failed (a replica's
+INTERNAL with ``constraint.grammar: ...``: the worker could not enforce its grammar) to 500 with that reason and
+code ``constraint_failed``, anything else to a generic 500.
 """
 
 from __future__ import annotations
@@ -78,5 +80,7 @@ def api_error(exc: BaseException) -> ApiError:
             status, type_, code = _RPC_ERRORS[grpc_code]
             match = _PARAM.match(details) if status == 400 else None
             return ApiError(status, details, type_, match.group(1) if match else None, code)
+        if grpc_code == grpc.StatusCode.INTERNAL and details.startswith("constraint."):  # the grammar failed
+            return ApiError(500, details, "server_error", None, "constraint_failed")
     log.error("http_internal_error", exc_info=exc)
     return ApiError(500, "internal error", "server_error", code="internal_error")

@@ -26,6 +26,7 @@ class Relay:
         self.generated: list[int] = []  # token ids sent (they continue on another replica after a failure)
         self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
         self.prompt_rows: list[scheduler_pb2.PromptLogprobEntry] = []
+        self.hints: list[int] = []  # prompt positions worth a resume point (a chat's turn ends)
 
     def response(self, ev: scheduler_pb2.TokenEvent) -> generation_pb2.GenerateResponse | None:
         """The caller's message for one replica event (None: nothing to send yet). A message with ``finished``
@@ -73,6 +74,12 @@ class Relay:
         if ev.cached_tokens and ev.cached_tier:
             f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
 
+    def resume_hints(self, shared: bool) -> list[int]:
+        """Where the replica keeps resume points (positions of the prompt as sent, before any image expands):
+        the turn ends and, ``shared`` (the first sample of ``n``), one token short of the prompt's end."""
+        n = len(self.prompt_ids)
+        return sorted({*self.hints, n - 1} if shared and n > 1 else set(self.hints))
+
     def submit(
         self, request: generation_pb2.GenerateRequest, constraint: common_pb2.Constraint | None, attempt: int,
         shared: bool = False,
@@ -94,5 +101,5 @@ class Relay:
             constraint=constraint,
             output_token_ids=self.generated if attempt else (),
             images=self.images,
-            resume_hints=[len(self.prompt_ids) - 1] if shared and not attempt and len(self.prompt_ids) > 1 else (),
+            resume_hints=self.resume_hints(shared and not attempt),
         )

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
 from deepinfer.serving.errors import Overloaded
-from deepinfer.serving.metrics import observe_stream
+from deepinfer.serving.metrics import observe_stream, status_label
 from deepinfer.serving.server import status_for
 from deepinfer.serving.tracing import extract_metadata
 from deepinfer.v1 import generation_pb2, generation_pb2_grpc
 from services.balancer.admission import public_status
 from services.balancer.core import Balancer
+from services.balancer.samples import check_n, generate_samples
 
 PUBLIC = ("deepinfer.v1.Generation",)  # the balancer's services that take API keys (the rest: internal token)
 
@@ -27,18 +29,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        core = self.core
+        core, tickets = self.core, []
         try:
-            ticket = core.gate.admit(draining=core.draining)  # every replica full: RESOURCE_EXHAUSTED at once
+            n = check_n(request)
+        except ValueError as e:
+            core.metrics.count_request(core.info.model, self.GRPC_ROUTE, status_label(e))
+            await context.abort(*status_for(e))
+        try:
+            for _ in range(n):  # a place per sample; every replica full: RESOURCE_EXHAUSTED at once
+                tickets.append(core.gate.admit(draining=core.draining))
         except Overloaded as e:
+            for ticket in tickets:
+                ticket.release()
             core.metrics.count_request(core.info.model, self.GRPC_ROUTE, "resource_exhausted")
             await context.abort(*status_for(e))
-        stream = observe_stream(
-            core.generate(request, context.time_remaining(), extract_metadata(context.invocation_metadata())),
-            model=core.info.model,
-            route=self.GRPC_ROUTE,
-            metrics=core.metrics,
-        )
+        parent = extract_metadata(context.invocation_metadata())
+
+        def open_(sample: generation_pb2.GenerateRequest, timeout: float | None, **route: object) -> AsyncIterator:
+            gen = core.generate(sample, timeout, parent, **route)  # n == 1: no routing arguments
+            return observe_stream(gen, model=core.info.model, route=self.GRPC_ROUTE, metrics=core.metrics)
+
+        if n == 1:
+            stream = open_(request, context.time_remaining())
+        else:
+            request.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            core.samples[request.request_id] = n  # Abort(id) aborts every sample
+            stream = generate_samples(request, n, open_, core.replica_of, context.time_remaining())
         try:
             async for out in stream:
                 yield out
@@ -47,7 +63,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as e:
             await context.abort(*public_status(e))
         finally:
-            ticket.release()
+            for ticket in tickets:
+                ticket.release()
+            if n > 1:
+                core.samples.pop(request.request_id, None)
             await stream.aclose()
 
     async def Abort(  # noqa: N802

@@ -213,6 +213,10 @@ class CompilerPool:
         await child.kill()
 
     # -- compiling --
+    def route(self, kind: str) -> str:
+        """The engine that compiles a ``kind`` here: xgrammar, llguidance, or auto (xgrammar, then llguidance)."""
+        return backend_for(kind, self.backend, self._config.json_indent) if kind in KINDS else self.backend
+
     async def compile(self, spec: GrammarSpec, timeout_s: float | None = None) -> tuple[CompiledGrammar, bool]:
         """The compiled grammar and whether it came from the cache. Raises :class:`GrammarError` (invalid,
         over a limit, crashed; :class:`GrammarTimeout` past ``timeout_s``) or :class:`GrammarUnavailable`."""

@@ -122,7 +122,8 @@ class GrammarService(grammar_pb2_grpc.GrammarServicer):
                 seconds = time.perf_counter() - t0
                 span.set_attribute("deepinfer.grammar.outcome", outcome)
                 span.set_attribute("deepinfer.grammar.cached", cached)
-                self.metrics.record(kind, outcome, seconds, cached)
+                backend = grammar.backend if grammar is not None else self.pool.route(kind)
+                self.metrics.record(kind, outcome, seconds, cached, backend)
             if status is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, status[1]))
                 log.info("grammar_refused", kind=kind, outcome=outcome, code=status[0].name, reason=status[1],

@@ -47,6 +47,11 @@ class RemoteWorker:
         spans = tuple(zip(out.spans[0::2], out.spans[1::2]))
         return list(out.token_ids), MultiModalInput(spans, tuple(out.digests), None)
 
+    @property
+    def has_image_drops(self) -> bool:
+        """Dropped images wait for a step to carry them."""
+        return bool(self._image_drops)
+
     def drop_images(self, request_id: str) -> None:
         """The request is over: its prepared images are dropped with the next step (after every earlier one)."""
         self._image_drops.append(request_id)

@@ -6,7 +6,8 @@ their tokens as a stream. A caller that goes away (cancel, deadline) aborts its 
 its pages are freed before the next step and the worker drops its state with that step. More
 waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
 open stream ends with UNAVAILABLE (the balancer moves those requests elsewhere), health turns NOT_SERVING, and the
-worker is dialled again until it is back (a restarted worker included); then the replica serves again.
+worker is dialled again until it is back (a restarted worker included); then the replica serves again. A request the
+worker cannot go on with (``SeqResult.error``: its grammar failed) ends with INTERNAL and the worker's reason.
 
 A request with images is prepared by the worker first (``Worker.PrepareImages``: the features stay there); it is
 queued with the expanded prompt, and when it ends the worker drops its features with the next step.
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from deepinfer import envs
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.request import Request
@@ -28,7 +30,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.step_loop import StepLoop, Turn
 from deepinfer.rpc.channel import Backoff
 from deepinfer.rpc.convert import constraint_from_proto, sampling_from_proto
-from deepinfer.serving.errors import Overloaded, Unavailable
+from deepinfer.serving.errors import Overloaded, RequestFailed, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import status_for
 from deepinfer.serving.tracing import RequestTrace, extract_metadata
@@ -41,6 +43,7 @@ _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
 }
 
 
@@ -72,7 +75,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.step_ms = 0.0
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []  # health follows the worker
         self.on_fatal: list[Callable[[], Awaitable[None]]] = []  # the replica cannot go on: stop the process
-        self.loop = StepLoop(scheduler, depth=2)  # 2 steps in flight: plan step N+1 while the worker runs step N
+        self.loop = StepLoop(scheduler, depth=envs.DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT)  # plan ahead of the worker
 
     # -- the engine loop -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -96,6 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         sent: collections.deque[tuple[int, float]] = collections.deque()  # each step in flight: tokens, sent at
         while True:
             turn = self.loop.turn(self.worker.waits_for_tokens)
+            if turn is Turn.IDLE and self.worker.has_image_drops:  # an empty step frees the features on the worker
+                turn = self.loop.idle_step()
             if turn is Turn.SEND:
                 plan = self.loop.plan
                 self._attach_trace_context(plan)
@@ -215,8 +220,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for rid, ev in events.items():
             req = self.scheduler.requests.get(rid) or done.get(rid)
             ev.prompt_tokens = req.num_prompt_tokens if req is not None else 0
-            q = self.streams.get(rid)
-            if q is not None:
+            q, failed = self.streams.get(rid), done.get(rid)
+            if q is not None and failed is not None and failed.finish_reason == "error":  # tokens, then the failure
+                log.warning("request_failed", request_id=rid, error=failed.error)
+                ev.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                if ev.token_ids or ev.prompt_logprobs:
+                    q.put_nowait(ev)
+                q.put_nowait(RequestFailed(failed.error or "the engine failed the request"))
+            elif q is not None:
                 q.put_nowait(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
@@ -235,6 +246,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the worker's image-feature budget is spent
+                raise Overloaded(e.details()) from None
             raise Unavailable(f"the worker could not prepare the images ({e.code().name}: {e.details()})") from None
 
     def _admit(self, request: scheduler_pb2.SubmitRequest, ids: list[int], mm: MultiModalInput | None) -> None:
@@ -260,7 +273,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         out = list(request.output_token_ids)
         if any(not 0 <= t < self.vocab_size for t in out):
             raise ValueError(f"output_token_ids: ids outside the vocabulary [0, {self.vocab_size})")
-        hints = list(request.resume_hints) if mm is None else []  # hints name positions of the unexpanded prompt
+        hints = list(request.resume_hints)  # positions of the prompt as sent: past an image, moved by its span
+        hints = hints if mm is None else mm.expand_positions(hints)
         self.scheduler.add(request.request_id, ids, params, salt, hints, constraint, out, mm=mm)
 
     async def Submit(  # noqa: N802
@@ -280,6 +294,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as e:  # noqa: BLE001
             if mm is not None:
                 self.worker.drop_images(rid)
+                self.wakeup.set()
             self.metrics.outcome("rejected")
             await context.abort(*status_for(e))
             return
@@ -292,6 +307,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             while not done:
                 ev = await q.get()
                 if isinstance(ev, BaseException):
+                    if isinstance(ev, RequestFailed):  # finished, with an error: counted, nothing to abort
+                        done, outcome = True, "failed"
+                        trace_.finished = time.time_ns()
+                        self.metrics.outcome(outcome)
                     await context.abort(*status_for(ev))
                     return
                 done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -303,8 +322,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self.streams.pop(rid, None)
             self._traces.pop(rid, None)
-            if mm is not None:  # the worker drops the request's image features with the next step
-                self.worker.drop_images(rid)
+            if mm is not None:  # the worker drops the request's image features with the next step (an empty one
+                self.worker.drop_images(rid)  # when nothing else runs)
+                self.wakeup.set()
             trace_.record(rid, len(request.prompt_token_ids), outcome)
             if not done:  # client gone, deadline or server abort: free the pages now
                 self.metrics.outcome("aborted")

@@ -92,3 +92,50 @@ def test_bad_multimodal_input_is_refused() -> None:
     sched = Scheduler(SchedulerConfig(page_size=4, max_model_len=256, eos_token_id=1), PagePool(64))
     with pytest.raises(ValueError, match="multi_modal.spans: a span ends at 13, past the prompt's 5 tokens"):
         sched.add("r", PROMPT[:5], PARAMS, mm=mm(b"x"))
+
+
+def test_positions_of_the_prompt_as_sent_move_past_the_spans() -> None:
+    """Resume hints name positions of the prompt with one placeholder per image; each placeholder became its span."""
+    two = MultiModalInput(((2, 7), (9, 12)), (content_digest(b"a"), content_digest(b"b")), None)
+    # as sent: t t P t P t  ->  expanded: t t [2, 7) t [9, 12) t
+    assert two.expand_positions([0, 1, 2, 3, 4, 5, 6]) == [0, 1, 2, 7, 8, 9, 12]
+    assert mm(b"a").expand_positions([3, 4, len(PROMPT) - 9]) == [3, 13, len(PROMPT)]
+
+
+def test_feature_cache_and_budget() -> None:
+    """The cache answers an image it holds without the encoder, by its bytes, least recently used out first; the
+    budget refuses what does not fit beside the features held (Overloaded) and what never fits (ValueError)."""
+    import torch
+
+    from deepinfer.engine.image_cache import FeatureBudget, FeatureCache, nbytes
+    from deepinfer.serving.errors import Overloaded
+
+    class Tower:
+        calls = 0
+
+        def encode(self, image: bytes) -> torch.Tensor:
+            self.calls += 1
+            return torch.full((len(image), 4), float(image[0]))  # 16 bytes per input byte
+
+    tower = Tower()
+    cache = FeatureCache(tower, capacity_bytes=100)
+    a = cache.encode(b"aa")
+    assert cache.encode(b"aa") is a and (tower.calls, cache.hits, cache.bytes) == (1, 1, 32)
+    cache.encode(b"bbb")
+    cache.encode(b"aa")  # a is the most recent now
+    cache.encode(b"cc")  # 32 + 48 + 32 > 100: b goes
+    assert (tower.calls, cache.bytes, len(cache)) == (3, 64, 2)
+    cache.encode(b"bbb")
+    assert tower.calls == 4
+    cache.encode(b"x" * 10)  # larger than the whole cache: encoded, not kept
+    assert cache.bytes <= 100 and cache.encoded == 5
+    budget = FeatureBudget(limit=100)
+    assert budget.take("r1", a) == nbytes(a) == 32
+    budget.take("r2", torch.zeros(12))
+    with pytest.raises(Overloaded, match="DEEPINFER_IMAGE_FEATURE_BUDGET_BYTES"):
+        budget.take("r3", torch.zeros(12))
+    with pytest.raises(ValueError, match="^images: "):
+        budget.take("r4", torch.zeros(26))
+    budget.release("r2")
+    budget.take("r3", torch.zeros(12))
+    assert budget.total == 80

@@ -1,6 +1,6 @@
 """The scheduler's lookahead (async pipeline): step N+1 is planned before step N's result is applied.
 
-Driven by the engine loop (``StepLoop``: two steps in flight, results in order), with a model-free
+Driven by the engine loop (``StepLoop``: two or three steps in flight, results in order), with a model-free
 worker that fills placeholders with the token it sampled the step before. The outputs must be exactly
 those of the synchronous schedule, and no page may leak.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.scheduler import PLACEHOLDER, Scheduler
@@ -95,8 +96,8 @@ def run_pipelined(sched: Scheduler, worker: PipelinedWorker, events: list, seed:
 
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sc=scenarios())
-def test_pipelined_schedule_gives_the_synchronous_outputs(sc: dict) -> None:
+@given(sc=scenarios(), depth=st.sampled_from([2, 3]))
+def test_pipelined_schedule_gives_the_synchronous_outputs(sc: dict, depth: int) -> None:
     cfg, seed = sc["cfg"], sc["seed"]
 
     def token_fn(rid: str, pos: int) -> int:
@@ -104,7 +105,7 @@ def test_pipelined_schedule_gives_the_synchronous_outputs(sc: dict) -> None:
 
     sched = make_scheduler(cfg["num_pages"], cfg["budget"], cfg["max_seqs"], cfg["max_model_len"])
     worker = PipelinedWorker(sched, token_fn)
-    accepted = run_pipelined(sched, worker, sc["events"], seed)
+    accepted = run_pipelined(sched, worker, sc["events"], seed, depth)
     assert sched.pages.num_free == sched.pages.num_total
     plan = sched.schedule()
     worker.execute(plan)
@@ -128,3 +129,25 @@ def test_decodes_continue_on_placeholders() -> None:
     for i in range(3):
         req = sched.requests[f"r{i}"]
         assert req.output_token_ids == [100 + 3 + i + k for k in range(8)] and req.finish_reason == "length"
+
+
+def test_three_steps_in_flight_chain_placeholders() -> None:
+    """With three steps in flight a decoding request has two tokens in flight: its chunk in the third step holds a
+    placeholder for a token sampled in a step whose result has not come back (the scheduler service's default)."""
+    sched = make_scheduler(num_pages=64)
+    worker = PipelinedWorker(sched, lambda rid, pos: 100 + pos)
+    loop = StepLoop(sched, 3)
+    sched.add("r0", [10, 11, 12], SamplingParams(temperature=0, max_tokens=6))
+    ahead = 0
+    while loop.busy:
+        turn = loop.turn(worker.waits_for_tokens)
+        if turn is Turn.SEND:
+            ahead = max(ahead, sched.requests["r0"].in_flight if "r0" in sched.requests else 0)
+            worker.send(loop.plan)
+        elif turn is Turn.RECEIVE:
+            loop.received(worker.receive())
+        check_pages(sched)
+    req = sched.requests["r0"]
+    assert ahead == 3  # the prompt's token and two decode placeholders, none of them answered yet
+    assert req.output_token_ids == [103 + k for k in range(6)] and req.finish_reason == "length"
+    assert sched.pages.num_free == sched.pages.num_total

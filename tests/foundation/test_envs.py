@@ -60,8 +60,6 @@ def test_registry_covers_the_required_variables():
         "DEEPINFER_HF_MODEL_DIR",
         "DEEPINFER_MODEL",
         "DEEPINFER_BATCH_INVARIANT",
-        "DEEPINFER_ENABLE_MTP_VARLEN",
-        "DEEPINFER_USE_NEXTN_DECODE",
         "DEEPINFER_LOG_LEVEL",
         "DEEPINFER_LOG_FORMAT",
         "DEEPINFER_CACHE_DIR",
@@ -173,8 +171,6 @@ def test_defaults(monkeypatch, tmp_path):
         "DEEPINFER_NUM_PAGES": None,
         "DEEPINFER_MAX_NUM_SEQS": 256,
         "DEEPINFER_MAX_NUM_BATCHED_TOKENS": 8192,
-        "DEEPINFER_USE_NEXTN_DECODE": 5,
-        "DEEPINFER_ENABLE_MTP_VARLEN": False,
         "DEEPINFER_BATCH_INVARIANT": False,
         "DEEPINFER_QUANT_SIM": False,
         "DEEPINFER_LOG_LEVEL": "info",
@@ -238,11 +234,11 @@ ACCEPTED_BOOLS = {"1", "0", "true", "false", "yes", "no", "on", "off"}
 
 @given(st.text(max_size=8))
 def test_bool_rejects_everything_else(text):
-    var = REGISTRY["DEEPINFER_ENABLE_MTP_VARLEN"]
+    var = REGISTRY["DEEPINFER_ENABLE_PREFIX_CACHING"]
     if text.strip().lower() in ACCEPTED_BOOLS:
         assert envs.parse(var, text) is (text.strip().lower() in {"1", "true", "yes", "on"})
     else:
-        with pytest.raises(EnvError, match="DEEPINFER_ENABLE_MTP_VARLEN"):
+        with pytest.raises(EnvError, match="DEEPINFER_ENABLE_PREFIX_CACHING"):
             envs.parse(var, text)
 
 

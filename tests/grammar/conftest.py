@@ -91,13 +91,15 @@ class GrammarProcess:
         return (self.tmp / "grammar.log").read_text()
 
     def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples that carry ``labels`` (and any others, e.g. every ``backend``)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and s.labels == labels:
-                    return s.value
-        return 0.0
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        )
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from deepinfer.chat.tokens import THINK_END
 from deepinfer.engine.constraints import Constraint, ConstraintSet
 from deepinfer.grammar import (
     GrammarClient,
+    GrammarError,
     GrammarSpec,
     GrammarTimeout,
     Limits,
@@ -34,6 +35,7 @@ V, EOS = 129280, 1
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["price", "mail"],
           "properties": {"price": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 100},
                          "mail": {"type": "string", "format": "email", "maxLength": 12}}}  # fmt: skip
+UNIQUE = '{"type":"array","items":{"type":"integer"},"uniqueItems":true}'  # refused by the pass and llguidance
 
 
 def worker_outputs(grammar, n: int = 4, steps: int = 400) -> list[str]:
@@ -69,12 +71,22 @@ def test_the_service_compiles_with_llguidance_and_a_worker_enforces_it(tmp_path)
         try:
             llg = await client.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
             xgr = await client.compile(GrammarSpec("json_schema", '{"type":"integer"}'))
+            with pytest.raises(GrammarError, match="uniqueItems"):  # refused by both
+                await client.compile(GrammarSpec("json_schema", UNIQUE))
             return llg, xgr
         finally:
             await client.close()
 
     try:
         llg, xgr = asyncio.run(compile_both())
+        # the compile metrics say which engine compiled (a refusal under auto: both tried)
+        m, ok = service.metric, {"kind": "json_schema", "outcome": "ok"}
+        assert m("deepinfer_grammar_compiles_total", **ok, backend="llguidance") == 1
+        assert m("deepinfer_grammar_compiles_total", **ok, backend="xgrammar") == 1
+        assert m("deepinfer_grammar_compiles_total", kind="json_schema", outcome="invalid", backend="auto") == 1
+        for backend in ("llguidance", "xgrammar"):
+            assert m("deepinfer_grammar_compile_seconds_count", kind="json_schema", cached="false",
+                     backend=backend) == 1  # fmt: skip
     finally:
         assert service.stop() in (None, 0), service.log()
     assert llg.backend == "llguidance" and xgr.backend == "xgrammar"

@@ -178,8 +178,9 @@ def test_refused_tokens_rollback_and_a_mixed_batch(tok, compilers) -> None:
     before = allowed(cs, "l")
     cs.accept("l", tok.encode("x").ids[0])  # refused: the matcher's state is unchanged, the request is held
     assert cs.matchers["l"].broken and allowed(cs, "l") == [EOS]
+    assert cs.failure("l").startswith("constraint.grammar: the grammar refused the sampled token")  # reported
     cs.rollback("l", 1)
-    assert not cs.matchers["l"].broken and allowed(cs, "l") == before
+    assert not cs.matchers["l"].broken and allowed(cs, "l") == before and cs.failure("l") is None
     for t in [*tok.encode('{"a":3}').ids, EOS]:
         cs.accept("l", t)
     assert cs.matchers["l"].matcher.is_terminated() and allowed(cs, "l") == [EOS]
@@ -188,6 +189,7 @@ def test_refused_tokens_rollback_and_a_mixed_batch(tok, compilers) -> None:
     other = make_set(fingerprint="0" * 64)  # compiled for another tokenizer: refused, the request held to EOS
     other.install("l", Constraint(llg))
     assert other.matchers["l"].broken and allowed(other, "l") == [EOS]
+    assert other.failure("l").startswith("constraint.grammar: compiled for tokenizer")
 
 
 def test_the_proto_carries_the_backend(compilers) -> None:

@@ -124,11 +124,14 @@ def test_step_result_round_trip() -> None:
         results=[
             SeqResult("a", token_id=11, logprob=-0.25, top_logprobs=[(11, -0.25), (3, -2.5)]),
             SeqResult("b", prompt_logprobs=[{5: -1.5, 2: -0.5}, {7: -3.0}]),
+            SeqResult("c", token_id=1, logprob=0.0, error="constraint.grammar: the grammar matcher failed: x"),
         ],
     )
     back = result_from_proto(worker_pb2.StepResult.FromString(result_to_proto(res).SerializeToString()))
     assert back.step_id == 9
-    a, b = back.results
+    a, b, c = back.results
+    assert a.error is None and b.error is None  # no error: the field stays empty on the wire
+    assert c.error == "constraint.grammar: the grammar matcher failed: x" and c.token_id == 1
     assert (a.token_id, a.logprob, a.top_logprobs) == (11, -0.25, [(11, -0.25), (3, -2.5)])
     assert b.token_id is None and b.logprob is None
     assert b.prompt_logprobs == [{5: -1.5, 2: -0.5}, {7: -3.0}]

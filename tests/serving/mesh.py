@@ -29,6 +29,8 @@ class Mesh:
     discover: bool = False  # the balancer finds its schedulers in the NATS registry (no --scheduler)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. DEEPINFER_MAX_NUM_SEQS, DEEPINFER_OTEL_ENDPOINT
     balancer_args: list[str] = field(default_factory=list)  # e.g. ["--served-model-name", "x"]
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)  # one service's own env, e.g. {"worker": ..}
+    worker_model: Path | None = None  # the worker's model directory, when it differs from the others' (``model``)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -46,6 +48,7 @@ class Mesh:
         env = self.env()
         if self.nats is not None:
             env["DEEPINFER_NATS_URL"] = self.nats.url_for(name.split("-")[0])
+        env.update(self.service_env.get(name, {}))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
@@ -72,7 +75,8 @@ class Mesh:
             self.start_grammar()
             self.extra_env["DEEPINFER_GRAMMAR_URL"] = self.address("grammar")
         self._serve("worker", ("worker", "worker_metrics"), lambda: [
-            "services.worker_nvidia", "--model", str(self.model), "--port", str(self.ports["worker"]),
+            "services.worker_nvidia", "--model", str(self.worker_model or self.model),
+            "--port", str(self.ports["worker"]),
             "--page-size", "16", "--num-pages", str(num_pages),
             "--metrics-port", str(self.ports["worker_metrics"])])  # fmt: skip
         self._serve("scheduler", ("scheduler", "scheduler_metrics"), lambda: [

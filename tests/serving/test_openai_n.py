@@ -1,17 +1,22 @@
 """``n`` > 1 through the real mesh (worker + scheduler + balancer processes on loopback, the ``openai`` client):
 n choices with indices 0..n-1, usage with the prompt counted once, seeded samples distinct and reproducible (sample
 ``i`` of seed ``s`` is the seed ``s + i`` request), streamed samples interleaved with one final usage, and the
-samples after the first resuming from the first one's prefix-cache entry."""
+samples after the first resuming from the first one's prefix-cache entry; and the same over the gRPC Generation API
+(a real ``grpcio`` client): messages indexed by sample, seeded samples as the ``seed + i`` requests, the resume,
+``n`` out of range refused with INVALID_ARGUMENT naming it, Abort of the request's id ending every sample."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from serving.mesh import Mesh
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,3 +109,82 @@ def test_samples_resume_from_the_first_ones_prompt(mesh: Mesh, client: openai.Op
     res = client.chat.completions.create(model=model, messages=messages, max_tokens=2, n=3)
     prompt = res.usage.prompt_tokens
     assert prefix_hits(mesh) - before >= 2 * (prompt - 1)  # samples 1 and 2 computed only the last prompt token
+
+
+# -- the gRPC Generation API: the same samples, each message naming its index --------------------------------------
+def grpc_samples(mesh: Mesh, requests: list[generation_pb2.GenerateRequest]) -> list[list]:
+    """Each request's messages, in the order they came, over a real grpcio client."""
+
+    async def run() -> list[list]:
+        async with grpc.aio.insecure_channel(mesh.address("balancer")) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            return [[m async for m in stub.Generate(r, timeout=120)] for r in requests]
+
+    return asyncio.run(run())
+
+
+def texts_by_index(msgs: list) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for m in msgs:
+        out.setdefault(m.index, []).extend(m.token_ids)
+    return out
+
+
+def grpc_request(
+    n: int = 0, seed: int | None = None, max_tokens: int = 8, rid: str = ""
+) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    if seed is not None:
+        sampling.seed = seed
+    return generation_pb2.GenerateRequest(request_id=rid, text="Once upon a time", sampling=sampling, n=n)
+
+
+def test_grpc_n_samples_indexed_seeded_and_reproducible(mesh: Mesh) -> None:
+    singles = [grpc_request(seed=21 + i) for i in range(3)]
+    many, again, *alone = grpc_samples(mesh, [grpc_request(3, seed=21, rid="g-n3"), grpc_request(3, seed=21), *singles])
+    assert {m.request_id for m in many} == {"g-n3"} and len({m.request_id for m in again}) == 1
+    got = texts_by_index(many)
+    assert sorted(got) == [0, 1, 2] and all(len(t) == 8 for t in got.values())
+    assert len({tuple(t) for t in got.values()}) == 3  # independent samples
+    finished = {m.index: m.finished for m in many if m.HasField("finished")}
+    assert sorted(finished) == [0, 1, 2] and all(f.usage.completion_tokens == 8 for f in finished.values())
+    assert texts_by_index(again) == got  # the same request repeats its samples
+    assert [texts_by_index(a)[0] for a in alone] == [got[0], got[1], got[2]]  # sample i is the seed s + i request
+    firsts = [m for m in many if m.prompt_tokens]
+    assert sorted(m.index for m in firsts) == [0, 1, 2]
+    assert all(m.index == 0 for a in alone for m in a)
+
+
+def test_grpc_n_resumes_from_the_first_sample(mesh: Mesh) -> None:
+    before = prefix_hits(mesh)
+    req = grpc_request(3, max_tokens=2)
+    req.text = "A gRPC prompt seen nowhere else in this module, about herons at dawn."
+    (msgs,) = grpc_samples(mesh, [req])
+    prompt = next(m.prompt_tokens for m in msgs if m.index == 0 and m.prompt_tokens)
+    assert prefix_hits(mesh) - before >= 2 * (prompt - 1)  # samples 1 and 2 computed only the last prompt token
+
+
+@pytest.mark.parametrize("n", [17, -1])
+def test_grpc_n_out_of_range_is_invalid_argument(mesh: Mesh, n: int) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        grpc_samples(mesh, [grpc_request(n)])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n: "), e.value
+
+
+def test_grpc_abort_ends_every_sample(mesh: Mesh) -> None:
+    async def run() -> tuple[list[str], list]:
+        async with grpc.aio.insecure_channel(mesh.address("balancer")) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            call = stub.Generate(grpc_request(2, max_tokens=2000, rid="g-abort"), timeout=120)
+            msgs = [await call.read()]
+            while len({m.index for m in msgs}) < 2:  # both samples running
+                msgs.append(await call.read())
+            res = await stub.Abort(generation_pb2.AbortRequest(request_ids=["g-abort"]), timeout=30)
+            while (m := await call.read()) is not grpc.aio.EOF:
+                msgs.append(m)
+            return list(res.aborted), msgs
+
+    aborted, msgs = asyncio.run(run())
+    assert aborted == ["g-abort"]
+    reasons = {m.index: m.finished.reason for m in msgs if m.HasField("finished")}
+    assert reasons == {0: common_pb2.FINISH_REASON_ABORT, 1: common_pb2.FINISH_REASON_ABORT}

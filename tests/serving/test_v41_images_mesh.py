@@ -5,6 +5,9 @@ checkpoint with a vision tower; the ``openai`` client sends ``image_url`` parts,
   gRPC Generation API (chat parts, and token ids + images);
 * another image behind the same tokens gives other tokens; the same image in a follow-up resumes from the prefix
   cache past the image span (the scheduler's metrics count the hit), another image does not;
+* resume hints survive the images: a thinking-mode conversation about an image resumes at its turn's point (right
+  after ``<｜Assistant｜>``, moved past the span on the replica), the same text with another image does not, and the
+  samples of an ``n`` > 1 image request resume one token short of the expanded prompt's end;
 * bad input is refused with 400 naming the field (http(s) URLs, local files without the setting, bytes that are
   no image, a placeholder count that differs) and INVALID_ARGUMENT over gRPC; a V4 model refuses images.
 """
@@ -191,3 +194,46 @@ def test_bad_images_are_refused_naming_the_field(client: openai.OpenAI, content:
         create(client, messages)
     message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
     assert field in message and says in message, message
+
+
+def test_an_image_conversation_resumes_at_its_turn_and_not_with_another_image(
+    client: openai.OpenAI, mesh: Mesh, llm: LLM
+) -> None:
+    """Thinking mode drops a reply's reasoning from the history, so the next turn shares the previous prompt only up
+    to right after its ``<｜Assistant｜>``: the balancer's turn hint (a position of the prompt as sent, moved past the
+    image's span on the replica) keeps a resume point there. The same text with another image never matches it."""
+    model = client.models.list().data[0].id
+
+    def ask(messages: list[dict]):
+        return client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": True}},
+        )  # fmt: skip
+
+    text = "Tell me about this picture, please."
+    first = ask([user(data_url(IMAGE_A), text)])
+    turn = first.usage.prompt_tokens - 1  # right after <｜Assistant｜> (the prompt ends <｜Assistant｜><think>)
+    follow = [{"role": "assistant", "content": first.choices[0].message.content or ""},
+              {"role": "user", "content": "And the colours?"}]  # fmt: skip
+    (ref,) = llm.chat([user(data_url(IMAGE_A), text), *follow], greedy(), thinking_mode="thinking")
+    span_start = ref.prompt_token_ids.index(llm.config.image_token_id)
+    before = hits(mesh)
+    same = ask([user(data_url(IMAGE_A), text), *follow])
+    assert same.usage.prompt_tokens_details.cached_tokens == turn, (same.usage, turn)
+    assert hits(mesh) - before >= turn
+    assert same.choices[0].message.reasoning_content == ref.outputs[0].text.removesuffix("</think>")  # its state
+    other = ask([user(data_url(IMAGE_B), text), *follow])
+    cached = other.usage.prompt_tokens_details.cached_tokens if other.usage.prompt_tokens_details else 0
+    assert cached <= span_start, (cached, span_start)
+
+
+def test_image_samples_resume_from_the_first_ones_prompt(client: openai.OpenAI, mesh: Mesh) -> None:
+    """``n`` > 1 with an image: the samples after the first resume one token short of the expanded prompt's end."""
+    model = client.models.list().data[0].id
+    before = hits(mesh)
+    res = client.chat.completions.create(
+        model=model, messages=[user(data_url(IMAGE_B), "Only the samples test asks this.")], max_tokens=2, n=3,
+        temperature=1.0, seed=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    assert hits(mesh) - before >= 2 * (res.usage.prompt_tokens - 1)  # samples 1 and 2: only the last prompt token

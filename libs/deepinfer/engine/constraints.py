@@ -15,6 +15,11 @@ What a row may sample:
 * thinking mode (``after_think``) before the first ``</think>``: anything except EOS, the banned tokens and
   the reasoning-banned ones (the constrained answer is still to come);
 * the grammar terminated (a row the async pipeline scheduled after the final EOS): EOS only.
+
+A request whose grammar fails on the worker — a grammar it cannot load (compiled for another tokenizer,
+damaged), a matcher that errs (llguidance over its parser limits) or a sampled token the grammar refuses — is
+held to EOS only and :meth:`ConstraintSet.failure` says why; the worker reports that reason with the request's
+result (``SeqResult.error``) and the request ends with finish reason ``error``, never a silent ``stop``.
 """
 
 from __future__ import annotations
@@ -56,10 +61,16 @@ class _Matcher:
     active: bool  # the grammar applies (False before "</think>" in thinking mode)
     accepted: deque[int]  # the last accepted tokens (as many as may roll back): _UNSEEN, _SEEN, _OPENED, _REFUSED
     refused: int = 0  # tokens the grammar refused but were accepted anyway (a worker bug): EOS only from here
+    error: str | None = None  # the grammar failed for good (not loaded, the matcher erred): EOS only, reported
+    refused_why: str = ""  # why the last refused token was refused
 
     @property
     def broken(self) -> bool:
-        return self.refused > 0
+        return self.refused > 0 or self.error is not None
+
+    def failure(self) -> str | None:
+        """Why this request's grammar cannot be enforced any more (None: it can)."""
+        return self.error or (self.refused_why if self.refused > 0 else None)
 
 
 class ConstraintSet:
@@ -92,15 +103,16 @@ class ConstraintSet:
     def install(self, request_id: str, constraint: Constraint, history: Sequence[int] = ()) -> None:
         """Start enforcing ``constraint`` on ``request_id``; ``history`` are tokens it already generated.
 
-        A grammar this worker cannot load (another tokenizer, a damaged text) is logged and the request is
-        held to EOS only: it ends at once, and nothing else in the step is affected."""
-        g, matcher, refused = constraint.grammar, None, 0
+        A grammar this worker cannot load (another tokenizer, a damaged text) is logged, the request is held
+        to EOS only and :meth:`failure` gives the reason (it ends with an error); nothing else in the step is
+        affected."""
+        g, matcher, error = constraint.grammar, None, None
         if g is not None:
             try:
                 matcher = self._matcher(g)
             except ValueError as e:
                 log.error("constraint_refused", request_id=request_id, error=str(e))
-                refused = 1
+                error = str(e)
         # under a grammar the control tokens it does not name are masked; without one, only the banned tokens
         named = set(g.allowed_control_token_ids) if g is not None else set(self.control_ids)
         forbidden = {t for t in self.control_ids if t not in named} | set(constraint.banned_token_ids)
@@ -110,9 +122,9 @@ class ConstraintSet:
             matcher,
             pack(sorted(forbidden), self.vocab_size),
             pack(sorted(before), self.vocab_size),
-            active=not constraint.after_think or refused > 0,
+            active=not constraint.after_think or error is not None,
             accepted=deque(maxlen=self.max_rollback),
-            refused=refused,
+            error=error,
         )
         with self._lock:
             self.matchers[request_id] = m
@@ -126,6 +138,12 @@ class ConstraintSet:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.matchers
+
+    def failure(self, request_id: str) -> str | None:
+        """Why ``request_id``'s grammar cannot be enforced (it was not loaded, its matcher erred, or it refused
+        a sampled token): the request must end with an error. None: it is enforced (or not constrained)."""
+        m = self.matchers.get(request_id)
+        return None if m is None else m.failure()
 
     def accept(self, request_id: str, token_id: int) -> None:
         m = self.matchers.get(request_id)
@@ -167,9 +185,21 @@ class ConstraintSet:
                 bitmask[i] &= ~m.before
             else:
                 if m.matcher is not None:
-                    m.matcher.fill_next_token_bitmask(bitmask, i)
+                    self._fill(m, rid, bitmask, i)
                 bitmask[i] &= ~m.forbidden
         return bitmask
+
+    def _fill(self, m: _Matcher, rid: str, bitmask: torch.Tensor, i: int) -> None:
+        """The matcher's row; a matcher that fails (llguidance past its parser limits) fails its request."""
+        try:
+            m.matcher.fill_next_token_bitmask(bitmask, i)
+            err = _matcher_error(m.matcher)
+        except Exception as e:  # noqa: BLE001 - a matcher's failure must fail its request, not the step
+            err = f"{type(e).__name__}: {e}"
+        if err is not None:
+            log.error("grammar_matcher_error", request_id=rid, error=err)
+            m.error = f"constraint.grammar: the grammar matcher failed: {err}"
+            bitmask[i] = self._eos_only
 
     @staticmethod
     def allowed(bitmask: torch.Tensor, vocab: int, device: torch.device | str) -> torch.Tensor:
@@ -273,13 +303,25 @@ class ConstraintSet:
             return
         if m.matcher is None:
             m.accepted.append(_SEEN)
+        elif token == self.eos and not m.broken and m.matcher.is_terminated():
+            m.accepted.append(_UNSEEN)  # EOS again after the end (ignore_eos, min_tokens): what the mask allows
         elif m.broken or m.matcher.is_terminated() or not m.matcher.accept_token(int(token)):
-            # cannot happen with the mask applied; a worker bug must not take the service down
-            log.warning("grammar_refused_token", token_id=int(token))
+            # with the mask applied only a failed matcher (or a worker bug) gets here: the request fails
+            err = _matcher_error(m.matcher)
+            log.warning("grammar_refused_token", token_id=int(token), error=err)
             m.accepted.append(_REFUSED)
             m.refused += 1
+            if m.error is None and err is not None:
+                m.error = f"constraint.grammar: the grammar matcher failed: {err}"
+            m.refused_why = f"constraint.grammar: the grammar refused the sampled token {int(token)}"
         else:
             m.accepted.append(_SEEN)
+
+
+def _matcher_error(matcher: Any) -> str | None:
+    """The error a matcher is in (an llguidance matcher's; xgrammar's have none), or None."""
+    error = getattr(matcher, "error", None)
+    return error() if callable(error) else None
 
 
 def pack(ids: Sequence[int], vocab_size: int) -> torch.Tensor:

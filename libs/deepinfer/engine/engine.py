@@ -4,7 +4,9 @@
 result is in, applies its tokens and stop strings (``tokenizer.TextStream``: the one path the balancer takes too)
 and returns the requests that finished. A request that fails validation is refused by
 ``add_request`` with a ValueError naming the field and never enters the queue, so the engine keeps
-serving everything else.
+serving everything else. A request the worker cannot go on with (its structured-output grammar failed on the
+worker: not loadable, its matcher erred) finishes with ``finish_reason`` ``"error"`` and ``error`` saying why —
+never ``"stop"`` with output that may break its grammar.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": why (e.g. "constraint.grammar: ...")
 
 
 @dataclass
@@ -112,7 +115,7 @@ class LLMEngine:
         finished = {r.request_id for r in self.loop.received(result)}
         for r in result.results:
             req = self.scheduler.requests.get(r.request_id)
-            if r.token_id is None or req is None:
+            if r.token_id is None or req is None or r.error is not None:
                 continue
             # the request's own stop (EOS / a stop token) ended it on this token: its text is not checked
             stop = self._text[r.request_id].add(r.token_id, ends=req.finish_reason == "stop")
@@ -145,6 +148,7 @@ class LLMEngine:
             log.info(
                 "request_finished",
                 finish_reason=req.finish_reason,
+                **({"error": req.error} if req.error else {}),
                 prompt_tokens=n_prompt,
                 completion_tokens=n_out,
                 preemptions=req.num_preemptions,
@@ -155,7 +159,9 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             outputs=[
-                CompletionOutput(0, text, req.output_token_ids, cum, logprobs, req.finish_reason, req.stop_reason)
+                CompletionOutput(
+                    0, text, req.output_token_ids, cum, logprobs, req.finish_reason, req.stop_reason, req.error
+                )
             ],
             finished=True,
             usage={

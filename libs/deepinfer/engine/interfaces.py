@@ -107,6 +107,9 @@ class SeqResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
+    # the worker cannot go on with this request (its structured-output grammar failed: ``constraints.failure``):
+    # it ends with finish reason "error" and this message; its token, if any, is not part of the output
+    error: str | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ The worker builds one ``LLMatcher`` per grammar text (the template, cached by ca
   (and a rollback over it takes back one token fewer in llguidance, which keeps no EOS in its history);
 * the mask is filled into the caller's row (the same layout: bit ``t % 32`` of int32 word ``t // 32``); a
   row wider than llguidance's vocabulary gets the extra tokens refused; a matcher that errs while computing
-  its mask (a step over the parser limits) allows EOS only, so the request ends instead of stalling.
+  its mask (a step over the parser limits) allows EOS only, so the request ends instead of stalling, and says
+  why (:meth:`LlgMatcher.error`): the constraint set fails the request with that reason.
 """
 
 from __future__ import annotations
@@ -18,11 +19,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.telemetry import get_logger
-
 __all__ = ["LlgMatcher", "llg_template"]
-
-log = get_logger(__name__)
 
 
 def llg_template(tokenizer: Any, grammar: str) -> Any:
@@ -44,6 +41,10 @@ class LlgMatcher:
     def __init__(self, template: Any, eos_token_id: int, vocab_size: int) -> None:
         self.m, self.eos, self.terminated = template.deep_copy(), eos_token_id, False
         self.words = -(-vocab_size // 32)
+
+    def error(self) -> str | None:
+        """llguidance's error, once the matcher is in its error state (for good); None while it is not."""
+        return self.m.get_error()[:300] if self.m.is_error() else None
 
     def is_terminated(self) -> bool:
         return self.terminated
@@ -75,7 +76,6 @@ class LlgMatcher:
             bitmask[index, :n] = row[0, :n]
             bitmask[index, n:] = 0
         if self.m.is_error():
-            log.error("grammar_matcher_error", backend="llguidance", error=self.m.get_error()[:300])
             bitmask[index] = 0
             bitmask[index, self.eos >> 5] = _bit(self.eos & 31)
 

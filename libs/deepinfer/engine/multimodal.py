@@ -67,6 +67,16 @@ class MultiModalInput:
         """Whether positions ``[start, end)`` cover part of a span."""
         return any(a < end and start < b for a, b in self.spans)
 
+    def expand_positions(self, positions: Sequence[int]) -> list[int]:
+        """Positions of the prompt as sent (one placeholder per item) as positions of the expanded prompt: item ``k``'s
+        placeholder became ``spans[k]``, so a position past it moves by the span's length minus one. A position is a
+        boundary between tokens (a prefix length), so it never falls inside a span."""
+        starts, shift = [], 0  # each placeholder's position in the prompt as sent, and the shift past it
+        for a, b in self.spans:
+            starts.append((a - shift, b - a - 1))
+            shift += b - a - 1
+        return [p + sum(grow for q, grow in starts if q < p) for p in positions]
+
     def cache_tokens(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` with each span position replaced by its image's key: what the prefix cache hashes."""
         out = list(prompt)

@@ -28,6 +28,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": why (the worker's ``SeqResult.error``)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)

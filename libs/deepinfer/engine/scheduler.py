@@ -8,12 +8,12 @@ request is preempted: its pages are freed and it is re-queued at the front, to b
 its prompt and the tokens it already produced (the worker drops its state). A sequence ends with
 "length" at ``max_model_len`` tokens, or at what the whole page pool holds if that is less.
 
-Lookahead (the async pipeline): ``schedule(lookahead=True)`` may be called while the previous step is
-still running. A request whose token from that step is still in flight then gets a one-token chunk
-holding :data:`PLACEHOLDER`, which the worker replaces with the token it sampled, so the next step
-never waits for the previous one's result. A request whose in-flight token may be its last
-(``max_tokens`` or the length limit) gets none; one that turns out to stop on EOS costs one wasted
-row, dropped when its result arrives.
+Lookahead (the async pipeline): ``schedule(lookahead=k)`` may be called while ``k`` earlier steps are
+still running. A request with tokens from those steps still in flight (at most one per step) then gets a
+one-token chunk holding :data:`PLACEHOLDER`, which the worker replaces with the token it sampled last, so
+the next step never waits for the previous ones' results. A request whose in-flight tokens may include its
+last (``max_tokens`` or the length limit) gets none; one that turns out to stop on EOS costs one wasted
+row per step planned past its end, dropped when their results arrive.
 
 Prefix caching (``engine/prefix_cache.py``): a chunk that ends at a resume position (the prompt's end, or
 a multiple of ``resume_interval``) and a finished sequence leave a resume point: its full pages stay
@@ -171,8 +171,9 @@ class Scheduler(PrefixCaching):
         return bool(self._released or self._pending or self._offloads or self._fetches or self.fetching)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self, lookahead: bool = False) -> WorkerStepPlan:
-        """The next step. With ``lookahead``, requests with a token in flight continue on a placeholder."""
+    def schedule(self, lookahead: int = 0) -> WorkerStepPlan:
+        """The next step, planned while ``lookahead`` steps are in flight (0: none; True counts as 1): requests with
+        tokens in flight (at most ``lookahead``) continue on a placeholder."""
         self._step += 1
         plan = WorkerStepPlan(step_id=self._step)
         for rid, rp in self._pending:
@@ -187,7 +188,7 @@ class Scheduler(PrefixCaching):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             if req.in_flight:
-                if not lookahead or req.in_flight > 1 or not self._may_continue(req):
+                if req.in_flight > int(lookahead) or not self._may_continue(req):
                     continue
                 n = 1
             else:
@@ -235,6 +236,11 @@ class Scheduler(PrefixCaching):
                 continue
             if r.prompt_logprobs:
                 req.prompt_logprobs.extend(r.prompt_logprobs)
+            if r.error is not None:  # the worker cannot go on with it (its grammar failed): its token is not kept
+                req.error = r.error
+                self.finish(req, "error")
+                done.append(req)
+                continue
             if r.token_id is None:
                 continue
             req.in_flight = max(0, req.in_flight - 1)

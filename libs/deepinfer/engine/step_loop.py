@@ -8,9 +8,11 @@ Both runners keep one contract (:class:`~deepinfer.engine.interfaces.Runner`): s
 received in order.
 
 Pipelining: with ``depth`` 2 the next step is planned and sent while one is in flight (requests decoding in it
-continue on placeholder tokens that the runner fills in), so the runner never waits for the planner. A step whose
-structured-output rows need the previous tokens on the host (``Runner.waits_for_tokens``) is held until the step
-in flight is collected.
+continue on placeholder tokens that the runner fills in), so the runner never waits for the planner. With ``depth``
+3 (the scheduler service's default, ``DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT``) a step's result may take two device
+steps to come back over the network and be planned on before the runner runs dry. A step whose structured-output
+rows need the previous tokens on the host (``Runner.waits_for_tokens``) is held until the steps in flight are
+collected.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class StepLoop:
             return Turn.RECEIVE
         return Turn.WAIT if self._has_work else Turn.IDLE
 
+    def idle_step(self) -> Turn:
+        """While idle: send an empty step anyway (``Turn.SEND``), to carry what the driver must tell the runner
+        with a step (the scheduler service's dropped image features)."""
+        return self._send(self.scheduler.schedule())
+
     def received(self, result: StepResult) -> list[Request]:
         """Apply the oldest step's result; the requests it finished (still in the scheduler until popped)."""
         plan = self.in_flight.popleft()
@@ -89,6 +96,6 @@ class StepLoop:
         """The next step (planned ahead of the steps in flight), or None when there is nothing to run."""
         if not self._has_work:
             return None
-        plan = self.scheduler.schedule(lookahead=bool(self.in_flight))
+        plan = self.scheduler.schedule(lookahead=len(self.in_flight))
         busy = plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots or plan.offloads
         return plan if busy or plan.fetches or self.scheduler.fetching else None

@@ -9,10 +9,13 @@ apply from the first ``</think>`` on, so the reasoning stays free and the answer
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from deepinfer import envs
 from deepinfer.chat.tokens import THINK_START
 from deepinfer.engine.constraints import Constraint
 
@@ -54,7 +57,13 @@ def token_ids(tokenizer: Any, texts: Sequence[str]) -> list[int]:
 
 
 class LocalConstraints:
-    """Compiles constraints in this process (the offline ``LLM``), against the model's tokenizer."""
+    """Compiles constraints in this process (the offline ``LLM``), against the model's tokenizer.
+
+    Each compile is time-bounded like the grammar service's (``DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S``, read per
+    compile): past it the request is refused with a ``GrammarTimeout`` (a ValueError) naming the setting. xgrammar
+    cannot cancel a compile, so the abandoned one runs to its end in a background thread (the grammar service
+    kills its compile process instead). The tokenizer views are built before the first compile, outside the bound.
+    """
 
     def __init__(self, model_dir: str | Path, tokenizer: Any) -> None:
         self.model_dir, self.tokenizer = model_dir, tokenizer
@@ -65,8 +74,10 @@ class LocalConstraints:
         from deepinfer.grammar import Compiler, GrammarSpec
 
         if self._compiler is None:
-            self._compiler = Compiler(self.model_dir)
-        return self._compiler.compile(GrammarSpec(kind, text))
+            compiler = Compiler(self.model_dir)
+            compiler.warm()  # the tokenizer views (seconds, once): not part of a compile's time
+            self._compiler = compiler
+        return _bounded(self._compiler, GrammarSpec(kind, text), envs.DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S)
 
     def for_request(
         self,
@@ -93,3 +104,25 @@ class LocalConstraints:
                 banned = token_ids(self.tokenizer, tc.banned_texts)
                 reasoning_banned = token_ids(self.tokenizer, tc.reasoning_banned_texts)
         return build_constraint(grammar, banned, prompt_token_ids, self.think_start, reasoning_banned)
+
+
+def _bounded(compiler: Any, spec: Any, limit_s: float) -> Any:
+    """``compiler.compile(spec)`` within ``limit_s`` seconds, else ``GrammarTimeout`` naming the setting (the
+    compile goes on in its daemon thread: xgrammar cannot stop one)."""
+    from deepinfer.grammar import GrammarTimeout
+
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(compiler.compile(spec))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+    try:
+        return done.result(timeout=limit_s)
+    except TimeoutError:
+        raise GrammarTimeout(
+            f"{spec.kind}: compile timed out after {limit_s:g} s (the limit: DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S)"
+        ) from None

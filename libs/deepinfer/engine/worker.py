@@ -128,6 +128,9 @@ class ModelRunner:
         result = step.result
         if step.sample is not None:
             self._collect(step)
+        if self.constraints is not None:  # a request whose grammar failed ends with the reason (never a silent stop)
+            for r in result.results:
+                r.error = self.constraints.failure(r.request_id)
         if self.remote is not None:
             if step.idle:
                 self.remote.wait(0.005)  # an idle step waiting for fetches: do not spin

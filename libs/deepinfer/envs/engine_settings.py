@@ -57,7 +57,14 @@ declare("DEEPINFER_ASYNC_SCHEDULING", "bool", _SCHED, """
     The offline engine (`LLM`) plans and launches step N+1 before it collects step N's tokens: requests decoding in
     step N continue on placeholders that the worker fills on the device, so the host's work for a step overlaps the
     previous step's device work. Outputs are the same; a request that stops on EOS costs one wasted row. (The
-    scheduler service always pipelines two steps.)""", default=True)
+    scheduler service always pipelines: `DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT`.)""", default=True)
+declare("DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT", "int", _SCHED, """
+    Steps the scheduler service keeps sent to its worker before it waits for the oldest one's result. Each step
+    after the first is planned on placeholder tokens the worker fills on the device, so a step's result may take
+    this many minus one device steps to travel back, be applied and planned on before the worker runs dry; at 2 the
+    scheduler-worker round trip (two processes, possibly two hosts) must fit in one device step. Outputs are the same
+    at any depth; a request that stops on EOS costs up to this many minus one wasted rows. The worker accepts up to
+    3.""", default=3, minimum=1, maximum=3)
 declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
     How many resume points the device prefix cache keeps at most (least recently used evicted first; they
     are also evicted whenever the KV pages run short, before any running request is preempted).""",
@@ -84,19 +91,11 @@ declare("DEEPINFER_DECODER_REPLAY_TOKENS", "int", _SCHED, """
     margin) when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0 (compact mode). DeepSeek-V4 models ignore it.""",
     default=lambda: 140 if get("DEEPINFER_COMPACT_REPLAY_TOKENS") > 0 else 0,
     default_doc="`0`; `140` when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0", minimum=0)
-declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
-    Maximum draft length of speculative decoding with the model's NextN (multi-token prediction) layer:
-    each decode step proposes at most this many draft tokens per sequence.""",
-    default=5, minimum=1)
-declare("DEEPINFER_ENABLE_MTP_VARLEN", "bool", _SCHED, """
-    Enable the variable-length multi-token-prediction path, in which the sequences of one batch may carry
-    drafts of different lengths (each at most `DEEPINFER_USE_NEXTN_DECODE`). Off: every sequence in a batch
-    uses the same draft length.""", default=False)
 declare("DEEPINFER_BATCH_INVARIANT", "bool", _NUM, """
     Batch-invariant ops: a sequence's logits are bit-identical whatever else shares its steps, wherever it
     sits in the batch and however its prefill is chunked (fixed GEMM tiles, fixed reduction orders; cpu and
-    nvidia). Costs throughput (measured: 0.94 of the default decode throughput at batch 64 on an H200, about
-    0.55 on the cpu backend); reported by GetModelInfo. See docs/determinism.md.""", default=False)
+    nvidia). Costs throughput (docs/determinism.md, "Cost", has the measured figures and the command that
+    measures them); reported by GetModelInfo.""", default=False)
 declare("DEEPINFER_CUDA_GRAPHS", "bool", _HW, """
     On the `nvidia` backend (not batch-invariant), replay decode steps (one new token per sequence) from CUDA
     graphs captured per batch-size bucket on first use: everything between the attention layers' state
@@ -121,6 +120,17 @@ declare("DEEPINFER_PREFILL_GRAPHS", "bool", _HW, """
 declare("DEEPINFER_PREFILL_GRAPH_MAX_TOKENS", "int", _HW, """
     Largest step (in tokens) that `DEEPINFER_PREFILL_GRAPHS` replays from piecewise CUDA graphs; longer ones run
     eagerly (their launches are a smaller share of the step).""", default=8192, minimum=1)
+declare("DEEPINFER_IMAGE_FEATURE_CACHE_BYTES", "int", _SCHED, """
+    Size of the worker's cache of encoded image features (and the offline `LLM`'s), kept by a digest of each
+    image's bytes, least recently used first out: an image sent again (a follow-up turn, the samples of an `n` > 1
+    request, another client) skips the vision tower. The features live where the encoder made them (the
+    accelerator). 0 turns the cache off.""", default=1024**3, default_doc="`1073741824` (1 GiB)", minimum=0)
+declare("DEEPINFER_IMAGE_FEATURE_BUDGET_BYTES", "int", _SCHED, """
+    Most bytes of image features that the requests in flight on one worker may hold (each request keeps its
+    images' features on the worker until it ends). A request with images whose features would pass it is refused
+    with RESOURCE_EXHAUSTED / 429 (retry later) instead of queued, so a burst of image requests cannot exhaust the
+    worker's memory; one whose features alone pass it is refused with INVALID_ARGUMENT / 400.""",
+    default=4 * 1024**3, default_doc="`4294967296` (4 GiB)", minimum=1)
 declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
     Once a service has started (the worker when it has loaded the model and warmed up; the balancer, scheduler,
     kvstore and grammar service when they serve), collect garbage once and move every object still alive (the

@@ -40,7 +40,9 @@ declare("DEEPINFER_GRAMMAR_URL", "str", _GR, """
 declare("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "float", _GR, """
     Wall-clock limit of one grammar compile in the grammar service, and the cap on a request's own
     `timeout_s`. A compile past it is stopped by killing its compile process (xgrammar cannot cancel one) and
-    refused with DEADLINE_EXCEEDED; the process is replaced.""", default=10.0, minimum=0.01)
+    refused with DEADLINE_EXCEEDED; the process is replaced. The offline engine (`LLM`) bounds each of its
+    in-process compiles by it too: past it the request is refused with a ValueError naming this setting (the
+    abandoned compile finishes in a background thread).""", default=10.0, minimum=0.01)
 declare("DEEPINFER_GRAMMAR_WORKERS", "int", _GR, """
     Number of compile processes of the grammar service (`python -m services.grammar.child`), each compiling
     one grammar at a time.""", default=2, minimum=1)

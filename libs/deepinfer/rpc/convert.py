@@ -210,7 +210,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     for f in result.fetched:
         msg.fetched.add(fetch_id=f.fetch_id, ok=f.ok, reason=f.reason)
     for r in result.results:
-        out = msg.results.add(request_id=r.request_id)
+        out = msg.results.add(request_id=r.request_id, error=r.error or "")
         if r.token_id is not None:
             out.token_id = r.token_id
             out.logprob.token_id = r.token_id
@@ -235,6 +235,7 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
                 logprob=r.logprob.logprob if has_token else None,
                 top_logprobs=[(t.token_id, t.logprob) for t in r.logprob.top] or None,
                 prompt_logprobs=[{e.token_id: e.logprob for e in row.entries} for row in r.prompt_logprobs] or None,
+                error=r.error or None,
             )
         )
     fetched = [FetchResult(f.fetch_id, f.ok, f.reason) for f in msg.fetched]

@@ -2,7 +2,8 @@
 
 ValueError (a bad request, naming the field) → INVALID_ARGUMENT; ModelNotFound → NOT_FOUND;
 Overloaded → RESOURCE_EXHAUSTED;
-Unavailable → UNAVAILABLE; anything else → INTERNAL with a generic message.
+Unavailable → UNAVAILABLE; RequestFailed → INTERNAL with its message; anything else → INTERNAL with a generic
+message.
 """
 
 
@@ -12,6 +13,12 @@ class Overloaded(RuntimeError):
 
 class Unavailable(RuntimeError):
     """A dependency (worker, scheduler) is gone or draining."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this one request (e.g. its structured-output grammar failed on the worker:
+    ``constraint.grammar: ...``); the service stays healthy. INTERNAL with this message, never moved to
+    another replica."""
 
 
 class ModelNotFound(ValueError):

@@ -109,7 +109,8 @@ METRICS = Metrics()
 class SchedulerMetrics:
     """One scheduler replica's metrics (vLLM names for the gauges and counters dashboards already read)."""
 
-    OUTCOMES = ("finished", "aborted", "rejected")
+    # failed: the engine failed the request (its grammar failed on the worker: the stream ends with INTERNAL)
+    OUTCOMES = ("finished", "aborted", "rejected", "failed")
 
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
@@ -130,7 +131,7 @@ class SchedulerMetrics:
             buckets=STEP_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected).",
+            "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected, failed).",
             [*labels, "outcome"], registry=r,
         )  # fmt: skip
         self.workers_lost = Counter(
@@ -202,10 +203,33 @@ class WorkerMetrics:
         )  # fmt: skip
         self.tokens = Counter("deepinfer_worker_tokens", "Tokens run (prefill and decode).", ["model_name"], registry=r)
         self.tokens.labels(model)
+        self.image_encodes = Counter(
+            "deepinfer_worker_image_encodes", "Images run through the vision encoder.", ["model_name"], registry=r
+        )
+        self.image_cache_hits = Counter(
+            "deepinfer_worker_image_cache_hits", "Images whose features came from the feature cache.", ["model_name"],
+            registry=r,
+        )  # fmt: skip
+        self.image_cache_bytes = Gauge(
+            "deepinfer_worker_image_cache_bytes", "Bytes of encoded image features cached.", ["model_name"], registry=r
+        )
+        self.image_held_bytes = Gauge(
+            "deepinfer_worker_image_features_held_bytes", "Bytes of image features that requests in flight hold.",
+            ["model_name"], registry=r,
+        )  # fmt: skip
+        for m in (self.image_encodes, self.image_cache_hits, self.image_cache_bytes, self.image_held_bytes):
+            m.labels(model)
 
     def step(self, seconds: float, num_tokens: int) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
         self.tokens.labels(self.model).inc(num_tokens)
+
+    def images(self, encodes: int, hits: int, cache_bytes: int, held_bytes: int) -> None:
+        """A request's images were prepared: ``encodes`` ran the encoder, ``hits`` came from the cache."""
+        self.image_encodes.labels(self.model).inc(encodes)
+        self.image_cache_hits.labels(self.model).inc(hits)
+        self.image_cache_bytes.labels(self.model).set(cache_bytes)
+        self.image_held_bytes.labels(self.model).set(held_bytes)
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> Callable[[], None]:

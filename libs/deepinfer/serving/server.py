@@ -158,7 +158,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of a domain error (never leaks a traceback)."""
     from google.protobuf.message import DecodeError
 
-    from deepinfer.serving.errors import ModelNotFound, Overloaded, Unavailable
+    from deepinfer.serving.errors import ModelNotFound, Overloaded, RequestFailed, Unavailable
 
     if isinstance(exc, DecodeError):
         return grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message"
@@ -171,4 +171,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"

@@ -23,6 +23,7 @@ import grpc
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.heap import freeze_heap, thaw_heap
+from deepinfer.engine.image_cache import FeatureBudget, FeatureCache
 from deepinfer.engine.interfaces import WorkerStepPlan
 from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.worker import InFlight
@@ -30,6 +31,7 @@ from deepinfer.events import Registration
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.errors import Overloaded
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
@@ -41,7 +43,7 @@ log = get_logger(__name__)
 _tracer = tracer(__name__)
 
 
-MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (the scheduler keeps 2 in flight)
+MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT's most)
 
 
 @dataclass
@@ -71,12 +73,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._lock = asyncio.Lock()  # the runner executes one step at a time
         self._streams = 0  # open Step streams (a model is only replaced while there are none)
         self.images: dict[str, MultiModalInput] = {}  # prepared images by request id (PrepareImages)
-        self._encoder = None  # the model's image encoder, made on the first image
+        self._encoder: FeatureCache | None = None  # the model's image encoder behind a cache, made on the first image
+        self.budget = FeatureBudget(envs.DEEPINFER_IMAGE_FEATURE_BUDGET_BYTES)  # the features requests hold here
 
     async def PrepareImages(  # noqa: N802
         self, request: worker_pb2.PrepareImagesRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareImagesResponse:
-        """Encode a request's images and expand its placeholders; the features stay here for its chunks."""
+        """Encode a request's images (those in the feature cache are not encoded again) and expand its placeholders;
+        the features stay here for its chunks, counted against the worker's budget until the request ends."""
         p, rid = self.parts, request.request_id
         try:
             if not rid:
@@ -84,13 +88,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if any(len(b) > MAX_IMAGE_BYTES for b in request.images):
                 raise ValueError(f"images: an image is larger than {MAX_IMAGE_BYTES} bytes")
             async with self._lock:  # the device runs one thing at a time: encode between steps
+                self.budget.check_room()
                 if self._encoder is None:
-                    self._encoder = p.family.image_encoder(p.model)
-                ids, mm = await asyncio.to_thread(
-                    prepare_images, p.family, p.config, self._encoder, list(request.token_ids), list(request.images)
-                )
+                    cache_bytes = envs.DEEPINFER_IMAGE_FEATURE_CACHE_BYTES
+                    self._encoder = FeatureCache(p.family.image_encoder(p.model), cache_bytes)
+                enc, before = self._encoder, (self._encoder.encoded, self._encoder.hits)
+                try:
+                    ids, mm = await asyncio.to_thread(
+                        prepare_images, p.family, p.config, enc, list(request.token_ids), list(request.images)
+                    )
+                finally:
+                    self.metrics.images(enc.encoded - before[0], enc.hits - before[1], enc.bytes, self.budget.total)
+                self.budget.take(rid, mm.data)
+                self.metrics.images(0, 0, enc.bytes, self.budget.total)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.images[rid] = mm
         spans = [x for span in mm.spans for x in span]
         return worker_pb2.PrepareImagesResponse(token_ids=ids, spans=spans, digests=list(mm.digests))
@@ -131,7 +145,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         raise msg
                     plan = plan_from_proto(msg, known, self.images)
                     for rid in msg.dropped_images:  # the plan's chunks hold what they need
-                        self.images.pop(rid, None)
+                        self._drop_images(rid)
                     traces.note(plan)
                     if running and self.parts.runner.waits_for_tokens(plan):
                         while running:
@@ -151,12 +165,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self._streams -= 1
             self.parts.runner.release(list(known))
             for rid in known:
-                self.images.pop(rid, None)
+                self._drop_images(rid)
         if error is not None:
             code, text = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("step_failed", exc_info=error)
             await context.abort(code, text)
+
+    def _drop_images(self, request_id: str) -> None:
+        """The request is over: its features leave the worker and its budget."""
+        if self.images.pop(request_id, None) is not None:
+            self.budget.release(request_id)
+            self.metrics.image_held_bytes.labels(self.metrics.model).set(self.budget.total)
 
     async def _launch(self, plan: WorkerStepPlan, traces: StepTraces) -> _Running:
         spans = traces.start(plan)  # the batch's step span and, when exported, one per traced request
@@ -210,6 +230,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     request.page_size or None,
                 )
                 self._encoder, self.images = None, {}
+                self.budget.clear()
             except (ValueError, ModelUnavailable) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {e}")
             finally:

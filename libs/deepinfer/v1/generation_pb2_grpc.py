@@ -65,7 +65,9 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generates for one prompt. Messages stream as tokens are produced; the last carries `finished`.
+        """Generates for one prompt. Messages stream as tokens are produced; the last carries `finished`. A request the
+        engine fails on the way (its structured-output grammar cannot be enforced on the worker) ends, after the
+        messages of its tokens so far, with the status INTERNAL and the reason ("constraint.grammar: ...").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -158,16 +158,18 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs")
+    __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logprob: _common_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobRow]
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobRow, _Mapping]]] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobRow, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PromptLogprobRow(_message.Message):
     __slots__ = ("entries",)
