@@ -18,7 +18,11 @@ start together:
   1 ms above the request's median gap).
 
 The roofline is the peer: the mesh cannot beat the engine running the same batches (ratio 1.0). The two paths
-alternate per concurrency so that a noisy minute hits both.
+alternate per concurrency so that a noisy minute hits both, and each runs the level once untimed first (8 output
+tokens: graphs captured and buffers grown for that batch on both sides, so neither is timed with one-off costs).
+Each timed run also records the CPU each process used over its wall time (``cpu``: the bench process, which holds the
+in-process engine or the load generator's client, and each mesh service): a value near 1.0 is a saturated
+interpreter, the first suspect when the mesh is slower than the engine.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from deepinfer.loadgen.http_client import OpenAIClient
 from deepinfer.loadgen.metrics import summarize
 from deepinfer.serving.healthcheck import free_port
 
-PAGE_SIZE = 64
+PAGE_SIZE = {"cpu": 64, "cuda": 128}  # a multiple of the lcm of the compression ratios (128 at V4-Flash width)
 
 
 def make_model(tmp: Path, device: str, layers: int) -> Path:
@@ -75,6 +79,25 @@ def offline(llm: LLM, ss: list[workload.Session]) -> dict[str, float]:
     tokens = sum(s.turns[0].output_len for s in ss)
     return {"wall_s": wall, "output_throughput": tokens / wall, "step_p50_ms": statistics.median(decode) * 1e3,
             "step_p99_ms": pct(decode, 0.99) * 1e3}  # fmt: skip
+
+
+def cpu_seconds(mesh: Mesh | None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and of each of ``mesh``'s services (Linux ``/proc``)."""
+    t = os.times()
+    out = {"bench": t.user + t.system}
+    tick = os.sysconf("SC_CLK_TCK")
+    for name, proc in mesh.procs if mesh is not None else ():
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Each process's CPU over ``wall_s`` (1.0: one core busy the whole time)."""
+    return {k: round((after[k] - before[k]) / wall_s, 3) for k in after if k in before and wall_s > 0}
 
 
 def stalls(outcomes: list[Any], above_ms: float = 1.0) -> int:
@@ -145,6 +168,10 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             lat = f"{m.get('median_tpot_ms', 0):.2f} | {m.get('p99_itl_ms', 0):.2f} | {m.get('median_ttft_ms', 0):.1f}"
             print(f"| {r['c']} | mesh, {proto} | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
                   f"{m['stalls_over_1ms']} |")  # fmt: skip
+    print("\nCPU per process over each timed run (1.0: one core busy throughout)")
+    for r in rows:
+        for path in ["offline", *args.protocol_list]:
+            print(f"  c={r['c']} {path}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[path].get("cpu", {}).items()))
 
 
 def main() -> None:
@@ -155,8 +182,9 @@ def main() -> None:
     print(f"[{time.perf_counter() - t0:.0f} s] checkpoint written: {model}", flush=True)
     accelerator = "cpu" if args.device == "cpu" else "nvidia"
     tokens = args.prompt_len + args.max_tokens
-    pages = max(args.levels) * -(-tokens // PAGE_SIZE) + 64
-    settings = {"DEEPINFER_PAGE_SIZE": str(PAGE_SIZE), "DEEPINFER_NUM_PAGES": str(pages),
+    page_size = PAGE_SIZE[args.device]
+    pages = max(args.levels) * -(-tokens // page_size) + 64
+    settings = {"DEEPINFER_PAGE_SIZE": str(page_size), "DEEPINFER_NUM_PAGES": str(pages),
                 "DEEPINFER_MAX_NUM_SEQS": str(max(args.levels))}  # fmt: skip
     os.environ.update(settings)  # the in-process engine reads the same settings as the mesh's services
     os.environ["DEEPINFER_KVSTORE_DIR"] = str(tmp / "kvstore")
@@ -166,7 +194,7 @@ def main() -> None:
 
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     llm = LLM(model=model, dtype=dtype, accelerator=accelerator, async_scheduling=True, num_pages=pages,
-              page_size=PAGE_SIZE, max_num_seqs=max(args.levels))  # fmt: skip
+              page_size=page_size, max_num_seqs=max(args.levels))  # fmt: skip
     llm.generate([{"prompt_token_ids": [0, 5, 6]}], SamplingParams(max_tokens=2))  # warm-up
     print(f"[{time.perf_counter() - t0:.0f} s] in-process engine ready", flush=True)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]), "DEEPINFER_LOG_LEVEL": "warning"}
@@ -178,9 +206,18 @@ def main() -> None:
         print(f"[{time.perf_counter() - t0:.0f} s] mesh serving", flush=True)
         asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model.name))  # warm-up
         for c in args.levels:
+            warm = sessions(c, args, seed=10_000 + c)
+            for s in warm:
+                s.turns[0].output_len = min(8, s.turns[0].output_len)
+            offline(llm, warm)
+            before, t = cpu_seconds(None), time.perf_counter()
             row: dict[str, Any] = {"c": c, "offline": offline(llm, sessions(c, args, seed=c))}
+            row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
             for proto in args.protocol_list:
+                asyncio.run(through_mesh(mesh, proto, warm, model.name))
+                before, t = cpu_seconds(mesh), time.perf_counter()
                 row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model.name))
+                row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
             rows.append(row)
             print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done", flush=True)
     finally:
