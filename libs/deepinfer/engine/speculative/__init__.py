@@ -1,0 +1,5 @@
+"""Speculative decoding: drafts proposed by a cheap drafter, verified by the target in one step
+(docs/speculative_decoding.md).
+
+``acceptance``: which drafts a verify step keeps, exact for greedy, seeded and unseeded sampling.
+"""
