@@ -22,7 +22,9 @@ alternate per concurrency so that a noisy minute hits both, and each runs the le
 tokens: graphs captured and buffers grown for that batch on both sides, so neither is timed with one-off costs).
 Each timed run also records the CPU each process used over its wall time (``cpu``: the bench process, which holds the
 in-process engine or the load generator's client, and each mesh service): a value near 1.0 is a saturated
-interpreter, the first suspect when the mesh is slower than the engine.
+interpreter, the first suspect when the mesh is slower than the engine. ``phases``: the mean host time per step
+of the worker's launch, finish and starved phases and the scheduler's plan and deliver phases over the run (their
+``*_step_phase_seconds`` metrics, read from the running services).
 """
 
 from __future__ import annotations
@@ -100,6 +102,46 @@ def cpu_use(before: dict[str, float], after: dict[str, float], wall_s: float) ->
     return {k: round((after[k] - before[k]) / wall_s, 3) for k in after if k in before and wall_s > 0}
 
 
+PHASES = {"worker": "deepinfer_worker_step_phase_seconds", "scheduler": "deepinfer_scheduler_step_phase_seconds"}
+
+
+def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
+    """``"worker-0 launch": [seconds, count]``, ...: the step-phase histograms' sums and counts so far, read from each
+    worker's and scheduler's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for name, url in mesh.endpoints.items():
+        service = name.removesuffix(" metrics")
+        kind = service.split("-")[0]
+        if not name.endswith(" metrics") or kind not in PHASES:
+            continue
+        with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the mesh's own loopback endpoint
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != PHASES[kind]:
+                continue
+            for sample in family.samples:
+                key = f"{service} {sample.labels.get('phase')}"
+                if sample.name.endswith("_sum"):
+                    out.setdefault(key, [0.0, 0.0])[0] = sample.value
+                elif sample.name.endswith("_count"):
+                    out.setdefault(key, [0.0, 0.0])[1] = sample.value
+    return out
+
+
+def phase_use(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per phase over a run: how many times it ran and its mean in ms."""
+    use = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, [0.0, 0.0])
+        if count > c0:
+            use[key] = {"n": int(count - c0), "mean_ms": round(1e3 * (total - t0) / (count - c0), 3)}
+    return use
+
+
 def stalls(outcomes: list[Any], above_ms: float = 1.0) -> int:
     """Gaps between tokens more than ``above_ms`` over their request's median gap."""
     n = 0
@@ -172,6 +214,12 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         for path in ["offline", *args.protocol_list]:
             print(f"  c={r['c']} {path}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[path].get("cpu", {}).items()))
+    print("\nStep phases over each timed run (mean ms, times run): the worker's launch / finish / starved (no step on "
+          "the device, no plan), the scheduler's plan / deliver")  # fmt: skip
+    for r in rows:
+        for proto in args.protocol_list:
+            ph = r[proto].get("phases", {})
+            print(f"  c={r['c']} {proto}: " + ", ".join(f"{k} {v['mean_ms']:.3f} ({v['n']})" for k, v in ph.items()))
 
 
 def main() -> None:
@@ -215,9 +263,10 @@ def main() -> None:
             row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
             for proto in args.protocol_list:
                 asyncio.run(through_mesh(mesh, proto, warm, model.name))
-                before, t = cpu_seconds(mesh), time.perf_counter()
+                before, phases, t = cpu_seconds(mesh), phase_totals(mesh), time.perf_counter()
                 row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model.name))
                 row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
+                row[proto]["phases"] = phase_use(phases, phase_totals(mesh))
             rows.append(row)
             print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done", flush=True)
     finally:

@@ -98,6 +98,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         clock = asyncio.get_running_loop().time
         sent: collections.deque[tuple[int, float]] = collections.deque()  # each step in flight: tokens, sent at
         while True:
+            t_plan = time.perf_counter()
             turn = self.loop.turn(self.worker.waits_for_tokens)
             if turn is Turn.IDLE and self.worker.has_image_drops:  # an empty step frees the features on the worker
                 turn = self.loop.idle_step()
@@ -105,11 +106,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 plan = self.loop.plan
                 self._attach_trace_context(plan)
                 await self.worker.send(plan)
+                self.metrics.phase("plan", time.perf_counter() - t_plan)
                 sent.append((plan.num_tokens, clock()))
                 if self._traces:
                     self._mark_scheduled(plan)
             elif turn is Turn.RECEIVE:
                 result = await self.worker.receive()
+                t_deliver = time.perf_counter()
                 tokens, t0 = sent.popleft()
                 elapsed = clock() - t0
                 self.step_ms = elapsed * 1e3
@@ -117,6 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.metrics.step(elapsed, tokens, preemptions - self._preemptions_seen)
                 self._preemptions_seen = preemptions
                 self._deliver(result, self.loop.received(result))
+                self.metrics.phase("deliver", time.perf_counter() - t_deliver)
             elif turn is Turn.WAIT:
                 await asyncio.sleep(0.001)  # a kvstore fetch outstanding: idle steps collect it
             else:

@@ -117,7 +117,27 @@ def _schema_conformance(out: Path, stdout: str) -> None:
     assert "silent violations" in stdout and "| **all** |" in stdout
 
 
+def _mesh_overhead(out: Path, stdout: str) -> None:
+    """Both paths at every level; the mesh's services report each step's phases (launch and finish on the worker,
+    plan and deliver on the scheduler, once per step) and their CPU."""
+    result = json.loads(next(out.glob("*.json")).read_text())
+    assert [r["c"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        assert r["offline"]["output_throughput"] > 0 and r["offline"]["cpu"]["bench"] > 0
+        for proto in ("grpc", "http"):
+            m = r[proto]
+            assert m["completed"] == r["c"] and m["failed"] == 0, m
+            ph = m["phases"]
+            for key in ("worker-0 launch", "worker-0 finish", "scheduler-0 plan", "scheduler-0 deliver"):
+                assert ph[key]["n"] >= 4 and ph[key]["mean_ms"] > 0, (key, ph)
+            # (a step launched after the requests ended, releasing them, may be collected after the last scrape)
+            assert 0 <= ph["worker-0 launch"]["n"] - ph["worker-0 finish"]["n"] <= 3, ph
+            assert m["cpu"]["worker-0"] > 0, m["cpu"]
+    assert "Step phases over each timed run" in stdout
+
+
 CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "serving/mesh_overhead.py": _mesh_overhead,
     "serving/chaos.py": _chaos,
     "serving/admission.py": _admission,
     "serving/schema_conformance.py": _schema_conformance,

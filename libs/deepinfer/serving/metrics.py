@@ -55,6 +55,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PHASE_BUCKETS = (5e-5, 1e-4, 2e-4, 4e-4, 7e-4, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
@@ -130,6 +131,12 @@ class SchedulerMetrics:
             "deepinfer_scheduler_step_seconds", "Time from sending a step to the worker to its result.", labels,
             buckets=STEP_BUCKETS, registry=r,
         )  # fmt: skip
+        self.step_phase_seconds = Histogram(
+            "deepinfer_scheduler_step_phase_seconds",
+            "Host time of a step's phases: plan (schedule it and queue it for the worker), deliver (apply its "
+            "result, hand each request its tokens).",
+            [*labels, "phase"], buckets=PHASE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected, failed).",
             [*labels, "outcome"], registry=r,
@@ -157,6 +164,10 @@ class SchedulerMetrics:
         self.iteration_tokens.labels(self.model).observe(num_tokens)
         if new_preemptions:
             self.preemptions.labels(self.model).inc(new_preemptions)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        """One step's ``phase`` (plan, deliver) took ``seconds`` of the scheduler's host time."""
+        self.step_phase_seconds.labels(self.model, phase).observe(seconds)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()
@@ -201,6 +212,12 @@ class WorkerMetrics:
             "deepinfer_worker_step_seconds", "Time to run one step on the accelerator.", ["model_name"],
             buckets=STEP_BUCKETS, registry=r,
         )  # fmt: skip
+        self.step_phase_seconds = Histogram(
+            "deepinfer_worker_step_phase_seconds",
+            "Host time of a step's phases: launch, finish (collect the tokens, build the result), starved (no step on "
+            "the device and no plan to launch), idle (starved a second or more).",
+            ["model_name", "phase"], buckets=PHASE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.tokens = Counter("deepinfer_worker_tokens", "Tokens run (prefill and decode).", ["model_name"], registry=r)
         self.tokens.labels(model)
         self.image_encodes = Counter(
@@ -223,6 +240,10 @@ class WorkerMetrics:
     def step(self, seconds: float, num_tokens: int) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
         self.tokens.labels(self.model).inc(num_tokens)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        """One step's ``phase`` (``serving.step_pipeline``: launch, finish, starved, idle) took ``seconds``."""
+        self.step_phase_seconds.labels(self.model, phase).observe(seconds)
 
     def images(self, encodes: int, hits: int, cache_bytes: int, held_bytes: int) -> None:
         """A request's images were prepared: ``encodes`` ran the encoder, ``hits`` came from the cache."""

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import threading
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -24,53 +22,34 @@ from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.heap import freeze_heap, thaw_heap
 from deepinfer.engine.image_cache import FeatureBudget, FeatureCache
-from deepinfer.engine.interfaces import WorkerStepPlan
 from deepinfer.engine.multimodal import MultiModalInput, prepare_images
-from deepinfer.engine.worker import InFlight
 from deepinfer.events import Registration
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
-from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto, result_to_proto
+from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.errors import Overloaded
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
-from deepinfer.serving.tracing import StepSpans, StepTraces, tracer
+from deepinfer.serving.step_pipeline import StepPipeline
+from deepinfer.serving.tracing import StepTraces, tracer
 from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
+T = TypeVar("T")
 _tracer = tracer(__name__)
 
 
 MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT's most)
 
 
-@dataclass
-class _Running:
-    step: InFlight
-    num_tokens: int
-    spans: StepSpans
-    t0: float
-    done: asyncio.Future | None = None  # the wait for the step's tokens, once started
-
-
-async def _read(request_iterator: AsyncIterator, plans: asyncio.Queue) -> None:
-    """Move a stream's plans into ``plans``; None marks its end, an exception a broken stream."""
-    try:
-        async for msg in request_iterator:
-            plans.put_nowait(msg)
-    except Exception as e:  # noqa: BLE001 - handed to Step, which ends the stream with its status
-        plans.put_nowait(e)
-        return
-    plans.put_nowait(None)
-
-
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None) -> None:
         self.parts, self.worker_id = parts, worker_id
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
-        self._lock = asyncio.Lock()  # the runner executes one step at a time
+        self._lock = asyncio.Lock()  # one image preparation or model load at a time
+        self._device = threading.Lock()  # the runner runs one thing at a time: a step's launch or collection, ...
         self._streams = 0  # open Step streams (a model is only replaced while there are none)
         self.images: dict[str, MultiModalInput] = {}  # prepared images by request id (PrepareImages)
         self._encoder: FeatureCache | None = None  # the model's image encoder behind a cache, made on the first image
@@ -87,7 +66,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise ValueError("request_id: required")
             if any(len(b) > MAX_IMAGE_BYTES for b in request.images):
                 raise ValueError(f"images: an image is larger than {MAX_IMAGE_BYTES} bytes")
-            async with self._lock:  # the device runs one thing at a time: encode between steps
+            async with self._lock:  # one preparation at a time; the encoder runs between steps (the device lock)
                 self.budget.check_room()
                 if self._encoder is None:
                     cache_bytes = envs.DEEPINFER_IMAGE_FEATURE_CACHE_BYTES
@@ -95,8 +74,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 enc, before = self._encoder, (self._encoder.encoded, self._encoder.hits)
                 try:
                     ids, mm = await asyncio.to_thread(
-                        prepare_images, p.family, p.config, enc, list(request.token_ids), list(request.images)
-                    )
+                        self._on_device, prepare_images, p.family, p.config, enc, list(request.token_ids),
+                        list(request.images),
+                    )  # fmt: skip
                 finally:
                     self.metrics.images(enc.encoded - before[0], enc.hits - before[1], enc.bytes, self.budget.total)
                 self.budget.take(rid, mm.data)
@@ -112,58 +92,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Step(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.StepResult]:
-        """Steps in order, pipelined: a plan that arrives while the previous step runs on the device is launched
-        before that step's result is collected, so the device never waits for the host's work between steps
-        (placeholders read the previous step's samples on the device: ``ModelRunner.launch``)."""
+        """Steps in order, pipelined (``serving.step_pipeline``): a plan that arrives while the previous step runs on
+        the device is launched before that step's result is collected, so the device never waits for the host's work
+        between steps (placeholders read the previous step's samples on the device: ``ModelRunner.launch``)."""
         known: dict[str, SamplingParams] = {}
         traces = StepTraces(_tracer)  # each request's trace: linked from the steps that serve it, and their parent
-        plans: asyncio.Queue[worker_pb2.StepPlan | BaseException | None] = asyncio.Queue()
-        reader = asyncio.create_task(_read(request_iterator, plans))
-        running: collections.deque[_Running] = collections.deque()  # launched, not finished, in order
-        nxt: asyncio.Task | None = None
+        pipeline = StepPipeline(self.parts.runner, self._device, self.metrics, traces, MAX_IN_FLIGHT)
+        reader = asyncio.create_task(self._read(request_iterator, known, pipeline))
         error: Exception | None = None
         self._streams += 1
         try:
-            while True:
-                if nxt is None:
-                    nxt = asyncio.ensure_future(plans.get())
-                if running:
-                    first = running[0]
-                    if first.done is None:
-                        first.done = asyncio.ensure_future(asyncio.to_thread(first.step.wait))
-                    full = len(running) >= MAX_IN_FLIGHT
-                    await asyncio.wait({first.done} if full else {first.done, nxt}, return_when=asyncio.FIRST_COMPLETED)
-                    if full or not nxt.done():  # the oldest step is done, and no plan came or no room for one
-                        yield await self._finish(running.popleft())
-                        continue
-                msg = await nxt
-                nxt = None
-                if msg is None:
-                    break
-                try:
-                    if isinstance(msg, BaseException):
-                        raise msg
-                    plan = plan_from_proto(msg, known, self.images)
-                    for rid in msg.dropped_images:  # the plan's chunks hold what they need
-                        self._drop_images(rid)
-                    traces.note(plan)
-                    if running and self.parts.runner.waits_for_tokens(plan):
-                        while running:
-                            yield await self._finish(running.popleft())
-                    running.append(await self._launch(plan, traces))
-                except Exception as e:  # noqa: BLE001 - a bad plan: the steps already launched still report
-                    error = e
-                    break
-            while running:
-                yield await self._finish(running.popleft())
+            async for out in pipeline.results():
+                yield out
         except Exception as e:  # noqa: BLE001 - mapped to a status below, never a traceback on the wire
             error = e
         finally:
             reader.cancel()
-            if nxt is not None:
-                nxt.cancel()
+            await pipeline.close()  # the steps launched are collected: the runner is free
             self._streams -= 1
-            self.parts.runner.release(list(known))
+            with self._device:
+                self.parts.runner.release(list(known))
             for rid in known:
                 self._drop_images(rid)
         if error is not None:
@@ -172,35 +120,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 log.error("step_failed", exc_info=error)
             await context.abort(code, text)
 
+    async def _read(
+        self, request_iterator: AsyncIterator[worker_pb2.StepPlan], known: dict, pipeline: StepPipeline
+    ) -> None:
+        """Convert a stream's plans and hand them to ``pipeline``; its end or a bad plan ends the stream there."""
+        try:
+            async for msg in request_iterator:
+                plan = plan_from_proto(msg, known, self.images)
+                for rid in msg.dropped_images:  # the plan's chunks hold what they need
+                    self._drop_images(rid)
+                pipeline.submit(plan)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bad plan or a broken stream: the steps already launched report
+            pipeline.submit(e)
+            return
+        pipeline.submit(None)
+
+    def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` while no step launches or is collected (in a worker thread)."""
+        with self._device:
+            return fn(*args)
+
     def _drop_images(self, request_id: str) -> None:
         """The request is over: its features leave the worker and its budget."""
         if self.images.pop(request_id, None) is not None:
             self.budget.release(request_id)
             self.metrics.image_held_bytes.labels(self.metrics.model).set(self.budget.total)
-
-    async def _launch(self, plan: WorkerStepPlan, traces: StepTraces) -> _Running:
-        spans = traces.start(plan)  # the batch's step span and, when exported, one per traced request
-        t0 = time.perf_counter()
-        try:
-            async with self._lock:
-                step = await asyncio.to_thread(self.parts.runner.launch, plan)
-        except BaseException:
-            spans.end()
-            raise
-        return _Running(step, plan.num_tokens, spans, t0)
-
-    async def _finish(self, r: _Running) -> worker_pb2.StepResult:
-        """The step's result on the wire (an error here ends the stream: ``Step`` aborts it)."""
-        try:
-            async with self._lock:
-                result = await asyncio.to_thread(self.parts.runner.finish, r.step)
-        finally:
-            r.spans.end()
-        elapsed = time.perf_counter() - r.t0
-        self.metrics.step(elapsed, r.num_tokens)
-        out = result_to_proto(result)
-        out.forward_ms = elapsed * 1e3
-        return out
 
     async def LoadModel(  # noqa: N802
         self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
@@ -221,6 +167,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 thaw_heap()  # the replaced model's reference cycles must be collectible (engine/heap.py)
             try:
                 self.parts = await asyncio.to_thread(
+                    self._on_device,
                     build_worker,
                     request.model,
                     request.dtype or "auto",
