@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from deepinfer import envs
 from deepinfer.events.auth import ADMIN, Credentials, authorization_config, with_credentials
@@ -72,10 +73,20 @@ def find_nats_server() -> Path:
     )
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    import ctypes
+_PRCTL: Any = None  # libc's prctl, looked up in the parent: the child must not load libraries or allocate
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+def _prctl() -> Any:
+    global _PRCTL
+    if _PRCTL is None:
+        import ctypes
+
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec: one call of a function resolved before
+    _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (a dlopen here, under another thread's malloc lock, aborted)
 
 
 class NatsServer:
@@ -148,6 +159,8 @@ class NatsServer:
         cmd += ["-a", self.host, "-p", port_arg]
         cmd += ["--ports_file_dir", str(ports_dir), "-l", str(self.log_file)]
         main = threading.current_thread() is threading.main_thread() and sys.platform.startswith("linux")
+        if main:
+            _prctl()
         try:
             self._proc = subprocess.Popen(
                 cmd,
