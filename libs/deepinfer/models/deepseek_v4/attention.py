@@ -60,6 +60,9 @@ class Attention(nn.Module):
                 self.indexer = Indexer(c, self.ratio)
         self.quant_sim = False
         self.state_pool: StatePool | None = None  # set by the model (decode steps on pooled state)
+        # a dict while a speculative verify step runs (speculative.py): ``attend`` leaves the compressors' projections
+        # of the step there (``{name: (kv, score)}``), which the rollback rebuilds the kept buffers from
+        self.capture: dict | None = None
 
     def _compressors(self) -> list[tuple[str, Compressor]]:
         """The layer's compressors by the name of their projections in ``project``'s tensors."""
@@ -124,6 +127,8 @@ class Attention(nn.Module):
         ``out``: written there and returned (a piecewise CUDA graph reads it from a fixed address)."""
         x, qr, q, kv = t["x"], t["qr"], t["q"], t["kv"]
         proj = {k: (t[f"{k}_kv"], t[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in t}
+        if self.capture is not None:
+            self.capture.update(proj)
         if ops.batch_invariant:
             out = torch.empty_like(q) if out is None else out
             for chunk, (a, b) in zip(chunks, offsets):

@@ -1,0 +1,108 @@
+"""DeepSeek-V4's MTP (NextN) drafter for speculative decoding (docs/speculative_decoding.md, "Drafters").
+
+The MTP block at position ``t`` reads the trunk's streams at ``t`` and the embedding of token ``t + 1`` and predicts
+token ``t + 2``; it keeps its own window ring (layer ``num_hidden_layers + depth``) and counts the positions it has
+consumed in ``SequenceState.mtp_tokens``. A run without speculation feeds it every consumed position once the next
+token is known, so its state at ``c`` consumed tokens covers positions ``0 .. c`` (``mtp_tokens == c``).
+
+* ``observe``: after a step consumed positions ``p .. c`` (a prefill, a decode step, a verify step rolled back to
+  its kept rows) and the next token is sampled, the block consumes those positions with the trunk's streams and the
+  tokens that follow them, as a run without speculation does; its last row's logits give the first draft.
+* ``draft``: the other drafts, autoregressively: the block runs at ``c, c + 1, ..`` on its *own* previous streams
+  (the trunk's are not known there) and its previous draft, taking the argmax. Those rows are not a plain run's, so
+  the drafter saves the ring rows they overwrite and puts them back afterwards, with ``mtp_tokens`` (exact, no
+  second pass); the next ``observe`` writes those positions with the trunk's streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.speculative import restore_windows, save_windows
+from deepinfer.models.deepseek_v4.state import SequenceState
+
+
+@dataclass
+class MTPHead:
+    """Per sequence, the MTP block's last row after ``observe``: its streams ``[hc, D]`` and its logits ``[V]``
+    (the first draft's)."""
+
+    streams: torch.Tensor
+    logits: torch.Tensor
+
+
+class MTPDrafter:
+    """Drafts with MTP block ``depth`` of ``model`` (argmax), keeping its state a plain run's (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, depth: int = 0) -> None:
+        if depth >= len(model.mtp):
+            raise ValueError(f"the model has {len(model.mtp)} MTP blocks, not {depth + 1}")
+        self.model, self.depth = model, depth
+        self.layer = model.config.num_hidden_layers + depth
+
+    def _run(
+        self, h: torch.Tensor, next_ids: list[list[int]], states: list[SequenceState], tables: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        dev = h.device
+        chunks = [SeqChunk(st, st.mtp_tokens, len(t), tb) for st, t, tb in zip(states, next_ids, tables)]
+        ids = torch.tensor([x for t in next_ids for x in t], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(dev)
+        batch = ForwardBatch(ids, pos, chunks)
+        x, logits = self.model.mtp_forward(h, ids, batch, self.depth)
+        return x, logits, batch.offsets()
+
+    @torch.no_grad()
+    def observe(
+        self, hidden: torch.Tensor, offsets: list[tuple[int, int]], next_ids: list[list[int]],
+        states: list[SequenceState], tables: list[torch.Tensor],
+    ) -> list[MTPHead]:  # fmt: skip
+        """The block consumes, per sequence, the trunk streams ``hidden[offsets[b][0] : + len(next_ids[b])]`` (its
+        positions ``mtp_tokens ..``) with the tokens after them, ``next_ids[b]`` (each at least one)."""
+        for st, t in zip(states, next_ids):
+            if not t:
+                raise ValueError("observe needs at least one position per sequence")
+            if st.mtp_tokens + len(t) != st.num_tokens:
+                raise ValueError(
+                    f"the MTP block holds {st.mtp_tokens} positions and gets {len(t)}; the trunk holds {st.num_tokens}"
+                )
+        rows = torch.cat([torch.arange(a, a + len(t)) for (a, _), t in zip(offsets, next_ids)]).to(hidden.device)
+        x, logits, offs = self._run(hidden.index_select(0, rows), next_ids, states, tables)
+        return [MTPHead(x[b - 1], logits[b - 1]) for _, b in offs]
+
+    @torch.no_grad()
+    def draft(
+        self, heads: list[MTPHead], counts: list[int], states: list[SequenceState], tables: list[torch.Tensor]
+    ) -> list[list[int]]:
+        """``counts[b]`` drafts per sequence (0 allowed) from ``observe``'s heads; the state is left as it was."""
+        window = self.model.config.sliding_window
+        drafts = [[int(hd.logits.argmax())] if n > 0 else [] for hd, n in zip(heads, counts)]
+        extra = [max(n - 1, 0) for n in counts]  # block rows each sequence runs past its consumed positions
+        saves = []
+        for st, k in zip(states, extra):
+            if st.mtp_tokens != st.num_tokens:
+                raise ValueError(f"the MTP block holds {st.mtp_tokens} positions, the trunk {st.num_tokens}: observe")
+            if k > window:
+                raise ValueError(f"{k} drafting rows overrun the MTP window of {window}")
+            saves.append(save_windows(st, [self.layer], st.mtp_tokens, k))
+        streams = [hd.streams for hd in heads]
+        try:
+            for step in range(max(extra, default=0)):
+                live = [b for b, k in enumerate(extra) if k > step]
+                h = torch.stack([streams[b] for b in live])
+                x, logits, _ = self._run(h, [[drafts[b][-1]] for b in live], [states[b] for b in live],
+                                         [tables[b] for b in live])  # fmt: skip
+                nxt = logits.argmax(-1).tolist()
+                for i, b in enumerate(live):
+                    streams[b] = x[i]
+                    drafts[b].append(nxt[i])
+        finally:
+            for st, k, saved in zip(states, extra, saves):  # back to the consumed positions
+                st.mtp_tokens = st.num_tokens
+                restore_windows(st, saved, st.num_tokens, k, 0)
+        return drafts
+
+
+__all__ = ["MTPDrafter", "MTPHead"]

@@ -1,0 +1,185 @@
+"""DeepSeek-V4's speculative verify step and its exact state rollback (docs/speculative_decoding.md, "State
+rollback").
+
+``verify`` runs the target over, per sequence ``b`` at position ``p_b`` (``p_b`` tokens consumed), its last token
+and its ``n_b`` drafts: one ragged forward of ``n_b + 1`` rows per sequence (a chunked-prefill step), whose logits
+are flat, sequence after sequence (``engine.speculative.acceptance``'s layout). Before it runs it saves what the
+rejected rows may destroy; ``VerifyStep.rollback`` then brings each sequence to ``c_b = p_b + a_b + 1`` consumed
+tokens (``a_b`` drafts kept), exactly the state of a run without speculation over the same tokens, with no second
+forward pass:
+
+* **window rings** (every trunk layer, slot ``pos % W``): the rows of positions ``p + 1 .. p + n`` (the slots the
+  drafts write, holding positions ``W`` earlier that later tokens still read) are saved before the step (``n`` rows
+  per layer) and the rejected ones put back. Needs ``n_b + 1 <= W``.
+* **compressor buffers** (the pending projections): the buffer before the step is saved (at most ``2m`` rows) and
+  the attention layers leave the step's projections in ``Attention.capture``; the kept buffer is the one a plain
+  run has at ``c``: positions ``max((c // m - overlap) m, start) .. c``, from the saved rows (below ``p``) and the
+  captured rows of the kept positions. A pooled buffer (``state_pool.RingBuffer``) takes them in place.
+* **compressed rows and indexer keys** (paged): a group completed by kept rows was pooled from kept projections
+  only, as a plain run pools it. A group completed by a rejected row wrote row ``w >= c // m``: no reader reads a
+  row past the sequence's count, and the row is written again when the group completes with the kept tokens.
+* **counters**: ``num_tokens = c``; ``mtp_tokens`` is the drafter's (``mtp_drafter.py``), untouched here.
+
+Pages a verify step touches for rejected positions stay with the sequence (they are its next positions). The
+step runs eagerly (``model.step_graphs`` is not consulted for a verify step's capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.models.deepseek_v4.attention import Attention
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, ring_span
+
+
+@dataclass
+class SeqSave:
+    """What one sequence's verify rows may destroy: the window rows of positions ``start + 1 .. start + drafts``
+    per layer (None: the layer had no ring yet) and the compressor buffers (None: none yet), as they were."""
+
+    state: SequenceState
+    start: int  # p: tokens consumed before the step
+    drafts: int  # n
+    windows: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    buffers: dict[tuple[int, str], CompressorBuffer | None] = field(default_factory=dict)
+
+
+def save_windows(st: SequenceState, layers: list[int], first: int, count: int) -> dict[int, torch.Tensor | None]:
+    """Copies of the ring rows of positions ``first .. first + count`` of ``layers`` (None where a layer has none)."""
+    out: dict[int, torch.Tensor | None] = {}
+    for layer in layers:
+        ring = st.windows.get(layer)
+        if ring is None:
+            out[layer] = None
+            continue
+        if count > ring.shape[0]:
+            raise ValueError(f"{count} speculative rows overrun layer {layer}'s window of {ring.shape[0]}")
+        parts = ring_span(ring, first, count)
+        out[layer] = torch.cat(parts).clone() if parts else ring[:0].clone()
+    return out
+
+
+def restore_windows(
+    st: SequenceState, saved: dict[int, torch.Tensor | None], first: int, count: int, skip: int
+) -> None:
+    """Put back the saved rows of positions ``first + skip .. first + count`` (``save_windows(.., first, count)``):
+    the slots of the rejected rows hold again what they held before the step (zeros where there was no ring)."""
+    for layer, rows in saved.items():
+        ring = st.windows.get(layer)
+        if ring is None:
+            continue
+        done = skip
+        for part in ring_span(ring, first + skip, count - skip):
+            if rows is None:
+                part.zero_()
+            else:
+                part.copy_(rows[done : done + part.shape[0]])
+            done += part.shape[0]
+
+
+def _compressors(model: torch.nn.Module) -> dict[tuple[int, str], tuple[int, bool]]:
+    """``{(layer, name): (ratio, overlap)}`` of every trunk compressor."""
+    out = {}
+    for layer in model.layers:
+        for name, comp in layer.attn._compressors():
+            out[(layer.layer_id, name)] = (comp.ratio, comp.overlap)
+    return out
+
+
+def kept_buffer(
+    old: CompressorBuffer | None, new: tuple[torch.Tensor, torch.Tensor], p: int, c: int, m: int, overlap: bool
+) -> CompressorBuffer:
+    """The buffer a plain run holds at ``c`` consumed tokens: ``old`` the buffer at ``p`` (positions ``old.start ..
+    p``), ``new`` the projections (kv, score) of positions ``p .. c``."""
+    base = p if old is None else old.start
+    start = max(max(c // m - (1 if overlap else 0), 0) * m, base)
+    if start < p:
+        kv = torch.cat([old.kv[start - base :], new[0]])
+        score = torch.cat([old.score[start - base :], new[1]])
+    else:
+        kv, score = new[0][start - p :].clone(), new[1][start - p :].clone()
+    return CompressorBuffer(kv=kv, score=score, start=start)
+
+
+@dataclass
+class VerifyStep:
+    """One verify forward: ``logits [R, vocab]`` (fp32, flat rows), the trunk's ``hidden [R, hc, D]`` (what the MTP
+    drafter reads), ``offsets`` (each sequence's rows), and what ``rollback`` needs."""
+
+    model: torch.nn.Module
+    batch: ForwardBatch
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    offsets: list[tuple[int, int]]
+    saves: list[SeqSave]
+    captured: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    done: bool = False
+
+    def rollback(self, accepted: list[int]) -> None:
+        """Bring every sequence to ``p_b + accepted[b] + 1`` consumed tokens (module docstring)."""
+        if self.done:
+            raise RuntimeError("a verify step is rolled back once")
+        if len(accepted) != len(self.saves):
+            raise ValueError(f"{len(accepted)} counts for {len(self.saves)} sequences")
+        comps = _compressors(self.model)
+        for save, a, (lo, _) in zip(self.saves, accepted, self.offsets):
+            if not 0 <= a <= save.drafts:
+                raise ValueError(f"{a} drafts kept out of {save.drafts}")
+            st, p = save.state, save.start
+            if st.num_tokens != p + save.drafts + 1:
+                raise RuntimeError(f"the state moved since its verify step: {st.num_tokens} != {p + save.drafts + 1}")
+            c = p + a + 1
+            restore_windows(st, save.windows, p + 1, save.drafts, a)
+            for key, old in save.buffers.items():
+                m, overlap = comps[key]
+                kv, score = self.captured[key]
+                st.set_buffer(key, kept_buffer(old, (kv[lo : lo + a + 1], score[lo : lo + a + 1]), p, c, m, overlap))
+            st.num_tokens = c
+        self.done, self.captured = True, {}  # the projections are not needed any more
+
+
+def save_state(model: torch.nn.Module, st: SequenceState, drafts: int) -> SeqSave:
+    """``SeqSave`` of ``st`` before a verify step with ``drafts`` drafts."""
+    p = st.num_tokens
+    save = SeqSave(st, p, drafts)
+    save.windows = save_windows(st, [layer.layer_id for layer in model.layers], p + 1, drafts)
+    for key in _compressors(model):
+        b = st.buffers.get(key)
+        save.buffers[key] = None if b is None else CompressorBuffer(b.kv.clone(), b.score.clone(), b.start)
+    return save
+
+
+@torch.no_grad()
+def verify(
+    model: torch.nn.Module,
+    cache: PagedKVCache | None,
+    states: list[SequenceState],
+    block_tables: list[torch.Tensor],
+    last_tokens: list[int],
+    drafts: list[list[int]],
+) -> VerifyStep:
+    """The verify forward of sequences ``states`` (module docstring); roll back with ``VerifyStep.rollback``."""
+    window = model.config.sliding_window
+    for d in drafts:
+        if len(d) + 1 > window:
+            raise ValueError(f"{len(d)} drafts need {len(d) + 1} window rows; the window holds {window}")
+    saves = [save_state(model, st, len(d)) for st, d in zip(states, drafts)]
+    chunks = [SeqChunk(st, st.num_tokens, len(d) + 1, t) for st, d, t in zip(states, drafts, block_tables)]
+    batch = ForwardBatch.build(chunks, [[x, *d] for x, d in zip(last_tokens, drafts)], device=model.embed.weight.device)
+    attns = [m for m in model.layers.modules() if isinstance(m, Attention)]
+    for a in attns:
+        a.capture = {}
+    try:
+        h = model(batch, cache)
+        captured = {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
+    finally:
+        for a in attns:
+            a.capture = None
+    return VerifyStep(model, batch, h, model.logits(h), batch.offsets(), saves, captured)
+
+
+__all__ = ["SeqSave", "VerifyStep", "kept_buffer", "restore_windows", "save_windows", "verify"]

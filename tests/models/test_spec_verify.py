@@ -1,0 +1,262 @@
+"""Speculative verify steps on DeepSeek-V4 with exact state rollback (``models/deepseek_v4/speculative.py``) and the
+MTP drafter (``models/deepseek_v4/mtp_drafter.py``), against decoding without speculation.
+
+Each configuration of ``models.tiny_configs`` (compress ratios 4, 8 and 16, so groups complete inside a verify step)
+runs a batch of sequences (greedy and seeded sampling) through verify steps of random draft lengths (0 included):
+the MTP drafter's drafts, some replaced by the right token (a plain run's) or a random one. The emitted tokens must
+be a plain run's, token for token, and every sequence's state after the run (windows, compressor buffers, counters,
+the MTP block's window, the paged rows and indexer keys it can read) must equal, bit for bit, the state of a plain
+run that consumed the same tokens one decode step at a time (and of one that consumed them as one chunk); so must
+the next decode step's logits (trunk and MTP).
+Bit-for-bit needs a row's numbers not to depend on the step's shape: ``BatchInvariantOps`` (the reference backend's
+batch-invariant op set, fp32 on the CPU). The default op set (batched attention, decode steps on the ``StatePool``)
+is checked for the same tokens and a state equal within rounding. Mutations (a rollback skipped) must be caught.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
+from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.speculative.verify import accept
+from deepinfer.engine.worker import position_seed
+from deepinfer.models.deepseek_v4 import mtp_drafter, speculative
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.speculative import verify
+from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.sampling_params import SamplingParams
+from models.tiny_configs import CONFIGS
+
+PAGE, PAGES = 16, 8  # pages per sequence
+NEW = 36  # tokens each sequence emits at least
+PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.9, seed=11),
+    SamplingParams(temperature=1.2, top_p=0.9, seed=12345),
+]
+SAMPLER = Sampler(kernel=False)
+
+
+def load(tiny_dirs: dict, name: str, ops) -> DeepseekV4Model:
+    path = tiny_dirs[name]
+    m = DeepseekV4Model(DeepseekV4Config.from_file(path / "config.json"), ops)
+    load_checkpoint(m, path, dtype=torch.float32, progress=False)
+    return m
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request: pytest.FixtureRequest, tiny_dirs: dict) -> DeepseekV4Model:
+    return load(tiny_dirs, request.param, BatchInvariantOps())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    seeds = [None if p.greedy or p.seed is None else position_seed(p.seed, q) for p, q in zip(params, positions)]
+    return SAMPLER(logits, params, seeds).token_ids.tolist()
+
+
+class Plain:
+    """One sequence decoded without speculation: a prefill, then one token per step, the MTP block fed each
+    consumed position once the next token is sampled."""
+
+    def __init__(self, model: DeepseekV4Model, prompt: list[int], params: SamplingParams) -> None:
+        self.model, self.params = model, params
+        self.cache = PagedKVCache(model.config, PAGES, PAGE)
+        self.table, self.state, self.tokens = torch.arange(PAGES), SequenceState(), list(prompt)
+        self.step(len(prompt))
+
+    def step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume ``n`` tokens (pending ones); returns the last row's trunk and MTP logits."""
+        m, st, p = self.model, self.state, self.state.num_tokens
+        batch = ForwardBatch.build([SeqChunk(st, p, n, self.table)], [self.tokens[p : p + n]])
+        h = m(batch, self.cache)
+        logits = m.logits(h)
+        self.tokens += sample(logits[-1:], [self.params], [p + n])
+        _, mtp = m.mtp_forward(h, torch.tensor(self.tokens[p + 1 : p + n + 1]), batch)
+        return logits[-1], mtp[-1]
+
+    def run_to(self, consumed: int) -> Plain:
+        while self.state.num_tokens < consumed:
+            self.step(1)
+        return self
+
+
+def speculative_run(model: DeepseekV4Model, prompts: list[list[int]], params: list[SamplingParams],
+                    oracle: list[list[int]], rng: random.Random, right: float) -> tuple:  # fmt: skip
+    """Every sequence in one batch of verify steps until it emitted ``NEW`` tokens; returns (tokens, state) per
+    sequence, the cache, the block tables and the drafts proposed / kept."""
+    cfg, n_seq = model.config, len(prompts)
+    cache = PagedKVCache(cfg, PAGES * n_seq, PAGE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(n_seq)]
+    states, toks = [SequenceState() for _ in prompts], [list(x) for x in prompts]
+    drafter, n_max = MTPDrafter(model), min(7, cfg.sliding_window - 1)
+    batch = ForwardBatch.build([SeqChunk(s, 0, len(x), t) for s, x, t in zip(states, prompts, tables)], prompts)
+    h = model(batch, cache)
+    last = [b - 1 for _, b in batch.offsets()]
+    for t, x in zip(toks, sample(model.logits(h)[last], params, [len(x) for x in prompts])):
+        t.append(x)
+    heads = drafter.observe(h, batch.offsets(), [t[1:] for t in toks], states, tables)
+    stats = [0, 0, 0]  # drafts proposed, kept, verify steps whose rejected rows completed a compressor group
+    while True:
+        live = [b for b in range(n_seq) if len(toks[b]) - len(prompts[b]) < NEW]
+        if not live:
+            break
+        st, tb = [states[b] for b in live], [tables[b] for b in live]
+        drafts = drafter.draft([heads[b] for b in live], [rng.randint(0, n_max) for _ in live], st, tb)
+        for b, d in zip(live, drafts):  # some drafts replaced by the right token or a random one
+            p = states[b].num_tokens
+            for j in range(len(d)):
+                u = rng.random()
+                if u < right and p + 1 + j < len(oracle[b]):
+                    d[j] = oracle[b][p + 1 + j]
+                elif u < right + 0.15:
+                    d[j] = rng.randrange(cfg.vocab_size)
+        step = verify(model, cache, st, tb, [toks[b][-1] for b in live], drafts)
+        verdict = accept(SAMPLER, step.logits, drafts, [params[b] for b in live], [sv.start for sv in step.saves])
+        stats[0] += sum(len(d) for d in drafts)
+        stats[1] += sum(verdict.counts)
+        m = min(cfg.ratio(i) for i in cfg.compressed_layers)  # steps where a rejected row completed a group
+        stats[2] += sum(
+            (v.start + v.drafts + 1) // m > (v.start + a + 1) // m for v, a in zip(step.saves, verdict.counts)
+        )
+        step.rollback(verdict.counts)
+        out = verdict.tokens
+        for b, e in zip(live, out):
+            toks[b] += e
+        new_heads = drafter.observe(step.hidden, step.offsets, out, st, tb)
+        for b, hd in zip(live, new_heads):
+            heads[b] = hd
+    return [(t, s) for t, s in zip(toks, states)], cache, tables, stats
+
+
+def differences(spec: SequenceState, cache: PagedKVCache, table: torch.Tensor, plain: Plain, tol: float = 0.0
+                ) -> list[str]:  # fmt: skip
+    """Where a sequence's state differs from a plain run's (bit for bit when ``tol`` is 0)."""
+    ref, out = plain.state, []
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if a.shape != b.shape:
+            return False
+        return torch.equal(a, b) if tol == 0 else bool((a - b).abs().max() <= tol) if a.numel() else True
+
+    for f in ("num_tokens", "mtp_tokens", "window_start", "replay_until"):
+        if getattr(spec, f) != getattr(ref, f):
+            out.append(f"{f}: {getattr(spec, f)} != {getattr(ref, f)}")
+    if set(spec.windows) != set(ref.windows):
+        out.append(f"window layers {sorted(spec.windows)} != {sorted(ref.windows)}")
+    for layer in ref.windows:
+        if layer in spec.windows and not same(spec.windows[layer], ref.windows[layer]):
+            out.append(f"window of layer {layer}")
+    if set(spec.buffers) != set(ref.buffers):
+        out.append(f"buffers {sorted(spec.buffers)} != {sorted(ref.buffers)}")
+    for key, b in ref.buffers.items():
+        s = spec.buffers.get(key)
+        if s is not None and (s.start != b.start or not same(s.kv, b.kv) or not same(s.score, b.score)):
+            out.append(f"buffer {key}")
+    n = ref.num_tokens
+    for kind, layer in cache.stores():
+        m = cache.ratios[layer]
+        if not same(cache.read(kind, layer, table, n // m), plain.cache.read(kind, layer, plain.table, n // m)):
+            out.append(f"{kind} of layer {layer}")
+    return out
+
+
+def next_logits(model: DeepseekV4Model, st: SequenceState, cache: PagedKVCache, table: torch.Tensor,
+                token: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The trunk's and the MTP block's logits of one more decode step of ``token`` (advances the state)."""
+    batch = ForwardBatch.build([SeqChunk(st, st.num_tokens, 1, table)], [[token]])
+    h = model(batch, cache)
+    logits = model.logits(h)[0]
+    return logits, model.mtp_forward(h, logits.argmax().view(1), batch)[1][0]
+
+
+def check(model: DeepseekV4Model, seed: int, right: float, tol: float = 0.0) -> list[str]:
+    """One speculative batch against plain runs; returns the differences found (tokens, states, next logits)."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    n_seq = rng.randint(1, 3)
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 12))] for _ in range(n_seq)]
+    params = [rng.choice(PARAMS) for _ in range(n_seq)]
+    oracle = [Plain(model, x, p).run_to(len(x) + NEW + 8).tokens for x, p in zip(prompts, params)]
+    spec, cache, tables, _ = speculative_run(model, prompts, params, oracle, rng, right)
+    bad = []
+    for b, ((toks, st), x, p) in enumerate(zip(spec, prompts, params)):
+        if toks != oracle[b][: len(toks)]:
+            bad.append(f"seq {b}: emitted {toks[len(x) :]} != plain {oracle[b][len(x) : len(toks)]}")
+            continue
+        plain = Plain(model, x, p).run_to(st.num_tokens)
+        assert plain.tokens == toks
+        bad += [f"seq {b}: {d}" for d in differences(st, cache, tables[b], plain, tol)]
+        if tol == 0:  # the batch-invariant ops: a plain run that consumed the same tokens as one chunk, too
+            chunk = Plain(model, toks[: st.num_tokens], p)
+            assert chunk.tokens == toks
+            bad += [f"seq {b} (one chunk): {d}" for d in differences(st, cache, tables[b], chunk)]
+        got = next_logits(model, st, cache, tables[b], toks[-1])
+        want = next_logits(model, plain.state, plain.cache, plain.table, toks[-1])
+        for name, g, w in zip(("trunk", "mtp"), got, want):
+            if not (torch.equal(g, w) if tol == 0 else (g - w).abs().max() <= tol):
+                bad.append(f"seq {b}: next {name} logits")
+    return bad
+
+
+@pytest.mark.parametrize("right", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verify_steps_emit_plain_tokens_and_leave_the_plain_state(model: DeepseekV4Model, seed: int,
+                                                                  right: float) -> None:  # fmt: skip
+    assert check(model, seed * 10 + int(right * 10), right) == []
+
+
+def test_drafts_are_kept_and_rejected(model: DeepseekV4Model) -> None:
+    """The harness exercises both outcomes: right drafts are all kept (greedy), the MTP's random-weight drafts
+    and random tokens mostly not."""
+    x, p = [3, 4, 5], PARAMS[0]
+    oracle = Plain(model, x, p).run_to(len(x) + NEW + 8).tokens
+    spec, _, _, (proposed, kept, _) = speculative_run(model, [x], [p], [oracle], random.Random(5), 1.0)
+    assert spec[0][0] == oracle[: len(spec[0][0])] and proposed > 10 and kept == proposed
+    spec, _, _, (proposed, kept, completed) = speculative_run(model, [x], [p], [oracle], random.Random(5), 0.0)
+    assert spec[0][0] == oracle[: len(spec[0][0])] and proposed > 10 and kept < proposed / 2 and completed > 0
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    ["no window restore", "buffers without the saved rows", "no rollback but the counter", "no MTP window restore"],
+)
+def test_a_skipped_rollback_is_caught(model: DeepseekV4Model, mutation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mutation == "no window restore":
+        monkeypatch.setattr(speculative, "restore_windows", lambda *a, **k: None)
+    elif mutation == "buffers without the saved rows":  # the kept buffer cut from the step's rows alone
+        real = speculative.kept_buffer
+        monkeypatch.setattr(speculative, "kept_buffer", lambda old, *a: real(None, *a))
+    elif mutation == "no MTP window restore":
+        monkeypatch.setattr(mtp_drafter, "restore_windows", lambda *a, **k: None)
+    else:
+
+        def counter_only(self, accepted: list[int]) -> None:
+            for save, a in zip(self.saves, accepted):
+                save.state.num_tokens = save.start + a + 1
+
+        monkeypatch.setattr(speculative.VerifyStep, "rollback", counter_only)
+    found = []
+    for seed in range(3):
+        try:
+            found += check(model, 100 + seed, 0.5)
+        except (RuntimeError, IndexError, ValueError) as e:  # a broken state may also fail loudly
+            found.append(repr(e))
+    assert found, f"{mutation}: not caught"
+
+
+@pytest.mark.parametrize("name", ["base", "odd"])
+def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, name: str) -> None:
+    """The default op set: verify steps on the batched path, decode steps and the drafter on the ``StatePool``
+    (its ring buffers take the kept rows in place). Same tokens; the state equal within rounding."""
+    model = load(tiny_dirs, name, ReferenceOps())
+    for seed in (3, 4):
+        assert check(model, seed, 0.6, tol=1e-4) == []
