@@ -128,8 +128,8 @@ class ModelRunner:
         result = step.result
         if step.sample is not None:
             self._collect(step)
-        if self.constraints is not None:  # a request whose grammar failed ends with the reason (never a silent stop)
-            for r in result.results:
+        if self.constraints is not None and self.constraints.matchers:  # (no constrained request: nothing to ask)
+            for r in result.results:  # a request whose grammar failed ends with the reason (never a silent stop)
                 r.error = self.constraints.failure(r.request_id)
         if self.remote is not None:
             if step.idle:
