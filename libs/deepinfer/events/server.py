@@ -46,7 +46,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from deepinfer import envs
 from deepinfer.events.auth import ADMIN, Credentials, authorization_config, with_credentials
@@ -73,20 +72,17 @@ def find_nats_server() -> Path:
     )
 
 
-_PRCTL: Any = None  # libc's prctl, looked up in the parent: the child must not load libraries or allocate
-
-
-def _prctl() -> Any:
-    global _PRCTL
-    if _PRCTL is None:
-        import ctypes
-
-        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-    return _PRCTL
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec: one call of a function resolved before
-    _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (a dlopen here, under another thread's malloc lock, aborted)
+# Linux: the server is started through this shim, which asks for SIGTERM when its parent (this process's starting
+# thread) dies, checks that the parent is still the one that started it (it may have died before the request), then
+# becomes the server (exec: same pid). The request is made in the fresh child, not between fork and exec in this
+# process (``preexec_fn``: Python code in the child of a multi-threaded process, which aborted it now and then).
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 class NatsServer:
@@ -158,16 +154,11 @@ class NatsServer:
         cmd = [str(binary), "-c", str(self._write_config()), "-js", "-sd", str(self.store_dir)]
         cmd += ["-a", self.host, "-p", port_arg]
         cmd += ["--ports_file_dir", str(ports_dir), "-l", str(self.log_file)]
-        main = threading.current_thread() is threading.main_thread() and sys.platform.startswith("linux")
-        if main:
-            _prctl()
+        if threading.current_thread() is threading.main_thread() and sys.platform.startswith("linux"):
+            cmd = [sys.executable, "-I", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *cmd]  # (the signal follows a thread)
         try:
             self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_set_pdeathsig if main else None,  # only a prctl call: no locks, no allocation
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
             with _live_lock:
                 _live.add(self)
