@@ -221,14 +221,16 @@ class Work:
             nbytes += keys * row
         return flops, nbytes
 
-    def decode(self, batch: int, context: int, bw: float, peak: float) -> dict[str, float]:
-        """Roofline of one decode step of ``batch`` sequences that hold ``context`` tokens each."""
+    def decode(self, batch: int, context: int, bw: float, peak: float, rows: int = 1) -> dict[str, float]:
+        """Roofline of one decode step of ``batch`` sequences that hold ``context`` tokens each; ``rows`` > 1: a
+        speculative verify step, each sequence ``rows`` rows (its token and its drafts) over the same context."""
         c = self.config
         attn_flops, kv = self._attention(context)
-        experts = self.moe_layers * self.unique_experts(batch) * self.expert_bytes
-        nbytes = self.dense_bytes + experts + batch * (self.per_token_bytes + kv)
+        tokens = batch * rows
+        experts = self.moe_layers * self.unique_experts(tokens) * self.expert_bytes
+        nbytes = self.dense_bytes + experts + tokens * self.per_token_bytes + batch * kv
         active = self.matmul_params + self.head_params + self.moe_layers * c.num_experts_per_tok * self.expert_params
-        flops = batch * (2 * active + attn_flops)
+        flops = tokens * (2 * active + attn_flops)
         t_mem, t_fl = nbytes / bw, flops / peak
         return {
             "roofline_ms": 1e3 * max(t_mem, t_fl),
@@ -237,7 +239,7 @@ class Work:
             "bytes_GB": nbytes / 1e9,
             "expert_GB": experts / 1e9,
             "kv_MB_per_seq": kv / 1e6,
-            "unique_experts_per_layer": self.unique_experts(batch),
+            "unique_experts_per_layer": self.unique_experts(tokens),
         }
 
     def prefill(self, tokens: int, bw: float, peak: float) -> dict[str, float]:

@@ -44,14 +44,19 @@ class LLM:
         enable_prefix_caching: bool | None = None,
         async_scheduling: bool | None = None,
         allowed_local_media_path: str | Path | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
-        parts = build_worker(model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant)
+        parts = build_worker(
+            model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant,
+            num_speculative_tokens,
+        )  # fmt: skip
         self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
         self.config, self.model_path, self.dtype, self.model = parts.config, parts.path, parts.dtype, parts.model
         self.tokenizer = load_tokenizer(parts.path)
         sched = build_scheduler(
             parts.config, parts.num_pages, parts.page_size, parts.max_model_len, max_num_seqs, max_num_batched_tokens,
             parts.fingerprint, enable_prefix_caching, parts.runner.remote is not None,
+            parts.runner.spec.max_drafts if parts.runner.spec is not None else 0,
         )  # fmt: skip
         if async_scheduling is None:
             async_scheduling = envs.DEEPINFER_ASYNC_SCHEDULING

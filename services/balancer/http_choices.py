@@ -87,15 +87,23 @@ def usage(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> dict[str,
     details = {"cached_tokens": u.cached_tokens, "cached_tokens_by_tier": dict(u.cached_tokens_by_tier)}
     out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                            "total_tokens": u.total_tokens, "prompt_tokens_details": details}  # fmt: skip
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    completion: dict[str, int] = {} if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
+    if u.draft_tokens > 0:  # speculative decoding, under OpenAI's predicted-output names
+        completion["accepted_prediction_tokens"] = u.accepted_draft_tokens
+        completion["rejected_prediction_tokens"] = u.draft_tokens - u.accepted_draft_tokens
+    if completion:
+        out["completion_tokens_details"] = completion
     return out
 
 
 def summed_usage(usages: list[common_pb2.Usage], reasoning: list[int | None] | None = None) -> dict[str, Any]:
     """The usage of ``n`` samples: the prompt once (the first sample's), the completion tokens of all."""
     reasoning = reasoning or [None] * len(usages)
-    out = usage(usages[0], None if reasoning[0] is None else sum(r or 0 for r in reasoning))
+    first = common_pb2.Usage()
+    first.CopyFrom(usages[0])
+    first.draft_tokens = sum(u.draft_tokens for u in usages)
+    first.accepted_draft_tokens = sum(u.accepted_draft_tokens for u in usages)
+    out = usage(first, None if reasoning[0] is None else sum(r or 0 for r in reasoning))
     out["completion_tokens"] = sum(u.completion_tokens for u in usages)
     out["total_tokens"] = usages[0].prompt_tokens + out["completion_tokens"]
     return out

@@ -27,6 +27,9 @@ class Relay:
         self.started = False  # the first response (prompt tokens and prompt logprobs) was sent
         self.prompt_rows: list[scheduler_pb2.PromptLogprobEntry] = []
         self.hints: list[int] = []  # prompt positions worth a resume point (a chat's turn ends)
+        # speculative decoding: drafts verified and accepted on the current replica so far (its events' counts), and
+        # on the replicas before it (a moved request)
+        self.drafts, self.drafts_before = (0, 0), (0, 0)
 
     def response(self, ev: scheduler_pb2.TokenEvent) -> generation_pb2.GenerateResponse | None:
         """The caller's message for one replica event (None: nothing to send yet). A message with ``finished``
@@ -45,6 +48,8 @@ class Relay:
                 for row in self.prompt_rows:
                     out.prompt_logprobs.add().entries.extend(row.entries)
             self.started = True
+        if ev.draft_tokens:
+            self.drafts = (ev.draft_tokens, ev.accepted_draft_tokens)
         stop, last = None, len(ev.token_ids) - 1
         for k, t in enumerate(ev.token_ids):
             self.generated.append(t)
@@ -53,7 +58,7 @@ class Relay:
                 out.logprobs.append(ev.logprobs[k])
             # the replica ends a request with STOP only for EOS or a stop token: that token's text is not checked
             stop = self.text.add(t, ends=k == last and ev.finish_reason == common_pb2.FINISH_REASON_STOP)
-            if stop is not None:
+            if stop is not None:  # a stop string: the tokens after it are neither sent nor counted
                 break
         done = stop is not None or ev.finish_reason != UNSPECIFIED
         out.text = self.text.delta(done)
@@ -73,6 +78,8 @@ class Relay:
         f.usage.cached_tokens = ev.cached_tokens
         if ev.cached_tokens and ev.cached_tier:
             f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
+        f.usage.draft_tokens = self.drafts_before[0] + self.drafts[0]
+        f.usage.accepted_draft_tokens = self.drafts_before[1] + self.drafts[1]
 
     def resume_hints(self, shared: bool) -> list[int]:
         """Where the replica keeps resume points (positions of the prompt as sent, before any image expands):
@@ -87,6 +94,9 @@ class Relay:
         """The replica's request: on a move (``attempt`` > 0) with the tokens sent so far, under a fresh id, and
         without prompt logprobs (the caller has them). ``shared``: more requests for this prompt follow, so the
         replica keeps a resume point one token short of the prompt's end (the first sample of ``n``)."""
+        if attempt:  # the lost replica's drafts count; the next one reports its own from 0
+            self.drafts_before = (self.drafts_before[0] + self.drafts[0], self.drafts_before[1] + self.drafts[1])
+            self.drafts = (0, 0)
         if attempt and not self.started:
             self.prompt_rows = []  # the failed replica's partial rows: the new one scores the prompt again
         sampling = common_pb2.SamplingParams()

@@ -46,7 +46,12 @@ async def run_scheduler(
     worker = RemoteWorker(worker_address)
     info = await _first_info(worker)
     config = config_from_env(
-        info.page_size, info.max_model_len, info.eos_token_id, fingerprint=info.fingerprint, remote_store=info.kvstore
+        info.page_size,
+        info.max_model_len,
+        info.eos_token_id,
+        fingerprint=info.fingerprint,
+        remote_store=info.kvstore,
+        num_speculative_tokens=info.num_speculative_tokens,
     )
     metrics = SchedulerMetrics(info.model)
     scheduler = Scheduler(config, PagePool(info.num_pages))

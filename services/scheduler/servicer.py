@@ -36,15 +36,10 @@ from deepinfer.serving.server import status_for
 from deepinfer.serving.tracing import RequestTrace, extract_metadata
 from deepinfer.telemetry import get_logger, request_context
 from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.scheduler.delivery import output_lengths, token_events
 from services.scheduler.remote_worker import RemoteWorker, WorkerLost
 
 log = get_logger(__name__)
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -65,7 +60,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             waiting=lambda: len(s.waiting),
             kv_usage=lambda: 1.0 - s.num_available_pages / s.pages.num_total if s.pages.num_total else 0.0,
         )
-        self.metrics.bind_prefix_cache(scheduler)
+        self.metrics.bind_scheduler(scheduler)
         self._preemptions_seen = 0
         self._traces: dict[str, RequestTrace] = {}
         self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
@@ -119,7 +114,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 preemptions = self.scheduler.num_preemptions
                 self.metrics.step(elapsed, tokens, preemptions - self._preemptions_seen)
                 self._preemptions_seen = preemptions
-                self._deliver(result, self.loop.received(result))
+                before = output_lengths(self.scheduler, result)
+                self._deliver(result, before, self.loop.received(result))
                 self.metrics.phase("deliver", time.perf_counter() - t_deliver)
             elif turn is Turn.WAIT:
                 await asyncio.sleep(0.001)  # a kvstore fetch outstanding: idle steps collect it
@@ -192,38 +188,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if t is not None and t.scheduled is None:
                 t.scheduled = now
 
-    def _deliver(self, result: StepResult, finished: list[Request]) -> None:
-        events: dict[str, scheduler_pb2.TokenEvent] = {}
-        done: dict[str, Request] = {}
-        now = time.time_ns() if self._traces else 0
-        for r in result.results:
-            t = self._traces.get(r.request_id)
-            if t is not None and r.token_id is not None:
-                t.first_token = t.first_token or now
-                t.output_tokens += 1
-            ev = events.setdefault(r.request_id, scheduler_pb2.TokenEvent(request_id=r.request_id))
-            if r.token_id is not None:
-                ev.token_ids.append(r.token_id)
-                lp = ev.logprobs.add(token_id=r.token_id, logprob=r.logprob or 0.0)
-                for t, v in r.top_logprobs or []:
-                    lp.top.add(token_id=t, logprob=v)
-            for row in r.prompt_logprobs or []:
-                entry = ev.prompt_logprobs.add()
-                entry.entries.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.items())
-        for req in finished:
-            ev = events.setdefault(req.request_id, scheduler_pb2.TokenEvent(request_id=req.request_id))
-            ev.finish_reason = _FINISH[req.finish_reason or "stop"]
-            ev.cached_tokens = req.num_cached_tokens
-            ev.cached_tier = req.cache_tier or ""
-            t = self._traces.get(req.request_id)
-            if t is not None:
-                t.cached_tokens, t.miss_reason = req.num_cached_tokens, req.cache_miss_reason
-            if isinstance(req.stop_reason, int):
-                ev.stop_token_id = req.stop_reason
-            done[req.request_id] = self.scheduler.pop_finished(req.request_id)
+    def _deliver(self, result: StepResult, before: dict[str, int], finished: list[Request]) -> None:
+        """Hand each request its event: the tokens the scheduler kept (``delivery.token_events``)."""
+        events, done = token_events(self.scheduler, result, before, finished, self._traces)
         for rid, ev in events.items():
-            req = self.scheduler.requests.get(rid) or done.get(rid)
-            ev.prompt_tokens = req.num_prompt_tokens if req is not None else 0
             q, failed = self.streams.get(rid), done.get(rid)
             if q is not None and failed is not None and failed.finish_reason == "error":  # tokens, then the failure
                 log.warning("request_failed", request_id=rid, error=failed.error)

@@ -116,6 +116,14 @@ def test_step_plan_round_trip_sends_params_once() -> None:
     assert plan_from_proto(nxt, known).chunks[0].params is known["a"]
     with pytest.raises(ValueError, match="params"):
         plan_from_proto(nxt, {})
+    assert [c.num_drafts for c in back.chunks] == [0, 0]
+
+
+def test_step_plan_round_trip_carries_num_drafts() -> None:
+    plan = WorkerStepPlan(1, [ChunkPlan("a", [-1], 7, [2], True, SamplingParams(temperature=0), num_drafts=3)])
+    wire = worker_pb2.StepPlan.FromString(plan_to_proto(plan, set()).SerializeToString())
+    assert wire.chunks[0].num_drafts == 3
+    assert plan_from_proto(wire, {}).chunks[0].num_drafts == 3
 
 
 def test_step_result_round_trip() -> None:
@@ -136,6 +144,34 @@ def test_step_result_round_trip() -> None:
     assert b.token_id is None and b.logprob is None
     assert b.prompt_logprobs == [{5: -1.5, 2: -0.5}, {7: -3.0}]
     assert list(b.prompt_logprobs[0]) == [5, 2]  # the scored token stays first
+    assert (a.extra_token_ids, a.extra_logprobs, a.extra_top_logprobs, a.num_drafts) == ([], [], [], 0)
+
+
+def test_step_result_round_trip_carries_drafts() -> None:
+    res = StepResult(
+        step_id=2,
+        results=[
+            SeqResult(
+                "a",
+                token_id=11,
+                logprob=-0.25,
+                top_logprobs=[(11, -0.25), (3, -2.5)],
+                extra_token_ids=[12, 13],
+                extra_logprobs=[-0.5, -0.75],
+                extra_top_logprobs=[[(12, -0.5), (4, -1.0)], [(13, -0.75), (5, -1.25)]],
+                num_drafts=3,
+            ),
+            SeqResult(
+                "b", 7, -1.0, extra_token_ids=[8], extra_logprobs=[-2.0], extra_top_logprobs=[None], num_drafts=2
+            ),
+        ],
+    )
+    back = result_from_proto(worker_pb2.StepResult.FromString(result_to_proto(res).SerializeToString()))
+    a, b = back.results
+    assert a.token_ids == [11, 12, 13] and a.num_drafts == 3
+    assert a.extra_logprobs == [-0.5, -0.75]
+    assert a.extra_top_logprobs == [[(12, -0.5), (4, -1.0)], [(13, -0.75), (5, -1.25)]]
+    assert (b.token_ids, b.extra_logprobs, b.extra_top_logprobs, b.num_drafts) == ([7, 8], [-2.0], [None], 2)
 
 
 def test_constraint_travels_with_the_first_chunk_and_again_after_a_release() -> None:

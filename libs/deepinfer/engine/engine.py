@@ -65,6 +65,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self.loop = StepLoop(scheduler, depth=2 if async_scheduling else 1)
         self._text: dict[str, TextStream] = {}
+        self._fed: dict[str, int] = {}  # output tokens each request's text stream has taken
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
 
@@ -111,25 +112,35 @@ class LLMEngine:
         return self._apply(self.runner.receive()) if turn is Turn.RECEIVE else []
 
     def _apply(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's result: its tokens, stop strings; the requests that finished."""
+        """Apply a step's result: its tokens (several for a speculative verify step), stop strings; the requests
+        that finished."""
         finished = {r.request_id for r in self.loop.received(result)}
         for r in result.results:
             req = self.scheduler.requests.get(r.request_id)
             if r.token_id is None or req is None or r.error is not None:
                 continue
-            # the request's own stop (EOS / a stop token) ended it on this token: its text is not checked
-            stop = self._text[r.request_id].add(r.token_id, ends=req.finish_reason == "stop")
-            if stop is not None:
+            stream, new = self._text[r.request_id], req.output_token_ids[self._fed.get(r.request_id, 0) :]
+            for k, token in enumerate(new):
+                # the request's own stop (EOS / a stop token) ended it on its last token: that one's text is not checked
+                last = k == len(new) - 1
+                stop = stream.add(token, ends=last and req.finish_reason == "stop")
+                if stop is None:
+                    continue
+                del req.output_token_ids[len(req.output_token_ids) - len(new) + k + 1 :]  # what follows a stop string
+                del req.logprobs[len(req.output_token_ids) :], req.top_logprobs[len(req.output_token_ids) :]
                 if req.finished:
                     req.finish_reason, req.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(req, "stop", stop)
                 finished.add(r.request_id)
+                break
+            self._fed[r.request_id] = len(req.output_token_ids)
         return [self._finish(rid) for rid in sorted(finished, key=lambda x: self.scheduler.requests[x].arrival)]
 
     def _finish(self, request_id: str) -> RequestOutput:
         req: Request = self.scheduler.pop_finished(request_id)
         stream = self._text.pop(request_id)
+        self._fed.pop(request_id, None)
         prompt = self._prompts.pop(request_id)
         # the incremental text: a character still incomplete when generation ended is left out (no U+FFFD),
         # the same text the streaming API produces
@@ -169,6 +180,12 @@ class LLMEngine:
                 "completion_tokens": n_out,
                 "total_tokens": n_prompt + n_out,
                 "cached_tokens": req.num_cached_tokens,
+                # speculative decoding: drafts verified, and kept (OpenAI's accepted / rejected prediction tokens)
+                **(
+                    {"draft_tokens": req.num_draft_tokens, "accepted_draft_tokens": req.num_accepted_tokens}
+                    if req.num_draft_tokens
+                    else {}
+                ),
             },  # fmt: skip
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,

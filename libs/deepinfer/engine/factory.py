@@ -75,10 +75,13 @@ def build_worker(
     page_size: int | None = None,
     quant_sim: bool | None = None,
     batch_invariant: bool | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> EngineParts:
     """Load the model on the accelerator and size its paged KV cache. ``batch_invariant`` (default
     ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md). ``quant_sim``: the
-    model's quantisation simulation, None for its family's default (``ModelFamily.build``)."""
+    model's quantisation simulation, None for its family's default (``ModelFamily.build``).
+    ``num_speculative_tokens`` (default ``DEEPINFER_USE_NEXTN_DECODE``): drafts per sequence and step, 0 for none
+    (docs/speculative_decoding.md)."""
     envs.validate_all()
     if envs.DEEPINFER_TORCH_THREADS is not None:
         torch.set_num_threads(envs.DEEPINFER_TORCH_THREADS)
@@ -105,6 +108,10 @@ def build_worker(
     )  # fmt: skip
     runner = ModelRunner(net, cache, device, family=family)
     runner.constraints = constraint_set(path, config)
+    if num_speculative_tokens is None:
+        num_speculative_tokens = envs.DEEPINFER_USE_NEXTN_DECODE
+    if num_speculative_tokens:  # speculative decoding: the family's drafter (ValueError: none)
+        runner.spec = family.speculator(net, num_speculative_tokens)
     runner.compact_replay = envs.DEEPINFER_COMPACT_REPLAY_TOKENS
     if 0 < runner.compact_replay < min_replay(config):
         raise ValueError(
@@ -187,8 +194,9 @@ def build_scheduler(
     fingerprint: str = "",
     prefix_caching: bool | None = None,
     remote_store: bool = False,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
     return Scheduler(config_from_env(
         page_size, max_model_len, config.eos_token_id, max_num_seqs, max_num_batched_tokens, fingerprint,
-        prefix_caching, remote_store,
+        prefix_caching, remote_store, num_speculative_tokens,
     ), PagePool(num_pages))  # fmt: skip

@@ -43,6 +43,9 @@ class ChunkPlan:
     decoder_from: int | None = None
     # the request's images (engine.multimodal), on a chunk that covers one of their spans (in process only so far)
     mm: MultiModalInput | None = None
+    # speculative decoding: draft up to this many tokens after the chunk's one token (a decode row) and verify them
+    # in this step; the worker's drafter proposes them, and may propose fewer (the pages cover all)
+    num_drafts: int = 0
 
 
 @dataclass
@@ -110,6 +113,17 @@ class SeqResult:
     # the worker cannot go on with this request (its structured-output grammar failed: ``constraints.failure``):
     # it ends with finish reason "error" and this message; its token, if any, is not part of the output
     error: str | None = None
+    # speculative decoding: the drafts kept after ``token_id`` (each the target's own sample, as ``token_id``) and
+    # their logprobs; ``num_drafts``: the drafts this step verified (kept: ``len(extra_token_ids)``)
+    extra_token_ids: list[int] = field(default_factory=list)
+    extra_logprobs: list[float] = field(default_factory=list)
+    extra_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    num_drafts: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this step emitted for the request, in order."""
+        return [] if self.token_id is None else [self.token_id, *self.extra_token_ids]
 
 
 @dataclass

@@ -166,6 +166,12 @@ class ModelFamily(Protocol):
         that differs from the images, an image that does not decode or fit, or a model without image input."""
         ...
 
+    def speculator(self, model: Any, max_drafts: int, proposer: Any = None) -> Any:
+        """Speculative decoding for ``model`` (``engine.speculative.steps.Speculator``), drafting up to
+        ``max_drafts`` tokens per sequence and step with the model's own drafter, or ``proposer``'s drafts
+        (``engine.speculative.oracle``). ValueError: the model (or its checkpoint) cannot speculate."""
+        ...
+
     def fingerprint_facts(self, model: Any) -> list[str]:
         """The model's numerics switches that change the KV state it computes (joined into the worker's
         fingerprint: workers whose facts differ never share resume points)."""

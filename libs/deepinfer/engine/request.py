@@ -34,6 +34,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_preemptions: int = 0
     in_flight: int = 0  # sampled tokens scheduled whose result has not arrived (the async pipeline)
+    verifying: bool = False  # a speculative verify step of it is in flight: how many tokens it emits is unknown
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for it
+    num_accepted_tokens: int = 0  # ... and kept (each one a token of its output)
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
     num_cached_tokens: int = 0  # prompt tokens served from a resume point
     cache_tier: str | None = None  # where that resume point was: "device" or "kvstore"

@@ -52,6 +52,9 @@ from deepinfer.engine.prefix_scheduling import PrefixCaching
 from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler_config import SchedulerConfig
+from deepinfer.engine.speculative.planning import draftable, speculating, track
+from deepinfer.engine.speculative.policy import SpecPolicy
+from deepinfer.engine.speculative.stats import SpecStats
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -65,6 +68,8 @@ class Scheduler(PrefixCaching):
         self._arrivals = 0
         self._step = 0
         self.num_preemptions = 0
+        self.spec = SpecStats()  # speculative decoding: drafts verified and kept, steps run without
+        self.spec_policy = SpecPolicy(config.spec_explore)  # ... and whether a step drafts, by measured cost
         self.prefix = PrefixCache(config.page_size, config.max_resume_points) if config.prefix_caching else None
         self._pending: list[tuple[str, ResumePoint]] = []  # resume points whose snapshot is not ordered yet
         self._dropped: list[str] = []  # snapshots the worker may drop
@@ -182,23 +187,30 @@ class Scheduler(PrefixCaching):
             self._kv_event("stored", rp, "snapshot")
         self._pending = []
         budget = self.config.max_num_batched_tokens
+        spec = speculating(self.config, self.running, self.spec, self.spec_policy)
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            drafts = 0
             if req.in_flight:
-                if req.in_flight > int(lookahead) or not self._may_continue(req):
+                speculates = spec and draftable(self.config, req, self._max_len()) > 0
+                if req.verifying or speculates or req.in_flight > int(lookahead):
+                    continue  # a request that speculates waits for its result (then verifies drafts)
+                if not self._may_continue(req):
                     continue
                 n = 1
             else:
                 n = self._cut(req, min(req.num_tokens - req.num_computed, budget))
+                if spec and n == 1 == req.num_tokens - req.num_computed:
+                    drafts = max(0, min(draftable(self.config, req, self._max_len()), budget - 1))
             if n <= 0:
                 continue
-            if not self._grow(req, req.num_computed + n):
+            if not self._grow(req, req.num_computed + n + drafts):
                 continue
-            plan.chunks.append(self._chunk(req, n))
-            budget -= n
+            plan.chunks.append(self._chunk(req, n, drafts))
+            budget -= n + drafts
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.in_flight:
@@ -223,6 +235,8 @@ class Scheduler(PrefixCaching):
         plan.dropped_snapshots, self._dropped = self._dropped, []
         plan.offloads, self._offloads = self._offloads, []
         plan.fetches, self._fetches = self._fetches, []
+        if self.config.num_speculative_tokens:
+            track(self.spec_policy, plan)
         return plan
 
     def update(self, result: StepResult) -> list[Request]:
@@ -244,14 +258,27 @@ class Scheduler(PrefixCaching):
             if r.token_id is None:
                 continue
             req.in_flight = max(0, req.in_flight - 1)
-            req.output_token_ids.append(r.token_id)
-            if r.logprob is not None:
-                req.logprobs.append(r.logprob)
-                req.top_logprobs.append(r.top_logprobs)
-            reason = self._stop_reason(req, r.token_id)
-            if reason is not None:
-                self.finish(req, *reason)
-                done.append(req)
+            req.verifying = False
+            if req.status is Status.RUNNING:  # a verify step consumed the kept drafts too (the last token waits)
+                req.num_computed += len(r.extra_token_ids)
+            req.num_draft_tokens += r.num_drafts
+            req.num_accepted_tokens += len(r.extra_token_ids)
+            self.spec.record(r.num_drafts, len(r.extra_token_ids))
+            lps = [r.logprob, *r.extra_logprobs] if r.logprob is not None else []
+            tops = [r.top_logprobs, *r.extra_top_logprobs]
+            for k, token in enumerate(r.token_ids):
+                req.output_token_ids.append(token)
+                if k < len(lps):
+                    req.logprobs.append(lps[k])
+                    req.top_logprobs.append(tops[k] if k < len(tops) else None)
+                reason = self._stop_reason(req, token)
+                if reason is not None:  # the tokens after it are not part of the output
+                    self.finish(req, *reason)
+                    done.append(req)
+                    break
+        if self.config.num_speculative_tokens:
+            tokens = sum(len(r.token_ids) for r in result.results)
+            self.spec_policy.observed(result.step_id, tokens, bool(self.running or self.waiting))
         return done
 
     # -- internals ---------------------------------------------------------------------------
@@ -317,7 +344,7 @@ class Scheduler(PrefixCaching):
             self._dropped.append(req.fetched[0])
             req.fetched = None
 
-    def _chunk(self, req: Request, n: int) -> ChunkPlan:
+    def _chunk(self, req: Request, n: int, drafts: int = 0) -> ChunkPlan:
         start = req.num_computed
         tokens = req.all_token_ids[start : start + n] if start < req.num_tokens else [PLACEHOLDER]
         req.num_computed += n
@@ -338,6 +365,7 @@ class Scheduler(PrefixCaching):
         sample = req.num_computed == req.num_tokens + req.in_flight
         if sample:
             req.in_flight += 1
+            req.verifying = drafts > 0
         constraint = req.constraint if not req.constraint_sent else None
         req.constraint_sent = req.constraint is not None
         return ChunkPlan(
@@ -353,6 +381,7 @@ class Scheduler(PrefixCaching):
             constraint_history=list(req.output_token_ids) if constraint is not None else None,
             decoder_from=self._decoder_from(req, start),
             mm=req.mm if req.mm is not None and req.mm.overlaps(start, start + n) else None,
+            num_drafts=drafts if sample else 0,
         )
 
     def _decoder_from(self, req: Request, start: int) -> int | None:

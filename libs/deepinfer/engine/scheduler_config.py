@@ -22,6 +22,9 @@ class SchedulerConfig:
     remote_store: bool = False  # the worker moves resume points to and from a kvstore
     compact_replay: int = 0  # > 0: compact resume points, a hit replays this many tokens (approximate)
     decoder_replay: int = 0  # > 0: V4.1's decoder layers see only each prompt's last this many tokens (approximate)
+    num_speculative_tokens: int = 0  # drafts a decode row may verify per step (the worker's drafter; 0: off)
+    spec_max_batch: int = 32  # no drafts in a step with more decode rows than this
+    spec_explore: int = 64  # steps between measurements of the other mode (engine.speculative.policy; 0: always draft)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -31,6 +34,9 @@ class SchedulerConfig:
             raise ValueError(f"resume_interval must be a multiple of page_size, got {self.resume_interval}")
         if self.decoder_replay < 0:
             raise ValueError(f"decoder_replay must be >= 0, got {self.decoder_replay}")
+        if self.num_speculative_tokens < 0 or self.spec_max_batch <= 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 and spec_max_batch > 0, got "
+                             f"{self.num_speculative_tokens}, {self.spec_max_batch}")  # fmt: skip
 
 
 def config_from_env(
@@ -42,8 +48,10 @@ def config_from_env(
     fingerprint: str = "",
     prefix_caching: bool | None = None,
     remote_store: bool = False,
+    num_speculative_tokens: int = 0,
 ) -> SchedulerConfig:
-    """The scheduler's settings: the arguments where given, else the env registry's."""
+    """The scheduler's settings: the arguments where given, else the env registry's. ``num_speculative_tokens``: what
+    the worker drafts (its ``DEEPINFER_USE_NEXTN_DECODE``, which it reports)."""
     return SchedulerConfig(
         page_size=page_size,
         max_model_len=max_model_len,
@@ -57,6 +65,9 @@ def config_from_env(
         remote_store=remote_store,
         compact_replay=envs.DEEPINFER_COMPACT_REPLAY_TOKENS,
         decoder_replay=envs.DEEPINFER_DECODER_REPLAY_TOKENS,
+        num_speculative_tokens=num_speculative_tokens,
+        spec_max_batch=envs.DEEPINFER_SPEC_DECODE_MAX_BATCH,
+        spec_explore=envs.DEEPINFER_SPEC_DECODE_EXPLORE_STEPS,
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +18,8 @@ from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepResult, WorkerStepPlan
 from deepinfer.engine.model_api import ModelFamily, PagedCache, SequenceState, ServedModel, Snapshot
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
+from deepinfer.engine.speculative.grammar import row_masks
+from deepinfer.engine.speculative.steps import Speculator, propose, settle, spec_forward
 from deepinfer.runtime.host_copy import tensor, to_host
 from deepinfer.runtime.platform import Event
 
@@ -55,12 +56,16 @@ class ModelRunner:
         # each request's last sampled token: its value, or (the device samples of a step in flight, row)
         self.sampled: dict[str, int | tuple[torch.Tensor, int]] = {}
         self.launched: collections.deque[InFlight] = collections.deque()  # sent, not received (``send``)
+        # speculative decoding (``family.speculator``, ``engine.speculative.steps``): None: off
+        self.spec: Speculator | None = None
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
             self.tables.pop(rid, None)
             self.sampled.pop(rid, None)
+        if self.spec is not None:
+            self.spec.release(request_ids)
         if self.constraints is not None:
             self.constraints.release(request_ids)
 
@@ -168,12 +173,16 @@ class ModelRunner:
                                        f"{c.decoder_from}")  # fmt: skip
             self.tables[c.request_id] = table
             chunks.append((st, c.start, len(c.token_ids), table, c.decoder_from))
-        masks = self._start_masks(plan)  # filled on the CPU while the device runs the forward
+        drafts, pre = propose(self.spec, plan, chunks, token_ids, self.constraints) if self.spec else (None, {})
+        masks = self._start_masks(plan, pre)  # filled on the CPU while the device runs the forward
         mm = [c.mm for c in plan.chunks]  # images: only chunks that cover part of a span carry them
         batch = self.family.batch(chunks, token_ids, self.device, *([mm] if any(m is not None for m in mm) else []))
         batch.substitute(at, sources)
-        hidden = self.model(batch, self.cache)
-        # rows whose logits we need: prompt-logprob rows, then the sampling rows
+        if drafts is None:
+            hidden, pending = self.model(batch, self.cache), None
+        else:
+            hidden, pending = spec_forward(self.spec, batch, self.cache, plan, drafts)
+        # rows whose logits we need: prompt-logprob rows, then the sampling rows (a verify chunk: all its rows)
         rows, owners = [], []
         for i, ((a, b), c) in enumerate(zip(batch.offsets(), plan.chunks)):
             if c.logprob_targets is not None:
@@ -182,8 +191,9 @@ class ModelRunner:
                         rows.append(a + j)
                         owners.append((i, t))
             if c.sample:
-                rows.append(b - 1)
-                owners.append((i, None))
+                first = b - 1 - (len(drafts[i]) if drafts is not None else 0)
+                rows.extend(range(first, b))
+                owners.extend((i, None) for _ in range(first, b))
         result.results = [SeqResult(c.request_id) for c in plan.chunks]
         step = InFlight(result)
         if rows:
@@ -191,6 +201,8 @@ class ModelRunner:
             logits = self.model.logits(hidden if every else hidden[tensor(rows, self.device, torch.long)])
             self._prompt_logprobs(logits, owners, plan, result.results)
             self._sample(logits, owners, plan, step, masks)
+        if drafts is not None:  # verify rows settle now (their tokens on the host); the drafter follows the step
+            settle(self, step, plan, drafts, pending, hidden, batch)
         return step
 
     def _resolve(self, plan: WorkerStepPlan) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, int]]]:
@@ -239,8 +251,9 @@ class ModelRunner:
             targets = tensor([owners[k][1] for k in sel], logits.device, torch.long)
             out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
 
-    def _start_masks(self, plan: WorkerStepPlan) -> tuple[list[str], Future] | None:
-        """Install the constraints that arrive with this step; start filling the masks of its constrained rows."""
+    def _start_masks(self, plan: WorkerStepPlan, pre: dict[str, torch.Tensor]) -> tuple | None:
+        """Install the constraints that arrive with this step; start filling the masks of its constrained rows
+        (``pre``: the verify rows' masks, filled already: ``engine.speculative.grammar``)."""
         cs = self.constraints
         for c in plan.chunks:
             if c.constraint is not None:
@@ -248,16 +261,13 @@ class ModelRunner:
                     raise RuntimeError(f"request {c.request_id}: this worker applies no structured-output constraints")
                 cs.install(c.request_id, c.constraint, c.constraint_history or ())
         rids = [c.request_id for c in plan.chunks if c.sample and cs is not None and c.request_id in cs]
-        return (rids, cs.fill_async(rids)) if rids else None
+        rids = [rid for rid in rids if rid not in pre]
+        return (rids, cs.fill_async(rids) if rids else None, pre) if rids or pre else None
 
-    def _constrain(self, masks: tuple[list[str], Future] | None, rids: list[str]) -> Callable | None:
-        """The sampler's in-place masking of the constrained rows (their masks are read when it runs)."""
-        if masks is None:
-            return None
-        constrained, future = masks
-        at = {rid: i for i, rid in enumerate(rids)}
-        rows = [at[rid] for rid in constrained]
-        return lambda logits: self.constraints.apply(logits, future.result(), rows)
+    def _constrain(self, masks: tuple | None, rids: list[str]) -> Callable | None:
+        """The sampler's in-place masking of the constrained rows among the sampled rows ``rids`` (a verify chunk's
+        request once per row; the masks are read when it runs)."""
+        return None if masks is None else row_masks(self.constraints, masks, rids)
 
     def _sample(
         self, logits: torch.Tensor, owners: list, plan: WorkerStepPlan, step: InFlight, masks: tuple | None = None
@@ -267,10 +277,12 @@ class ModelRunner:
             return
         seqs = [owners[k][0] for k in sel]
         params = [plan.chunks[i].params for i in seqs]
-        seeds = []
+        seeds, k = [], collections.Counter()
         for i, p in zip(seqs, params):
             seed = p.effective_seed
-            pos = plan.chunks[i].start + len(plan.chunks[i].token_ids)  # position of the new token
+            # the position of the new token (the rows of a verify chunk, its token and drafts: the next ones)
+            pos = plan.chunks[i].start + len(plan.chunks[i].token_ids) + k[i]
+            k[i] += 1
             seeds.append(None if seed is None or p.greedy else position_seed(seed, pos))
         rids = [plan.chunks[i].request_id for i in seqs]
         # (``logits[list]`` would copy the list to the device synchronously: the host would wait for the forward)
@@ -287,19 +299,12 @@ class ModelRunner:
         step.host, step.event = to_host(torch.cat(parts))
 
     def _collect(self, step: InFlight) -> None:
-        s, out = step.sample, step.result.results
-        step.wait()
-        flat, b = step.host.tolist(), len(step.rids)
-        ids, lps = flat[:b], flat[b : 2 * b]
-        top = [None] * b
-        if s.top is not None:
-            r, k = s.top[2].shape
-            rows = [flat[2 * b + i * k : 2 * b + (i + 1) * k] for i in range(2 * r)]  # r rows of values, r of ids
-            top = s.top_lists(rows[:r], rows[r:])
+        out = step.result.results
+        ids, lps, top = step.host_rows()
         for j, (i, rid) in enumerate(zip(step.seqs, step.rids)):
             token = int(ids[j])
             last = self.sampled.get(rid)
-            if isinstance(last, tuple) and last[0] is s.token_ids:  # no later step sampled for it yet
+            if isinstance(last, tuple) and last[0] is step.sample.token_ids:  # no later step sampled for it yet
                 self.sampled[rid] = token
             out[i].token_id = token
             if step.constrained:
@@ -325,3 +330,16 @@ class InFlight:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def host_rows(self) -> tuple[list[float], list[float], list[list[tuple[int, float]] | None]]:
+        """The sampled rows on the host (waits for the copy): token ids, logprobs, top logprobs (None: not asked)."""
+        s = self.sample
+        self.wait()
+        flat, b = self.host.tolist(), len(self.rids)
+        ids, lps = flat[:b], flat[b : 2 * b]
+        top: list = [None] * b
+        if s.top is not None:
+            r, k = s.top[2].shape
+            rows = [flat[2 * b + i * k : 2 * b + (i + 1) * k] for i in range(2 * r)]  # r rows of values, r of ids
+            top = s.top_lists(rows[:r], rows[r:])
+        return ids, lps, top

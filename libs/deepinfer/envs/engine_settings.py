@@ -65,6 +65,24 @@ declare("DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT", "int", _SCHED, """
     scheduler-worker round trip (two processes, possibly two hosts) must fit in one device step. Outputs are the same
     at any depth; a request that stops on EOS costs up to this many minus one wasted rows. The worker accepts up to
     3.""", default=3, minimum=1, maximum=3)
+declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
+    Speculative decoding: drafts per sequence and step, proposed by the model's MTP block (DeepSeek-V4; the
+    checkpoint must hold it) and verified by the model in one step; 0 turns speculation off. The worker reads it
+    (and tells its schedulers); greedy and seeded requests give the tokens they give without speculation (with
+    the batch-invariant ops bit for bit; with the default ops a verify row's logits differ by rounding, which can
+    flip a near-tie). A structured-output request keeps the drafts its grammar allows. At most the sliding window
+    minus one. See docs/speculative_decoding.md.""", default=0, minimum=0, maximum=16)
+declare("DEEPINFER_SPEC_DECODE_MAX_BATCH", "int", _SCHED, """
+    Speculative decoding is switched off for a step whose decode rows exceed this many (a large batch is bound by
+    its weights' reads less, and verifying drafts costs more than it saves); the scheduler decides each step and
+    counts the steps it ran without drafts in `deepinfer_spec_decode_steps_off_total{reason="batch"}`.""",
+        default=32, minimum=1)
+declare("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "int", _SCHED, """
+    Speculative decoding by measured cost: per decode-batch size (powers of two) the scheduler measures the time
+    per output token of steps with drafts and without, takes the cheaper, and every this many steps runs a few of
+    the other to measure it again; the steps it runs without drafts are counted in
+    `deepinfer_spec_decode_steps_off_total{reason="cost"}`. 0: every step under
+    `DEEPINFER_SPEC_DECODE_MAX_BATCH` drafts.""", default=64, minimum=0)
 declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
     How many resume points the device prefix cache keeps at most (least recently used evicted first; they
     are also evicted whenever the KV pages run short, before any running request is preempted).""",

@@ -146,6 +146,7 @@ def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.Ste
             sample=c.sample,
             logprob_targets=c.logprob_targets or [],
             resume_from=c.resume_from or "",
+            num_drafts=c.num_drafts,
         )
         if c.decoder_from is not None:
             chunk.decoder_from = c.decoder_from
@@ -188,6 +189,7 @@ def plan_from_proto(
                 constraint_history=list(c.constraint_history) if c.HasField("constraint") else None,
                 decoder_from=c.decoder_from if c.HasField("decoder_from") else None,
                 mm=_prepared(images, c.request_id) if c.images else None,
+                num_drafts=c.num_drafts,
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
@@ -210,18 +212,29 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     for f in result.fetched:
         msg.fetched.add(fetch_id=f.fetch_id, ok=f.ok, reason=f.reason)
     for r in result.results:
-        out = msg.results.add(request_id=r.request_id, error=r.error or "")
+        out = msg.results.add(request_id=r.request_id, error=r.error or "", num_drafts=r.num_drafts)
         if r.token_id is not None:
             out.token_id = r.token_id
-            out.logprob.token_id = r.token_id
-            out.logprob.logprob = r.logprob if r.logprob is not None else 0.0
-            for t, lp in r.top_logprobs or []:
-                out.logprob.top.add(token_id=t, logprob=lp)
+            _logprob_to_proto(out.logprob, r.token_id, r.logprob, r.top_logprobs)
+            out.extra_token_ids.extend(r.extra_token_ids)
+            for i, t in enumerate(r.extra_token_ids):
+                lp = r.extra_logprobs[i] if i < len(r.extra_logprobs) else None
+                top = r.extra_top_logprobs[i] if i < len(r.extra_top_logprobs) else None
+                _logprob_to_proto(out.extra_logprobs.add(), t, lp, top)
         for row in r.prompt_logprobs or []:
             out.prompt_logprobs.add().entries.extend(
                 common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in row.items()
             )
     return msg
+
+
+def _logprob_to_proto(
+    out: common_pb2.TokenLogprob, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+) -> None:
+    out.token_id = token_id
+    out.logprob = logprob if logprob is not None else 0.0
+    for t, lp in top or []:
+        out.top.add(token_id=t, logprob=lp)
 
 
 def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
@@ -236,6 +249,10 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
                 top_logprobs=[(t.token_id, t.logprob) for t in r.logprob.top] or None,
                 prompt_logprobs=[{e.token_id: e.logprob for e in row.entries} for row in r.prompt_logprobs] or None,
                 error=r.error or None,
+                extra_token_ids=list(r.extra_token_ids),
+                extra_logprobs=[e.logprob for e in r.extra_logprobs],
+                extra_top_logprobs=[[(t.token_id, t.logprob) for t in e.top] or None for e in r.extra_logprobs],
+                num_drafts=r.num_drafts,
             )
         )
     fetched = [FetchResult(f.fetch_id, f.ok, f.reason) for f in msg.fetched]

@@ -12,8 +12,10 @@ The graphs are the model family's classes (e.g. ``deepseek_v4.graphs.DecodeGraph
 ``model.decode_graphs`` / ``model.prefill_graphs`` (None until then; set them to use other ones: the tests and
 benchmarks do). The op set decides whether graphs may run at all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and
 not ``ops.batch_invariant`` for any of them, ``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise
-ones, and the model's own ``piecewise_prefill`` (True where the model has no such flag); a step asked to ``capture``
-features for a drafter always runs eagerly.
+ones, and the model's own ``piecewise_prefill`` (True where the model has no such flag). A step asked to ``capture``
+(a speculative verify step: its attention layers keep their compressor projections for the rollback) never replays
+decode graphs, whose buffers the next replay overwrites; it may replay the piecewise ones, whose attention (where
+the projections are kept) runs eagerly between pieces.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ class StepGraphs:
 
     def run(self, model: nn.Module, batch: Any, cache: Any, capture: bool = False) -> torch.Tensor | None:
         """``model``'s step on ``batch`` replayed from its graphs, made on the first step that may use them; None: run
-        it eagerly (graphs off, a batch-invariant op set, ``capture``, or no graph takes this step)."""
+        it eagerly (graphs off, a batch-invariant op set, or no graph takes this step; ``capture``: piecewise only)."""
         ops = model.ops
-        if capture or not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
+        if not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
             return None
-        if model.decode_graphs is None:
-            model.decode_graphs = self.decode(model)
-        out = model.decode_graphs.run(batch, cache)  # None: not a graphed decode step
+        out = None
+        if not capture:
+            if model.decode_graphs is None:
+                model.decode_graphs = self.decode(model)
+            out = model.decode_graphs.run(batch, cache)  # None: not a graphed decode step
         if out is not None or self.prefill is None:
             return out
         if getattr(model, "piecewise_prefill", True) and getattr(ops, "prefill_graphs", False):

@@ -30,7 +30,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from deepinfer.engine.prefix_cache import MISS_REASONS
 from deepinfer.v1 import common_pb2, generation_pb2
@@ -156,8 +156,10 @@ class SchedulerMetrics:
         self.waiting.labels(self.model).set_function(waiting)
         self.kv_usage.labels(self.model).set_function(kv_usage)
 
-    def bind_prefix_cache(self, scheduler: object) -> None:
+    def bind_scheduler(self, scheduler: object) -> None:
+        """Read the scheduler's prefix-cache and speculative-decoding counters at scrape time."""
         self.registry.register(PrefixCacheCollector(scheduler, self.model))
+        self.registry.register(SpeculationCollector(scheduler, self.model))
 
     def step(self, seconds: float, num_tokens: int, new_preemptions: int) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
@@ -174,6 +176,60 @@ class SchedulerMetrics:
 
     def worker_lost(self) -> None:
         self.workers_lost.labels(self.model).inc()
+
+
+class SpeculationCollector:
+    """Speculative decoding (``Scheduler.spec``: ``engine.speculative.stats.SpecStats``), read at scrape time: vLLM's
+    names (``vllm:spec_decode_*``) and the acceptance length, tokens emitted per verified sequence."""
+
+    def __init__(self, scheduler: object, model: str) -> None:
+        self.scheduler, self.model = scheduler, model
+
+    def collect(self) -> Iterator[Metric]:
+        s, m, labels = self.scheduler.spec, [self.model], ["model_name"]
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Verify rows run: a sequence's drafts verified in one step.", s.verifies),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s.draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens kept (output tokens).", s.accepted_tokens),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(m, value)
+            yield c
+        off = CounterMetricFamily(
+            "deepinfer_spec_decode_steps_off", "Steps planned without drafts, by reason: batch (more decode rows than "
+            "DEEPINFER_SPEC_DECODE_MAX_BATCH), cost (plain steps measured cheaper per token).",
+            labels=["model_name", "reason"],
+        )  # fmt: skip
+        off.add_metric([self.model, "batch"], s.steps_off_batch)
+        off.add_metric([self.model, "cost"], s.steps_off_cost)
+        yield off
+        tpot = GaugeMetricFamily(
+            "deepinfer_spec_decode_seconds_per_token", "Measured seconds per output token of one sequence, by decode "
+            "batch bucket and by whether the steps drafted (what decides whether a step drafts).",
+            labels=["model_name", "batch", "drafts"],
+        )  # fmt: skip
+        for (b, drafted), est in sorted(self.scheduler.spec_policy.estimates.items()):
+            tpot.add_metric([self.model, str(b), "on" if drafted else "off"], est.seconds_per_token)
+        yield tpot
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept, by their position among the drafts.",
+            labels=["model_name", "position"],
+        )  # fmt: skip
+        for pos in sorted(s.accepted_per_pos):
+            per_pos.add_metric([self.model, str(pos)], s.accepted_per_pos[pos])
+        yield per_pos
+        lengths = HistogramMetricFamily(
+            "deepinfer_spec_decode_acceptance_length", "Tokens a verified sequence emitted in one step (kept drafts "
+            "+ 1).", labels=labels,
+        )  # fmt: skip
+        top = max(getattr(self.scheduler.config, "num_speculative_tokens", 0) + 1, max(s.emitted, default=1))
+        cumulative, buckets = 0, []
+        for n in range(1, top + 1):
+            cumulative += s.emitted.get(n, 0)
+            buckets.append((str(float(n)), cumulative))
+        buckets.append(("+Inf", cumulative))
+        lengths.add_metric(m, buckets, sum_value=sum(n * k for n, k in s.emitted.items()))
+        yield lengths
 
 
 class PrefixCacheCollector:

@@ -207,6 +207,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             determinism=determinism_to_proto(p.determinism),
             fingerprint=p.fingerprint,
             kvstore=p.runner.remote is not None,
+            num_speculative_tokens=p.runner.spec.max_drafts if p.runner.spec is not None else 0,
         )
 
 

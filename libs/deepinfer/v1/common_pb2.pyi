@@ -103,7 +103,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[_Union[CompiledGrammar, _Mapping]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., after_think: _Optional[bool] = ..., reasoning_banned_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens", "cached_tokens_by_tier")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens", "cached_tokens_by_tier", "draft_tokens", "accepted_draft_tokens")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,13 +117,17 @@ class Usage(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     cached_tokens: int
     reasoning_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")

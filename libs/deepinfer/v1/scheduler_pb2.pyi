@@ -28,7 +28,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_hints: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "cached_tokens", "cached_tier", "prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "cached_tokens", "cached_tier", "prompt_tokens", "draft_tokens", "accepted_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class TokenEvent(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TIER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -47,7 +49,9 @@ class TokenEvent(_message.Message):
     cached_tokens: int
     cached_tier: str
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobEntry(_message.Message):
     __slots__ = ("position", "entries")

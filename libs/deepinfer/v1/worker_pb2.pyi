@@ -109,7 +109,7 @@ class SnapshotOrder(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ChunkPlan(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history", "decoder_from", "images")
+    __slots__ = ("request_id", "token_ids", "start", "block_table", "sample", "params", "logprob_targets", "trace_context", "resume_from", "constraint", "constraint_history", "decoder_from", "images", "num_drafts")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class ChunkPlan(_message.Message):
     CONSTRAINT_HISTORY_FIELD_NUMBER: _ClassVar[int]
     DECODER_FROM_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -143,7 +144,8 @@ class ChunkPlan(_message.Message):
     constraint_history: _containers.RepeatedScalarFieldContainer[int]
     decoder_from: int
     images: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ..., images: _Optional[bool] = ...) -> None: ...
+    num_drafts: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ..., images: _Optional[bool] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "forward_ms", "fetched")
@@ -158,18 +160,24 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs", "error")
+    __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs", "error", "extra_token_ids", "extra_logprobs", "num_drafts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logprob: _common_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobRow]
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobRow, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    extra_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    num_drafts: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobRow, _Mapping]]] = ..., error: _Optional[str] = ..., extra_token_ids: _Optional[_Iterable[int]] = ..., extra_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobRow(_message.Message):
     __slots__ = ("entries",)
@@ -182,7 +190,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size", "determinism", "fingerprint", "kvstore")
+    __slots__ = ("worker_id", "accelerator", "device", "model", "num_pages", "page_size", "max_model_len", "vocab_size", "eos_token_id", "dtype", "rank", "world_size", "determinism", "fingerprint", "kvstore", "num_speculative_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +206,7 @@ class WorkerInfo(_message.Message):
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     accelerator: str
     device: str
@@ -213,4 +222,5 @@ class WorkerInfo(_message.Message):
     determinism: _common_pb2.Determinism
     fingerprint: str
     kvstore: bool
-    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., fingerprint: _Optional[str] = ..., kvstore: _Optional[bool] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., accelerator: _Optional[str] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., fingerprint: _Optional[str] = ..., kvstore: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...

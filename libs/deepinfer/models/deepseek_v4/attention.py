@@ -127,8 +127,8 @@ class Attention(nn.Module):
         ``out``: written there and returned (a piecewise CUDA graph reads it from a fixed address)."""
         x, qr, q, kv = t["x"], t["qr"], t["q"], t["kv"]
         proj = {k: (t[f"{k}_kv"], t[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in t}
-        if self.capture is not None:
-            self.capture.update(proj)
+        if self.capture is not None:  # copies: a piecewise graph's buffers are reused by its later pieces
+            self.capture.update({k: (kv_.clone(), score.clone()) for k, (kv_, score) in proj.items()})
         if ops.batch_invariant:
             out = torch.empty_like(q) if out is None else out
             for chunk, (a, b) in zip(chunks, offsets):

@@ -210,7 +210,7 @@ def step_widths(cache: PagedKVCache | None, top: int) -> tuple[dict[int, tuple[i
 
 def block_tables(chunks: list[SeqChunk], pages: int, cache: PagedKVCache) -> torch.Tensor:
     """The chunks' block tables ``[n, pages]`` (zero-padded past a table's end: never written, never listed)."""
-    m, ps = min(cache.ratios.values()), cache.page_size
+    m, ps = min(cache.ratios.values(), default=1), cache.page_size  # (a model of window layers only: 1)
     tables = [c.block_table for c in chunks]
     have = np.array([t.numel() for t in tables], dtype=np.int64)
     starts = np.array([c.start for c in chunks], dtype=np.int64)

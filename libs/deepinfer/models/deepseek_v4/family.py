@@ -99,6 +99,12 @@ class DeepseekV4Family:
             self.image_encoder(None)  # refuses
         return ForwardBatch.build([SeqChunk(*c) for c in chunks], token_ids, device=device)
 
+    def speculator(self, model: torch.nn.Module, max_drafts: int, proposer: object | None = None) -> object:
+        """Speculative decoding with the model's MTP block (``speculator.MTPSpeculator``; ValueError without one)."""
+        from deepinfer.models.deepseek_v4.speculator import MTPSpeculator
+
+        return MTPSpeculator(model, max_drafts, proposer)
+
     def image_encoder(self, model: object) -> object:
         raise ValueError(f"images: {self.model_type} takes no image input")
 

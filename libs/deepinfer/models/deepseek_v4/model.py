@@ -135,6 +135,7 @@ class DeepseekV4Model(nn.Module):
         # family.step_graphs(); None: every step eager); it makes and keeps the graphs here on the first step that may
         # use them (graphs.DecodeGraphs, prefill_graphs.PrefillGraphs)
         self.step_graphs: StepGraphs | None = None
+        self.verifying = False  # a speculative verify step: the attention layers keep their projections
         self.decode_graphs: Any = None
         self.prefill_graphs: Any = None
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
@@ -164,7 +165,8 @@ class DeepseekV4Model(nn.Module):
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         if self.state_pool is not None:
             self.state_pool.begin_step()
-        h = None if self.step_graphs is None else self.step_graphs.run(self, batch, cache)  # None: run eagerly
+        graphs = self.step_graphs
+        h = None if graphs is None else graphs.run(self, batch, cache, self.verifying)  # None: run eagerly
         if h is None:
             offsets = batch.offsets()
             h = self.embed_streams(batch.token_ids)
@@ -205,7 +207,8 @@ class DeepseekV4Model(nn.Module):
         e = blk.enorm(self.embed(next_ids), ops)
         x = blk.e_proj(e, ops).unsqueeze(1) + blk.h_proj(blk.hnorm(h, ops), ops)
         chunks = [SeqChunk(c.state, c.state.mtp_tokens, c.length, c.block_table) for c in batch.chunks]
-        mbatch = ForwardBatch(next_ids, torch.cat([torch.arange(c.start, c.end) for c in chunks]), chunks)
+        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(next_ids.device)
+        mbatch = ForwardBatch(next_ids, pos, chunks)
         x = blk(x, mbatch, mbatch.offsets(), None, self.rope_main, ops, next_ids)
         for c in chunks:
             c.state.mtp_tokens = c.end

@@ -44,15 +44,30 @@ class MTPDrafter:
         self.layer = model.config.num_hidden_layers + depth
 
     def _run(
-        self, h: torch.Tensor, next_ids: list[list[int]], states: list[SequenceState], tables: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        dev = h.device
-        chunks = [SeqChunk(st, st.mtp_tokens, len(t), tb) for st, t, tb in zip(states, next_ids, tables)]
-        ids = torch.tensor([x for t in next_ids for x in t], dtype=torch.long, device=dev)
-        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(dev)
+        self, h: torch.Tensor, ids: torch.Tensor, counts: list[int], states: list[SequenceState],
+        tables: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:  # fmt: skip
+        chunks = [SeqChunk(st, st.mtp_tokens, n, tb) for st, n, tb in zip(states, counts, tables)]
+        pos = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(h.device)
         batch = ForwardBatch(ids, pos, chunks)
         x, logits = self.model.mtp_forward(h, ids, batch, self.depth)
         return x, logits, batch.offsets()
+
+    @torch.no_grad()
+    def observe_rows(
+        self, h: torch.Tensor, next_ids: torch.Tensor, counts: list[int], states: list[SequenceState],
+        tables: list[torch.Tensor],
+    ) -> list[MTPHead]:  # fmt: skip
+        """The block consumes ``counts[b]`` positions of sequence ``b`` from ``mtp_tokens`` on: the trunk streams
+        ``h`` and the ids after them ``next_ids`` (flat, sequence after sequence, on the device); never past the
+        trunk. Returns each sequence's last row."""
+        for st, n in zip(states, counts):
+            if n <= 0 or st.mtp_tokens + n > st.num_tokens:
+                raise ValueError(
+                    f"the MTP block holds {st.mtp_tokens} positions and gets {n}; the trunk holds {st.num_tokens}"
+                )
+        x, logits, offs = self._run(h, next_ids, counts, states, tables)
+        return [MTPHead(x[b - 1], logits[b - 1]) for _, b in offs]
 
     @torch.no_grad()
     def observe(
@@ -61,16 +76,11 @@ class MTPDrafter:
     ) -> list[MTPHead]:  # fmt: skip
         """The block consumes, per sequence, the trunk streams ``hidden[offsets[b][0] : + len(next_ids[b])]`` (its
         positions ``mtp_tokens ..``) with the tokens after them, ``next_ids[b]`` (each at least one)."""
-        for st, t in zip(states, next_ids):
-            if not t:
-                raise ValueError("observe needs at least one position per sequence")
-            if st.mtp_tokens + len(t) != st.num_tokens:
-                raise ValueError(
-                    f"the MTP block holds {st.mtp_tokens} positions and gets {len(t)}; the trunk holds {st.num_tokens}"
-                )
+        if any(not t for t in next_ids):
+            raise ValueError("observe needs at least one position per sequence")
         rows = torch.cat([torch.arange(a, a + len(t)) for (a, _), t in zip(offsets, next_ids)]).to(hidden.device)
-        x, logits, offs = self._run(hidden.index_select(0, rows), next_ids, states, tables)
-        return [MTPHead(x[b - 1], logits[b - 1]) for _, b in offs]
+        ids = torch.tensor([x for t in next_ids for x in t], dtype=torch.long, device=hidden.device)
+        return self.observe_rows(hidden.index_select(0, rows), ids, [len(t) for t in next_ids], states, tables)
 
     @torch.no_grad()
     def draft(
@@ -92,8 +102,8 @@ class MTPDrafter:
             for step in range(max(extra, default=0)):
                 live = [b for b, k in enumerate(extra) if k > step]
                 h = torch.stack([streams[b] for b in live])
-                x, logits, _ = self._run(h, [[drafts[b][-1]] for b in live], [states[b] for b in live],
-                                         [tables[b] for b in live])  # fmt: skip
+                ids = torch.tensor([drafts[b][-1] for b in live], dtype=torch.long, device=h.device)
+                x, logits, _ = self._run(h, ids, [1] * len(live), [states[b] for b in live], [tables[b] for b in live])
                 nxt = logits.argmax(-1).tolist()
                 for i, b in enumerate(live):
                     streams[b] = x[i]

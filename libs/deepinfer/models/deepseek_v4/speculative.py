@@ -21,7 +21,9 @@ forward pass:
 * **counters**: ``num_tokens = c``; ``mtp_tokens`` is the drafter's (``mtp_drafter.py``), untouched here.
 
 Pages a verify step touches for rejected positions stay with the sequence (they are its next positions). The
-step runs eagerly (``model.step_graphs`` is not consulted for a verify step's capture).
+step may replay the model's piecewise prefill graphs (``runtime.step_graphs``: the attention, which keeps the
+projections, runs eagerly between the pieces; the projections are copied by the rollback before the next replay),
+never its decode graphs.
 """
 
 from __future__ import annotations
@@ -173,10 +175,12 @@ def verify(
     attns = [m for m in model.layers.modules() if isinstance(m, Attention)]
     for a in attns:
         a.capture = {}
+    model.verifying = True
     try:
         h = model(batch, cache)
         captured = {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
     finally:
+        model.verifying = False
         for a in attns:
             a.capture = None
     return VerifyStep(model, batch, h, model.logits(h), batch.offsets(), saves, captured)

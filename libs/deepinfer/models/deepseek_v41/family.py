@@ -68,6 +68,10 @@ class DeepseekV41Family(DeepseekV4Family):
         net.set_quant_sim(quant_sim is not False)
         return net
 
+    def speculator(self, model: torch.nn.Module, max_drafts: int, proposer: object | None = None) -> object:
+        """Not yet: V4.1's drafter (DSpark, ``dspark.py``) has no verify step in the engine."""
+        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE: speculative decoding is not available for {self.model_type} yet")
+
     def image_encoder(self, model: torch.nn.Module) -> BuiltinImageEncoder:
         return BuiltinImageEncoder(model)
 

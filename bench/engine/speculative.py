@@ -1,0 +1,348 @@
+"""Speculative decoding's TPOT on the offline engine, with and without drafts, at reduced depth and projected to the
+real one.
+
+The model is the sweep's (V4-Flash widths, native FP8 / MXFP4 weights, random values) with its MTP block, at each
+depth of ``--depths``. ``B`` requests with distinct random ``--context``-token prompts are prefilled through the
+engine (async scheduling, CUDA graphs for plain decode steps); once every request decodes, the run is timed until
+each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run, per batch size:
+
+* **off** (the peer): plain decoding, one token per step. Its greedy tokens are the oracle's continuations.
+* **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the off
+  run's continuation with a draft error rate ``e`` (random weights make the MTP block useless, so this sets the
+  acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
+* **mtp**: the model's own MTP block drafting (its measured acceptance on random weights, near 0), whose step time
+  less the oracle's at ``e = 1`` (same verify shape, nothing kept) is the drafter's cost per step.
+* **policy**: the oracle at the error rate closest to 3 tokens per verify step under the scheduler's default batch
+  limit (``DEEPINFER_SPEC_DECODE_MAX_BATCH``: above it the steps run without drafts) and its cost policy
+  (``--explore``: it measures both modes and keeps the cheaper; ``steps_off`` counts both reasons). The other runs
+  draft at every step.
+
+The verify step's time is set beside its roofline (``sweep.Work.decode`` with ``rows = drafts + 1``: the weights read
+once, every row's experts and FLOPs, each sequence's KV once). A reduced-depth target makes drafting look dearer than
+it is (one MTP layer against 43 target layers in V4-Flash), so plain and verify step times are fitted per layer over
+the depths measured (``t(L) = a + b·L``) and projected to 43 layers with the drafter's cost, which does not grow with
+depth: TPOT(43) = (verify(43) + draft) / emitted, against plain(43).
+
+Each speculative run's greedy tokens are compared with the plain run's (``divergence``: where they first differ and
+the plain run's top-1 / top-2 margin there). With the default ops a verify row's numbers differ from a decode row's
+by rounding, so near-ties may go the other way (and the oracle's later drafts are then wrong); with
+``--batch-invariant`` they must not differ at all.
+
+    PYTHONPATH=libs:. python bench/engine/speculative.py --depths 2,4 --batches 1,16,64 --out bench/results/engine
+    PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import pstats
+import random
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import harness
+from bench.engine import sweep
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.factory import build_scheduler
+from deepinfer.engine.models import family_of
+from deepinfer.engine.speculative.oracle import OracleProposer
+from deepinfer.engine.worker import ModelRunner
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.ops import get_ops
+from deepinfer.quant.native import prepare_native
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import load_tokenizer
+
+REAL_DEPTH = 43  # V4-Flash's layers
+
+
+@dataclasses.dataclass
+class Setup:
+    model: Any
+    config: Any
+    cache: PagedKVCache
+    dev: torch.device
+    tok: Any
+    args: argparse.Namespace
+
+
+def run(
+    s: Setup, b: int, drafter: str | float | None, cont: dict | None = None, limit: int = 1 << 30,
+    profile: bool = False, explore: int = 0,
+) -> dict:  # fmt: skip
+    """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off: with the top-2
+    logprobs, for ``divergence``), "mtp", or the oracle's error rate (``cont``: its continuations); ``profile``: a
+    cProfile of the timed steps; ``explore``: the scheduler's cost policy (0: every step under ``limit`` drafts)."""
+    args, n = s.args, s.args.drafts
+    total = args.tokens + 2
+    sched = build_scheduler(
+        s.config, s.cache.num_pages, s.cache.page_size, args.context + total + n + 2, max_num_seqs=b,
+        max_num_batched_tokens=max(args.chunk, b * (n + 1)), prefix_caching=False,
+        num_speculative_tokens=0 if drafter is None else n,
+    )  # fmt: skip
+    sched.config = dataclasses.replace(sched.config, spec_max_batch=limit, spec_explore=explore)
+    sched.spec_policy.explore = explore
+    runner = ModelRunner(s.model, s.cache, s.dev, family=family_of(s.config))
+    family = family_of(s.config)
+    if drafter == "mtp":
+        runner.spec = family.speculator(s.model, n)
+    elif drafter is not None:
+        runner.spec = family.speculator(s.model, n, OracleProposer(cont or {}, float(drafter), s.config.vocab_size))
+    engine = LLMEngine(sched, runner, s.tok, s.config.vocab_size, async_scheduling=True)
+    rng = random.Random(args.seed)
+    prompts = {f"r{i}": [rng.randrange(2, s.config.vocab_size) for _ in range(args.context)] for i in range(b)}
+    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True, logprobs=2 if drafter is None else None)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    while min(len(r.output_token_ids) for r in sched.requests.values()) < 1:
+        engine.step()
+    harness.sync(s.dev)
+    start = {rid: len(r.output_token_ids) for rid, r in sched.requests.items()}
+    stats0 = dataclasses.replace(sched.spec)
+    launch, steps = runner.launch, [0]
+    runner.launch = lambda plan: steps.__setitem__(0, steps[0] + 1) or launch(plan)
+    outs: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    prof = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id], lps[o.request_id] = o.outputs[0].token_ids, o.outputs[0].logprobs
+        harness.sync(s.dev)
+    finally:
+        runner.launch = launch
+        if prof is not None:
+            prof.disable()
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(outs[rid]) - start[rid] for rid in prompts) / b
+    st = sched.spec
+    verifies, kept = st.verifies - stats0.verifies, st.accepted_tokens - stats0.accepted_tokens
+    drafted = st.draft_tokens - stats0.draft_tokens
+    return {
+        "tpot_ms": 1e3 * elapsed / tokens,
+        "step_ms": 1e3 * elapsed / max(steps[0], 1),
+        "steps": steps[0],
+        "tokens_per_seq": tokens,
+        "verifies": verifies,
+        "emitted_per_verify": (verifies + kept) / verifies if verifies else None,
+        "acceptance": kept / drafted if drafted else None,
+        "steps_off": st.steps_off - stats0.steps_off,
+        "continuations": {rid: prompts[rid] + outs[rid] for rid in prompts},
+        "logprobs": lps,
+        "prompt_len": args.context,
+        **({"host_profile": profile_text(prof)} if prof is not None else {}),
+    }
+
+
+def profile_text(prof: cProfile.Profile) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    return buf.getvalue()[-16000:]
+
+
+def divergence(off: dict, run_: dict) -> dict:
+    """Where a run's greedy tokens first leave the plain run's, per request, and the plain run's margin there (its
+    top-1 minus top-2 logprob: a near-tie means rounding between a verify row and a decode row, not a defect)."""
+    n0, firsts, margins = off["prompt_len"], [], []
+    for rid, want in off["continuations"].items():
+        got = run_["continuations"][rid]
+        k = next((i for i, (x, y) in enumerate(zip(want[n0:], got[n0:])) if x != y), None)
+        if k is None:
+            continue
+        firsts.append(k)
+        top = sorted((off["logprobs"].get(rid) or [{}])[k].values(), reverse=True) if off["logprobs"].get(rid) else []
+        margins.append(top[0] - top[1] if len(top) > 1 else None)
+    return {"diverged": len(firsts), "of": len(off["continuations"]), "first_at": firsts[:16],
+            "margins": [None if m is None else round(m, 5) for m in margins[:16]]}  # fmt: skip
+
+
+def build(args: argparse.Namespace, depth: int, dev: torch.device) -> Setup:
+    sargs = sweep.parse_args(["--context", str(args.context), "--no-peer", "--layers", str(depth)]
+                             + (["--tiny"] if args.tiny else []))  # fmt: skip
+    base = sweep.build_config(sargs)
+    config = dataclasses.replace(base, num_nextn_predict_layers=1, compress_ratios=(*base.compress_ratios, 0))
+    with torch.no_grad():
+        model = sweep.build_ours(config, dev, args.seed)
+        if args.batch_invariant:  # the check: tokens with drafts equal to plain decoding's, bit for bit
+            model.ops = get_ops("nvidia" if dev.type == "cuda" else "cpu", batch_invariant=True)
+        if getattr(model.ops, "native_weights", False):
+            prepare_native(model, tuple(config.weight_block_size), quantize=True)
+        model.ops.prepare_weights(model)
+    longest = args.context + args.tokens + 2 * args.drafts + 8
+    pages = max(args.batches) * -(-longest // args.page_size) + 2
+    cache = PagedKVCache(config, pages, args.page_size, torch.bfloat16, dev)
+    return Setup(model, config, cache, dev, load_tokenizer(), args)
+
+
+def fit(xs: list[int], ys: list[float], at: int) -> tuple[float, float, float]:
+    """Least squares ``y = a + b·x`` over the depths measured: ``(a, b, y(at))``."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var and n > 1 else 0.0
+    a = my - slope * mx
+    return a, slope, a + slope * at
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ints = lambda x: [int(v) for v in x.split(",") if v]  # noqa: E731
+    floats = lambda x: [float(v) for v in x.split(",") if v]  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--depths", type=ints, default=None, help="target layers of each model (default 2,4; tiny 2,3)")
+    ap.add_argument("--batches", type=ints, default=None, help="default 1,16,64; tiny 1,2")
+    ap.add_argument("--errors", type=floats, default=[0.0, 0.2, 0.4, 0.7, 1.0], help="the oracle's error rates")
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens (default 1024; tiny 32)")
+    ap.add_argument("--tokens", type=int, default=None, help="timed tokens per request (default 64; tiny 6)")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--limit", type=int, default=32, help="the scheduler's default DEEPINFER_SPEC_DECODE_MAX_BATCH")
+    ap.add_argument("--explore", type=int, default=16, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant op set (a correctness run)")
+    ap.add_argument("--profile", type=ints, default=[], help="batch sizes whose oracle run (2nd rate) is cProfiled")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.depths = args.depths or ([2, 3] if args.tiny else [2, 4])
+    args.batches = args.batches or ([1, 2] if args.tiny else [1, 16, 64])
+    args.context = args.context or (32 if args.tiny else 1024)
+    args.tokens = args.tokens or (6 if args.tiny else 64)
+    args.page_size = args.page_size or (16 if args.tiny else 256)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    res: dict[str, Any] = {**harness.result_header(dev, args), "drafts": args.drafts, "context": args.context}
+    ce = sweep.probe_ceilings(dev)
+    bw, peak = ce["hbm_copy_GBps"] * 1e9, max(ce["fp8_TFLOPs"] or 0.0, ce["bf16_TFLOPs"]) * 1e12
+    res["ceilings"] = ce
+    rows: list[dict[str, Any]] = []
+    for depth in args.depths:
+        s = build(args, depth, dev)
+        work = sweep.Work.of(s.config)
+        for b in args.batches:
+            warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes
+            try:
+                run(s, b, 0.5, warm["continuations"])
+            except Exception:
+                pass  # measure() records it
+            off = run(s, b, None)
+            cont = off["continuations"]
+            row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": off}
+            row["plain_roofline_ms"] = work.decode(b, args.context, bw, peak)["roofline_ms"]
+            row["verify_roofline_ms"] = work.decode(b, args.context, bw, peak, rows=args.drafts + 1)["roofline_ms"]
+            try:
+                measure(s, b, row, cont, args)
+            except Exception:  # record what failed, keep the rows measured so far
+                row["error"] = traceback.format_exc()[-4000:]
+                print(row["error"], flush=True)
+            off.pop("continuations"), off.pop("logprobs"), row.pop("_off")
+            rows.append(row)
+            sweep.free(dev)
+        del s
+        sweep.free(dev)
+        res["rows"] = rows  # written after each depth: a later failure keeps what was measured
+        res["projection"] = project([r for r in rows if "error" not in r], args)
+        harness.write_result(args.out, args.name or f"{res['date']}-speculative", res, table(res, args))
+    return res
+
+
+def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Namespace) -> None:
+    """The speculative runs of one batch size (``row`` has the plain one)."""
+    off, depth = row["off"], row["depth"]
+    for e in args.errors:
+        r = run(s, b, e, cont, profile=b in args.profile and depth == max(args.depths) and e == args.errors[1])
+        r["divergence"] = divergence(row["_off"], r)
+        r.pop("continuations"), r.pop("logprobs")
+        row[f"oracle_{e:g}"] = r
+        if "host_profile" in r:
+            print(f"-- L={depth} B={b} e={e:g}: cProfile of the timed steps\n{r['host_profile']}", flush=True)
+    mtp = run(s, b, "mtp")
+    mtp["divergence"] = divergence(row["_off"], mtp)
+    mtp.pop("continuations"), mtp.pop("logprobs")
+    row["mtp"] = mtp
+    nearest = min(args.errors, key=lambda e: abs((row[f"oracle_{e:g}"]["emitted_per_verify"] or 0) - 3))
+    policy = run(s, b, nearest, cont, args.limit, explore=args.explore)
+    policy.pop("continuations"), policy.pop("logprobs")
+    row["policy"] = {"error": nearest, "limit": args.limit, **policy}
+    worst = row[f"oracle_{max(args.errors):g}"]
+    row["verify_step_ms"] = worst["step_ms"]
+    row["draft_ms"] = max(0.0, mtp["step_ms"] - worst["step_ms"])
+    sweep.log(
+        f"L={depth} B={b}: off {off['tpot_ms']:.3f} ms/token (step {off['step_ms']:.3f}, roofline "
+        f"{row['plain_roofline_ms']:.3f}); verify step {row['verify_step_ms']:.3f} ms (roofline "
+        f"{row['verify_roofline_ms']:.3f}); MTP draft {row['draft_ms']:.3f} ms, acceptance "
+        f"{mtp['acceptance']}; "
+        + ", ".join(f"e={e:g}: {row[f'oracle_{e:g}']['tpot_ms']:.3f} ms at "
+                    f"{row[f'oracle_{e:g}']['emitted_per_verify'] or 0:.2f}/step" for e in args.errors)
+        + f"; policy (limit {args.limit}) {policy['tpot_ms']:.3f} ms, steps off {policy['steps_off']}"
+    )  # fmt: skip
+
+
+def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Per batch: plain and verify step times fitted over depth, projected to ``REAL_DEPTH``; TPOT there at 3 tokens
+    per verify step and at each oracle rate's measured tokens per step."""
+    out = []
+    for b in args.batches:
+        rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["depth"])
+        if not rs:
+            continue
+        depths = [r["depth"] for r in rs]
+        pa, pb, plain = fit(depths, [r["off"]["step_ms"] for r in rs], REAL_DEPTH)
+        va, vb, verify = fit(depths, [r["verify_step_ms"] for r in rs], REAL_DEPTH)
+        draft = rs[-1]["draft_ms"]
+        p = {"batch": b, "depths": depths, "plain_fit_ms": [pa, pb], "verify_fit_ms": [va, vb], "draft_ms": draft,
+             "plain_ms": plain, "verify_ms": verify, "tpot_ratio_at_3": (verify + draft) / 3 / plain}  # fmt: skip
+        p["at_rates"] = {
+            f"{e:g}": {"emitted": (em := rs[-1][f"oracle_{e:g}"]["emitted_per_verify"] or 1.0),
+                       "tpot_ratio": (verify + draft) / em / plain}
+            for e in args.errors
+        }  # fmt: skip
+        out.append(p)
+        sweep.log(f"B={b} at {REAL_DEPTH} layers: plain {plain:.3f} ms, verify {verify:.3f} + draft {draft:.3f} ms; "
+                  f"TPOT with/without at 3 tokens per verify step {p['tpot_ratio_at_3']:.2f}x")  # fmt: skip
+    return out
+
+
+def table(res: dict, args: argparse.Namespace) -> list[str]:
+    head = " | ".join(f"e={e:g} ms (tok/step)" for e in args.errors)
+    lines = [
+        f"Drafts {args.drafts}, context {args.context}, {args.tokens} timed tokens per request, greedy.",
+        "",
+        f"| depth | batch | off ms | roofline | verify step ms | verify roofline | MTP draft ms | {head} | policy ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.errors) + "---:|",
+    ]
+    for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['depth']} | {r['batch']} | {r['off']['tpot_ms']:.3f} | failed: see the JSON |")
+            continue
+        cells = " | ".join(f"{r[f'oracle_{e:g}']['tpot_ms']:.3f} ({r[f'oracle_{e:g}']['emitted_per_verify'] or 0:.2f})"
+                           for e in args.errors)  # fmt: skip
+        lines.append(f"| {r['depth']} | {r['batch']} | {r['off']['tpot_ms']:.3f} | {r['plain_roofline_ms']:.3f} | "
+                     f"{r['verify_step_ms']:.3f} | {r['verify_roofline_ms']:.3f} | {r['draft_ms']:.3f} | {cells} | "
+                     f"{r['policy']['tpot_ms']:.3f} |")  # fmt: skip
+    lines += [
+        "",
+        f"Projected to {REAL_DEPTH} layers (step times fitted over the depths measured):",
+        "",
+        "| batch | plain ms | verify ms | draft ms | TPOT ratio at 3 tok/step |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for p in res["projection"]:
+        lines.append(f"| {p['batch']} | {p['plain_ms']:.3f} | {p['verify_ms']:.3f} | {p['draft_ms']:.3f} | "
+                     f"{p['tpot_ratio_at_3']:.2f}× |")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    main()

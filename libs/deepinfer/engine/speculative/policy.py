@@ -1,0 +1,114 @@
+"""Whether a step drafts, from what steps with and without drafts were measured to cost per token.
+
+A verify step emits more tokens per sequence than a plain decode step and takes longer; which one gives the lower
+time per output token depends on the batch, the model, the hardware and how often the drafts are right, so the
+scheduler measures it instead of assuming it. Per decode-batch bucket (a power of two of decode rows) it keeps an
+exponential average of the seconds per token of each mode: the time between two consecutive step results (the rate
+at which the worker delivers steps while there is work; an interval that began with no request to run is not
+counted) over the tokens the step emitted per sequence. A step takes the cheaper mode; every ``explore`` steps of a
+bucket it runs a short burst of the other, whose first result (the pipeline changing shape) is not counted either,
+so a change of acceptance or load is seen. Until both modes are measured it drafts (speculation is on because it was
+asked for), then tries the plain steps. Only steps of decode rows alone are measured (a prefill chunk's cost is not
+a token's).
+
+``explore`` 0 turns the measuring off: every step under the batch limit drafts. ``clock``: injectable for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+BURST = 4  # steps of the other mode per exploration (the first is not counted)
+MIN_SAMPLES = 3  # samples of a mode before it is compared
+ALPHA = 0.25  # weight of a new sample in a mode's average
+
+
+def bucket(rows: int) -> int:
+    """The power of two at or above ``rows`` (the measurements' key)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+@dataclass
+class Estimate:
+    seconds_per_token: float
+    samples: int = 1
+
+    def add(self, x: float) -> None:
+        self.seconds_per_token += ALPHA * (x - self.seconds_per_token)
+        self.samples += 1
+
+
+@dataclass
+class SpecPolicy:
+    explore: int = 64
+    clock: Callable[[], float] = time.monotonic
+    estimates: dict[tuple[int, bool], Estimate] = field(default_factory=dict)  # (bucket, drafts) -> seconds/token
+    _since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since its last exploration
+    _burst: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (mode, steps left)
+    _plans: dict[int, tuple[int, bool] | None] = field(default_factory=dict)  # step -> (decode rows, drafted)
+    _mark: float = 0.0  # when the interval the next result closes began
+    _in_flight: int = 0
+    _counted: bool = False  # whether the next result's interval may be counted (work was waiting all along)
+    _busy: bool = False  # whether requests were left to run at the last result
+    _last_mode: bool | None = None
+
+    def choose(self, rows: int) -> bool:
+        """Whether a step of ``rows`` decode rows drafts."""
+        if self.explore <= 0:
+            return True
+        b = bucket(rows)
+        burst = self._burst.pop(b, None)
+        if burst is not None:
+            mode, left = burst
+            if left > 1:
+                self._burst[b] = (mode, left - 1)
+            return mode
+        on, off = self.estimates.get((b, True)), self.estimates.get((b, False))
+        if on is None or on.samples < MIN_SAMPLES:
+            return True
+        if off is None:  # drafting measured: try the plain steps
+            return self._start(b, False)
+        best = on.seconds_per_token <= off.seconds_per_token
+        self._since[b] = self._since.get(b, 0) + 1
+        if self._since[b] >= self.explore:
+            self._since[b] = 0
+            return self._start(b, not best)
+        return best
+
+    def _start(self, b: int, mode: bool) -> bool:
+        self._burst[b] = (mode, BURST - 1)
+        return mode
+
+    def planned(self, step_id: int, decode_rows: int, drafted: bool, decode_only: bool) -> None:
+        """A step was sent: ``decode_rows`` decode rows, with drafts or not; ``decode_only``: no prefill chunk."""
+        if self._in_flight == 0 and not self._busy:  # idle since the last result: the interval starts now
+            self._mark, self._counted = self.clock(), False
+        self._in_flight += 1
+        self._plans[step_id] = (decode_rows, drafted) if decode_only and decode_rows else None
+
+    def observed(self, step_id: int, tokens: int, busy: bool = True) -> None:
+        """A step's result arrived: ``tokens`` output tokens emitted by its decode rows; ``busy``: requests are left
+        to run (else the time until the next step is idle, not a step's cost)."""
+        now = self.clock()
+        self._in_flight, self._busy = max(0, self._in_flight - 1), busy
+        interval, counted = now - self._mark, self._counted
+        self._mark, self._counted = now, True
+        info = self._plans.pop(step_id, None)
+        if info is None:
+            return
+        rows, drafted = info
+        switched, self._last_mode = self._last_mode is not None and drafted != self._last_mode, drafted
+        if not counted or switched or tokens <= 0:
+            return
+        sample = interval * rows / tokens  # seconds per token of one sequence
+        key = (bucket(rows), drafted)
+        est = self.estimates.get(key)
+        if est is None:
+            self.estimates[key] = Estimate(sample)
+        else:
+            est.add(sample)
+
+
+__all__ = ["BURST", "MIN_SAMPLES", "SpecPolicy", "bucket"]

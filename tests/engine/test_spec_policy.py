@@ -1,0 +1,135 @@
+"""The scheduler's choice to draft or not, by measured cost per token (``engine.speculative.policy``), on a fake
+clock: it drafts first, tries plain steps, keeps the cheaper mode per decode-batch bucket and keeps measuring the
+other; idle time and the first step after a switch are not counted; a scheduler driven with synthetic step results
+plans no drafts while plain steps are cheaper, and the metric names the reason."""
+
+from __future__ import annotations
+
+from deepinfer.engine.interfaces import PLACEHOLDER, SeqResult, StepResult
+from deepinfer.engine.pages import PagePool
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler_config import SchedulerConfig
+from deepinfer.engine.speculative.policy import BURST, MIN_SAMPLES, SpecPolicy, bucket
+from deepinfer.sampling_params import SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def drive(policy: SpecPolicy, clock: Clock, rows: int, steps: int, cost: dict[bool, tuple[float, float]]) -> list:
+    """``steps`` steps of ``rows`` decode rows, one in flight at a time; ``cost[drafted]``: (seconds, tokens emitted
+    per row). Returns the modes chosen."""
+    modes = []
+    for k in range(steps):
+        mode = policy.choose(rows)
+        modes.append(mode)
+        policy.planned(k, rows, mode, True)
+        seconds, per_row = cost[mode]
+        clock.t += seconds
+        policy.observed(k, int(rows * per_row))
+    return modes
+
+
+def test_buckets() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 64)] == [1, 2, 4, 4, 8, 16, 32, 64]
+
+
+def test_plain_steps_win_when_verify_steps_cost_more_per_token() -> None:
+    clock = Clock()
+    policy = SpecPolicy(explore=32, clock=clock)  # exploring: BURST steps every 32 + BURST
+    # a verify step: 3.0 s for 2 tokens a row (1.5 s a token); a plain step 1.0 s a token
+    modes = drive(policy, clock, 8, 200, {True: (3.0, 2), False: (1.0, 1)})
+    assert modes[: MIN_SAMPLES + 1] == [True] * (MIN_SAMPLES + 1)  # drafting is measured first (the first not counted)
+    assert False in modes[: MIN_SAMPLES + 2 + BURST]  # then the plain steps are tried
+    tail = modes[100:]
+    assert tail.count(False) > 0.8 * len(tail) and True in tail  # plain steps, and drafting measured again now and then
+    est = policy.estimates
+    assert abs(est[(8, True)].seconds_per_token - 1.5) < 1e-9 and abs(est[(8, False)].seconds_per_token - 1.0) < 1e-9
+
+
+def test_drafting_wins_when_it_is_cheaper_and_buckets_are_apart() -> None:
+    clock = Clock()
+    policy = SpecPolicy(explore=32, clock=clock)
+    small = drive(policy, clock, 1, 150, {True: (1.2, 3), False: (1.0, 1)})  # 0.4 s a token with drafts
+    large = drive(policy, clock, 40, 150, {True: (9.0, 2), False: (2.0, 1)})  # 4.5 s a token with drafts
+    assert small[50:].count(True) > 0.8 * 100 and large[50:].count(False) > 0.8 * 100
+
+
+def test_a_change_of_acceptance_is_seen() -> None:
+    clock = Clock()
+    policy = SpecPolicy(explore=32, clock=clock)
+    drive(policy, clock, 4, 100, {True: (1.2, 3), False: (1.0, 1)})
+    later = drive(policy, clock, 4, 300, {True: (1.2, 1), False: (1.0, 1)})  # the drafts stopped being right
+    assert later[-100:].count(False) > 0.8 * 100
+
+
+def test_idle_time_and_switches_are_not_counted() -> None:
+    clock = Clock()
+    policy = SpecPolicy(explore=16, clock=clock)
+    for k in range(6):
+        clock.t += 1000.0  # idle: nothing to run
+        policy.planned(k, 2, True, True)
+        clock.t += 1.0
+        policy.observed(k, 2, busy=False)
+    assert (2, True) not in policy.estimates  # each interval began with nothing to run
+    clock.t += 1000.0
+    policy.planned(10, 2, True, True)
+    policy.planned(11, 2, True, True)  # two in flight
+    clock.t += 1.0
+    policy.observed(10, 2)  # (began idle)
+    clock.t += 2.0
+    policy.observed(11, 4)  # 2 s for 2 tokens a row: 1 s a token
+    assert policy.estimates[(2, True)].seconds_per_token == 1.0
+    policy.planned(12, 2, False, True)
+    policy.planned(13, 2, False, True)
+    clock.t += 5.0
+    policy.observed(12, 2)  # the first step after a switch of mode: not counted
+    clock.t += 0.5
+    policy.observed(13, 2)
+    assert policy.estimates[(2, False)].seconds_per_token == 0.5
+    policy.planned(14, 2, False, False)  # a step with a prefill chunk: not a token's cost
+    clock.t += 9.0
+    policy.observed(14, 2)
+    assert policy.estimates[(2, False)].samples == 1
+
+
+def test_explore_zero_always_drafts() -> None:
+    policy = SpecPolicy(explore=0)
+    assert all(policy.choose(n) for n in (1, 8, 64))
+
+
+def test_scheduler_plans_without_drafts_while_plain_steps_are_cheaper() -> None:
+    clock = Clock()
+    cfg = SchedulerConfig(page_size=16, max_model_len=4096, eos_token_id=1, num_speculative_tokens=3, spec_explore=32)
+    s = Scheduler(cfg, PagePool(512))
+    s.spec_policy.clock = clock
+    for k in range(4):
+        s.add(f"r{k}", [5, 6, 7, 8 + k], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    drafted_steps = plain_steps = 0
+    for _ in range(300):
+        plan = s.schedule(lookahead=0)
+        results = []
+        for c in plan.chunks:
+            if not c.sample:
+                continue
+            drafts = c.num_drafts
+            # a verify step keeps one draft of three: 2 tokens a row for 3.0 s; a plain step 1 token for 1.0 s
+            results.append(SeqResult(c.request_id, 9, extra_token_ids=[9] if drafts else [], num_drafts=drafts))
+        decode = all(len(c.token_ids) == 1 or c.token_ids == [PLACEHOLDER] for c in plan.chunks)
+        if decode and plan.chunks:
+            if any(c.num_drafts for c in plan.chunks):
+                drafted_steps += 1
+                clock.t += 3.0
+            else:
+                plain_steps += 1
+                clock.t += 1.0
+        s.update(StepResult(plan.step_id, results))
+    assert drafted_steps > 0 and plain_steps > 0.7 * 300
+    assert s.spec.steps_off_cost > 0.7 * 300 and s.spec.steps_off_batch == 0
+    est = s.spec_policy.estimates
+    assert est[(4, True)].seconds_per_token > est[(4, False)].seconds_per_token

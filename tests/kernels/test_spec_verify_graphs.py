@@ -1,0 +1,116 @@
+"""A speculative verify step replayed from piecewise CUDA graphs against the same step run eagerly.
+
+``runtime.step_graphs``: a step that keeps its compressor projections (``model.verifying``) never replays decode
+graphs and may replay the piecewise prefill graphs, whose attention runs eagerly between the pieces. At a bucket's
+size (16 rows: four sequences, each its token and three drafts) the logits, and after the rollback the states and
+the paged cache, are bit for bit the eager step's; the projections kept for the rollback are copies (the pieces
+reuse their buffers, so views would hold a later layer's rows). On a host without CUDA: the choice of graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
+from deepinfer.models.deepseek_v4.speculative import verify  # noqa: E402
+from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
+from deepinfer.runtime.step_graphs import StepGraphs  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with TRITON_INTERPRET unset")
+PAGE, PAGES = 16, 8
+
+
+class _Graphs:
+    def __init__(self, name: str, seen: list[str]) -> None:
+        self.name, self.seen = name, seen
+
+    def run(self, batch, cache):
+        self.seen.append(self.name)
+        return None
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.ops = type("Ops", (), {"cuda_graphs": True, "prefill_graphs": True, "batch_invariant": False})()
+        self.decode_graphs = self.prefill_graphs = None
+
+
+def test_a_capturing_step_skips_the_decode_graphs() -> None:
+    seen: list[str] = []
+    graphs = StepGraphs(lambda m: _Graphs("decode", seen), lambda m: _Graphs("prefill", seen))
+    model = _Model()
+    assert graphs.run(model, None, None) is None and seen == ["decode", "prefill"]
+    seen.clear()
+    assert graphs.run(model, None, None, capture=True) is None and seen == ["prefill"]
+
+
+def _model():
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+
+    config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
+    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
+    model.ops.cuda_graphs = model.ops.prefill_graphs = True
+    model.load_state_dict(random_weights(config, seed=0), strict=False)
+    model = model.to(DEVICE, torch.float32)
+    model.graphs_to_use = FAMILY.step_graphs()
+    return model
+
+
+def _verify(graphs: bool) -> tuple:
+    model = _model()
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
+    drafts = [torch.randint(2, cfg.vocab_size, (3,), generator=g).tolist() for _ in prompts]
+    cache = PagedKVCache(cfg, PAGES * len(prompts), PAGE, torch.float32, DEVICE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(len(prompts))]
+    states = [SequenceState() for _ in prompts]
+    with torch.no_grad():  # the prompts eagerly in both runs
+        batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)], prompts,
+                                   device=DEVICE)  # fmt: skip
+        h = model(batch, cache)
+        last = [int(x) for x in model.logits(h)[[b - 1 for _, b in batch.offsets()]].argmax(-1).tolist()]
+    model.step_graphs = model.graphs_to_use if graphs else None
+    step = verify(model, cache, states, tables, last, drafts)
+    logits = step.logits.clone()
+    captured = {k: (v[0].clone(), v[1].clone()) for k, v in step.captured.items()}
+    step.rollback([0, 1, 2, 3])
+    torch.cuda.synchronize()
+    return model, logits, captured, states, cache
+
+
+@gpu_only
+def test_verify_replays_piecewise_graphs_bit_for_bit() -> None:
+    eager_model, eager, eager_cap, eager_states, eager_cache = _verify(False)
+    model, graphed, cap, states, cache = _verify(True)
+    assert model.prefill_graphs is not None and model.prefill_graphs.replays > 0
+    assert model.decode_graphs is None or model.decode_graphs.replays == 0
+    assert eager_model.prefill_graphs is None
+    assert torch.equal(eager, graphed)
+    assert cap.keys() == eager_cap.keys() and cap
+    for k in cap:  # the kept projections of every layer are that layer's (copies, not the pieces' buffers)
+        assert torch.equal(cap[k][0], eager_cap[k][0]) and torch.equal(cap[k][1], eager_cap[k][1]), k
+    for a, b in zip(eager_states, states):
+        assert a.windows and a.buffers  # (per-sequence state: a verify step does not use the decode pool)
+        assert a.num_tokens == b.num_tokens
+        assert a.windows.keys() == b.windows.keys()
+        assert all(torch.equal(a.windows[k], b.windows[k]) for k in a.windows)
+        assert a.buffers.keys() == b.buffers.keys()
+        for k in a.buffers:
+            x, y = a.buffers[k], b.buffers[k]
+            assert x.start == y.start and torch.equal(x.kv, y.kv) and torch.equal(x.score, y.score), k
+    for store in ("rows", "index_keys"):
+        mine, theirs = getattr(eager_cache, store), getattr(cache, store)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
