@@ -14,8 +14,8 @@ each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run
   less the oracle's at ``e = 1`` (same verify shape, nothing kept) is the drafter's cost per step.
 * **policy**: the oracle at the error rate closest to 3 tokens per verify step under the scheduler's default batch
   limit (``DEEPINFER_SPEC_DECODE_MAX_BATCH``: above it the steps run without drafts) and its cost policy
-  (``--explore``: it measures both modes and keeps the cheaper; ``steps_off`` counts both reasons). The other runs
-  draft at every step.
+  (``--explore``: it measures both modes and keeps the cheaper; ``steps_off`` counts both reasons); **policy_mtp**:
+  the same with the MTP block drafting. The other runs draft at every step.
 
 The verify step's time is set beside its roofline (``sweep.Work.decode`` with ``rows = drafts + 1``: the weights read
 once, every row's experts and FLOPs, each sequence's KV once). A reduced-depth target makes drafting look dearer than
@@ -137,6 +137,10 @@ def run(
         "emitted_per_verify": (verifies + kept) / verifies if verifies else None,
         "acceptance": kept / drafted if drafted else None,
         "steps_off": st.steps_off - stats0.steps_off,
+        "policy_estimates": {
+            f"{b}/{'on' if d else 'off'}": [e.seconds_per_token, e.samples]
+            for (b, d), e in sched.spec_policy.estimates.items()
+        },  # fmt: skip
         "continuations": {rid: prompts[rid] + outs[rid] for rid in prompts},
         "logprobs": lps,
         "prompt_len": args.context,
@@ -275,6 +279,9 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
     policy = run(s, b, nearest, cont, args.limit, explore=args.explore)
     policy.pop("continuations"), policy.pop("logprobs")
     row["policy"] = {"error": nearest, "limit": args.limit, **policy}
+    policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)
+    policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
+    row["policy_mtp"] = {"limit": args.limit, **policy_mtp}
     worst = row[f"oracle_{max(args.errors):g}"]
     row["verify_step_ms"] = worst["step_ms"]
     row["draft_ms"] = max(0.0, mtp["step_ms"] - worst["step_ms"])
@@ -286,6 +293,7 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
         + ", ".join(f"e={e:g}: {row[f'oracle_{e:g}']['tpot_ms']:.3f} ms at "
                     f"{row[f'oracle_{e:g}']['emitted_per_verify'] or 0:.2f}/step" for e in args.errors)
         + f"; policy (limit {args.limit}) {policy['tpot_ms']:.3f} ms, steps off {policy['steps_off']}"
+        + f"; policy with MTP {policy_mtp['tpot_ms']:.3f} ms, steps off {policy_mtp['steps_off']}"
     )  # fmt: skip
 
 
@@ -319,8 +327,9 @@ def table(res: dict, args: argparse.Namespace) -> list[str]:
     lines = [
         f"Drafts {args.drafts}, context {args.context}, {args.tokens} timed tokens per request, greedy.",
         "",
-        f"| depth | batch | off ms | roofline | verify step ms | verify roofline | MTP draft ms | {head} | policy ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.errors) + "---:|",
+        f"| depth | batch | off ms | roofline | verify step ms | verify roofline | MTP draft ms | {head} | policy ms "
+        "| policy, MTP ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.errors) + "---:|---:|",
     ]
     for r in res["rows"]:
         if "error" in r:
@@ -330,7 +339,7 @@ def table(res: dict, args: argparse.Namespace) -> list[str]:
                            for e in args.errors)  # fmt: skip
         lines.append(f"| {r['depth']} | {r['batch']} | {r['off']['tpot_ms']:.3f} | {r['plain_roofline_ms']:.3f} | "
                      f"{r['verify_step_ms']:.3f} | {r['verify_roofline_ms']:.3f} | {r['draft_ms']:.3f} | {cells} | "
-                     f"{r['policy']['tpot_ms']:.3f} |")  # fmt: skip
+                     f"{r['policy']['tpot_ms']:.3f} | {r['policy_mtp']['tpot_ms']:.3f} |")  # fmt: skip
     lines += [
         "",
         f"Projected to {REAL_DEPTH} layers (step times fitted over the depths measured):",

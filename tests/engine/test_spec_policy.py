@@ -60,6 +60,16 @@ def test_drafting_wins_when_it_is_cheaper_and_buckets_are_apart() -> None:
     assert small[50:].count(True) > 0.8 * 100 and large[50:].count(False) > 0.8 * 100
 
 
+def test_a_far_dearer_mode_is_measured_less_often() -> None:
+    """Verify steps ten times dearer per token: the bursts that measure them again come ten times less often, so they
+    take about the share of the time that a mode 1.5 times dearer takes."""
+    clock = Clock()
+    policy = SpecPolicy(explore=32, clock=clock)
+    modes = drive(policy, clock, 2, 2000, {True: (10.0, 1), False: (1.0, 1)})
+    tail = modes[100:]
+    assert 0 < tail.count(True) <= 2 * BURST * len(tail) / (32 * 10)
+
+
 def test_a_change_of_acceptance_is_seen() -> None:
     clock = Clock()
     policy = SpecPolicy(explore=32, clock=clock)
@@ -96,6 +106,22 @@ def test_idle_time_and_switches_are_not_counted() -> None:
     clock.t += 9.0
     policy.observed(14, 2)
     assert policy.estimates[(2, False)].samples == 1
+
+
+def test_steps_without_decode_rows_do_not_use_up_a_burst() -> None:
+    """A choice whose step goes out without decode rows (every row waits for a result), or does not go out, leaves
+    the burst of the other mode to steps that use it."""
+    clock = Clock()
+    policy = SpecPolicy(explore=32, clock=clock)
+    drive(policy, clock, 4, MIN_SAMPLES + 1, {True: (3.0, 2), False: (1.0, 1)})
+    assert policy.choose(4) is False  # the plain steps' burst starts
+    for k in range(10):
+        assert policy.choose(4) is False
+        policy.planned(100 + k, 0, False, True)  # nothing to decode
+    assert policy._burst[4] == (False, BURST)
+    assert policy.choose(4) is False
+    policy.planned(200, 4, False, True)
+    assert policy._burst[4] == (False, BURST - 1)
 
 
 def test_explore_zero_always_drafts() -> None:

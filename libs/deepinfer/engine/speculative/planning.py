@@ -23,6 +23,7 @@ def speculating(config: SchedulerConfig, running: Iterable[Request], stats: Spec
     measured to cost less per token at this batch (or is being measured)."""
     if not config.num_speculative_tokens:
         return False
+    policy.chosen = None  # (set by ``choose``: the step then counts towards the policy's burst or exploration)
     rows = sum(1 for r in running if r.in_flight or r.num_tokens - r.num_computed == 1)
     if rows > config.spec_max_batch:
         stats.steps_off_batch += 1

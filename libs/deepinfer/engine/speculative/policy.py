@@ -6,8 +6,9 @@ scheduler measures it instead of assuming it. Per decode-batch bucket (a power o
 exponential average of the seconds per token of each mode: the time between two consecutive step results (the rate
 at which the worker delivers steps while there is work; an interval that began with no request to run is not
 counted) over the tokens the step emitted per sequence. A step takes the cheaper mode; every ``explore`` steps of a
-bucket it runs a short burst of the other, whose first result (the pipeline changing shape) is not counted either,
-so a change of acceptance or load is seen. Until both modes are measured it drafts (speculation is on because it was
+bucket, times the ratio of the two modes' costs (a far dearer mode then takes about the same share of the time), it
+runs a short burst of the other, whose first result (the pipeline changing shape) is not counted either, so a change
+of acceptance or load is seen. Until both modes are measured it drafts (speculation is on because it was
 asked for), then tries the plain steps. Only steps of decode rows alone are measured (a prefill chunk's cost is not
 a token's).
 
@@ -53,33 +54,31 @@ class SpecPolicy:
     _counted: bool = False  # whether the next result's interval may be counted (work was waiting all along)
     _busy: bool = False  # whether requests were left to run at the last result
     _last_mode: bool | None = None
+    chosen: int | None = None  # the bucket of this step's choice, until the step is sent (None: no choice)
 
     def choose(self, rows: int) -> bool:
-        """Whether a step of ``rows`` decode rows drafts."""
+        """Whether a step of ``rows`` decode rows drafts. A burst or an exploration counts its steps when they are
+        sent with decode rows (``planned``): a step in which every row waits for a result does not use them up."""
         if self.explore <= 0:
             return True
-        b = bucket(rows)
-        burst = self._burst.pop(b, None)
+        b = self.chosen = bucket(rows)
+        burst = self._burst.get(b)
         if burst is not None:
-            mode, left = burst
-            if left > 1:
-                self._burst[b] = (mode, left - 1)
-            return mode
+            return burst[0]
         on, off = self.estimates.get((b, True)), self.estimates.get((b, False))
         if on is None or on.samples < MIN_SAMPLES:
             return True
         if off is None:  # drafting measured: try the plain steps
-            return self._start(b, False)
+            self._burst[b] = (False, BURST)
+            return False
         best = on.seconds_per_token <= off.seconds_per_token
-        self._since[b] = self._since.get(b, 0) + 1
-        if self._since[b] >= self.explore:
+        # the dearer the other mode, the less often it is measured again: a burst costs about the same share
+        cheap, dear = sorted((on.seconds_per_token, off.seconds_per_token))
+        if self._since.get(b, 0) >= self.explore * min(dear / max(cheap, 1e-12), 100.0):
             self._since[b] = 0
-            return self._start(b, not best)
+            self._burst[b] = (not best, BURST)
+            return not best
         return best
-
-    def _start(self, b: int, mode: bool) -> bool:
-        self._burst[b] = (mode, BURST - 1)
-        return mode
 
     def planned(self, step_id: int, decode_rows: int, drafted: bool, decode_only: bool) -> None:
         """A step was sent: ``decode_rows`` decode rows, with drafts or not; ``decode_only``: no prefill chunk."""
@@ -87,6 +86,16 @@ class SpecPolicy:
             self._mark, self._counted = self.clock(), False
         self._in_flight += 1
         self._plans[step_id] = (decode_rows, drafted) if decode_only and decode_rows else None
+        b, self.chosen = self.chosen, None
+        if b is None or not decode_rows:
+            return
+        burst = self._burst.get(b)
+        if burst is None:
+            self._since[b] = self._since.get(b, 0) + 1
+        elif burst[1] > 1:
+            self._burst[b] = (burst[0], burst[1] - 1)
+        else:
+            del self._burst[b]
 
     def observed(self, step_id: int, tokens: int, busy: bool = True) -> None:
         """A step's result arrived: ``tokens`` output tokens emitted by its decode rows; ``busy``: requests are left

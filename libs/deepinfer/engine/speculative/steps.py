@@ -9,7 +9,8 @@ samples come to the host, each chunk keeps its leading drafts that equal the sam
 rejected rows back (bit-exact state) and its drafter catches up. A verify step is therefore synchronous: the
 scheduler does not plan a request past a verify step in flight (``Scheduler.schedule``). Chunks of the same step
 without drafts are sampled with the same rows; steps without a verify chunk stay asynchronous, and the drafter only
-follows them (``Speculator.follow``).
+follows them (``Speculator.follow``), unless they have decode rows and none was given drafts (the scheduler's batch
+limit or cost policy): then the drafter does not run at all, and skips ahead when drafting resumes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Speculator(Protocol):
         """The drafter's state after a plain step of chunks ``chunks``."""
         ...
 
-    def release(self, rids: list[str]) -> None: ...
+    def release(self, rids: list[str]) -> None:
+        """Forget what the drafter keeps for these sequences (finished, or not followed through a step)."""
+        ...
 
 
 def propose(
@@ -110,6 +113,10 @@ def settle(
     verified = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
     if pending is None:
+        decode = [c for c in plan.chunks if c.sample and len(c.token_ids) == 1]
+        if decode and not any(c.num_drafts for c in decode):  # decode rows planned without drafts (the scheduler's
+            spec.release([c.request_id for c in plan.chunks])  # choice): the drafter lags, skips ahead when it drafts
+            return
         spec.follow(batch, hidden, plain, [plan.chunks[i].request_id for i in plain])
         return
     out, rows_of = step.result.results, {}
