@@ -277,12 +277,11 @@ class ModelRunner:
             return
         seqs = [owners[k][0] for k in sel]
         params = [plan.chunks[i].params for i in seqs]
-        seeds, k = [], collections.Counter()
+        seeds, prev, k = [], -1, 0
         for i, p in zip(seqs, params):
             seed = p.effective_seed
-            # the position of the new token (the rows of a verify chunk, its token and drafts: the next ones)
-            pos = plan.chunks[i].start + len(plan.chunks[i].token_ids) + k[i]
-            k[i] += 1
+            k, prev = (k + 1 if i == prev else 0), i  # a verify chunk's rows (its token, its drafts) come in a row
+            pos = plan.chunks[i].start + len(plan.chunks[i].token_ids) + k  # the position of the new token
             seeds.append(None if seed is None or p.greedy else position_seed(seed, pos))
         rids = [plan.chunks[i].request_id for i in seqs]
         # (``logits[list]`` would copy the list to the device synchronously: the host would wait for the forward)

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, ring_span
@@ -144,15 +143,38 @@ class VerifyStep:
         self.done, self.captured = True, {}  # the projections are not needed any more
 
 
-def save_state(model: torch.nn.Module, st: SequenceState, drafts: int) -> SeqSave:
-    """``SeqSave`` of ``st`` before a verify step with ``drafts`` drafts."""
-    p = st.num_tokens
-    save = SeqSave(st, p, drafts)
-    save.windows = save_windows(st, [layer.layer_id for layer in model.layers], p + 1, drafts)
-    for key in _compressors(model):
-        b = st.buffers.get(key)
-        save.buffers[key] = None if b is None else CompressorBuffer(b.kv.clone(), b.score.clone(), b.start)
-    return save
+def save_states(model: torch.nn.Module, states: list[SequenceState], drafts: list[int]) -> list[SeqSave]:
+    """``SeqSave`` of each of ``states`` before a verify step with ``drafts[b]`` drafts."""
+    layers, comps = [layer.layer_id for layer in model.layers], list(_compressors(model))
+    saves = []
+    for st, n in zip(states, drafts):
+        p = st.num_tokens
+        save = SeqSave(st, p, n)
+        save.windows = save_windows(st, layers, p + 1, n)
+        for key in comps:
+            b = st.buffers.get(key)
+            save.buffers[key] = None if b is None else CompressorBuffer(b.kv.clone(), b.score.clone(), b.start)
+        saves.append(save)
+    return saves
+
+
+def capturing_forward(
+    model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCache | None
+) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:
+    """The model's forward on ``batch`` as a verify step runs it: the attention layers keep copies of their
+    compressor projections (``Attention.capture``; no decode graphs). Returns the hidden streams and the projections
+    by ``(layer, compressor)``."""
+    attns = [layer.attn for layer in model.layers]
+    for a in attns:
+        a.capture = {}
+    model.verifying = True
+    try:
+        h = model(batch, cache)
+        return h, {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
+    finally:
+        model.verifying = False
+        for a in attns:
+            a.capture = None
 
 
 @torch.no_grad()
@@ -169,21 +191,14 @@ def verify(
     for d in drafts:
         if len(d) + 1 > window:
             raise ValueError(f"{len(d)} drafts need {len(d) + 1} window rows; the window holds {window}")
-    saves = [save_state(model, st, len(d)) for st, d in zip(states, drafts)]
+    saves = save_states(model, states, [len(d) for d in drafts])
     chunks = [SeqChunk(st, st.num_tokens, len(d) + 1, t) for st, d, t in zip(states, drafts, block_tables)]
     batch = ForwardBatch.build(chunks, [[x, *d] for x, d in zip(last_tokens, drafts)], device=model.embed.weight.device)
-    attns = [m for m in model.layers.modules() if isinstance(m, Attention)]
-    for a in attns:
-        a.capture = {}
-    model.verifying = True
-    try:
-        h = model(batch, cache)
-        captured = {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
-    finally:
-        model.verifying = False
-        for a in attns:
-            a.capture = None
+    h, captured = capturing_forward(model, batch, cache)
     return VerifyStep(model, batch, h, model.logits(h), batch.offsets(), saves, captured)
 
 
-__all__ = ["SeqSave", "VerifyStep", "kept_buffer", "restore_windows", "save_windows", "verify"]
+__all__ = [
+    "SeqSave", "VerifyStep", "capturing_forward", "kept_buffer", "restore_windows", "save_states", "save_windows",
+    "verify",
+]  # fmt: skip

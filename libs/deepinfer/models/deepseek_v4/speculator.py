@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter, MTPHead
-from deepinfer.models.deepseek_v4.speculative import VerifyStep, save_state
+from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.runtime.host_copy import tensor
 
@@ -103,19 +102,8 @@ class MTPSpeculator:
         verify rows: their state is saved first and the step keeps the compressors' projections (no decode graphs)."""
         if not verified:
             return self.model(batch, cache), None
-        chunks = [batch.chunks[i] for i in verified]
-        saves = [save_state(self.model, c.state, n) for c, n in zip(chunks, drafts)]
-        attns = [m for m in self.model.layers.modules() if isinstance(m, Attention)]
-        for a in attns:
-            a.capture = {}
-        self.model.verifying = True
-        try:
-            h = self.model(batch, cache)
-            captured = {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
-        finally:
-            self.model.verifying = False
-            for a in attns:
-                a.capture = None
+        saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
+        h, captured = capturing_forward(self.model, batch, cache)
         offsets = batch.offsets()
         step = VerifyStep(self.model, batch, h, h[:0], [offsets[i] for i in verified], saves, captured)
         return h, PendingVerify(step, verified, rids)
