@@ -1,16 +1,18 @@
 """Speculative decoding's TPOT on the offline engine, with and without drafts, at reduced depth and projected to the
 real one.
 
-The model is the sweep's (V4-Flash widths, native FP8 / MXFP4 weights, random values) with its MTP block, at each
-depth of ``--depths``. ``B`` requests with distinct random ``--context``-token prompts are prefilled through the
-engine (async scheduling, CUDA graphs for plain decode steps); once every request decodes, the run is timed until
-each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run, per batch size:
+The model is the sweep's (``--model v4``: V4-Flash widths with its MTP block; ``--model v41``: V4.1-Flash widths,
+``bench/engine/sweep_v41.py``, with 3 DSpark stages reading the last 3 layers; native FP8 / MXFP4 weights, random
+values), at each depth of ``--depths``. ``B`` requests with distinct random ``--context``-token prompts are
+prefilled through the engine (async scheduling, CUDA graphs for plain decode steps); once every request decodes,
+the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run, per batch size:
 
 * **off** (the peer): plain decoding, one token per step. Its greedy tokens are the oracle's continuations.
 * **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the off
   run's continuation with a draft error rate ``e`` (random weights make the MTP block useless, so this sets the
   acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
-* **mtp**: the model's own MTP block drafting (its measured acceptance on random weights, near 0), whose step time
+* **mtp**: the model's own drafter (V4: the MTP block; V4.1: DSpark, which also makes every step it follows run
+  eagerly with the target's features captured; its measured acceptance on random weights is near 0), whose step time
   less the oracle's at ``e = 1`` (same verify shape, nothing kept) is the drafter's cost per step.
 * **policy**: the oracle at the error rate closest to 3 tokens per verify step under the scheduler's default batch
   limit (``DEEPINFER_SPEC_DECODE_MAX_BATCH``: above it the steps run without drafts) and its cost policy
@@ -19,9 +21,9 @@ each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run
 
 The verify step's time is set beside its roofline (``sweep.Work.decode`` with ``rows = drafts + 1``: the weights read
 once, every row's experts and FLOPs, each sequence's KV once). A reduced-depth target makes drafting look dearer than
-it is (one MTP layer against 43 target layers in V4-Flash), so plain and verify step times are fitted per layer over
-the depths measured (``t(L) = a + b·L``) and projected to 43 layers with the drafter's cost, which does not grow with
-depth: TPOT(43) = (verify(43) + draft) / emitted, against plain(43).
+it is (one MTP layer against 43 target layers in V4-Flash; 3 DSpark stages against V4.1-Flash's 40), so plain and
+verify step times are fitted per layer over the depths measured (``t(L) = a + b·L``) and projected to the real depth
+with the drafter's cost, which does not grow with depth: TPOT(L) = (verify(L) + draft) / emitted, against plain(L).
 
 Each speculative run's greedy tokens are compared with the plain run's (``divergence``: where they first differ and
 the plain run's top-1 / top-2 margin there). With the default ops a verify row's numbers differ from a decode row's
@@ -29,7 +31,8 @@ by rounding, so near-ties may go the other way (and the oracle's later drafts ar
 ``--batch-invariant`` they must not differ at all.
 
     PYTHONPATH=libs:. python bench/engine/speculative.py --depths 2,4 --batches 1,16,64 --out bench/results/engine
-    PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu
+    PYTHONPATH=libs:. python bench/engine/speculative.py --model v41 --depths 4,5 --batches 1,16 --out <dir>
+    PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu [--model v41]
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 import torch
 
 from bench import harness
-from bench.engine import sweep
+from bench.engine import sweep, sweep_v41
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.factory import build_scheduler
 from deepinfer.engine.models import family_of
@@ -60,7 +63,7 @@ from deepinfer.quant.native import prepare_native
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
-REAL_DEPTH = 43  # V4-Flash's layers
+REAL_DEPTH = {"v4": 43, "v41": 40}  # V4-Flash's and V4.1-Flash's layers
 
 
 @dataclasses.dataclass
@@ -172,12 +175,18 @@ def divergence(off: dict, run_: dict) -> dict:
 
 
 def build(args: argparse.Namespace, depth: int, dev: torch.device) -> Setup:
-    sargs = sweep.parse_args(["--context", str(args.context), "--no-peer", "--layers", str(depth)]
-                             + (["--tiny"] if args.tiny else []))  # fmt: skip
-    base = sweep.build_config(sargs)
-    config = dataclasses.replace(base, num_nextn_predict_layers=1, compress_ratios=(*base.compress_ratios, 0))
+    if args.model == "v41":
+        config = sweep_v41.build_config(argparse.Namespace(layers=depth, tiny=args.tiny), dspark=3)
+    else:
+        sargs = sweep.parse_args(["--context", str(args.context), "--no-peer", "--layers", str(depth)]
+                                 + (["--tiny"] if args.tiny else []))  # fmt: skip
+        base = sweep.build_config(sargs)
+        config = dataclasses.replace(base, num_nextn_predict_layers=1, compress_ratios=(*base.compress_ratios, 0))
     with torch.no_grad():
-        model = sweep.build_ours(config, dev, args.seed)
+        if args.model == "v41":  # (quantized part by part: the bf16 model does not fit)
+            model = sweep_v41.build_ours(config, dev, args.seed, tuple(config.weight_block_size))
+        else:
+            model = sweep.build_ours(config, dev, args.seed)
         if args.batch_invariant:  # the check: tokens with drafts equal to plain decoding's, bit for bit
             model.ops = get_ops("nvidia" if dev.type == "cuda" else "cpu", batch_invariant=True)
         if getattr(model.ops, "native_weights", False):
@@ -204,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--model", choices=["v4", "v41"], default="v4", help="V4-Flash (MTP) or V4.1-Flash (DSpark) widths")
     ap.add_argument("--depths", type=ints, default=None, help="target layers of each model (default 2,4; tiny 2,3)")
     ap.add_argument("--batches", type=ints, default=None, help="default 1,16,64; tiny 1,2")
     ap.add_argument("--errors", type=floats, default=[0.0, 0.2, 0.4, 0.7, 1.0], help="the oracle's error rates")
@@ -220,20 +230,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    args.depths = args.depths or ([2, 3] if args.tiny else [2, 4])
+    low = 4 if args.model == "v41" else 2  # (V4.1's bench model has 4 layer kinds)
+    args.depths = args.depths or ([low, low + 1] if args.tiny else [low, low + 2])
     args.batches = args.batches or ([1, 2] if args.tiny else [1, 16, 64])
     args.context = args.context or (32 if args.tiny else 1024)
     args.tokens = args.tokens or (6 if args.tiny else 64)
     args.page_size = args.page_size or (16 if args.tiny else 256)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    res: dict[str, Any] = {**harness.result_header(dev, args), "drafts": args.drafts, "context": args.context}
+    res: dict[str, Any] = {**harness.result_header(dev, args), "drafts": args.drafts, "context": args.context,
+                           "model": args.model, "real_depth": REAL_DEPTH[args.model]}  # fmt: skip
     ce = sweep.probe_ceilings(dev)
     bw, peak = ce["hbm_copy_GBps"] * 1e9, max(ce["fp8_TFLOPs"] or 0.0, ce["bf16_TFLOPs"]) * 1e12
     res["ceilings"] = ce
     rows: list[dict[str, Any]] = []
     for depth in args.depths:
         s = build(args, depth, dev)
-        work = sweep.Work.of(s.config)
+        work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)
         for b in args.batches:
             warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes
             try:
@@ -257,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sweep.free(dev)
         res["rows"] = rows  # written after each depth: a later failure keeps what was measured
         res["projection"] = project([r for r in rows if "error" not in r], args)
-        harness.write_result(args.out, args.name or f"{res['date']}-speculative", res, table(res, args))
+        name = args.name or f"{res['date']}-speculative{'-v41' if args.model == 'v41' else ''}"
+        harness.write_result(args.out, name, res, table(res, args))
     return res
 
 
@@ -271,43 +284,49 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
         row[f"oracle_{e:g}"] = r
         if "host_profile" in r:
             print(f"-- L={depth} B={b} e={e:g}: cProfile of the timed steps\n{r['host_profile']}", flush=True)
-    mtp = run(s, b, "mtp")
-    mtp["divergence"] = divergence(row["_off"], mtp)
-    mtp.pop("continuations"), mtp.pop("logprobs")
-    row["mtp"] = mtp
     nearest = min(args.errors, key=lambda e: abs((row[f"oracle_{e:g}"]["emitted_per_verify"] or 0) - 3))
     policy = run(s, b, nearest, cont, args.limit, explore=args.explore)
     policy.pop("continuations"), policy.pop("logprobs")
     row["policy"] = {"error": nearest, "limit": args.limit, **policy}
-    policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)
-    policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
-    row["policy_mtp"] = {"limit": args.limit, **policy_mtp}
     worst = row[f"oracle_{max(args.errors):g}"]
     row["verify_step_ms"] = worst["step_ms"]
-    row["draft_ms"] = max(0.0, mtp["step_ms"] - worst["step_ms"])
+    try:  # the model's own drafter (a failure there keeps the oracle's rows)
+        mtp = run(s, b, "mtp")
+        mtp["divergence"] = divergence(row["_off"], mtp)
+        mtp.pop("continuations"), mtp.pop("logprobs")
+        policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)
+        policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
+    except Exception:
+        row["drafter_error"] = traceback.format_exc()[-4000:]
+        print(row["drafter_error"], flush=True)
+        mtp = policy_mtp = {"failed": True, "tpot_ms": float("nan"), "step_ms": float("nan"), "acceptance": None,
+                            "steps_off": 0}  # fmt: skip
+    row["mtp"] = mtp
+    row["policy_mtp"] = {"limit": args.limit, **policy_mtp}
+    row["draft_ms"] = max(0.0, mtp["step_ms"] - worst["step_ms"]) if not mtp.get("failed") else float("nan")
     sweep.log(
         f"L={depth} B={b}: off {off['tpot_ms']:.3f} ms/token (step {off['step_ms']:.3f}, roofline "
         f"{row['plain_roofline_ms']:.3f}); verify step {row['verify_step_ms']:.3f} ms (roofline "
-        f"{row['verify_roofline_ms']:.3f}); MTP draft {row['draft_ms']:.3f} ms, acceptance "
+        f"{row['verify_roofline_ms']:.3f}); draft {row['draft_ms']:.3f} ms, acceptance "
         f"{mtp['acceptance']}; "
         + ", ".join(f"e={e:g}: {row[f'oracle_{e:g}']['tpot_ms']:.3f} ms at "
                     f"{row[f'oracle_{e:g}']['emitted_per_verify'] or 0:.2f}/step" for e in args.errors)
         + f"; policy (limit {args.limit}) {policy['tpot_ms']:.3f} ms, steps off {policy['steps_off']}"
-        + f"; policy with MTP {policy_mtp['tpot_ms']:.3f} ms, steps off {policy_mtp['steps_off']}"
+        + f"; policy with the drafter {policy_mtp['tpot_ms']:.3f} ms, steps off {policy_mtp['steps_off']}"
     )  # fmt: skip
 
 
 def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
-    """Per batch: plain and verify step times fitted over depth, projected to ``REAL_DEPTH``; TPOT there at 3 tokens
+    """Per batch: plain and verify step times fitted over depth, projected to the real depth; TPOT there at 3 tokens
     per verify step and at each oracle rate's measured tokens per step."""
-    out = []
+    out, real = [], REAL_DEPTH[args.model]
     for b in args.batches:
         rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["depth"])
         if not rs:
             continue
         depths = [r["depth"] for r in rs]
-        pa, pb, plain = fit(depths, [r["off"]["step_ms"] for r in rs], REAL_DEPTH)
-        va, vb, verify = fit(depths, [r["verify_step_ms"] for r in rs], REAL_DEPTH)
+        pa, pb, plain = fit(depths, [r["off"]["step_ms"] for r in rs], real)
+        va, vb, verify = fit(depths, [r["verify_step_ms"] for r in rs], real)
         draft = rs[-1]["draft_ms"]
         p = {"batch": b, "depths": depths, "plain_fit_ms": [pa, pb], "verify_fit_ms": [va, vb], "draft_ms": draft,
              "plain_ms": plain, "verify_ms": verify, "tpot_ratio_at_3": (verify + draft) / 3 / plain}  # fmt: skip
@@ -317,7 +336,7 @@ def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
             for e in args.errors
         }  # fmt: skip
         out.append(p)
-        sweep.log(f"B={b} at {REAL_DEPTH} layers: plain {plain:.3f} ms, verify {verify:.3f} + draft {draft:.3f} ms; "
+        sweep.log(f"B={b} at {real} layers: plain {plain:.3f} ms, verify {verify:.3f} + draft {draft:.3f} ms; "
                   f"TPOT with/without at 3 tokens per verify step {p['tpot_ratio_at_3']:.2f}x")  # fmt: skip
     return out
 
@@ -325,10 +344,11 @@ def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def table(res: dict, args: argparse.Namespace) -> list[str]:
     head = " | ".join(f"e={e:g} ms (tok/step)" for e in args.errors)
     lines = [
-        f"Drafts {args.drafts}, context {args.context}, {args.tokens} timed tokens per request, greedy.",
+        f"Model {args.model} ({'DSpark' if args.model == 'v41' else 'MTP'} drafter), drafts {args.drafts}, context "
+        f"{args.context}, {args.tokens} timed tokens per request, greedy.",
         "",
-        f"| depth | batch | off ms | roofline | verify step ms | verify roofline | MTP draft ms | {head} | policy ms "
-        "| policy, MTP ms |",
+        f"| depth | batch | off ms | roofline | verify step ms | verify roofline | draft ms | {head} | policy ms "
+        "| policy, drafter ms |",
         "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(args.errors) + "---:|---:|",
     ]
     for r in res["rows"]:
@@ -342,7 +362,7 @@ def table(res: dict, args: argparse.Namespace) -> list[str]:
                      f"{r['policy']['tpot_ms']:.3f} | {r['policy_mtp']['tpot_ms']:.3f} |")  # fmt: skip
     lines += [
         "",
-        f"Projected to {REAL_DEPTH} layers (step times fitted over the depths measured):",
+        f"Projected to {REAL_DEPTH[args.model]} layers (step times fitted over the depths measured):",
         "",
         "| batch | plain ms | verify ms | draft ms | TPOT ratio at 3 tok/step |",
         "|---:|---:|---:|---:|---:|",

@@ -81,8 +81,9 @@ from deepinfer.quant.native import prepare_native  # noqa: E402
 COMPRESSED_VOCAB = 99092
 
 
-def build_config(args: argparse.Namespace) -> DeepseekV41Config:
-    """N layers: SWA (+Engram), Full 2, Full 1 (candidate source), then Reindex 1 / Reuse 1 alternating."""
+def build_config(args: argparse.Namespace, dspark: int = 0) -> DeepseekV41Config:
+    """N layers: SWA (+Engram), Full 2, Full 1 (candidate source), then Reindex 1 / Reuse 1 alternating; ``dspark``
+    DSpark stages (the released 3 read the last 3 layers' features; default none)."""
     n = args.layers
     if n < 4:
         raise SystemExit("--layers must be >= 4 (SWA, Full 2, Full 1, Reindex 1)")
@@ -96,7 +97,7 @@ def build_config(args: argparse.Namespace) -> DeepseekV41Config:
     rows = [sum(p) for p in bucket_primes([0], vocab, heads, ngram)]
     text = dict(
         num_hidden_layers=n,
-        compress_ratios=ratios,
+        compress_ratios=ratios + [0] * dspark,  # (the DSpark stages: SWA only)
         kv_source_layer_ids=kv,
         index_source_layer_ids=idx,
         candidate_source_layer_id=dec,
@@ -106,8 +107,8 @@ def build_config(args: argparse.Namespace) -> DeepseekV41Config:
         engram_n_heads=heads,
         engram_max_ngram_size=ngram,
         engram_compressed_vocab_size=COMPRESSED_VOCAB,
-        num_nextn_predict_layers=0,
-        dspark_target_layer_ids=[n - 1],
+        num_nextn_predict_layers=dspark,
+        dspark_target_layer_ids=list(range(max(n - 3, 0), n)) if dspark else [n - 1],
     )
     if args.tiny:
         text.update(hidden_size=256, moe_intermediate_size=128, num_attention_heads=8, head_dim=128, q_lora_rank=128,
@@ -175,11 +176,14 @@ class Work:
         layers = self.c.num_hidden_layers
         return self.matmul + self.head + layers * self.c.num_experts_per_tok * self.expert_params
 
-    def decode(self, batch: int, context: int, bw: float, peak: float) -> dict[str, float]:
+    def decode(self, batch: int, context: int, bw: float, peak: float, rows: int = 1) -> dict[str, float]:
+        """One decode step of ``batch`` sequences at ``context``; ``rows`` > 1: a speculative verify step, each
+        sequence ``rows`` rows (its token and its drafts) over the same context."""
         attn_flops, kv = self.attention(context)
-        experts = self.c.num_hidden_layers * self.unique_experts(batch) * self.expert
-        nbytes = self.dense + experts + batch * (self.per_token + kv)
-        flops = batch * (2 * self.active() + attn_flops)
+        tokens = batch * rows
+        experts = self.c.num_hidden_layers * self.unique_experts(tokens) * self.expert
+        nbytes = self.dense + experts + tokens * self.per_token + batch * kv
+        flops = tokens * (2 * self.active() + attn_flops)
         t_mem, t_fl = nbytes / bw, flops / peak
         return {"roofline_ms": 1e3 * max(t_mem, t_fl), "roofline_mem_ms": 1e3 * t_mem, "bytes_GB": nbytes / 1e9,
                 "kv_MB_per_seq": kv / 1e6, "unique_experts_per_layer": self.unique_experts(batch)}  # fmt: skip
@@ -195,33 +199,59 @@ class Work:
 
 
 @torch.no_grad()
-def build_ours(config: DeepseekV41Config, dev: torch.device, seed: int) -> DeepseekV41Model:
-    """Built on the device in bf16 (a V4.1-Flash layer holds ~13 GB of bf16 experts), random weights, fp32 where
-    the engine keeps fp32."""
+def build_ours(
+    config: DeepseekV41Config, dev: torch.device, seed: int, quantize: tuple[int, int] | None = None
+) -> DeepseekV41Model:
+    """Built on the device in bf16 (a V4.1-Flash layer holds ~27 GB of bf16 experts), random weights, fp32 where
+    the engine keeps fp32. ``quantize`` (the FP8 block): each part (the embedding, each layer, each DSpark stage, ...)
+    is made, filled and switched to the stored formats (``prepare_native``) before the next is made, so only one
+    part is ever held in bf16 (4 layers and 3 DSpark stages at Flash width do not fit the H200 in bf16 at once)."""
     ops = get_ops("nvidia" if dev.type == "cuda" else "cpu")
     token_map = [i % COMPRESSED_VOCAB for i in range(config.vocab_size)]
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with dev:
+        with torch.device("meta") if quantize else dev:
             model = DeepseekV41Model(config, ops, token_map)
     finally:
         torch.set_default_dtype(prev)
     model.step_graphs = V41_FAMILY.step_graphs()  # as the engine's build: graphs where the op set allows them
     g = torch.Generator(device=dev).manual_seed(seed)
-    keep32 = ("hc_", "attn_sink", "gate.bias", "head.weight", "compressor.w", "norm")
-    for name, p in model.named_parameters():
-        if any(k in name for k in keep32):
-            p.data = p.data.float()
-        if name.endswith(("norm.weight", "q_weight", "k_weight")) or name.endswith("scale"):
-            p.fill_(1.0)
-        elif p.dim() == 1 or name.endswith(".fn"):
-            p.normal_(0, 0.02, generator=g)
-        else:
-            p.normal_(0, p.shape[-1] ** -0.5, generator=g)
-        if name == "head.weight":  # stored in bf16 and widened by the loader (checkpoint.names_v41): bf16 values
-            p.copy_(p.to(torch.bfloat16).float())
+    if quantize is None:
+        for name, p in model.named_parameters():
+            _fill(name, p, g)
+        return model.eval()
+    parts = [
+        (f"{n}.{i}", m) if isinstance(c, torch.nn.ModuleList) else (n, c)
+        for n, c in model.named_children()
+        for i, m in (enumerate(c) if isinstance(c, torch.nn.ModuleList) else [(None, c)])
+    ]  # each layer and each DSpark stage alone
+    for cname, child in parts:
+        if not any(t.is_meta for t in (*child.parameters(), *child.buffers())):
+            continue  # (made off the meta device: the Engram hasher's host tables)
+        child.to_empty(device=dev)
+        for name, p in child.named_parameters(prefix=cname):
+            _fill(name, p, g)
+        prepare_native(child, quantize, quantize=True)
+        free(dev)
+    for name, p in list(model.named_parameters(recurse=False)):
+        model._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=dev), requires_grad=False)
+        _fill(name, model._parameters[name], g)
     return model.eval()
+
+
+def _fill(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    keep32 = ("hc_", "attn_sink", "gate.bias", "head.weight", "compressor.w", "norm")
+    if any(k in name for k in keep32) and "markov_head" not in name:  # (the Markov head is bf16, as released)
+        p.data = p.data.float()
+    if name.endswith(("norm.weight", "q_weight", "k_weight")) or name.endswith("scale"):
+        p.fill_(1.0)
+    elif p.dim() == 1 or name.endswith(".fn"):
+        p.normal_(0, 0.02, generator=g)
+    else:
+        p.normal_(0, p.shape[-1] ** -0.5, generator=g)
+    if name == "head.weight":  # stored in bf16 and widened by the loader (checkpoint.names_v41): bf16 values
+        p.copy_(p.to(torch.bfloat16).float())
 
 
 class Ours:

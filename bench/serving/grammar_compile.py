@@ -318,11 +318,13 @@ def main() -> None:
     ap.add_argument("--no-service", action="store_true", help="skip the measurement through the grammar service")
     ap.add_argument("--wait-idle", type=float, default=0.0, help="first wait up to S s for idle cores")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--tiny", action="store_true", help="smoke mode: 50 schemas, one run each, no service")
+    ap.add_argument(
+        "--tiny", action="store_true", help="smoke mode: 10 schemas (one per family), one run each, no service"
+    )
     ap.add_argument("--device", choices=["cpu"], default="cpu", help="only cpu: grammars compile on the host")
     args = ap.parse_args()
     if args.tiny:
-        args.schemas, args.repeats, args.no_service = 50, 1, True
+        args.schemas, args.repeats, args.no_service = 10, 1, True
     busy = wait_idle(args.wait_idle) if args.wait_idle > 0 else cpu_busy()
     print(f"cores busy before the run: {100 * busy:.0f} %", flush=True)
     specs = corpus(args.schemas, args.seed)

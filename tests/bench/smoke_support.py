@@ -161,7 +161,8 @@ def name(p: Path) -> str:
     return _name(p)
 
 
-def run_smoke(script: Path, tmp_path: Path) -> None:
+def run_smoke(script: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
+    """``extra``: flags of another mode of the script (after its TRIM flags)."""
     name = _name(script)
     if name in NO_SMOKE_YET:  # fail fast: the script has no --tiny (or runs only on a GPU)
         pytest.fail(f"{name}: no CPU smoke mode")
@@ -169,7 +170,7 @@ def run_smoke(script: Path, tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
     env["CUDA_VISIBLE_DEVICES"] = ""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--out", str(out), *TRIM.get(name, [])]
+    cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--out", str(out), *TRIM.get(name, []), *extra]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S.get(name, 240))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     written = [p for p in out.rglob("*") if p.is_file() and p.stat().st_size > 0] if out.exists() else []

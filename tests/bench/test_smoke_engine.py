@@ -5,10 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from smoke_support import name, run_smoke, scripts
+from smoke_support import BENCH, name, run_smoke, scripts
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("script", scripts("engine"), ids=name)
 def test_smoke_mode(script: Path, tmp_path: Path) -> None:
     run_smoke(script, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_speculative_smoke_on_v41(tmp_path: Path) -> None:
+    """speculative.py's other model: V4.1 widths, DSpark drafting (one depth, one batch, one oracle rate)."""
+    flags = ("--model", "v41", "--depths", "4", "--batches", "1", "--errors", "1", "--tokens", "3")
+    run_smoke(BENCH / "engine" / "speculative.py", tmp_path, flags)

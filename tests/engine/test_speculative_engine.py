@@ -4,7 +4,8 @@ and an oracle that replays the plain run's continuation with a set error rate (0
 Around it: max_tokens and stop tokens / strings landing inside a verify step, prefix-cache hits (the drafter lags
 and catches up), preemption under a tight page pool, structured output (drafts cut and rows masked by the grammar),
 logprobs, usage and the
-scheduler's counters, the batch limit that switches drafting off, and the families that cannot draft refusing.
+scheduler's counters, the batch limit that switches drafting off, and the checkpoints that cannot draft refusing
+(DeepSeek-V4.1's DSpark: tests/engine/test_speculative_v41.py).
 """
 
 from __future__ import annotations
@@ -288,9 +289,7 @@ def test_stats_record_and_usage() -> None:
     assert dict(s.accepted_per_pos) == {0: 2, 1: 2, 2: 1, 3: 1} and dict(s.emitted) == {3: 1, 5: 1}
 
 
-def test_families_without_a_drafter_refuse(tiny_v41_dir: Path, model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="speculative decoding is not available"):
-        LLM(model=tiny_v41_dir, dtype="float32", num_pages=16, page_size=16, num_speculative_tokens=2)
+def test_checkpoints_without_a_drafter_refuse(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="window"):
         engine(model_dir, 10_000)
     bare = make_tiny_model(tmp_path / "no_mtp", seed=1, overrides={"num_nextn_predict_layers": 0})

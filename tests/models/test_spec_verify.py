@@ -37,7 +37,7 @@ from deepinfer.sampling_params import SamplingParams
 from models.tiny_configs import CONFIGS
 
 PAGE, PAGES = 16, 8  # pages per sequence
-NEW = 36  # tokens each sequence emits at least
+NEW = 28  # tokens each sequence emits at least (ratio-16 groups complete inside verify steps)
 PARAMS = [
     SamplingParams(temperature=0),
     SamplingParams(temperature=0.9, seed=11),
@@ -207,8 +207,7 @@ def check(model: DeepseekV4Model, seed: int, right: float, tol: float = 0.0) -> 
     return bad
 
 
-@pytest.mark.parametrize("right", [0.0, 0.5, 0.9])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("seed", "right"), [(0, 0.0), (1, 0.5), (0, 0.9)])  # every acceptance regime, 2 seeds
 def test_verify_steps_emit_plain_tokens_and_leave_the_plain_state(model: DeepseekV4Model, seed: int,
                                                                   right: float) -> None:  # fmt: skip
     assert check(model, seed * 10 + int(right * 10), right) == []
@@ -245,11 +244,13 @@ def test_a_skipped_rollback_is_caught(model: DeepseekV4Model, mutation: str, mon
 
         monkeypatch.setattr(speculative.VerifyStep, "rollback", counter_only)
     found = []
-    for seed in range(3):
+    for seed in range(3):  # until a run shows it
         try:
             found += check(model, 100 + seed, 0.5)
         except (RuntimeError, IndexError, ValueError) as e:  # a broken state may also fail loudly
             found.append(repr(e))
+        if found:
+            break
     assert found, f"{mutation}: not caught"
 
 

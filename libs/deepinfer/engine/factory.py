@@ -110,6 +110,11 @@ def build_worker(
     runner.constraints = constraint_set(path, config)
     if num_speculative_tokens is None:
         num_speculative_tokens = envs.DEEPINFER_USE_NEXTN_DECODE
+    if envs.DEEPINFER_ENABLE_MTP_VARLEN and not num_speculative_tokens:
+        raise ValueError(
+            "DEEPINFER_ENABLE_MTP_VARLEN sets how many drafts each sequence verifies; speculation is off: set "
+            "DEEPINFER_USE_NEXTN_DECODE (or num_speculative_tokens) to the drafts per step, e.g. 5"
+        )
     if num_speculative_tokens:  # speculative decoding: the family's drafter (ValueError: none)
         runner.spec = family.speculator(net, num_speculative_tokens)
     runner.compact_replay = envs.DEEPINFER_COMPACT_REPLAY_TOKENS

@@ -66,12 +66,25 @@ declare("DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT", "int", _SCHED, """
     at any depth; a request that stops on EOS costs up to this many minus one wasted rows. The worker accepts up to
     3.""", default=3, minimum=1, maximum=3)
 declare("DEEPINFER_USE_NEXTN_DECODE", "int", _SCHED, """
-    Speculative decoding: drafts per sequence and step, proposed by the model's MTP block (DeepSeek-V4; the
-    checkpoint must hold it) and verified by the model in one step; 0 turns speculation off. The worker reads it
-    (and tells its schedulers); greedy and seeded requests give the tokens they give without speculation (with
-    the batch-invariant ops bit for bit; with the default ops a verify row's logits differ by rounding, which can
-    flip a near-tie). A structured-output request keeps the drafts its grammar allows. At most the sliding window
-    minus one. See docs/speculative_decoding.md.""", default=0, minimum=0, maximum=16)
+    Speculative decoding: drafts per sequence and step at most, proposed by the model's drafter (DeepSeek-V4: its
+    MTP block; DeepSeek-V4.1: its DSpark stages, at most their block size) and verified by the model in one step;
+    0 turns speculation off. The checkpoint must hold the drafter. The worker reads it (and tells its schedulers);
+    greedy and seeded requests give the tokens they give without speculation (with the batch-invariant ops bit for
+    bit; with the default ops a verify row's logits differ by rounding, which can flip a near-tie). A
+    structured-output request keeps the drafts its grammar allows. At most the sliding window minus one. See
+    docs/speculative_decoding.md.""", default=0, minimum=0, maximum=16)
+declare("DEEPINFER_ENABLE_MTP_VARLEN", "bool", _SCHED, """
+    DeepSeek-V4.1's DSpark: each sequence verifies as many of its drafts as their confidence carries (the leading
+    drafts whose survival, the product of the confidence head's estimates, is at least
+    `DEEPINFER_SPEC_DECODE_MIN_SURVIVAL`; one at least), so one verify step holds sequences of different draft
+    lengths. Off: every sequence verifies `DEEPINFER_USE_NEXTN_DECODE` drafts. The output does not depend on it
+    (each verify row emits the target's own sample): seeded sampling stays deterministic with it on. It needs
+    `DEEPINFER_USE_NEXTN_DECODE` > 0 (DeepInfer's default is 5) and a drafter with a confidence head: a worker
+    refuses it otherwise (DeepSeek-V4's MTP block has none).""", default=False)
+declare("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", "float", _SCHED, """
+    With `DEEPINFER_ENABLE_MTP_VARLEN`: the survival a draft needs to be verified (0..1; 0 verifies every draft).
+    Lower verifies more drafts per step (more kept, dearer steps), higher fewer.""", default=0.3, minimum=0.0,
+    maximum=1.0)
 declare("DEEPINFER_SPEC_DECODE_MAX_BATCH", "int", _SCHED, """
     Speculative decoding is switched off for a step whose decode rows exceed this many (a large batch is bound by
     its weights' reads less, and verifying drafts costs more than it saves); the scheduler decides each step and

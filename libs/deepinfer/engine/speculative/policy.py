@@ -2,14 +2,15 @@
 
 A verify step emits more tokens per sequence than a plain decode step and takes longer; which one gives the lower
 time per output token depends on the batch, the model, the hardware and how often the drafts are right, so the
-scheduler measures it instead of assuming it. Per decode-batch bucket (a power of two of decode rows) it keeps an
-exponential average of the seconds per token of each mode: the time between two consecutive step results (the rate
-at which the worker delivers steps while there is work; an interval that began with no request to run is not
-counted) over the tokens the step emitted per sequence. A step takes the cheaper mode; every ``explore`` steps of a
-bucket, times the ratio of the two modes' costs (a far dearer mode then takes about the same share of the time), it
-runs a short burst of the other, whose first result (the pipeline changing shape) is not counted either, so a change
-of acceptance or load is seen. Until both modes are measured it drafts (speculation is on because it was
-asked for), then tries the plain steps. Only steps of decode rows alone are measured (a prefill chunk's cost is not
+scheduler measures it instead of assuming it. Per decode-batch bucket (a power of two of decode rows) it keeps the
+median of each mode's last samples of seconds per token (one slow step, e.g. a CUDA graph captured for a new shape,
+does not move it): the time between two consecutive step results (the rate at which the worker delivers steps while
+there is work; an interval that began with no request to run is not counted) over the tokens the step emitted per
+sequence. A step takes the cheaper mode; every ``explore`` steps of a bucket, times the ratio of the two modes' costs
+(a far dearer mode then takes about the same share of the time; at most ``MAX_RATIO``), it runs a short burst of
+the other, whose first result (the pipeline changing shape) is not counted either, so a change of acceptance or load
+is seen. Until both modes are measured it drafts (speculation is on because it was asked for), then tries the plain
+steps. Only steps of decode rows alone are measured (a prefill chunk's cost is not
 a token's).
 
 ``explore`` 0 turns the measuring off: every step under the batch limit drafts. ``clock``: injectable for tests.
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 
 BURST = 4  # steps of the other mode per exploration (the first is not counted)
 MIN_SAMPLES = 3  # samples of a mode before it is compared
-ALPHA = 0.25  # weight of a new sample in a mode's average
+WINDOW = 8  # the recent samples a mode's estimate is the median of
+MAX_RATIO = 16.0  # a far dearer mode is measured again at least every ``explore`` x this many steps
 
 
 def bucket(rows: int) -> int:
@@ -33,11 +35,21 @@ def bucket(rows: int) -> int:
 
 @dataclass
 class Estimate:
+    """A mode's seconds per token: the median of its last ``WINDOW`` samples, so that a rare slow step (a CUDA graph
+    captured for a new batch shape, a compile, a hiccup of the host) does not move it; ``samples``: all taken."""
+
     seconds_per_token: float
     samples: int = 1
+    recent: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.recent = self.recent or [self.seconds_per_token]
 
     def add(self, x: float) -> None:
-        self.seconds_per_token += ALPHA * (x - self.seconds_per_token)
+        self.recent = [*self.recent[-(WINDOW - 1) :], x]
+        ordered = sorted(self.recent)
+        n = len(ordered)
+        self.seconds_per_token = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
         self.samples += 1
 
 
@@ -48,7 +60,7 @@ class SpecPolicy:
     estimates: dict[tuple[int, bool], Estimate] = field(default_factory=dict)  # (bucket, drafts) -> seconds/token
     _since: dict[int, int] = field(default_factory=dict)  # bucket -> steps since its last exploration
     _burst: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (mode, steps left)
-    _plans: dict[int, tuple[int, bool] | None] = field(default_factory=dict)  # step -> (decode rows, drafted)
+    _plans: dict[int, tuple[int, bool, int] | None] = field(default_factory=dict)  # step -> (rows, drafted, bucket)
     _mark: float = 0.0  # when the interval the next result closes began
     _in_flight: int = 0
     _counted: bool = False  # whether the next result's interval may be counted (work was waiting all along)
@@ -74,7 +86,7 @@ class SpecPolicy:
         best = on.seconds_per_token <= off.seconds_per_token
         # the dearer the other mode, the less often it is measured again: a burst costs about the same share
         cheap, dear = sorted((on.seconds_per_token, off.seconds_per_token))
-        if self._since.get(b, 0) >= self.explore * min(dear / max(cheap, 1e-12), 100.0):
+        if self._since.get(b, 0) >= self.explore * min(dear / max(cheap, 1e-12), MAX_RATIO):
             self._since[b] = 0
             self._burst[b] = (not best, BURST)
             return not best
@@ -85,8 +97,12 @@ class SpecPolicy:
         if self._in_flight == 0 and not self._busy:  # idle since the last result: the interval starts now
             self._mark, self._counted = self.clock(), False
         self._in_flight += 1
-        self._plans[step_id] = (decode_rows, drafted) if decode_only and decode_rows else None
         b, self.chosen = self.chosen, None
+        # measured under the bucket the choice was made for (the decode requests of the batch, the step's and those
+        # in flight): a verify step keeps its requests out of the next plan, so a batch may run as two steps
+        # of half the rows, and the choice must find the cost measured for its own key
+        key = bucket(decode_rows) if b is None else b
+        self._plans[step_id] = (decode_rows, drafted, key) if decode_only and decode_rows else None
         if b is None or not decode_rows:
             return
         burst = self._burst.get(b)
@@ -107,12 +123,12 @@ class SpecPolicy:
         info = self._plans.pop(step_id, None)
         if info is None:
             return
-        rows, drafted = info
+        rows, drafted, b = info
         switched, self._last_mode = self._last_mode is not None and drafted != self._last_mode, drafted
         if not counted or switched or tokens <= 0:
             return
         sample = interval * rows / tokens  # seconds per token of one sequence
-        key = (bucket(rows), drafted)
+        key = (b, drafted)
         est = self.estimates.get(key)
         if est is None:
             self.estimates[key] = Estimate(sample)
@@ -120,4 +136,4 @@ class SpecPolicy:
             est.add(sample)
 
 
-__all__ = ["BURST", "MIN_SAMPLES", "SpecPolicy", "bucket"]
+__all__ = ["BURST", "MAX_RATIO", "MIN_SAMPLES", "WINDOW", "Estimate", "SpecPolicy", "bucket"]

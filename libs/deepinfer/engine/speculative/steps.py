@@ -35,9 +35,10 @@ class Speculator(Protocol):
         ...
 
     def forward(
-        self, batch: Any, cache: Any, verified: list[int], rids: list[str], drafts: list[int]
+        self, batch: Any, cache: Any, verified: list[int], rids: list[str], drafts: list[int], follow: bool
     ) -> tuple[torch.Tensor, Any]:
-        """The step's forward with chunks ``verified`` verifying ``drafts[k]`` drafts each: ``(hidden, pending)``."""
+        """The step's forward with chunks ``verified`` verifying ``drafts[k]`` drafts each: ``(hidden, pending)``;
+        ``follow``: the drafter follows the step (False: its decode rows were planned without drafts)."""
         ...
 
     def settle(
@@ -86,12 +87,19 @@ def propose(
     return drafts, masks
 
 
+def drafting_off(plan: WorkerStepPlan) -> bool:
+    """Whether the step has decode rows and the scheduler gave none of them drafts (its batch limit or cost policy):
+    the drafter then does not follow it."""
+    decode = [c for c in plan.chunks if c.sample and len(c.token_ids) == 1]
+    return bool(decode) and not any(c.num_drafts for c in decode)
+
+
 def spec_forward(
     spec: Speculator, batch: Any, cache: Any, plan: WorkerStepPlan, drafts: list[list[int]]
 ) -> tuple[torch.Tensor, Any]:
     verified = [i for i, d in enumerate(drafts) if d]
     rids = [plan.chunks[i].request_id for i in verified]
-    return spec.forward(batch, cache, verified, rids, [len(drafts[i]) for i in verified])
+    return spec.forward(batch, cache, verified, rids, [len(drafts[i]) for i in verified], not drafting_off(plan))
 
 
 def kept(samples: list[int], drafts: list[int]) -> int:
@@ -113,9 +121,8 @@ def settle(
     verified = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
     if pending is None:
-        decode = [c for c in plan.chunks if c.sample and len(c.token_ids) == 1]
-        if decode and not any(c.num_drafts for c in decode):  # decode rows planned without drafts (the scheduler's
-            spec.release([c.request_id for c in plan.chunks])  # choice): the drafter lags, skips ahead when it drafts
+        if drafting_off(plan):  # the drafter lags, skips ahead when it drafts
+            spec.release([c.request_id for c in plan.chunks])
             return
         spec.follow(batch, hidden, plain, [plan.chunks[i].request_id for i in plain])
         return
@@ -143,4 +150,4 @@ def settle(
     spec.follow(batch, hidden, plain, [plan.chunks[i].request_id for i in plain])
 
 
-__all__ = ["Speculator", "kept", "propose", "settle", "spec_forward"]
+__all__ = ["Speculator", "drafting_off", "kept", "propose", "settle", "spec_forward"]

@@ -28,6 +28,7 @@ from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan
 from deepinfer.models.deepseek_v4.forward_batch import SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, join_rows, rows_forward, rows_fp32
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
 from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v4.window_lists import WindowLists, step_window_lists
@@ -68,6 +69,14 @@ class Attention(nn.Module):
         """The layer's compressors by the name of their projections in ``project``'s tensors."""
         index = self.indexer.compressor if self.indexer is not None else None
         return [(name, c) for name, c in (("main", self.compressor), ("index", index)) if c is not None]
+
+    def pending(self) -> list[tuple[str, Compressor]]:
+        """The compressors that keep pending rows between steps (every one here), by name (speculative rollback)."""
+        return self._compressors()
+
+    def keep_pending(self, state: SequenceState, key: tuple[int, str], buf: CompressorBuffer) -> None:
+        """Store a compressor's pending rows (a speculative rollback's)."""
+        state.set_buffer(key, buf)
 
     def join_projections(self) -> None:
         """Make the projections of the layer's input one GEMM each (``layers.join_rows``; a backend's

@@ -100,9 +100,15 @@ class DeepseekV4Family:
         return ForwardBatch.build([SeqChunk(*c) for c in chunks], token_ids, device=device)
 
     def speculator(self, model: torch.nn.Module, max_drafts: int, proposer: object | None = None) -> object:
-        """Speculative decoding with the model's MTP block (``speculator.MTPSpeculator``; ValueError without one)."""
+        """Speculative decoding with the model's MTP block (``speculator.MTPSpeculator``; ValueError without one). It
+        drafts a fixed count: no confidence for ``DEEPINFER_ENABLE_MTP_VARLEN``."""
         from deepinfer.models.deepseek_v4.speculator import MTPSpeculator
 
+        if envs.DEEPINFER_ENABLE_MTP_VARLEN:
+            raise ValueError(
+                f"DEEPINFER_ENABLE_MTP_VARLEN: {self.model_type}'s MTP block has no confidence head to choose draft "
+                "lengths by; unset it (every sequence verifies DEEPINFER_USE_NEXTN_DECODE drafts)"
+            )
         return MTPSpeculator(model, max_drafts, proposer)
 
     def image_encoder(self, model: object) -> object:

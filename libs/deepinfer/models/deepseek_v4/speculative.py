@@ -19,6 +19,8 @@ forward pass:
   only, as a plain run pools it. A group completed by a rejected row wrote row ``w >= c // m``: no reader reads a
   row past the sequence's count, and the row is written again when the group completes with the kept tokens.
 * **counters**: ``num_tokens = c``; ``mtp_tokens`` is the drafter's (``mtp_drafter.py``), untouched here.
+* **Engram history** (DeepSeek-V4.1: the last ``max_ngram_size - 1`` tokens consumed): the kept positions' tokens
+  after the history saved before the step.
 
 Pages a verify step touches for rejected positions stay with the sequence (they are its next positions). The
 step may replay the model's piecewise prefill graphs (``runtime.step_graphs``: the attention, which keeps the
@@ -45,6 +47,7 @@ class SeqSave:
     state: SequenceState
     start: int  # p: tokens consumed before the step
     drafts: int  # n
+    history: tuple[int, ...] = ()  # the Engram history before the step (V4.1)
     windows: dict[int, torch.Tensor | None] = field(default_factory=dict)
     buffers: dict[tuple[int, str], CompressorBuffer | None] = field(default_factory=dict)
 
@@ -82,12 +85,13 @@ def restore_windows(
             done += part.shape[0]
 
 
-def _compressors(model: torch.nn.Module) -> dict[tuple[int, str], tuple[int, bool]]:
-    """``{(layer, name): (ratio, overlap)}`` of every trunk compressor."""
+def _compressors(model: torch.nn.Module) -> dict[tuple[int, str], tuple[int, bool, torch.nn.Module]]:
+    """``{(layer, name): (ratio, overlap, attention)}`` of every trunk compressor that keeps pending rows
+    (``attn.pending``; the attention layer stores them its way: ``attn.keep_pending``)."""
     out = {}
     for layer in model.layers:
-        for name, comp in layer.attn._compressors():
-            out[(layer.layer_id, name)] = (comp.ratio, comp.overlap)
+        for name, comp in layer.attn.pending():
+            out[(layer.attn.layer_id, name)] = (comp.ratio, comp.overlap, layer.attn)
     return out
 
 
@@ -127,6 +131,10 @@ class VerifyStep:
         if len(accepted) != len(self.saves):
             raise ValueError(f"{len(accepted)} counts for {len(self.saves)} sequences")
         comps = _compressors(self.model)
+        ids = None
+        if any(save.state.history for save in self.saves):  # the verified tokens, on the host (V4.1's Engram)
+            b = self.batch
+            ids = (b.host_token_ids if b.host_token_ids is not None else b.token_ids.cpu()).tolist()
         for save, a, (lo, _) in zip(self.saves, accepted, self.offsets):
             if not 0 <= a <= save.drafts:
                 raise ValueError(f"{a} drafts kept out of {save.drafts}")
@@ -136,20 +144,24 @@ class VerifyStep:
             c = p + a + 1
             restore_windows(st, save.windows, p + 1, save.drafts, a)
             for key, old in save.buffers.items():
-                m, overlap = comps[key]
+                m, overlap, attn = comps[key]
                 kv, score = self.captured[key]
-                st.set_buffer(key, kept_buffer(old, (kv[lo : lo + a + 1], score[lo : lo + a + 1]), p, c, m, overlap))
+                attn.keep_pending(st, key, kept_buffer(old, (kv[lo : lo + a + 1], score[lo : lo + a + 1]), p, c, m,
+                                                       overlap))  # fmt: skip
+            if st.history:  # the last tokens consumed (blocked = -1 before the first): the kept positions'
+                n = len(st.history)
+                st.history = tuple(([-1] * n + list(save.history) + ids[lo : lo + a + 1])[-n:])
             st.num_tokens = c
         self.done, self.captured = True, {}  # the projections are not needed any more
 
 
 def save_states(model: torch.nn.Module, states: list[SequenceState], drafts: list[int]) -> list[SeqSave]:
     """``SeqSave`` of each of ``states`` before a verify step with ``drafts[b]`` drafts."""
-    layers, comps = [layer.layer_id for layer in model.layers], list(_compressors(model))
+    layers, comps = [layer.attn.layer_id for layer in model.layers], list(_compressors(model))
     saves = []
     for st, n in zip(states, drafts):
         p = st.num_tokens
-        save = SeqSave(st, p, n)
+        save = SeqSave(st, p, n, st.history)
         save.windows = save_windows(st, layers, p + 1, n)
         for key in comps:
             b = st.buffers.get(key)
@@ -159,17 +171,17 @@ def save_states(model: torch.nn.Module, states: list[SequenceState], drafts: lis
 
 
 def capturing_forward(
-    model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCache | None
+    model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCache | None, **kw: object
 ) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]:
-    """The model's forward on ``batch`` as a verify step runs it: the attention layers keep copies of their
-    compressor projections (``Attention.capture``; no decode graphs). Returns the hidden streams and the projections
-    by ``(layer, compressor)``."""
+    """The model's forward on ``batch`` (``kw``: the model's own options) as a verify step runs it: the attention
+    layers keep copies of their compressor projections (``Attention.capture``; no decode graphs). Returns the hidden
+    streams and the projections by ``(layer, compressor)``."""
     attns = [layer.attn for layer in model.layers]
     for a in attns:
         a.capture = {}
     model.verifying = True
     try:
-        h = model(batch, cache)
+        h = model(batch, cache, **kw)
         return h, {(a.layer_id, name): v for a in attns for name, v in a.capture.items()}
     finally:
         model.verifying = False
@@ -187,7 +199,7 @@ def verify(
     drafts: list[list[int]],
 ) -> VerifyStep:
     """The verify forward of sequences ``states`` (module docstring); roll back with ``VerifyStep.rollback``."""
-    window = model.config.sliding_window
+    window = getattr(model, "text", model.config).sliding_window  # (V4.1: its text config)
     for d in drafts:
         if len(d) + 1 > window:
             raise ValueError(f"{len(d)} drafts need {len(d) + 1} window rows; the window holds {window}")

@@ -96,10 +96,12 @@ class MTPSpeculator:
 
     # -- the verify forward -------------------------------------------------------------------------
     def forward(
-        self, batch: ForwardBatch, cache: object, verified: list[int], rids: list[str], drafts: list[int]
-    ) -> tuple[torch.Tensor, PendingVerify | None]:
+        self, batch: ForwardBatch, cache: object, verified: list[int], rids: list[str], drafts: list[int],
+        follow: bool = True,
+    ) -> tuple[torch.Tensor, PendingVerify | None]:  # fmt: skip
         """The step's forward; chunks ``verified`` (with ``drafts[i]`` drafts each, their requests ``rids``) are
-        verify rows: their state is saved first and the step keeps the compressors' projections (no decode graphs)."""
+        verify rows: their state is saved first and the step keeps the compressors' projections (no decode graphs).
+        (``follow``: the block follows a plain step from its output, which needs nothing more of the forward.)"""
         if not verified:
             return self.model(batch, cache), None
         saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)

@@ -104,6 +104,7 @@ class Attention(SharedKVAttention):
         c = config
         self.spec, self.layer_id, self.ratio, self.window = spec, spec.index, spec.ratio, c.sliding_window
         self.state_pool: StatePool | None = None  # the model's, for decode steps (decode_step.py)
+        self.capture: dict | None = None  # a speculative verify step: the ratio-2 compressor's projections, copied
         self.compressor = Compressor(c, self.ratio) if spec.kind == "full" else None
         self.indexer = (
             Indexer(c, spec.kind == "full", spec.candidate_source, spec.uses_candidates)
@@ -149,11 +150,22 @@ class Attention(SharedKVAttention):
             res = decode_step.attend(self, t, ctx.plan, rope, ops)
             return res if out is None else out.copy_(res)
         if "ckv" in t:
+            if self.capture is not None and "cgate" in t:  # (copies: piecewise graphs reuse their buffers)
+                self.capture["main"] = (t["ckv"].clone(), t["cgate"].clone())
             self._publish((t["ckv"], t.get("cgate")), ctx, rope, ops, kv.dtype)
         if ops.batch_invariant:
             res = self._attend_each(q, kv, iq, iw, ctx, ops)
             return res if out is None else out.copy_(res)
         return attend_batched(self, q, kv, iq, iw, ctx, ops, out)
+
+    def pending(self) -> list[tuple[str, Compressor]]:
+        """The compressors that keep pending rows between steps (a ratio-2 KV source's), by name (speculative
+        rollback: ``deepseek_v4.speculative``)."""
+        return [("main", self.compressor)] if self.compressor is not None and self.ratio > 1 else []
+
+    def keep_pending(self, state: SequenceState, key: tuple[int, str], buf: CompressorBuffer) -> None:
+        """Store a compressor's pending rows (a speculative rollback's) as a step does: none kept when empty."""
+        _keep_buffer(state, key, buf if buf.kv.shape[0] else None, buf.start, buf.kv)
 
     def pool_specs(self) -> tuple[dict, dict]:
         """This layer's window ring ``{layer: (rows, dim)}`` and, a ratio-2 KV source, its compressor ring

@@ -69,8 +69,13 @@ class DeepseekV41Family(DeepseekV4Family):
         return net
 
     def speculator(self, model: torch.nn.Module, max_drafts: int, proposer: object | None = None) -> object:
-        """Not yet: V4.1's drafter (DSpark, ``dspark.py``) has no verify step in the engine."""
-        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE: speculative decoding is not available for {self.model_type} yet")
+        """Speculative decoding with the DSpark stages (``speculator.DSparkSpeculator``; ValueError without them),
+        confidence-scheduled lengths with ``DEEPINFER_ENABLE_MTP_VARLEN``."""
+        from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
+
+        return DSparkSpeculator(
+            model, max_drafts, proposer, envs.DEEPINFER_ENABLE_MTP_VARLEN, envs.DEEPINFER_SPEC_DECODE_MIN_SURVIVAL
+        )
 
     def image_encoder(self, model: torch.nn.Module) -> BuiltinImageEncoder:
         return BuiltinImageEncoder(model)

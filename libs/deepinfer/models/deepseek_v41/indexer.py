@@ -31,6 +31,8 @@ from deepinfer.runtime.host_copy import to_device
 class Compressor(nn.Module):
     """``layers.{i}.attn.compressor``: ``wkv`` (and ``wgate`` for ratio 2) ``[head_dim, hidden]``, ``norm``."""
 
+    overlap = False  # groups do not overlap (V4's overlapping compressors do)
+
     def __init__(self, config: DeepseekV41TextConfig, ratio: int) -> None:
         super().__init__()
         if ratio not in (1, 2):

@@ -201,7 +201,8 @@ class DeepseekV41Model(nn.Module):
         if isinstance(batch, ImageBatch) and batch.images and batch.input_embeds is None:  # an image prompt's chunks
             batch.input_embeds, batch.image_mask = chunk_embeddings(self, batch)
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
-        y = None if self.step_graphs is None else self.step_graphs.run(self, batch, cache, capture)
+        # (with ``capture`` eagerly: no graph returns the features)
+        y = None if self.step_graphs is None or capture else self.step_graphs.run(self, batch, cache)
         if y is not None:  # replayed from graphs (None: run eagerly)
             for chunk in batch.chunks:
                 chunk.state.num_tokens = chunk.end

@@ -1,0 +1,211 @@
+"""DeepSeek-V4.1's speculative decoding as the engine's runner drives it (``engine.speculative.steps``): DSpark drafts
+a block per sequence, the verify forward saves what rejected rows destroy, and the rollback brings each sequence to
+its kept tokens (docs/speculative_decoding.md, "DSpark").
+
+DSpark (``dspark.py``) drafts the ``B`` positions after a sequence's last verified token in one pass, reading the
+target's features of the ``W`` positions before it (each stage's context KV). Every step the target runs with its
+features captured (eager: ``DeepseekV41Model.forward(capture=True)``); the context KV of every position it keeps is
+computed once and kept in a per-sequence ring (:class:`ContextRing`, slot ``position % W``, tagged with its position,
+so a gap, e.g. steps run without the drafter, is masked rather than misread). A step planned without drafts for its
+decode rows (the scheduler's batch limit or cost policy) runs without the capture, on the model's graphs.
+
+Variable length (``DEEPINFER_ENABLE_MTP_VARLEN``): a sequence verifies the leading drafts whose survival
+``S_k = conf_0 ... conf_k`` (the confidence head's estimate that ``d_0 .. d_k`` are all kept) is at least
+``DEEPINFER_SPEC_DECODE_MIN_SURVIVAL``, one at least; off, every drafted position is verified. Which drafts are
+verified never changes the output: each verify row emits the target's own sample, and a draft is kept only where it
+equals it.
+
+Rollback: V4's (``deepseek_v4.speculative``: window rings, the ratio-2 compressors' pending pair, the Engram history;
+paged rows past the count are rewritten later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
+from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
+from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.runtime.host_copy import tensor
+
+
+class ContextRing:
+    """One sequence's DSpark context: each stage's KV row of the last ``W`` positions (``[W, head_dim]`` per stage,
+    slot ``position % W``) and the position each slot holds (-1: none)."""
+
+    def __init__(self, stages: int, window: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = torch.zeros(stages, window, dim, dtype=dtype, device=device)
+        self.pos = torch.full((window,), -1, dtype=torch.long, device=device)
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep ``kv [stages, n, dim]`` at ``positions [n]`` (ascending; only the last ``W`` land)."""
+        w = self.pos.shape[0]
+        kv, positions = kv[:, -w:], positions[-w:]
+        slots = positions % w
+        self.rows[:, slots] = kv.to(self.rows.dtype)
+        self.pos[slots] = positions
+
+    def window(self, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[stages, W, dim]`` of positions ``anchor - W .. anchor - 1`` in order, and which exist ``[W]``."""
+        w = self.pos.shape[0]
+        j = torch.arange(anchor - w, anchor, device=self.pos.device)
+        slots = j % w
+        return self.rows[:, slots], (self.pos[slots] == j) & (j >= 0)
+
+
+@dataclass
+class PendingVerify:
+    """A verify forward's rollback: V4's ``VerifyStep`` of the verified sequences."""
+
+    step: VerifyStep
+    chunks: list[int]  # the verified chunks of the step
+    rids: list[str]
+
+
+def survival_lengths(confidence: torch.Tensor, counts: list[int], threshold: float) -> list[int]:
+    """Per row of ``confidence [N, B]``: how many leading drafts have survival ``prod(conf[:k+1]) >= threshold``,
+    between 1 and ``counts[n]``."""
+    keep = (torch.cumprod(confidence.float(), dim=1) >= threshold).sum(1).tolist()
+    return [max(1, min(int(k), n)) for k, n in zip(keep, counts)]
+
+
+class DSparkSpeculator:
+    """Drafts with the model's DSpark stages, ``max_drafts`` per sequence and step at most (the block size)."""
+
+    def __init__(
+        self, model: torch.nn.Module, max_drafts: int, proposer: object | None = None, varlen: bool = True,
+        min_survival: float = 0.0,
+    ) -> None:  # fmt: skip
+        """``proposer``: drafts from elsewhere in place of DSpark (``engine.speculative.oracle``; the stages then never
+        run). ``varlen``: verify each sequence's drafts as far as their survival reaches ``min_survival``."""
+        if max_drafts <= 0:
+            raise ValueError(f"max_drafts must be > 0, got {max_drafts}")
+        c = model.text
+        if proposer is None and model.mtp is None:
+            raise ValueError("the checkpoint has no DSpark stages (num_nextn_predict_layers = 0): nothing drafts")
+        if proposer is None and max_drafts > c.dspark_block_size:
+            raise ValueError(f"{max_drafts} drafts per step: DSpark drafts a block of {c.dspark_block_size}")
+        if max_drafts + 1 > c.sliding_window:
+            w = c.sliding_window
+            raise ValueError(f"{max_drafts} drafts need {max_drafts + 1} window rows; the window holds {w}")
+        if not 0.0 <= min_survival <= 1.0:
+            raise ValueError(f"min_survival must lie in [0, 1], got {min_survival}")
+        self.model, self.max_drafts, self.proposer = model, max_drafts, proposer
+        self.varlen, self.min_survival = varlen, min_survival
+        self.rings: dict[str, ContextRing] = {}
+        self.features: torch.Tensor | None = None  # the last forward's captured target features [T, L·D]
+        self.last_confidence: dict[str, list[float]] = {}  # rid -> its last block's confidences (tests, metrics)
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.rings.pop(rid, None)
+            self.last_confidence.pop(rid, None)
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def propose(
+        self, rids: list[str], states: list[SequenceState], tables: list[torch.Tensor], last: list[int],
+        counts: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        """Up to ``counts[b]`` drafts for sequence ``b`` at position ``num_tokens`` whose token is ``last[b]``."""
+        if self.proposer is not None:
+            return self.proposer.propose(rids, [st.num_tokens for st in states], counts)
+        live = [b for b in range(len(rids)) if counts[b] > 0]
+        out: list[list[int]] = [[] for _ in rids]
+        if not live:
+            return out
+        m = self.model
+        dev = m.embed.weight.device
+        kvs, masks = [], []
+        for b in live:
+            ring = self.rings.get(rids[b])
+            if ring is None:
+                ring = self.rings[rids[b]] = self._new_ring()
+            rows, mask = ring.window(states[b].num_tokens)
+            kvs.append(rows)
+            masks.append(mask)
+        kv = torch.stack(kvs, dim=1)  # [stages, N, W, d]
+        anchors = tensor([last[b] for b in live], dev, torch.long)
+        pos = tensor([states[b].num_tokens for b in live], dev, torch.long)
+        res = m.dspark.draft(anchors, pos, list(kv), torch.stack(masks), m.embed.weight, m.head.weight, m.ops)
+        want = [counts[b] for b in live]
+        lengths = survival_lengths(res.confidence, want, self.min_survival) if self.varlen else want
+        toks, conf = res.tokens.tolist(), res.confidence.tolist()
+        for k, b in enumerate(live):
+            out[b] = toks[k][: lengths[k]]
+            self.last_confidence[rids[b]] = conf[k]
+        return out
+
+    def _new_ring(self) -> ContextRing:
+        c, m = self.model.text, self.model
+        return ContextRing(len(m.mtp), c.sliding_window, c.head_dim, m.embed.weight.dtype, m.embed.weight.device)
+
+    # -- the step's forward ---------------------------------------------------------------------------
+    def forward(
+        self, batch: ForwardBatch, cache: object, verified: list[int], rids: list[str], drafts: list[int],
+        follow: bool = True,
+    ) -> tuple[torch.Tensor, PendingVerify | None]:  # fmt: skip
+        """The step's forward, with the target features captured where the drafter follows the step (``follow``) or
+        chunks ``verified`` verify ``drafts[i]`` drafts (their state saved first)."""
+        self.features = None
+        capture = (follow or bool(verified)) and self.proposer is None
+        if not verified:
+            h = self.model(batch, cache, capture=capture)
+            self.features = self.model.dspark_features if capture else None
+            return h, None
+        saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
+        h, captured = capturing_forward(self.model, batch, cache, capture=capture)
+        self.features = self.model.dspark_features if capture else None
+        offsets = batch.offsets()
+        step = VerifyStep(self.model, batch, h, h[:0], [offsets[i] for i in verified], saves, captured)
+        return h, PendingVerify(step, verified, rids)
+
+    def settle(
+        self, pending: PendingVerify | None, accepted: list[int], emitted: list[list[int]], hidden: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> None:  # fmt: skip
+        """Roll the verified sequences back to their kept tokens (Engram history too); keep their kept positions'
+        context."""
+        if pending is None:
+            return
+        pending.step.rollback(accepted)
+        self._keep([
+            (rid, lo, lo + a + 1, batch.chunks[i].start)
+            for i, rid, a, (lo, _) in zip(pending.chunks, pending.rids, accepted, pending.step.offsets)
+        ])  # fmt: skip
+
+    def follow(self, batch: ForwardBatch, hidden: torch.Tensor, chunks: list[int], rids: list[str]) -> None:
+        """After the step: each chunk of ``chunks`` (no verify chunk) keeps the context of its positions (the last
+        ``W``; a bounded decoder replay's rows before ``decoder_from`` have none)."""
+        if not chunks or self.features is None:
+            return
+        w, offsets, rows = self.model.text.sliding_window, batch.offsets(), []
+        for i, rid in zip(chunks, rids):
+            c, (a, b) = batch.chunks[i], offsets[i]
+            first = max(a, b - w, a + (c.decoder_from - c.start if c.decoder_from is not None else 0))
+            if first < b:
+                rows.append((rid, first, b, c.start + first - a))
+        self._keep(rows)
+
+    def _keep(self, rows: list[tuple[str, int, int, int]]) -> None:
+        """``rows``: (request, first batch row, end row, the first row's position): their context KV into the rings,
+        computed for all of them at once."""
+        if not rows or self.features is None:
+            return
+        m = self.model
+        dev = self.features.device
+        idx = tensor([r for _, a, b, _ in rows for r in range(a, b)], dev, torch.long)
+        pos = tensor([p + k for _, a, b, p in rows for k in range(b - a)], dev, torch.long)
+        main_x = m.dspark.project(self.features.index_select(0, idx).to(m.embed.weight.dtype), m.ops)
+        kv = torch.stack(m.dspark.context_kv(main_x, pos, m.ops))  # [stages, n, d]
+        o = 0
+        for rid, a, b, _ in rows:
+            ring = self.rings.get(rid)
+            if ring is None:
+                ring = self.rings[rid] = self._new_ring()
+            ring.write(kv[:, o : o + b - a], pos[o : o + b - a])
+            o += b - a
+
+
+__all__ = ["ContextRing", "DSparkSpeculator", "PendingVerify", "survival_lengths"]

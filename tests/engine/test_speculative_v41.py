@@ -1,0 +1,152 @@
+"""Speculative decoding of DeepSeek-V4.1 in the offline engine (issue 38): DSpark drafts a block per sequence, the
+engine verifies them (chunked prefill, async steps, prefix-cache hits, preemption as for V4), and the output is
+the plain run's token for token, greedy and seeded — with DSpark's own drafts (random weights: few kept), with an
+oracle's (every acceptance rate), and with confidence-scheduled draft lengths (``DEEPINFER_ENABLE_MTP_VARLEN``),
+which change how many drafts each sequence verifies and never a token. The settings that cannot apply refuse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.tiny import make_tiny_model
+from deepinfer.engine.speculative.oracle import OracleProposer
+from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
+from engine.test_speculative_engine import GREEDY, PROMPTS, SEEDED, drafted, run
+from engine.test_speculative_engine import assert_same as assert_exact
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
+DRAFTS = 4  # the tiny checkpoint's DSpark block is 5, its window 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def always_draft():
+    """Every step drafts (the cost policy has its own tests)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")
+        yield mp
+
+
+def engine(path: Path, drafts: int, **kw) -> LLM:
+    return LLM(model=path, dtype="float32", num_pages=kw.pop("num_pages", 128), page_size=16,
+               num_speculative_tokens=drafts, **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tiny_v41_dir: Path) -> LLM:
+    return engine(tiny_v41_dir, 0)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_v41_dir: Path) -> LLM:
+    return engine(tiny_v41_dir, DRAFTS)
+
+
+def assert_same(a: list, b: list) -> None:
+    """The same tokens, text and finish; logprobs within 1e-3 (the default ops: a verify row's FP8 window rounding
+    may differ from a decode row's by one step of the format; bit for bit with the batch-invariant ops)."""
+    assert_exact(a, b, logprob_tol=1e-3)
+
+
+def use_oracle(llm: LLM, plain: list, error_rate: float, prompts: list[list[int]] = PROMPTS) -> None:
+    cont = {f"r{k}": prompts[k] + o.outputs[0].token_ids for k, o in enumerate(plain)}
+    proposer = OracleProposer(cont, error_rate, llm.config.text_config.vocab_size)
+    llm.engine.runner.spec = llm.family.speculator(llm.model, DRAFTS, proposer)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_dspark_drafts_change_no_token(base: LLM, spec: LLM, params: SamplingParams) -> None:
+    spec.engine.runner.spec = spec.family.speculator(spec.model, DRAFTS)
+    assert isinstance(spec.engine.runner.spec, DSparkSpeculator)
+    plain, fast = run(base, params), run(spec, params)
+    assert_same(plain, fast)
+    drafts, kept = drafted(fast)
+    assert drafts > 0 and 0 <= kept <= drafts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -> None:
+    """Right drafts are kept (the rollback keeps the Engram history, the ratio-2 pairs and the windows of the kept
+    positions), wrong ones are not; the output never changes."""
+    plain = run(base, params)
+    seen = {}
+    for error_rate in (0.0, 0.3, 1.0):
+        use_oracle(spec, plain, error_rate)
+        fast = run(spec, params)
+        assert_same(plain, fast)
+        seen[error_rate] = drafted(fast)
+    (d0, k0), (d3, k3), (d1, k1) = seen[0.0], seen[0.3], seen[1.0]
+    assert k0 == d0 > 0 and k1 == 0 < d1 and 0 < k3 < d3
+
+
+def test_batch_invariant_mode_is_bit_identical(tiny_v41_dir: Path) -> None:
+    plain = run(engine(tiny_v41_dir, 0, batch_invariant=True), SEEDED)
+    fast_llm = engine(tiny_v41_dir, DRAFTS, batch_invariant=True)
+    use_oracle(fast_llm, plain, 0.3)
+    fast = run(fast_llm, SEEDED)
+    assert_exact(plain, fast, logprob_tol=0.0)
+    assert drafted(fast)[1] > 0
+
+
+def test_prefix_cache_hit_and_preemption(tiny_v41_dir: Path, base: LLM, spec: LLM) -> None:
+    """A second turn resumes from the prefix cache (the drafter has no context for the resumed prefix: its first
+    drafts read none), and a tight page pool preempts sequences while they speculate: the tokens do not change."""
+    turn1 = [list(range(200, 240)) + [k] for k in range(3)]
+    first = run(base, GREEDY, turn1)
+    turn2 = [p + o.outputs[0].token_ids + [7, 8, 9] for p, o in zip(turn1, first)]
+    base.reset_prefix_cache()
+    second = run(base, GREEDY, turn2)
+    spec.reset_prefix_cache()
+    spec.engine.runner.spec = spec.family.speculator(spec.model, DRAFTS)
+    assert_same(first, run(spec, GREEDY, turn1))
+    fast = run(spec, GREEDY, turn2)
+    assert_same(second, fast)
+    assert all(o.num_cached_tokens >= 32 for o in fast) and drafted(fast)[0] > 0
+    tight = LLM(model=tiny_v41_dir, dtype="float32", num_pages=12, page_size=8, max_num_batched_tokens=16,
+                num_speculative_tokens=DRAFTS, enable_prefix_caching=False)  # fmt: skip
+    use_oracle(tight, first, 0.3, turn1)
+    fast = run(tight, GREEDY, turn1)
+    assert_same(first, fast)
+    assert tight.engine.scheduler.num_preemptions > 0 and drafted(fast)[1] > 0
+
+
+def test_confidence_sets_the_draft_lengths(tiny_v41_dir: Path, base: LLM, always_draft) -> None:
+    """DEEPINFER_ENABLE_MTP_VARLEN: each sequence verifies the drafts whose survival reaches
+    DEEPINFER_SPEC_DECODE_MIN_SURVIVAL (0: all of them; 1: one), and seeded output stays the plain run's."""
+    always_draft.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    plain = run(base, SEEDED)
+    per_step = {}
+    for survival in ("0", "0.5", "1"):
+        always_draft.setenv("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", survival)
+        llm = engine(tiny_v41_dir, DRAFTS)
+        spec = llm.engine.runner.spec
+        assert spec.varlen and spec.min_survival == float(survival)
+        fast = run(llm, SEEDED)
+        assert_same(plain, fast)
+        stats = llm.engine.scheduler.spec
+        per_step[survival] = stats.draft_tokens / stats.verifies
+    assert per_step["1"] == 1.0  # (fewer than DRAFTS are asked for near max_tokens)
+    assert DRAFTS >= per_step["0"] >= per_step["0.5"] >= 1.0 and per_step["0"] > 2
+    always_draft.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    always_draft.delenv("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL")
+
+
+def test_settings_that_cannot_apply_refuse(tiny_v41_dir: Path, tmp_path: Path, always_draft) -> None:
+    with pytest.raises(ValueError, match="block of 5"):
+        engine(tiny_v41_dir, 6)
+    bare = make_tiny_model(tmp_path / "no_dspark", arch="deepseek_v41", seed=1,
+                           overrides={"text_config": {"num_nextn_predict_layers": 0}})  # fmt: skip
+    with pytest.raises(ValueError, match="no DSpark stages"):
+        engine(bare, 2)
+    always_draft.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    try:
+        with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE"):
+            engine(tiny_v41_dir, 0)
+        v4 = make_tiny_model(tmp_path / "v4", seed=0)
+        with pytest.raises(ValueError, match="no confidence head"):
+            engine(v4, 2)
+    finally:
+        always_draft.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
