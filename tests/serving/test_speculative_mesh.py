@@ -1,7 +1,9 @@
 """Speculative decoding through the mesh: a worker with DEEPINFER_USE_NEXTN_DECODE=3 (its MTP drafts verified in one
-step) serves greedy completions token for token like the engine without speculation, and the usage reports the
-drafts (OpenAI's accepted / rejected prediction tokens). Plus, in process: the scheduler service delivers only the
-tokens the scheduler kept of a multi-token result, and the balancer cuts an event of several tokens at a stop string.
+step) serves greedy completions token for token like the engine without speculation, and the usage reports the drafts
+(OpenAI's accepted / rejected prediction tokens); a DeepSeek-V4.1 worker drafting with DSpark at confidence-scheduled
+lengths serves greedy and seeded requests bit for bit like the engine (batch-invariant ops). Plus, in process: the
+scheduler service delivers only the tokens the scheduler kept of a multi-token result, and the balancer cuts an event
+of several tokens at a stop string.
 """
 
 from __future__ import annotations
@@ -175,6 +177,53 @@ def test_scheduler_exports_vllm_speculation_metrics(mesh: Mesh, reference: list[
     assert 'deepinfer_spec_decode_acceptance_length_bucket{le="4.0"' in text  # 1 .. drafts + 1, whatever was seen
     assert "deepinfer_spec_decode_steps_off_total" in value
     assert 'reason="batch"' in text and 'reason="cost"' in text
+
+
+@pytest.fixture(scope="module")
+def mesh_v41(tiny_v41_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """DeepSeek-V4.1: DSpark drafts up to 4 with confidence-scheduled lengths; batch-invariant ops on the worker and
+    in the reference, so that verify rows compute what decode rows do, bit for bit (the checkpoint is bf16)."""
+    worker = {"DEEPINFER_USE_NEXTN_DECODE": "4", "DEEPINFER_ENABLE_MTP_VARLEN": "1",
+              "DEEPINFER_SPEC_DECODE_MIN_SURVIVAL": "0.2", "DEEPINFER_BATCH_INVARIANT": "1"}  # fmt: skip
+    spec = {"worker": worker, "scheduler": {"DEEPINFER_SPEC_DECODE_EXPLORE_STEPS": "0"}}
+    m = Mesh(tiny_v41_dir, tmp_path_factory.mktemp("spec_v41_logs"), service_env=spec).up(num_pages=64, http=False)
+    yield m
+    m.down()
+
+
+def test_dspark_through_the_mesh(mesh_v41: Mesh, tiny_v41_dir: Path) -> None:
+    """Greedy and seeded requests through the balancer give the engine's tokens without speculation (and their
+    logprobs, bit for bit), with drafts verified and reported."""
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=0),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=12, logprobs=0)]  # fmt: skip
+    llm = LLM(model=tiny_v41_dir, page_size=16, num_pages=64, batch_invariant=True)
+    want = [llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp) for sp in params]
+
+    async def run():
+        async with grpc.aio.insecure_channel(mesh_v41.address("balancer")) as ch:
+            s = generation_pb2_grpc.GenerationStub(ch)
+            reqs = [
+                generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=p),
+                    sampling=common_pb2.SamplingParams(
+                        temperature=sp.temperature,
+                        max_tokens=12,
+                        logprobs=0,
+                        **({"seed": sp.seed} if sp.seed is not None else {}),
+                    ),
+                )  # fmt: skip
+                for sp in params
+                for p in PROMPTS
+            ]
+            return await asyncio.gather(*[_collect(s, r) for r in reqs])
+
+    got, drafts = asyncio.run(run()), 0
+    for msgs, ref in zip(got, [o for outs in want for o in outs]):
+        assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids
+        lps = [lp.logprob for m in msgs for lp in m.logprobs]
+        assert lps == [d[t] for d, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+        drafts += msgs[-1].finished.usage.draft_tokens
+    assert drafts > 0
 
 
 async def _collect(s: generation_pb2_grpc.GenerationStub, req: generation_pb2.GenerateRequest) -> list:
