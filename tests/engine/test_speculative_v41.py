@@ -15,7 +15,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine.speculative.oracle import OracleProposer
 from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
-from engine.test_speculative_engine import GREEDY, PROMPTS, SEEDED, drafted, run
+from engine.test_speculative_engine import GREEDY, PROMPTS, SCHEMA, SEEDED, drafted, run, run_constrained
 from engine.test_speculative_engine import assert_same as assert_exact
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
@@ -132,6 +132,23 @@ def test_confidence_sets_the_draft_lengths(tiny_v41_dir: Path, base: LLM, always
     assert DRAFTS >= per_step["0"] >= per_step["0.5"] >= 1.0 and per_step["0"] > 2
     always_draft.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     always_draft.delenv("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL")
+
+
+def test_structured_output_drafts_within_the_grammar(base: LLM, spec: LLM) -> None:
+    """A JSON-schema request beside an unconstrained one: the grammar cuts the drafts it refuses, each verify row is
+    masked by the grammar's state after the drafts before it, and the tokens are the plain run's."""
+    so = {"schema_type": "json_schema", "schema": SCHEMA}
+    params = [SamplingParams(temperature=0, max_tokens=20, so_args=so),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=20, so_args=so),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]  # fmt: skip
+    prompts = PROMPTS[:3]
+    plain = run_constrained(base, params, prompts)
+    for error_rate in (0.0, 0.3):
+        use_oracle(spec, plain, error_rate, prompts)
+        fast = run_constrained(spec, params, prompts)
+        assert_same(plain, fast)
+        kept = drafted(fast[:2])
+        assert kept[1] > 0 and (error_rate > 0 or kept[0] == kept[1])
 
 
 def test_settings_that_cannot_apply_refuse(tiny_v41_dir: Path, tmp_path: Path, always_draft) -> None:
