@@ -109,8 +109,16 @@ def run(
     harness.sync(s.dev)
     start = {rid: len(r.output_token_ids) for rid, r in sched.requests.items()}
     stats0 = dataclasses.replace(sched.spec)
-    launch, steps = runner.launch, [0]
-    runner.launch = lambda plan: steps.__setitem__(0, steps[0] + 1) or launch(plan)
+    launch, steps, marks = runner.launch, [0], []
+    graphs_before = [getattr(s.model, "decode_graphs", None), getattr(s.model, "prefill_graphs", None)]
+    captures0 = [getattr(g, "captures", 0) for g in graphs_before]
+
+    def timed_launch(plan: Any) -> Any:
+        steps[0] += 1
+        marks.append((time.perf_counter(), any(c.num_drafts for c in plan.chunks)))
+        return launch(plan)
+
+    runner.launch = timed_launch
     outs: dict[str, list[int]] = {}
     lps: dict[str, list] = {}
     prof = cProfile.Profile() if profile else None
@@ -128,6 +136,11 @@ def run(
             prof.disable()
     elapsed = time.perf_counter() - t
     tokens = sum(len(outs[rid]) - start[rid] for rid in prompts) / b
+    # where the time went: the launches' spacing (a step's host work and the wait for the one before it), the
+    # slowest intervals with whether the step drafted, and the CUDA graph buckets captured during the timed run
+    gaps = [(1e3 * (b_[0] - a_[0]), i, a_[1]) for i, (a_, b_) in enumerate(zip(marks, marks[1:]))]
+    after = [getattr(s.model, "decode_graphs", None), getattr(s.model, "prefill_graphs", None)]
+    captured = [getattr(g, "captures", 0) - (c if g is g0 else 0) for g, g0, c in zip(after, graphs_before, captures0)]
     st = sched.spec
     verifies, kept = st.verifies - stats0.verifies, st.accepted_tokens - stats0.accepted_tokens
     drafted = st.draft_tokens - stats0.draft_tokens
@@ -140,6 +153,12 @@ def run(
         "emitted_per_verify": (verifies + kept) / verifies if verifies else None,
         "acceptance": kept / drafted if drafted else None,
         "steps_off": st.steps_off - stats0.steps_off,
+        "slowest_launch_gaps_ms": [[round(g, 3), i, d] for g, i, d in sorted(gaps, reverse=True)[:8]],
+        "median_launch_gap_ms": {
+            "drafts": median([g for g, _, d in gaps if d]),
+            "plain": median([g for g, _, d in gaps if not d]),
+        },  # fmt: skip
+        "graph_captures": {"decode": captured[0], "prefill": captured[1]},
         "policy_estimates": {
             f"{b}/{'on' if d else 'off'}": [e.seconds_per_token, e.samples]
             for (b, d), e in sched.spec_policy.estimates.items()
@@ -149,6 +168,10 @@ def run(
         "prompt_len": args.context,
         **({"host_profile": profile_text(prof)} if prof is not None else {}),
     }
+
+
+def median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def profile_text(prof: cProfile.Profile) -> str:

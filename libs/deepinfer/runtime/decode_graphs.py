@@ -57,6 +57,7 @@ class SegmentGraphs:
         self.buckets: dict[tuple, Any] = {}
         self.pool: tuple | None = None
         self.replays = 0  # graphed steps run (for tests and benchmarks)
+        self.captures = 0  # buckets captured (again after ``reset``: a new pool or cache; for benchmarks)
         self.failures: dict[int, str] = {}  # bucket size -> why its capture failed (it runs eagerly)
         self._owner: tuple = ()  # what the buckets were captured over (``own``)
 
@@ -128,6 +129,7 @@ class SegmentGraphs:
     def _capture(
         self, size: int, device: torch.device, extra: tuple = (), before: Callable[[Any], None] | None = None
     ) -> Any | None:
+        self.captures += 1
         bk = self._bucket(size, device, *extra)
         segs = self._segments(bk)
         platform = platform_of(device)
