@@ -56,6 +56,7 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.factory import build_scheduler
 from deepinfer.engine.models import family_of
 from deepinfer.engine.speculative.oracle import OracleProposer
+from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
 from deepinfer.engine.worker import ModelRunner
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.ops import get_ops
@@ -221,6 +222,20 @@ def build(args: argparse.Namespace, depth: int, dev: torch.device) -> Setup:
     return Setup(model, config, cache, dev, load_tokenizer(), args)
 
 
+def warm_graphs(s: Setup, args: argparse.Namespace) -> None:
+    """The worker's start-up warm-up (``engine.warmup``, as a server runs it): the decode graphs of every bucket up
+    to the largest batch and, for the batches that may draft, the verify steps' piecewise graphs, so that no timed
+    run pays a capture (a verify step of a bucket first met in a timed run cost 5 s on the H200)."""
+    family = family_of(s.config)
+    runner = ModelRunner(s.model, s.cache, s.dev, family=family)
+    sizes = decode_sizes(max(args.batches), 256, family.decode_buckets)
+    verifier = family.speculator(s.model, args.drafts, FixedDrafts())
+    limit = args.context + args.tokens + 2 * args.drafts + 8
+    report = warm_up(runner, s.cache.num_pages, s.cache.page_size, limit, s.config.vocab_size, sizes, (),
+                     verifier, [b for b in sizes if b <= args.limit])  # fmt: skip
+    sweep.log(f"warm-up: {', '.join(f'{k} {v:.2f} s' for k, v in report.items())}")
+
+
 def fit(xs: list[int], ys: list[float], at: int) -> tuple[float, float, float]:
     """Least squares ``y = a + b·x`` over the depths measured: ``(a, b, y(at))``."""
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
@@ -268,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for depth in args.depths:
         s = build(args, depth, dev)
+        warm_graphs(s, args)
         work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)
         for b in args.batches:
             warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes

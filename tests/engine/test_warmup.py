@@ -65,6 +65,27 @@ def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
     assert _answers(warm) == _answers(cold)  # the pages it wrote are rewritten before anything reads them
 
 
+def test_warm_up_runs_verify_steps_of_its_sizes(model_dir, monkeypatch):
+    """With speculative decoding the warm-up also runs a verify step per size it is given (the drafts of a fixed
+    drafter, put in the runner for that step only), and leaves nothing behind in the runner or its speculator."""
+    llm = LLM(model_dir, accelerator="cpu", num_pages=PAGES, page_size=PAGE, max_model_len=LIMIT,
+              num_speculative_tokens=3)  # fmt: skip
+    runner = llm.engine.runner
+    own = runner.spec
+    verifier = llm.family.speculator(llm.model, own.max_drafts, warmup.FixedDrafts())
+    results = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda plan: results.append((plan, execute(plan))) or results[-1][1])
+    report = warm_up(runner, PAGES, PAGE, LIMIT, llm.config.vocab_size, batches=[1, 2], verifier=verifier,
+                     verify_batches=[2, 4])  # fmt: skip
+    assert set(report) == {"decode_4", "verify_4", "decode_2", "verify_2", "decode_1"}
+    verify = [(p, r) for p, r in results if any(c.num_drafts for c in p.chunks)]
+    assert [len(p.chunks) for p, _ in verify] == [4, 2]
+    assert all(s.num_drafts == 3 for _, r in verify for s in r.results)  # every sequence verified 3 drafts
+    assert runner.spec is own and not runner.states and not runner.sampled
+    assert not own.carry and not own.heads and not verifier.carry and not verifier.heads
+
+
 def test_decode_sizes_follow_the_graph_buckets():
     assert decode_sizes(256, 256, BUCKETS) == list(BUCKETS)
     assert decode_sizes(48, 256, BUCKETS) == [1, 2, 4, 8, 16, 24, 32, 48]

@@ -131,13 +131,17 @@ def build_worker(
 
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, family.decode_resume, family.resume_layout)
     if accelerator == "nvidia" and envs.DEEPINFER_WARMUP:  # compiles and graph captures before serving
-        from deepinfer.engine.warmup import decode_sizes, warm_up
+        from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
 
         graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
         graphs = getattr(ops, "cuda_graphs", False) and not ops.batch_invariant and family.decode_buckets
         batches = graphed if graphs else [1]
         prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
-        warm_up(runner, num_pages, page_size, limit, config.vocab_size, batches, prefill)
+        verifier, verify = None, []
+        if runner.spec is not None:  # the verify steps' shapes too, for the batches that may draft
+            verifier = family.speculator(net, runner.spec.max_drafts, FixedDrafts())
+            verify = [b for b in batches if b <= envs.DEEPINFER_SPEC_DECODE_MAX_BATCH]
+        warm_up(runner, num_pages, page_size, limit, config.vocab_size, batches, prefill, verifier, verify)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp, family
     )

@@ -6,7 +6,11 @@ the prefill sizes it runs, ``DEEPINFER_PREFILL_GRAPHS``). vLLM captures its grap
 ``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens``
 (one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``,
 the largest first, a step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b``
-(the first captures the bucket's graph, the second replays it). It uses the cache's pages from 0 up, which no
+(the first captures the bucket's graph, the second replays it). With speculative decoding, for each size of
+``verify_batches`` one more step verifies ``verifier.max_drafts`` drafts per sequence (``verifier``: the family's
+speculator proposing :class:`FixedDrafts`, put in the runner for that step): a verify step of ``b`` sequences replays
+the piecewise graphs of ``b x (drafts + 1)`` tokens, whose capture (seconds on a GPU) a server would otherwise pay
+the first time the scheduler drafts for that many sequences at once. It uses the cache's pages from 0 up, which no
 scheduler has handed out yet (it runs before the worker serves; a size that does not fit is skipped), and releases
 every state it made: nothing of it is left in the runner, and the pages' contents are overwritten before any later
 sequence reads them. The largest batch comes first because a bucket's graph holds the state pool's tensors and a
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import ModelRunner
@@ -29,6 +34,14 @@ log = get_logger(__name__)
 PROMPT = 4  # prompt tokens of each warm-up sequence of a decode batch
 DECODES = 2  # decode steps of each batch size (capture, then replay)
 PREFIX = "__warmup__"  # request ids: never a client's
+
+
+class FixedDrafts:
+    """The warm-up verify steps' drafter (``engine.speculative.oracle``'s interface): ``counts[b]`` tokens each; their
+    values do not matter (the step's shapes do)."""
+
+    def propose(self, rids: list[str], positions: list[int], counts: list[int]) -> list[list[int]]:
+        return [[(101 + p + j) % 30000 for j in range(n)] for p, n in zip(positions, counts)]
 
 
 def decode_sizes(max_num_seqs: int, graph_max_batch: int, buckets: Sequence[int]) -> list[int]:
@@ -50,9 +63,13 @@ def warm_up(
     vocab_size: int,
     batches: Sequence[int] = (),
     prefill_tokens: Sequence[int] = (),
+    verifier: Any = None,
+    verify_batches: Sequence[int] = (),
 ) -> dict[str, float]:
-    """Run the warm-up (module docstring) → seconds per part (``prefill_N``, ``decode_B``); skipped sizes absent."""
-    params = SamplingParams(temperature=0.0, max_tokens=DECODES + 1)
+    """Run the warm-up (module docstring) → seconds per part (``prefill_N``, ``decode_B``, ``verify_B``); skipped
+    sizes absent."""
+    drafts = verifier.max_drafts if verifier is not None else 0
+    params = SamplingParams(temperature=0.0, max_tokens=DECODES + drafts + 2)
     report: dict[str, float] = {}
     step = -1
 
@@ -72,10 +89,10 @@ def warm_up(
         finally:
             runner.release([rid])
         report[f"prefill_{n}"] = time.perf_counter() - t
-    length = PROMPT + DECODES
+    length = PROMPT + DECODES + (drafts + 1 if verify_batches and drafts else 0)
     per_seq = -(-length // page_size)
-    for b in sorted(batches, reverse=True):  # the largest first: the state pool grows once, the graphs stay valid
-        if b * per_seq > num_pages or length > max_model_len:
+    for b in sorted(set(batches) | set(verify_batches), reverse=True):  # the largest first: the state pool grows
+        if b * per_seq > num_pages or length > max_model_len:  # once, the graphs stay valid
             continue
         rids = [f"{PREFIX}decode-{b}-{i}" for i in range(b)]
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
@@ -87,11 +104,21 @@ def warm_up(
                 last = run(
                     [ChunkPlan(r, [tok], PROMPT + d, tb, True, params) for r, tok, tb in zip(rids, last, tables)]
                 )
+            report[f"decode_{b}"] = time.perf_counter() - t
+            if b in verify_batches and drafts:
+                t, spec, runner.spec = time.perf_counter(), runner.spec, verifier
+                try:
+                    run([ChunkPlan(r, [tok], PROMPT + DECODES, tb, True, params, num_drafts=drafts)
+                         for r, tok, tb in zip(rids, last, tables)])  # fmt: skip
+                finally:
+                    runner.spec = spec
+                report[f"verify_{b}"] = time.perf_counter() - t
         finally:
             runner.release(rids)
-        report[f"decode_{b}"] = time.perf_counter() - t
+            if verifier is not None:
+                verifier.release(rids)
     log.info("warmup_done", **{k: round(v, 3) for k, v in report.items()})
     return report
 
 
-__all__ = ["DECODES", "PROMPT", "decode_sizes", "warm_up"]
+__all__ = ["DECODES", "PROMPT", "FixedDrafts", "decode_sizes", "warm_up"]
