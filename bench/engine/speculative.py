@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for depth in args.depths:
         s = build(args, depth, dev)
-        warm_graphs(s, args)
+        if dev.type == "cuda":  # (as the factory: a CPU has nothing to compile or capture)
+            warm_graphs(s, args)
         work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)
         for b in args.batches:
             warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes

@@ -117,14 +117,15 @@ def test_confidence_sets_the_draft_lengths(tiny_v41_dir: Path, base: LLM, always
     """DEEPINFER_ENABLE_MTP_VARLEN: each sequence verifies the drafts whose survival reaches
     DEEPINFER_SPEC_DECODE_MIN_SURVIVAL (0: all of them; 1: one), and seeded output stays the plain run's."""
     always_draft.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    plain = run(base, SEEDED)
+    prompts = PROMPTS[:2]
+    plain = run(base, SEEDED, prompts)
     per_step = {}
     for survival in ("0", "0.5", "1"):
         always_draft.setenv("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", survival)
         llm = engine(tiny_v41_dir, DRAFTS)
         spec = llm.engine.runner.spec
         assert spec.varlen and spec.min_survival == float(survival)
-        fast = run(llm, SEEDED)
+        fast = run(llm, SEEDED, prompts)
         assert_same(plain, fast)
         stats = llm.engine.scheduler.spec
         per_step[survival] = stats.draft_tokens / stats.verifies
