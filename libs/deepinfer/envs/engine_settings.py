@@ -175,9 +175,10 @@ declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
 declare("DEEPINFER_WARMUP", "bool", _HW, """
     On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
     and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to
-    `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`) compile the Triton kernels and capture the
-    decode graphs that the first requests would otherwise wait for (seconds each on a fresh machine). Start-up
-    takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm.""",
+    `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`; with speculative decoding also a verify step of
+    each of those batches up to `DEEPINFER_SPEC_DECODE_MAX_BATCH`) compile the Triton kernels and capture the
+    decode and verify graphs that the first requests would otherwise wait for (seconds each on a fresh machine).
+    Start-up takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm.""",
     default=True)
 declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
     On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
