@@ -114,3 +114,25 @@ def test_gpu_warm_up_leaves_every_bucket_captured(model_dir, monkeypatch):
         [{"prompt_token_ids": [5 + i, 17, 99]} for i in range(12)], SamplingParams(temperature=0, max_tokens=6)
     )
     assert len(graphs.buckets) == held and graphs.replays > 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA (the graphs)"
+)
+def test_gpu_warm_up_captures_the_verify_steps(model_dir, tiny_v41_dir, monkeypatch):
+    """With speculative decoding the factory's warm-up also runs verify steps (the fixed drafter put in for them,
+    the model's own drafter back afterwards): their piecewise graphs are captured before serving, and speculative
+    requests afterwards capture no verify shape of a warmed batch. Both families (V4's MTP, V4.1's DSpark)."""
+    monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")
+    for path in (model_dir, tiny_v41_dir):
+        llm = LLM(path, accelerator="nvidia", num_pages=256, page_size=64, max_model_len=1024,
+                  num_speculative_tokens=2)  # fmt: skip
+        pieces = llm.model.prefill_graphs
+        assert pieces is not None and pieces.captures > 0 and not pieces.failures
+        assert llm.engine.runner.spec.proposer is None  # the model's own drafter serves
+        held = pieces.captures
+        outs = llm.generate([{"prompt_token_ids": [5 + i, 17, 99]} for i in range(4)],
+                            SamplingParams(temperature=0, max_tokens=8))  # fmt: skip
+        assert all(o.usage.get("draft_tokens", 0) > 0 for o in outs)
+        assert pieces.captures == held, (pieces.captures, held)
