@@ -21,6 +21,7 @@ from deepinfer.engine.speculative.acceptance import (
     accepted_counts,
     aligned_drafts,
     emitted,
+    kept,
     row_layout,
 )
 from deepinfer.engine.worker import position_seed
@@ -124,6 +125,24 @@ def test_counts_are_the_longest_agreeing_prefixes() -> None:
     counts = accepted_counts(torch.tensor(samples), aligned_drafts(drafts), torch.tensor(lens)).tolist()
     assert counts == [2, 0, 2, 0]
     assert emitted(samples, starts, counts) == [[5, 6, 0], [4], [1, 2, 8], [2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 3), max_size=5), st.lists(st.integers(0, 3), min_size=6, max_size=6)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_host_and_device_forms_agree(cases: list[tuple[list[int], list[int]]]) -> None:
+    """``kept`` (host lists, the runner's settle) and ``accepted_counts`` (device tensors) are one rule."""
+    drafts = [d for d, _ in cases]
+    samples = [s[: len(d) + 1] for d, s in cases]
+    _, lens = row_layout([len(d) for d in drafts])
+    flat = torch.tensor([t for s in samples for t in s])
+    counts = accepted_counts(flat, aligned_drafts(drafts), torch.tensor(lens)).tolist()
+    assert counts == [kept(s, d) for s, d in zip(samples, drafts)]
 
 
 def test_a_match_after_a_miss_is_not_kept() -> None:

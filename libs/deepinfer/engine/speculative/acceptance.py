@@ -28,7 +28,8 @@ through the drafts, then rolled back to the accepted prefix), so a kept draft is
 
 Layout: the verify rows of all sequences are flat, sequence after sequence (``starts[b]``, ``lens[b] = n_b + 1``);
 ``drafts`` is aligned with the rows: row ``j < n_b`` holds ``d_{j+1}``, the sequence's last row ``NO_DRAFT``.
-Everything stays on the device (no host synchronisation).
+``accepted_counts`` keeps everything on the device (no host synchronisation); ``kept`` is the same rule on host lists
+(what the runner's settle uses: a verify step ends on the host).
 """
 
 from __future__ import annotations
@@ -77,9 +78,18 @@ def accepted_counts(samples: torch.Tensor, drafts: torch.Tensor, lens: torch.Ten
     return torch.zeros(lens.numel(), dtype=torch.long, device=samples.device).index_add_(0, seq, kept)
 
 
+def kept(samples: list[int], drafts: list[int]) -> int:
+    """The host form of ``accepted_counts`` for one sequence: its leading drafts equal to the samples of the rows
+    before them (the runner's settle has the samples on the host already)."""
+    a = 0
+    while a < len(drafts) and samples[a] == drafts[a]:
+        a += 1
+    return a
+
+
 def emitted(samples: list[int], starts: list[int], counts: list[int]) -> list[list[int]]:
     """Each sequence's emitted tokens (host lists): its kept drafts' samples and the one after them."""
     return [samples[s : s + c + 1] for s, c in zip(starts, counts)]
 
 
-__all__ = ["NO_DRAFT", "accepted_counts", "aligned_drafts", "emitted", "row_layout"]
+__all__ = ["NO_DRAFT", "accepted_counts", "aligned_drafts", "emitted", "kept", "row_layout"]

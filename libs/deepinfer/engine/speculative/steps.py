@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from deepinfer.engine.interfaces import PLACEHOLDER, WorkerStepPlan
+from deepinfer.engine.speculative.acceptance import kept
 from deepinfer.engine.speculative.grammar import constrain
 
 
@@ -102,14 +103,6 @@ def spec_forward(
     return spec.forward(batch, cache, verified, rids, [len(drafts[i]) for i in verified], not drafting_off(plan))
 
 
-def kept(samples: list[int], drafts: list[int]) -> int:
-    """The leading drafts equal to the samples of the rows before them (``acceptance``'s rule)."""
-    a = 0
-    while a < len(drafts) and samples[a] == drafts[a]:
-        a += 1
-    return a
-
-
 def settle(
     runner: Any, step: Any, plan: WorkerStepPlan, drafts: list[list[int]], pending: Any,
     hidden: torch.Tensor, batch: Any,
@@ -150,4 +143,4 @@ def settle(
     spec.follow(batch, hidden, plain, [plan.chunks[i].request_id for i in plain])
 
 
-__all__ = ["Speculator", "drafting_off", "kept", "propose", "settle", "spec_forward"]
+__all__ = ["Speculator", "drafting_off", "propose", "settle", "spec_forward"]
