@@ -96,7 +96,7 @@ class DSparkSpeculator:
         self.varlen, self.min_survival = varlen, min_survival
         self.rings: dict[str, ContextRing] = {}
         self.features: torch.Tensor | None = None  # the last forward's captured target features [T, L·D]
-        self.last_confidence: dict[str, list[float]] = {}  # rid -> its last block's confidences (tests, metrics)
+        self.last_confidence: dict[str, list[float]] = {}  # rid -> the confidences its last draft lengths came from
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
