@@ -13,13 +13,23 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine.speculative.oracle import OracleProposer
 from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
-from engine.test_speculative_engine import GREEDY, PROMPTS, SCHEMA, SEEDED, drafted, run, run_constrained
+from engine.test_speculative_engine import (
+    DRAFTS,
+    GREEDY,
+    PROMPTS,
+    SCHEMA,
+    SEEDED,
+    drafted,
+    engine,
+    oracle,
+    run,
+    run_constrained,
+)
 from engine.test_speculative_engine import assert_same as assert_exact
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
-DRAFTS = 4  # the tiny checkpoint's DSpark block is 5, its window 8
+assert DRAFTS < 5  # the tiny V4.1 checkpoint's DSpark block is 5, its window 8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,11 +38,6 @@ def always_draft():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")
         yield mp
-
-
-def engine(path: Path, drafts: int, **kw) -> LLM:
-    return LLM(model=path, dtype="float32", num_pages=kw.pop("num_pages", 128), page_size=16,
-               num_speculative_tokens=drafts, **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +54,6 @@ def assert_same(a: list, b: list) -> None:
     """The same tokens, text and finish; logprobs within 1e-3 (the default ops: a verify row's FP8 window rounding
     may differ from a decode row's by one step of the format; bit for bit with the batch-invariant ops)."""
     assert_exact(a, b, logprob_tol=1e-3)
-
-
-def use_oracle(llm: LLM, plain: list, error_rate: float, prompts: list[list[int]] = PROMPTS) -> None:
-    cont = {f"r{k}": prompts[k] + o.outputs[0].token_ids for k, o in enumerate(plain)}
-    proposer = OracleProposer(cont, error_rate, llm.config.text_config.vocab_size)
-    llm.engine.runner.spec = llm.family.speculator(llm.model, DRAFTS, proposer)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -74,7 +73,7 @@ def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -
     plain = run(base, params)
     seen = {}
     for error_rate in (0.0, 0.3, 1.0):
-        use_oracle(spec, plain, error_rate)
+        oracle(spec, plain, error_rate)
         fast = run(spec, params)
         assert_same(plain, fast)
         seen[error_rate] = drafted(fast)
@@ -85,7 +84,7 @@ def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -
 def test_batch_invariant_mode_is_bit_identical(tiny_v41_dir: Path) -> None:
     plain = run(engine(tiny_v41_dir, 0, batch_invariant=True), SEEDED)
     fast_llm = engine(tiny_v41_dir, DRAFTS, batch_invariant=True)
-    use_oracle(fast_llm, plain, 0.3)
+    oracle(fast_llm, plain, 0.3)
     fast = run(fast_llm, SEEDED)
     assert_exact(plain, fast, logprob_tol=0.0)
     assert drafted(fast)[1] > 0
@@ -107,7 +106,7 @@ def test_prefix_cache_hit_and_preemption(tiny_v41_dir: Path, base: LLM, spec: LL
     assert all(o.num_cached_tokens >= 32 for o in fast) and drafted(fast)[0] > 0
     tight = LLM(model=tiny_v41_dir, dtype="float32", num_pages=12, page_size=8, max_num_batched_tokens=16,
                 num_speculative_tokens=DRAFTS, enable_prefix_caching=False)  # fmt: skip
-    use_oracle(tight, first, 0.3, turn1)
+    oracle(tight, first, 0.3, turn1)
     fast = run(tight, GREEDY, turn1)
     assert_same(first, fast)
     assert tight.engine.scheduler.num_preemptions > 0 and drafted(fast)[1] > 0
@@ -145,7 +144,7 @@ def test_structured_output_drafts_within_the_grammar(base: LLM, spec: LLM) -> No
     prompts = PROMPTS[:3]
     plain = run_constrained(base, params, prompts)
     for error_rate in (0.0, 0.3):
-        use_oracle(spec, plain, error_rate, prompts)
+        oracle(spec, plain, error_rate, prompts)
         fast = run_constrained(spec, params, prompts)
         assert_same(plain, fast)
         kept = drafted(fast[:2])
