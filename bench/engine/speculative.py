@@ -7,9 +7,9 @@ values), at each depth of ``--depths``. ``B`` requests with distinct random ``--
 prefilled through the engine (async scheduling, CUDA graphs for plain decode steps); once every request decodes,
 the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run, per batch size:
 
-* **off** (the peer): plain decoding, one token per step. Its greedy tokens are the oracle's continuations.
-* **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the off
-  run's continuation with a draft error rate ``e`` (random weights make the MTP block useless, so this sets the
+* **off** (the peer): plain decoding, one token per step.
+* **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the
+  target's greedy continuation with a draft error rate ``e`` (random weights make the MTP block useless, so this sets the
   acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
 * **mtp**: the model's own drafter (V4: the MTP block; V4.1: DSpark, which also makes every step it follows run
   eagerly with the target's features captured; its measured acceptance on random weights is near 0), whose step time
@@ -25,10 +25,13 @@ it is (one MTP layer against 43 target layers in V4-Flash; 3 DSpark stages again
 verify step times are fitted per layer over the depths measured (``t(L) = a + b·L``) and projected to the real depth
 with the drafter's cost, which does not grow with depth: TPOT(L) = (verify(L) + draft) / emitted, against plain(L).
 
-Each speculative run's greedy tokens are compared with the plain run's (``divergence``: where they first differ and
-the plain run's top-1 / top-2 margin there). With the default ops a verify row's numbers differ from a decode row's
-by rounding, so near-ties may go the other way (and the oracle's later drafts are then wrong); with
-``--batch-invariant`` they must not differ at all.
+With the default ops a verify row's numbers differ from a plain decode row's by rounding (other GEMM shapes), so
+near-ties may go the other way, and an oracle replaying the plain run's tokens would be wrong from there on. The
+continuation the oracle replays is therefore a run whose every step is a verify step with every draft wrong (the
+oracle at ``e = 1``): a verify step's numbers do not depend on which of its rows a position is, so every oracle run
+emits those tokens. ``verify_vs_plain`` says where that run's tokens first differ from the plain run's and the top-1
+/ top-2 margin there; each speculative run's ``divergence`` compares it with the reference run (none expected; with
+``--batch-invariant`` none against the plain run either).
 
     PYTHONPATH=libs:. python bench/engine/speculative.py --depths 2,4 --batches 1,16,64 --out bench/results/engine
     PYTHONPATH=libs:. python bench/engine/speculative.py --model v41 --depths 4,5 --batches 1,16 --out <dir>
@@ -290,11 +293,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes
             try:
                 run(s, b, 0.5, warm["continuations"])
+                run(s, b, "mtp")  # the drafter's graphs (V4: its loop's)
             except Exception:
                 pass  # measure() records it
             off = run(s, b, None)
-            cont = off["continuations"]
-            row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": off}
+            # every step a verify step, every draft wrong: the target's greedy tokens under the verify step's numbers,
+            # which the oracle replays (rounding differs from a plain step's: near-ties may go the other way)
+            ref = run(s, b, 1.0, off["continuations"])
+            cont = ref["continuations"]
+            row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": ref}
+            row["verify_vs_plain"] = divergence(off, ref)
             row["plain_roofline_ms"] = work.decode(b, args.context, bw, peak)["roofline_ms"]
             row["verify_roofline_ms"] = work.decode(b, args.context, bw, peak, rows=args.drafts + 1)["roofline_ms"]
             try:

@@ -1,10 +1,17 @@
-"""A speculative verify step replayed from piecewise CUDA graphs against the same step run eagerly.
+"""Speculative verify steps replayed from CUDA graphs against the same steps run eagerly.
 
-``runtime.step_graphs``: a step that keeps its compressor projections (``model.verifying``) never replays decode
-graphs and may replay the piecewise prefill graphs, whose attention runs eagerly between the pieces. At a bucket's
-size (16 rows: four sequences, each its token and three drafts) the logits, and after the rollback the states and
-the paged cache, are bit for bit the eager step's; the projections kept for the rollback are copies (the pieces
-reuse their buffers, so views would hold a later layer's rows). On a host without CUDA: the choice of graphs.
+* On the decode path (``verify_step``, ``verify_graphs.VerifyGraphs``): two verify steps of four sequences (three,
+  two, one and no drafts: dead rows in the last sub-steps), each rolled back, then a decode step: the logits of
+  every step, and the pooled state (window and compressor rings) and the paged cache after each, are bit for bit
+  the eager path's; the second step replays a captured bucket.
+* On the ragged path (the model without pooled decode steps): a step that keeps its compressor projections
+  (``model.verifying``) never replays decode graphs and may replay the piecewise prefill graphs, whose attention
+  runs eagerly between the pieces. At a bucket's size (16 rows: four sequences, each its token and three drafts)
+  the logits, and after the rollback the states and the paged cache, are bit for bit the eager step's; the
+  projections kept for the rollback are copies (the pieces reuse their buffers, so views would hold a later layer's
+  rows).
+
+On a host without CUDA: the choice of graphs.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def _model():
 
 def _verify(graphs: bool) -> tuple:
     model = _model()
+    model.pooled_decode = False  # the ragged path
     cfg = model.config
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
@@ -89,6 +97,60 @@ def _verify(graphs: bool) -> tuple:
     step.rollback([0, 1, 2, 3])
     torch.cuda.synchronize()
     return model, logits, captured, states, cache
+
+
+def _prompts(model) -> tuple:
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
+    cache = PagedKVCache(cfg, PAGES * len(prompts), PAGE, torch.float32, DEVICE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(len(prompts))]
+    states = [SequenceState() for _ in prompts]
+    with torch.no_grad():
+        batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)], prompts,
+                                   device=DEVICE)  # fmt: skip
+        h = model(batch, cache)
+        last = [int(x) for x in model.logits(h)[[b - 1 for _, b in batch.offsets()]].argmax(-1).tolist()]
+    return g, cache, tables, states, last
+
+
+def _snapshot(model, states, cache) -> list[torch.Tensor]:
+    out = []
+    for st in states:
+        out += [st.windows[k].clone() for k in sorted(st.windows)]
+        out += [t.clone() for k in sorted(st.buffers) for t in (st.buffers[k].kv, st.buffers[k].score)]
+    return out + [x.clone() for store in (cache.rows, cache.index_keys) for x in store.values()]
+
+
+def _pooled(graphs: bool) -> tuple:
+    model = _model()
+    g, cache, tables, states, last = _prompts(model)
+    model.step_graphs = model.graphs_to_use if graphs else None
+    seen = []
+    for accepted in ([0, 1, 1, 0], [3, 0, 1, 0]):
+        drafts = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 2, 1, 0)]
+        step = verify(model, cache, states, tables, last, drafts)
+        seen.append(step.logits.clone())
+        step.rollback(accepted)
+        seen += _snapshot(model, states, cache)
+        last = [int(x) for x in step.logits.argmax(-1).tolist()[:4]]  # any tokens: the same in both runs
+    with torch.no_grad():
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        seen.append(model.logits(model(ForwardBatch.build(chunks, [[x] for x in last], device=DEVICE), cache)))
+    torch.cuda.synchronize()
+    return model, seen
+
+
+@gpu_only
+def test_verify_on_the_decode_path_replays_its_graphs_bit_for_bit() -> None:
+    eager_model, eager = _pooled(False)
+    model, graphed = _pooled(True)
+    assert eager_model.verify_graphs is None
+    assert model.verify_graphs is not None and model.verify_graphs.replays == 2 and model.verify_graphs.captures == 1
+    assert model.verify_graphs.failures == {}
+    assert len(eager) == len(graphed)
+    for i, (a, b) in enumerate(zip(eager, graphed)):
+        assert torch.equal(a, b), i
 
 
 @gpu_only
@@ -114,3 +176,40 @@ def test_verify_replays_piecewise_graphs_bit_for_bit() -> None:
     for store in ("rows", "index_keys"):
         mine, theirs = getattr(eager_cache, store), getattr(cache, store)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@gpu_only
+def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
+    """The MTP drafter's loop (``draft_graphs.DraftGraphs``) replayed against the same loop run eagerly: the same
+    drafts, twice (a capture, then a replay), and the block's window left as it was."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
+
+    config = DeepseekV4Config.from_dict(TINY_V4)
+    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
+    model.ops.cuda_graphs = True
+    model.load_state_dict(random_weights(config, seed=1), strict=False)
+    model = model.to(DEVICE, torch.float32)
+    g, _, tables, states, _ = _prompts(model)
+    drafter = MTPDrafter(model)
+    hs = []
+    for st in states:  # the block consumes every prompt position (any streams will do)
+        st.mtp_tokens = 0
+        hs.append(torch.randn(st.num_tokens, config.hc_mult, config.hidden_size, generator=g).to(DEVICE))
+    layer = config.num_hidden_layers
+    heads = [drafter.observe(h, [(0, h.shape[0])], [[2] * h.shape[0]], [st], [t])[0]
+             for h, st, t in zip(hs, states, tables)]  # fmt: skip
+    before = [st.windows[layer].clone() for st in states]
+    counts = [4, 3, 4, 1]
+    eager = drafter.draft(heads, counts, states, tables)
+    model.step_graphs = FAMILY.step_graphs()
+    first = drafter.draft(heads, counts, states, tables)
+    again = drafter.draft(heads, counts, states, tables)
+    torch.cuda.synchronize()
+    assert model.draft_graphs is not None and model.draft_graphs.replays == 2 and model.draft_graphs.captures == 1
+    assert eager == first == again and [len(d) for d in eager] == counts
+    assert all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))

@@ -25,7 +25,7 @@ from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.speculative.verify import accept
 from deepinfer.engine.worker import position_seed
-from deepinfer.models.deepseek_v4 import mtp_drafter, speculative
+from deepinfer.models.deepseek_v4 import mtp_drafter, speculative, verify_step
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
@@ -263,3 +263,59 @@ def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, n
     model = load(tiny_dirs, name, ReferenceOps())
     for seed in (3, 4):
         assert check(model, seed, 0.6, tol=1e-4) == []
+
+
+@pytest.mark.parametrize("mutation", [None, "no ring restore", "ragged path"])
+def test_verify_on_the_decode_path(tiny_dirs: dict, mutation: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the default op set a verify step runs on the decode path (``verify_step``: decode sub-steps on the
+    ``StatePool``): it is taken (counted), its tokens and state are a plain run's within rounding, and its ring
+    restore is needed (left out, a run differs). Every compression ratio of the tiny configurations (4 and 16 on
+    ``odd``) completes groups inside verify steps."""
+    model = load(tiny_dirs, "odd", ReferenceOps())
+    taken = []
+    real = verify_step.pooled_forward
+    monkeypatch.setattr(speculative, "pooled_forward", lambda *a: taken.append(1) or real(*a))
+    if mutation == "no ring restore":
+        monkeypatch.setattr(verify_step, "restore", lambda *a: None)
+    elif mutation == "ragged path":  # the other path gives the same tokens and state
+        monkeypatch.setattr(speculative, "eligible", lambda *a: False)
+    found = []
+    for seed in (5, 6, 7):
+        try:
+            found += check(model, seed, 0.5, tol=1e-4)
+        except (RuntimeError, IndexError, ValueError) as e:
+            found.append(repr(e))
+        if found and mutation:
+            break
+    assert bool(found) == (mutation == "no ring restore"), found
+    assert bool(taken) == (mutation != "ragged path")
+
+
+@pytest.mark.parametrize("mutation", [None, "no window restore"])
+def test_the_device_draft_loop_drafts_as_the_host_loop(tiny_dirs: dict, mutation: str | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``draft_graphs.draft_loop`` (the MTP drafter on the ``StatePool``, one host read) drafts the host loop's
+    tokens, sequence by sequence with different counts, and leaves the block's window as it was (left out, the rows
+    differ)."""
+    from deepinfer.models.deepseek_v4 import draft_graphs
+
+    model = load(tiny_dirs, "base", ReferenceOps())
+    prompts = [[3, 4, 5, 6, 7], list(range(10, 30)), [9]]
+    cache = PagedKVCache(model.config, PAGES * 3, PAGE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(3)]
+    states = [SequenceState() for _ in prompts]
+    batch = ForwardBatch.build([SeqChunk(s, 0, len(x), t) for s, x, t in zip(states, prompts, tables)], prompts)
+    h = model(batch, cache)
+    nxt = model.logits(h)[[b - 1 for _, b in batch.offsets()]].argmax(-1).tolist()
+    drafter = MTPDrafter(model)
+    heads = drafter.observe(h, batch.offsets(), [x[1:] + [n] for x, n in zip(prompts, nxt)], states, tables)
+    layer = model.config.num_hidden_layers
+    before = [st.windows[layer].clone() for st in states]
+    counts = [4, 0, 2]
+    want = drafter._draft_on_host(heads, counts, states, tables)
+    if mutation:
+        monkeypatch.setattr(draft_graphs, "put_back", lambda *a: None)
+    got = drafter._draft_on_device(heads, counts, states)
+    assert got == want and [len(d) for d in got] == counts
+    same = all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))
+    assert same == (mutation is None)

@@ -10,10 +10,13 @@ The graphs are the model family's classes (e.g. ``deepseek_v4.graphs.DecodeGraph
 ``runtime.decode_graphs.SegmentGraphs``, ``deepseek_v4.prefill_graphs.PrefillGraphs`` over
 ``runtime.piecewise_graphs.PiecewiseGraphs``), made on the first step that may use them and kept on the model as
 ``model.decode_graphs`` / ``model.prefill_graphs`` (None until then; set them to use other ones: the tests and
-benchmarks do). The op set decides whether graphs may run at all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and
-not ``ops.batch_invariant`` for any of them, ``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise
-ones, and the model's own ``piecewise_prefill`` (True where the model has no such flag). A step asked to ``capture``
-(a speculative verify step: its attention layers keep their compressor projections for the rollback) never replays
+benchmarks do). A family may also graph speculative decoding's steps, which its speculation code asks for itself
+(``of``): verify steps run as decode sub-steps (``verify``: ``deepseek_v4.verify_graphs.VerifyGraphs``) and the
+drafter's loop (``draft``: ``deepseek_v4.draft_graphs.DraftGraphs``). The op set decides whether graphs may run at
+all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and not ``ops.batch_invariant`` for any of them,
+``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise ones, and the model's own
+``piecewise_prefill`` (True where the model has no such flag). A step asked to ``capture`` (a speculative verify
+step on the ragged path: its attention layers keep their compressor projections for the rollback) never replays
 decode graphs, whose buffers the next replay overwrites; it may replay the piecewise ones, whose attention (where
 the projections are kept) runs eagerly between pieces.
 """
@@ -42,8 +45,22 @@ class StepGraphs:
     """The per-step choice of graphs for a model (module docstring). ``decode`` and ``prefill`` make the model's decode
     and piecewise prefill graphs from the model (its family's classes); ``prefill`` None: no piecewise graphs."""
 
-    def __init__(self, decode: GraphFactory, prefill: GraphFactory | None = None) -> None:
-        self.decode, self.prefill = decode, prefill
+    def __init__(
+        self, decode: GraphFactory, prefill: GraphFactory | None = None, verify: GraphFactory | None = None,
+        draft: GraphFactory | None = None,
+    ) -> None:  # fmt: skip
+        self.decode, self.prefill, self.verify, self.draft = decode, prefill, verify, draft
+
+    def of(self, model: nn.Module, kind: str) -> Any | None:
+        """The model's graphs of speculative decoding's ``kind`` of step (``verify``: verify steps on the decode
+        path; ``draft``: the drafter's loop), kept as ``model.<kind>_graphs`` and made on first use, or None: none
+        for this family, or graphs off (as for ``run``)."""
+        factory, ops = getattr(self, kind), model.ops
+        if factory is None or not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
+            return None
+        if getattr(model, f"{kind}_graphs", None) is None:
+            setattr(model, f"{kind}_graphs", factory(model))
+        return getattr(model, f"{kind}_graphs")
 
     def run(self, model: nn.Module, batch: Any, cache: Any, capture: bool = False) -> torch.Tensor | None:
         """``model``'s step on ``batch`` replayed from its graphs, made on the first step that may use them; None: run

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.models.deepseek_v4 import decode_step
+from deepinfer.models.deepseek_v4 import decode_step, verify_step
 from deepinfer.models.deepseek_v4.compressor import Compressor, Indexer, quant_block
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan
@@ -147,6 +147,12 @@ class Attention(nn.Module):
                 )
             return out
         pool = self.state_pool
+        if pool is not None and pool.verify is not None:  # a verify step on the decode path
+            res = verify_step.attend(self, t, pool.verify, rope, ops)
+            if out is None:
+                return res
+            out[: res.shape[0]].copy_(res)  # (a piecewise graph's buffer: a bucket's rows)
+            return out
         if pool is not None and pool.memo(chunks, "decode", lambda: _pooled_decode(chunks)):
             if self.compressor is not None and cache is None:
                 raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")

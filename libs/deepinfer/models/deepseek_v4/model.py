@@ -114,6 +114,8 @@ class MTPBlock(Block):
 
 
 class DeepseekV4Model(nn.Module):
+    verify_on_decode_path = True  # speculative verify steps may run as decode sub-steps (verify_step.py)
+
     def __init__(self, config: DeepseekV4Config, ops: Ops | None = None) -> None:
         super().__init__()
         self.config = config
@@ -138,6 +140,8 @@ class DeepseekV4Model(nn.Module):
         self.verifying = False  # a speculative verify step: the attention layers keep their projections
         self.decode_graphs: Any = None
         self.prefill_graphs: Any = None
+        self.verify_graphs: Any = None  # verify steps on the decode path (verify_graphs.VerifyGraphs)
+        self.draft_graphs: Any = None  # the MTP drafter's loop (draft_graphs.DraftGraphs)
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.models.deepseek_v4 import draft_graphs
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.speculative import restore_windows, save_windows
 from deepinfer.models.deepseek_v4.state import SequenceState
@@ -86,7 +87,18 @@ class MTPDrafter:
     def draft(
         self, heads: list[MTPHead], counts: list[int], states: list[SequenceState], tables: list[torch.Tensor]
     ) -> list[list[int]]:
-        """``counts[b]`` drafts per sequence (0 allowed) from ``observe``'s heads; the state is left as it was."""
+        """``counts[b]`` drafts per sequence (0 allowed) from ``observe``'s heads; the state is left as it was. Where
+        the model decodes on its ``StatePool``, the loop runs on the device (``draft_graphs``: graphed where the model
+        graphs its steps)."""
+        m = self.model
+        if m.state_pool is not None and m.pooled_decode and not m.ops.batch_invariant:
+            return self._draft_on_device(heads, counts, states)
+        return self._draft_on_host(heads, counts, states, tables)
+
+    def _draft_on_host(
+        self, heads: list[MTPHead], counts: list[int], states: list[SequenceState], tables: list[torch.Tensor]
+    ) -> list[list[int]]:
+        """``draft`` step by step from the host (the batch-invariant ops: per-sequence state)."""
         window = self.model.config.sliding_window
         drafts = [[int(hd.logits.argmax())] if n > 0 else [] for hd, n in zip(heads, counts)]
         extra = [max(n - 1, 0) for n in counts]  # block rows each sequence runs past its consumed positions
@@ -113,6 +125,34 @@ class MTPDrafter:
                 st.mtp_tokens = st.num_tokens
                 restore_windows(st, saved, st.num_tokens, k, 0)
         return drafts
+
+    def _draft_on_device(self, heads: list[MTPHead], counts: list[int], states: list[SequenceState]
+                         ) -> list[list[int]]:  # fmt: skip
+        """``draft`` by ``draft_graphs.draft_loop``: one host read of every draft."""
+        out: list[list[int]] = [[] for _ in counts]
+        live = [b for b, n in enumerate(counts) if n > 0]
+        if not live:
+            return out
+        k, window = max(counts), self.model.config.sliding_window
+        if k - 1 > window:
+            raise ValueError(f"{k - 1} drafting rows overrun the MTP window of {window}")
+        sts = [states[b] for b in live]
+        for st in sts:
+            if st.mtp_tokens != st.num_tokens:
+                raise ValueError(f"the MTP block holds {st.mtp_tokens} positions, the trunk {st.num_tokens}: observe")
+        first = torch.stack([heads[b].logits for b in live]).argmax(-1)
+        got = first.unsqueeze(1)
+        if k > 1:
+            streams = torch.stack([heads[b].streams for b in live])
+            graphs = self.model.step_graphs.of(self.model, "draft") if self.model.step_graphs is not None else None
+            got = None if graphs is None else graphs.run(sts, streams, first, k - 1)
+            if got is None:
+                plan = draft_graphs.eager_plan(self.model.state_pool, window, sts, k - 1)
+                got = draft_graphs.draft_loop(self.model, self.depth, plan, streams, first)
+        rows = got.tolist()
+        for i, b in enumerate(live):
+            out[b] = rows[i][: counts[b]]
+        return out
 
 
 __all__ = ["MTPDrafter", "MTPHead"]

@@ -37,6 +37,7 @@ import torch
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, ring_span
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify, eligible, pooled_forward
 
 
 @dataclass
@@ -197,15 +198,20 @@ def verify(
     block_tables: list[torch.Tensor],
     last_tokens: list[int],
     drafts: list[list[int]],
-) -> VerifyStep:
-    """The verify forward of sequences ``states`` (module docstring); roll back with ``VerifyStep.rollback``."""
+) -> VerifyStep | PooledVerify:
+    """The verify forward of sequences ``states`` (module docstring); roll back with ``VerifyStep.rollback``. On
+    the decode path (``verify_step``) where it takes the step."""
     window = getattr(model, "text", model.config).sliding_window  # (V4.1: its text config)
     for d in drafts:
         if len(d) + 1 > window:
             raise ValueError(f"{len(d)} drafts need {len(d) + 1} window rows; the window holds {window}")
-    saves = save_states(model, states, [len(d) for d in drafts])
     chunks = [SeqChunk(st, st.num_tokens, len(d) + 1, t) for st, d, t in zip(states, drafts, block_tables)]
     batch = ForwardBatch.build(chunks, [[x, *d] for x, d in zip(last_tokens, drafts)], device=model.embed.weight.device)
+    if eligible(model, chunks):
+        h, step = pooled_forward(model, batch, cache, list(range(len(chunks))))
+        step.hidden, step.logits = h, model.logits(h)
+        return step
+    saves = save_states(model, states, [len(d) for d in drafts])
     h, captured = capturing_forward(model, batch, cache)
     return VerifyStep(model, batch, h, model.logits(h), batch.offsets(), saves, captured)
 

@@ -23,6 +23,7 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter, MTPHead
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify, eligible, pooled_forward
 from deepinfer.runtime.host_copy import tensor
 
 
@@ -30,7 +31,7 @@ from deepinfer.runtime.host_copy import tensor
 class PendingVerify:
     """A verify forward's rollback: the model's ``VerifyStep`` of the verified sequences."""
 
-    step: VerifyStep
+    step: VerifyStep | PooledVerify
     chunks: list[int]  # the verified chunks of the step
     rids: list[str]
 
@@ -104,6 +105,9 @@ class MTPSpeculator:
         (``follow``: the block follows a plain step from its output, which needs nothing more of the forward.)"""
         if not verified:
             return self.model(batch, cache), None
+        if eligible(self.model, batch.chunks):  # on the decode path
+            h, pooled = pooled_forward(self.model, batch, cache, verified)
+            return h, PendingVerify(pooled, verified, rids)
         saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
         h, captured = capturing_forward(self.model, batch, cache)
         offsets = batch.offsets()

@@ -99,6 +99,7 @@ class StatePool:
         self.generation = 0
         self._initial = initial
         self._memo: dict = {}  # this forward's tensors shared by every layer (``memo``)
+        self.verify: object | None = None  # a verify step's plan while its forward runs (deepseek_v4.verify_step)
         self._grow(initial)
         self.scratch = self.free.pop()  # no state's: where the padding rows of a graphed step write
 
