@@ -9,8 +9,8 @@ the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per r
 
 * **off** (the peer): plain decoding, one token per step.
 * **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the
-  target's greedy continuation with a draft error rate ``e`` (random weights make the MTP block useless, so this sets the
-  acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
+  target's greedy continuation (below) with a draft error rate ``e`` (random weights make the MTP block useless, so
+  this sets the acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
 * **mtp**: the model's own drafter (V4: the MTP block; V4.1: DSpark, which also makes every step it follows run
   eagerly with the target's features captured; its measured acceptance on random weights is near 0), whose step time
   less the oracle's at ``e = 1`` (same verify shape, nothing kept) is the drafter's cost per step.

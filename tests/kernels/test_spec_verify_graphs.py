@@ -213,3 +213,47 @@ def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
     assert model.draft_graphs is not None and model.draft_graphs.replays == 2 and model.draft_graphs.captures == 1
     assert eager == first == again and [len(d) for d in eager] == counts
     assert all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))
+
+
+@gpu_only
+def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
+    """The MTP drafter's observe pass on the decode path (``draft_graphs.ObserveGraphs``: 3, 1, 2 and 3 rows per
+    sequence) replayed against the same pass run eagerly, from the same state: the same heads and block windows."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
+
+    config = DeepseekV4Config.from_dict(TINY_V4)
+    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
+    model.ops.cuda_graphs = True
+    model.load_state_dict(random_weights(config, seed=2), strict=False)
+    model = model.to(DEVICE, torch.float32)
+    g, _, tables, states, _ = _prompts(model)
+    drafter, layer, counts = MTPDrafter(model), config.num_hidden_layers, [3, 1, 2, 3]
+    h = torch.randn(sum(counts), config.hc_mult, config.hidden_size, generator=g).to(DEVICE)
+    ids = torch.randint(2, config.vocab_size, (sum(counts),), generator=g).to(DEVICE)
+    for st, n in zip(states, counts):
+        st.mtp_tokens = st.num_tokens - n
+    model.state_pool.adopt(states)
+    ring0 = model.state_pool.rings[layer].clone()
+
+    def observe() -> list:
+        for st, n in zip(states, counts):
+            st.mtp_tokens = st.num_tokens - n
+        model.state_pool.rings[layer].copy_(ring0)
+        heads = drafter.observe_rows(h, ids, counts, states, tables)
+        # (the states' windows: the scratch slot, where dead rows write, is no state's)
+        return [x for hd in heads for x in (hd.streams, hd.logits)] + [st.windows[layer].clone() for st in states]
+
+    eager = observe()
+    model.step_graphs = FAMILY.step_graphs()
+    first, again = observe(), observe()
+    torch.cuda.synchronize()
+    assert model.observe_graphs is not None and model.observe_graphs.replays == 2
+    assert model.observe_graphs.captures == 1 and model.observe_graphs.failures == {}
+    for i, (a, b, c) in enumerate(zip(eager, first, again)):
+        assert torch.equal(b, c), (i, (b - c).abs().max())
+        assert torch.equal(a, b), (i, (a - b).abs().max(), (a - b).abs().nonzero()[:8].tolist())

@@ -12,9 +12,9 @@ The graphs are the model family's classes (e.g. ``deepseek_v4.graphs.DecodeGraph
 ``model.decode_graphs`` / ``model.prefill_graphs`` (None until then; set them to use other ones: the tests and
 benchmarks do). A family may also graph speculative decoding's steps, which its speculation code asks for itself
 (``of``): verify steps run as decode sub-steps (``verify``: ``deepseek_v4.verify_graphs.VerifyGraphs``) and the
-drafter's loop (``draft``: ``deepseek_v4.draft_graphs.DraftGraphs``). The op set decides whether graphs may run at
-all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and not ``ops.batch_invariant`` for any of them,
-``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise ones, and the model's own
+drafter's loop and observe pass (``draft`` and ``observe``: ``deepseek_v4.draft_graphs``). The op set decides
+whether graphs may run at all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and not ``ops.batch_invariant`` for
+any of them, ``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise ones, and the model's own
 ``piecewise_prefill`` (True where the model has no such flag). A step asked to ``capture`` (a speculative verify
 step on the ragged path: its attention layers keep their compressor projections for the rollback) never replays
 decode graphs, whose buffers the next replay overwrites; it may replay the piecewise ones, whose attention (where
@@ -47,14 +47,16 @@ class StepGraphs:
 
     def __init__(
         self, decode: GraphFactory, prefill: GraphFactory | None = None, verify: GraphFactory | None = None,
-        draft: GraphFactory | None = None,
+        draft: GraphFactory | None = None, observe: GraphFactory | None = None,
     ) -> None:  # fmt: skip
-        self.decode, self.prefill, self.verify, self.draft = decode, prefill, verify, draft
+        self.decode, self.prefill = decode, prefill
+        self.verify, self.draft, self.observe = verify, draft, observe
 
     def of(self, model: nn.Module, kind: str) -> Any | None:
-        """The model's graphs of speculative decoding's ``kind`` of step (``verify``: verify steps on the decode
-        path; ``draft``: the drafter's loop), kept as ``model.<kind>_graphs`` and made on first use, or None: none
-        for this family, or graphs off (as for ``run``)."""
+        """The model's graphs of speculative decoding's ``kind`` of step (``verify``: verify steps on the decode path;
+        ``draft``: the drafter's loop; ``observe``: the drafter's pass over kept rows), kept as
+        ``model.<kind>_graphs`` and made on first use, or None: none for this family, or graphs off (as for
+        ``run``)."""
         factory, ops = getattr(self, kind), model.ops
         if factory is None or not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
             return None

@@ -33,15 +33,15 @@ class DeepseekV4Family:
     def step_graphs(self) -> StepGraphs:
         """The runtime's graphs for this family's model (``runtime.step_graphs``): ``graphs.DecodeGraphs`` for decode
         steps, ``verify_graphs.VerifyGraphs`` for verify steps on the decode path and
-        ``draft_graphs.DraftGraphs`` for the MTP drafter's loop, ``prefill_graphs.PrefillGraphs``
+        ``draft_graphs`` for the MTP drafter's loop and observe pass, ``prefill_graphs.PrefillGraphs``
         for the others; ``build`` attaches them (``model.step_graphs``), and so does whoever builds the model by hand
         and wants its steps graphed."""
-        from deepinfer.models.deepseek_v4.draft_graphs import DraftGraphs
+        from deepinfer.models.deepseek_v4.draft_graphs import DraftGraphs, ObserveGraphs
         from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
         from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs
         from deepinfer.models.deepseek_v4.verify_graphs import VerifyGraphs
 
-        return StepGraphs(DecodeGraphs, PrefillGraphs, VerifyGraphs, DraftGraphs)
+        return StepGraphs(DecodeGraphs, PrefillGraphs, VerifyGraphs, DraftGraphs, ObserveGraphs)
 
     def build(
         self,

@@ -141,7 +141,8 @@ class DeepseekV4Model(nn.Module):
         self.decode_graphs: Any = None
         self.prefill_graphs: Any = None
         self.verify_graphs: Any = None  # verify steps on the decode path (verify_graphs.VerifyGraphs)
-        self.draft_graphs: Any = None  # the MTP drafter's loop (draft_graphs.DraftGraphs)
+        self.draft_graphs: Any = None  # the MTP drafter's loop and observe pass (draft_graphs)
+        self.observe_graphs: Any = None
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold

@@ -24,6 +24,7 @@ from deepinfer.models.deepseek_v4 import draft_graphs
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.speculative import restore_windows, save_windows
 from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.models.deepseek_v4.verify_step import V4VerifyPlan
 
 
 @dataclass
@@ -67,8 +68,40 @@ class MTPDrafter:
                 raise ValueError(
                     f"the MTP block holds {st.mtp_tokens} positions and gets {n}; the trunk holds {st.num_tokens}"
                 )
+        if self._on_pool() and max(counts) <= draft_graphs.OBSERVE_ROWS:
+            return self._observe_on_device(h, next_ids, counts, states)
         x, logits, offs = self._run(h, next_ids, counts, states, tables)
         return [MTPHead(x[b - 1], logits[b - 1]) for _, b in offs]
+
+    def _on_pool(self) -> bool:
+        """Whether the block runs on the model's ``StatePool`` (its decode path: not the batch-invariant ops)."""
+        m = self.model
+        return m.state_pool is not None and m.pooled_decode and not m.ops.batch_invariant
+
+    def _graphs(self, kind: str) -> object | None:
+        m = self.model
+        return m.step_graphs.of(m, kind) if m.step_graphs is not None else None
+
+    def _observe_on_device(self, h: torch.Tensor, next_ids: torch.Tensor, counts: list[int],
+                           states: list[SequenceState]) -> list[MTPHead]:  # fmt: skip
+        """``observe_rows`` on the decode path (``draft_graphs.observe_loop``), graphed where the model graphs its
+        steps."""
+        graphs = self._graphs("observe")
+        got = None if graphs is None else graphs.run(states, h, next_ids, counts)
+        if got is None:
+            pool, dev = self.model.state_pool, h.device
+            chunks = [SeqChunk(st, st.mtp_tokens, n, None) for st, n in zip(states, counts)]
+            rows = 1 << (max(counts) - 1).bit_length()  # as the graphs' buckets: the same numbers
+            plan = V4VerifyPlan.of(pool, None, self.model.config.sliding_window, chunks, rows - 1)
+            _, at, last = draft_graphs.observe_rows_of(counts, len(states))
+            at = at.to(dev)
+            n_rows = len(plan.subs) * len(states)
+            hp = h.new_zeros(n_rows, *h.shape[1:]).index_copy_(0, at, h)
+            ids = next_ids.new_zeros(n_rows).index_copy_(0, at, next_ids)
+            got = draft_graphs.observe_loop(self.model, self.depth, plan, hp, ids, last.to(dev))
+        for st, n in zip(states, counts):
+            st.mtp_tokens += n
+        return [MTPHead(got[0][b], got[1][b]) for b in range(len(states))]
 
     @torch.no_grad()
     def observe(
@@ -90,8 +123,7 @@ class MTPDrafter:
         """``counts[b]`` drafts per sequence (0 allowed) from ``observe``'s heads; the state is left as it was. Where
         the model decodes on its ``StatePool``, the loop runs on the device (``draft_graphs``: graphed where the model
         graphs its steps)."""
-        m = self.model
-        if m.state_pool is not None and m.pooled_decode and not m.ops.batch_invariant:
+        if self._on_pool():
             return self._draft_on_device(heads, counts, states)
         return self._draft_on_host(heads, counts, states, tables)
 
@@ -144,7 +176,7 @@ class MTPDrafter:
         got = first.unsqueeze(1)
         if k > 1:
             streams = torch.stack([heads[b].streams for b in live])
-            graphs = self.model.step_graphs.of(self.model, "draft") if self.model.step_graphs is not None else None
+            graphs = self._graphs("draft")
             got = None if graphs is None else graphs.run(sts, streams, first, k - 1)
             if got is None:
                 plan = draft_graphs.eager_plan(self.model.state_pool, window, sts, k - 1)

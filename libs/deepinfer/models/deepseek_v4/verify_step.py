@@ -82,10 +82,13 @@ class V4VerifyPlan:
         return cls(pool, subs, buf[0], buf[4 * k1], ids=buf[4 * k1 + 1 :].view(-1), stage=StagedCopy(buf))
 
     @classmethod
-    def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk]) -> V4VerifyPlan:
-        """An eager step's plan of ``chunks`` (each its token and drafts), exact widths."""
+    def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
+           drafts: int | None = None) -> V4VerifyPlan:  # fmt: skip
+        """An eager step's plan of ``chunks`` (each its token and drafts), exact widths; ``drafts``: sub-steps less
+        one (default: the most drafts of a chunk)."""
         slots = pool.adopt([c.state for c in chunks])
-        host, top = host_meta(chunks, slots, pool.scratch, len(chunks), max(c.length for c in chunks) - 1)
+        k = max(c.length for c in chunks) - 1 if drafts is None else drafts
+        host, top = host_meta(chunks, slots, pool.scratch, len(chunks), k)
         meta = to_device(torch.from_numpy(host), pool.device)
         widths, pages = step_widths(cache, top)
         tables = None if cache is None else block_tables(_last_rows(chunks), pages, cache)
@@ -94,7 +97,7 @@ class V4VerifyPlan:
             rows = host[4 * j : 4 * j + 4]
             live = rows[3] == 1
             pos, floor = rows[1][live], rows[2][live]
-            win = int((pos - np.maximum(np.maximum(floor, pos - window + 1), 0)).max()) + 1
+            win = int((pos - np.maximum(np.maximum(floor, pos - window + 1), 0)).max(initial=0)) + 1
             subs.append(V4DecodePlan(pool, cache, window, meta[4 * j : 4 * j + 4], tables, win, widths))
         return cls(pool, subs, meta[0], to_device(torch.tensor([c.start for c in chunks]), pool.device))
 
@@ -167,10 +170,12 @@ def eligible(model: torch.nn.Module, chunks: list[SeqChunk]) -> bool:
 
 # -- inside the forward: each layer's attention ---------------------------------------------------------------------
 def attend(attn: decode_step.AttentionLayer, t: dict[str, torch.Tensor], plan: V4VerifyPlan, rope: RotaryTable,
-           ops: Ops) -> torch.Tensor:  # fmt: skip
+           ops: Ops, keep: bool = True) -> torch.Tensor:  # fmt: skip
     """The attention output ``[(K+1)·S, H, d]`` of a layer for the verify step ``plan``: the rows the drafts will
-    overwrite saved, then the sub-steps in order (module docstring)."""
-    save(attn, plan)
+    overwrite saved (``keep``; not for rows that all stay, as the MTP block's observed ones), then the sub-steps in
+    order (module docstring)."""
+    if keep:
+        save(attn, plan)
     s, outs = plan.size, []
     for j, sub in enumerate(plan.subs):
         rows = {k: t[k][j * s : (j + 1) * s] for k in ROW_KEYS if k in t}
