@@ -67,7 +67,9 @@ def test_warm_up_runs_its_sizes_and_leaves_nothing(model_dir, monkeypatch):
 
 def test_warm_up_runs_verify_steps_of_its_sizes(model_dir, monkeypatch):
     """With speculative decoding the warm-up also runs a verify step per size it is given (the drafts of a fixed
-    drafter, put in the runner for that step only), and leaves nothing behind in the runner or its speculator."""
+    drafter, put in the runner for that step only) and the model's own drafter's passes at that size (observe 1, 2
+    and 4 rows per sequence, then draft: what its graphs capture on a GPU), and leaves nothing behind in the runner
+    or its speculator."""
     llm = LLM(model_dir, accelerator="cpu", num_pages=PAGES, page_size=PAGE, max_model_len=LIMIT,
               num_speculative_tokens=3)  # fmt: skip
     runner = llm.engine.runner
@@ -76,6 +78,25 @@ def test_warm_up_runs_verify_steps_of_its_sizes(model_dir, monkeypatch):
     results = []
     execute = runner.execute
     monkeypatch.setattr(runner, "execute", lambda plan: results.append((plan, execute(plan))) or results[-1][1])
+    observed = []  # the drafter's observe passes its warm_graphs runs (batch, rows per sequence)
+    observe = own.drafter.observe_rows
+
+    warm, warming = own.warm_graphs, []
+
+    def observe_rows(h, ids, counts, *a):
+        if warming:
+            observed.append((len(counts), counts))
+        return observe(h, ids, counts, *a)
+
+    def warm_graphs(states):
+        warming.append(1)
+        try:
+            return warm(states)
+        finally:
+            warming.clear()
+
+    monkeypatch.setattr(own.drafter, "observe_rows", observe_rows)
+    monkeypatch.setattr(own, "warm_graphs", warm_graphs)
     report = warm_up(runner, PAGES, PAGE, LIMIT, llm.config.vocab_size, batches=[1, 2], verifier=verifier,
                      verify_batches=[2, 4])  # fmt: skip
     assert set(report) == {"decode_4", "verify_4", "decode_2", "verify_2", "decode_1"}
@@ -84,6 +105,7 @@ def test_warm_up_runs_verify_steps_of_its_sizes(model_dir, monkeypatch):
     assert all(s.num_drafts == 3 for _, r in verify for s in r.results)  # every sequence verified 3 drafts
     assert runner.spec is own and not runner.states and not runner.sampled
     assert not own.carry and not own.heads and not verifier.carry and not verifier.heads
+    assert observed == [(4, [1] * 4), (4, [2] * 4), (4, [4] * 4), (2, [1] * 2), (2, [2] * 2), (2, [4] * 2)]
 
 
 def test_decode_sizes_follow_the_graph_buckets():
@@ -121,8 +143,9 @@ def test_gpu_warm_up_leaves_every_bucket_captured(model_dir, monkeypatch):
 )
 def test_gpu_warm_up_captures_the_verify_steps(model_dir, tiny_v41_dir, monkeypatch):
     """With speculative decoding the factory's warm-up also runs verify steps (the fixed drafter put in for them,
-    the model's own drafter back afterwards): their piecewise graphs are captured before serving, and speculative
-    requests afterwards capture no verify shape of a warmed batch. Both families (V4's MTP, V4.1's DSpark)."""
+    the model's own drafter back afterwards): their graphs are captured before serving (V4: the decode-path verify
+    graphs and the MTP drafter's; V4.1: the piecewise ones), and speculative requests afterwards capture nothing of
+    a warmed batch. Both families (V4's MTP, V4.1's DSpark)."""
     monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "8")
     monkeypatch.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")
     for path in (model_dir, tiny_v41_dir):
@@ -132,7 +155,14 @@ def test_gpu_warm_up_captures_the_verify_steps(model_dir, tiny_v41_dir, monkeypa
         assert pieces is not None and pieces.captures > 0 and not pieces.failures
         assert llm.engine.runner.spec.proposer is None  # the model's own drafter serves
         held = pieces.captures
+        spec = {}  # V4: the decode-path verify graphs and the MTP drafter's, captured by the warm-up
+        if path == model_dir:
+            spec = {k: getattr(llm.model, f"{k}_graphs") for k in ("verify", "draft", "observe")}
+            assert all(g is not None and g.captures > 0 and not g.failures for g in spec.values()), spec
+        before = {k: g.captures for k, g in spec.items()}
         outs = llm.generate([{"prompt_token_ids": [5 + i, 17, 99]} for i in range(4)],
                             SamplingParams(temperature=0, max_tokens=8))  # fmt: skip
         assert all(o.usage.get("draft_tokens", 0) > 0 for o in outs)
         assert pieces.captures == held, (pieces.captures, held)
+        assert {k: g.captures for k, g in spec.items()} == before
+        assert all(g.replays > 0 for g in spec.values())

@@ -3,18 +3,20 @@ first real requests do not pay the one-time costs of a batch shape (on the `nvid
 kernels of a tile configuration, seconds; capturing a decode CUDA graph per batch bucket, and the piecewise graphs of
 the prefill sizes it runs, ``DEEPINFER_PREFILL_GRAPHS``). vLLM captures its graphs at start-up for the same reason.
 
-``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens``
-(one sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``,
-the largest first, a step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b``
-(the first captures the bucket's graph, the second replays it). With speculative decoding, for each size of
+``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens`` (one
+sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``, the
+largest first, a step prefilling ``b`` sequences of ``PROMPT`` tokens and ``DECODES`` decode steps of all ``b`` (the
+first captures the bucket's graph, the second replays it). With speculative decoding, for each size of
 ``verify_batches`` one more step verifies ``verifier.max_drafts`` drafts per sequence (``verifier``: the family's
 speculator proposing :class:`FixedDrafts`, put in the runner for that step): a verify step of ``b`` sequences replays
-the piecewise graphs of ``b x (drafts + 1)`` tokens, whose capture (seconds on a GPU) a server would otherwise pay
-the first time the scheduler drafts for that many sequences at once. It uses the cache's pages from 0 up, which no
-scheduler has handed out yet (it runs before the worker serves; a size that does not fit is skipped), and releases
-every state it made: nothing of it is left in the runner, and the pages' contents are overwritten before any later
-sequence reads them. The largest batch comes first because a bucket's graph holds the state pool's tensors and a
-growing pool drops the graphs captured before (``decode_graphs``); decode steps at a longer context still capture
+the verify step's graphs of ``b`` sequences (DeepSeek-V4's decode-path verify graphs; V4.1's piecewise graphs of ``b
+x (drafts + 1)`` tokens), whose capture (seconds on a GPU) a server would otherwise pay the first time the scheduler
+drafts for that many sequences at once; then the model's own drafter captures its graphs at that batch (its
+``warm_graphs``, where it has them: V4's MTP observe pass and drafting loop). It uses the cache's pages from 0 up,
+which no scheduler has handed out yet (it runs before the worker serves; a size that does not fit is skipped), and
+releases every state it made: nothing of it is left in the runner, and the pages' contents are overwritten before any
+later sequence reads them. The largest batch comes first because a bucket's graph holds the state pool's tensors and
+a growing pool drops the graphs captured before (``decode_graphs``); decode steps at a longer context still capture
 their span's graph when first met.
 """
 
@@ -112,6 +114,9 @@ def warm_up(
                          for r, tok, tb in zip(rids, last, tables)])  # fmt: skip
                 finally:
                     runner.spec = spec
+                warm = getattr(spec, "warm_graphs", None)  # the model's own drafter's graphs at this batch
+                if warm is not None:
+                    warm([runner.states[r] for r in rids])
                 report[f"verify_{b}"] = time.perf_counter() - t
         finally:
             runner.release(rids)

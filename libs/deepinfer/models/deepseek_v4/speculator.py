@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.models.deepseek_v4.draft_graphs import OBSERVE_ROWS
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter, MTPHead
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
@@ -59,6 +60,27 @@ class MTPSpeculator:
         for rid in rids:
             self.carry.pop(rid, None)
             self.heads.pop(rid, None)
+
+    def warm_graphs(self, states: list[SequenceState]) -> None:
+        """Capture the drafter's graphs at this batch before serving (the worker's warm-up, on its own sequences,
+        released afterwards: their MTP state is left arbitrary): the observe pass for every row count a verify step
+        may keep (1 .. ``max_drafts + 1``, by the graphs' powers of two) and the drafting loop (eagerly where the
+        model has no graphs). Nothing where the drafter runs off the decode path."""
+        d, m = self.drafter, self.model
+        if d is None or not d._on_pool() or self.max_drafts + 1 > OBSERVE_ROWS:
+            return
+        c, dev, n = m.config, m.embed.weight.device, len(states)
+        rows, heads = 1, []
+        while rows < 2 * (self.max_drafts + 1):
+            k = min(rows, self.max_drafts + 1)
+            if any(st.num_tokens < k for st in states):
+                return
+            for st in states:
+                st.mtp_tokens = st.num_tokens - k
+            h = torch.zeros(k * n, c.hc_mult, c.hidden_size, dtype=m.embed.weight.dtype, device=dev)
+            heads = d.observe_rows(h, torch.zeros(k * n, dtype=torch.long, device=dev), [k] * n, states, [None] * n)
+            rows *= 2
+        d.draft(heads, [self.max_drafts] * n, states, [None] * n)
 
     # -- drafting ---------------------------------------------------------------------------------
     def propose(
@@ -106,7 +128,7 @@ class MTPSpeculator:
         if not verified:
             return self.model(batch, cache), None
         if eligible(self.model, batch.chunks):  # on the decode path
-            h, pooled = pooled_forward(self.model, batch, cache, verified)
+            h, pooled = pooled_forward(self.model, batch, cache, verified, self.max_drafts)
             return h, PendingVerify(pooled, verified, rids)
         saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
         h, captured = capturing_forward(self.model, batch, cache)

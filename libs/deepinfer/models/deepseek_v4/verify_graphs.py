@@ -51,10 +51,12 @@ class VerifyGraphs(SegmentGraphs):
     def graphable(self, batch: ForwardBatch) -> bool:
         return bool(batch.chunks)
 
-    def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> tuple[torch.Tensor, VerifyBucket] | None:
-        """The final streams ``[S·(K+1), hc, D]`` of the verify step of ``batch``'s chunks (``verify_step.eligible``),
-        sub-step after sub-step, and its bucket (whose ``restore`` rolls it back); None: not graphed (the caller runs
-        it eagerly). Advances the attention state as the eager step does (not ``num_tokens``)."""
+    def run(self, batch: ForwardBatch, cache: PagedKVCache | None, pad: int = 0
+            ) -> tuple[torch.Tensor, VerifyBucket] | None:  # fmt: skip
+        """The final streams ``[S·(K+1), hc, D]`` of the verify step of ``batch``'s chunks (``verify_step.eligible``;
+        ``K`` their most drafts, at least ``pad``), sub-step after sub-step, and its bucket (whose ``restore`` rolls
+        it back); None: not graphed (the caller runs it eagerly). Advances the attention state as the eager step does
+        (not ``num_tokens``)."""
         model, chunks = self.model, batch.chunks
         pool = model.state_pool
         if pool is None or not self.applies(batch):
@@ -63,7 +65,7 @@ class VerifyGraphs(SegmentGraphs):
             return None
         slots = pool.adopt([c.state for c in chunks])
         self.own(pool, pool.generation, cache)
-        drafts = max(c.length for c in chunks) - 1
+        drafts = max(max(c.length for c in chunks) - 1, pad)
         span = span_for(max(c.end for c in chunks), cache.page_size) if cache is not None else 0
 
         def load(bk: VerifyBucket) -> None:

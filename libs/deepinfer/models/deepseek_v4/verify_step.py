@@ -109,9 +109,12 @@ class V4VerifyPlan:
         full = np.zeros((self.stage.dst.shape[0], size), dtype=np.int64)
         full[: 4 * k1] = host
         full[4 * k1, :n] = [c.start for c in chunks]
-        ids = batch.host_token_ids if batch.host_token_ids is not None else batch.token_ids.cpu()
-        full[4 * k1 + 1 :].reshape(-1)[verify_rows(chunks, size)] = ids.numpy()
+        rows = verify_rows(chunks, size)
+        if batch.host_token_ids is not None:
+            full[4 * k1 + 1 :].reshape(-1)[rows] = batch.host_token_ids.numpy()
         self.stage.copy(torch.from_numpy(full))
+        if batch.host_token_ids is None:  # ids on the device only (an earlier step's samples): copied there
+            self.ids.index_copy_(0, to_device(torch.from_numpy(rows), self.ids.device), batch.token_ids)
         cache = self.subs[0].cache
         if cache is not None:
             tables = self.subs[0].tables
@@ -162,10 +165,15 @@ def eligible(model: torch.nn.Module, chunks: list[SeqChunk]) -> bool:
     if model.ops.batch_invariant or not model.pooled_decode:
         return False
     k = max(c.length for c in chunks) - 1
+    return k < ring_rows(model) and all(c.state.replay_until <= c.start == c.state.num_tokens for c in chunks)
+
+
+def ring_rows(model: torch.nn.Module) -> int:
+    """The fewest rows of any of the model's rings (its window, its compressors' ``m`` or ``2m``)."""
     caps = [model.config.sliding_window]
     for layer in model.layers:
         caps += [2 * c.ratio if c.overlap else c.ratio for _, c in layer.attn.pending()]
-    return k < min(caps) and all(c.state.replay_until <= c.start == c.state.num_tokens for c in chunks)
+    return min(caps)
 
 
 # -- inside the forward: each layer's attention ---------------------------------------------------------------------
@@ -288,16 +296,18 @@ class PooledVerify:
 
 
 @torch.no_grad()
-def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int]
-                   ) -> tuple[torch.Tensor, PooledVerify]:  # fmt: skip
+def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int],
+                   pad: int = 0) -> tuple[torch.Tensor, PooledVerify]:  # fmt: skip
     """The model's forward on ``batch`` (chunks sequence after sequence; chunks ``verified`` carry drafts, the
-    others one token; ``eligible``) on this path: the hidden streams in ``batch``'s row order, and the rollback."""
+    others one token; ``eligible``) on this path: the hidden streams in ``batch``'s row order, and the rollback.
+    ``pad``: a graphed step runs at least that many sub-steps less one (the drafter's most drafts: a step whose
+    drafts were cut, near a request's ``max_tokens``, replays the graphs of full ones instead of capturing its own)."""
     chunks, offsets = batch.chunks, batch.offsets()
     model._use_pool(True)
     pool = model.state_pool
     saves = [VerifiedSeq(chunks[i].state, chunks[i].start, chunks[i].length - 1) for i in verified]
     graphs = model.step_graphs.of(model, "verify") if model.step_graphs is not None else None
-    got = None if graphs is None else graphs.run(batch, cache)
+    got = None if graphs is None else graphs.run(batch, cache, pad if pad < ring_rows(model) else 0)
     if got is not None:  # replayed: the bucket's rows, its restore
         hs, bk = got
         at = to_device(torch.from_numpy(verify_rows(chunks, bk.size)), batch.device)
@@ -321,5 +331,5 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
 
 __all__ = [
     "PooledVerify", "V4VerifyPlan", "VerifiedSeq", "allocate_saves", "attend", "eligible", "pooled_forward", "restore",
-    "save", "verify_rows",
+    "ring_rows", "save", "verify_rows",
 ]  # fmt: skip
