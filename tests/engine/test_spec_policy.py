@@ -204,3 +204,34 @@ def test_scheduler_plans_without_drafts_while_plain_steps_are_cheaper() -> None:
     assert s.spec.steps_off_cost > 0.7 * 300 and s.spec.steps_off_batch == 0
     est = s.spec_policy.estimates
     assert est[(4, True)].seconds_per_token > est[(4, False)].seconds_per_token
+
+
+def test_a_split_batch_verifies_together_again() -> None:
+    """Two requests whose prompts ran in different steps get out of phase: while one's verify step is in flight the
+    other would draft alone, and they would verify in two halves for ever (measured on the H200: a batch of 16 whose
+    prompts took two chunks ran as alternating verify steps of 8, twice the steps). A request that would draft while
+    another verifies waits for that step, so after the first rounds they verify in one step. Driven as the engine
+    loop drives it: up to two steps in flight, results in order."""
+    cfg = SchedulerConfig(page_size=16, max_model_len=4096, eos_token_id=1, num_speculative_tokens=3, spec_explore=0)
+    s = Scheduler(cfg, PagePool(512))
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    s.add("a", [5, 6, 7, 8], params)
+    flight: list = []
+    verifies: list[set[str]] = []
+    for k in range(200):
+        if k == 1:
+            s.add("b", [5, 6, 7, 9], params)  # its prompt runs while a's first step is in flight
+        plan = s.schedule(lookahead=len(flight)) if len(flight) < 2 else None
+        if plan is not None and plan.chunks:
+            flight.append(plan)
+            if any(c.num_drafts for c in plan.chunks):
+                verifies.append({c.request_id for c in plan.chunks if c.num_drafts})
+            continue
+        if not flight:
+            break
+        done = flight.pop(0)
+        s.update(StepResult(done.step_id, [
+            SeqResult(c.request_id, 9, extra_token_ids=[9] * c.num_drafts, num_drafts=c.num_drafts)
+            for c in done.chunks if c.sample
+        ]))  # fmt: skip
+    assert len(verifies) > 10 and all(v == {"a", "b"} for v in verifies[3:10]), verifies  # (then a ends first)

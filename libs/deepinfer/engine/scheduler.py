@@ -188,6 +188,9 @@ class Scheduler(PrefixCaching):
         self._pending = []
         budget = self.config.max_num_batched_tokens
         spec = speculating(self.config, self.running, self.spec, self.spec_policy)
+        # while a verify step is in flight, decode rows that would draft wait for it and verify with its requests in
+        # the next step: a batch split once (a prefill in two chunks) would otherwise verify in two halves forever
+        held = spec and any(r.verifying and r.in_flight for r in self.running)
         for req in list(self.running):
             if budget == 0:
                 break
@@ -205,6 +208,8 @@ class Scheduler(PrefixCaching):
                 n = self._cut(req, min(req.num_tokens - req.num_computed, budget))
                 if spec and n == 1 == req.num_tokens - req.num_computed:
                     drafts = max(0, min(draftable(self.config, req, self._max_len()), budget - 1))
+                    if drafts and held:
+                        continue
             if n <= 0:
                 continue
             if not self._grow(req, req.num_computed + n + drafts):
