@@ -291,12 +291,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warm_graphs(s, args)
         work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)
         for b in args.batches:
-            warm = run(s, b, None)  # warm: graphs at this batch, kernels of the verify shapes
-            try:
-                run(s, b, 0.5, warm["continuations"])
-                run(s, b, "mtp")  # the drafter's graphs (V4: its loop's)
-            except Exception:
-                pass  # measure() records it
+            if dev.type == "cuda":  # warm: graphs at this batch, kernels of the verify shapes, the drafter's graphs
+                warm = run(s, b, None)
+                try:
+                    run(s, b, 0.5, warm["continuations"])
+                    run(s, b, "mtp")
+                except Exception:
+                    pass  # measure() records it
             off = run(s, b, None)
             # every step a verify step, every draft wrong: the target's greedy tokens under the verify step's numbers,
             # which the oracle replays (rounding differs from a plain step's: near-ties may go the other way)
