@@ -28,8 +28,10 @@ with the drafter's cost, which does not grow with depth: TPOT(L) = (verify(L) + 
 With the default ops a verify row's numbers differ from a plain decode row's by rounding (other GEMM shapes), so
 near-ties may go the other way, and an oracle replaying the plain run's tokens would be wrong from there on. The
 continuation the oracle replays is therefore a run whose every step is a verify step with every draft wrong (the
-oracle at ``e = 1``): a verify step's numbers do not depend on which of its rows a position is, so every oracle run
-emits those tokens. ``verify_vs_plain`` says where that run's tokens first differ from the plain run's and the top-1
+oracle at ``e = 1``): a verify step's numbers do not depend on which of its rows a position is, so an oracle run
+emits those tokens as long as its steps hold the same sequences as the reference's (a verify step's rounding depends
+on its batch: give ``--chunk`` at least batch x context so that every prompt is prefilled in one step and no run
+starts in two halves). ``verify_vs_plain`` says where that run's tokens first differ from the plain run's and the top-1
 / top-2 margin there; each speculative run's ``divergence`` compares it with the reference run (none expected; with
 ``--batch-invariant`` none against the plain run either).
 
