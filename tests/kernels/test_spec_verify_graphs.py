@@ -59,17 +59,19 @@ def test_a_capturing_step_skips_the_decode_graphs() -> None:
     assert graphs.run(model, None, None, capture=True) is None and seen == ["prefill"]
 
 
-def _model():
+def _model(mtp: bool = False, seed: int = 0):
+    """The tiny V4 model on the nvidia ops with graphs allowed (``graphs_to_use``: its family's), with or without its
+    MTP block."""
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 
-    config = DeepseekV4Config.from_dict({**TINY_V4, "num_nextn_predict_layers": 0})
+    config = DeepseekV4Config.from_dict(TINY_V4 if mtp else {**TINY_V4, "num_nextn_predict_layers": 0})
     model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
     model.ops.cuda_graphs = model.ops.prefill_graphs = True
-    model.load_state_dict(random_weights(config, seed=0), strict=False)
+    model.load_state_dict(random_weights(config, seed=seed), strict=False)
     model = model.to(DEVICE, torch.float32)
     model.graphs_to_use = FAMILY.step_graphs()
     return model
@@ -182,18 +184,10 @@ def test_verify_replays_piecewise_graphs_bit_for_bit() -> None:
 def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
     """The MTP drafter's loop (``draft_graphs.DraftGraphs``) replayed against the same loop run eagerly: the same
     drafts, twice (a capture, then a replay), and the block's window left as it was."""
-    from deepinfer.backends.nvidia import NvidiaOps
-    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
-    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer.models.deepseek_v4.family import FAMILY
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
 
-    config = DeepseekV4Config.from_dict(TINY_V4)
-    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
-    model.ops.cuda_graphs = True
-    model.load_state_dict(random_weights(config, seed=1), strict=False)
-    model = model.to(DEVICE, torch.float32)
+    model = _model(mtp=True, seed=1)
+    config = model.config
     g, _, tables, states, _ = _prompts(model)
     drafter = MTPDrafter(model)
     hs = []
@@ -206,7 +200,7 @@ def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
     before = [st.windows[layer].clone() for st in states]
     counts = [4, 3, 4, 1]
     eager = drafter.draft(heads, counts, states, tables)
-    model.step_graphs = FAMILY.step_graphs()
+    model.step_graphs = model.graphs_to_use
     first = drafter.draft(heads, counts, states, tables)
     again = drafter.draft(heads, counts, states, tables)
     torch.cuda.synchronize()
@@ -219,18 +213,10 @@ def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
 def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
     """The MTP drafter's observe pass on the decode path (``draft_graphs.ObserveGraphs``: 3, 1, 2 and 3 rows per
     sequence) replayed against the same pass run eagerly, from the same state: the same heads and block windows."""
-    from deepinfer.backends.nvidia import NvidiaOps
-    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
-    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer.models.deepseek_v4.family import FAMILY
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
 
-    config = DeepseekV4Config.from_dict(TINY_V4)
-    model = DeepseekV4Model(config, NvidiaOps(cuda_graphs=True))
-    model.ops.cuda_graphs = True
-    model.load_state_dict(random_weights(config, seed=2), strict=False)
-    model = model.to(DEVICE, torch.float32)
+    model = _model(mtp=True, seed=2)
+    config = model.config
     g, _, tables, states, _ = _prompts(model)
     drafter, layer, counts = MTPDrafter(model), config.num_hidden_layers, [3, 1, 2, 3]
     h = torch.randn(sum(counts), config.hc_mult, config.hidden_size, generator=g).to(DEVICE)
@@ -249,7 +235,7 @@ def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
         return [x for hd in heads for x in (hd.streams, hd.logits)] + [st.windows[layer].clone() for st in states]
 
     eager = observe()
-    model.step_graphs = FAMILY.step_graphs()
+    model.step_graphs = model.graphs_to_use
     first, again = observe(), observe()
     torch.cuda.synchronize()
     assert model.observe_graphs is not None and model.observe_graphs.replays == 2

@@ -100,10 +100,10 @@ class DraftBucket:
     drafts: torch.Tensor | None = None  # [size, steps + 1]
 
 
-class DraftGraphs(SegmentGraphs):
-    """Per-bucket CUDA graphs of ``draft_loop`` (a bucket: batch size and block steps)."""
+class BlockGraphs(SegmentGraphs):
+    """Graphs of MTP block ``depth``'s passes (``DraftGraphs``, ``ObserveGraphs``): any non-empty batch of
+    sequences."""
 
-    kind = "draft"
     model: GraphedModel
 
     def __init__(self, model: torch.nn.Module, depth: int = 0, max_batch: int | None = None) -> None:
@@ -112,6 +112,12 @@ class DraftGraphs(SegmentGraphs):
 
     def graphable(self, batch: ForwardBatch) -> bool:
         return bool(batch.chunks)
+
+
+class DraftGraphs(BlockGraphs):
+    """Per-bucket CUDA graphs of ``draft_loop`` (a bucket: batch size and block steps)."""
+
+    kind = "draft"
 
     def run(self, states: list, streams: torch.Tensor, first: torch.Tensor, steps: int) -> torch.Tensor | None:
         """The drafts ``[n, steps + 1]`` of ``states`` (``streams``, ``first``: their heads'), or None: not graphed."""
@@ -186,18 +192,10 @@ class ObserveBucket:
     out: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class ObserveGraphs(SegmentGraphs):
+class ObserveGraphs(BlockGraphs):
     """Per-bucket CUDA graphs of ``observe_loop`` (a bucket: batch size and rows per sequence)."""
 
     kind = "observe"
-    model: GraphedModel
-
-    def __init__(self, model: torch.nn.Module, depth: int = 0, max_batch: int | None = None) -> None:
-        super().__init__(model, max_batch)
-        self.depth = depth
-
-    def graphable(self, batch: ForwardBatch) -> bool:
-        return bool(batch.chunks)
 
     def run(self, states: list, h: torch.Tensor, ids: torch.Tensor, counts: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
@@ -250,6 +248,7 @@ class ObserveGraphs(SegmentGraphs):
 
 __all__ = [
     "OBSERVE_ROWS",
+    "BlockGraphs",
     "ObserveBucket",
     "ObserveGraphs",
     "observe_loop",

@@ -37,7 +37,7 @@ import torch
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, ring_span
-from deepinfer.models.deepseek_v4.verify_step import PooledVerify, eligible, pooled_forward
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify, check_rollback, eligible, pooled_forward
 
 
 @dataclass
@@ -127,21 +127,14 @@ class VerifyStep:
 
     def rollback(self, accepted: list[int]) -> None:
         """Bring every sequence to ``p_b + accepted[b] + 1`` consumed tokens (module docstring)."""
-        if self.done:
-            raise RuntimeError("a verify step is rolled back once")
-        if len(accepted) != len(self.saves):
-            raise ValueError(f"{len(accepted)} counts for {len(self.saves)} sequences")
+        check_rollback(self.done, self.saves, accepted)
         comps = _compressors(self.model)
         ids = None
         if any(save.state.history for save in self.saves):  # the verified tokens, on the host (V4.1's Engram)
             b = self.batch
             ids = (b.host_token_ids if b.host_token_ids is not None else b.token_ids.cpu()).tolist()
         for save, a, (lo, _) in zip(self.saves, accepted, self.offsets):
-            if not 0 <= a <= save.drafts:
-                raise ValueError(f"{a} drafts kept out of {save.drafts}")
             st, p = save.state, save.start
-            if st.num_tokens != p + save.drafts + 1:
-                raise RuntimeError(f"the state moved since its verify step: {st.num_tokens} != {p + save.drafts + 1}")
             c = p + a + 1
             restore_windows(st, save.windows, p + 1, save.drafts, a)
             for key, old in save.buffers.items():

@@ -169,11 +169,15 @@ def eligible(model: torch.nn.Module, chunks: list[SeqChunk]) -> bool:
 
 
 def ring_rows(model: torch.nn.Module) -> int:
-    """The fewest rows of any of the model's rings (its window, its compressors' ``m`` or ``2m``)."""
-    caps = [model.config.sliding_window]
-    for layer in model.layers:
-        caps += [2 * c.ratio if c.overlap else c.ratio for _, c in layer.attn.pending()]
-    return min(caps)
+    """The fewest rows of any of the model's rings (its window, its compressors' ``m`` or ``2m``): walked once per
+    model (every verify step asks)."""
+    got = model.__dict__.get("_ring_rows")
+    if got is None:
+        caps = [model.config.sliding_window]
+        for layer in model.layers:
+            caps += [2 * c.ratio if c.overlap else c.ratio for _, c in layer.attn.pending()]
+        got = model.__dict__["_ring_rows"] = min(caps)
+    return got
 
 
 # -- inside the forward: each layer's attention ---------------------------------------------------------------------
@@ -261,6 +265,21 @@ class VerifiedSeq:
     drafts: int
 
 
+def check_rollback(done: bool, saves: list, accepted: list[int]) -> None:
+    """Refuse a rollback that cannot be right: a second one, counts for other sequences, more drafts kept than were
+    verified, or a state that moved since its verify step (``saves``: ``VerifiedSeq`` or ``speculative.SeqSave``)."""
+    if done:
+        raise RuntimeError("a verify step is rolled back once")
+    if len(accepted) != len(saves):
+        raise ValueError(f"{len(accepted)} counts for {len(saves)} sequences")
+    for save, a in zip(saves, accepted):
+        if not 0 <= a <= save.drafts:
+            raise ValueError(f"{a} drafts kept out of {save.drafts}")
+        want = save.start + save.drafts + 1
+        if save.state.num_tokens != want:
+            raise RuntimeError(f"the state moved since its verify step: {save.state.num_tokens} != {want}")
+
+
 @dataclass
 class PooledVerify:
     """A verify forward on this path: what ``speculative.VerifyStep`` offers the speculators (``offsets``: each
@@ -278,16 +297,9 @@ class PooledVerify:
 
     def rollback(self, accepted: list[int]) -> None:
         """Bring every verified sequence to ``p_b + accepted[b] + 1`` consumed tokens."""
-        if self.done:
-            raise RuntimeError("a verify step is rolled back once")
-        if len(accepted) != len(self.saves):
-            raise ValueError(f"{len(accepted)} counts for {len(self.saves)} sequences")
+        check_rollback(self.done, self.saves, accepted)
         full = [self.plan.drafts] * self.plan.size  # rows not verified: nothing drafted, nothing to put back
-        for save, a, r in zip(self.saves, accepted, self.rows):
-            if not 0 <= a <= save.drafts:
-                raise ValueError(f"{a} drafts kept out of {save.drafts}")
-            if save.state.num_tokens != save.start + save.drafts + 1:
-                raise RuntimeError("the state moved since its verify step")
+        for a, r in zip(accepted, self.rows):
             full[r] = a
         self.restore(to_device(torch.tensor(full), self.plan.base.device))
         for save, a in zip(self.saves, accepted):
@@ -330,6 +342,6 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
 
 
 __all__ = [
-    "PooledVerify", "V4VerifyPlan", "VerifiedSeq", "allocate_saves", "attend", "eligible", "pooled_forward", "restore",
-    "ring_rows", "save", "verify_rows",
+    "PooledVerify", "V4VerifyPlan", "VerifiedSeq", "allocate_saves", "attend", "check_rollback", "eligible",
+    "pooled_forward", "restore", "ring_rows", "save", "verify_rows",
 ]  # fmt: skip
