@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--explore", type=int, default=16, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant op set (a correctness run)")
-    ap.add_argument("--profile", type=ints, default=[], help="batch sizes whose oracle run (2nd rate) is cProfiled")
+    ap.add_argument("--profile", type=ints, default=[], help="batch sizes whose oracle run (2nd rate) and drafter run are cProfiled")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -343,7 +343,9 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
     worst = row[f"oracle_{max(args.errors):g}"]
     row["verify_step_ms"] = worst["step_ms"]
     try:  # the model's own drafter (a failure there keeps the oracle's rows)
-        mtp = run(s, b, "mtp")
+        mtp = run(s, b, "mtp", profile=b in args.profile and depth == max(args.depths))
+        if "host_profile" in mtp:
+            print(f"-- L={depth} B={b} drafter: cProfile of the timed steps\n{mtp['host_profile']}", flush=True)
         mtp["divergence"] = divergence(row["_off"], mtp)
         mtp.pop("continuations"), mtp.pop("logprobs")
         policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)

@@ -21,17 +21,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.checkpoint.names_v41 import keeps_fp32  # noqa: E402
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
-from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
-from deepinfer.models.deepseek_v41.engram import compressed_token_map  # noqa: E402
-from deepinfer.models.deepseek_v41.family import FAMILY  # noqa: E402
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs  # noqa: E402
-from deepinfer.models.deepseek_v41.model import DeepseekV41Model  # noqa: E402
 from gpu_waits import assert_steps_never_wait  # noqa: E402
-from models.tiny_v41 import build_tokenizer, text_config  # noqa: E402
+from models.tiny_v41 import build_tokenizer, random_model  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -46,30 +41,6 @@ PADDED_ATOL = 5e-2
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
-
-
-def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.float32, dev: str = DEVICE):
-    raw = {"model_type": "deepseek_v41", "text_config": text_config(name, tokenizer),
-           "vision_config": {"num_hidden_layers": 0}, "image_token_id": 3}  # fmt: skip
-    m = DeepseekV41Model(DeepseekV41Config.from_dict(raw), ops, engram_token_map=compressed_token_map(tokenizer)[0])
-    m.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith(("norm.weight", "q_weight", "k_weight")):
-                p.fill_(1.0)
-            elif n.endswith(("hc_attn.scale", "hc_ffn.scale")):
-                p.uniform_(0.5, 1.5, generator=g)
-            elif p.dim() == 1 or n.endswith(".fn"):
-                p.normal_(0, 0.3, generator=g)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
-    m = m.to(dev, dtype)
-    if dtype != torch.float32:
-        for n, p in m.named_parameters():
-            if keeps_fp32(n):
-                p.data = p.data.float()
-    return m.eval()
 
 
 def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE, split: bool = False):
@@ -169,6 +140,10 @@ class EagerSegments(DecodeGraphs):
         return bk
 
 
+def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.float32, dev: str = DEVICE):
+    return random_model(tokenizer, ops, name, dtype, dev)
+
+
 def _reference_model(tokenizer, name: str):
     from deepinfer.backends.reference import ReferenceOps
 
@@ -191,6 +166,23 @@ def test_the_whole_v41_step_equals_the_eager_step_on_cpu(tokenizer, name, tables
     bk = next(iter(model.decode_graphs.buckets.values()))
     assert (bk.engram is None) == (tables == "host") and bool(bk.engram_rows) == (tables == "host")
     assert len(bk.graphs) == 1 and bk.plan.widths  # one graph a step, the lists of the bucket's span
+
+
+def test_v41_decode_graphs_give_the_dspark_features_on_cpu(tokenizer):
+    """A decode step asked for DSpark's features (the steps the drafter follows) replays the whole-step graph, which
+    computes them: trunk output and features bit for bit the eager step's."""
+    model = _reference_model(tokenizer, "sketch")
+    cache, states, tables, steps = _setup(model, 4, 23, seed=4, dev="cpu")
+    out = []
+    for graphs in (False, True):
+        model.ops.cuda_graphs = graphs
+        c, sts = copy.deepcopy(cache), [s.clone() for s in states]
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(sts, tables)]
+        y = model(ForwardBatch.build(chunks, [[i] for i in steps[0]], "cpu"), c, capture=True)
+        out.append((y, model.dspark_features.clone()))
+    assert model.decode_graphs.replays == 1
+    (y0, f0), (y1, f1) = out
+    assert torch.equal(y0, y1) and f0.shape == (4, model.dspark.feature_dim) and torch.equal(f0, f1)
 
 
 def test_v41_whole_step_after_a_bounded_decoder_replay_on_cpu(tokenizer):
@@ -223,8 +215,8 @@ def test_the_whole_v41_step_with_the_kernels_on_cpu(tokenizer):
 
 
 def test_v41_steps_the_graphs_refuse(tokenizer):
-    """Prefill chunks, image embeddings, a bounded decoder replay, host tensors and DSpark feature capture run
-    eagerly."""
+    """Prefill chunks, image embeddings, a bounded decoder replay and host tensors run eagerly; a step asked for
+    DSpark's features replays (the graph computes them)."""
     model = _reference_model(tokenizer, "sketch")
     graphs = model.decode_graphs
     st = SequenceState(num_tokens=5)
@@ -238,16 +230,16 @@ def test_v41_steps_the_graphs_refuse(tokenizer):
     cache, states, tables, steps = _setup(model, 2, 15, seed=5, dev="cpu")
     chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
     model(ForwardBatch.build(chunks, [[i] for i in steps[0]]), cache, capture=True)
-    assert graphs.replays == 0 and model.dspark_features.shape[0] == 2
+    assert graphs.replays == 1 and model.dspark_features.shape[0] == 2
     chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
     model(ForwardBatch.build(chunks, [[i] for i in steps[1]]), cache)
-    assert graphs.replays == 1 and all(s.num_tokens == 15 - i + 2 for i, s in enumerate(states))
+    assert graphs.replays == 2 and all(s.num_tokens == 15 - i + 2 for i, s in enumerate(states))
     # the whole-step graph needs the pooled state; a sequence still in a bounded replay runs eagerly
     for pooled, ahead in ((False, 0), (True, 1)):
         model.pooled_decode, states[0].replay_until = pooled, (states[0].num_tokens + 1) * ahead
         chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
         model(ForwardBatch.build(chunks, [[i] for i in steps[2]]), cache)
-        assert graphs.replays == 1
+        assert graphs.replays == 2
     model.pooled_decode = True
 
 

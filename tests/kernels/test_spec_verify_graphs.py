@@ -4,6 +4,8 @@
   two, one and no drafts: dead rows in the last sub-steps), each rolled back, then a decode step: the logits of
   every step, and the pooled state (window and compressor rings) and the paged cache after each, are bit for bit
   the eager path's; the second step replays a captured bucket.
+* DeepSeek-V4.1 on the decode path (``deepseek_v41.verify_graphs``): the same, with DSpark's features and the
+  Engram histories; DSpark's draft pass (``deepseek_v41.dspark_graphs``) as its eager pass.
 * On the ragged path (the model without pooled decode steps): a step that keeps its compressor projections
   (``model.verifying``) never replays decode graphs and may replay the piecewise prefill graphs, whose attention
   runs eagerly between the pieces. At a bucket's size (16 rows: four sequences, each its token and three drafts)
@@ -243,3 +245,82 @@ def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
     for i, (a, b, c) in enumerate(zip(eager, first, again)):
         assert torch.equal(b, c), (i, (b - c).abs().max())
         assert torch.equal(a, b), (i, (a - b).abs().max(), (a - b).abs().nonzero()[:8].tolist())
+
+
+def _v41_verify(graphs: bool, pad: int) -> tuple:
+    """DeepSeek-V4.1 (the tiny "mixed" model, DSpark stage and Engram, nvidia ops): four prompts, then two verify
+    steps of 3, 2, 1 and 0 drafts on the decode path (``deepseek_v41.verify_step``), each rolled back, then a
+    decode step; ``pad``: the drafts a graphed step pads to. Everything a step returns and leaves, in order."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from models.tiny_v41 import build_tokenizer, random_model
+
+    model = random_model(build_tokenizer(), NvidiaOps(cuda_graphs=True), "mixed", dev=DEVICE)
+    model.ops.cuda_graphs, model.piecewise_prefill = False, False
+    g = torch.Generator().manual_seed(5)
+    vocab = model.text.vocab_size
+    prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
+    cache = PagedKVCache(model.config, PAGES * 4, PAGE, torch.float32, DEVICE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(4)]
+    states = [SequenceState() for _ in prompts]
+    seen = []
+    with torch.no_grad():
+        chunks = [SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)]
+        model(ForwardBatch.build(chunks, prompts, device=DEVICE), cache)
+        model.ops.cuda_graphs = graphs
+        for accepted in ([0, 1, 1], [3, 0, 1]):
+            ids = [torch.randint(5, vocab, (n + 1,), generator=g).tolist() for n in (3, 2, 1, 0)]
+            chunks = [SeqChunk(s, s.num_tokens, len(x), t) for s, x, t in zip(states, ids, tables)]
+            y, f, pending = model.verify_forward(ForwardBatch.build(chunks, ids, device=DEVICE), cache, [0, 1, 2],
+                                                 pad, True)  # fmt: skip
+            seen += [y.clone(), f.clone()]
+            pending.rollback(accepted)
+            seen += _snapshot(model, states, cache) + [torch.tensor([list(s.history) for s in states])]
+        chunks = [SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)]
+        seen.append(model(ForwardBatch.build(chunks, [[7]] * 4, device=DEVICE), cache).clone())
+    torch.cuda.synchronize()
+    return model, seen
+
+
+@gpu_only
+def test_v41_verify_on_the_decode_path_replays_its_graphs_bit_for_bit() -> None:
+    """V4.1's verify graphs (``deepseek_v41.verify_graphs``): outputs, DSpark features, states, histories, cache and
+    the next decode step bit for bit the eager path's; the second step replays the bucket the first captured."""
+    _, eager = _v41_verify(False, 0)
+    model, graphed = _v41_verify(True, 0)
+    vg = model.verify_graphs
+    assert vg is not None and not vg.failures and vg.replays == 2 and vg.captures == 1
+    assert len(eager) == len(graphed)
+    for i, (a, b) in enumerate(zip(eager, graphed)):
+        assert torch.equal(a, b), i
+
+
+@gpu_only
+def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
+    """DSpark's draft pass (``deepseek_v41.dspark_graphs``) captured and replayed: the drafts and confidences of
+    four sequences, from their context rings after a prefill, bit for bit the eager pass's."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
+    from models.tiny_v41 import build_tokenizer, random_model
+
+    model = random_model(build_tokenizer(), NvidiaOps(cuda_graphs=True), "sketch", dev=DEVICE)
+    model.ops.cuda_graphs, model.piecewise_prefill = False, False
+    spec = DSparkSpeculator(model, 3, varlen=False)
+    g = torch.Generator().manual_seed(6)
+    vocab = model.text.vocab_size
+    prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
+    cache = PagedKVCache(model.config, PAGES * 4, PAGE, torch.float32, DEVICE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(4)]
+    states, rids = [SequenceState() for _ in prompts], [f"r{i}" for i in range(4)]
+    with torch.no_grad():
+        batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)], prompts,
+                                   device=DEVICE)  # fmt: skip
+        h, _ = spec.forward(batch, cache, [], [], [])
+        spec.follow(batch, h, [0, 1, 2, 3], rids)
+        got = []
+        for graphs in (False, True):
+            model.ops.cuda_graphs = graphs
+            got.append((spec.propose(rids, states, tables, [7, 8, 9, 10], [3] * 4),
+                        [spec.last_confidence[r] for r in rids]))  # fmt: skip
+    dg = model.draft_graphs
+    assert dg is not None and not dg.failures and dg.captures == 1 and dg.replays == 1
+    assert got[0] == got[1]

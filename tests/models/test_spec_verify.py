@@ -25,7 +25,7 @@ from deepinfer.checkpoint.loader import load_checkpoint
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.speculative.verify import accept
 from deepinfer.engine.worker import position_seed
-from deepinfer.models.deepseek_v4 import mtp_drafter, speculative, verify_step
+from deepinfer.models.deepseek_v4 import mtp_drafter, speculative, verify_rings, verify_step
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
@@ -265,7 +265,7 @@ def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, n
     model = load(tiny_dirs, name, ReferenceOps())
     taken = []
     real = verify_step.pooled_forward
-    monkeypatch.setattr(speculative, "pooled_forward", lambda *a: taken.append(1) or real(*a))
+    monkeypatch.setattr(verify_step, "pooled_forward", lambda *a: taken.append(1) or real(*a))
     for seed in (3, 4):
         assert check(model, seed, 0.6, tol=1e-4) == []
     assert taken
@@ -275,7 +275,7 @@ def test_the_decode_paths_ring_restore_is_needed(tiny_dirs: dict, monkeypatch: p
     """A verify step on the decode path (``test_default_ops_with_pooled_decode_match_within_rounding``) with its ring
     restore left out: a run differs from the plain one."""
     model = load(tiny_dirs, "odd", ReferenceOps())
-    monkeypatch.setattr(verify_step, "restore", lambda *a: None)
+    monkeypatch.setattr(verify_rings, "restore", lambda *a: None)
     found = []
     for seed in (5, 6, 7):
         try:
@@ -315,3 +315,23 @@ def test_the_device_draft_loop_drafts_as_the_host_loop(tiny_dirs: dict, mutation
     assert got == want and [len(d) for d in got] == counts
     same = all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))
     assert same == (mutation is None)
+
+
+def test_a_chunk_not_verified_keeps_all_its_tokens(tiny_dirs: dict) -> None:
+    """A decode-path step whose other chunk is a prompt's next three tokens (no drafts: not verified): the rollback
+    of the verified chunk leaves that chunk's state a plain prefill's (within rounding). Restoring its rows as if it
+    had kept one token is caught."""
+    model = load(tiny_dirs, "odd", ReferenceOps())
+    prompts = [list(range(3, 9)), list(range(20, 28))]
+    cache, tables = PagedKVCache(model.config, 2 * PAGES, PAGE), [torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)]
+    states = [SequenceState(), SequenceState()]
+    model(ForwardBatch.build([SeqChunk(states[0], 0, 6, tables[0]), SeqChunk(states[1], 0, 5, tables[1])],
+                             [prompts[0], prompts[1][:5]]), cache)  # fmt: skip
+    chunks = [SeqChunk(states[0], 6, 3, tables[0]), SeqChunk(states[1], 5, 3, tables[1])]
+    got = model.verify_forward(ForwardBatch.build(chunks, [[9, 40, 41], prompts[1][5:]]), cache, [0])
+    assert got is not None  # the decode path
+    got[2].rollback([0])
+    plain = Plain(model, prompts[1], PARAMS[0])
+    mtp = ("mtp_tokens",) + tuple(f"window of layer {i}" for i in model.config.mtp_layer_ids)  # (not fed here)
+    bad = [d for d in differences(states[1], cache, tables[1], plain, 1e-4) if not d.startswith(mtp)]
+    assert states[1].num_tokens == 8 and bad == []

@@ -133,3 +133,38 @@ def text_config(name: str, tokenizer=None) -> dict:
 
 
 NAMES = list(_SCHEDULES)
+
+
+def random_model(tokenizer, ops, name: str = "sketch", dtype=None, dev: str = "cpu"):
+    """A tiny ``DeepseekV41Model`` of configuration ``name`` on ``ops`` with seeded random weights (norms at 1, mHC
+    scales around 1), its family's step graphs attached as the engine's build attaches them; ``dtype`` (default
+    fp32) with the weights the checkpoint keeps in fp32 kept so."""
+    import torch
+
+    from deepinfer.checkpoint.names_v41 import keeps_fp32
+    from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+    from deepinfer.models.deepseek_v41.family import FAMILY
+    from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+
+    dtype = dtype or torch.float32
+    raw = {"model_type": "deepseek_v41", "text_config": text_config(name, tokenizer),
+           "vision_config": {"num_hidden_layers": 0}, "image_token_id": 3}  # fmt: skip
+    m = DeepseekV41Model(DeepseekV41Config.from_dict(raw), ops, engram_token_map=compressed_token_map(tokenizer)[0])
+    m.step_graphs = FAMILY.step_graphs()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith(("norm.weight", "q_weight", "k_weight")):
+                p.fill_(1.0)
+            elif n.endswith(("hc_attn.scale", "hc_ffn.scale")):
+                p.uniform_(0.5, 1.5, generator=g)
+            elif p.dim() == 1 or n.endswith(".fn"):
+                p.normal_(0, 0.3, generator=g)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
+    m = m.to(dev, dtype)
+    if dtype != torch.float32:
+        for n, p in m.named_parameters():
+            if keeps_fp32(n):
+                p.data = p.data.float()
+    return m.eval()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from deepinfer.models.deepseek_v4 import verify_step
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
@@ -115,6 +116,16 @@ class MTPBlock(Block):
 
 class DeepseekV4Model(nn.Module):
     verify_on_decode_path = True  # speculative verify steps may run as decode sub-steps (verify_step.py)
+
+    def verify_forward(self, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int], pad: int = 0
+                       ) -> tuple[torch.Tensor, None, verify_step.PooledVerify] | None:  # fmt: skip
+        """A speculative verify step on the decode path (``verify_step.pooled_forward``: the hidden streams, no
+        drafter features, the rollback), or None where that path does not take ``batch`` (``verify_step.eligible``:
+        the caller runs the ragged path, ``speculative``)."""
+        if not verify_step.eligible(self, batch.chunks):
+            return None
+        h, pending = verify_step.pooled_forward(self, batch, cache, verified, pad)
+        return h, None, pending
 
     def __init__(self, config: DeepseekV4Config, ops: Ops | None = None) -> None:
         super().__init__()

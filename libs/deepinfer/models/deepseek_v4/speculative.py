@@ -37,7 +37,11 @@ import torch
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, ring_span
-from deepinfer.models.deepseek_v4.verify_step import PooledVerify, check_rollback, eligible, pooled_forward
+from deepinfer.models.deepseek_v4.verify_step import (
+    PooledVerify,
+    check_rollback,
+    kept_history,
+)
 
 
 @dataclass
@@ -143,8 +147,7 @@ class VerifyStep:
                 attn.keep_pending(st, key, kept_buffer(old, (kv[lo : lo + a + 1], score[lo : lo + a + 1]), p, c, m,
                                                        overlap))  # fmt: skip
             if st.history:  # the last tokens consumed (blocked = -1 before the first): the kept positions'
-                n = len(st.history)
-                st.history = tuple(([-1] * n + list(save.history) + ids[lo : lo + a + 1])[-n:])
+                st.history = kept_history(save.history, ids[lo : lo + a + 1], len(st.history))
             st.num_tokens = c
         self.done, self.captured = True, {}  # the projections are not needed any more
 
@@ -200,8 +203,9 @@ def verify(
             raise ValueError(f"{len(d)} drafts need {len(d) + 1} window rows; the window holds {window}")
     chunks = [SeqChunk(st, st.num_tokens, len(d) + 1, t) for st, d, t in zip(states, drafts, block_tables)]
     batch = ForwardBatch.build(chunks, [[x, *d] for x, d in zip(last_tokens, drafts)], device=model.embed.weight.device)
-    if eligible(model, chunks):
-        h, step = pooled_forward(model, batch, cache, list(range(len(chunks))))
+    got = model.verify_forward(batch, cache, list(range(len(chunks))))
+    if got is not None:  # on the decode path (the model's ``verify_step``)
+        h, _, step = got
         step.hidden, step.logits = h, model.logits(h)
         return step
     saves = save_states(model, states, [len(d) for d in drafts])

@@ -24,7 +24,7 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter, MTPHead
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
-from deepinfer.models.deepseek_v4.verify_step import PooledVerify, eligible, pooled_forward
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify
 from deepinfer.runtime.host_copy import tensor
 
 
@@ -127,8 +127,9 @@ class MTPSpeculator:
         (``follow``: the block follows a plain step from its output, which needs nothing more of the forward.)"""
         if not verified:
             return self.model(batch, cache), None
-        if eligible(self.model, batch.chunks):  # on the decode path
-            h, pooled = pooled_forward(self.model, batch, cache, verified, self.max_drafts)
+        got = self.model.verify_forward(batch, cache, verified, self.max_drafts)
+        if got is not None:  # on the decode path
+            h, _, pooled = got
             return h, PendingVerify(pooled, verified, rids)
         saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
         h, captured = capturing_forward(self.model, batch, cache)

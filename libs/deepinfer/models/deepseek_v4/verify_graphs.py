@@ -6,7 +6,7 @@ are ``K + 1``) and a span (``decode_step.span_for``). Its two graphs:
 * the step: from the token ids (``S·(K+1)`` of them, sub-step after sub-step) to the final streams, as
   ``graphs.DecodeGraphs`` captures a decode step, with each layer's attention ``verify_step.attend`` (the ring rows
   the drafts overwrite saved into the bucket's buffers, then the sub-steps);
-* the restore: ``verify_step.restore`` of the rejected rows, from the bucket's ``accepted [S]`` (loaded by the
+* the restore: ``verify_rings.restore`` of the rejected rows, from the bucket's ``accepted [S]`` (loaded by the
   rollback).
 
 Before a replay the host loads the plan and the ids (``V4VerifyPlan.fill``: one copy, and the block tables). The
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.models.deepseek_v4 import verify_step
+from deepinfer.models.deepseek_v4 import verify_rings, verify_step
 from deepinfer.models.deepseek_v4.decode_step import span_for
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.graphs import GraphedModel
@@ -103,7 +103,7 @@ class VerifyGraphs(SegmentGraphs):
 
         def restore() -> None:
             plan.clear()
-            verify_step.restore(model, plan, bk.accepted)
+            verify_rings.restore(model, plan, bk.accepted)
 
         return [step, restore]
 
@@ -111,7 +111,7 @@ class VerifyGraphs(SegmentGraphs):
                 cache: PagedKVCache | None = None) -> VerifyBucket:  # fmt: skip
         pool, window = self.model.state_pool, self.model.config.sliding_window
         plan = V4VerifyPlan.empty(pool, cache, window, size, drafts, span)
-        verify_step.allocate_saves(self.model, plan)  # the saved rows' buffers, outside the graphs' pool
+        verify_rings.allocate(self.model, plan)  # the saved rows' buffers, outside the graphs' pool
         return VerifyBucket(size, plan, torch.zeros(size, dtype=torch.long, device=device))
 
 

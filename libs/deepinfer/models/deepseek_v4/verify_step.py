@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.models.deepseek_v4 import decode_step
+from deepinfer.models.deepseek_v4 import decode_step, verify_rings
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan, block_tables, step_widths
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import RotaryTable
@@ -37,8 +37,6 @@ from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops
 from deepinfer.runtime.host_copy import StagedCopy, to_device
-
-ROW_KEYS = ("q", "kv", "main_kv", "main_score", "index_kv", "index_score", "iq", "iw")  # what ``attend`` reads
 
 
 @dataclass(eq=False)
@@ -70,16 +68,38 @@ class V4VerifyPlan:
     def drafts(self) -> int:
         return len(self.subs) - 1
 
+    # -- what a model's verify plan is made of (DeepSeek-V4.1's: ``deepseek_v41.verify_step``) --------------------
+    META = 4  # meta rows per sub-step (``decode_step.V4DecodePlan.meta``)
+
+    @classmethod
+    def host_meta(cls, chunks: list[SeqChunk], slots: list[int], scratch: int, size: int, drafts: int
+                  ) -> tuple[np.ndarray, int]:  # fmt: skip
+        """The sub-steps' meta rows ``[META·(drafts+1), size]`` and the positions' end (``host_meta``)."""
+        return host_meta(chunks, slots, scratch, size, drafts)
+
+    @classmethod
+    def sub_plan(cls, pool: StatePool, cache: PagedKVCache | None, window: int, meta: torch.Tensor,
+                 tables: torch.Tensor | None, host: np.ndarray | None, widths: dict) -> object:  # fmt: skip
+        """A sub-step's decode plan: ``meta`` its rows on the device, ``host`` the same in host memory (an eager step:
+        its exact window width) or None (a graphed bucket: the whole window)."""
+        return decode_step.V4DecodePlan(pool, cache, window, meta, tables, window_width(host, 2, window), widths)
+
+    @staticmethod
+    def attend_sub(attn: object, t: dict[str, torch.Tensor], sub: object, rope: RotaryTable, ops: Ops) -> torch.Tensor:
+        """A sub-step's attention (``decode_step.attend``)."""
+        return decode_step.attend(attn, t, sub, rope, ops)
+
+    # -- building ------------------------------------------------------------------------------------------
     @classmethod
     def empty(cls, pool: StatePool, cache: PagedKVCache | None, window: int, size: int, drafts: int, span: int
               ) -> V4VerifyPlan:  # fmt: skip
         """A graphed bucket's plan: ``size`` rows, ``drafts + 1`` sub-steps, lists wide enough for positions below
         ``span``."""
         widths, tables = decode_step.bucket_widths(cache, size, span, pool.device)
-        k1 = drafts + 1
-        buf = torch.zeros(5 * k1 + 1, size, dtype=torch.long, device=pool.device)  # meta rows, base, then the ids
-        subs = [V4DecodePlan(pool, cache, window, buf[4 * j : 4 * j + 4], tables, window, widths) for j in range(k1)]
-        return cls(pool, subs, buf[0], buf[4 * k1], ids=buf[4 * k1 + 1 :].view(-1), stage=StagedCopy(buf))
+        k1, r = drafts + 1, cls.META
+        buf = torch.zeros((r + 1) * k1 + 1, size, dtype=torch.long, device=pool.device)  # meta rows, base, the ids
+        subs = [cls.sub_plan(pool, cache, window, buf[r * j : r * j + r], tables, None, widths) for j in range(k1)]
+        return cls(pool, subs, buf[0], buf[r * k1], ids=buf[r * k1 + 1 :].view(-1), stage=StagedCopy(buf))
 
     @classmethod
     def of(cls, pool: StatePool, cache: PagedKVCache | None, window: int, chunks: list[SeqChunk],
@@ -88,30 +108,28 @@ class V4VerifyPlan:
         one (default: the most drafts of a chunk)."""
         slots = pool.adopt([c.state for c in chunks])
         k = max(c.length for c in chunks) - 1 if drafts is None else drafts
-        host, top = host_meta(chunks, slots, pool.scratch, len(chunks), k)
+        host, top = cls.host_meta(chunks, slots, pool.scratch, len(chunks), k)
         meta = to_device(torch.from_numpy(host), pool.device)
         widths, pages = step_widths(cache, top)
         tables = None if cache is None else block_tables(_last_rows(chunks), pages, cache)
-        subs = []
-        for j in range(host.shape[0] // 4):
-            rows = host[4 * j : 4 * j + 4]
-            live = rows[3] == 1
-            pos, floor = rows[1][live], rows[2][live]
-            win = int((pos - np.maximum(np.maximum(floor, pos - window + 1), 0)).max(initial=0)) + 1
-            subs.append(V4DecodePlan(pool, cache, window, meta[4 * j : 4 * j + 4], tables, win, widths))
+        r = cls.META
+        subs = [
+            cls.sub_plan(pool, cache, window, meta[r * j : r * j + r], tables, host[r * j : r * j + r], widths)
+            for j in range(k + 1)
+        ]
         return cls(pool, subs, meta[0], to_device(torch.tensor([c.start for c in chunks]), pool.device))
 
     def fill(self, chunks: list[SeqChunk], slots: list[int], batch: ForwardBatch) -> None:
         """Load a graphed bucket's plan and token ids with ``chunks`` (at most ``size``, at most ``drafts`` drafts
         each; ``batch``: their rows, sequence after sequence): one host copy; the rows past them are padding."""
-        n, k1, size = len(chunks), len(self.subs), self.size
-        host, top = host_meta(chunks, slots, self.pool.scratch, size, k1 - 1)
+        n, k1, size, r = len(chunks), len(self.subs), self.size, self.META
+        host, top = self.host_meta(chunks, slots, self.pool.scratch, size, k1 - 1)
         full = np.zeros((self.stage.dst.shape[0], size), dtype=np.int64)
-        full[: 4 * k1] = host
-        full[4 * k1, :n] = [c.start for c in chunks]
+        full[: r * k1] = host
+        full[r * k1, :n] = [c.start for c in chunks]
         rows = verify_rows(chunks, size)
         if batch.host_token_ids is not None:
-            full[4 * k1 + 1 :].reshape(-1)[rows] = batch.host_token_ids.numpy()
+            full[r * k1 + 1 :].reshape(-1)[rows] = batch.host_token_ids.numpy()
         self.stage.copy(torch.from_numpy(full))
         if batch.host_token_ids is None:  # ids on the device only (an earlier step's samples): copied there
             self.ids.index_copy_(0, to_device(torch.from_numpy(rows), self.ids.device), batch.token_ids)
@@ -122,6 +140,16 @@ class V4VerifyPlan:
             if pages > held:
                 raise ValueError(f"verify step: {pages} pages a sequence needed, the bucket holds {held}")
             tables[:n, :pages].copy_(block_tables(_last_rows(chunks), pages, cache))
+
+
+def window_width(host: np.ndarray | None, floor: int, window: int) -> int:
+    """A sub-step's window width: its live rows' longest window (``host``: its meta rows; ``floor``: the row of the
+    lowest window position), or the whole window (None)."""
+    if host is None:
+        return window
+    live = host[3] == 1
+    pos, low = host[1][live], host[floor][live]
+    return int((pos - np.maximum(np.maximum(low, pos - window + 1), 0)).max(initial=0)) + 1
 
 
 def _last_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
@@ -165,95 +193,24 @@ def eligible(model: torch.nn.Module, chunks: list[SeqChunk]) -> bool:
     if model.ops.batch_invariant or not model.pooled_decode:
         return False
     k = max(c.length for c in chunks) - 1
-    return k < ring_rows(model) and all(c.state.replay_until <= c.start == c.state.num_tokens for c in chunks)
-
-
-def ring_rows(model: torch.nn.Module) -> int:
-    """The fewest rows of any of the model's rings (its window, its compressors' ``m`` or ``2m``): walked once per
-    model (every verify step asks)."""
-    got = model.__dict__.get("_ring_rows")
-    if got is None:
-        caps = [model.config.sliding_window]
-        for layer in model.layers:
-            caps += [2 * c.ratio if c.overlap else c.ratio for _, c in layer.attn.pending()]
-        got = model.__dict__["_ring_rows"] = min(caps)
-    return got
+    return k < verify_rings.ring_rows(model) and all(
+        c.state.replay_until <= c.start == c.state.num_tokens for c in chunks
+    )
 
 
 # -- inside the forward: each layer's attention ---------------------------------------------------------------------
-def attend(attn: decode_step.AttentionLayer, t: dict[str, torch.Tensor], plan: V4VerifyPlan, rope: RotaryTable,
-           ops: Ops, keep: bool = True) -> torch.Tensor:  # fmt: skip
-    """The attention output ``[(K+1)·S, H, d]`` of a layer for the verify step ``plan``: the rows the drafts will
-    overwrite saved (``keep``; not for rows that all stay, as the MTP block's observed ones), then the sub-steps in
-    order (module docstring)."""
+def attend(attn: object, t: dict[str, torch.Tensor], plan: V4VerifyPlan, rope: RotaryTable, ops: Ops,
+           keep: bool = True) -> torch.Tensor:  # fmt: skip
+    """The attention output ``[(K+1)·S, H, d]`` of a layer for the verify step ``plan``: what the drafts will
+    overwrite saved (``keep``; not for rows that all stay, as the MTP block's observed ones: ``verify_rings``), then
+    the sub-steps in order (module docstring), each on its rows of every per-row tensor of ``t``."""
     if keep:
-        save(attn, plan)
-    s, outs = plan.size, []
+        verify_rings.save(attn, plan, t)
+    s, n, outs = plan.size, plan.size * len(plan.subs), []
     for j, sub in enumerate(plan.subs):
-        rows = {k: t[k][j * s : (j + 1) * s] for k in ROW_KEYS if k in t}
-        outs.append(decode_step.attend(attn, rows, sub, rope, ops))
+        rows = {k: v[j * s : (j + 1) * s] for k, v in t.items() if v.ndim and v.shape[0] == n}
+        outs.append(plan.attend_sub(attn, rows, sub, rope, ops))
     return torch.cat(outs)
-
-
-def _rings(attn: decode_step.AttentionLayer, pool: StatePool) -> list[tuple[object, list[torch.Tensor]]]:
-    """A layer's rings that a verify step writes: its window ring and its compressors' (kv, score) rings."""
-    out = [(attn.layer_id, [pool.rings[attn.layer_id]])]
-    for name, comp in (("main", attn.compressor), ("index", attn.indexer and attn.indexer.compressor)):
-        if comp is not None:
-            out.append(((attn.layer_id, name), list(pool.rbufs[(attn.layer_id, name)])))
-    return out
-
-
-def _ring_rows(plan: V4VerifyPlan, cap: int) -> torch.Tensor:
-    """Each row's ring rows of positions ``p_b + 1 .. p_b + K`` in a ring of ``cap`` rows viewed ``[slots·cap,
-    d]`` (``[S·K]``), once per step and ring size."""
-
-    def make() -> torch.Tensor:
-        k = torch.arange(1, plan.drafts + 1, device=plan.base.device)
-        return (plan.slots.unsqueeze(1) * cap + (plan.base.unsqueeze(1) + k) % cap).reshape(-1)
-
-    got = plan.derived.get(("rows", cap))
-    if got is None:
-        got = plan.derived[("rows", cap)] = make()
-    return got
-
-
-def save(attn: decode_step.AttentionLayer, plan: V4VerifyPlan) -> None:
-    """Keep the rows of positions ``p_b + 1 .. p_b + K`` of the layer's rings (``plan.saved[key]`` ``[n, S·K, d]``:
-    written into the buffers there, if any: a graphed bucket's)."""
-    if plan.drafts == 0:
-        return
-    for key, tensors in _rings(attn, plan.pool):
-        rows = _ring_rows(plan, tensors[0].shape[1])
-        got = torch.stack([x.view(-1, x.shape[-1]).index_select(0, rows) for x in tensors])
-        if key in plan.saved:
-            plan.saved[key].copy_(got)
-        else:
-            plan.saved[key] = got
-
-
-def allocate_saves(model: torch.nn.Module, plan: V4VerifyPlan) -> None:
-    """The buffers ``save`` writes into (a graphed bucket's, made before its capture)."""
-    n = plan.size * plan.drafts
-    for layer in model.layers:
-        for key, tensors in _rings(layer.attn, plan.pool):
-            x = tensors[0]
-            plan.saved[key] = torch.zeros(len(tensors), n, x.shape[-1], dtype=x.dtype, device=x.device)
-
-
-def restore(model: torch.nn.Module, plan: V4VerifyPlan, accepted: torch.Tensor) -> None:
-    """Put back the saved rows of the rejected positions ``p_b + a_b + 1 .. p_b + K`` (``accepted [S]`` on the
-    device: ``a_b``) in every layer's rings."""
-    if plan.drafts == 0:
-        return
-    k = torch.arange(1, plan.drafts + 1, device=accepted.device)
-    reject = (k.unsqueeze(0) > accepted.unsqueeze(1)).reshape(-1, 1)
-    for layer in model.layers:
-        for key, tensors in _rings(layer.attn, plan.pool):
-            rows = _ring_rows(plan, tensors[0].shape[1])
-            for x, old in zip(tensors, plan.saved[key]):
-                flat = x.view(-1, x.shape[-1])
-                flat.index_copy_(0, rows, torch.where(reject, old, flat.index_select(0, rows)))
 
 
 @dataclass
@@ -290,7 +247,10 @@ class PooledVerify:
     offsets: list[tuple[int, int]]
     saves: list[VerifiedSeq]
     rows: list[int]  # each verified sequence's row in the plan
-    restore: Callable[[torch.Tensor], None] | None = None  # puts back the rejected rows (``restore``'s)
+    restore: Callable[[torch.Tensor], None] | None = None  # puts back the rejected rows (``verify_rings.restore``'s)
+    steps: list[int] = field(default_factory=list)  # each chunk's tokens less one (a chunk not verified keeps all)
+    histories: list[tuple[int, ...]] | None = None  # V4.1's Engram histories before the step, of the verified
+    ids: list[int] | None = None  # the step's token ids on the host (``batch``'s rows), where ``histories``
     hidden: torch.Tensor | None = None  # (speculative.verify: the step's hidden streams and logits)
     logits: torch.Tensor | None = None
     done: bool = False
@@ -298,13 +258,22 @@ class PooledVerify:
     def rollback(self, accepted: list[int]) -> None:
         """Bring every verified sequence to ``p_b + accepted[b] + 1`` consumed tokens."""
         check_rollback(self.done, self.saves, accepted)
-        full = [self.plan.drafts] * self.plan.size  # rows not verified: nothing drafted, nothing to put back
+        full = list(self.steps) + [0] * (self.plan.size - len(self.steps))  # rows not verified: every token kept
         for a, r in zip(accepted, self.rows):
             full[r] = a
         self.restore(to_device(torch.tensor(full), self.plan.base.device))
-        for save, a in zip(self.saves, accepted):
+        for k, (save, a) in enumerate(zip(self.saves, accepted)):
             save.state.num_tokens = save.start + a + 1
+            if self.histories is not None and save.state.history:
+                lo = self.offsets[k][0]
+                save.state.history = kept_history(self.histories[k], self.ids[lo : lo + a + 1], len(save.state.history))
         self.done = True
+
+
+def kept_history(before: tuple[int, ...], kept: list[int], n: int) -> tuple[int, ...]:
+    """DeepSeek-V4.1's Engram history (the last ``n`` tokens consumed, -1 before the first) after a verify step:
+    the history before it, then the kept tokens."""
+    return tuple(([-1] * n + list(before) + list(kept))[-n:])
 
 
 @torch.no_grad()
@@ -319,13 +288,14 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
     pool = model.state_pool
     saves = [VerifiedSeq(chunks[i].state, chunks[i].start, chunks[i].length - 1) for i in verified]
     graphs = model.step_graphs.of(model, "verify") if model.step_graphs is not None else None
-    got = None if graphs is None else graphs.run(batch, cache, pad if pad < ring_rows(model) else 0)
+    got = None if graphs is None else graphs.run(batch, cache, pad if pad < verify_rings.ring_rows(model) else 0)
     if got is not None:  # replayed: the bucket's rows, its restore
         hs, bk = got
         at = to_device(torch.from_numpy(verify_rows(chunks, bk.size)), batch.device)
         for c in chunks:
             c.state.num_tokens = c.end
         return hs.index_select(0, at), PooledVerify(model, bk.plan, [offsets[i] for i in verified], saves, verified,
+                                                    steps=[c.length - 1 for c in chunks],
                                                     restore=lambda acc: graphs.restore(bk, acc))  # fmt: skip
     plan = V4VerifyPlan.of(pool, cache, model.config.sliding_window, chunks)
     size, k1 = len(chunks), plan.drafts + 1
@@ -338,10 +308,11 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
     finally:
         pool.verify = None
     return h, PooledVerify(model, plan, [offsets[i] for i in verified], saves, verified,
-                           restore=lambda acc: restore(model, plan, acc))  # fmt: skip
+                           steps=[c.length - 1 for c in chunks],
+                           restore=lambda acc: verify_rings.restore(model, plan, acc))  # fmt: skip
 
 
 __all__ = [
-    "PooledVerify", "V4VerifyPlan", "VerifiedSeq", "allocate_saves", "attend", "check_rollback", "eligible",
-    "pooled_forward", "restore", "ring_rows", "save", "verify_rows",
+    "PooledVerify", "V4VerifyPlan", "VerifiedSeq", "attend", "check_rollback", "eligible", "host_meta", "kept_history",
+    "pooled_forward", "verify_rows", "window_width",
 ]  # fmt: skip

@@ -175,6 +175,12 @@ class Attention(SharedKVAttention):
             bufs[(self.layer_id, "main")] = (self.ratio, self.head_dim, self.ratio, False)
         return {self.layer_id: (self.window, self.head_dim)}, bufs
 
+    def ring_sources(self) -> dict[tuple[int, str], tuple[str, ...]]:
+        """What a decode step writes to a ring of ``pool_specs`` as is, by ring: a ratio-2 compressor's ring gets the
+        step's projections (``project``'s ``ckv``, ``cgate``; a verify step rolls it back from them:
+        ``deepseek_v4.verify_rings``)."""
+        return {(self.layer_id, "main"): ("ckv", "cgate")} if self.compressor is not None and self.ratio > 1 else {}
+
     def _attend_each(
         self,
         q: torch.Tensor,

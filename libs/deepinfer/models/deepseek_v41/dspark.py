@@ -230,8 +230,10 @@ class DSparkDrafter(nn.Module):
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """Block input ids ``[N, B]``: each anchor followed by ``B-1`` noise tokens."""
-        noise = torch.full((anchors.shape[0], self.block_size - 1), self.noise_id, dtype=anchors.dtype)
-        return torch.cat([anchors.unsqueeze(1), noise.to(anchors.device)], dim=1)
+        noise = torch.full(
+            (anchors.shape[0], self.block_size - 1), self.noise_id, dtype=anchors.dtype, device=anchors.device
+        )  # (made there: no host copy, so a CUDA graph can hold it)
+        return torch.cat([anchors.unsqueeze(1), noise], dim=1)
 
     def hidden(
         self,

@@ -22,9 +22,12 @@ scratch slot and the cache's scratch page, and are dropped. The replay's results
 the eager step's with exact widths bit for bit: ``tests/kernels/test_graphs_v41.py``). A bucket's capture runs the
 step twice and captures it: the step's writes are idempotent, so the state advances once.
 
+With DSpark stages the step also computes the drafter's target features (the stream means entering
+``dspark_target_layer_ids``: a few small reductions), so the steps DSpark follows replay too (``features``).
+
 A graph holds the pool's and the cache's tensors: the buckets are dropped when the pool reallocates
-(``StatePool.generation``) or another cache comes. Steps with image embeddings, with a bounded (decoder) replay, or
-with DSpark feature capture run eagerly, as do prefill chunks.
+(``StatePool.generation``) or another cache comes. Steps with image embeddings or with a bounded (decoder) replay run
+eagerly, as do prefill chunks.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class _Bucket:
     graphs: list[Any] = field(default_factory=list)  # the platform's graphs (anything with replay() in tests)
     y: torch.Tensor | None = None  # the step's output
     engram_stage: StagedCopy | None = None  # the host copies into ``engram``
+    features: torch.Tensor | None = None  # DSpark's target features of the step (a checkpoint with DSpark stages)
 
 
 class TextGraphs:
@@ -122,6 +126,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
     """Per-bucket CUDA graphs of a ``DeepseekV41Model``'s decode steps (module docstring)."""
 
     model: GraphedModel
+    features: torch.Tensor | None = None  # the last replay's DSpark target features [B, L·D] (a DSpark checkpoint)
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache | None) -> torch.Tensor | None:
         """The trunk output ``[B, hidden]`` of a decode step, or None when the step is not graphed (the caller then
@@ -154,6 +159,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
         load(bk)
         bk.graphs[0].replay()
         self.replays += 1
+        self.features = None if bk.features is None else bk.features[:n].clone()
         return bk.y[:n].clone()
 
     # -- capture ------------------------------------------------------------------------------------------------
@@ -162,12 +168,14 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
         """The whole step, one segment: it stores its output in ``bk.y``."""
         model, ops, layers = self.model, self.model.ops, self.model.layers
         ids, plan, streams = bk.token_ids, bk.plan, model.text.hc_mult
+        targets = set(model.text.dspark_target_layer_ids) if model.mtp is not None else set()
 
         def step() -> None:
             plan.derived.clear()  # what the layers share is recomputed (and captured) in every run
             pos = plan.meta[decode_step.POS]  # a new view each run: nothing keyed by the last one's skips a kernel
             h = embed_streams(model.embed(ids), streams)
             pre = initial_pre(bk.size, streams, ids.device)
+            captured = []
             for i, layer in enumerate(layers):
                 rope = model.rope_of(layer)
                 if layer.engram is not None:
@@ -175,10 +183,13 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
                         h = layer.engram(h, bk.engram[:, layer.engram.slot], None, ops)
                     else:
                         h = layer.engram.update(h, bk.engram_rows[i], None, ops)
+                if layer.spec.index in targets:
+                    captured.append(h)
                 mix, t = layer.attn_in(h, pre, pos, rope, ops)
                 out = decode_step.attend(layer.attn, t, plan, rope, ops)
                 h, pre = layer.ffn_out(out, t, h, mix, None, ops)
             bk.y = final_collapse(h, pre, ops)
+            bk.features = model.dspark.target_features(captured) if targets else None
 
         return [step]
 

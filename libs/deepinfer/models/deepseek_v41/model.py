@@ -24,6 +24,8 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify
+from deepinfer.models.deepseek_v41 import verify_step
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention
 from deepinfer.models.deepseek_v41.block import Block
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -47,6 +49,18 @@ if TYPE_CHECKING:
 class DeepseekV41Model(nn.Module):
     """The V4.1 backbone. ``engram_token_map`` is the tokenizer's compressed vocabulary
     (``engram.compressed_token_map``): required when the config has Engram layers."""
+
+    verify_on_decode_path = True  # speculative verify steps may run as decode sub-steps (verify_step.py)
+
+    def verify_forward(
+        self, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int], pad: int = 0, capture: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PooledVerify] | None:
+        """A speculative verify step on the decode path (``verify_step.pooled_forward``: the trunk output, with
+        ``capture`` DSpark's features, the rollback), or None where that path does not take ``batch``
+        (``verify_step.eligible``: the caller runs the ragged path, ``deepseek_v4.speculative``)."""
+        if not verify_step.eligible(self, batch):
+            return None
+        return verify_step.pooled_forward(self, batch, cache, verified, pad, capture)
 
     def __init__(
         self, config: DeepseekV41Config, ops: Ops | None = None, engram_token_map: Sequence[int] | None = None
@@ -196,13 +210,12 @@ class DeepseekV41Model(nn.Module):
         With ``step_graphs`` attached the step may replay CUDA graphs, as the runtime decides (``runtime.step_graphs``:
         a decode step ``graphs.DecodeGraphs``, the whole step, one graph per batch bucket and context span; other text
         steps piecewise ``prefill_graphs.PrefillGraphs`` unless ``piecewise_prefill`` is off), with eager results;
-        never with ``capture``."""
+        with ``capture`` only a decode step (its graphs compute the features too)."""
         ops, c = self.ops, self.text
         if isinstance(batch, ImageBatch) and batch.images and batch.input_embeds is None:  # an image prompt's chunks
             batch.input_embeds, batch.image_mask = chunk_embeddings(self, batch)
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
-        # (with ``capture`` eagerly: no graph returns the features)
-        y = None if self.step_graphs is None or capture else self.step_graphs.run(self, batch, cache)
+        y = None if self.step_graphs is None else self._replay(batch, cache, capture)
         if y is not None:  # replayed from graphs (None: run eagerly)
             for chunk in batch.chunks:
                 chunk.state.num_tokens = chunk.end
@@ -237,6 +250,17 @@ class DeepseekV41Model(nn.Module):
             return final_collapse(h, pre, ops)
         y = final_collapse(h, pre, ops) if active.numel() else h[:0, 0]
         return y.new_zeros(batch.token_ids.shape[0], y.shape[-1]).index_copy_(0, active, y)
+
+    def _replay(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool) -> torch.Tensor | None:
+        """The step replayed from the graphs ``step_graphs`` picks, or None: run it eagerly. With ``capture`` only
+        the decode graphs, which compute DSpark's features too (``graphs.DecodeGraphs.features``)."""
+        if not capture:
+            return self.step_graphs.run(self, batch, cache)
+        graphs = self.step_graphs.of(self, "decode")
+        y = None if graphs is None or self.mtp is None else graphs.run(batch, cache)
+        if y is not None:
+            self.dspark_features = graphs.features
+        return y
 
     def _use_pool(self, on: bool) -> None:
         """Give every attention layer the model's ``StatePool`` (made on the weights' device), or none."""

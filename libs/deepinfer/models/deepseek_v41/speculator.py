@@ -4,10 +4,12 @@ its kept tokens (docs/speculative_decoding.md, "DSpark").
 
 DSpark (``dspark.py``) drafts the ``B`` positions after a sequence's last verified token in one pass, reading the
 target's features of the ``W`` positions before it (each stage's context KV). Every step the target runs with its
-features captured (eager: ``DeepseekV41Model.forward(capture=True)``); the context KV of every position it keeps is
-computed once and kept in a per-sequence ring (:class:`ContextRing`, slot ``position % W``, tagged with its position,
-so a gap, e.g. steps run without the drafter, is masked rather than misread). A step planned without drafts for its
-decode rows (the scheduler's batch limit or cost policy) runs without the capture, on the model's graphs.
+features captured (``DeepseekV41Model.forward(capture=True)``: a decode step on its graphs, which compute them; a
+verify step on the decode path, ``verify_step``, returns them); the context KV of every position it keeps is
+computed once and kept in a per-sequence ring (``context_rings.ContextRings``: one device tensor for all sequences,
+slot ``position % W``, tagged with its position, so a gap, e.g. steps run without the drafter, is masked rather than
+misread). A step planned without drafts for its decode rows (the scheduler's batch limit or cost policy) runs
+without the capture.
 
 Variable length (``DEEPINFER_ENABLE_MTP_VARLEN``): a sequence verifies the leading drafts whose survival
 ``S_k = conf_0 ... conf_k`` (the confidence head's estimate that ``d_0 .. d_k`` are all kept) is at least
@@ -15,8 +17,8 @@ Variable length (``DEEPINFER_ENABLE_MTP_VARLEN``): a sequence verifies the leadi
 verified never changes the output: each verify row emits the target's own sample, and a draft is kept only where it
 equals it.
 
-Rollback: V4's (``deepseek_v4.speculative``: window rings, the ratio-2 compressors' pending pair, the Engram history;
-paged rows past the count are rewritten later).
+Rollback: on the decode path ``verify_step``'s; otherwise V4's (``deepseek_v4.speculative``: window rings, the
+ratio-2 compressors' pending pair, the Engram history; paged rows past the count are rewritten later).
 """
 
 from __future__ import annotations
@@ -28,38 +30,17 @@ import torch
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.models.deepseek_v4.verify_step import PooledVerify
+from deepinfer.models.deepseek_v41.context_rings import ContextRings
+from deepinfer.models.deepseek_v41.dspark_graphs import draft_pass
 from deepinfer.runtime.host_copy import tensor
-
-
-class ContextRing:
-    """One sequence's DSpark context: each stage's KV row of the last ``W`` positions (``[W, head_dim]`` per stage,
-    slot ``position % W``) and the position each slot holds (-1: none)."""
-
-    def __init__(self, stages: int, window: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows = torch.zeros(stages, window, dim, dtype=dtype, device=device)
-        self.pos = torch.full((window,), -1, dtype=torch.long, device=device)
-
-    def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
-        """Keep ``kv [stages, n, dim]`` at ``positions [n]`` (ascending; only the last ``W`` land)."""
-        w = self.pos.shape[0]
-        kv, positions = kv[:, -w:], positions[-w:]
-        slots = positions % w
-        self.rows[:, slots] = kv.to(self.rows.dtype)
-        self.pos[slots] = positions
-
-    def window(self, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[stages, W, dim]`` of positions ``anchor - W .. anchor - 1`` in order, and which exist ``[W]``."""
-        w = self.pos.shape[0]
-        j = torch.arange(anchor - w, anchor, device=self.pos.device)
-        slots = j % w
-        return self.rows[:, slots], (self.pos[slots] == j) & (j >= 0)
 
 
 @dataclass
 class PendingVerify:
     """A verify forward's rollback: V4's ``VerifyStep`` of the verified sequences."""
 
-    step: VerifyStep
+    step: VerifyStep | PooledVerify
     chunks: list[int]  # the verified chunks of the step
     rids: list[str]
 
@@ -94,14 +75,29 @@ class DSparkSpeculator:
             raise ValueError(f"min_survival must lie in [0, 1], got {min_survival}")
         self.model, self.max_drafts, self.proposer = model, max_drafts, proposer
         self.varlen, self.min_survival = varlen, min_survival
-        self.rings: dict[str, ContextRing] = {}
+        c = model.text
+        self.rings = ContextRings(len(model.mtp) if model.mtp is not None else 0, c.sliding_window, c.head_dim,
+                                  model.embed.weight.dtype, model.embed.weight.device)  # fmt: skip
         self.features: torch.Tensor | None = None  # the last forward's captured target features [T, L·D]
         self.last_confidence: dict[str, list[float]] = {}  # rid -> the confidences its last draft lengths came from
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
-            self.rings.pop(rid, None)
+            self.rings.release(rid)
             self.last_confidence.pop(rid, None)
+
+    def warm_graphs(self, states: list[SequenceState]) -> None:
+        """Capture the draft pass's graph at this batch before serving (the worker's warm-up, on its own sequences;
+        their rings are released afterwards)."""
+        m = self.model
+        graphs = m.step_graphs.of(m, "draft") if self.proposer is None and m.step_graphs is not None else None
+        if graphs is None:
+            return
+        rids = [f"warm-up {i}" for i in range(len(states))]
+        try:
+            graphs.run(self.rings, rids, states, [0] * len(states))
+        finally:
+            self.release(rids)
 
     # -- drafting ---------------------------------------------------------------------------------
     def propose(
@@ -115,31 +111,25 @@ class DSparkSpeculator:
         out: list[list[int]] = [[] for _ in rids]
         if not live:
             return out
-        m = self.model
-        dev = m.embed.weight.device
-        kvs, masks = [], []
-        for b in live:
-            ring = self.rings.get(rids[b])
-            if ring is None:
-                ring = self.rings[rids[b]] = self._new_ring()
-            rows, mask = ring.window(states[b].num_tokens)
-            kvs.append(rows)
-            masks.append(mask)
-        kv = torch.stack(kvs, dim=1)  # [stages, N, W, d]
-        anchors = tensor([last[b] for b in live], dev, torch.long)
-        pos = tensor([states[b].num_tokens for b in live], dev, torch.long)
-        res = m.dspark.draft(anchors, pos, list(kv), torch.stack(masks), m.embed.weight, m.head.weight, m.ops)
+        m, ids = self.model, [rids[b] for b in live]
+        graphs = m.step_graphs.of(m, "draft") if m.step_graphs is not None else None
+        sts, anchors = [states[b] for b in live], [last[b] for b in live]
+        got = None if graphs is None else graphs.run(self.rings, ids, sts, anchors)
+        if got is None:  # eagerly
+            dev = m.embed.weight.device
+            pos = tensor([st.num_tokens for st in sts], dev, torch.long)
+            slots = tensor(self.rings.slots(ids), dev, torch.long)
+            got = draft_pass(m, self.rings, slots, tensor(anchors, dev, torch.long), pos)
+        host = got.cpu()  # drafts and confidences, one read
+        block = host.shape[1] // 2
+        toks, conf = host[:, :block].long().tolist(), host[:, block:].float()
         want = [counts[b] for b in live]
-        lengths = survival_lengths(res.confidence, want, self.min_survival) if self.varlen else want
-        toks, conf = res.tokens.tolist(), res.confidence.tolist()
+        lengths = survival_lengths(conf, want, self.min_survival) if self.varlen else want
+        conf = conf.tolist()
         for k, b in enumerate(live):
             out[b] = toks[k][: lengths[k]]
             self.last_confidence[rids[b]] = conf[k]
         return out
-
-    def _new_ring(self) -> ContextRing:
-        c, m = self.model.text, self.model
-        return ContextRing(len(m.mtp), c.sliding_window, c.head_dim, m.embed.weight.dtype, m.embed.weight.device)
 
     # -- the step's forward ---------------------------------------------------------------------------
     def forward(
@@ -154,6 +144,10 @@ class DSparkSpeculator:
             h = self.model(batch, cache, capture=capture)
             self.features = self.model.dspark_features if capture else None
             return h, None
+        got = self.model.verify_forward(batch, cache, verified, self.max_drafts, capture)
+        if got is not None:  # on the decode path
+            h, self.features, pooled = got
+            return h, PendingVerify(pooled, verified, rids)
         saves = save_states(self.model, [batch.chunks[i].state for i in verified], drafts)
         h, captured = capturing_forward(self.model, batch, cache, capture=capture)
         self.features = self.model.dspark_features if capture else None
@@ -199,13 +193,7 @@ class DSparkSpeculator:
         pos = tensor([p + k for _, a, b, p in rows for k in range(b - a)], dev, torch.long)
         main_x = m.dspark.project(self.features.index_select(0, idx).to(m.embed.weight.dtype), m.ops)
         kv = torch.stack(m.dspark.context_kv(main_x, pos, m.ops))  # [stages, n, d]
-        o = 0
-        for rid, a, b, _ in rows:
-            ring = self.rings.get(rid)
-            if ring is None:
-                ring = self.rings[rid] = self._new_ring()
-            ring.write(kv[:, o : o + b - a], pos[o : o + b - a])
-            o += b - a
+        self.rings.write([rid for rid, *_ in rows], [b - a for _, a, b, _ in rows], kv, pos)
 
 
-__all__ = ["ContextRing", "DSparkSpeculator", "PendingVerify", "survival_lengths"]
+__all__ = ["DSparkSpeculator", "PendingVerify", "survival_lengths"]
