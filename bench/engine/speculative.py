@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--explore", type=int, default=16, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant op set (a correctness run)")
-    ap.add_argument("--profile", type=ints, default=[], help="batch sizes whose oracle run (2nd rate) and drafter run are cProfiled")
+    ap.add_argument("--profile", type=ints, default=[], help="batch sizes to cProfile (2nd-rate oracle, drafter)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
