@@ -158,11 +158,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "nvidia"])
-    p.add_argument("--tiny", action="store_true", help="smoke mode: 20 s, a kill every 6 s, 4 streams")
+    p.add_argument("--tiny", action="store_true", help="smoke mode: 12 s, a kill every 5 s, 4 streams")
     p.add_argument("--out", type=Path, help="write the result as DIR/<date>-chaos-<device>.json")
     args = p.parse_args()
     if args.tiny:
-        args.duration_s, args.kill_every_s, args.concurrency, args.prompts, args.max_tokens = 20.0, 6.0, 4, 6, 12
+        args.duration_s, args.kill_every_s, args.concurrency, args.prompts, args.max_tokens = 12.0, 5.0, 4, 6, 12
     result = run(args)
     c = result["chaos"]
     print(f"chaos: {args.duration_s:.0f} s, {args.concurrency} streams, a SIGKILL every {args.kill_every_s:.0f} s "

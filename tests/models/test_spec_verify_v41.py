@@ -202,7 +202,7 @@ def rounding_model(tokenizer, name: str) -> DeepseekV41Model:
     return model
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["mixed", "heads8"])  # ("sketch": the rollback and graph tests below)
 def test_default_ops_verify_on_the_decode_path(tokenizer, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default op set: verify steps on the decode path (``deepseek_v41.verify_step``, taken: counted), the
     ratio-2 compressors' two-row rings rolled back from the sub-steps' projections. Same tokens; states, histories

@@ -153,3 +153,32 @@ def test_v41_engram_update_parity(nemo, tokenizer, name):
         )
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
         assert torch.equal(got[~mask], x[~mask])
+
+
+def test_v41_short_chunks_hash_as_long_ones(tokenizer, monkeypatch):
+    """``DeepseekV41Model._engram_rows`` of a step of short chunks (a verify step's token and drafts, a prompt's
+    last few tokens; token by token in numpy, batched) gives the rows and histories of the per-chunk ``hash`` path,
+    image tokens masked included."""
+    from deepinfer.backends.reference import ReferenceOps
+    from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.models.deepseek_v4.state import SequenceState
+    from deepinfer.models.deepseek_v41 import model as v41_model
+    from models.tiny_v41 import random_model
+
+    model = random_model(tokenizer, ReferenceOps(), "mixed")
+    rng = np.random.default_rng(4)
+    h = model.hasher.history_len
+    for masked in (False, True):
+        lengths = [1, 4, 8, 2, 3]
+        histories = [tuple(rng.integers(-1, 60, size=n).tolist()) for n in (0, 1, h, h, 2)]
+        ids = [rng.integers(0, model.text.vocab_size, size=n).tolist() for n in lengths]
+        mask = torch.from_numpy(rng.random(sum(lengths)) < 0.2) if masked else None
+        got = []
+        for short in (8, 0):
+            monkeypatch.setattr(v41_model, "SHORT_CHUNK", short)
+            states = [SequenceState(num_tokens=10, history=x) for x in histories]
+            chunks = [SeqChunk(s, 10, n, torch.arange(4)) for s, n in zip(states, lengths)]
+            batch = ForwardBatch.build(chunks, ids)
+            batch.image_mask = mask
+            got.append((model._engram_rows(batch), [s.history for s in states]))
+        assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1]

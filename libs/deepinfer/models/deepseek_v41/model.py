@@ -45,6 +45,8 @@ from deepinfer.runtime.platform import platform_of
 if TYPE_CHECKING:
     from deepinfer.runtime.step_graphs import StepGraphs
 
+SHORT_CHUNK = 8  # ``_engram_rows`` hashes steps of chunks this short token by token, batched over the chunks
+
 
 class DeepseekV41Model(nn.Module):
     """The V4.1 backbone. ``engram_token_map`` is the tokenizer's compressed vocabulary
@@ -170,8 +172,8 @@ class DeepseekV41Model(nn.Module):
         ids = batch.host_token_ids if batch.host_token_ids is not None else batch.token_ids.cpu()
         text = None if batch.image_mask is None else ~batch.image_mask.cpu()
         dev = batch.token_ids.device if device is None else device
-        if all(c.length == 1 for c in batch.chunks):  # a decode step: every sequence's n-grams in one call
-            return to_device(self._engram_decode(batch.chunks, ids, text), dev)
+        if max(c.length for c in batch.chunks) <= SHORT_CHUNK:  # decode and verify steps: token by token, batched
+            return to_device(self._engram_short(batch.chunks, ids, text), dev)
         out, o = [], 0
         for c in batch.chunks:
             seq = ids[o : o + c.length]
@@ -183,18 +185,28 @@ class DeepseekV41Model(nn.Module):
             o += c.length
         return to_device(torch.cat(out), dev)
 
-    def _engram_decode(self, chunks: list[SeqChunk], ids: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
-        """``_engram_rows`` of one token per sequence: the histories stacked ``[B, h]`` (left-padded with the empty
-        history), one ``EngramHasher.step`` for the batch (numpy on the host: ``hash`` and ``next_history``'s
-        integer ops, row by row)."""
+    def _engram_short(self, chunks: list[SeqChunk], ids: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+        """``_engram_rows`` of short chunks (a decode step's one token per sequence, a verify step's token and drafts):
+        the histories stacked ``[B, h]`` (left-padded with the empty history), then per token index one
+        ``EngramHasher.step`` over the chunks that have that token (numpy on the host: ``hash`` and
+        ``next_history``'s integer ops, row by row; one call for a decode step)."""
         h = self.hasher.history_len
         empty = [BLOCKED] * h
         hist = np.array([(empty + list(c.state.history))[-h:] for c in chunks], dtype=np.int64).reshape(-1, h)
-        mask = None if text is None else text.numpy().reshape(-1)
-        rows, nxt = self.hasher.step(ids.numpy().reshape(-1), hist, mask)
-        for c, row in zip(chunks, nxt.tolist()):
+        lengths = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.cumsum(lengths) - lengths
+        flat, mask = ids.numpy().reshape(-1), None if text is None else text.numpy().reshape(-1)
+        out = None
+        for j in range(int(lengths.max())):
+            live = np.nonzero(lengths > j)[0]
+            at = starts[live] + j
+            rows, hist[live] = self.hasher.step(flat[at], hist[live], None if mask is None else mask[at])
+            if out is None:
+                out = np.empty((flat.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+            out[at] = rows
+        for c, row in zip(chunks, hist.tolist()):
             c.state.history = tuple(row)
-        return torch.from_numpy(rows)
+        return torch.from_numpy(out)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache | None, capture: bool = False) -> torch.Tensor:
