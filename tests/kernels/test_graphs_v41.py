@@ -25,6 +25,7 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  #
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
 from deepinfer.models.deepseek_v41.graphs import DecodeGraphs  # noqa: E402
+from eager_graphs import EagerCapture  # noqa: E402
 from gpu_waits import assert_steps_never_wait  # noqa: E402
 from models.tiny_v41 import build_tokenizer, random_model  # noqa: E402
 
@@ -114,30 +115,13 @@ def _check(model, cases, dev: str = DEVICE, split: bool = False, context: int = 
 # -- CPU: the plumbing ------------------------------------------------------------------------------------------
 
 
-class _Segment:
-    """Stands in for a captured graph: ``replay`` runs the segment eagerly."""
-
-    def __init__(self, seg) -> None:
-        self.replay = seg
-
-
-class EagerSegments(DecodeGraphs):
+class EagerSegments(EagerCapture, DecodeGraphs):
     """``DecodeGraphs``' step plumbing without CUDA: each "graph" runs its segment eagerly, on any device."""
 
     on_device = True
 
     def tables_on_device(self, device: torch.device) -> bool:
         return self.on_device
-
-    def applies(self, batch: ForwardBatch) -> bool:
-        return self.graphable(batch)
-
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
-        bk = self._bucket(size, device, *extra)
-        if before is not None:
-            before(bk)
-        bk.graphs = [_Segment(seg) for seg in self._segments(bk)]
-        return bk
 
 
 def _model(tokenizer, ops, name: str = "sketch", dtype: torch.dtype = torch.float32, dev: str = DEVICE):

@@ -34,6 +34,7 @@ from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator, survival_lengths
 from deepinfer.models.deepseek_v41.verify_graphs import VerifyGraphs
 from deepinfer.runtime.step_graphs import StepGraphs
+from eager_graphs import EagerCapture
 from models.test_spec_verify import differences
 from models.test_v41_decoder_replay import _model
 from models.tiny_v41 import NAMES, build_tokenizer
@@ -295,23 +296,13 @@ def test_a_capturing_step_replays_decode_graphs_only(tokenizer) -> None:
     assert seen == ["decode", "decode", "prefill"]
 
 
-class EagerVerifySegments(VerifyGraphs):
+class EagerVerifySegments(EagerCapture, VerifyGraphs):
     """``VerifyGraphs`` without CUDA: each "graph" (the step, the restore) runs its segment eagerly, on any device."""
 
     on_device = True
 
     def tables_on_device(self, device: torch.device) -> bool:
         return self.on_device
-
-    def applies(self, batch: ForwardBatch) -> bool:
-        return self.graphable(batch)
-
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
-        bk = self._bucket(size, device, *extra)
-        if before is not None:
-            before(bk)
-        bk.graphs = [type("Segment", (), {"replay": staticmethod(seg)})() for seg in self._segments(bk)]
-        return bk
 
 
 def graphed_model(tokenizer, name: str, tables: str = "device") -> DeepseekV41Model:
@@ -370,18 +361,8 @@ def test_speculation_with_the_verify_graphs_on_cpu(tokenizer, monkeypatch: pytes
     assert check(model, 3, tol=1e-4)
 
 
-class EagerDraftSegments(DSparkGraphs):
+class EagerDraftSegments(EagerCapture, DSparkGraphs):
     """``DSparkGraphs`` without CUDA: the "graph" runs the draft pass eagerly from the bucket's static inputs."""
-
-    def applies(self, batch: ForwardBatch) -> bool:
-        return self.graphable(batch)
-
-    def _capture(self, size: int, device: torch.device, extra: tuple = (), before=None):
-        bk = self._bucket(size, device, *extra)
-        if before is not None:
-            before(bk)
-        bk.graphs = [type("Segment", (), {"replay": staticmethod(seg)})() for seg in self._segments(bk)]
-        return bk
 
 
 def test_the_draft_pass_graph_drafts_as_the_eager_pass_on_cpu(tokenizer) -> None:

@@ -101,11 +101,16 @@ class VerifyGraphs(SegmentGraphs):
                 h = layer.ffn_out(out, t, h, post, comb, plan.ids, ops)
             bk.h = h
 
-        def restore() -> None:
-            plan.clear()
-            verify_rings.restore(model, plan, bk.accepted)
+        return [step, self.restore_segment(bk)]
 
-        return [step, restore]
+    def restore_segment(self, bk: VerifyBucket) -> Callable[[], None]:
+        """The restore graph's segment: ``verify_rings.restore`` of the bucket's plan from its ``accepted``."""
+
+        def restore() -> None:
+            bk.plan.clear()
+            verify_rings.restore(self.model, bk.plan, bk.accepted)
+
+        return restore
 
     def _bucket(self, size: int, device: torch.device, drafts: int = 0, span: int = 0,
                 cache: PagedKVCache | None = None) -> VerifyBucket:  # fmt: skip

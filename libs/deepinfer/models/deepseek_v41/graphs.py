@@ -104,6 +104,23 @@ class TextGraphs:
             and super().graphable(batch)  # type: ignore[misc]
         )
 
+    def load_engram(self, bk: object, rows: torch.Tensor | None) -> None:
+        """Load a bucket's Engram inputs (``_engram_buffers``) with the host row ids ``rows`` of its first rows: the
+        ids themselves (tables on the device), or the rows looked up (tables elsewhere)."""
+        if rows is None:
+            return
+        if bk.engram is not None:
+            bk.engram_stage.copy(rows)
+        for i, static in bk.engram_rows.items():
+            engram = self.model.layers[i].engram
+            static[: rows.shape[0]].copy_(engram.embed.lookup(rows[:, engram.slot], static.device))
+
+    def apply_engram(self, bk: object, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """A captured step's Engram update of layer ``i`` (streams ``h``) from the bucket's static inputs."""
+        if bk.engram is not None:
+            return layer.engram(h, bk.engram[:, layer.engram.slot], None, self.model.ops)
+        return layer.engram.update(h, bk.engram_rows[i], None, self.model.ops)
+
     def _engram_buffers(self, size: int, device: torch.device) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
         """A bucket's static Engram inputs (zeros): row ids ``[size, engram layers, hashes]`` with the tables on
         ``device``, else looked-up rows ``[size, hashes, dim]`` per Engram layer."""
@@ -145,11 +162,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
 
         def load(bk: _Bucket) -> None:
             bk.plan.fill(chunks, slots, batch)
-            if bk.engram is not None:
-                bk.engram_stage.copy(rows)
-            for i, static in bk.engram_rows.items():
-                engram = model.layers[i].engram
-                static[:n].copy_(engram.embed.lookup(rows[:, engram.slot], static.device))
+            self.load_engram(bk, rows)
 
         bk = self.bucket(batch, (span, cache), before=load)
         if bk is None:
@@ -159,7 +172,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
         load(bk)
         bk.graphs[0].replay()
         self.replays += 1
-        self.features = None if bk.features is None else bk.features[:n].clone()
+        self.features = None if bk.features is None else bk.features[:n]  # (the next replay overwrites it)
         return bk.y[:n].clone()
 
     # -- capture ------------------------------------------------------------------------------------------------
@@ -179,10 +192,7 @@ class DecodeGraphs(TextGraphs, SegmentGraphs):
             for i, layer in enumerate(layers):
                 rope = model.rope_of(layer)
                 if layer.engram is not None:
-                    if bk.engram is not None:
-                        h = layer.engram(h, bk.engram[:, layer.engram.slot], None, ops)
-                    else:
-                        h = layer.engram.update(h, bk.engram_rows[i], None, ops)
+                    h = self.apply_engram(bk, i, layer, h)
                 if layer.spec.index in targets:
                     captured.append(h)
                 mix, t = layer.attn_in(h, pre, pos, rope, ops)

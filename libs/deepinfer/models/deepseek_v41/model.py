@@ -271,7 +271,7 @@ class DeepseekV41Model(nn.Module):
         graphs = self.step_graphs.of(self, "decode")
         y = None if graphs is None or self.mtp is None else graphs.run(batch, cache)
         if y is not None:
-            self.dspark_features = graphs.features
+            self.dspark_features = graphs.features.clone()
         return y
 
     def _use_pool(self, on: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,16 +60,10 @@ class VerifyGraphs(TextGraphs, v4.VerifyGraphs):
         def load(bk: VerifyBucket) -> None:
             bk.plan.fill(chunks, slots, batch)
             bk.accepted.zero_()
-            if rows is None:
-                return
-            laid = np.zeros((bk.plan.ids.shape[0], *rows.shape[1:]), dtype=np.int64)
-            laid[verify_rows(chunks, bk.size)] = rows.numpy()
-            laid = torch.from_numpy(laid)
-            if bk.engram is not None:
-                bk.engram_stage.copy(laid)
-            for i, static in bk.engram_rows.items():
-                engram = model.layers[i].engram
-                static.copy_(engram.embed.lookup(laid[:, engram.slot], static.device))
+            if rows is not None:  # laid out as the bucket's rows are
+                laid = np.zeros((bk.plan.ids.shape[0], *rows.shape[1:]), dtype=np.int64)
+                laid[verify_rows(chunks, bk.size)] = rows.numpy()
+                self.load_engram(bk, torch.from_numpy(laid))
 
         bk = self.bucket(batch, (drafts, span, cache), before=load)
         if bk is None:
@@ -83,23 +78,14 @@ class VerifyGraphs(TextGraphs, v4.VerifyGraphs):
     # -- capture ------------------------------------------------------------------------------------------------
 
     def _segments(self, bk: VerifyBucket) -> list[Callable[[], None]]:
-        model, ops, plan = self.model, self.model.ops, bk.plan
-        capture = model.mtp is not None
-
-        def engram(i: int, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-            if bk.engram is not None:
-                return layer.engram(h, bk.engram[:, layer.engram.slot], None, ops)
-            return layer.engram.update(h, bk.engram_rows[i], None, ops)
+        model, plan = self.model, bk.plan
+        engram, capture = partial(self.apply_engram, bk), model.mtp is not None
 
         def step() -> None:
             plan.clear()
             bk.h, bk.features = layers_forward(model, plan, plan.ids, engram, capture)
 
-        def restore() -> None:
-            plan.clear()
-            verify_rings.restore(model, plan, bk.accepted)
-
-        return [step, restore]
+        return [step, self.restore_segment(bk)]
 
     def _bucket(self, size: int, device: torch.device, drafts: int = 0, span: int = 0,
                 cache: PagedKVCache | None = None) -> VerifyBucket:  # fmt: skip
