@@ -216,6 +216,9 @@ def build(args: argparse.Namespace, depth: int, dev: torch.device) -> Setup:
             model = sweep_v41.build_ours(config, dev, args.seed, tuple(config.weight_block_size))
         else:
             model = sweep.build_ours(config, dev, args.seed)
+        if args.verify_attention is not None:
+            model.verify_fused = args.verify_attention == "fused"
+        args.verify_attention = "fused" if model.verify_fused else "substeps"
         if args.batch_invariant:  # the check: tokens with drafts equal to plain decoding's, bit for bit
             model.ops = get_ops("nvidia" if dev.type == "cuda" else "cpu", batch_invariant=True)
         if getattr(model.ops, "native_weights", False):
@@ -269,6 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--explore", type=int, default=16, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant op set (a correctness run)")
+    ap.add_argument(
+        "--verify-attention",
+        choices=["fused", "substeps"],
+        default=None,
+        help="a verify step's attention: one call per layer, or in sub-steps (default: the model's)",
+    )
     ap.add_argument("--profile", type=ints, default=[], help="batch sizes to cProfile (2nd-rate oracle, drafter)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -289,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for depth in args.depths:
         s = build(args, depth, dev)
+        res["verify_attention"] = args.verify_attention  # (build sets the model's default)
         if dev.type == "cuda":  # (as the factory: a CPU has nothing to compile or capture)
             warm_graphs(s, args)
         work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)

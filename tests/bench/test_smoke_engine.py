@@ -16,6 +16,8 @@ def test_smoke_mode(script: Path, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_speculative_smoke_on_v41(tmp_path: Path) -> None:
-    """speculative.py's other model: V4.1 widths, DSpark drafting (one depth, one batch, one oracle rate)."""
+    """speculative.py's other model: V4.1 widths, DSpark drafting (one depth, one batch, one oracle rate), the verify
+    steps' attention in one call per layer."""
     flags = ("--model", "v41", "--depths", "4", "--batches", "1", "--errors", "1", "--tokens", "2")
+    flags += ("--verify-attention", "fused")
     run_smoke(BENCH / "engine" / "speculative.py", tmp_path, flags)

@@ -256,13 +256,15 @@ def test_a_skipped_rollback_is_caught(tiny_dirs: dict, mutation: str, monkeypatc
     assert found, f"{mutation}: not caught"
 
 
-@pytest.mark.parametrize("name", ["base", "odd"])
-def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, name: str,
+@pytest.mark.parametrize(("name", "fused"), [("base", False), ("odd", True), ("base", True)])
+def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, name: str, fused: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The default op set: verify steps on the decode path (``verify_step``: decode sub-steps on the ``StatePool``,
-    taken: counted), the drafter on the pool too. Same tokens; the state equal within rounding. Compression ratios
-    4, 8 and 16 complete groups inside verify steps."""
+    taken: counted; their attention in one call per layer where ``fused``, ``verify_attention``), the drafter on the
+    pool too. Same tokens; the state equal within rounding. Compression ratios 4, 8 and 16 complete groups inside
+    verify steps."""
     model = load(tiny_dirs, name, ReferenceOps())
+    model.verify_fused = fused
     taken = []
     real = verify_step.pooled_forward
     monkeypatch.setattr(verify_step, "pooled_forward", lambda *a: taken.append(1) or real(*a))

@@ -203,12 +203,15 @@ def rounding_model(tokenizer, name: str) -> DeepseekV41Model:
     return model
 
 
-@pytest.mark.parametrize("name", ["mixed", "heads8"])  # ("sketch": the rollback and graph tests below)
-def test_default_ops_verify_on_the_decode_path(tokenizer, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("name", "fused"), [("mixed", True), ("heads8", True), ("mixed", False)])  # ("sketch": below)
+def test_default_ops_verify_on_the_decode_path(tokenizer, name: str, fused: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The default op set: verify steps on the decode path (``deepseek_v41.verify_step``, taken: counted), the
-    ratio-2 compressors' two-row rings rolled back from the sub-steps' projections. Same tokens; states, histories
+    ratio-2 compressors' two-row rings rolled back from the sub-steps' projections; the attention in one call per
+    layer (``fused``: ``deepseek_v4.verify_attention``) or sub-step after sub-step. Same tokens; states, histories
     and the next logits equal a plain run's within rounding."""
     model = rounding_model(tokenizer, name)
+    model.verify_fused = fused
     taken = []
     real = v41_verify.pooled_forward
     monkeypatch.setattr(v41_verify, "pooled_forward", lambda *a: taken.append(1) or real(*a))

@@ -116,6 +116,15 @@ class V4DecodePlan:
         win_width = max(p - max(f, p - window + 1, 0) for p, f in zip(pos, floor)) + 1
         return cls(pool, cache, window, meta, tables, win_width, widths)
 
+    @classmethod
+    def stacked(cls, subs: list[V4DecodePlan]) -> V4DecodePlan:
+        """One plan of the rows of ``subs`` (a verify step's sub-steps: the same block tables and widths), sub-step
+        after sub-step (``verify_attention``)."""
+        s0 = subs[0]
+        tables = None if s0.tables is None else s0.tables.repeat(len(subs), 1)
+        meta = torch.cat([s.meta for s in subs], 1)
+        return cls(s0.pool, s0.cache, s0.window, meta, tables, max(s.win_width for s in subs), s0.widths)
+
     def fill(self, chunks: list[SeqChunk], slots: list[int], batch: ForwardBatch) -> None:
         """Load a graphed bucket's plan and token ids (``ids``) with the step ``batch`` of ``chunks`` (at most
         ``size`` of them, positions below its span; ``slots``: their pool slots, ``StatePool.adopt``): one host copy
@@ -251,32 +260,43 @@ def attend(
 ) -> torch.Tensor:
     """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``project``'s tensors ``t``): writes the
     new window row and compressor projections, completes the groups that close, reads every row's keys."""
-    q, kv, pool, ix = t["q"], t["kv"], plan.pool, plan.indices(ops)
+    kv, pool, ix = t["kv"], plan.pool, plan.indices(ops)
     ring = pool.rings[attn.layer_id]
     flat = ring.view(-1, ring.shape[-1])
     # the new rows first (the window reads positions first .. pos): the window's and the compressors', and the window
     # rows gathered after them, one call
     dsts, idxs, srcs = [flat], [ix.put], [kv]
-    for name, comp in (("main", attn.compressor), ("index", attn.indexer and attn.indexer.compressor)):
-        if comp is not None:
-            bkv, bsc = pool.rbufs[(attn.layer_id, name)]
-            at = ix.rings[(comp.ratio, bkv.shape[1])][0]
-            dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
-            idxs += [at, at]
-            srcs += [t[f"{name}_kv"], t[f"{name}_score"]]
-    sink, scale, m = attn.attn_sink, attn.head_dim**-0.5, attn.ratio
+    for name, comp in compressors(attn):
+        bkv, bsc = pool.rbufs[(attn.layer_id, name)]
+        at = ix.rings[(comp.ratio, bkv.shape[1])][0]
+        dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
+        idxs += [at, at]
+        srcs += [t[f"{name}_kv"], t[f"{name}_score"]]
+    window = ops.append_rows(dsts, idxs, srcs, ix.take)
+    for name, comp in compressors(attn):
+        compress(comp, attn.layer_id, name, plan, rope, ops, kv.dtype)
+    return read(attn, t, plan, window, ops)
+
+
+def compressors(attn: AttentionLayer) -> list[tuple[str, Compressor]]:
+    """A layer's compressors by ring name: its own (``main``) and its indexer's (``index``)."""
+    comps = (("main", attn.compressor), ("index", attn.indexer and attn.indexer.compressor))
+    return [(name, comp) for name, comp in comps if comp is not None]
+
+
+def read(attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V4DecodePlan, window: torch.Tensor, ops: Ops
+         ) -> torch.Tensor:  # fmt: skip
+    """The attention output of the step's rows once their keys are written: ``window`` (each row's ``W`` window rows,
+    gathered in position order), the compressed rows in their pages (the indexer's top-k in a CSA layer, every
+    visible row in an HCA one)."""
+    q, ix, sink, scale, m = t["q"], plan.indices(ops), attn.attn_sink, attn.head_dim**-0.5, attn.ratio
     if attn.compressor is None:
-        window = ops.append_rows(dsts, idxs, srcs, ix.take)
         return ops.sparse_attention_lists(q, window, ix.lists, ix.w_count, sink, scale)
     # the keys: the window rows, then every row's compressed rows, read in their pages through the block tables
     # (kernels.paged_keys: nothing gathered; the lists number them as if gathered after the window rows)
-    store = plan.cache.rows[attn.layer_id]
-    window = ops.append_rows(dsts, idxs, srcs, ix.take)
-    _compress(attn.compressor, attn.layer_id, "main", plan, rope, ops, kv.dtype)
-    paged = (store, _pages(plan, m))
+    paged = (plan.cache.rows[attn.layer_id], _pages(plan, m))
     count, r_start, i_start, visible, idx, cnt = ix.ratios[m]
     if attn.indexer is not None:  # the indexer's rows; the HCA layers' lists (every visible row) are the plan's
-        _compress(attn.indexer.compressor, attn.layer_id, "index", plan, rope, ops, kv.dtype)
         index = plan.cache.index_keys[attn.layer_id]  # its keys too read in their pages
         sel, r_cnt = attn.indexer.select_ranges(t["iq"], t["iw"], count, index.new_empty(0, index.shape[-1]), i_start,
                                                 plan.widths[m][0], ops, visible, paged=(index, paged[1]))  # fmt: skip
@@ -289,17 +309,20 @@ def _pages(plan: V4DecodePlan, m: int) -> torch.Tensor:
     return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
-def _compress(
-    comp: Compressor, layer: int, name: str, plan: V4DecodePlan, rope: RotaryTable, ops: Ops, dtype: torch.dtype
-) -> None:
+def compress(comp: Compressor, layer: int, name: str, plan: V4DecodePlan, rope: RotaryTable, ops: Ops,
+             dtype: torch.dtype, source: tuple | None = None) -> None:  # fmt: skip
     """Pool the groups that complete (``ops.group_pool`` over the compressor's rings, where ``attend`` appended the
     step's projections: the other rows pool zeros) and store every row's result, the completed ones in their pages,
-    the rest in the scratch page (``ops.store_rows`` with no gather: the readers read the pages)."""
+    the rest in the scratch page (``ops.store_rows`` with no gather: the readers read the pages). ``source``: the
+    projections ``(kv, score)`` flat and the groups' rows ``(cur, prev)`` in them, where they are not the ring's (a
+    verify step's: ``verify_attention``)."""
     m, cache = comp.ratio, plan.cache
     store = cache.rows[layer] if name == "main" else cache.index_keys[layer]
     bkv, bsc = plan.pool.rbufs[(layer, name)]
     _, cur, prev, has_prev, w, done, page, row = plan.indices(ops).rings[(m, bkv.shape[1])]
     fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
+    if source is not None:
+        fk, fs, cur, prev = source
     cos_sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))  # the same for every compressor of this ratio
     rows = comp._rows(fk, fs, cur, prev, has_prev, w, rope, ops, dtype, live=done, cos_sin=cos_sin)
     ops.store_rows(store, page, row, rows, page[:0])
@@ -313,7 +336,10 @@ __all__ = [
     "attend",
     "block_tables",
     "bucket_widths",
+    "compress",
+    "compressors",
     "load_meta",
+    "read",
     "span_for",
     "staged_meta",
     "step_widths",

@@ -240,6 +240,7 @@ class ObserveGraphs(BlockGraphs):
     def _bucket(self, size: int, device: torch.device, rows: int = 1) -> ObserveBucket:
         model = self.model
         plan = draft_plan(model.state_pool, model.config.sliding_window, size, rows)
+        plan.fused = model.verify_fused
         hc, dim = model.config.hc_mult, model.config.hidden_size
         h = torch.zeros(rows * size, hc, dim, dtype=model.embed.weight.dtype, device=device)
         z = torch.zeros(rows * size, dtype=torch.long, device=device)

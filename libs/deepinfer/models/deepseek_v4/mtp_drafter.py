@@ -93,6 +93,7 @@ class MTPDrafter:
             chunks = [SeqChunk(st, st.mtp_tokens, n, None) for st, n in zip(states, counts)]
             rows = 1 << (max(counts) - 1).bit_length()  # as the graphs' buckets: the same numbers
             plan = V4VerifyPlan.of(pool, None, self.model.config.sliding_window, chunks, rows - 1)
+            plan.fused = self.model.verify_fused
             _, at, last = draft_graphs.observe_rows_of(counts, len(states))
             at = at.to(dev)
             n_rows = len(plan.subs) * len(states)

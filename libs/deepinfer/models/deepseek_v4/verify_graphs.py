@@ -116,6 +116,7 @@ class VerifyGraphs(SegmentGraphs):
                 cache: PagedKVCache | None = None) -> VerifyBucket:  # fmt: skip
         pool, window = self.model.state_pool, self.model.config.sliding_window
         plan = V4VerifyPlan.empty(pool, cache, window, size, drafts, span)
+        plan.fused = self.model.verify_fused
         verify_rings.allocate(self.model, plan)  # the saved rows' buffers, outside the graphs' pool
         return VerifyBucket(size, plan, torch.zeros(size, dtype=torch.long, device=device))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.models.deepseek_v4 import decode_step, verify_rings
+from deepinfer.models.deepseek_v4 import decode_step, verify_attention, verify_rings
 from deepinfer.models.deepseek_v4.decode_step import V4DecodePlan, block_tables, step_widths
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import RotaryTable
@@ -53,6 +53,7 @@ class V4VerifyPlan:
     stage: StagedCopy | None = None
     saved: dict[object, torch.Tensor] = field(default_factory=dict)
     derived: dict = field(default_factory=dict)  # what ``save`` and ``restore`` derive alike, once per step
+    fused: bool = False  # the attention in one call over every sub-step's rows (``verify_attention``), else in turns
 
     def clear(self) -> None:
         """Forget what the sub-steps derived (a graphed bucket's step recomputes, and captures, it every run)."""
@@ -88,6 +89,12 @@ class V4VerifyPlan:
     def attend_sub(attn: object, t: dict[str, torch.Tensor], sub: object, rope: RotaryTable, ops: Ops) -> torch.Tensor:
         """A sub-step's attention (``decode_step.attend``)."""
         return decode_step.attend(attn, t, sub, rope, ops)
+
+    @staticmethod
+    def attend_all(attn: object, t: dict[str, torch.Tensor], plan: V4VerifyPlan, rope: RotaryTable, ops: Ops
+                   ) -> torch.Tensor:  # fmt: skip
+        """Every sub-step's attention in one call (``verify_attention.attend``)."""
+        return verify_attention.attend(attn, t, plan, rope, ops)
 
     # -- building ------------------------------------------------------------------------------------------
     @classmethod
@@ -203,9 +210,12 @@ def attend(attn: object, t: dict[str, torch.Tensor], plan: V4VerifyPlan, rope: R
            keep: bool = True) -> torch.Tensor:  # fmt: skip
     """The attention output ``[(K+1)·S, H, d]`` of a layer for the verify step ``plan``: what the drafts will
     overwrite saved (``keep``; not for rows that all stay, as the MTP block's observed ones: ``verify_rings``), then
-    the sub-steps in order (module docstring), each on its rows of every per-row tensor of ``t``."""
+    every sub-step's rows in one call (``plan.fused``: ``verify_attention``), else the sub-steps in order (module
+    docstring), each on its rows of every per-row tensor of ``t``."""
     if keep:
         verify_rings.save(attn, plan, t)
+    if plan.fused:
+        return plan.attend_all(attn, t, plan, rope, ops)
     s, n, outs = plan.size, plan.size * len(plan.subs), []
     for j, sub in enumerate(plan.subs):
         rows = {k: v[j * s : (j + 1) * s] for k, v in t.items() if v.ndim and v.shape[0] == n}
@@ -298,6 +308,7 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
                                                     steps=[c.length - 1 for c in chunks],
                                                     restore=lambda acc: graphs.restore(bk, acc))  # fmt: skip
     plan = V4VerifyPlan.of(pool, cache, model.config.sliding_window, chunks)
+    plan.fused = model.verify_fused
     size, k1 = len(chunks), plan.drafts + 1
     at = to_device(torch.from_numpy(verify_rows(chunks, size)), batch.device)
     ids = batch.token_ids.new_zeros(k1 * size).index_copy_(0, at, batch.token_ids)

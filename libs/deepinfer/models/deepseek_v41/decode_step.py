@@ -132,6 +132,15 @@ class V41DecodePlan:
             win_widths = tuple(int((pos - f).max()) + 1 for f in first)
         return cls(pool, cache, window, to_device(host, pool.device), tables, win_widths, widths)
 
+    @classmethod
+    def stacked(cls, subs: list[V41DecodePlan]) -> V41DecodePlan:
+        """One plan of the rows of ``subs`` (a verify step's sub-steps: the same block tables and widths), sub-step
+        after sub-step (``deepseek_v4.verify_attention``)."""
+        s0 = subs[0]
+        tables = None if s0.tables is None else s0.tables.repeat(len(subs), 1)
+        wins = tuple(max(s.win_widths[i] for s in subs) for i in (0, 1))
+        return cls(s0.pool, s0.cache, s0.window, torch.cat([s.meta for s in subs], 1), tables, wins, s0.widths)
+
     def fill(self, chunks: list[SeqChunk], slots: list[int], batch: ForwardBatch) -> None:
         """Load a graphed bucket's plan and token ids (``ids``) with the step ``batch`` of ``chunks`` (at most
         ``size`` of them, positions below its span; ``slots``: their pool slots, ``StatePool.adopt``): one host copy
@@ -193,27 +202,40 @@ def attend(
     """The attention output ``[S, H, d]`` of ``attn`` for the step ``plan`` (``Attention.project``'s tensors ``t``):
     writes the new window row (and, in a KV source, the compressed row and index key), selects (index sources) or
     reuses the latest selection, and attends over every row's keys."""
-    q, kv, pool, ix, m = t["q"], t["kv"], plan.pool, plan.indices(ops), attn.ratio
+    kv, pool, ix, m = t["kv"], plan.pool, plan.indices(ops), attn.ratio
     ring = pool.rings[attn.layer_id]
-    flat = ring.view(-1, ring.shape[-1])
-    w_start, w_cnt, w_idx = plan.window_lists(ops, attn.spec.stage == "decoder")
     # the new rows first (the window reads positions first .. pos): the window's and a ratio-2 compressor's, and the
     # window rows gathered after them, one call
-    dsts, idxs, srcs = [flat], [ix.put], [kv]
+    dsts, idxs, srcs = [ring.view(-1, ring.shape[-1])], [ix.put], [kv]
     if attn.compressor is not None and m > 1:
         bkv, bsc = pool.rbufs[(attn.layer_id, "main")]
         at = ix.rings[(m, m)][0]
         dsts += [bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])]
         idxs += [at, at]
         srcs += [t["ckv"], t["cgate"]]
-    sink, scale = attn.attn_sink, attn.head_dim**-0.5
     window = ops.append_rows(dsts, idxs, srcs, ix.take)
-    if not m:
-        return ops.sparse_attention_lists(q, window, w_idx, w_cnt, sink, scale)
+    if m and attn.compressor is not None:
+        publish(attn, t, plan, rope, ops, kv.dtype)
+    return read(attn, t, plan, window, ops)
+
+
+def _cache(attn: AttentionLayer, plan: V41DecodePlan) -> PagedKVCache:
     if plan.cache is None:
         raise ValueError(f"layer {attn.layer_id} is compressed and needs a PagedKVCache")
-    if attn.compressor is not None:
-        _publish(attn, t, plan, rope, ops, kv.dtype)
+    return plan.cache
+
+
+def read(attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V41DecodePlan, window: torch.Tensor, ops: Ops
+         ) -> torch.Tensor:  # fmt: skip
+    """The attention output of the step's rows once their keys are written: ``window`` (each row's ``W`` window rows,
+    gathered in position order), then (a compressed layer) the selection (an index source's, or the latest one) of
+    the owner's compressed rows, read in their pages."""
+    q, ix, m = t["q"], plan.indices(ops), attn.ratio
+    w_start, w_cnt, w_idx = plan.window_lists(ops, attn.spec.stage == "decoder")
+    sink, scale = attn.attn_sink, attn.head_dim**-0.5
+    if not m:
+        return ops.sparse_attention_lists(q, window, w_idx, w_cnt, sink, scale)
+    cache = _cache(attn, plan)
     if attn.indexer is not None:
         plan.derived["selection"] = _select(attn, t["iq"], t["iw"], plan, ops)
     got = plan.derived.get("selection")
@@ -222,7 +244,7 @@ def attend(
     sel, cnt = got
     idx, cnt = ops.key_lists(w_start, w_cnt, w_idx.shape[1], sel, ix.ratios[m][1], cnt)
     # the owner's compressed rows read in their pages (kernels.paged_keys: the lists number them after the window)
-    paged = (plan.cache.rows[attn.spec.kv_source], _pages(plan, m))
+    paged = (cache.rows[attn.spec.kv_source], _pages(plan, m))
     return ops.sparse_attention_lists(q, window, idx, cnt, sink, scale, paged=paged)
 
 
@@ -231,18 +253,23 @@ def _pages(plan: V41DecodePlan, m: int) -> torch.Tensor:
     return plan.once(("pages", m), lambda: plan.tables[:, : plan.widths[m][1]].reshape(-1))
 
 
-def _publish(attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V41DecodePlan, rope: RotaryTable, ops: Ops,
-             dtype: torch.dtype) -> None:  # fmt: skip
+def publish(attn: AttentionLayer, t: dict[str, torch.Tensor], plan: V41DecodePlan, rope: RotaryTable, ops: Ops,
+            dtype: torch.dtype, source: tuple | None = None) -> None:  # fmt: skip
     """A KV source's compressed row and index key of every row (``Attention._publish``'s values for the rows that
-    complete one) written to its page, the others to the scratch page (both are read in their pages)."""
-    comp, m, layer, cache = attn.compressor, attn.ratio, attn.layer_id, plan.cache
+    complete one) written to its page, the others to the scratch page (both are read in their pages). ``source``:
+    the projections ``(kv, score)`` flat and the groups' rows ``cur`` in them, where they are not the ring's (a
+    verify step's: ``deepseek_v4.verify_attention``)."""
+    comp, m, layer, cache = attn.compressor, attn.ratio, attn.layer_id, _cache(attn, plan)
     _, cur, _, has_prev, w, done, page, row = plan.indices(ops).rings[(m, m)]
     if m == 1:  # a row per token
         lat = comp.norm(t["ckv"], ops)
     else:  # every row's group pooled from the ring (``attend`` appended this step's projections; rows not done: 0)
         bkv, bsc = plan.pool.rbufs[(layer, "main")]
-        d = bkv.shape[-1]
-        lat = comp.norm(ops.group_pool(bkv.view(-1, d), bsc.view(-1, d), cur, None, has_prev, done, d).to(dtype), ops)
+        fk, fs = bkv.view(-1, bkv.shape[-1]), bsc.view(-1, bsc.shape[-1])
+        if source is not None:
+            fk, fs, cur = source
+        d = fk.shape[-1]
+        lat = comp.norm(ops.group_pool(fk, fs, cur, None, has_prev, done, d).to(dtype), ops)
     cos, sin = plan.once(("rope", m, rope), lambda: rope(w * m, ops))
     rows = ops.rope(lat, cos, sin)
     ik = ops.rope(attn.indexer.keys(lat, ops, rowwise=m > 1), cos, sin)
@@ -278,4 +305,4 @@ def _select(attn: AttentionLayer, iq: torch.Tensor, iw: torch.Tensor, plan: V41D
     return ops.select_rows(scores, torch.isfinite(scores), min(ix.topk, width))
 
 
-__all__ = ["SPAN_MIN", "V41DecodePlan", "attend", "pooled_decode", "span_for"]
+__all__ = ["SPAN_MIN", "V41DecodePlan", "attend", "pooled_decode", "publish", "read", "span_for"]

@@ -53,6 +53,9 @@ class DeepseekV41Model(nn.Module):
     (``engram.compressed_token_map``): required when the config has Engram layers."""
 
     verify_on_decode_path = True  # speculative verify steps may run as decode sub-steps (verify_step.py)
+    # their attention in one call over every sub-step's rows (verify_attention.py), else in turns (the default until
+    # the H200 has measured it: the GPU runs the sub-steps' tests of record)
+    verify_fused = False
 
     def verify_forward(
         self, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int], pad: int = 0, capture: bool = False

@@ -91,6 +91,7 @@ class VerifyGraphs(TextGraphs, v4.VerifyGraphs):
                 cache: PagedKVCache | None = None) -> VerifyBucket:  # fmt: skip
         pool, window = self.model.state_pool, self.model.text.sliding_window
         plan = V41VerifyPlan.empty(pool, cache, window, size, drafts, span)
+        plan.fused = self.model.verify_fused
         verify_rings.allocate(self.model, plan)  # the saved rows' buffers, outside the graphs' pool
         engram, engram_rows = self._engram_buffers(size * (drafts + 1), device)
         stage = None if engram is None else StagedCopy(engram)

@@ -21,11 +21,12 @@ Steps with image embeddings or a bounded decoder replay take the ragged path (``
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from deepinfer.models.deepseek_v4 import verify_rings
+from deepinfer.models.deepseek_v4 import verify_attention, verify_rings
 from deepinfer.models.deepseek_v4 import verify_step as v4
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import RotaryTable
@@ -70,6 +71,26 @@ class V41VerifyPlan(v4.V4VerifyPlan):
     @staticmethod
     def attend_sub(attn: object, t: dict[str, torch.Tensor], sub: object, rope: RotaryTable, ops: Ops) -> torch.Tensor:
         return decode_step.attend(attn, t, sub, rope, ops)
+
+    @staticmethod
+    def attend_all(attn: Any, t: dict[str, torch.Tensor], plan: V41VerifyPlan, rope: RotaryTable, ops: Ops
+                   ) -> torch.Tensor:  # fmt: skip
+        """Every sub-step's attention in one call (``deepseek_v4.verify_attention``): the window, a ratio-2 (or more)
+        KV source's groups, then ``decode_step.read`` of the stacked rows."""
+        whole, kv, pool, m = verify_attention.stacked(plan), t["kv"], plan.pool, attn.ratio
+        ring = pool.rings[attn.layer_id]
+        got = verify_attention.window(plan, ring.view(-1, ring.shape[-1]), kv, ops)
+        if m and attn.compressor is not None:
+            if m == 1:
+                decode_step.publish(attn, t, whole, rope, ops, kv.dtype)
+            else:
+
+                def pooled(fk: torch.Tensor, fs: torch.Tensor, cur: torch.Tensor, prev: torch.Tensor) -> None:
+                    decode_step.publish(attn, t, whole, rope, ops, kv.dtype, source=(fk, fs, cur))
+
+                new = (t["ckv"], t["cgate"])
+                verify_attention.with_ring(plan, pool.rbufs[(attn.layer_id, "main")], new, m, ops, pooled)
+        return decode_step.read(attn, t, whole, got, ops)
 
 
 def eligible(model: torch.nn.Module, batch: ForwardBatch) -> bool:
@@ -134,6 +155,7 @@ def pooled_forward(model: torch.nn.Module, batch: ForwardBatch, cache: PagedKVCa
         feats = f.index_select(0, at) if capture and f is not None else None
         return y.index_select(0, at), feats, pending(bk.plan, lambda acc: graphs.restore(bk, acc))
     plan = V41VerifyPlan.of(pool, cache, model.text.sliding_window, chunks)
+    plan.fused = model.verify_fused
     size, k1 = len(chunks), plan.drafts + 1
     at = to_device(torch.from_numpy(verify_rows(chunks, size)), batch.device)
     ids = batch.token_ids.new_zeros(k1 * size).index_copy_(0, at, batch.token_ids)
