@@ -126,8 +126,9 @@ def _snapshot(model, states, cache) -> list[torch.Tensor]:
     return out + [x.clone() for store in (cache.rows, cache.index_keys) for x in store.values()]
 
 
-def _pooled(graphs: bool) -> tuple:
+def _pooled(graphs: bool, fused: bool = False) -> tuple:
     model = _model()
+    model.verify_fused = fused
     g, cache, tables, states, last = _prompts(model)
     model.step_graphs = model.graphs_to_use if graphs else None
     seen = []
@@ -146,9 +147,10 @@ def _pooled(graphs: bool) -> tuple:
 
 
 @gpu_only
-def test_verify_on_the_decode_path_replays_its_graphs_bit_for_bit() -> None:
-    eager_model, eager = _pooled(False)
-    model, graphed = _pooled(True)
+@pytest.mark.parametrize("fused", [False, True])
+def test_verify_on_the_decode_path_replays_its_graphs_bit_for_bit(fused: bool) -> None:
+    eager_model, eager = _pooled(False, fused)
+    model, graphed = _pooled(True, fused)
     assert eager_model.verify_graphs is None
     assert model.verify_graphs is not None and model.verify_graphs.replays == 2 and model.verify_graphs.captures == 1
     assert model.verify_graphs.failures == {}
@@ -212,12 +214,14 @@ def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
 
 
 @gpu_only
-def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_observe_pass_replays_its_graphs_bit_for_bit(fused: bool) -> None:
     """The MTP drafter's observe pass on the decode path (``draft_graphs.ObserveGraphs``: 3, 1, 2 and 3 rows per
     sequence) replayed against the same pass run eagerly, from the same state: the same heads and block windows."""
     from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
 
     model = _model(mtp=True, seed=2)
+    model.verify_fused = fused
     config = model.config
     g, _, tables, states, _ = _prompts(model)
     drafter, layer, counts = MTPDrafter(model), config.num_hidden_layers, [3, 1, 2, 3]
@@ -247,7 +251,7 @@ def test_the_observe_pass_replays_its_graphs_bit_for_bit() -> None:
         assert torch.equal(a, b), (i, (a - b).abs().max(), (a - b).abs().nonzero()[:8].tolist())
 
 
-def _v41_verify(graphs: bool, pad: int) -> tuple:
+def _v41_verify(graphs: bool, pad: int, fused: bool = False) -> tuple:
     """DeepSeek-V4.1 (the tiny "mixed" model, DSpark stage and Engram, nvidia ops): four prompts, then two verify
     steps of 3, 2, 1 and 0 drafts on the decode path (``deepseek_v41.verify_step``), each rolled back, then a
     decode step; ``pad``: the drafts a graphed step pads to. Everything a step returns and leaves, in order."""
@@ -256,6 +260,7 @@ def _v41_verify(graphs: bool, pad: int) -> tuple:
 
     model = random_model(build_tokenizer(), NvidiaOps(cuda_graphs=True), "mixed", dev=DEVICE)
     model.ops.cuda_graphs, model.piecewise_prefill = False, False
+    model.verify_fused = fused
     g = torch.Generator().manual_seed(5)
     vocab = model.text.vocab_size
     prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
@@ -282,11 +287,12 @@ def _v41_verify(graphs: bool, pad: int) -> tuple:
 
 
 @gpu_only
-def test_v41_verify_on_the_decode_path_replays_its_graphs_bit_for_bit() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_v41_verify_on_the_decode_path_replays_its_graphs_bit_for_bit(fused: bool) -> None:
     """V4.1's verify graphs (``deepseek_v41.verify_graphs``): outputs, DSpark features, states, histories, cache and
     the next decode step bit for bit the eager path's; the second step replays the bucket the first captured."""
-    _, eager = _v41_verify(False, 0)
-    model, graphed = _v41_verify(True, 0)
+    _, eager = _v41_verify(False, 0, fused)
+    model, graphed = _v41_verify(True, 0, fused)
     vg = model.verify_graphs
     assert vg is not None and not vg.failures and vg.replays == 2 and vg.captures == 1
     assert len(eager) == len(graphed)
@@ -324,3 +330,15 @@ def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
     dg = model.draft_graphs
     assert dg is not None and not dg.failures and dg.captures == 1 and dg.replays == 1
     assert got[0] == got[1]
+
+
+@gpu_only
+def test_one_attention_call_attends_as_the_sub_steps_on_the_gpu() -> None:
+    """``verify_attention`` on the nvidia ops (eager, V4 and V4.1): what the verify steps return and leave equals
+    the sub-steps' within fp32 rounding."""
+    for run in (lambda fused: _pooled(False, fused)[1], lambda fused: _v41_verify(False, 0, fused)[1]):
+        subs, fused = run(False), run(True)
+        assert len(subs) == len(fused)
+        for i, (a, b) in enumerate(zip(subs, fused)):
+            a, b = a.float(), b.float()
+            assert (a - b).abs().max() <= 1e-4 * max(1.0, float(a.abs().max())), i
