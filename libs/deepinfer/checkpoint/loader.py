@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.parallel.expert_parallel import held_experts
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -53,47 +55,63 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor, Path]]:
+_HF_STACKED = re.compile(r"^(.*\.ffn)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _iter_tensors(files: list[Path], progress: bool, held: Callable[[str, int], bool]
+                  ) -> Iterator[tuple[str, torch.Tensor, Path]]:  # fmt: skip
+    """Every tensor of ``files`` under its official name, transformers' stacked experts split per expert; the
+    routed experts this process does not hold (``held(target, expert)`` false: an expert-parallel shard) are not
+    read at all (a stacked tensor is read by the rows of its held experts)."""
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress, unit="shard")
     for file in bar:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key), file
+                    name = hf_to_official(key) if is_hf_name(key) else key
+                    stacked = _HF_STACKED.match(name)
+                    if stacked:
+                        yield from _split_hf_experts(stacked, f.get_slice(key), held, file)
+                        continue
+                    target, expert = official_to_internal(_weight_name(name))
+                    if expert is None or held(target, expert):
+                        yield name, f.get_tensor(key), file
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises plain exceptions for corrupt headers/data
             raise CheckpointError(f"cannot read {file.name}: {e}") from e
 
 
-def _split_hf_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """transformers stacks experts: gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
-    m = re.match(r"^(.*\.ffn)\.experts\.(gate_up_proj|down_proj)$", name)
-    if not m:
-        return [(name, t)]
-    pre, out = m.group(1), []
-    for e in range(t.shape[0]):
+def _weight_name(name: str) -> str:
+    """A scale tensor's weight (``….scale`` → ``….weight``): the name that says which expert it belongs to."""
+    return name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name
+
+
+def _split_hf_experts(m: re.Match, sl: Any, held: Callable[[str, int], bool], file: Path
+                      ) -> Iterator[tuple[str, torch.Tensor, Path]]:  # fmt: skip
+    """transformers stacks experts: gate_up_proj [E, 2I, D] and down_proj [E, D, I]; the rows of the held experts,
+    one by one (``sl``: the tensor's safetensors slice)."""
+    pre, shape = m.group(1), sl.get_shape()
+    for e in range(shape[0]):
         if m.group(2) == "gate_up_proj":
-            half = t.shape[1] // 2
-            out += [
-                (f"{pre}.experts.{e}.w1.weight", t[e, :half]),
-                (f"{pre}.experts.{e}.w3.weight", t[e, half:]),
-            ]
-        else:
-            out.append((f"{pre}.experts.{e}.w2.weight", t[e]))
-    return out
+            if held(f"{pre}.w1", e) or held(f"{pre}.w3", e):
+                t = sl[e : e + 1][0]
+                half = shape[1] // 2
+                yield f"{pre}.experts.{e}.w1.weight", t[:half], file
+                yield f"{pre}.experts.{e}.w3.weight", t[half:], file
+        elif held(f"{pre}.w2", e):
+            yield f"{pre}.experts.{e}.w2.weight", sl[e : e + 1][0], file
 
 
 def load_checkpoint(
     model: DeepseekV4Model, path: str | Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True
 ) -> None:
-    """Fill every parameter and buffer of ``model`` from the checkpoint directory ``path``."""
+    """Fill every parameter and buffer of ``model`` from the checkpoint directory ``path``. A MoE sharded for expert
+    parallelism (``parallel.expert_parallel.shard``) gets its slots' experts, and the others are never read."""
     path = Path(path)
     filler = _Filler(model, dtype)
-    for key, t, file in _iter_tensors(safetensors_files(path), progress):
-        name = hf_to_official(key) if is_hf_name(key) else key
-        for sub, st in _split_hf_experts(name, t):
-            filler.add(sub, st, file)
+    for name, t, file in _iter_tensors(safetensors_files(path), progress, filler.holds):
+        filler.add(name, t, file)
     filler.check_complete(path)
 
 
@@ -113,6 +131,23 @@ class _Filler:
         self.scales: dict[str, tuple[torch.Tensor, Path]] = {}
         self.n_experts = model.config.n_routed_experts
         self.block = tuple(model.config.weight_block_size)
+        self.slots: dict[str, dict[int, list[int]]] = {}  # a sharded MoE's weights: logical expert -> its slots
+        for prefix, mod in model.named_modules():
+            held = held_experts(mod)
+            if held is not None:
+                by_expert: dict[int, list[int]] = {}
+                for s, e in enumerate(held):
+                    by_expert.setdefault(e, []).append(s)
+                self.slots.update({f"{prefix}.{w}": by_expert for w in ("w1", "w2", "w3")})
+
+    def holds(self, target: str, expert: int) -> bool:
+        """Whether this model holds routed ``expert`` of the stacked parameter ``target``."""
+        slots = self.slots.get(target)
+        return slots is None or expert in slots
+
+    def _slots(self, target: str, expert: int) -> list[int]:
+        slots = self.slots.get(target)
+        return [expert] if slots is None else slots.get(expert, [])
 
     def add(self, name: str, t: torch.Tensor, file: Path) -> None:
         """One checkpoint tensor (official name): placed, or kept until its weight / scale comes."""
@@ -156,7 +191,8 @@ class _Filler:
                     raise CheckpointError(f"tensor {name!r} in {file.name}: expert {expert} >= {n_experts}")
                 if p.dtype != dtype:
                     p.data = torch.empty(p.shape, dtype=dtype)
-                p.data[expert] = value
+                for slot in self._slots(target, expert):
+                    p.data[slot] = value
                 self.expert_filled.setdefault(target, set()).add(expert)
             else:
                 p.data = value.contiguous()
@@ -193,12 +229,17 @@ class _Filler:
             if expert >= n_experts:
                 raise CheckpointError(f"tensor {name!r} in {file.name}: expert {expert} >= {n_experts}")
             with torch.no_grad():
-                p.data[expert] = w.view(p.dtype)
-                sp.data[expert] = s.view(torch.uint8)
+                for slot in self._slots(target, expert):
+                    p.data[slot] = w.view(p.dtype)
+                    sp.data[slot] = s.view(torch.uint8)
             self.expert_filled.setdefault(target, set()).add(expert)
             self.filled.add(f"{target}_scale")
             return True
         return False
+
+    def _expected(self, target: str) -> list[int]:
+        slots = self.slots.get(target)
+        return list(range(self.n_experts)) if slots is None else sorted(slots)
 
     def decode(self, name: str) -> None:
         """A quantised weight whose scale has come: kept as stored, or dequantised and placed."""
@@ -224,7 +265,7 @@ class _Filler:
             internal_to_official(k, e)
             for k in self.params
             if k not in self.filled
-            for e in (range(self.n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
+            for e in (self._expected(k) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
             if e not in self.expert_filled.get(k, ())
         ]
         mtp, other = split_missing(missing)

@@ -9,7 +9,7 @@ from torch import nn
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.ops import Ops
-from deepinfer.quant.native import routed_experts
+from deepinfer.parallel import expert_parallel
 
 
 class Gate(nn.Module):
@@ -57,7 +57,7 @@ class MoE(nn.Module):
         idx, w = self.gate(x, token_ids, ops)
 
         def routed() -> torch.Tensor:
-            return routed_experts(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8 act.
+            return expert_parallel.routed(self, x, idx, w, self.limit, ops, act_quant=self.quant_sim)  # official FP8
 
         def shared() -> torch.Tensor:
             h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)

@@ -19,7 +19,7 @@ from torch import nn
 from deepinfer.models.deepseek_v4.layers import Linear
 from deepinfer.models.deepseek_v41.config import DeepseekV41TextConfig
 from deepinfer.ops import Ops
-from deepinfer.quant.native import routed_experts
+from deepinfer.parallel import expert_parallel
 
 RENORM_EPS = 1e-20  # literal in the reference; not rms_norm_eps
 
@@ -88,7 +88,7 @@ class MoE(nn.Module):
         idx, w = self.gate(x, image_mask, ops)
 
         def routed() -> torch.Tensor:
-            return routed_experts(self, x, idx, w, self.limit, ops)
+            return expert_parallel.routed(self, x, idx, w, self.limit, ops)
 
         def shared() -> torch.Tensor:
             h = ops.swiglu(self.shared_w1(x, ops), self.shared_w3(x, ops), self.limit, x.dtype)

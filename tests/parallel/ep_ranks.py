@@ -1,0 +1,89 @@
+"""What each rank of the expert-parallel tests runs (``test_expert_parallel.py``), in its own process: a gloo group
+on loopback, the tiny V4 model with its MoE layers sharded, its own sequences (attention data-parallel) driven by
+``drive``; it writes what it computed to a safetensors file (tensors only across the process boundary)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
+from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.models.deepseek_v4.state import SequenceState
+from deepinfer.parallel.all_to_all import TorchAllToAll
+from deepinfer.parallel.expert_parallel import ExpertParallel, shard
+from deepinfer.parallel.placement import ExpertPlacement
+
+PAGE, PAGES, CHUNK = 16, 6, 8
+PROMPTS = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate((13, 7, 20, 5, 9, 16, 3, 11))]
+STEPS = 6
+
+
+def load(ckpt: Path, invariant: bool, placement: ExpertPlacement | None = None) -> DeepseekV4Model:
+    config = DeepseekV4Config.from_file(ckpt / "config.json")
+    model = DeepseekV4Model(config, BatchInvariantOps() if invariant else ReferenceOps())
+    if placement is not None:
+        a2a = TorchAllToAll()
+        for layer in model.layers:
+            shard(layer.ffn, ExpertParallel(placement, a2a))
+    load_checkpoint(model, ckpt, dtype=torch.float32, progress=False)
+    return model
+
+
+@torch.no_grad()
+def drive(model: DeepseekV4Model, seqs: list[int]) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps over the sequences ``seqs`` (of ``PROMPTS``): each consumes its prompt ``CHUNK`` tokens a step
+    (chunked prefill), then decodes its greedy tokens; a step mixes both. Returns each sequence's last logits of
+    each step it took part in, by ``"seq/step"``."""
+    cache = PagedKVCache(model.config, PAGES * len(PROMPTS), PAGE)
+    states = {i: SequenceState() for i in seqs}
+    tables = {i: torch.arange(i * PAGES, (i + 1) * PAGES) for i in seqs}
+    toks = {i: list(PROMPTS[i]) for i in seqs}
+    out = {}
+    for step in range(STEPS):
+        chunks, ids, who = [], [], []
+        for i in seqs:
+            st = states[i]
+            n = min(CHUNK, len(toks[i]) - st.num_tokens)
+            if n <= 0:
+                continue
+            chunks.append(SeqChunk(st, st.num_tokens, n, tables[i]))
+            ids.append(toks[i][st.num_tokens : st.num_tokens + n])
+            who.append(i)
+        batch = ForwardBatch.build(chunks, ids)
+        h = model(batch, cache)
+        logits = model.logits(h)[[b - 1 for _, b in batch.offsets()]]
+        for i, c, row in zip(who, chunks, logits):
+            out[f"{i}/{step}"] = row.clone()
+            if c.end == len(toks[i]):  # the prompt (or the last token) consumed: its next token
+                toks[i].append(int(row.argmax()))
+    return out
+
+
+def main() -> None:
+    rank, world, port, ckpt, out, invariant = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        config = DeepseekV4Config.from_file(Path(ckpt) / "config.json")
+        placement = ExpertPlacement.even(config.n_routed_experts, world)
+        model = load(Path(ckpt), invariant == "1", placement)
+        got = drive(model, [i for i in range(len(PROMPTS)) if i % world == rank])
+        save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
