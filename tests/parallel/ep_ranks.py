@@ -1,9 +1,11 @@
 """What each rank of the expert-parallel tests runs (``test_expert_parallel.py``), in its own process: a gloo group
-on loopback, the tiny V4 model with its MoE layers sharded, its own sequences (attention data-parallel) driven by
-``drive``; it writes what it computed to a safetensors file (tensors only across the process boundary)."""
+on loopback, a tiny V4 or V4.1 model built by its family with its MoE layers sharded, its own sequences (attention
+data-parallel) driven by ``drive``; it writes what it computed to a safetensors file (tensors only across the
+process boundary)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,14 +15,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
-from deepinfer.checkpoint.loader import load_checkpoint
-from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.engine.models import family_of, parse_config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
-from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.parallel.all_to_all import TorchAllToAll
-from deepinfer.parallel.expert_parallel import ExpertParallel, shard
+from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.placement import ExpertPlacement
 
 PAGE, PAGES, CHUNK = 16, 6, 8
@@ -28,24 +26,27 @@ PROMPTS = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate((1
 STEPS = 6
 
 
-def load(ckpt: Path, invariant: bool, placement: ExpertPlacement | None = None) -> DeepseekV4Model:
-    config = DeepseekV4Config.from_file(ckpt / "config.json")
-    model = DeepseekV4Model(config, BatchInvariantOps() if invariant else ReferenceOps())
-    if placement is not None:
-        a2a = TorchAllToAll()
-        for layer in model.layers:
-            shard(layer.ffn, ExpertParallel(placement, a2a))
-    load_checkpoint(model, ckpt, dtype=torch.float32, progress=False)
-    return model
+def load(ckpt: Path, invariant: bool, ep: ExpertParallel | None = None) -> torch.nn.Module:
+    """The model at ``ckpt`` as a worker builds it (``ModelFamily.build``, fp32, no quantisation simulation), its MoE
+    layers holding ``ep``'s experts only where given."""
+    config = parse_config(json.loads((ckpt / "config.json").read_text()))
+    ops = BatchInvariantOps() if invariant else ReferenceOps()
+    return family_of(config).build(ckpt, config, ops, torch.float32, torch.device("cpu"), False, ep=ep)
+
+
+def n_experts(ckpt: Path) -> int:
+    raw = json.loads((ckpt / "config.json").read_text())
+    return raw.get("text_config", raw)["n_routed_experts"]
 
 
 @torch.no_grad()
-def drive(model: DeepseekV4Model, seqs: list[int]) -> dict[str, torch.Tensor]:
+def drive(model: torch.nn.Module, seqs: list[int]) -> dict[str, torch.Tensor]:
     """``STEPS`` steps over the sequences ``seqs`` (of ``PROMPTS``): each consumes its prompt ``CHUNK`` tokens a step
     (chunked prefill), then decodes its greedy tokens; a step mixes both. Returns each sequence's last logits of
     each step it took part in, by ``"seq/step"``."""
-    cache = PagedKVCache(model.config, PAGES * len(PROMPTS), PAGE)
-    states = {i: SequenceState() for i in seqs}
+    family = family_of(model.config)
+    cache = family.new_cache(model.config, PAGES * len(PROMPTS), PAGE, torch.float32, "cpu")
+    states = {i: family.new_state() for i in seqs}
     tables = {i: torch.arange(i * PAGES, (i + 1) * PAGES) for i in seqs}
     toks = {i: list(PROMPTS[i]) for i in seqs}
     out = {}
@@ -76,9 +77,8 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        config = DeepseekV4Config.from_file(Path(ckpt) / "config.json")
-        placement = ExpertPlacement.even(config.n_routed_experts, world)
-        model = load(Path(ckpt), invariant == "1", placement)
+        placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
+        model = load(Path(ckpt), invariant == "1", ExpertParallel(placement, TorchAllToAll()))
         got = drive(model, [i for i in range(len(PROMPTS)) if i % world == rank])
         save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
     finally:

@@ -142,11 +142,14 @@ def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool) -> list[dict[s
     return [load_file(str(out / f"rank{r}.safetensors")) for r in range(world)]
 
 
-@pytest.mark.parametrize(("name", "world", "invariant"), [("base", 2, True), ("odd", 4, True), ("base", 2, False)])
-def test_the_sharded_model_equals_one_process(tiny_dirs: dict, tmp_path: Path, name: str, world: int,
-                                              invariant: bool) -> None:  # fmt: skip
-    """("odd": top-3 of 6 experts, so the order a token sums its experts' outputs in shows in the bits.)"""
-    ckpt = tiny_dirs[name]
+@pytest.mark.parametrize(
+    ("name", "world", "invariant"), [("base", 2, True), ("odd", 4, True), ("base", 2, False), ("v41", 2, True)]
+)
+def test_the_sharded_model_equals_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
+                                              world: int, invariant: bool) -> None:  # fmt: skip
+    """("odd": top-3 of 6 experts, so the order a token sums its experts' outputs in shows in the bits; "v41": the
+    tiny DeepSeek-V4.1 checkpoint, Engram and DSpark stages included.)"""
+    ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
     one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
     got: dict[str, torch.Tensor] = {}
     for part in run_ranks(world, ckpt, tmp_path, invariant):
@@ -159,3 +162,18 @@ def test_the_sharded_model_equals_one_process(tiny_dirs: dict, tmp_path: Path, n
             assert torch.equal(got[k], want), k
         else:
             assert (got[k] - want).abs().max() <= 1e-4, k
+
+
+def test_a_v41_shard_reads_only_its_experts(tiny_v41_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The V4.1 loader, a rank of two: the trunk's routed experts it reads are its own (the DSpark stages keep all)."""
+    from deepinfer.checkpoint import loader_v41
+
+    read: list[str] = []
+    real = loader_v41._Reader.get
+    monkeypatch.setattr(loader_v41._Reader, "get", lambda self, key: read.append(key) or real(self, key))
+    n = ep_ranks.n_experts(tiny_v41_dir)
+    placement = ExpertPlacement.even(n, 2)
+    model = ep_ranks.load(tiny_v41_dir, True, ExpertParallel(placement, _Group(1, 2)))
+    trunk = {int(k.split(".experts.")[1].split(".")[0]) for k in read if k.startswith("layers.") and ".experts." in k}
+    assert trunk == set(placement.slots[1])
+    assert all(layer.ffn.w1.shape[0] == len(placement.slots[1]) for layer in model.layers)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.loader import CheckpointError
 from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
+from deepinfer.parallel.expert_parallel import held_experts
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -151,9 +152,11 @@ def _keep_native(
     block: tuple[int, int],
     experts: dict[str, torch.Tensor],
     targets: dict[str, torch.Tensor],
+    rows: list[int] = (),
 ) -> list[str]:
     """Store a quantized tensor as it is when its target was switched to the stored format
-    (``quant.native.prepare_native``); returns the targets it filled ([] = decode it instead)."""
+    (``quant.native.prepare_native``; a routed expert's at its ``rows`` of the stacked target); returns the targets
+    it filled ([] = decode it instead)."""
     dev = _device(ref)
     if is_fp8(ref) and weight.dtype == torch.float8_e4m3fn and expert is None:
         owner = target.removesuffix(".weight")
@@ -167,12 +170,13 @@ def _keep_native(
         sref = targets[f"{target}_scale"]
         if tuple(weight.shape) != tuple(ref.shape[1:]) or tuple(scale.shape) != tuple(sref.shape[1:]):
             return []
-        if expert >= ref.shape[0]:
+        if not rows:
             return []  # the caller reports it
         for key, value, like in ((target, weight, ref), (f"{target}_scale", scale.view(torch.uint8), sref)):
             if key not in experts:
                 experts[key] = torch.empty(tuple(like.shape), dtype=like.dtype, device=dev)
-            experts[key][expert] = value.view(like.dtype)
+            for row in rows:
+                experts[key][row] = value.view(like.dtype)
         return [f"{target}_scale"]
     return []
 
@@ -221,6 +225,23 @@ class _Filler:
         self.filled: set[str] = set()
         self.experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
         self.expert_rows: dict[str, set[int]] = {}
+        self.slots: dict[str, dict[int, list[int]]] = {}  # a sharded MoE's weights: logical expert -> its rows
+        self.n_experts: dict[str, int] = {}
+        for prefix, mod in model.named_modules():
+            held = held_experts(mod)
+            if held is not None:
+                by_expert: dict[int, list[int]] = {}
+                for s, e in enumerate(held):
+                    by_expert.setdefault(e, []).append(s)
+                for w in ("w1", "w2", "w3"):
+                    self.slots[f"{prefix}.{w}"], self.n_experts[f"{prefix}.{w}"] = by_expert, mod.ep.placement.n_experts
+
+    def _rows(self, target: str, expert: int, ref: torch.Tensor) -> list[int]:
+        """The rows of stacked ``target`` that hold ``expert`` (none: not held by this shard, or out of range)."""
+        slots = self.slots.get(target)
+        if slots is None:
+            return [expert] if expert < ref.shape[0] else []
+        return slots.get(expert, [])
 
     def load(self, reader: _Reader, name: str) -> None:
         """Read released tensor ``name`` (with its scale), decode it unless its target keeps the stored format, and
@@ -232,11 +253,16 @@ class _Filler:
             raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter {target!r}")
         if (expert is None) == is_stacked_expert(target):
             raise CheckpointError(f"tensor {name!r} in {file} does not match the layout of parameter {target!r}")
+        if expert is not None and target in self.slots and expert not in self.slots[target]:
+            if expert >= self.n_experts[target]:
+                raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {self.n_experts[target]} experts")
+            return  # another rank's expert (expert parallelism): not read
         t = reader.get(name)
         scale_name = name.removesuffix(".weight") + ".scale"
         if name.endswith(".weight") and scale_name in reader.where:
             scale = reader.get(scale_name)
-            kept = _keep_native(self.model, target, expert, ref, t, scale, self.block, self.experts, self.targets)
+            rows = [] if expert is None else self._rows(target, expert, ref)
+            kept = _keep_native(self.model, target, expert, ref, t, scale, self.block, self.experts, self.targets, rows)
             if kept:
                 self.filled.update(kept)
                 if expert is not None:
@@ -268,12 +294,18 @@ class _Filler:
             _set(self.model, target, t.to(_device(ref), out_dtype).contiguous())
             self.filled.add(target)
             return
-        if expert >= ref.shape[0]:
+        rows = self._rows(target, expert, ref)
+        if not rows:
             raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {ref.shape[0]} experts")
         if target not in self.experts:
             self.experts[target] = torch.empty(shape, dtype=out_dtype, device=_device(ref))
-        self.experts[target][expert] = t
+        for row in rows:
+            self.experts[target][row] = t
         self.expert_rows.setdefault(target, set()).add(expert)
+
+    def _expected(self, target: str, ref: torch.Tensor) -> list[int]:
+        slots = self.slots.get(target)
+        return list(range(ref.shape[0])) if slots is None else sorted(slots)
 
     def check_complete(self, path: Path, saw_mtp: bool) -> None:
         """Set the stacked experts; raise unless every target was filled (a DSpark block the checkpoint holds no
@@ -284,7 +316,7 @@ class _Filler:
             internal_to_released(k, e)
             for k, ref in self.targets.items()
             if k not in self.filled
-            for e in (range(ref.shape[0]) if is_stacked_expert(k) else [None])
+            for e in (self._expected(k, ref) if is_stacked_expert(k) else [None])
             if e not in self.expert_rows.get(k, ())
         ]
         mtp, other = split_missing(missing)

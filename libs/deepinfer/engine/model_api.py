@@ -116,10 +116,18 @@ class ModelFamily(Protocol):
         ...
 
     def build(
-        self, path: Path, config: Any, ops: Any, dtype: torch.dtype, device: torch.device, quant_sim: bool | None
+        self,
+        path: Path,
+        config: Any,
+        ops: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_sim: bool | None,
+        ep: Any = None,
     ) -> Any:
         """The model of ``config`` with the checkpoint at ``path`` loaded in ``dtype`` on ``device``, its weights
-        prepared for ``ops``. ``quant_sim`` None: the model's default."""
+        prepared for ``ops``. ``quant_sim`` None: the model's default. ``ep``: this rank's expert-parallel group
+        (``parallel.expert_parallel.ExpertParallel``): the MoE layers hold, and load, its experts only."""
         ...
 
     def new_cache(

@@ -95,10 +95,17 @@ def shard(moe: nn.Module, ep: ExpertParallel) -> None:
     moe.ep = ep
 
 
+def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
+    """``shard`` every MoE layer of the model's trunk (``model.layers[i].ffn``; the drafters' blocks keep every
+    expert: each rank drafts for its own sequences)."""
+    for layer in model.layers:
+        shard(layer.ffn, ep)
+
+
 def held_experts(moe: nn.Module) -> tuple[int, ...] | None:
     """The logical expert of each slot of a sharded MoE module, or None (every expert, in order)."""
     ep = getattr(moe, "ep", None)
     return None if ep is None else ep.held
 
 
-__all__ = ["ExpertParallel", "held_experts", "routed", "shard"]
+__all__ = ["ExpertParallel", "held_experts", "routed", "shard", "shard_model"]

@@ -50,10 +50,12 @@ class DeepseekV41Family(DeepseekV4Family):
         dtype: torch.dtype,
         device: torch.device,
         quant_sim: bool | None,
+        ep: object = None,
     ) -> torch.nn.Module:
         from deepinfer.checkpoint.engram_vocab import engram_token_map_of
         from deepinfer.checkpoint.loader_v41 import load_v41_checkpoint
         from deepinfer.models.deepseek_v41.model import DeepseekV41Model
+        from deepinfer.parallel.expert_parallel import shard_model
         from deepinfer.quant.native import prepare_native
 
         has_engram = bool(config.text_config.engram_layer_ids)
@@ -63,6 +65,8 @@ class DeepseekV41Family(DeepseekV4Family):
             net.step_graphs = self.step_graphs()
             if getattr(ops, "native_weights", False):
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
+            if ep is not None:  # (expert parallelism: each MoE layer this rank's experts only)
+                shard_model(net, ep)
         load_v41_checkpoint(net, path, dtype)
         net.to(device)
         set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
