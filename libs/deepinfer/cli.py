@@ -204,6 +204,22 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from deepinfer.parallel.memory_plan import GIB, PlanError, parse_bytes, plan, render
+
+    engram = args.engram or envs.DEEPINFER_ENGRAM_TABLES
+    try:
+        p = plan(args.model, args.gpus, parse_bytes(args.gpu_mem), int(parse_bytes(args.reserve)), engram)
+    except PlanError as e:
+        print(f"deepinfer plan: {e}", file=sys.stderr)
+        return 2
+    print(render(p))
+    if p.context(1) == 0:
+        print(f"deepinfer plan: no room for one sequence's state ({p.per_sequence / GIB:.2f} GiB)", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4.1 and DeepSeek-V4 models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -242,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--dtype", default="auto")
     s.set_defaults(func=cmd_offline)
+    s = sub.add_parser("plan", help="how a model fits on N GPUs: weights per rank, KV state, batch x context")
+    s.add_argument("--model", required=True, help="a directory with the model's config.json (weights not needed)")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs of the worker (expert parallel across them)")
+    s.add_argument("--gpu-mem", required=True, help="memory of each GPU, e.g. 141GB or 80GiB")
+    s.add_argument("--reserve", default="8GiB", help="per GPU, beside weights and KV state (context, activations)")
+    s.add_argument("--engram", choices=("host", "device"), default=None,
+                   help="where DeepSeek-V4.1's Engram tables go (default: DEEPINFER_ENGRAM_TABLES)")  # fmt: skip
+    s.set_defaults(func=cmd_plan)
     s = sub.add_parser("env", help="validate and print the DEEPINFER_* variables")
     s.add_argument("--markdown", action="store_true", help="print the reference as markdown")
     s.set_defaults(func=cmd_env)

@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_QUANT_SIM: bool
     DEEPINFER_W8A8: bool
     DEEPINFER_W4A8: bool
+    DEEPINFER_ENGRAM_TABLES: str
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str

@@ -32,6 +32,11 @@ declare("DEEPINFER_MODEL", "str", _HW, """
 declare("DEEPINFER_CACHE_DIR", "path", _HW, """
     Directory where generated tiny test models and downloaded files are kept. Created on demand; `~` is
     expanded.""", default="~/.cache/deepinfer")
+declare("DEEPINFER_ENGRAM_TABLES", "enum", _HW, """
+    Where DeepSeek-V4.1's Engram tables go: `device` (with the rest of the model) or `host` (host memory, pinned
+    where the platform copies from pinned memory; each step reads its rows there and moves only those). The released
+    tables take about 366 GiB in bf16, so the real model needs `host`; `deepinfer plan` counts them where this says.
+    No effect on DeepSeek-V4.""", choices=("device", "host"), default="device")
 declare("DEEPINFER_MAX_MODEL_LEN", "int", _SCHED, """
     Maximum length of one sequence (prompt plus generated tokens). Unset means the model's own
     maximum context length from its configuration.""", minimum=1)

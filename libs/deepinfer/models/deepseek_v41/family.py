@@ -68,7 +68,15 @@ class DeepseekV41Family(DeepseekV4Family):
             if ep is not None:  # (expert parallelism: each MoE layer this rank's experts only)
                 shard_model(net, ep)
         load_v41_checkpoint(net, path, dtype)
+        tables = [b.engram.embed.weight for b in net.layers if b.engram is not None]
+        host = [w.data for w in tables] if envs.DEEPINFER_ENGRAM_TABLES == "host" else []
+        for w in tables if host else ():  # (kept out of the move: the released tables do not fit a device)
+            w.data = w.data.new_empty(0)
         net.to(device)
+        for w, data in zip(tables, host):
+            w.data = data
+        if host:
+            net.place_engram_tables("cpu")
         set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
         set_w4a8(net, envs.DEEPINFER_W4A8)  # before prepare_weights: W4A8 experts keep their codes as stored
         ops.prepare_weights(net)
