@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +18,9 @@ from safetensors.torch import save_file
 from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
 from deepinfer.engine.models import family_of, parse_config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.parallel import rebalancer
 from deepinfer.parallel.all_to_all import TorchAllToAll
+from deepinfer.parallel.eplb import rebalance
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.placement import ExpertPlacement
 
@@ -40,10 +43,11 @@ def n_experts(ckpt: Path) -> int:
 
 
 @torch.no_grad()
-def drive(model: torch.nn.Module, seqs: list[int]) -> dict[str, torch.Tensor]:
+def drive(model: torch.nn.Module, seqs: list[int], between: Callable[[int], None] | None = None
+          ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``STEPS`` steps over the sequences ``seqs`` (of ``PROMPTS``): each consumes its prompt ``CHUNK`` tokens a step
     (chunked prefill), then decodes its greedy tokens; a step mixes both. Returns each sequence's last logits of
-    each step it took part in, by ``"seq/step"``."""
+    each step it took part in, by ``"seq/step"``. ``between(step)`` runs after each step."""
     family = family_of(model.config)
     cache = family.new_cache(model.config, PAGES * len(PROMPTS), PAGE, torch.float32, "cpu")
     states = {i: family.new_state() for i in seqs}
@@ -67,11 +71,30 @@ def drive(model: torch.nn.Module, seqs: list[int]) -> dict[str, torch.Tensor]:
             out[f"{i}/{step}"] = row.clone()
             if c.end == len(toks[i]):  # the prompt (or the last token) consumed: its next token
                 toks[i].append(int(row.argmax()))
+        if between is not None:
+            between(step)
     return out
 
 
+def rebalance_after(model: torch.nn.Module, step: int, at: int, out: dict[str, torch.Tensor]) -> None:
+    """EPLB between steps ``at`` and ``at + 1``: every layer's loads summed over the ranks, a placement with one
+    redundant slot per rank, the experts moved; what each layer holds now, and its weights, into ``out``."""
+    if step != at:
+        return
+    world, loads, new = dist.get_world_size(), rebalancer.taken_loads(model), {}
+    for i, layer in enumerate(model.layers):
+        load = torch.tensor(loads[i])
+        dist.all_reduce(load)
+        out[f"load/{i}"] = load
+        new[i] = rebalance(load.numpy(), world, -(-layer.ffn.ep.placement.n_experts // world) + 1)
+    rebalancer.apply(model, new)
+    for i, layer in enumerate(model.layers):
+        out[f"held/{i}"] = torch.tensor(layer.ffn.ep.held)
+        out[f"w1/{i}"], out[f"w2/{i}"] = layer.ffn.w1.clone(), layer.ffn.w2.clone()
+
+
 def main() -> None:
-    rank, world, port, ckpt, out, invariant = sys.argv[1:7]
+    rank, world, port, ckpt, out, invariant, mode = sys.argv[1:8]
     rank, world = int(rank), int(world)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -79,7 +102,10 @@ def main() -> None:
     try:
         placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
         model = load(Path(ckpt), invariant == "1", ExpertParallel(placement, TorchAllToAll()))
-        got = drive(model, [i for i in range(len(PROMPTS)) if i % world == rank])
+        moved: dict[str, torch.Tensor] = {}
+        hook = None if mode != "eplb" else lambda step: rebalance_after(model, step, 2, moved)
+        got = drive(model, [i for i in range(len(PROMPTS)) if i % world == rank], hook)
+        got.update(moved)
         save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()

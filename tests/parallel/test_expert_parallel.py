@@ -107,25 +107,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool) -> list[dict[str, torch.Tensor]]:
+def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool, mode: str = "plain"
+              ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
     """``ep_ranks.main`` in ``world`` processes; what each wrote."""
     port = str(_free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("libs", ".", "tests"))}
+    script = str(ROOT / "tests" / "parallel" / "ep_ranks.py")
+    flags = [port, str(ckpt), str(out), "1" if invariant else "0", mode]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "parallel" / "ep_ranks.py"),
-                str(r),
-                str(world),
-                port,
-                str(ckpt),
-                str(out),
-                "1" if invariant else "0",
-            ],
-            env=env,
-            stderr=subprocess.PIPE,
-        )  # fmt: skip
+        subprocess.Popen([sys.executable, script, str(r), str(world), *flags], env=env, stderr=subprocess.PIPE)
         for r in range(world)
     ]
     errs = []
@@ -177,3 +167,23 @@ def test_a_v41_shard_reads_only_its_experts(tiny_v41_dir: Path, monkeypatch: pyt
     trunk = {int(k.split(".experts.")[1].split(".")[0]) for k in read if k.startswith("layers.") and ".experts." in k}
     assert trunk == set(placement.slots[1])
     assert all(layer.ffn.w1.shape[0] == len(placement.slots[1]) for layer in model.layers)
+
+
+def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_path: Path) -> None:
+    """EPLB on 3 ranks (``ep_ranks.rebalance_after``): after step 2 each layer's loads (summed over the ranks) give
+    a placement with a redundant slot per rank, and the experts move (``move_experts``) through the exchange. Each
+    rank then holds the whole model's weights of its new experts, the busiest expert has a second copy, and every
+    step's logits stay the single-process ones, bit for bit."""
+    ckpt = tiny_dirs["odd"]
+    full = ep_ranks.load(ckpt, True)
+    one = ep_ranks.drive(full, list(range(len(ep_ranks.PROMPTS))))
+    parts = run_ranks(3, ckpt, tmp_path, True, "eplb")
+    got = {k: v for part in parts for k, v in part.items() if k.split("/")[0].isdigit()}
+    assert sorted(got) == sorted(one) and all(torch.equal(got[k], v) for k, v in one.items())
+    for i, layer in enumerate(full.layers):
+        load = parts[0][f"load/{i}"]
+        held = [p[f"held/{i}"].tolist() for p in parts]
+        assert len([x for h in held for x in h]) > full.config.n_routed_experts  # copies were added
+        assert sum(h.count(int(load.argmax())) for h in held) >= 2
+        for p, h in zip(parts, held):
+            assert torch.equal(p[f"w1/{i}"], layer.ffn.w1[h]) and torch.equal(p[f"w2/{i}"], layer.ffn.w2[h])

@@ -39,12 +39,25 @@ class ExpertParallel:
             raise ValueError(f"a placement over {placement.ranks} ranks in a group of {a2a.size}")
         self.placement, self.a2a, self.rank = placement, a2a, a2a.rank
         self.held = placement.slots[self.rank]
+        self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
+
+    def take_load(self) -> torch.Tensor:
+        """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over."""
+        got = self.load
+        self.load = None
+        return got if got is not None else torch.zeros(self.placement.n_experts, dtype=torch.long)
+
+    def _count(self, idx: torch.Tensor) -> None:
+        if self.load is None:
+            self.load = torch.zeros(self.placement.n_experts, dtype=torch.long, device=idx.device)
+        self.load.index_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
 
     def run(self, m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float, ops: Any,
             act_quant: bool = False) -> torch.Tensor:  # fmt: skip
         """The routed experts' output ``[T, D]`` (fp32) of this rank's tokens ``x [T, D]`` routed to ``idx [T, k]``
         with weights ``w [T, k]``; ``m`` holds this rank's slots (``shard``)."""
         t, k = idx.shape
+        self._count(idx)
         dest, slot = self.placement.route(idx, self.rank)
         order = torch.argsort(dest, stable=True)
         send_n = torch.bincount(dest, minlength=self.a2a.size)
@@ -96,10 +109,54 @@ def shard(moe: nn.Module, ep: ExpertParallel) -> None:
 
 
 def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
-    """``shard`` every MoE layer of the model's trunk (``model.layers[i].ffn``; the drafters' blocks keep every
-    expert: each rank drafts for its own sequences)."""
+    """``shard`` every MoE layer of the model's trunk (``model.layers[i].ffn``, each with its own ``ExpertParallel``
+    of ``ep``'s placement and group: EPLB moves each layer's experts apart; the drafters' blocks keep every expert:
+    each rank drafts for its own sequences)."""
     for layer in model.layers:
-        shard(layer.ffn, ep)
+        shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a))
+
+
+def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
+    """Re-place a sharded MoE layer's experts (EPLB, between steps, on every rank of the group at once): each new
+    slot gets its expert from this rank's old slots when it held it, else from the lowest rank that did, through
+    the group's exchange; the routing follows ``new`` from the next step on."""
+    ep: ExpertParallel = moe.ep
+    old, a2a, me = ep.placement, ep.a2a, ep.rank
+    if new.n_experts != old.n_experts or new.ranks != old.ranks:
+        raise ValueError(f"a placement of {new.n_experts} experts on {new.ranks} ranks replaces one of "
+                         f"{old.n_experts} on {old.ranks}")  # fmt: skip
+    first = {}  # expert -> (rank, slot) of its first old copy
+    for r, held in enumerate(old.slots):
+        for s, x in enumerate(held):
+            first.setdefault(x, (r, s))
+    local = {x: s for s, x in enumerate(old.slots[me])}
+
+    def source(rank: int, x: int) -> tuple[int, int]:
+        mine = [s for s, y in enumerate(old.slots[rank]) if y == x]
+        return (rank, mine[0]) if mine else first[x]
+
+    sends = [
+        [source(d, x)[1] for x in new.slots[d] if source(d, x)[0] == me] if d != me else [] for d in range(a2a.size)
+    ]
+    recv_from = [source(me, x)[0] for x in new.slots[me]]
+    send_n = [len(s) for s in sends]
+    recv_n = [sum(1 for q in recv_from if q == r) if r != me else 0 for r in range(a2a.size)]
+    order = sorted(range(len(recv_from)), key=lambda s: (recv_from[s], s))  # received rows: by source, slot order
+    got_at = [s for s in order if recv_from[s] != me]
+    rows = torch.tensor([i for s in sends for i in s], dtype=torch.long)
+    for name in _WEIGHTS:
+        p = getattr(moe, name, None)
+        if p is None:
+            continue
+        recv = a2a.exchange(p.data.index_select(0, rows.to(p.device)), send_n, recv_n)
+        out = p.data.new_empty((len(new.slots[me]), *p.shape[1:]))
+        for s, x in enumerate(new.slots[me]):
+            if recv_from[s] == me:
+                out[s] = p.data[local[x]]
+        if got_at:
+            out[torch.tensor(got_at, device=p.device)] = recv
+        setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
+    moe.ep = ExpertParallel(new, a2a)
 
 
 def held_experts(moe: nn.Module) -> tuple[int, ...] | None:
@@ -108,4 +165,4 @@ def held_experts(moe: nn.Module) -> tuple[int, ...] | None:
     return None if ep is None else ep.held
 
 
-__all__ = ["ExpertParallel", "held_experts", "routed", "shard", "shard_model"]
+__all__ = ["ExpertParallel", "held_experts", "move_experts", "routed", "shard", "shard_model"]

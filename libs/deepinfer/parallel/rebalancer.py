@@ -1,0 +1,55 @@
+"""EPLB's decision: which MoE layers of a worker to re-place, from the expert loads its ranks reported
+(``events.experts.ExpertLoadView``), and the ranks' side of it: the loads each rank hands to its reporter, and the
+move itself between steps (``expert_parallel.move_experts``, on every rank at once).
+
+A layer is re-placed when the new placement (``eplb.rebalance`` of the measured loads) brings its ranks' max / mean
+load down by at least ``min_gain`` (relative) from the current placement's under the same loads: a move costs an
+exchange of expert weights, so small gains are not worth it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from torch import nn
+
+from deepinfer.parallel import eplb
+from deepinfer.parallel.expert_parallel import move_experts
+from deepinfer.parallel.placement import ExpertPlacement
+
+
+def propose(loads: Mapping[int, np.ndarray], current: Mapping[int, ExpertPlacement], slots: int, nodes: int = 1,
+            min_gain: float = 0.05) -> dict[int, ExpertPlacement]:  # fmt: skip
+    """New placements of the layers worth moving (module docstring): ``loads`` and ``current`` by layer, ``slots``
+    per rank in the new placements, ``nodes`` hosts."""
+    out = {}
+    for layer, load in loads.items():
+        now = current.get(layer)
+        if now is None or load.sum() == 0:
+            continue
+        new = eplb.rebalance(load, now.ranks, slots, nodes)
+        before, after = eplb.imbalance(now, load), eplb.imbalance(new, load)
+        if after < before * (1 - min_gain):
+            out[layer] = new
+    return out
+
+
+def taken_loads(model: nn.Module) -> dict[int, list[int]]:
+    """This rank's tokens per expert of each sharded MoE layer since the last call (the reporter's supplier)."""
+    return {i: layer.ffn.ep.take_load().tolist() for i, layer in enumerate(model.layers) if hasattr(layer.ffn, "ep")}
+
+
+def placements(model: nn.Module) -> dict[int, ExpertPlacement]:
+    """The current placement of each sharded MoE layer."""
+    return {i: layer.ffn.ep.placement for i, layer in enumerate(model.layers) if hasattr(layer.ffn, "ep")}
+
+
+def apply(model: nn.Module, new: Mapping[int, ExpertPlacement]) -> None:
+    """Move the experts of the layers in ``new`` (between steps; every rank of the group calls it with the same
+    placements, in the same order)."""
+    for i in sorted(new):
+        move_experts(model.layers[i].ffn, new[i])
+
+
+__all__ = ["apply", "placements", "propose", "taken_loads"]
