@@ -131,6 +131,16 @@ class PrefixCache:
                 return rp
         return None
 
+    def peek(self, tokens: Sequence[int], root: bytes, limit: int) -> int:
+        """The position of what ``lookup`` would return (0: nothing), leaving the LRU order as it is."""
+        if not self._lru or limit <= 0:
+            return 0
+        hashes = self._hashes(tokens, root, limit)
+        for key in self._index.matches(tokens, hashes, self.page_size, limit):
+            if self._lru[key].visible:
+                return self._lru[key].position
+        return 0
+
     def miss_reason(self, tokens: Sequence[int], root: bytes, plain_root: bytes, limit: int) -> str:
         """Why nothing matched: an entry still waits for its snapshot, one was evicted, one exists for another
         cache salt, or there never was one."""

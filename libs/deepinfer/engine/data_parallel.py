@@ -1,0 +1,182 @@
+"""Attention data parallelism: one scheduler per rank of a worker that spans several devices, seen by the engine loop
+as one scheduler, and the plan of a step as one plan per rank.
+
+Each rank of such a worker attends over its own sequences, with its own KV cache and state (``parallel``: the MoE
+layers are shared across the ranks by expert parallelism). So each rank has its own ``Scheduler`` with its own
+page pool, prefix cache, preemption and token budget (``DataParallelScheduler.ranks``), and a request lives on one
+rank from admission to its end:
+
+* **placement** (``add``): the rank whose prefix cache holds the longest resume point of the prompt, where one
+  does; else the least loaded: fewest tokens left to compute (waiting and running), then most pages available,
+  then the lowest rank;
+* **a step** (``schedule``): every rank plans its step (the same step number on all: each plans every step, an
+  empty one if it has nothing), and the step's plan is a ``RankedPlan``: the ranks' plans, with the union of
+  their chunks and orders for what looks at a plan as a whole (the engine loop: is there anything to send?);
+* **a result** (``update``): split by the rank each request lives on (kvstore fetches: by the rank that ordered
+  them) and applied to each rank's scheduler.
+
+``RanksInProcess`` runs such plans on one runner per rank in this process (the CPU tests; a worker's ranks in
+their own processes take the same plans).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer.engine.pages import PagePool
+from deepinfer.engine.prefix_cache import root_hash
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler_config import SchedulerConfig
+
+
+@dataclass
+class RankedPlan(WorkerStepPlan):
+    """A step of every rank: ``ranks[r]`` is rank ``r``'s plan; the inherited lists are their union."""
+
+    ranks: list[WorkerStepPlan] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plans: list[WorkerStepPlan]) -> RankedPlan:
+        ids = {p.step_id for p in plans}
+        if len(ids) != 1:
+            raise RuntimeError(f"the ranks planned different steps: {sorted(ids)}")
+        out = cls(step_id=plans[0].step_id, ranks=plans)
+        for p in plans:
+            out.chunks += p.chunks
+            out.released += p.released
+            out.snapshots += p.snapshots
+            out.dropped_snapshots += p.dropped_snapshots
+            out.offloads += p.offloads
+            out.fetches += p.fetches
+        return out
+
+
+class DataParallelScheduler:
+    """``ranks`` schedulers of ``pages`` pages each behind the ``Scheduler`` interface the engine loop uses
+    (module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, pages: int, ranks: int) -> None:
+        if ranks < 1:
+            raise ValueError(f"a data-parallel scheduler needs at least one rank, got {ranks}")
+        self.config = config
+        self.ranks = [Scheduler(config, PagePool(pages)) for _ in range(ranks)]
+        self.rank_of: dict[str, int] = {}
+        self._fetch_rank: dict[str, int] = {}
+        self.requests = collections.ChainMap(*(s.requests for s in self.ranks))
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], *args: object, **kwargs: object) -> None:
+        """``Scheduler.add`` on the rank chosen for it (module docstring); the same arguments."""
+        if request_id in self.rank_of:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        cache_salt = kwargs.get("cache_salt", args[1] if len(args) > 1 else None)
+        r = self.place(prompt_token_ids, cache_salt, "mm" in kwargs and kwargs["mm"] is not None)
+        self.ranks[r].add(request_id, prompt_token_ids, *args, **kwargs)
+        self.rank_of[request_id] = r
+
+    def place(self, prompt: Sequence[int], cache_salt: str | None = None, images: bool = False) -> int:
+        """The rank a new request with ``prompt`` goes to."""
+        if not images and self.ranks[0].prefix is not None and len(prompt) > 1:
+            root = root_hash(self.config.fingerprint, cache_salt)
+            hits = [(s.prefix.peek(prompt, root, len(prompt) - 1), r) for r, s in enumerate(self.ranks)]
+            best, r = max(hits, key=lambda h: (h[0], -h[1]))
+            if best > 0:
+                return r
+        return min(range(len(self.ranks)), key=lambda r: (*self._load(self.ranks[r]), r))
+
+    @staticmethod
+    def _load(s: Scheduler) -> tuple[int, int]:
+        left = sum(q.num_tokens - q.num_computed for q in (*s.waiting, *s.running))
+        return left, -s.num_available_pages
+
+    def abort(self, request_ids: list[str]) -> None:
+        for r, ids in self._by_rank(request_ids).items():
+            self.ranks[r].abort(ids)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self.ranks[self.rank_of[req.request_id]].finish(req, reason, stop_reason)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.ranks[self.rank_of.pop(request_id)].pop_finished(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.ranks)
+
+    @property
+    def has_pending_releases(self) -> bool:
+        return any(s.has_pending_releases for s in self.ranks)
+
+    @property
+    def fetching(self) -> collections.ChainMap:
+        return collections.ChainMap(*(s.fetching for s in self.ranks))
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [q for s in self.ranks for q in s.waiting]
+
+    @property
+    def running(self) -> list[Request]:
+        return [q for s in self.ranks for q in s.running]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.ranks)
+
+    def reset_prefix_cache(self) -> None:
+        for s in self.ranks:
+            s.reset_prefix_cache()
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self, lookahead: int = 0) -> RankedPlan:
+        plans = [s.schedule(lookahead) for s in self.ranks]
+        for r, p in enumerate(plans):
+            for f in p.fetches:
+                self._fetch_rank[f.fetch_id] = r
+        return RankedPlan.of(plans)
+
+    def update(self, result: StepResult) -> list[Request]:
+        parts = [StepResult(result.step_id) for _ in self.ranks]
+        for res in result.results:
+            r = self.rank_of.get(res.request_id)
+            if r is not None:
+                parts[r].results.append(res)
+        for f in result.fetched:
+            parts[self._fetch_rank.pop(f.fetch_id, 0)].fetched.append(f)
+        return [req for s, part in zip(self.ranks, parts) for req in s.update(part)]
+
+    def _by_rank(self, request_ids: list[str]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self.rank_of:
+                out.setdefault(self.rank_of[rid], []).append(rid)
+        return out
+
+
+class RanksInProcess:
+    """A ``Runner`` of ``RankedPlan`` s over one runner per rank in this process: each rank's plan to its runner,
+    the results merged in rank order."""
+
+    def __init__(self, runners: list[object]) -> None:
+        self.runners = runners
+
+    def send(self, plan: RankedPlan) -> None:
+        for runner, sub in zip(self.runners, plan.ranks, strict=True):
+            runner.send(sub)
+
+    def receive(self) -> StepResult:
+        parts = [runner.receive() for runner in self.runners]
+        out = StepResult(parts[0].step_id)
+        for p in parts:
+            out.results += p.results
+            out.fetched += p.fetched
+        return out
+
+    def waits_for_tokens(self, plan: RankedPlan) -> bool:
+        return any(runner.waits_for_tokens(sub) for runner, sub in zip(self.runners, plan.ranks))
+
+
+__all__ = ["DataParallelScheduler", "RankedPlan", "RanksInProcess"]
