@@ -220,6 +220,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rank(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from deepinfer.engine.factory import build_worker, resolve_model_dir
+    from deepinfer.parallel.launch import expert_group, join, same_pages
+    from deepinfer.parallel.placement import routed_experts_of
+    from deepinfer.parallel.rank_group import RankRunner, follow
+
+    channel = join(args.rank, args.world, args.port, args.accelerator)
+    try:
+        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]))
+        flag = {None: None, "true": True, "false": False}
+        parts = build_worker(args.model, args.dtype, args.accelerator, args.max_model_len, args.num_pages,
+                             args.page_size, flag[args.quant_sim], flag[args.batch_invariant],
+                             args.num_speculative_tokens, ep=group)  # fmt: skip
+        same_pages(parts.num_pages, channel)
+        follow(RankRunner(parts.runner), channel)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4.1 and DeepSeek-V4 models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -266,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engram", choices=("host", "device"), default=None,
                    help="where DeepSeek-V4.1's Engram tables go (default: DEEPINFER_ENGRAM_TABLES)")  # fmt: skip
     s.set_defaults(func=cmd_plan)
+    s = sub.add_parser("rank", help="one rank of a worker of several (started by rank 0: LLM(ep=N))")
+    s.add_argument("--rank", type=int, required=True)
+    s.add_argument("--world", type=int, required=True)
+    s.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port on loopback")
+    s.add_argument("--accelerator", required=True, choices=("nvidia", "ascend", "cpu"))
+    s.add_argument("--model")
+    s.add_argument("--dtype", default="auto")
+    for name in ("max-model-len", "num-pages", "page-size", "num-speculative-tokens"):
+        s.add_argument(f"--{name}", type=int)
+    for name in ("quant-sim", "batch-invariant"):
+        s.add_argument(f"--{name}", type=str.lower, choices=("true", "false"))
+    s.set_defaults(func=cmd_rank)
     s = sub.add_parser("env", help="validate and print the DEEPINFER_* variables")
     s.add_argument("--markdown", action="store_true", help="print the reference as markdown")
     s.set_defaults(func=cmd_env)

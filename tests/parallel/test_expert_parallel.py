@@ -132,9 +132,7 @@ def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool, mode: str = "p
     return [load_file(str(out / f"rank{r}.safetensors")) for r in range(world)]
 
 
-@pytest.mark.parametrize(
-    ("name", "world", "invariant"), [("base", 2, True), ("odd", 4, True), ("base", 2, False), ("v41", 2, True)]
-)
+@pytest.mark.parametrize(("name", "world", "invariant"), [("odd", 4, True), ("base", 2, False), ("v41", 2, True)])
 def test_the_sharded_model_equals_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
                                               world: int, invariant: bool) -> None:  # fmt: skip
     """("odd": top-3 of 6 experts, so the order a token sums its experts' outputs in shows in the bits; "v41": the

@@ -76,10 +76,14 @@ def build_worker(
     quant_sim: bool | None = None,
     batch_invariant: bool | None = None,
     num_speculative_tokens: int | None = None,
+    ep: object = None,
 ) -> EngineParts:
     """Load the model on the accelerator and size its paged KV cache. ``batch_invariant`` (default
     ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md). ``quant_sim``: the
-    model's quantisation simulation, None for its family's default (``ModelFamily.build``).
+    model's quantisation simulation, None for its family's default (``ModelFamily.build``). ``ep``: this rank's
+    expert-parallel group (``parallel.expert_parallel.ExpertParallel``): the MoE layers hold its experts only, the
+    steps run eagerly and nothing is warmed up (a capture or a warm-up step on one rank alone would not meet the
+    other ranks' exchanges).
     ``num_speculative_tokens`` (default ``DEEPINFER_USE_NEXTN_DECODE``): drafts per sequence and step, 0 for none
     (docs/speculative_decoding.md)."""
     envs.validate_all()
@@ -93,7 +97,11 @@ def build_worker(
     torch_dtype = parse_dtype(dtype, accelerator)
     device = platform_for(accelerator).device()
     family = family_of(config)
-    net = family.build(path, config, ops, torch_dtype, device, quant_sim)
+    if ep is not None:  # (the exchanges read their counts on the host: nothing to capture)
+        for flag in ("cuda_graphs", "prefill_graphs"):
+            if hasattr(ops, flag):
+                setattr(ops, flag, False)
+    net = family.build(path, config, ops, torch_dtype, device, quant_sim, ep=ep)
     page_size = page_size or envs.DEEPINFER_PAGE_SIZE
     limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or config.max_position_embeddings
     if limit > config.max_position_embeddings:
@@ -130,7 +138,7 @@ def build_worker(
         from deepinfer.kvstore.remote import RemoteResumeStore
 
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, family.decode_resume, family.resume_layout)
-    if accelerator == "nvidia" and envs.DEEPINFER_WARMUP:  # compiles and graph captures before serving
+    if accelerator == "nvidia" and envs.DEEPINFER_WARMUP and ep is None:  # compiles and graph captures before serving
         from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
 
         graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)

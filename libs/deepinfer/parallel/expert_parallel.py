@@ -40,6 +40,7 @@ class ExpertParallel:
         self.placement, self.a2a, self.rank = placement, a2a, a2a.rank
         self.held = placement.slots[self.rank]
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
+        self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)
 
     def take_load(self) -> torch.Tensor:
         """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over."""
@@ -57,6 +58,7 @@ class ExpertParallel:
         """The routed experts' output ``[T, D]`` (fp32) of this rank's tokens ``x [T, D]`` routed to ``idx [T, k]``
         with weights ``w [T, k]``; ``m`` holds this rank's slots (``shard``)."""
         t, k = idx.shape
+        self.calls += 1
         self._count(idx)
         dest, slot = self.placement.route(idx, self.rank)
         order = torch.argsort(dest, stable=True)
@@ -156,7 +158,9 @@ def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
         if got_at:
             out[torch.tensor(got_at, device=p.device)] = recv
         setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
+    calls = ep.calls
     moe.ep = ExpertParallel(new, a2a)
+    moe.ep.calls = calls
 
 
 def held_experts(moe: nn.Module) -> tuple[int, ...] | None:

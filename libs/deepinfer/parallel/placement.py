@@ -78,4 +78,9 @@ class ExpertPlacement:
         return rank_of[e, c], slot_of[e, c]
 
 
-__all__ = ["ExpertPlacement"]
+def routed_experts_of(config: object) -> int:
+    """A model config's routed experts per MoE layer (V4.1: its text config's)."""
+    return getattr(config, "text_config", config).n_routed_experts
+
+
+__all__ = ["ExpertPlacement", "routed_experts_of"]

@@ -1,0 +1,110 @@
+"""Start a worker's ranks: rank 0 in this process, ranks ``1 .. N-1`` as processes of their own
+(``deepinfer rank``), all in one ``torch.distributed`` group on loopback; and each rank's side of it.
+
+The ranks take the same build arguments as text on their command line (nothing is pickled), build the same model
+with their share of the experts (``ExpertParallel`` over an even placement), and check together that each sized
+its paged cache alike (the data-parallel scheduler gives every rank the same pages). The MoE exchanges run on the
+default group (NCCL on GPUs, gloo on CPUs), the control channel on a gloo group of its own. A rank on a GPU takes
+the device of its rank number.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.parallel.all_to_all import TorchAllToAll
+from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.parallel.rank_group import Channel
+
+TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the group after this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
+    """Join the group (``rank`` of ``world`` on loopback ``port``); the control channel."""
+    gpu = accelerator == "nvidia"
+    if gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)  # fmt: skip
+    return Channel(dist.new_group(backend="gloo", timeout=TIMEOUT) if gpu else None)
+
+
+def expert_group(n_experts: int) -> ExpertParallel:
+    """This rank's share of every MoE layer: an even placement over the group."""
+    a2a = TorchAllToAll()
+    return ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a)
+
+
+def same_pages(num_pages: int, channel: Channel) -> None:
+    """Raise unless every rank sized its cache to ``num_pages``."""
+    lo, hi = torch.tensor([num_pages]), torch.tensor([-num_pages])
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=channel.group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=channel.group)
+    if int(lo) != num_pages or -int(hi) != num_pages:
+        raise RuntimeError(f"the ranks sized their caches differently ({int(lo)} to {-int(hi)} pages)")
+
+
+@dataclass
+class RankProcesses:
+    """The follower processes of a rank group, and rank 0's channel to them."""
+
+    world: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    channel: Channel | None = None
+
+    @classmethod
+    def start(cls, world: int, args: dict[str, object], accelerator: str) -> RankProcesses:
+        """Start ranks ``1 .. world-1`` (``deepinfer rank``, with the build arguments ``args``; None: left out) and
+        join the group as rank 0."""
+        port = free_port()
+        flags = [x for k, v in args.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
+        out = cls(world)
+        for r in range(1, world):
+            cmd = [sys.executable, "-m", "deepinfer", "rank", "--rank", str(r), "--world", str(world), "--port",
+                   str(port), "--accelerator", accelerator, *flags]  # fmt: skip
+            out.procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+        try:
+            out.channel = join(0, world, port, accelerator)
+        except Exception:
+            out.kill()
+            raise
+        return out
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def close(self, runner: object | None = None) -> None:
+        """Stop the followers (``runner.close()`` tells them), wait for them, leave the group."""
+        try:
+            if runner is not None:
+                runner.close()
+            for p in self.procs:
+                p.wait(timeout=60)
+        except Exception:
+            self.kill()
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages"]

@@ -1,0 +1,62 @@
+"""A worker of several ranks in real processes (``LLM(ep=N)``: ``parallel/launch.py``, ``parallel/rank_group.py``):
+rank 0 here drives the engine, the other ranks run in their own processes (``deepinfer rank``), the MoE layers'
+experts shared among them over gloo, each rank attending over its own sequences.
+
+With the batch-invariant ops the outputs must be, request by request, the single-process engine's: tokens and
+logprobs, over chunked prefill, steps mixing prefill and decode, preemptions (few pages a rank), prefix-cache hits,
+greedy and seeded sampling, async scheduling, and steps in which one rank has nothing to run."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint.tiny import make_tiny_model
+
+SHARED = list(range(40, 80))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_ranks") / "m", seed=4)
+
+
+def prompts_and_params() -> tuple[list[dict], list[SamplingParams]]:
+    prompts, params = [], []
+    for i in range(7):
+        other = [(13 * i + 5 * j) % 400 + 3 for j in range(6 + 6 * i)]
+        prompts.append({"prompt_token_ids": SHARED + list(range(5, 7 + i)) if i % 3 == 0 else other})
+        params.append(SamplingParams(temperature=0, max_tokens=8 + i, logprobs=2) if i % 2 == 0 else
+                      SamplingParams(temperature=0.9, top_p=0.9, seed=50 + i, max_tokens=10, logprobs=1))  # fmt: skip
+    return prompts, params
+
+
+def outputs(llm: LLM) -> list[tuple]:
+    prompts, params = prompts_and_params()
+    first = llm.generate(prompts[:3], params[:3])  # r0's prompt then is a resume point for r3 and r6
+    rest = llm.generate(prompts[3:], params[3:])
+    lone = llm.generate([prompts[1]], [params[1]])  # one request: the other rank idles through its steps
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.num_cached_tokens) for o in first + rest + lone]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "ranks"), [("v4", 3), ("v41", 2)])
+def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, tiny_v41_dir, name: str, ranks: int) -> None:
+    """(V4 on 3 ranks: 8 experts in slots of 3, 3 and 2; V4.1: the tiny checkpoint with Engram and DSpark.)"""
+    path = tiny_v41_dir if name == "v41" else model_dir
+    kw = dict(model=path, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
+              async_scheduling=True)  # fmt: skip
+    want = outputs(LLM(num_pages=64, **kw))
+    with LLM(num_pages=5, ep=ranks, **kw) as llm:
+        got = outputs(llm)
+        preempted = llm.engine.scheduler.num_preemptions
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert preempted > 0
+    assert got[3][2] > 0, "r3 resumed from r0's resume point"
+
+
+def test_layouts_not_built_are_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="tensor parallelism is not built yet"):
+        LLM(model=model_dir, tp=2)
+    with pytest.raises(ValueError, match="both are the number of ranks"):
+        LLM(model=model_dir, ep=2, dp_attention=1)
