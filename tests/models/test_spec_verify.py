@@ -256,7 +256,7 @@ def test_a_skipped_rollback_is_caught(tiny_dirs: dict, mutation: str, monkeypatc
     assert found, f"{mutation}: not caught"
 
 
-@pytest.mark.parametrize(("name", "fused"), [("base", False), ("odd", True), ("base", True)])
+@pytest.mark.parametrize(("name", "fused"), [("base", False), ("odd", True)])
 def test_default_ops_with_pooled_decode_match_within_rounding(tiny_dirs: dict, name: str, fused: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The default op set: verify steps on the decode path (``verify_step``: decode sub-steps on the ``StatePool``,

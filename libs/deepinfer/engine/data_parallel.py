@@ -15,8 +15,7 @@ rank from admission to its end:
 * **a result** (``update``): split by the rank each request lives on (kvstore fetches: by the rank that ordered
   them) and applied to each rank's scheduler.
 
-``RanksInProcess`` runs such plans on one runner per rank in this process (the CPU tests; a worker's ranks in
-their own processes take the same plans).
+A worker's ranks in processes of their own run such plans: ``parallel.rank_group``.
 """
 
 from __future__ import annotations
@@ -25,12 +24,15 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import root_hash
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import SchedulerConfig
+from deepinfer.sampling_params import SamplingParams
 
 
 @dataclass
@@ -69,13 +71,23 @@ class DataParallelScheduler:
         self.requests = collections.ChainMap(*(s.requests for s in self.ranks))
 
     # -- requests ----------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int], *args: object, **kwargs: object) -> None:
-        """``Scheduler.add`` on the rank chosen for it (module docstring); the same arguments."""
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        resume_hints: Sequence[int] = (),
+        constraint: Constraint | None = None,
+        output_token_ids: Sequence[int] = (),
+        mm: MultiModalInput | None = None,
+    ) -> None:
+        """``Scheduler.add`` on the rank chosen for the request (module docstring)."""
         if request_id in self.rank_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        cache_salt = kwargs.get("cache_salt", args[1] if len(args) > 1 else None)
-        r = self.place(prompt_token_ids, cache_salt, "mm" in kwargs and kwargs["mm"] is not None)
-        self.ranks[r].add(request_id, prompt_token_ids, *args, **kwargs)
+        r = self.place(prompt_token_ids, cache_salt, mm is not None)
+        self.ranks[r].add(request_id, prompt_token_ids, params, cache_salt, resume_hints, constraint,
+                          output_token_ids, mm)  # fmt: skip
         self.rank_of[request_id] = r
 
     def place(self, prompt: Sequence[int], cache_salt: str | None = None, images: bool = False) -> int:
@@ -156,27 +168,4 @@ class DataParallelScheduler:
         return out
 
 
-class RanksInProcess:
-    """A ``Runner`` of ``RankedPlan`` s over one runner per rank in this process: each rank's plan to its runner,
-    the results merged in rank order."""
-
-    def __init__(self, runners: list[object]) -> None:
-        self.runners = runners
-
-    def send(self, plan: RankedPlan) -> None:
-        for runner, sub in zip(self.runners, plan.ranks, strict=True):
-            runner.send(sub)
-
-    def receive(self) -> StepResult:
-        parts = [runner.receive() for runner in self.runners]
-        out = StepResult(parts[0].step_id)
-        for p in parts:
-            out.results += p.results
-            out.fetched += p.fetched
-        return out
-
-    def waits_for_tokens(self, plan: RankedPlan) -> bool:
-        return any(runner.waits_for_tokens(sub) for runner, sub in zip(self.runners, plan.ranks))
-
-
-__all__ = ["DataParallelScheduler", "RankedPlan", "RanksInProcess"]
+__all__ = ["DataParallelScheduler", "RankedPlan"]

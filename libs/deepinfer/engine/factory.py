@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ def build_worker(
         for flag in ("cuda_graphs", "prefill_graphs"):
             if hasattr(ops, flag):
                 setattr(ops, flag, False)
-    net = family.build(path, config, ops, torch_dtype, device, quant_sim, ep=ep)
+    net = family.build(path, config, ops, torch_dtype, device, quant_sim, **({} if ep is None else {"ep": ep}))
     page_size = page_size or envs.DEEPINFER_PAGE_SIZE
     limit = max_model_len or envs.DEEPINFER_MAX_MODEL_LEN or config.max_position_embeddings
     if limit > config.max_position_embeddings:
@@ -139,20 +140,27 @@ def build_worker(
 
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, family.decode_resume, family.resume_layout)
     if accelerator == "nvidia" and envs.DEEPINFER_WARMUP and ep is None:  # compiles and graph captures before serving
-        from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
-
-        graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
-        graphs = getattr(ops, "cuda_graphs", False) and not ops.batch_invariant and family.decode_buckets
-        batches = graphed if graphs else [1]
-        prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
-        verifier, verify = None, []
-        if runner.spec is not None:  # the verify steps' shapes too, for the batches that may draft
-            verifier = family.speculator(net, runner.spec.max_drafts, FixedDrafts())
-            verify = [b for b in batches if b <= envs.DEEPINFER_SPEC_DECODE_MAX_BATCH]
-        warm_up(runner, num_pages, page_size, limit, config.vocab_size, batches, prefill, verifier, verify)
+        _warm_up(runner, family, ops, num_pages, page_size, limit, config.vocab_size)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp, family
     )
+
+
+def _warm_up(runner: ModelRunner, family: Any, ops: Any, num_pages: int, page_size: int, limit: int, vocab: int
+             ) -> None:  # fmt: skip
+    """The worker's compiles and graph captures before it serves (``engine.warmup``): the decode buckets, the long
+    prefill tiles, and the verify steps of the batches that may draft."""
+    from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
+
+    graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
+    graphs = getattr(ops, "cuda_graphs", False) and not ops.batch_invariant and family.decode_buckets
+    batches = graphed if graphs else [1]
+    prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
+    verifier, verify = None, []
+    if runner.spec is not None:  # the verify steps' shapes too, for the batches that may draft
+        verifier = family.speculator(runner.model, runner.spec.max_drafts, FixedDrafts())
+        verify = [b for b in batches if b <= envs.DEEPINFER_SPEC_DECODE_MAX_BATCH]
+    warm_up(runner, num_pages, page_size, limit, vocab, batches, prefill, verifier, verify)
 
 
 def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:

@@ -4,8 +4,9 @@
 The ranks take the same build arguments as text on their command line (nothing is pickled), build the same model
 with their share of the experts (``ExpertParallel`` over an even placement), and check together that each sized
 its paged cache alike (the data-parallel scheduler gives every rank the same pages). The MoE exchanges run on the
-default group (NCCL on GPUs, gloo on CPUs), the control channel on a gloo group of its own. A rank on a GPU takes
-the device of its rank number.
+default group (the platform's ``collectives``: NCCL on NVIDIA GPUs, gloo on CPUs), the control channel on a gloo
+group (of its own where the default is not gloo). A rank takes the device of its rank number
+(``Platform.use_device``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.rank_group import Channel
+from deepinfer.runtime.platform import platform_for
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the group after this
 
@@ -36,12 +38,12 @@ def free_port() -> int:
 
 def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
     """Join the group (``rank`` of ``world`` on loopback ``port``); the control channel."""
-    gpu = accelerator == "nvidia"
-    if gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=TIMEOUT)  # fmt: skip
-    return Channel(dist.new_group(backend="gloo", timeout=TIMEOUT) if gpu else None)
+    platform = platform_for(accelerator)
+    platform.use_device(rank)
+    dist.init_process_group(platform.collectives, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)  # fmt: skip
+    gloo = platform.collectives == "gloo"
+    return Channel(None if gloo else dist.new_group(backend="gloo", timeout=TIMEOUT))
 
 
 def expert_group(n_experts: int) -> ExpertParallel:

@@ -33,6 +33,10 @@ class Platform:
     graphs = False  # whether a step can be captured once and replayed (decode / piecewise graphs)
     pinned_copies = False  # whether host tensors bound for the device go through pinned memory, asynchronously
     triton = False  # whether the Triton kernels (``deepinfer.kernels``) run on the device
+    collectives = "gloo"  # the torch.distributed backend of a rank group on this platform (``parallel.launch``)
+
+    def use_device(self, rank: int) -> None:
+        """Make the device of rank ``rank`` of a group on one host the current one (nothing on the host)."""
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)

@@ -22,6 +22,10 @@ def _npu() -> Any:
 class NpuPlatform(Platform):
     name = "ascend"
     device_type = "npu"
+    collectives = "hccl"
+
+    def use_device(self, rank: int) -> None:
+        _npu().set_device(rank % _npu().device_count())
 
     def indexed(self, device: torch.device) -> torch.device:
         return torch.device("npu", _npu().current_device()) if device.index is None else device

@@ -17,6 +17,10 @@ class CudaPlatform(Platform):
     graphs = True
     pinned_copies = True
     triton = True
+    collectives = "nccl"
+
+    def use_device(self, rank: int) -> None:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
 
     def indexed(self, device: torch.device) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
