@@ -58,3 +58,20 @@ def test_layouts_not_built_are_refused(model_dir) -> None:
         LLM(model=model_dir, tp=2)
     with pytest.raises(ValueError, match="both are the number of ranks"):
         LLM(model=model_dir, ep=2, dp_attention=1)
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_rank_fails_the_worker_instead_of_stalling_it(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower killed between requests: the next request fails with an error (the peer's loss, or the group's
+    timeout, short here), and closing the worker does not hang."""
+    monkeypatch.setenv("DEEPINFER_RANK_TIMEOUT_S", "20")
+    llm = LLM(model=model_dir, dtype="float32", page_size=16, num_pages=16, batch_invariant=True, ep=2)
+    try:
+        assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+        llm._ranks.procs[0].kill()
+        llm._ranks.procs[0].wait()
+        prompts = [{"prompt_token_ids": [8, 9, 10]}, {"prompt_token_ids": [11, 12]}]
+        with pytest.raises(RuntimeError):
+            llm.generate(prompts, SamplingParams(max_tokens=4))
+    finally:
+        llm.close()

@@ -240,6 +240,10 @@ declare("DEEPINFER_W4A8", "bool", _NUM, """
     Independent of `DEEPINFER_W8A8` (the linears); `DEEPINFER_QUANT_SIM` rounds the experts' activations too.
     DeepSeek-V4 and V4.1.""",
     default=False)
+declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """
+    How long a rank of a worker of several devices (`LLM(ep=N)`) waits on another rank (an exchange of the MoE layers,
+    a step's plan or result) before it gives up: a rank that died or hung then fails the worker with an error instead
+    of stalling it forever. It must exceed the longest step.""", default=600.0, minimum=1.0)
 declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
     Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the

@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from deepinfer import envs
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.rank_group import Channel
 from deepinfer.runtime.platform import platform_for
-
-TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the group after this
 
 
 def free_port() -> int:
@@ -40,10 +39,11 @@ def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
     """Join the group (``rank`` of ``world`` on loopback ``port``); the control channel."""
     platform = platform_for(accelerator)
     platform.use_device(rank)
+    timeout = datetime.timedelta(seconds=envs.DEEPINFER_RANK_TIMEOUT_S)  # a rank that stops answering fails the group
     dist.init_process_group(platform.collectives, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)  # fmt: skip
+                            timeout=timeout)  # fmt: skip
     gloo = platform.collectives == "gloo"
-    return Channel(None if gloo else dist.new_group(backend="gloo", timeout=TIMEOUT))
+    return Channel(None if gloo else dist.new_group(backend="gloo", timeout=timeout))
 
 
 def expert_group(n_experts: int) -> ExpertParallel:
@@ -95,15 +95,15 @@ class RankProcesses:
             p.wait()
 
     def close(self, runner: object | None = None) -> None:
-        """Stop the followers (``runner.close()`` tells them), wait for them, leave the group."""
+        """Stop the followers (``runner.close()`` tells them), wait for them, leave the group; a follower that does
+        not answer (it died: the group failed) is killed."""
         try:
             if runner is not None:
                 runner.close()
             for p in self.procs:
                 p.wait(timeout=60)
-        except Exception:
+        except Exception:  # (a dead or stuck rank: nothing left to tell it)
             self.kill()
-            raise
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
