@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-from deepinfer.parallel.expert_parallel import held_experts
+from deepinfer.parallel.expert_parallel import ExpertSlots
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -131,23 +131,11 @@ class _Filler:
         self.scales: dict[str, tuple[torch.Tensor, Path]] = {}
         self.n_experts = model.config.n_routed_experts
         self.block = tuple(model.config.weight_block_size)
-        self.slots: dict[str, dict[int, list[int]]] = {}  # a sharded MoE's weights: logical expert -> its slots
-        for prefix, mod in model.named_modules():
-            held = held_experts(mod)
-            if held is not None:
-                by_expert: dict[int, list[int]] = {}
-                for s, e in enumerate(held):
-                    by_expert.setdefault(e, []).append(s)
-                self.slots.update({f"{prefix}.{w}": by_expert for w in ("w1", "w2", "w3")})
-
-    def holds(self, target: str, expert: int) -> bool:
-        """Whether this model holds routed ``expert`` of the stacked parameter ``target``."""
-        slots = self.slots.get(target)
-        return slots is None or expert in slots
+        self.slots = ExpertSlots(model)  # where each routed expert goes (a sharded MoE: its slots only)
+        self.holds = self.slots.holds
 
     def _slots(self, target: str, expert: int) -> list[int]:
-        slots = self.slots.get(target)
-        return [expert] if slots is None else slots.get(expert, [])
+        return self.slots.rows(target, expert, self.n_experts)
 
     def add(self, name: str, t: torch.Tensor, file: Path) -> None:
         """One checkpoint tensor (official name): placed, or kept until its weight / scale comes."""
@@ -237,10 +225,6 @@ class _Filler:
             return True
         return False
 
-    def _expected(self, target: str) -> list[int]:
-        slots = self.slots.get(target)
-        return list(range(self.n_experts)) if slots is None else sorted(slots)
-
     def decode(self, name: str) -> None:
         """A quantised weight whose scale has come: kept as stored, or dequantised and placed."""
         (w, wf), (s, _) = self.pending.pop(name), self.scales.pop(name)
@@ -265,7 +249,7 @@ class _Filler:
             internal_to_official(k, e)
             for k in self.params
             if k not in self.filled
-            for e in (self._expected(k) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
+            for e in (self.slots.expected(k, self.n_experts) if re.match(r"^(.*\.ffn)\.(w[123])$", k) else [None])
             if e not in self.expert_filled.get(k, ())
         ]
         mtp, other = split_missing(missing)

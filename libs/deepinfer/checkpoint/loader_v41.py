@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from deepinfer.checkpoint.loader import CheckpointError
 from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
-from deepinfer.parallel.expert_parallel import held_experts
+from deepinfer.parallel.expert_parallel import ExpertSlots
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -225,23 +225,10 @@ class _Filler:
         self.filled: set[str] = set()
         self.experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
         self.expert_rows: dict[str, set[int]] = {}
-        self.slots: dict[str, dict[int, list[int]]] = {}  # a sharded MoE's weights: logical expert -> its rows
-        self.n_experts: dict[str, int] = {}
-        for prefix, mod in model.named_modules():
-            held = held_experts(mod)
-            if held is not None:
-                by_expert: dict[int, list[int]] = {}
-                for s, e in enumerate(held):
-                    by_expert.setdefault(e, []).append(s)
-                for w in ("w1", "w2", "w3"):
-                    self.slots[f"{prefix}.{w}"], self.n_experts[f"{prefix}.{w}"] = by_expert, mod.ep.placement.n_experts
+        self.slots = ExpertSlots(model)  # where each routed expert goes (a sharded MoE: its slots only)
 
     def _rows(self, target: str, expert: int, ref: torch.Tensor) -> list[int]:
-        """The rows of stacked ``target`` that hold ``expert`` (none: not held by this shard, or out of range)."""
-        slots = self.slots.get(target)
-        if slots is None:
-            return [expert] if expert < ref.shape[0] else []
-        return slots.get(expert, [])
+        return self.slots.rows(target, expert, ref.shape[0])
 
     def load(self, reader: _Reader, name: str) -> None:
         """Read released tensor ``name`` (with its scale), decode it unless its target keeps the stored format, and
@@ -253,9 +240,10 @@ class _Filler:
             raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter {target!r}")
         if (expert is None) == is_stacked_expert(target):
             raise CheckpointError(f"tensor {name!r} in {file} does not match the layout of parameter {target!r}")
-        if expert is not None and target in self.slots and expert not in self.slots[target]:
-            if expert >= self.n_experts[target]:
-                raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {self.n_experts[target]} experts")
+        if expert is not None and not self.slots.holds(target, expert):
+            n = self.slots.experts(target, ref.shape[0])
+            if expert >= n:
+                raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {n} experts")
             return  # another rank's expert (expert parallelism): not read
         t = reader.get(name)
         scale_name = name.removesuffix(".weight") + ".scale"
@@ -303,10 +291,6 @@ class _Filler:
             self.experts[target][row] = t
         self.expert_rows.setdefault(target, set()).add(expert)
 
-    def _expected(self, target: str, ref: torch.Tensor) -> list[int]:
-        slots = self.slots.get(target)
-        return list(range(ref.shape[0])) if slots is None else sorted(slots)
-
     def check_complete(self, path: Path, saw_mtp: bool) -> None:
         """Set the stacked experts; raise unless every target was filled (a DSpark block the checkpoint holds no
         tensor of, ``saw_mtp`` False, is taken out of the model instead)."""
@@ -316,7 +300,7 @@ class _Filler:
             internal_to_released(k, e)
             for k, ref in self.targets.items()
             if k not in self.filled
-            for e in (self._expected(k, ref) if is_stacked_expert(k) else [None])
+            for e in (self.slots.expected(k, ref.shape[0]) if is_stacked_expert(k) else [None])
             if e not in self.expert_rows.get(k, ())
         ]
         mtp, other = split_missing(missing)

@@ -22,7 +22,6 @@ Contracts:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +31,8 @@ import numpy as np
 from nats.aio.subscription import Subscription
 
 from deepinfer.events import subjects
-from deepinfer.events.bus import EventBus, OnceLog, quietly, stop_tasks
+from deepinfer.events.bus import EventBus, quietly
+from deepinfer.events.load import PeriodicReporter
 from deepinfer.telemetry import get_logger
 
 __all__ = ["ExpertLoadReporter", "ExpertLoadView"]
@@ -41,55 +41,19 @@ log = get_logger(__name__)
 Supplier = Callable[[], Mapping[int, Sequence[int]]]
 
 
-class ExpertLoadReporter:
-    """Publishes ``supplier()`` (tokens per expert by layer, since the last call) every ``period_s`` seconds."""
+class ExpertLoadReporter(PeriodicReporter):
+    """Publishes ``supplier()`` (tokens per expert by layer, since the last call) every ``period_s`` seconds, the
+    first after a period (``load.PeriodicReporter``)."""
+
+    first_at_once = False
 
     def __init__(self, bus: EventBus, replica: str, rank: int, supplier: Supplier, *, period_s: float = 10.0) -> None:
-        if not period_s > 0:
-            raise ValueError(f"period_s must be > 0, got {period_s!r}")
-        self.bus, self.replica, self.rank = bus, replica, rank
-        self.subject = subjects.experts_subject(replica)
-        self.supplier, self.period_s = supplier, period_s
-        self.seq = self.sent = self.skipped = 0
-        self._started_at = time.time()
-        self._task: asyncio.Task[None] | None = None
-        self._running = False
-        self._errors = OnceLog("expert_load_supplier_failed")
+        super().__init__(bus, subjects.experts_subject(replica), supplier, period_s, "expert_load")
+        self.replica, self.rank = replica, rank
 
-    async def start(self) -> None:
-        self._running = True
-        self._task = asyncio.create_task(self._loop(), name=f"expert-load-{self.replica}-{self.rank}")
-
-    async def report(self) -> bool:
-        """Publish one report now; ``True`` if it was handed to NATS. Never raises."""
-        if not self.bus.connected:
-            self.skipped += 1
-            return False
-        try:
-            layers = {str(int(k)): [int(x) for x in v] for k, v in self.supplier().items()}
-        except Exception as exc:
-            self._errors.failed(exc, subject=self.subject)
-            self.skipped += 1
-            return False
-        self._errors.ok()
-        self.seq += 1
-        report = {"replica": self.replica, "rank": self.rank, "seq": self.seq, "started_at": self._started_at,
-                  "sent_at": time.time(), "period_s": self.period_s, "layers": layers}  # fmt: skip
-        ok = await self.bus.publish(self.subject, report)
-        self.sent += ok
-        self.skipped += not ok
-        return ok
-
-    async def _loop(self) -> None:
-        while self._running:
-            await asyncio.sleep(self.period_s)
-            await self.report()
-
-    async def stop(self) -> None:
-        """Stop publishing. Idempotent."""
-        self._running = False
-        await stop_tasks(self._task)
-        self._task = None
+    def payload(self, data: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        layers = {str(int(k)): [int(x) for x in v] for k, v in data.items()}
+        return {"replica": self.replica, "rank": self.rank, "layers": layers}
 
 
 class ExpertLoadView:

@@ -34,7 +34,7 @@ from deepinfer.events import subjects
 from deepinfer.events.bus import EventBus, OnceLog, quietly, stop_tasks
 from deepinfer.telemetry import get_logger
 
-__all__ = ["STALE_PERIODS", "LoadReporter", "LoadSample", "LoadView", "ReplicaLoad"]
+__all__ = ["STALE_PERIODS", "LoadReporter", "LoadSample", "LoadView", "PeriodicReporter", "ReplicaLoad"]
 
 log = get_logger(__name__)
 STALE_PERIODS = 3.0
@@ -55,8 +55,74 @@ class ReplicaLoad(TypedDict, total=False):
     max_running: int
 
 
-class LoadReporter:
-    """Publishes ``supplier()`` on the instance's load subject every ``period_s`` seconds."""
+class PeriodicReporter:
+    """Publishes ``supplier()``, shaped by ``payload``, on ``subject`` every ``period_s`` seconds (``first_at_once``:
+    the first report at start, else after a period). Perishable, never raising: module docstring. Subclasses give
+    the subject and the payload (``LoadReporter``, ``events.experts.ExpertLoadReporter``)."""
+
+    first_at_once = True
+
+    def __init__(self, bus: EventBus, subject: str, supplier: Callable[[], Any], period_s: float, name: str) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period_s must be > 0, got {period_s!r}")
+        self.bus, self.subject, self.supplier, self.period_s, self.name = bus, subject, supplier, period_s, name
+        self.seq = 0
+        self.sent = 0
+        self.skipped = 0  # reports not published because NATS was down or the supplier failed
+        self._started_at = time.time()
+        self._task: asyncio.Task[None] | None = None
+        self._running = False
+        self._errors = OnceLog(f"{name}_supplier_failed")
+
+    def payload(self, data: Any) -> dict[str, Any]:
+        """The report of one ``supplier()`` result (``seq``, ``started_at``, ``sent_at`` and ``period_s`` added)."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Start publishing in the background."""
+        self._running = True
+        self._task = asyncio.create_task(self._loop(), name=f"{self.name}-reporter-{self.subject}")
+
+    async def report(self) -> bool:
+        """Publish one report now; ``True`` if it was handed to NATS. Never raises."""
+        if not self.bus.connected:
+            self.skipped += 1
+            return False
+        try:
+            report = self.payload(self.supplier())
+        except Exception as exc:
+            self._errors.failed(exc, subject=self.subject)
+            self.skipped += 1
+            return False
+        self._errors.ok()
+        self.seq += 1
+        report.update(seq=self.seq, started_at=self._started_at, sent_at=time.time(), period_s=self.period_s)
+        try:
+            ok = await self.bus.publish(self.subject, report)
+        except (TypeError, ValueError) as exc:  # the supplier returned something that is not JSON
+            log.warning(f"{self.name}_report_not_json", subject=self.subject, error=repr(exc))
+            ok = False
+        self.sent += ok
+        self.skipped += not ok
+        return ok
+
+    async def _loop(self) -> None:
+        if not self.first_at_once:
+            await asyncio.sleep(self.period_s)
+        while self._running:  # a flag as well as cancellation (see bus.stop_tasks)
+            await self.report()
+            await asyncio.sleep(self.period_s)
+
+    async def stop(self) -> None:
+        """Stop publishing. Idempotent."""
+        self._running = False
+        await stop_tasks(self._task)
+        self._task = None
+
+
+class LoadReporter(PeriodicReporter):
+    """Publishes ``supplier()`` on the instance's load subject every ``period_s`` seconds (the first report at
+    once)."""
 
     def __init__(
         self,
@@ -67,65 +133,11 @@ class LoadReporter:
         *,
         period_s: float = 1.0,
     ) -> None:
-        if not period_s > 0:
-            raise ValueError(f"period_s must be > 0, got {period_s!r}")
-        self.bus, self.kind, self.instance_id = bus, kind, instance_id
-        self.subject = subjects.load_subject(kind, instance_id)  # validates kind and id
-        self.supplier, self.period_s = supplier, period_s
-        self.seq = 0
-        self.sent = 0
-        self.skipped = 0  # reports not published because NATS was down or the supplier failed
-        self._started_at = time.time()
-        self._task: asyncio.Task[None] | None = None
-        self._running = False
-        self._errors = OnceLog("load_supplier_failed")
+        super().__init__(bus, subjects.load_subject(kind, instance_id), supplier, period_s, "load")
+        self.kind, self.instance_id = kind, instance_id  # (the subject validated both)
 
-    async def start(self) -> None:
-        """Start publishing in the background (the first report goes out at once)."""
-        self._running = True
-        self._task = asyncio.create_task(self._loop(), name=f"load-reporter-{self.kind}-{self.instance_id}")
-
-    async def report(self) -> bool:
-        """Publish one report now; ``True`` if it was handed to NATS. Never raises."""
-        if not self.bus.connected:
-            self.skipped += 1
-            return False
-        try:
-            load = dict(self.supplier())
-        except Exception as exc:
-            self._errors.failed(exc, subject=self.subject)
-            self.skipped += 1
-            return False
-        self._errors.ok()
-        self.seq += 1
-        report = {
-            "instance_id": self.instance_id,
-            "kind": self.kind,
-            "seq": self.seq,
-            "started_at": self._started_at,
-            "sent_at": time.time(),
-            "period_s": self.period_s,
-            "load": load,
-        }
-        try:
-            ok = await self.bus.publish(self.subject, report)
-        except (TypeError, ValueError) as exc:  # the supplier returned something that is not JSON
-            log.warning("load_report_not_json", subject=self.subject, error=repr(exc))
-            ok = False
-        self.sent += ok
-        self.skipped += not ok
-        return ok
-
-    async def _loop(self) -> None:
-        while self._running:  # a flag as well as cancellation (see bus.stop_tasks)
-            await self.report()
-            await asyncio.sleep(self.period_s)
-
-    async def stop(self) -> None:
-        """Stop publishing. Idempotent."""
-        self._running = False
-        await stop_tasks(self._task)
-        self._task = None
+    def payload(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "kind": self.kind, "load": dict(data)}
 
 
 @dataclass

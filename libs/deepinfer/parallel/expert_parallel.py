@@ -93,7 +93,7 @@ def routed(m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, li
 def shard(moe: nn.Module, ep: ExpertParallel) -> None:
     """Keep only this rank's slots of ``moe``'s stacked routed experts (``w1``, ``w2``, ``w3`` and their scales:
     ``[E, ...]`` to ``[slots, ...]``, slot ``s`` holding logical expert ``ep.held[s]``) and route through ``ep``.
-    Before loading: the checkpoint loader fills the slots (``held_experts``)."""
+    Before loading: the checkpoint loader fills the slots (``ExpertSlots``)."""
     n = ep.placement.n_experts
     held = torch.tensor(ep.held, dtype=torch.long)
     for name in _WEIGHTS:
@@ -163,10 +163,44 @@ def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
     moe.ep.calls = calls
 
 
-def held_experts(moe: nn.Module) -> tuple[int, ...] | None:
-    """The logical expert of each slot of a sharded MoE module, or None (every expert, in order)."""
-    ep = getattr(moe, "ep", None)
-    return None if ep is None else ep.held
+class ExpertSlots:
+    """Where a checkpoint loader puts each routed expert of a model's stacked expert weights (``w1``, ``w2``,
+    ``w3`` of a MoE module): the slots holding it in a sharded MoE (``shard``: none, another rank's expert), else
+    its own row."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.sharded: dict[str, tuple[dict[int, list[int]], int]] = {}  # target -> (expert -> slots, experts)
+        for prefix, mod in model.named_modules():
+            ep = getattr(mod, "ep", None)
+            if isinstance(ep, ExpertParallel):
+                by_expert: dict[int, list[int]] = {}
+                for s, x in enumerate(ep.held):
+                    by_expert.setdefault(x, []).append(s)
+                for w in ("w1", "w2", "w3"):
+                    self.sharded[f"{prefix}.{w}"] = (by_expert, ep.placement.n_experts)
+
+    def holds(self, target: str, expert: int) -> bool:
+        """Whether this model holds ``expert`` of the stacked parameter ``target`` (an unsharded one: all)."""
+        got = self.sharded.get(target)
+        return got is None or expert in got[0]
+
+    def rows(self, target: str, expert: int, n: int) -> list[int]:
+        """The rows of ``target`` that hold ``expert`` (``n``: the experts of an unsharded target; none: not held,
+        or out of range)."""
+        got = self.sharded.get(target)
+        if got is None:
+            return [expert] if 0 <= expert < n else []
+        return got[0].get(expert, [])
+
+    def experts(self, target: str, n: int) -> int:
+        """The logical experts of ``target`` (``n``: an unsharded target's rows)."""
+        got = self.sharded.get(target)
+        return n if got is None else got[1]
+
+    def expected(self, target: str, n: int) -> list[int]:
+        """The experts a complete load fills in ``target``, ascending."""
+        got = self.sharded.get(target)
+        return list(range(n)) if got is None else sorted(got[0])
 
 
-__all__ = ["ExpertParallel", "held_experts", "move_experts", "routed", "shard", "shard_model"]
+__all__ = ["ExpertParallel", "ExpertSlots", "move_experts", "routed", "shard", "shard_model"]

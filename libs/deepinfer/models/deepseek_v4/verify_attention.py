@@ -19,7 +19,7 @@ its later rows' writes land on ring rows it still reads (the window's oldest ``K
     followed by the step's projections (``cap + K + 1`` rows a sequence, gathered), and the ring gets each row's
     latest position only (a ring of fewer rows than the step writes: ``verify_rings``' small rings).
 
-Everything but the gathered rows is index arithmetic on the device, once per step and ring size (``plan.derived``),
+Everything but the gathered rows is index arithmetic on the device, once per step and ring size (``plan.once``),
 so the step stays capturable as one CUDA graph. A row's keys and their order are the sub-step's, and every kernel's
 work for a row is the same, so the output matches the sub-steps' (``tests/models/test_spec_verify.py``).
 """
@@ -39,16 +39,9 @@ from deepinfer.ops import Ops
 Pool = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (kv, score, cur, prev): pool, store
 
 
-def _once(plan: Any, key: object, make: Callable[[], Any]) -> Any:
-    got = plan.derived.get(key)
-    if got is None:
-        got = plan.derived[key] = make()
-    return got
-
-
 def stacked(plan: Any) -> Any:
     """The verify plan's sub-steps as one decode plan of ``(K + 1)·S`` rows, once per step."""
-    return _once(plan, "stacked", lambda: type(plan.subs[0]).stacked(plan.subs))
+    return plan.once("stacked", lambda: type(plan.subs[0]).stacked(plan.subs))
 
 
 def window(plan: Any, flat: torch.Tensor, kv: torch.Tensor, ops: Ops) -> torch.Tensor:
@@ -59,9 +52,9 @@ def window(plan: Any, flat: torch.Tensor, kv: torch.Tensor, ops: Ops) -> torch.T
     whole, s, k1 = stacked(plan), plan.size, len(plan.subs)
     ix, w = whole.indices(ops), whole.window
     got = flat.index_select(0, ix.take)
-    dst, src = _once(plan, ("window", w), lambda: _window_rows(s, k1, w, kv.device))
+    dst, src = plan.once(("window", w), lambda: _window_rows(s, k1, w, kv.device))
     got.index_copy_(0, dst, kv.index_select(0, src).to(got.dtype))
-    put = ix.put if k1 <= w else _once(plan, ("latest", w), lambda: latest(plan, ix.put, w))
+    put = ix.put if k1 <= w else plan.once(("latest", w), lambda: latest(plan, ix.put, w))
     ops.append_rows([flat], [put], [kv])
     return got
 
@@ -127,7 +120,7 @@ def ring_step(plan: Any, m: int, cap: int, ops: Ops) -> RingStep:
         old = (plan.slots.unsqueeze(1) * cap + torch.arange(cap, device=dev)).reshape(-1)
         return RingStep(source(cur_q), source(prev_q), old=old, last=latest(plan, at, cap))
 
-    return _once(plan, ("ring", m, cap), make)
+    return plan.once(("ring", m, cap), make)
 
 
 def with_ring(plan: Any, ring: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], m: int,

@@ -64,10 +64,7 @@ def _rows(plan: Any, cap: int) -> torch.Tensor:
         k = torch.arange(1, plan.drafts + 1, device=plan.base.device)
         return (plan.slots.unsqueeze(1) * cap + (plan.base.unsqueeze(1) + k) % cap).reshape(-1)
 
-    got = plan.derived.get(("rows", cap))
-    if got is None:
-        got = plan.derived[("rows", cap)] = make()
-    return got
+    return plan.once(("rows", cap), make)
 
 
 def _all_rows(plan: Any, cap: int) -> torch.Tensor:
@@ -76,10 +73,7 @@ def _all_rows(plan: Any, cap: int) -> torch.Tensor:
     def make() -> torch.Tensor:
         return (plan.slots.unsqueeze(1) * cap + torch.arange(cap, device=plan.slots.device)).reshape(-1)
 
-    got = plan.derived.get(("all rows", cap))
-    if got is None:
-        got = plan.derived[("all rows", cap)] = make()
-    return got
+    return plan.once(("all rows", cap), make)
 
 
 def _keep(plan: Any, key: object, got: torch.Tensor) -> None:

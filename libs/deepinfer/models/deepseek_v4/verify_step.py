@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.ops import Ops
 from deepinfer.runtime.host_copy import StagedCopy, to_device
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -54,6 +57,13 @@ class V4VerifyPlan:
     saved: dict[object, torch.Tensor] = field(default_factory=dict)
     derived: dict = field(default_factory=dict)  # what ``save`` and ``restore`` derive alike, once per step
     fused: bool = False  # the attention in one call over every sub-step's rows (``verify_attention``), else in turns
+
+    def once(self, key: object, make: Callable[[], T]) -> T:
+        """``make()`` once per step (``derived``: ``clear`` forgets it), as ``V4DecodePlan.once``."""
+        got = self.derived.get(key)
+        if got is None:
+            got = self.derived[key] = make()
+        return got
 
     def clear(self) -> None:
         """Forget what the sub-steps derived (a graphed bucket's step recomputes, and captures, it every run)."""
