@@ -84,7 +84,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     import tempfile
 
     from deepinfer.launcher import Mesh
+    from deepinfer.parallel.layout import ranks_of
 
+    try:
+        ranks = ranks_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention, args.tp)
+    except ValueError as e:
+        print(f"deepinfer up: {e}", file=sys.stderr)
+        return 2
     model = Path(args.model) if args.model else _default_model()
     log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-up-"))
     mesh = Mesh(
@@ -93,6 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         replicas=args.replicas,
+        ranks=ranks,
         served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
@@ -253,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, default=50051)
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
     s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--ep", type=int, help="ranks of each replica's worker, one device each, the MoE experts shared "
+                   "among them (default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
+    s.add_argument("--dp-attention", type=int, help="ranks attending over their own sequences (the same as --ep)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: not built yet)")
     s.add_argument("--served-model-name", help="the model's name in the APIs (default: the model directory's name)")
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)

@@ -32,6 +32,8 @@ from deepinfer.serving.healthcheck import free_port, reserve_port, wait_serving
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
+# the variable that limits the devices a process of an accelerator sees (each worker replica its own)
+VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Mesh:
     grpc_port: int = 50051  # the balancer's (0: a free port, reserved until it serves)
     http_port: int = 8000
     replicas: int = 1
+    ranks: int = 1  # of each replica's worker (``--ep``): one process and one device each
     accelerator: str = "cpu"
     log_dir: Path | None = None
     served_model_name: str | None = None  # the balancer's name for the model (default: the directory's base name)
@@ -60,8 +63,27 @@ class Mesh:
     endpoints: dict[str, str] = field(default_factory=dict)
     nats: Any = None  # the NatsServer this mesh started (None when DEEPINFER_NATS_URL names one)
 
-    def _spawn(self, name: str, args: list[str], ready: str | None, timeout: float = 600.0) -> None:
+    def _devices(self, replica: int) -> dict[str, str]:
+        """The devices of a replica's worker, through the accelerator's visibility variable (its ranks take devices
+        ``0 .. ranks-1`` of those it sees): replica ``r`` the host's devices ``r·ranks ..`` of those listed there
+        already (else of all), round robin where the host has fewer (replicas then share devices, as ranks of one
+        worker on fewer devices do: ``Platform.use_device``). Nothing on the cpu backend."""
+        var = VISIBLE_DEVICES.get(self.accelerator)
+        if var is None:
+            return {}
+        if os.environ.get(var):
+            ids = os.environ[var].split(",")
+        else:
+            from deepinfer.runtime.platform import platform_for
+
+            ids = [str(i) for i in range(max(1, platform_for(self.accelerator).device_count()))]
+        first = replica * self.ranks
+        return {var: ",".join(ids[(first + i) % len(ids)] for i in range(min(self.ranks, len(ids))))}
+
+    def _spawn(self, name: str, args: list[str], ready: str | None, env_: dict[str, str] | None = None,
+               timeout: float = 600.0) -> None:  # fmt: skip
         env = {**os.environ, **self.extra_env, "DEEPINFER_ACCELERATOR": self.accelerator, "PYTHONUNBUFFERED": "1"}
+        env.update(env_ or {})
         if self.nats is not None:  # the NATS server started here: each service its own kind's credentials
             from deepinfer.events.subjects import KINDS
 
@@ -152,12 +174,13 @@ class Mesh:
         for r in range(self.replicas):
             wport, sport = self._grpc_port(), self._grpc_port()
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
-            worker_args = [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport)]
+            worker_args = [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport),
+                           "--ep", str(self.ranks)]  # fmt: skip
             dial = waddr  # the scheduler's way to its worker: a Unix socket on this host, else TCP
             if sockets is not None:
                 worker_args += ["--unix-socket", str(sockets / f"worker-{r}.sock")]
                 dial = f"unix:{sockets / f'worker-{r}.sock'}"
-            self._spawn(f"worker-{r}", worker_args, waddr)
+            self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r))
             self._spawn(
                 f"scheduler-{r}",
                 ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport)],

@@ -17,15 +17,14 @@ from deepinfer import envs
 from deepinfer.chat import encode_messages
 from deepinfer.engine.data_parallel import DataParallelScheduler
 from deepinfer.engine.engine import LLMEngine, RequestOutput
-from deepinfer.engine.factory import build_scheduler, build_worker, resolve_model_dir
+from deepinfer.engine.factory import build_scheduler
 from deepinfer.engine.image_cache import FeatureCache
 from deepinfer.engine.model_api import ImageEncoder
 from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.structured import LocalConstraints
 from deepinfer.image_inputs import chat_images, prompt_images
-from deepinfer.parallel.launch import RankProcesses, expert_group, same_pages
-from deepinfer.parallel.placement import routed_experts_of
-from deepinfer.parallel.rank_group import RankGroupRunner, RankRunner
+from deepinfer.parallel.launch import RankProcesses, start_worker
+from deepinfer.parallel.layout import ranks_of
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
@@ -49,40 +48,20 @@ class LLM:
         async_scheduling: bool | None = None,
         allowed_local_media_path: str | Path | None = None,
         num_speculative_tokens: int | None = None,
-        ep: int = 1,
+        ep: int | None = None,
         dp_attention: int | None = None,
         tp: int = 1,
     ) -> None:
-        """``ep``: the ranks of the worker (one process per device, this one rank 0: ``parallel``), the MoE layers'
-        experts shared among them and each attending over its own sequences (``dp_attention``, the same number:
-        the one layout built). ``tp``: tensor parallelism, not built yet (1)."""
-        self._ranks = None
-        group = None
-        if tp != 1:
-            raise ValueError(f"tp={tp}: tensor parallelism is not built yet; use ep (expert parallel) ranks")
-        if dp_attention is not None and dp_attention != ep:
-            raise ValueError(f"dp_attention={dp_attention} with ep={ep}: each rank attends over its own sequences and "
-                             "holds its share of the experts, so both are the number of ranks")  # fmt: skip
-        if ep < 1:
-            raise ValueError(f"ep={ep}: a worker has at least one rank")
-        if ep > 1:
-            args = dict(model=model, dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
-                        max_model_len=max_model_len, num_pages=num_pages, page_size=page_size, quant_sim=quant_sim,
-                        batch_invariant=batch_invariant, num_speculative_tokens=num_speculative_tokens)  # fmt: skip
-            self._ranks = RankProcesses.start(ep, args, accelerator or envs.DEEPINFER_ACCELERATOR)
-        try:
-            if ep > 1:
-                group = expert_group(routed_experts_of(resolve_model_dir(model)[1]))
-            parts = build_worker(
-                model, dtype, accelerator, max_model_len, num_pages, page_size, quant_sim, batch_invariant,
-                num_speculative_tokens, ep=group,
-            )  # fmt: skip
-            if ep > 1:
-                same_pages(parts.num_pages, self._ranks.channel)
-        except Exception:
-            if self._ranks is not None:
-                self._ranks.kill()
-            raise
+        """``ep`` (default ``DEEPINFER_EP``): the ranks of the worker (one process per device, this one rank 0:
+        ``parallel``), the MoE layers' experts shared among them and each attending over its own sequences
+        (``dp_attention``, the same number: the one layout built). ``tp``: tensor parallelism, not built yet (1)."""
+        ranks = ranks_of(envs.DEEPINFER_EP if ep is None else ep, dp_attention, tp)
+        self._ranks: RankProcesses | None = None
+        parts, self._ranks = start_worker(
+            ranks, accelerator, model=model, dtype=dtype, max_model_len=max_model_len, num_pages=num_pages,
+            page_size=page_size, quant_sim=quant_sim, batch_invariant=batch_invariant,
+            num_speculative_tokens=num_speculative_tokens,
+        )  # fmt: skip
         self.determinism = parts.determinism  # what repeats, and what that depends on (docs/determinism.md)
         self.config, self.model_path, self.dtype, self.model = parts.config, parts.path, parts.dtype, parts.model
         self.tokenizer = load_tokenizer(parts.path)
@@ -93,11 +72,9 @@ class LLM:
         )  # fmt: skip
         if async_scheduling is None:
             async_scheduling = envs.DEEPINFER_ASYNC_SCHEDULING
-        runner = parts.runner
-        if ep > 1:  # one scheduler per rank, rank 0 driving the others (docs/parallelism.md)
-            sched = DataParallelScheduler(sched.config, parts.num_pages, ep)
-            runner = RankGroupRunner(RankRunner(parts.runner), self._ranks.channel, ep)
-        self.engine = LLMEngine(sched, runner, self.tokenizer, parts.config.vocab_size, async_scheduling)
+        if self._ranks is not None:  # one scheduler per rank, rank 0 driving the others (docs/parallelism.md)
+            sched = DataParallelScheduler(sched.config, parts.num_pages, ranks)
+        self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size, async_scheduling)
         self.constraints = LocalConstraints(parts.path, self.tokenizer)
         self.family = parts.family
         # images may be read from files under this folder only (None: no local files)
@@ -178,8 +155,6 @@ class LLM:
                 salt = raw.get("cache_salt") if isinstance(raw, dict) else None
                 if salt is not None and not isinstance(salt, str):
                     raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-                if mm is not None and self._ranks is not None:
-                    raise ValueError("multi_modal_data: images are not served by a worker of several ranks yet")
                 self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt, constraint=c, mm=mm)
                 order[rid] = i
         except Exception:

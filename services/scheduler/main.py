@@ -9,6 +9,7 @@ import signal
 
 import grpc
 
+from deepinfer.engine.data_parallel import DataParallelScheduler
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.rpc.channel import Backoff
 from deepinfer.serving.metrics import SchedulerMetrics
@@ -54,7 +55,10 @@ async def run_scheduler(
         num_speculative_tokens=info.num_speculative_tokens,
     )
     metrics = SchedulerMetrics(info.model)
-    scheduler = Scheduler(config, PagePool(info.num_pages))
+    if info.world_size > 1:  # a worker of several ranks: one scheduler per rank, each of num_pages pages
+        scheduler = DataParallelScheduler(config, info.num_pages, info.world_size)
+    else:
+        scheduler = Scheduler(config, PagePool(info.num_pages))
     service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
     service.worker_info = info
     stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
@@ -79,7 +83,7 @@ async def run_scheduler(
 
         if scheduler.remote is not None:  # what every kvstore holds, from their KV events on NATS
             presence.on_connected.append(KVIndexFollower(scheduler, info.fingerprint).start)
-        if scheduler.prefix is not None:  # this replica's own resume points, published
+        if config.prefix_caching:  # this replica's own resume points, published
             publisher = DeviceKVPublisher(registration.instance_id, info.fingerprint)
             scheduler.kv_listeners.append(publisher.on_event)
             presence.on_connected.append(publisher.start)

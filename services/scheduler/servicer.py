@@ -58,7 +58,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics.bind(
             running=lambda: len(s.running),
             waiting=lambda: len(s.waiting),
-            kv_usage=lambda: 1.0 - s.num_available_pages / s.pages.num_total if s.pages.num_total else 0.0,
+            kv_usage=lambda: 1.0 - s.num_available_pages / s.num_total_pages if s.num_total_pages else 0.0,
         )
         self.metrics.bind_scheduler(scheduler)
         self._preemptions_seen = 0
@@ -345,7 +345,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "running_requests": len(s.running),
             "queued_prefill_tokens": sum(r.num_tokens - r.num_computed for r in s.waiting),
             "free_kv_pages": s.num_available_pages,  # pages only the prefix cache holds count as free
-            "total_kv_pages": s.pages.num_total,
+            "total_kv_pages": s.num_total_pages,
             "step_time_ms": self.step_ms,
             "draining": self.draining or self.dead is not None,  # not taking requests, either way
             "max_queued": self.max_queued,  # admission limits: the balancer refuses beyond their sum at once

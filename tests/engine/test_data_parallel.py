@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
-from deepinfer.engine.data_parallel import DataParallelScheduler, RankedPlan
-from deepinfer.engine.interfaces import WorkerStepPlan
+from deepinfer.engine.data_parallel import DataParallelScheduler
+from deepinfer.engine.interfaces import RankedPlan, WorkerStepPlan
 
 
 def test_placement_goes_to_the_least_loaded_rank() -> None:

@@ -26,11 +26,11 @@ def test_register_is_seen_with_all_fields_then_deregister_removes_at_once(nats_s
             view = RegistryView(bus)
             await view.start()
             assert view.instances() == []
-            reg = Registry(bus, _reg(), ttl_s=5)
+            reg = Registry(bus, _reg(), ttl_s=60)  # (an entry gone before its TTL was deleted, not expired)
             assert await reg.start()
-            other = Registry(bus, _reg("s0", "scheduler", address="[::1]:7000", role="mixed", capacity={}), ttl_s=5)
+            other = Registry(bus, _reg("s0", "scheduler", address="[::1]:7000", role="mixed", capacity={}), ttl_s=60)
             await other.start()
-            assert await wait_until(lambda: len(view.instances()) == 2, 2) < 2
+            await wait_until(lambda: len(view.instances()) == 2, 2)
             assert view.instances("worker") == [reg.registration]  # every field round-trips
             assert view.get("scheduler", "s0") == other.registration
             assert [r.kind for r in view.instances()] == ["scheduler", "worker"]
@@ -39,7 +39,7 @@ def test_register_is_seen_with_all_fields_then_deregister_removes_at_once(nats_s
             await wait_until(lambda: view.get("worker", "w0").capacity == {"kv_pages": 10}, 2)
 
             await reg.stop()  # deregister: a delete marker, seen by the watcher
-            assert await wait_until(lambda: view.get("worker", "w0") is None, 2) < 1.5
+            await wait_until(lambda: view.get("worker", "w0") is None, 2)
             assert await view.resync()  # a full re-read agrees
             assert [r.instance_id for r in view.instances()] == ["s0"]
             await other.stop()

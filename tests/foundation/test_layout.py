@@ -91,12 +91,16 @@ def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
 def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
     from serving.mesh import free_port
 
-    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0"]
+    # the worker of two ranks (expert parallel, attention data parallel: docs/parallelism.md)
+    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0", "--ep", "2"]
     up = subprocess.run(
         [sys.executable, "-m", "deepinfer", *args], env=_env(tmp_path), capture_output=True, text=True, timeout=300
     )
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.count("--- ") == 3 and "through the mesh" in up.stdout and "stopped" in up.stdout
+    bad = subprocess.run([sys.executable, "-m", "deepinfer", "up", "--tp", "2"], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "tensor parallelism is not built yet" in bad.stderr
 
 
 def test_cli_reports_bad_env(tmp_path: Path) -> None:

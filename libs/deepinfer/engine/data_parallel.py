@@ -8,7 +8,7 @@ rank from admission to its end:
 
 * **placement** (``add``): the rank whose prefix cache holds the longest resume point of the prompt, where one
   does; else the least loaded: fewest tokens left to compute (waiting and running), then most pages available,
-  then the lowest rank;
+  then the lowest rank; a request with images on rank 0 (where the image features are);
 * **a step** (``schedule``): every rank plans its step (the same step number on all: each plans every step, an
   empty one if it has nothing), and the step's plan is a ``RankedPlan``: the ranks' plans, with the union of
   their chunks and orders for what looks at a plan as a whole (the engine loop: is there anything to send?);
@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from deepinfer.engine.constraints import Constraint
-from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer.engine.interfaces import RankedPlan, StepResult
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import root_hash
@@ -33,28 +32,6 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
-
-
-@dataclass
-class RankedPlan(WorkerStepPlan):
-    """A step of every rank: ``ranks[r]`` is rank ``r``'s plan; the inherited lists are their union."""
-
-    ranks: list[WorkerStepPlan] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, plans: list[WorkerStepPlan]) -> RankedPlan:
-        ids = {p.step_id for p in plans}
-        if len(ids) != 1:
-            raise RuntimeError(f"the ranks planned different steps: {sorted(ids)}")
-        out = cls(step_id=plans[0].step_id, ranks=plans)
-        for p in plans:
-            out.chunks += p.chunks
-            out.released += p.released
-            out.snapshots += p.snapshots
-            out.dropped_snapshots += p.dropped_snapshots
-            out.offloads += p.offloads
-            out.fetches += p.fetches
-        return out
 
 
 class DataParallelScheduler:
@@ -69,6 +46,14 @@ class DataParallelScheduler:
         self.rank_of: dict[str, int] = {}
         self._fetch_rank: dict[str, int] = {}
         self.requests = collections.ChainMap(*(s.requests for s in self.ranks))
+        # shared by the ranks: the speculation counters, the device-tier KV event listeners (a resume point is
+        # this replica's whichever rank holds it) and the index of what the kvstore holds (any rank may fetch it)
+        first = self.ranks[0]
+        self.spec, self.kv_listeners, self.remote = first.spec, first.kv_listeners, first.remote
+        for s in self.ranks[1:]:
+            s.spec, s.kv_listeners, s.remote = self.spec, self.kv_listeners, self.remote
+        # whether a step drafts is measured per rank (each plans its own); the metrics show rank 0's estimates
+        self.spec_policy = first.spec_policy
 
     # -- requests ----------------------------------------------------------------------------
     def add(
@@ -91,8 +76,11 @@ class DataParallelScheduler:
         self.rank_of[request_id] = r
 
     def place(self, prompt: Sequence[int], cache_salt: str | None = None, images: bool = False) -> int:
-        """The rank a new request with ``prompt`` goes to."""
-        if not images and self.ranks[0].prefix is not None and len(prompt) > 1:
+        """The rank a new request with ``prompt`` goes to; a request with images: rank 0, whose process holds the
+        image features (the worker service's ``PrepareImages``, the engine's encoder)."""
+        if images:
+            return 0
+        if self.ranks[0].prefix is not None and len(prompt) > 1:
             root = root_hash(self.config.fingerprint, cache_salt)
             hits = [(s.prefix.peek(prompt, root, len(prompt) - 1), r) for r, s in enumerate(self.ranks)]
             best, r = max(hits, key=lambda h: (h[0], -h[1]))
@@ -104,6 +92,18 @@ class DataParallelScheduler:
     def _load(s: Scheduler) -> tuple[int, int]:
         left = sum(q.num_tokens - q.num_computed for q in (*s.waiting, *s.running))
         return left, -s.num_available_pages
+
+    def worker_lost(self) -> list[str]:
+        """``Scheduler.worker_lost`` on every rank (the worker's ranks went down together)."""
+        self.rank_of.clear()
+        self._fetch_rank.clear()
+        return [rid for s in self.ranks for rid in s.worker_lost()]
+
+    def add_remote(self, anchor_: bytes, position: int, tag: bytes) -> None:
+        self.ranks[0].add_remote(anchor_, position, tag)  # (the index is shared)
+
+    def remove_remote(self, tag: bytes) -> None:
+        self.ranks[0].remove_remote(tag)
 
     def abort(self, request_ids: list[str]) -> None:
         for r, ids in self._by_rank(request_ids).items():
@@ -137,6 +137,30 @@ class DataParallelScheduler:
     @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.ranks)
+
+    @property
+    def num_available_pages(self) -> int:
+        return sum(s.num_available_pages for s in self.ranks)
+
+    @property
+    def num_total_pages(self) -> int:
+        return sum(s.num_total_pages for s in self.ranks)
+
+    @property
+    def num_resume_points(self) -> int:
+        return sum(s.num_resume_points for s in self.ranks)
+
+    @property
+    def prefix_queries(self) -> int:
+        return sum(s.prefix_queries for s in self.ranks)
+
+    @property
+    def prefix_hits(self) -> int:
+        return sum(s.prefix_hits for s in self.ranks)
+
+    @property
+    def prefix_misses(self) -> collections.Counter[str]:
+        return sum((s.prefix_misses for s in self.ranks), collections.Counter())
 
     def reset_prefix_cache(self) -> None:
         for s in self.ranks:

@@ -104,6 +104,30 @@ class WorkerStepPlan:
 
 
 @dataclass
+class RankedPlan(WorkerStepPlan):
+    """A step of a worker of several ranks (attention data parallel: ``engine.data_parallel``): ``ranks[r]`` is rank
+    ``r``'s plan, each with its own page ids; the inherited lists are their union (for what looks at a step as a
+    whole: is there anything to send?). On the wire: ``StepPlan.ranks``."""
+
+    ranks: list[WorkerStepPlan] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plans: list[WorkerStepPlan]) -> RankedPlan:
+        ids = {p.step_id for p in plans}
+        if len(ids) != 1:
+            raise RuntimeError(f"the ranks planned different steps: {sorted(ids)}")
+        out = cls(step_id=plans[0].step_id, ranks=plans)
+        for p in plans:
+            out.chunks += p.chunks
+            out.released += p.released
+            out.snapshots += p.snapshots
+            out.dropped_snapshots += p.dropped_snapshots
+            out.offloads += p.offloads
+            out.fetches += p.fetches
+        return out
+
+
+@dataclass
 class SeqResult:
     request_id: str
     token_id: int | None = None

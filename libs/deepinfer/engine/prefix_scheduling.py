@@ -68,6 +68,15 @@ class PrefixCaching:
         return self.pages.num_free + sum(1 for p, n in held.items() if self.pages.refcount(p) == n)
 
     @property
+    def num_total_pages(self) -> int:
+        return self.pages.num_total
+
+    @property
+    def num_resume_points(self) -> int:
+        """Resume points held (the device tier)."""
+        return len(self.prefix) if self.prefix is not None else 0
+
+    @property
     def num_cached_pages(self) -> int:
         """Distinct pages that only resume points keep alive or share."""
         return len({p for rp in self.prefix.entries() for p in rp.pages}) if self.prefix is not None else 0

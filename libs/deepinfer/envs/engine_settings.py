@@ -240,10 +240,30 @@ declare("DEEPINFER_W4A8", "bool", _NUM, """
     Independent of `DEEPINFER_W8A8` (the linears); `DEEPINFER_QUANT_SIM` rounds the experts' activations too.
     DeepSeek-V4 and V4.1.""",
     default=False)
+declare("DEEPINFER_EP", "int", _HW, """
+    Ranks of a worker (one process and one device each, the worker service rank 0; `--ep` of the worker and of
+    `deepinfer up`, `LLM(ep=N)`): the MoE layers' routed experts shared among them (expert parallel) and each rank
+    attending over its own sequences with its own KV pages (attention data parallel; docs/parallelism.md). A worker
+    of several ranks uses devices `0 .. N-1` of those visible to it (`deepinfer up` gives each replica its own).""",
+        default=1, minimum=1)
+declare("DEEPINFER_EPLB_INTERVAL_STEPS", "int", _HW, """
+    EPLB in a worker of several ranks (`DEEPINFER_EP`): every this many steps, between two steps, the ranks' expert
+    loads are gathered, published on NATS (`deepinfer.experts.<worker>`, one report per rank) and the MoE layers
+    whose ranks' max / mean load a new placement (DeepSeek's EPLB, with redundant copies of hot experts) lowers by
+    5% or more are re-placed, the experts' weights moving between the ranks; no request is dropped. 0: off. On the
+    cpu backend only so far (the GPU op sets' prepared expert weights are not rebuilt after a move yet).""",
+        default=0, minimum=0)
+declare("DEEPINFER_EPLB_EXTRA_SLOTS", "int", _HW, """
+    Expert slots per rank beyond an even share (`ceil(experts / ranks)`) in the placements EPLB makes
+    (`DEEPINFER_EPLB_INTERVAL_STEPS`): they hold redundant copies of the busiest experts, and cost that many experts'
+    weights per MoE layer and rank.""", default=1, minimum=0)
+declare("DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S", "float", _HW, """
+    How often a worker of several ranks publishes each rank's expert loads gathered by EPLB
+    (`DEEPINFER_EPLB_INTERVAL_STEPS`) on NATS.""", default=10.0, minimum=0.05)
 declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """
-    How long a rank of a worker of several devices (`LLM(ep=N)`) waits on another rank (an exchange of the MoE layers,
-    a step's plan or result) before it gives up: a rank that died or hung then fails the worker with an error instead
-    of stalling it forever. It must exceed the longest step.""", default=600.0, minimum=1.0)
+    How long a rank of a worker of several devices (`DEEPINFER_EP`) waits on another rank (an exchange of the MoE
+    layers, a step's plan or result) before it gives up: a rank that died or hung then fails the worker with an
+    error instead of stalling it forever. It must exceed the longest step.""", default=600.0, minimum=1.0)
 declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
     Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the

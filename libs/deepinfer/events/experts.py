@@ -76,6 +76,10 @@ class ExpertLoadView:
         if sub is not None:
             await quietly(sub.unsubscribe(), "expert load view unsubscribe")
 
+    def replicas(self) -> list[str]:
+        """The replicas with reports in the window."""
+        return sorted(r for r in list(self._reports) if self._trim(r))
+
     def loads(self, replica: str) -> dict[int, np.ndarray]:
         """Tokens per expert by layer, summed over the replica's ranks and the window's reports."""
         reports = self._trim(replica)

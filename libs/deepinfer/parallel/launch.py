@@ -11,21 +11,24 @@ group (of its own where the default is not gloo). A rank takes the device of its
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deepinfer import envs
+from deepinfer.engine.factory import EngineParts, build_worker, resolve_model_dir
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.expert_parallel import ExpertParallel
-from deepinfer.parallel.placement import ExpertPlacement
-from deepinfer.parallel.rank_group import Channel
+from deepinfer.parallel.placement import ExpertPlacement, routed_experts_of
+from deepinfer.parallel.rank_group import Channel, RankGroupRunner, RankRunner
 from deepinfer.runtime.platform import platform_for
 
 
@@ -59,6 +62,30 @@ def same_pages(num_pages: int, channel: Channel) -> None:
     dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=channel.group)
     if int(lo) != num_pages or -int(hi) != num_pages:
         raise RuntimeError(f"the ranks sized their caches differently ({int(lo)} to {-int(hi)} pages)")
+
+
+def start_worker(ranks: int, accelerator: str | None = None, **build: Any) -> tuple[EngineParts, RankProcesses | None]:
+    """Build a worker (``engine.factory.build_worker`` with the arguments ``build``) of ``ranks`` ranks: with more
+    than one, ranks ``1 ..`` start in processes of their own, this process, rank 0, holds its share of the experts,
+    and the worker's runner is the group's (``rank_group.RankGroupRunner``); the processes come back too (None for
+    one rank). Every rank sizes its cache alike (checked)."""
+    accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
+    if ranks == 1:
+        return build_worker(accelerator=accelerator, **build), None
+    dtype = build.get("dtype", "auto")
+    args = {**build, "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")}
+    procs = RankProcesses.start(ranks, args, accelerator)
+    try:
+        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]))
+        parts = build_worker(accelerator=accelerator, ep=group, **build)
+        same_pages(parts.num_pages, procs.channel)
+        parts = dataclasses.replace(parts, runner=RankGroupRunner(RankRunner(parts.runner), procs.channel, ranks))
+    except BaseException:
+        procs.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return parts, procs
 
 
 @dataclass
@@ -109,4 +136,4 @@ class RankProcesses:
                 dist.destroy_process_group()
 
 
-__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages"]
+__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "start_worker"]

@@ -4,11 +4,16 @@ follows, taking its plan of each step from rank 0 and sending its result back.
 The control channel (``Channel``) runs on a gloo group of its own, beside the one the MoE exchanges use (NCCL on
 GPUs): a message is a header tensor ``[kind, length, flag]`` and the bytes of a protobuf message (a
 ``deepinfer.v1.StepPlan`` or ``StepResult``, the worker's wire forms; nothing is pickled). Rank 0's
-``RankGroupRunner`` is the engine loop's runner (``engine.data_parallel.RankedPlan`` in, one merged result out):
+``RankGroupRunner`` is the runner of the engine loop and of the worker service (``engine.interfaces.RankedPlan``
+in, one merged result out):
 
-* ``send``: each follower's plan goes out first (so every rank enters the step's exchanges), then rank 0 runs its
-  own;
-* ``receive``: rank 0 collects its own step, then asks each follower for its result, in rank order.
+* ``launch`` / ``send``: each follower's plan goes out first (so every rank enters the step's exchanges), then
+  rank 0 launches its own;
+* ``finish`` / ``receive``: rank 0 collects its own step, then asks each follower for its result, in rank order;
+* ``release``: the requests' state dropped on every rank (a ``RELEASE`` message: a ``StepPlan`` of ``released``
+  only);
+* EPLB (``DEEPINFER_EPLB_INTERVAL_STEPS``): an ``EXPERTS`` message ahead of a step's plans, and every rank runs one
+  rebalance (``expert_balancer``).
 
 Every rank must run each MoE layer's exchange once per step in which any rank runs a forward
 (``expert_parallel``): ``RankRunner`` counts the exchanges of its first MoE layer, and a rank whose plan ran no
@@ -17,17 +22,23 @@ forward in a busy step runs an idle one (one token on a throwaway state and the 
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
-from deepinfer.engine.data_parallel import RankedPlan
-from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
+from deepinfer import envs
+from deepinfer.engine.interfaces import RankedPlan, StepResult, WorkerStepPlan
+from deepinfer.engine.worker import InFlight, ModelRunner
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.parallel.expert_balancer import ExpertBalancer, follow_rebalance
 from deepinfer.rpc.convert import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import worker_pb2
 
-PLAN, COLLECT, RESULT, STOP = 1, 2, 3, 4
+PLAN, COLLECT, RESULT, STOP, RELEASE, EXPERTS = 1, 2, 3, 4, 5, 6
 
 
 class Channel:
@@ -56,25 +67,30 @@ class Channel:
 class RankRunner:
     """One rank's ``ModelRunner``, keeping the rank in step with the others' MoE exchanges (module docstring)."""
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.launched: collections.deque[InFlight] = collections.deque()
 
     @property
     def calls(self) -> int:
         """The exchanges the first MoE layer ran (every layer runs as often)."""
         return self.runner.model.layers[0].ffn.ep.calls
 
-    def send(self, plan: WorkerStepPlan, busy: bool) -> None:
+    def launch(self, plan: WorkerStepPlan, busy: bool) -> InFlight:
         before = self.calls
-        self.runner.send(plan)
+        step = self.runner.launch(plan)
         ran = self.calls - before
         if ran > 1:
             raise RuntimeError(f"step {plan.step_id} ran {ran} forwards on this rank; every rank must run one")
         if busy and not ran:
             self.idle_forward()
+        return step
+
+    def send(self, plan: WorkerStepPlan, busy: bool) -> None:
+        self.launched.append(self.launch(plan, busy))
 
     def receive(self) -> StepResult:
-        return self.runner.receive()
+        return self.runner.finish(self.launched.popleft())
 
     @torch.no_grad()
     def idle_forward(self) -> None:
@@ -86,32 +102,90 @@ class RankRunner:
 
 
 class RankGroupRunner:
-    """Rank 0's runner of ``RankedPlan`` s: its own ``RankRunner`` and the followers over ``channel``."""
+    """Rank 0's runner of ``RankedPlan`` s: its own ``RankRunner`` and the followers over ``channel``. The runner
+    contract of both the engine loop (``send`` / ``receive``) and the worker service's pipeline (``launch`` /
+    ``finish``, ``release``); the local runner's device, kvstore client, drafter and constraints stand for the
+    group's (every rank builds the same)."""
 
     def __init__(self, local: RankRunner, channel: Channel, world: int) -> None:
         self.local, self.channel, self.world = local, channel, world
         self._sent: list[set[str]] = [set() for _ in range(world)]  # requests whose parameters each rank has
+        self._launched: collections.deque[InFlight] = collections.deque()
+        self.broken: str | None = None  # why the group can run no more steps (``_group_step``), or None
+        runner = local.runner
+        self.balancer: ExpertBalancer | None = None  # EPLB (``expert_balancer``), every so many steps
+        if envs.DEEPINFER_EPLB_INTERVAL_STEPS > 0:
+            if runner.device.type != "cpu":
+                raise ValueError(f"DEEPINFER_EPLB_INTERVAL_STEPS: EPLB's move on {runner.device.type} is not built "
+                                 "yet (the op set's prepared expert weights are not rebuilt after a move)")  # fmt: skip
+            self.balancer = ExpertBalancer(runner.model, channel.group, envs.DEEPINFER_EPLB_INTERVAL_STEPS,
+                                           envs.DEEPINFER_EPLB_EXTRA_SLOTS)  # fmt: skip
+        self.device, self.remote, self.spec, self.constraints = (
+            runner.device,
+            runner.remote,
+            runner.spec,
+            runner.constraints,
+        )
+
+    def launch(self, plan: WorkerStepPlan) -> InFlight:
+        """Send each follower its plan (so every rank enters the step's exchanges), then launch rank 0's."""
+        if not isinstance(plan, RankedPlan) or len(plan.ranks) != self.world:
+            got = len(plan.ranks) if isinstance(plan, RankedPlan) else 1
+            raise ValueError(f"ranks: the plan has {got} ranks' steps, this worker has {self.world} ranks")
+        busy = int(bool(plan.chunks))
+        with self._group_step():
+            if self.balancer is not None and self.balancer.due():  # between two steps, before this one's plans
+                for r in range(1, self.world):
+                    self.channel.send(r, EXPERTS)
+                self.balancer.rebalance()
+            for r in range(1, self.world):
+                msg = plan_to_proto(plan.ranks[r], self._sent[r]).SerializeToString()
+                self.channel.send(r, PLAN, msg, busy)
+            return self.local.launch(plan.ranks[0], bool(busy))
+
+    def finish(self, step: InFlight) -> StepResult:
+        """Rank 0's result of the step, then each follower's, in rank order, merged."""
+        with self._group_step():
+            out = self.local.runner.finish(step)
+            for r in range(1, self.world):
+                self.channel.send(r, COLLECT)
+                kind, data, _ = self.channel.recv(r)
+                if kind != RESULT:
+                    raise RuntimeError(f"rank {r} answered {kind} where a step's result was due")
+                part = result_from_proto(worker_pb2.StepResult.FromString(data))
+                if part.step_id != out.step_id:
+                    raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
+                out.results += part.results
+                out.fetched += part.fetched
+            return out
+
+    @contextlib.contextmanager
+    def _group_step(self) -> Iterator[None]:
+        """A step's work across the ranks: after a failure in it the ranks are out of step (a rank died, hung or
+        failed while the others wait in an exchange), and the group can run nothing more (``broken``)."""
+        if self.broken is not None:
+            raise RuntimeError(f"the worker's rank group is broken: {self.broken}")
+        try:
+            yield
+        except BaseException as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
 
     def send(self, plan: RankedPlan) -> None:
-        busy = int(bool(plan.chunks))
-        for r in range(1, self.world):
-            msg = plan_to_proto(plan.ranks[r], self._sent[r]).SerializeToString()
-            self.channel.send(r, PLAN, msg, busy)
-        self.local.send(plan.ranks[0], bool(busy))
+        self._launched.append(self.launch(plan))
 
     def receive(self) -> StepResult:
-        out = self.local.receive()
-        for r in range(1, self.world):
-            self.channel.send(r, COLLECT)
-            kind, data, _ = self.channel.recv(r)
-            if kind != RESULT:
-                raise RuntimeError(f"rank {r} answered {kind} where a step's result was due")
-            part = result_from_proto(worker_pb2.StepResult.FromString(data))
-            if part.step_id != out.step_id:
-                raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
-            out.results += part.results
-            out.fetched += part.fetched
-        return out
+        return self.finish(self._launched.popleft())
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the requests' state on every rank (the worker service's stream ended)."""
+        msg = worker_pb2.StepPlan(released=request_ids).SerializeToString()
+        self.local.runner.release(request_ids)
+        if self.broken is None:
+            with self._group_step():
+                for r in range(1, self.world):
+                    self._sent[r].difference_update(request_ids)
+                    self.channel.send(r, RELEASE, msg)
 
     def waits_for_tokens(self, plan: RankedPlan) -> bool:
         """Rank 0's own rows as its runner says; another rank's structured-output rows always (rank 0 does not see
@@ -137,8 +211,26 @@ def follow(runner: RankRunner, channel: Channel) -> None:
             runner.send(plan_from_proto(worker_pb2.StepPlan.FromString(data), known), bool(flag))
         elif kind == COLLECT:
             channel.send(0, RESULT, result_to_proto(runner.receive()).SerializeToString())
+        elif kind == EXPERTS:
+            follow_rebalance(runner.runner.model, channel.group)
+        elif kind == RELEASE:
+            ids = list(worker_pb2.StepPlan.FromString(data).released)
+            for rid in ids:
+                known.pop(rid, None)
+            runner.runner.release(ids)
         else:
             raise RuntimeError(f"rank 0 sent message kind {kind}")
 
 
-__all__ = ["COLLECT", "PLAN", "RESULT", "STOP", "Channel", "RankGroupRunner", "RankRunner", "follow"]
+__all__ = [
+    "COLLECT",
+    "EXPERTS",
+    "PLAN",
+    "RELEASE",
+    "RESULT",
+    "STOP",
+    "Channel",
+    "RankGroupRunner",
+    "RankRunner",
+    "follow",
+]

@@ -17,6 +17,7 @@ from deepinfer.engine.interfaces import (
     FetchOrder,
     FetchResult,
     OffloadOrder,
+    RankedPlan,
     SeqResult,
     SnapshotOrder,
     StepResult,
@@ -127,7 +128,10 @@ def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint:
 
 def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.StepPlan:
     """Wire form of a step; sampling parameters travel with a request's first chunk only
-    (``sent_params`` tracks which requests the worker already knows and is updated here)."""
+    (``sent_params`` tracks which requests the worker already knows and is updated here). A ``RankedPlan``: each
+    rank's plan in ``ranks`` (a request lives on one rank, so one ``sent_params`` serves them all)."""
+    if isinstance(plan, RankedPlan):
+        return worker_pb2.StepPlan(step_id=plan.step_id, ranks=[plan_to_proto(p, sent_params) for p in plan.ranks])
     msg = worker_pb2.StepPlan(step_id=plan.step_id, released=plan.released, dropped_snapshots=plan.dropped_snapshots)
     for o in plan.snapshots:
         msg.snapshots.add(request_id=o.request_id, snapshot_id=o.snapshot_id, position=o.position)
@@ -165,7 +169,15 @@ def plan_from_proto(
     msg: worker_pb2.StepPlan, known: dict[str, SamplingParams], images: Mapping[str, Any] | None = None
 ) -> WorkerStepPlan:
     """Engine form of a step; ``known`` holds the parameters of the requests seen so far, ``images`` the images
-    the worker prepared (``multimodal.MultiModalInput`` by request id), which a chunk flagged ``images`` takes."""
+    the worker prepared (``multimodal.MultiModalInput`` by request id), which a chunk flagged ``images`` takes.
+    A plan with ``ranks``: a ``RankedPlan`` of them (its own fields must then be empty)."""
+    if msg.ranks:
+        if msg.chunks or msg.released or msg.snapshots or msg.dropped_snapshots or msg.offloads or msg.fetches:
+            raise ValueError("ranks: a plan of ranks carries its chunks and orders in ranks only")
+        plans = [plan_from_proto(p, known, images) for p in msg.ranks]
+        if any(p.step_id != msg.step_id for p in plans):
+            raise ValueError(f"ranks: every rank's plan must be step {msg.step_id}")
+        return RankedPlan.of(plans)
     for rid in msg.released:
         known.pop(rid, None)
     chunks = []

@@ -38,6 +38,10 @@ class Platform:
     def use_device(self, rank: int) -> None:
         """Make the device of rank ``rank`` of a group on one host the current one (nothing on the host)."""
 
+    def device_count(self) -> int:
+        """The devices this process sees (the host: one)."""
+        return 1
+
     def device(self, index: int | None = None) -> torch.device:
         return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
 

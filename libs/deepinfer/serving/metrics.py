@@ -254,8 +254,26 @@ class PrefixCacheCollector:
             miss.add_metric([self.model, reason], s.prefix_misses.get(reason, 0))
         rps = GaugeMetricFamily("deepinfer_prefix_cache_resume_points", "Resume points held (device tier).",
                                 labels=["model_name"])  # fmt: skip
-        rps.add_metric(m, len(s.prefix) if s.prefix is not None else 0)
+        rps.add_metric(m, s.num_resume_points)
         yield from (q, h, miss, rps)
+
+
+class ExpertBalanceCollector:
+    """EPLB in a worker of several ranks (``parallel.expert_balancer.ExpertBalancer``), read at scrape time."""
+
+    def __init__(self, balancer: object, model: str) -> None:
+        self.balancer, self.model = balancer, model
+
+    def collect(self) -> Iterator[Metric]:
+        b, m = self.balancer, [self.model]
+        for name, doc, value in (
+            ("deepinfer_eplb_rebalances", "EPLB rounds run: the ranks' expert loads gathered and a move decided.",
+             b.rebalances),
+            ("deepinfer_eplb_layers_moved", "MoE layers whose experts EPLB re-placed.", b.layers_moved),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            yield c
 
 
 class WorkerMetrics:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -23,12 +26,16 @@ from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.heap import freeze_heap, thaw_heap
 from deepinfer.engine.image_cache import FeatureBudget, FeatureCache
 from deepinfer.engine.multimodal import MultiModalInput, prepare_images
-from deepinfer.events import Registration
+from deepinfer.events import EventBus, Registration
+from deepinfer.events.experts import ExpertLoadReporter
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
+from deepinfer.parallel.expert_balancer import ExpertBalancer
+from deepinfer.parallel.launch import start_worker
+from deepinfer.parallel.layout import ranks_of
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.errors import Overloaded
-from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
+from deepinfer.serving.metrics import ExpertBalanceCollector, WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
 from deepinfer.serving.step_pipeline import StepPipeline
@@ -45,8 +52,13 @@ MAX_IN_FLIGHT = 3  # launched steps whose results are not collected yet (DEEPINF
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None) -> None:
-        self.parts, self.worker_id = parts, worker_id
+    """``world`` > 1: a worker of several ranks (``parts.runner`` a ``parallel.rank_group.RankGroupRunner``), which
+    takes plans of ``world`` ranks' steps (``StepPlan.ranks``)."""
+
+    def __init__(
+        self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None, world: int = 1
+    ) -> None:
+        self.parts, self.worker_id, self.world = parts, worker_id, world
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # one image preparation or model load at a time
         self._device = threading.Lock()  # the runner runs one thing at a time: a step's launch or collection, ...
@@ -118,6 +130,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             code, text = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
                 log.error("step_failed", exc_info=error)
+            broken = getattr(self.parts.runner, "broken", None)
+            if broken is not None:  # its ranks are out of step: the worker ends, its supervisor starts it afresh
+                log.error("rank_group_broken", reason=broken)
+                os.kill(os.getpid(), signal.SIGTERM)
             await context.abort(code, text)
 
     async def _read(
@@ -126,6 +142,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Convert a stream's plans and hand them to ``pipeline``; its end or a bad plan ends the stream there."""
         try:
             async for msg in request_iterator:
+                if len(msg.ranks) != (self.world if self.world > 1 else 0):
+                    raise ValueError(f"ranks: the plan has {len(msg.ranks)} ranks' steps; this worker has "
+                                     f"{self.world} rank(s) (WorkerInfo.world_size)")  # fmt: skip
                 plan = plan_from_proto(msg, known, self.images)
                 for rid in msg.dropped_images:  # the plan's chunks hold what they need
                     self._drop_images(rid)
@@ -156,6 +175,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: required")
+        if self.world > 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"a worker of {self.world} ranks loads its model when it starts only")  # fmt: skip
         async with self._lock:
             if self._streams:
                 await context.abort(
@@ -203,7 +225,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             eos_token_id=p.config.eos_token_id,
             dtype=str(p.dtype).removeprefix("torch."),
             rank=0,
-            world_size=1,
+            world_size=self.world,
             determinism=determinism_to_proto(p.determinism),
             fingerprint=p.fingerprint,
             kvstore=p.runner.remote is not None,
@@ -223,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--ep", type=int, help="ranks of the worker, one device each, the MoE experts shared among them "
+                   "(default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
+    p.add_argument("--dp-attention", type=int, help="ranks attending over their own sequences (the same as --ep)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: not built yet)")
     p.add_argument("--unix-socket", type=Path, help="also serve on this Unix socket, for a scheduler on this host "
                    "(default: DEEPINFER_WORKER_UNIX_SOCKET)")  # fmt: skip
     return p
@@ -242,7 +268,10 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         provider = configure_tracing("deepinfer-worker")
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
-        parts = build_worker(args.model, args.dtype, accelerator, args.max_model_len, args.num_pages, args.page_size)
+        ranks = ranks_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention, args.tp)
+        parts, procs = start_worker(ranks, accelerator, model=args.model, dtype=args.dtype,
+                                    max_model_len=args.max_model_len, num_pages=args.num_pages,
+                                    page_size=args.page_size)  # fmt: skip
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
@@ -251,26 +280,41 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
         threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
-    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)))
+    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), ranks)
     service = Service("deepinfer.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
     registration = Registration(
         worker_id,
         "worker",
         advertised(args.host, args.port),
         model=str(parts.path),
-        capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator},
-    )
+        capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator,
+                  "ranks": ranks},
+    )  # fmt: skip
+    presence = Presence(registration)
+    balancer = getattr(parts.runner, "balancer", None)
+    if balancer is not None:  # each rank's expert loads on NATS, and what EPLB did in the metrics
+        presence.on_connected.append(functools.partial(_expert_reports, balancer, worker_id))
+        servicer.metrics.registry.register(ExpertBalanceCollector(balancer, servicer.metrics.model))
     stop_metrics = None
     if args.metrics_port > 0:
         stop_metrics = start_metrics_server(servicer.metrics.registry, args.host, args.metrics_port)
     try:
         unix = args.unix_socket or envs.DEEPINFER_WORKER_UNIX_SOCKET
-        asyncio.run(_serve_with_presence([service], args.host, args.port, Presence(registration), unix))
+        asyncio.run(_serve_with_presence([service], args.host, args.port, presence, unix))
     finally:
+        if procs is not None:
+            procs.close(servicer.parts.runner)
         if stop_metrics is not None:
             stop_metrics()
         provider.shutdown()  # flushes the spans still batched
     return 0
+
+
+async def _expert_reports(balancer: ExpertBalancer, replica: str, bus: EventBus) -> None:
+    """Publish each rank's expert loads (``ExpertBalancer.take``) on NATS until the process ends."""
+    for r in range(balancer.world):
+        supplier = functools.partial(balancer.take, r)
+        await ExpertLoadReporter(bus, replica, r, supplier, period_s=envs.DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S).start()
 
 
 async def _serve_with_presence(

@@ -42,7 +42,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots", "offloads", "fetches", "dropped_images")
+    __slots__ = ("step_id", "chunks", "released", "snapshots", "dropped_snapshots", "offloads", "fetches", "dropped_images", "ranks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class StepPlan(_message.Message):
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
     released: _containers.RepeatedScalarFieldContainer[str]
@@ -59,7 +60,8 @@ class StepPlan(_message.Message):
     offloads: _containers.RepeatedCompositeFieldContainer[OffloadOrder]
     fetches: _containers.RepeatedCompositeFieldContainer[FetchOrder]
     dropped_images: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ..., dropped_images: _Optional[_Iterable[str]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[StepPlan]
+    def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ..., dropped_images: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[StepPlan, _Mapping]]] = ...) -> None: ...
 
 class OffloadOrder(_message.Message):
     __slots__ = ("snapshot_id", "key", "pages", "meta")

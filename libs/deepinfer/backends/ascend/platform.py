@@ -27,6 +27,9 @@ class NpuPlatform(Platform):
     def use_device(self, rank: int) -> None:
         _npu().set_device(rank % _npu().device_count())
 
+    def device_count(self) -> int:
+        return _npu().device_count()
+
     def indexed(self, device: torch.device) -> torch.device:
         return torch.device("npu", _npu().current_device()) if device.index is None else device
 

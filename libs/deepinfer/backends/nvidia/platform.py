@@ -22,6 +22,9 @@ class CudaPlatform(Platform):
     def use_device(self, rank: int) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
     def indexed(self, device: torch.device) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
 

@@ -1,0 +1,54 @@
+"""DeepSeek-V4.1 on a worker of four ranks in real processes (``LLM(ep=4)``; the V4 engine on two ranks, with
+preemptions and EPLB: ``test_rank_group.py``): with the batch-invariant ops the outputs are, request by request,
+the single-process engine's, over chunked prefill, steps mixing prefill and decode, a prefix-cache hit, greedy and
+seeded sampling, ranks idling through steps, and an image prompt (placed on rank 0, where its features are)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from deepinfer import LLM, SamplingParams
+
+SHARED = list(range(40, 76))
+
+
+def png(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (50, 70, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
+    return buf.getvalue()
+
+
+def prompts(image_token: int) -> tuple[list[dict], list[SamplingParams]]:
+    out = [
+        {"prompt_token_ids": SHARED + [5, 6]},
+        {"prompt_token_ids": [0, 17, 4242, image_token, 99, 5, 6, 7], "multi_modal_data": {"image": [png(1)]}},
+        {"prompt_token_ids": [(11 * j) % 300 + 3 for j in range(30)]},
+        {"prompt_token_ids": SHARED + [5, 6, 7, 8]},  # resumes from r0's prompt
+        {"prompt_token_ids": [9, 8, 7]},
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+    params = [greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=70 + i, max_tokens=6, logprobs=1)
+              for i in range(len(out))]  # fmt: skip
+    return out, params
+
+
+def outputs(llm: LLM) -> list[tuple]:
+    ps, params = prompts(llm.config.image_token_id)
+    first = llm.generate(ps[:1], params[:1])
+    rest = llm.generate(ps[1:], params[1:])
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.num_cached_tokens) for o in first + rest]
+
+
+@pytest.mark.timeout(600)
+def test_four_ranks_of_v41_give_one_process_outputs(tiny_v41_dir) -> None:
+    kw = dict(model=tiny_v41_dir, dtype="float32", page_size=16, num_pages=64, batch_invariant=True,
+              quant_sim=False, max_num_batched_tokens=16)  # fmt: skip
+    want = outputs(LLM(**kw))
+    with LLM(ep=4, **kw) as llm:
+        got = outputs(llm)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert got[3][2] > 0, "r3 resumed from r0's resume point"
