@@ -234,15 +234,17 @@ def cmd_rank(args: argparse.Namespace) -> int:
     from deepinfer.parallel.launch import expert_group, join, same_pages
     from deepinfer.parallel.placement import routed_experts_of
     from deepinfer.parallel.rank_group import RankRunner, follow
+    from deepinfer.runtime import shared_host
 
     channel = join(args.rank, args.world, args.port, args.accelerator)
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]))
+        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]), channel)
         flag = {None: None, "true": True, "false": False}
         parts = build_worker(args.model, args.dtype, args.accelerator, args.max_model_len, args.num_pages,
                              args.page_size, flag[args.quant_sim], flag[args.batch_invariant],
                              args.num_speculative_tokens, ep=group)  # fmt: skip
         same_pages(parts.num_pages, channel)
+        shared_host.release(group.host_key)
         follow(RankRunner(parts.runner), channel)
     finally:
         dist.destroy_process_group()

@@ -39,7 +39,7 @@ def test_v41_flash_needs_its_engram_tables_in_host_memory(capsys: pytest.Capture
     assert "DEEPINFER_ENGRAM_TABLES=host" in capsys.readouterr().err
     assert main([*args, "--engram", "host"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"host memory \(Engram tables, each rank\)\s+366\.\d+ GiB", out)
+    assert re.search(r"host memory \(Engram tables, once per host\)\s+366\.\d+ GiB", out)
 
 
 def test_v4_pro_plans(capsys: pytest.CaptureFixture) -> None:
@@ -101,7 +101,9 @@ def test_engram_tables_go_to_host_memory(tiny_v41_dir: Path, monkeypatch: pytest
     config = parse_config(json.loads((tiny_v41_dir / "config.json").read_text()))
     placed = []
     real = DeepseekV41Model.place_engram_tables
-    monkeypatch.setattr(DeepseekV41Model, "place_engram_tables", lambda self, d: placed.append(d) or real(self, d))
+    monkeypatch.setattr(
+        DeepseekV41Model, "place_engram_tables", lambda self, d, **kw: placed.append(d) or real(self, d, **kw)
+    )
     nets = {}
     for where in ("device", "host"):
         monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", where)

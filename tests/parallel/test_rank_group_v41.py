@@ -6,12 +6,14 @@ seeded sampling, ranks idling through steps, and an image prompt (placed on rank
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.runtime import shared_host
 
 SHARED = list(range(40, 76))
 
@@ -44,11 +46,21 @@ def outputs(llm: LLM) -> list[tuple]:
 
 
 @pytest.mark.timeout(600)
-def test_four_ranks_of_v41_give_one_process_outputs(tiny_v41_dir) -> None:
+def test_four_ranks_of_v41_give_one_process_outputs(tiny_v41_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Engram tables in host memory (``DEEPINFER_ENGRAM_TABLES=host``): once for the host, in memory every
+    rank maps (``runtime.shared_host``), filled by rank 0; no file of theirs is left in ``/dev/shm``."""
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", "host")
     kw = dict(model=tiny_v41_dir, dtype="float32", page_size=16, num_pages=64, batch_invariant=True,
               quant_sim=False, max_num_batched_tokens=16)  # fmt: skip
     want = outputs(LLM(**kw))
     with LLM(ep=4, **kw) as llm:
         got = outputs(llm)
+        tables = [b.engram.embed.weight for b in llm.model.layers if b.engram is not None]
+        maps = [open(f"/proc/{p.pid}/maps").read() for p in llm._ranks.procs]
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert got[3][2] > 0, "r3 resumed from r0's resume point"
+    paths = {shared_host.mapping_of(t) for t in tables}
+    assert tables and None not in paths and len(paths) == len(tables)
+    for m in maps:  # every other rank maps the same files
+        assert paths <= {ln.split()[5] for ln in m.splitlines() if "/dev/shm/deepinfer-" in ln}
+    assert not [p for p in paths if os.path.exists(p)]  # removed once every rank mapped them

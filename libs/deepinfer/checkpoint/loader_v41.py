@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -188,6 +188,7 @@ def load_v41_checkpoint(
     *,
     skip: Iterable[str] = (),
     progress: bool = False,
+    shared: Mapping[str, tuple[torch.Tensor, bool]] | None = None,
 ) -> None:
     """Fill every parameter and persistent buffer of ``model`` from the released-format checkpoint at ``path``.
 
@@ -196,11 +197,14 @@ def load_v41_checkpoint(
     prefixes to ignore (e.g. ``("mtp.",)`` for a model built without the DSpark drafter, ``("vision.", "aligner.",
     "image_")`` for a text-only one); anything else the module lacks is an error, and so is a target left unfilled,
     except a DSpark block the checkpoint has no tensor of (``checkpoint.mtp``: the model loses its ``mtp``).
+    ``shared``: targets held in memory several processes share (``runtime.shared_host``), each ``(tensor, fill)``:
+    the target becomes ``tensor``, which this process fills in place where ``fill`` is set and leaves to another
+    process (not reading it) where not.
     """
     path = Path(path)
     skip = tuple(skip)
     files, weight_map = checkpoint_files(path)
-    filler = _Filler(model, dtype, _block_size(path))
+    filler = _Filler(model, dtype, _block_size(path), shared or {})
     with ExitStack() as stack:
         reader = _Reader(files, weight_map, stack)
         names = sorted(k for k in reader.where if not k.endswith(".scale"))
@@ -219,8 +223,9 @@ class _Filler:
     """The targets of a model being filled, tensor by tensor: what is filled so far, and the stacked routed experts
     being assembled (set once all are read)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, block: tuple[int, int]) -> None:
-        self.model, self.dtype, self.block = model, dtype, block
+    def __init__(self, model: nn.Module, dtype: torch.dtype, block: tuple[int, int],
+                 shared: Mapping[str, tuple[torch.Tensor, bool]]) -> None:  # fmt: skip
+        self.model, self.dtype, self.block, self.shared = model, dtype, block, shared
         self.targets = dict(model.state_dict(keep_vars=True))
         self.filled: set[str] = set()
         self.experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
@@ -245,6 +250,10 @@ class _Filler:
             if expert >= n:
                 raise CheckpointError(f"tensor {name!r} in {file}: expert {expert} >= {n} experts")
             return  # another rank's expert (expert parallelism): not read
+        if target in self.shared and not self.shared[target][1]:
+            _set(self.model, target, self.shared[target][0])  # another process fills it
+            self.filled.add(target)
+            return
         t = reader.get(name)
         scale_name = name.removesuffix(".weight") + ".scale"
         if name.endswith(".weight") and scale_name in reader.where:
@@ -279,7 +288,14 @@ class _Filler:
         else:
             out_dtype = torch.float32 if keeps_fp32(target) else self.dtype
         if expert is None:
-            _set(self.model, target, t.to(_device(ref), out_dtype).contiguous())
+            if target in self.shared:  # filled in place: the memory other processes map
+                into = self.shared[target][0]
+                if into.shape != t.shape or into.dtype != out_dtype:
+                    raise CheckpointError(f"tensor {name!r} in {file}: shared as {into.dtype} {tuple(into.shape)}, "
+                                          f"loads as {out_dtype} {tuple(t.shape)}")  # fmt: skip
+                _set(self.model, target, into.copy_(t))
+            else:
+                _set(self.model, target, t.to(_device(ref), out_dtype).contiguous())
             self.filled.add(target)
             return
         rows = self._rows(target, expert, ref)

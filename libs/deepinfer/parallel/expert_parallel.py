@@ -41,6 +41,7 @@ class ExpertParallel:
         self.held = placement.slots[self.rank]
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
         self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)
+        self.host_key: str | None = None  # what the group's ranks share on their host (``launch.expert_group``)
 
     def take_load(self) -> torch.Tensor:
         """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over."""

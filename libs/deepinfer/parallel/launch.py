@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.placement import ExpertPlacement, routed_experts_of
 from deepinfer.parallel.rank_group import Channel, RankGroupRunner, RankRunner
+from deepinfer.runtime import shared_host
 from deepinfer.runtime.platform import platform_for
 
 
@@ -49,10 +51,15 @@ def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
     return Channel(None if gloo else dist.new_group(backend="gloo", timeout=timeout))
 
 
-def expert_group(n_experts: int) -> ExpertParallel:
-    """This rank's share of every MoE layer: an even placement over the group."""
+def expert_group(n_experts: int, channel: Channel) -> ExpertParallel:
+    """This rank's share of every MoE layer: an even placement over the group; its ``host_key`` names what the
+    ranks share on their host (``runtime.shared_host``), drawn by rank 0."""
     a2a = TorchAllToAll()
-    return ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a)
+    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a)
+    key = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0])
+    dist.broadcast(key, src=0, group=channel.group)
+    ep.host_key = f"{int(key):016x}"
+    return ep
 
 
 def same_pages(num_pages: int, channel: Channel) -> None:
@@ -75,12 +82,16 @@ def start_worker(ranks: int, accelerator: str | None = None, **build: Any) -> tu
     dtype = build.get("dtype", "auto")
     args = {**build, "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")}
     procs = RankProcesses.start(ranks, args, accelerator)
+    group = None
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]))
+        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel)
         parts = build_worker(accelerator=accelerator, ep=group, **build)
-        same_pages(parts.num_pages, procs.channel)
+        same_pages(parts.num_pages, procs.channel)  # (every rank built: what they share is mapped by all)
+        shared_host.release(group.host_key)
         parts = dataclasses.replace(parts, runner=RankGroupRunner(RankRunner(parts.runner), procs.channel, ranks))
     except BaseException:
+        if group is not None:
+            shared_host.release(group.host_key)
         procs.kill()
         if dist.is_initialized():
             dist.destroy_process_group()

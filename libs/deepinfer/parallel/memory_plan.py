@@ -45,7 +45,7 @@ class MemoryPlan:
     experts_per_rank: int  # most routed experts of a trunk layer on one rank
     n_experts: int
     rank_gpu: dict[str, int]  # one rank's GPU bytes by part (the most loaded rank)
-    rank_host: int  # one rank's host bytes (Engram tables placed there)
+    rank_host: int  # the host bytes of one host's ranks (Engram tables placed there: shared by its ranks)
     kv_per_token: dict[str, int] = field(default_factory=dict)  # paged cache bytes per token, by layer kind
     per_sequence: int = 0  # window and compressor rings of one sequence
     max_position: int = 0
@@ -207,7 +207,7 @@ def render(p: MemoryPlan) -> str:
     lines += [f"  {'reserve (context, activations, graphs)':<44} {p.reserve / g:9.2f} GiB",
               f"  {'GPU total':<44} {p.gpu_used / g:9.2f} GiB of {p.gpu_bytes / g:.1f}"]  # fmt: skip
     if p.rank_host:
-        lines.append(f"  {'host memory (Engram tables, each rank)':<44} {p.rank_host / g:9.2f} GiB")
+        lines.append(f"  {'host memory (Engram tables, once per host)':<44} {p.rank_host / g:9.2f} GiB")
     lines += ["", "KV state:"]
     lines += [f"  paged cache, {k:<31} {v:9d} B / token" for k, v in p.kv_per_token.items()]
     lines += [f"  {'paged cache, all layers':<44} {p.token_bytes:9d} B / token",

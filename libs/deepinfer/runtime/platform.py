@@ -38,6 +38,10 @@ class Platform:
     def use_device(self, rank: int) -> None:
         """Make the device of rank ``rank`` of a group on one host the current one (nothing on the host)."""
 
+    def pin_in_place(self, t: torch.Tensor) -> None:
+        """Page-lock host tensor ``t``'s memory where it is (memory other processes map too), for copies to the
+        device that do not stage through a pinned buffer; nothing on a platform without pinned copies."""
+
     def device_count(self) -> int:
         """The devices this process sees (the host: one)."""
         return 1

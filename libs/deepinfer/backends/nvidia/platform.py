@@ -25,6 +25,10 @@ class CudaPlatform(Platform):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def pin_in_place(self, t: torch.Tensor) -> None:
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+
     def indexed(self, device: torch.device) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
 

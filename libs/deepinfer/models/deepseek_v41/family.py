@@ -26,6 +26,21 @@ from deepinfer.quant.w4a8 import set_w4a8
 from deepinfer.runtime.step_graphs import StepGraphs
 
 
+def shared_tables(net: torch.nn.Module, dtype: torch.dtype, ep: Any) -> dict[str, tuple[torch.Tensor, bool]]:
+    """The Engram tables of a rank of several on one host, in host memory the ranks share
+    (``runtime.shared_host``, named by the group's ``host_key``): rank 0 fills them, the others map them (the
+    loader's ``shared``)."""
+    from deepinfer.checkpoint.names_v41 import keeps_fp32
+    from deepinfer.runtime import shared_host
+
+    names = [f"layers.{i}.engram.embed.weight" for i, b in enumerate(net.layers) if b.engram is not None]
+    specs = {n: (tuple(net.get_parameter(n).shape), torch.float32 if keeps_fp32(n) else dtype) for n in names}
+    fill = ep.rank == 0
+    if fill:
+        shared_host.check_room(sum(torch.Size(sh).numel() * d.itemsize for sh, d in specs.values()))
+    return {n: (shared_host.tensor(ep.host_key, n, sh, d), fill) for n, (sh, d) in specs.items()}
+
+
 class DeepseekV41Family(DeepseekV4Family):
     model_type = MODEL_TYPE
 
@@ -67,16 +82,18 @@ class DeepseekV41Family(DeepseekV4Family):
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
             if ep is not None:  # (expert parallelism: each MoE layer this rank's experts only)
                 shard_model(net, ep)
-        load_v41_checkpoint(net, path, dtype)
+        host_tables = envs.DEEPINFER_ENGRAM_TABLES == "host"
+        shared = shared_tables(net, dtype, ep) if host_tables and ep is not None and ep.a2a.size > 1 else {}
+        load_v41_checkpoint(net, path, dtype, shared=shared)
         tables = [b.engram.embed.weight for b in net.layers if b.engram is not None]
-        host = [w.data for w in tables] if envs.DEEPINFER_ENGRAM_TABLES == "host" else []
+        host = [w.data for w in tables] if host_tables else []
         for w in tables if host else ():  # (kept out of the move: the released tables do not fit a device)
             w.data = w.data.new_empty(0)
         net.to(device)
         for w, data in zip(tables, host):
             w.data = data
         if host:
-            net.place_engram_tables("cpu")
+            net.place_engram_tables("cpu", shared=bool(shared))
         set_w8a8(net, envs.DEEPINFER_W8A8)  # before prepare_weights: projections join only with equal roundings
         set_w4a8(net, envs.DEEPINFER_W4A8)  # before prepare_weights: W4A8 experts keep their codes as stored
         ops.prepare_weights(net)

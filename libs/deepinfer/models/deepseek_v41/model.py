@@ -143,15 +143,21 @@ class DeepseekV41Model(nn.Module):
         x = splice_image_embeddings(x, types, features, self.image_start, self.image_newline, self.image_end)
         return x, types >= 0
 
-    def place_engram_tables(self, device: torch.device | str) -> None:
+    def place_engram_tables(self, device: torch.device | str, shared: bool = False) -> None:
         """Keep the Engram tables on ``device`` (e.g. host memory: ~200 GB in the released model) whatever device
         the rest of the model is on; lookups gather there and move only the rows read. Call after ``.to()``. Host
-        tables are pinned where the model's platform copies from pinned memory."""
+        tables are pinned where the model's platform copies from pinned memory: ``shared`` ones (host memory other
+        processes map: ``runtime.shared_host``) in place, others into pinned copies."""
         dev = torch.device(device)
-        pin = dev.type == "cpu" and platform_of(self.head.weight.device).pinned_copies
+        platform = platform_of(self.head.weight.device)
+        pin = dev.type == "cpu" and platform.pinned_copies
         for layer in self.layers:
             if layer.engram is not None:
                 w = layer.engram.embed.weight
+                if shared:
+                    if pin:
+                        platform.pin_in_place(w.data)
+                    continue
                 w.data = w.data.to(dev)
                 if pin:
                     w.data = w.data.pin_memory()
