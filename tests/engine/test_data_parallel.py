@@ -38,3 +38,33 @@ def test_a_step_is_every_ranks_plan_with_the_same_number() -> None:
     assert plan.chunks == plan.ranks[0].chunks and {p.step_id for p in plan.ranks} == {plan.step_id}
     with pytest.raises(RuntimeError, match="different steps"):
         RankedPlan.of([WorkerStepPlan(1), WorkerStepPlan(2)])
+
+
+def test_a_rank_with_room_takes_what_another_has_not_started() -> None:
+    """One sequence a rank: ``c`` waits on rank 0 behind ``a`` while rank 1's ``b`` ends at its first token; the next
+    step rank 1 runs ``c``. A request whose prompt rank 0 holds in its prefix cache stays there."""
+    from deepinfer.engine.interfaces import SeqResult, StepResult
+    from deepinfer.engine.scheduler_config import SchedulerConfig
+
+    config = SchedulerConfig(page_size=16, max_model_len=512, eos_token_id=1, max_num_seqs=1,
+                             max_num_batched_tokens=64, prefix_caching=True)  # fmt: skip
+    dp = DataParallelScheduler(config, 32, 2)
+    dp.add("a", list(range(3, 13)), SamplingParams(max_tokens=20))
+    dp.add("b", list(range(3, 33)), SamplingParams(max_tokens=1))
+    dp.add("c", list(range(50, 55)), SamplingParams(max_tokens=2))
+    assert [dp.rank_of[x] for x in "abc"] == [0, 1, 0]
+    plan = dp.schedule()
+    assert [[c.request_id for c in p.chunks] for p in plan.ranks] == [["a"], ["b"]]
+    dp.update(StepResult(plan.step_id, [SeqResult("a", 7), SeqResult("b", 7)]))
+    plan = dp.schedule()
+    assert [[c.request_id for c in p.chunks] for p in plan.ranks] == [["a"], ["c"]]
+    assert dp.rank_of["c"] == 1 and "c" in dp.ranks[1].requests and "c" not in dp.ranks[0].requests
+    dp.update(StepResult(plan.step_id, [SeqResult("a", 7), SeqResult("c", 7)]))
+    dp.update(StepResult(dp.schedule().step_id, [SeqResult("a", 7), SeqResult("c", 1)]))  # c ends (eos)
+    assert dp.pop_finished("c").output_token_ids == [7, 1]
+
+    # a prompt rank 0 holds (a's, now a resume point there) stays on rank 0 though rank 1 is free
+    dp.add("d", list(range(3, 13)) + [9] * 20, SamplingParams(max_tokens=2))
+    assert dp.rank_of["d"] == 0  # placed by its prefix
+    plan = dp.schedule()
+    assert dp.rank_of["d"] == 0 and not plan.ranks[1].chunks

@@ -9,6 +9,11 @@ rank from admission to its end:
 * **placement** (``add``): the rank whose prefix cache holds the longest resume point of the prompt, where one
   does; else the least loaded: fewest tokens left to compute (waiting and running), then most pages available,
   then the lowest rank; a request with images on rank 0 (where the image features are);
+* **spreading** (``schedule``, before the ranks plan): a rank with nothing waiting and room for another sequence
+  takes a waiting request that another rank has not started (no state on its worker: never run, no pages, no
+  fetch, no images) and cannot start now (its sequences or pages are taken by those running and those ahead in
+  its queue), unless that rank holds more of its prompt in its prefix cache; so a rank whose requests ended
+  early does not idle while another's queue waits;
 * **a step** (``schedule``): every rank plans its step (the same step number on all: each plans every step, an
   empty one if it has nothing), and the step's plan is a ``RankedPlan``: the ranks' plans, with the union of
   their chunks and orders for what looks at a plan as a whole (the engine loop: is there anything to send?);
@@ -28,7 +33,7 @@ from deepinfer.engine.interfaces import RankedPlan, StepResult
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import root_hash
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
@@ -168,6 +173,7 @@ class DataParallelScheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, lookahead: int = 0) -> RankedPlan:
+        self._spread()
         plans = [s.schedule(lookahead) for s in self.ranks]
         for r, p in enumerate(plans):
             for f in p.fetches:
@@ -183,6 +189,49 @@ class DataParallelScheduler:
         for f in result.fetched:
             parts[self._fetch_rank.pop(f.fetch_id, 0)].fetched.append(f)
         return [req for s, part in zip(self.ranks, parts) for req in s.update(part)]
+
+    def _spread(self) -> None:
+        """Move waiting requests no rank has started to ranks with room and nothing waiting (module docstring)."""
+        for d, dst in enumerate(self.ranks):
+            while not dst.waiting and len(dst.running) < self.config.max_num_seqs:
+                got = self._movable(d)
+                if got is None:
+                    break
+                src, req = got
+                src.waiting.remove(req)
+                del src.requests[req.request_id]
+                req.arrival, dst._arrivals = dst._arrivals, dst._arrivals + 1
+                dst.requests[req.request_id] = req
+                dst.waiting.append(req)
+                self.rank_of[req.request_id] = d
+
+    def _movable(self, d: int) -> tuple[Scheduler, Request] | None:
+        """The first waiting request of another rank that rank ``d`` can take and start now, with its rank."""
+        dst = self.ranks[d]
+        for r, src in enumerate(self.ranks):
+            if r == d:
+                continue
+            need = 0  # pages the requests ahead in its queue, and it, take on its rank
+            for i, req in enumerate(src.waiting):
+                need += src._pages_for(req.num_tokens + 1)
+                if len(src.running) + i < self.config.max_num_seqs and need <= src.num_available_pages:
+                    continue  # its own rank has room for it
+                if (req.status is not Status.WAITING or req.num_computed or req.pages or req.in_flight
+                        or req.num_preemptions or req.fetch_id or req.fetched or req.mm is not None):  # fmt: skip
+                    continue
+                if dst._pages_for(req.num_tokens + 1) > dst.num_available_pages:
+                    continue
+                if self._cached(src, req) > self._cached(dst, req):
+                    continue
+                return src, req
+        return None
+
+    def _cached(self, s: Scheduler, req: Request) -> int:
+        """How much of ``req``'s prompt rank ``s``'s prefix cache holds."""
+        prompt = req.prompt_token_ids
+        if s.prefix is None or len(prompt) < 2:
+            return 0
+        return s.prefix.peek(prompt, root_hash(self.config.fingerprint, req.cache_salt), len(prompt) - 1)
 
     def _by_rank(self, request_ids: list[str]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
