@@ -145,10 +145,15 @@ def public_status(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return error.code(), details
 
 
+MAX_SESSION_ID = 256
+
+
 def check_request(request: generation_pb2.GenerateRequest, max_temperature: float | None = None) -> None:
     """The checks that need no tokenization (run first, so a bad request costs nothing)."""
     if request.WhichOneof("input") == "chat" and not request.chat.messages:
         raise ValueError("chat.messages: at least one message is required")
+    if len(request.session_id) > MAX_SESSION_ID:
+        raise ValueError(f"session_id: at most {MAX_SESSION_ID} characters (HTTP: user or x-session-id)")
     s = request.sampling
     for name in ("temperature", "top_p"):
         if s.HasField(name) and not math.isfinite(getattr(s, name)):

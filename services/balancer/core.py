@@ -1,8 +1,8 @@
 """The balancer's core, without transport of its own: the public Generation API's logic in front of scheduler replicas.
 
 It tokenizes (text, token ids, or chat messages through the DeepSeek-V4 chat encoding), validates,
-picks a replica (least in-flight requests, ties round-robin), streams the replica's tokens back as
-text deltas (incremental detokenization: never a partial UTF-8 character; text that could still
+picks a replica (by the prefix its cache holds, the session, the load: docs/routing.md), streams the replica's
+tokens back as text deltas (incremental detokenization: never a partial UTF-8 character; text that could still
 become a stop string is held back), applies stop strings (cancelling the replica's stream, which
 frees the request's pages), and ends with the finish reason and usage.
 """
@@ -27,10 +27,11 @@ from deepinfer.serving.tracing import inject_metadata, request_attributes, trace
 from deepinfer.telemetry import get_logger
 from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
 from services.balancer.admission import AdmissionGate, check_prompt, check_request
+from services.balancer.cache_index import CacheIndex
 from services.balancer.constraints import ConstraintCompiler
 from services.balancer.prompt import build_prompt, check_images, prompt_images
 from services.balancer.relay import Relay
-from services.balancer.replicas import Replica, ReplicaSet
+from services.balancer.replicas import Replica, ReplicaSet, RouteHint
 
 log = get_logger(__name__)
 _tracer = tracer(__name__)
@@ -63,6 +64,8 @@ class Balancer:
         self.image_placeholder = None if image_token_id is None else tokenizer.id_to_token(image_token_id)
         self.metrics = metrics if metrics is not None else METRICS
         self.pool = ReplicaSet(replicas)
+        # the replicas' resume points (fed from NATS by discovery): cache-aware routing
+        self.cache = CacheIndex(on_change=lambda a, n: self.metrics.cache_index.labels(info.model, a).set(n))
         self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
         self._where: dict[str, Replica] = {}
         self.samples: dict[str, int] = {}  # gRPC requests with n > 1 now running: id -> n (samples {id}-{i})
@@ -165,24 +168,34 @@ class Balancer:
         # a chat's turn ends (positions right after each <｜Assistant｜>): the replica keeps resume points there, where
         # the conversation's next turn resumes (chat/turns.py)
         hints = turn_boundaries(ids, self.tokenizer) if request.WhichOneof("input") == "chat" else []
+        hint = RouteHint(len(ids), session=request.session_id)
+        if not images:  # (an image request's cache keys fold in the images' digests: its replica knows them)
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            routable = [r.address for r in self.pool.routable()]
+            hint.cached = await asyncio.to_thread(self.cache.cached, routable, ids, salt)
+        route = (*route, hint)
         async for out in self._relay(rid, (ids, images, hints), request, params, constraint, timeout, span, route):
             yield out
 
     async def _relay(
         self, rid: str, prompt: tuple[list[int], list[bytes], list[int]], request: generation_pb2.GenerateRequest,
         params: object, constraint: common_pb2.Constraint | None, timeout: float | None, span: trace.Span,
-        route: tuple[str | None, bool] = (None, False),
+        route: tuple[str | None, bool, RouteHint | None] = (None, False, None),
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:  # fmt: skip
-        """Stream the request from a replica; when that replica fails mid-stream, move the request (its prompt and
-        the tokens sent so far) to a replica that serves — waiting for one up to ``DEEPINFER_MIGRATION_WAIT_S`` —
-        at most ``DEEPINFER_MIGRATION_LIMIT`` times, so the caller sees one uninterrupted stream."""
+        """Stream the request from a replica (``route``: the preferred replica, whether samples share the prompt,
+        what cache-aware routing knows: ``ReplicaSet.pick``); when that replica fails mid-stream, move the request
+        (its prompt and the tokens sent so far) to a replica that serves — waiting for one up to
+        ``DEEPINFER_MIGRATION_WAIT_S`` — at most ``DEEPINFER_MIGRATION_LIMIT`` times, so the caller sees one
+        uninterrupted stream."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         relay = Relay(rid, prompt[0], params, self.tokenizer, prompt[1])
         relay.hints = prompt[2]
         metadata = inject_metadata(trace.set_span_in_context(span))
-        (prefer, shared), attempt = route, 0
-        replica = self._route(self.pool.pick, prefer)
+        (prefer, shared, hint), attempt = route, 0
+        hint = hint if hint is not None else RouteHint()
+        replica = self._route(self.pool.pick, prefer, hint)
+        self.metrics.routes.labels(self.info.model, hint.reason).inc()
         while True:
             left = None if deadline is None else deadline - loop.time()
             replica.in_flight += 1

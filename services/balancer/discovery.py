@@ -11,7 +11,8 @@ log = get_logger(__name__)
 
 class Discovery:
     """Keeps the balancer's replicas (``service.set_replicas``) = the static ``--scheduler`` list ∪ the
-    schedulers registered on NATS.
+    schedulers registered on NATS, and feeds ``service.cache`` (``cache_index.CacheIndex``) the replicas' KV events
+    from the same connection.
 
     While NATS is down the registry view serves its last snapshot, so routing goes on unchanged."""
 
@@ -46,6 +47,9 @@ class Discovery:
                 log.warning("nats_unreachable", url=redact(url))
                 await backoff.wait()
         self.bus = bus
+        cache = getattr(self.service, "cache", None)
+        if cache is not None:  # the replicas' resume points: cache-aware routing
+            await cache.start(bus)
         self.view = RegistryView(self.bus)
         await self.view.start()
         await self._sync()

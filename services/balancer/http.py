@@ -162,6 +162,7 @@ class _Api:
             watch = asyncio.create_task(hang_up(request, asyncio.current_task()))
             rid = f"{'chatcmpl' if model is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
             grpc_req, ctx = await asyncio.to_thread(start, req, rid)  # chat rendering: off the event loop
+            grpc_req.session_id = request.headers.get("x-session-id") or req.user or ""  # (routing: docs/routing.md)
             samples = sample_requests(grpc_req, req.n)
             for _ in samples[1:] if self.gate is not None else ():
                 tickets.append(self.gate.admit())  # a place per sample

@@ -1,5 +1,5 @@
 """The balancer's scheduler replicas: which exist (static list ∪ NATS registry), which can serve now, and the
-choice of one for a request.
+choice of one for a request (by cache, session and load: docs/routing.md).
 
 A replica leaves routing the moment one of its streams fails (UNAVAILABLE) or a health probe finds it not
 SERVING, and comes back when a probe finds it SERVING again; probes run every ``DEEPINFER_REPLICA_PROBE_S``.
@@ -9,6 +9,7 @@ So a dead replica stops getting requests within about one probe period, long bef
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,6 +25,17 @@ from deepinfer.v1 import scheduler_pb2_grpc
 
 log = get_logger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass
+class RouteHint:
+    """What cache-aware routing knows of a request: the prompt's length, the tokens of it each replica's prefix cache
+    holds (by address: ``cache_index.CacheIndex.cached``), its session; ``reason``: what chose the replica."""
+
+    prompt_len: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+    session: str = ""
+    reason: str = ""
 
 
 @dataclass
@@ -79,17 +91,29 @@ class ReplicaSet:
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def pick(self, prefer: str | None = None) -> Replica:
-        """The routable replica with the fewest requests in flight (ties: round robin); ``prefer`` (an address)
-        wins while it is routable (the samples of one prompt go where its prefix is cached)."""
+    def pick(self, prefer: str | None = None, hint: RouteHint | None = None) -> Replica:
+        """The replica for a request (docs/routing.md); ``prefer`` (an address) wins while it is routable (the
+        samples of one prompt go where its prefix is cached). ``hint``: what cache-aware routing knows of the
+        request; its ``reason`` is set to what chose the replica."""
         ready = self.routable()
         if not ready:
             why = "no scheduler replica is registered" if not self.replicas else "no scheduler replica is serving"
             raise Unavailable(why)
+        hint = hint if hint is not None else RouteHint()
         if prefer is not None and (same := next((r for r in ready if r.address == prefer), None)) is not None:
+            hint.reason = "prefer"
             return same
         start = next(self._rr) % len(ready)
-        return min(ready[start:] + ready[:start], key=lambda r: r.in_flight)
+        ready = ready[start:] + ready[:start]  # ties: round robin
+        if any(hint.cached.get(r.address, 0) for r in ready):
+            hint.reason = "cache"
+            w = envs.DEEPINFER_ROUTER_LOAD_TOKENS
+            return min(ready, key=lambda r: hint.prompt_len - hint.cached.get(r.address, 0) + w * r.in_flight)
+        if hint.session:
+            hint.reason = "session"  # rendezvous hashing: stable while replicas come and go
+            return max(ready, key=lambda r: hashlib.blake2b(f"{hint.session}|{r.address}".encode()).digest())
+        hint.reason = "load"
+        return min(ready, key=lambda r: r.in_flight)
 
     async def wait_pick(self, timeout: float) -> Replica:
         """:meth:`pick`, waiting up to ``timeout`` seconds for a replica to become routable (a restarting one)."""

@@ -9,7 +9,8 @@
   (other replicas' own caches) are not fetchable and are ignored.
 * :class:`DeviceKVPublisher`: a scheduler's own resume points, stored (snapshot taken) and removed (evicted
   or offloaded), tier ``device``, in the kvstore's message format on ``deepinfer.kv.scheduler.<instance>``,
-  batched every 100 ms or 64 events.
+  batched every 100 ms or 64 events, with the replica's address and page size (what a balancer's cache-aware
+  routing needs: ``services/balancer/cache_index.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ class KVIndexFollower:
 
 
 class DeviceKVPublisher:
-    def __init__(self, instance: str, fingerprint: str, period_s: float = 0.1, batch: int = 64) -> None:
+    """``address`` and ``page_size`` go with every message: a balancer routes to the replica at ``address`` by the
+    resume points it holds (it hashes a prompt's pages as the replica does)."""
+
+    def __init__(self, instance: str, fingerprint: str, address: str = "", page_size: int = 0, period_s: float = 0.1,
+                 batch: int = 64) -> None:  # fmt: skip
         self.instance, self.fingerprint, self.period_s, self.batch = instance, fingerprint, period_s, batch
+        self.address, self.page_size = address, page_size
         self.queue: list[dict[str, Any]] = []
         self.bus: EventBus | None = None
         self._task: asyncio.Task | None = None
@@ -89,7 +95,8 @@ class DeviceKVPublisher:
             self._wake.clear()
             while self.queue and self.bus is not None:
                 events, self.queue = self.queue[: self.batch], self.queue[self.batch :]
-                message = {"instance": self.instance, "events": events}
+                message = {"instance": self.instance, "address": self.address, "page_size": self.page_size,
+                           "events": events}  # fmt: skip
                 await self.bus.publish(subjects.kv_subject("scheduler", self.instance), message)
 
     async def close(self) -> None:

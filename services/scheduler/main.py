@@ -84,7 +84,9 @@ async def run_scheduler(
         if scheduler.remote is not None:  # what every kvstore holds, from their KV events on NATS
             presence.on_connected.append(KVIndexFollower(scheduler, info.fingerprint).start)
         if config.prefix_caching:  # this replica's own resume points, published
-            publisher = DeviceKVPublisher(registration.instance_id, info.fingerprint)
+            publisher = DeviceKVPublisher(
+                registration.instance_id, info.fingerprint, registration.address, info.page_size
+            )
             scheduler.kv_listeners.append(publisher.on_event)
             presence.on_connected.append(publisher.start)
         await presence.start()

@@ -91,23 +91,28 @@ def test_only_schedulers_write_scheduler_registry_keys(nats_server, wait_until):
 
 @pytest.mark.timeout(60)
 def test_kv_events_are_published_by_their_kind_and_read_by_schedulers(nats_server, wait_until):
+    """(A balancer reads the schedulers' device-tier events only: its cache-aware routing.)"""
+
     async def main():
-        got: dict[str, list[str]] = {"scheduler": [], "worker": []}
+        got: dict[str, list[str]] = {"scheduler": [], "worker": [], "balancer": []}
         buses = {k: await _bus(nats_server.url_for(k), k) for k in ("kvstore", "balancer", "scheduler", "worker")}
         for reader in got:
 
             async def on_kv(subject, payload, reader=reader):
                 got[reader].append(payload["from"])
 
-            await buses[reader].subscribe(subjects.kv_wildcard(), on_kv)
+            wildcard = subjects.kv_wildcard("scheduler") if reader == "balancer" else subjects.kv_wildcard()
+            await buses[reader].subscribe(wildcard, on_kv)
             await buses[reader].nc.flush()  # the server has the subscription (or has refused it)
+        await buses["balancer"].subscribe(subjects.kv_wildcard("kvstore"), lambda *a: got["balancer"].append("?"))
         await buses["balancer"].publish(subjects.kv_subject("kvstore", "kv0"), {"from": "balancer"})  # refused
         await buses["kvstore"].publish(subjects.kv_subject("scheduler", "s0"), {"from": "kvstore-as-scheduler"})
         await buses["kvstore"].publish(subjects.kv_subject("kvstore", "kv0"), {"from": "kvstore"})
         await buses["scheduler"].publish(subjects.kv_subject("scheduler", "s0"), {"from": "scheduler"})
-        await wait_until(lambda: len(got["scheduler"]) == 2, 10)
-        assert sorted(got["scheduler"]) == ["kvstore", "scheduler"]
+        await wait_until(lambda: len(got["scheduler"]) == 2 and got["balancer"], 10)
+        assert sorted(got["scheduler"]) == ["kvstore", "scheduler"] and got["balancer"] == ["scheduler"]
         refused = ['"$G/user:worker" - Subscription Violation - Subject "deepinfer.kv.>"',
+                   '"$G/user:balancer" - Subscription Violation - Subject "deepinfer.kv.kvstore.*"',
                    '"$G/user:balancer" - Publish Violation - Subject "deepinfer.kv.kvstore.kv0"',
                    '"$G/user:kvstore" - Publish Violation - Subject "deepinfer.kv.scheduler.s0"']  # fmt: skip
         await wait_until(lambda: all(line in nats_server.log_tail(200) for line in refused), 10)

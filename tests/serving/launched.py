@@ -9,13 +9,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from deepinfer.launcher import Mesh
+from deepinfer.serving.healthcheck import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = False, **env: str) -> Iterator[Mesh]:
-    """The started mesh (supervised like `deepinfer up`'s when ``supervise``); ``env``: DEEPINFER_* settings."""
+def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = False, http: bool = False,
+                  **env: str) -> Iterator[Mesh]:  # fmt: skip
+    """The started mesh (supervised like `deepinfer up`'s when ``supervise``; the balancer's OpenAI HTTP API with
+    ``http``: ``endpoints["http"]``); ``env``: DEEPINFER_* settings."""
     saved = dict(os.environ)
     for k in [k for k in os.environ if k.startswith("DEEPINFER_")]:
         del os.environ[k]
@@ -27,7 +30,7 @@ def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = F
         }
         | env
     )
-    m = Mesh(model, grpc_port=0, http_port=0, replicas=replicas, log_dir=tmp)
+    m = Mesh(model, grpc_port=0, http_port=free_port() if http else 0, replicas=replicas, log_dir=tmp)
     try:
         m.start()
         if supervise:

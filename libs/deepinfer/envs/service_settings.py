@@ -190,6 +190,11 @@ declare("DEEPINFER_REPLICA_PROBE_S", "float", _SRV, """
     Period of the balancer's health probes of its scheduler replicas. A replica whose probe or stream
     fails leaves routing at once and comes back when a probe finds it SERVING again.""",
     default=0.5, minimum=0.01)
+declare("DEEPINFER_ROUTER_LOAD_TOKENS", "int", _SRV, """
+    Cache-aware routing (docs/routing.md): what one request in flight on a replica weighs against the prompt tokens
+    a replica would not have to prefill. The balancer sends a request to the replica with the least
+    `prompt tokens - tokens its prefix cache holds + DEEPINFER_ROUTER_LOAD_TOKENS x requests in flight there`.
+    Larger: load counts more than cache hits.""", default=1024, minimum=0)
 declare("DEEPINFER_RESTART_MAX_BACKOFF_S", "float", _SRV, """
     `deepinfer up` restarts a service that exits unexpectedly, waiting 0.5 s before the first restart and
     doubling the wait for each further crash of the same service within a minute, up to this.""",

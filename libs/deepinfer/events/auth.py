@@ -18,8 +18,8 @@ every kind        ``$KV.deepinfer_registry.<kind>.>`` (its own           ``_INBO
                   registry keys), ``$JS.API.STREAM.INFO.KV_deepinfer_    each connection's inbox prefix is
                   registry``, ``deepinfer.load.<kind>.>``                ``_INBOX.<user>``, see :func:`inbox_prefix`)
 balancer          consumer create / delete / info on the registry        ``deepinfer.load.>``,
-                  stream, its flow control (``$JS.FC.KV_deepinfer_       ``deepinfer.experts.*``
-                  registry.>``): watching the registry
+                  stream, its flow control (``$JS.FC.KV_deepinfer_       ``deepinfer.experts.*``,
+                  registry.>``): watching the registry                   ``deepinfer.kv.scheduler.>``
 scheduler         ``deepinfer.kv.scheduler.>``, ``deepinfer.experts.*``  ``deepinfer.kv.>``,
                                                                          ``deepinfer.experts.*``
 kvstore           ``deepinfer.kv.kvstore.>``
@@ -27,9 +27,10 @@ worker            ``deepinfer.experts.*``
 ================  =====================================================  ==================================
 
 So only schedulers can write scheduler registry keys (a fake scheduler needs the scheduler password), only the
-kvstore publishes kvstore KV events and only schedulers read KV events. What remains broad: the JetStream API is
-limited to the registry stream (stream info for all; consumer create/delete/info for balancers), but a balancer
-may create any consumer on it (e.g. a durable one, or one delivering elsewhere) and anyone may publish a
+kvstore publishes kvstore KV events and only schedulers read them (a balancer reads the schedulers' device-tier
+ones, to route by cache). What remains broad: the JetStream API is limited to the registry stream (stream info
+for all; consumer create/delete/info for balancers), but a balancer may create any consumer on it (e.g. a
+durable one, or one delivering elsewhere) and anyone may publish a
 ``Nats-Rollup`` header on its own key subject, which can purge the bucket (instances re-register within a third
 of their TTL): registration is authenticated, not tamper-proof between services. ``deepinfer.experts.*`` carries
 no kind token, so any worker or scheduler may publish for any replica. The registry bucket itself is created by
@@ -70,7 +71,7 @@ def permissions(kind: str) -> dict[str, dict[str, list[str]]]:
         consumer = f"{_API}.CONSUMER"
         pub += [f"{consumer}.CREATE.{_STREAM}", f"{consumer}.CREATE.{_STREAM}.>", f"{consumer}.DELETE.{_STREAM}.>",
                 f"{consumer}.INFO.{_STREAM}.>", f"$JS.FC.{_STREAM}.>"]  # fmt: skip
-        sub += [f"{subjects.LOAD}.>"]
+        sub += [f"{subjects.LOAD}.>", f"{subjects.KV}.scheduler.>"]  # loads; the replicas' resume points (routing)
     if kind in ("scheduler", "kvstore"):  # KV events: kvstore tiers, a scheduler's device cache
         pub.append(f"{subjects.KV}.{kind}.>")
     if kind == "scheduler":

@@ -34,8 +34,9 @@ from deepinfer.parallel.launch import start_worker
 from deepinfer.parallel.layout import ranks_of
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.collectors import ExpertBalanceCollector
 from deepinfer.serving.errors import Overloaded
-from deepinfer.serving.metrics import ExpertBalanceCollector, WorkerMetrics, start_metrics_server
+from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
 from deepinfer.serving.step_pipeline import StepPipeline

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x65\x65pinfer/v1/generation.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.deepinfer.v1.ChatInputH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\t\n\x01n\x18\t \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf9\x01\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ChatMessage\x12\x15\n\rthinking_mode\x18\x02 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x03 \x01(\t\x12!\n\x05tools\x18\x04 \x03(\x0b\x32\x12.deepinfer.v1.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xc1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12(\n\x05parts\x18\x07 \x03(\x0b\x32\x19.deepinfer.v1.ContentPart\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.deepinfer.v1.PromptLogprob\x12(\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.deepinfer.v1.Finished\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\":\n\rPromptLogprob\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x99\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.deepinfer.v1.UsageB\r\n\x0bstop_reason\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.deepinfer.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xbb\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\x06 \x01(\x08\x12\x1e\n\x16\x64\x65terministic_sampling\x18\x07 \x01(\x08\x12\x1c\n\x14speculative_decoding\x18\x08 \x01(\x08\x12\x1f\n\x17structured_output_types\x18\t \x03(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12.\n\x0b\x64\x65terminism\x18\x0c \x01(\x0b\x32\x19.deepinfer.v1.Determinism\"\x11\n\x0fGetLoadsRequest\"?\n\x10GetLoadsResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ReplicaLoad2\xfd\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.deepinfer.v1.TokenizeRequest\x1a\x1e.deepinfer.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.deepinfer.v1.GetModelInfoRequest\x1a\x17.deepinfer.v1.ModelInfo\x12I\n\x08GetLoads\x12\x1d.deepinfer.v1.GetLoadsRequest\x1a\x1e.deepinfer.v1.GetLoadsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x65\x65pinfer/v1/generation.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\xaa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.deepinfer.v1.ChatInputH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\t\n\x01n\x18\t \x01(\x05\x12\x12\n\nsession_id\x18\n \x01(\tB\x07\n\x05inputB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf9\x01\n\tChatInput\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ChatMessage\x12\x15\n\rthinking_mode\x18\x02 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x03 \x01(\t\x12!\n\x05tools\x18\x04 \x03(\x0b\x32\x12.deepinfer.v1.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xc1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12(\n\x05parts\x18\x07 \x03(\x0b\x32\x19.deepinfer.v1.ContentPart\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.deepinfer.v1.PromptLogprob\x12(\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.deepinfer.v1.Finished\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\":\n\rPromptLogprob\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x99\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.deepinfer.v1.UsageB\r\n\x0bstop_reason\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.deepinfer.v1.ChatInputH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xbb\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\x06 \x01(\x08\x12\x1e\n\x16\x64\x65terministic_sampling\x18\x07 \x01(\x08\x12\x1c\n\x14speculative_decoding\x18\x08 \x01(\x08\x12\x1f\n\x17structured_output_types\x18\t \x03(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12.\n\x0b\x64\x65terminism\x18\x0c \x01(\x0b\x32\x19.deepinfer.v1.Determinism\"\x11\n\x0fGetLoadsRequest\"?\n\x10GetLoadsResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ReplicaLoad2\xfd\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.deepinfer.v1.TokenizeRequest\x1a\x1e.deepinfer.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.deepinfer.v1.GetModelInfoRequest\x1a\x17.deepinfer.v1.ModelInfo\x12I\n\x08GetLoads\x12\x1d.deepinfer.v1.GetLoadsRequest\x1a\x1e.deepinfer.v1.GetLoadsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepinfer.v1.generation_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=353
-  _globals['_TOKENIDS']._serialized_start=355
-  _globals['_TOKENIDS']._serialized_end=378
-  _globals['_CHATINPUT']._serialized_start=381
-  _globals['_CHATINPUT']._serialized_end=630
-  _globals['_CHATMESSAGE']._serialized_start=633
-  _globals['_CHATMESSAGE']._serialized_end=826
-  _globals['_CONTENTPART']._serialized_start=828
-  _globals['_CONTENTPART']._serialized_end=882
-  _globals['_TOOLCALL']._serialized_start=884
-  _globals['_TOOLCALL']._serialized_end=939
-  _globals['_TOOL']._serialized_start=941
-  _globals['_TOOL']._serialized_end=1002
-  _globals['_GENERATERESPONSE']._serialized_start=1005
-  _globals['_GENERATERESPONSE']._serialized_end=1256
-  _globals['_PROMPTLOGPROB']._serialized_start=1258
-  _globals['_PROMPTLOGPROB']._serialized_end=1316
-  _globals['_FINISHED']._serialized_start=1319
-  _globals['_FINISHED']._serialized_end=1472
-  _globals['_ABORTREQUEST']._serialized_start=1474
-  _globals['_ABORTREQUEST']._serialized_end=1509
-  _globals['_ABORTRESPONSE']._serialized_start=1511
-  _globals['_ABORTRESPONSE']._serialized_end=1543
-  _globals['_TOKENIZEREQUEST']._serialized_start=1545
-  _globals['_TOKENIZEREQUEST']._serialized_end=1628
-  _globals['_TOKENIZERESPONSE']._serialized_start=1630
-  _globals['_TOKENIZERESPONSE']._serialized_end=1683
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1685
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1706
-  _globals['_MODELINFO']._serialized_start=1709
-  _globals['_MODELINFO']._serialized_end=2024
-  _globals['_GETLOADSREQUEST']._serialized_start=2026
-  _globals['_GETLOADSREQUEST']._serialized_end=2043
-  _globals['_GETLOADSRESPONSE']._serialized_start=2045
-  _globals['_GETLOADSRESPONSE']._serialized_end=2108
-  _globals['_GENERATION']._serialized_start=2111
-  _globals['_GENERATION']._serialized_end=2492
+  _globals['_GENERATEREQUEST']._serialized_end=373
+  _globals['_TOKENIDS']._serialized_start=375
+  _globals['_TOKENIDS']._serialized_end=398
+  _globals['_CHATINPUT']._serialized_start=401
+  _globals['_CHATINPUT']._serialized_end=650
+  _globals['_CHATMESSAGE']._serialized_start=653
+  _globals['_CHATMESSAGE']._serialized_end=846
+  _globals['_CONTENTPART']._serialized_start=848
+  _globals['_CONTENTPART']._serialized_end=902
+  _globals['_TOOLCALL']._serialized_start=904
+  _globals['_TOOLCALL']._serialized_end=959
+  _globals['_TOOL']._serialized_start=961
+  _globals['_TOOL']._serialized_end=1022
+  _globals['_GENERATERESPONSE']._serialized_start=1025
+  _globals['_GENERATERESPONSE']._serialized_end=1276
+  _globals['_PROMPTLOGPROB']._serialized_start=1278
+  _globals['_PROMPTLOGPROB']._serialized_end=1336
+  _globals['_FINISHED']._serialized_start=1339
+  _globals['_FINISHED']._serialized_end=1492
+  _globals['_ABORTREQUEST']._serialized_start=1494
+  _globals['_ABORTREQUEST']._serialized_end=1529
+  _globals['_ABORTRESPONSE']._serialized_start=1531
+  _globals['_ABORTRESPONSE']._serialized_end=1563
+  _globals['_TOKENIZEREQUEST']._serialized_start=1565
+  _globals['_TOKENIZEREQUEST']._serialized_end=1648
+  _globals['_TOKENIZERESPONSE']._serialized_start=1650
+  _globals['_TOKENIZERESPONSE']._serialized_end=1703
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1705
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1726
+  _globals['_MODELINFO']._serialized_start=1729
+  _globals['_MODELINFO']._serialized_end=2044
+  _globals['_GETLOADSREQUEST']._serialized_start=2046
+  _globals['_GETLOADSREQUEST']._serialized_end=2063
+  _globals['_GETLOADSRESPONSE']._serialized_start=2065
+  _globals['_GETLOADSRESPONSE']._serialized_end=2128
+  _globals['_GENERATION']._serialized_start=2131
+  _globals['_GENERATION']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,5 @@
 """What speculative decoding achieved, counted by the scheduler from its workers' results (exported by the scheduler
-service as vLLM's ``vllm:spec_decode_*`` metrics: ``serving.metrics.SpeculationCollector``)."""
+service as vLLM's ``vllm:spec_decode_*`` metrics: ``serving.collectors.SpeculationCollector``)."""
 
 from __future__ import annotations
 
