@@ -63,6 +63,19 @@ class Mesh:
     endpoints: dict[str, str] = field(default_factory=dict)
     nats: Any = None  # the NatsServer this mesh started (None when DEEPINFER_NATS_URL names one)
 
+    def worker_args(self, replica: int, port: int, sockets: Path | None) -> tuple[list[str], str]:
+        """A replica's worker command (after ``python -m``), and the address its scheduler dials: a Unix socket in
+        ``sockets`` when given, else TCP."""
+        service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
+        args = [service, "--model", str(self.model), "--host", self.host, "--port", str(port), "--ep", str(self.ranks)]
+        if sockets is None:
+            return args, f"{self.host}:{port}"
+        return [
+            *args,
+            "--unix-socket",
+            str(sockets / f"worker-{replica}.sock"),
+        ], f"unix:{sockets / f'worker-{replica}.sock'}"
+
     def _devices(self, replica: int) -> dict[str, str]:
         """The devices of a replica's worker, through the accelerator's visibility variable (its ranks take devices
         ``0 .. ranks-1`` of those it sees): replica ``r`` the host's devices ``r·ranks ..`` of those listed there
@@ -169,17 +182,11 @@ class Mesh:
         self.endpoints["grammar"] = gaddr
         self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
         schedulers = []
-        worker_service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         sockets = self._socket_dir()
         for r in range(self.replicas):
             wport, sport = self._grpc_port(), self._grpc_port()
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
-            worker_args = [worker_service, "--model", str(self.model), "--host", self.host, "--port", str(wport),
-                           "--ep", str(self.ranks)]  # fmt: skip
-            dial = waddr  # the scheduler's way to its worker: a Unix socket on this host, else TCP
-            if sockets is not None:
-                worker_args += ["--unix-socket", str(sockets / f"worker-{r}.sock")]
-                dial = f"unix:{sockets / f'worker-{r}.sock'}"
+            worker_args, dial = self.worker_args(r, wport, sockets)
             self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r))
             self._spawn(
                 f"scheduler-{r}",

@@ -91,8 +91,7 @@ def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
 def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
     from serving.mesh import free_port
 
-    # the worker of two ranks (expert parallel, attention data parallel: docs/parallelism.md)
-    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0", "--ep", "2"]
+    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0"]
     up = subprocess.run(
         [sys.executable, "-m", "deepinfer", *args], env=_env(tmp_path), capture_output=True, text=True, timeout=300
     )

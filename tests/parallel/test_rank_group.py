@@ -42,12 +42,12 @@ def outputs(llm: LLM) -> list[tuple]:
 @pytest.mark.timeout(600)
 def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """(Two ranks; the sharded model itself is checked on more ranks and on V4.1 in ``test_expert_parallel.py``.)
-    EPLB runs every third step (``DEEPINFER_EPLB_INTERVAL_STEPS``): experts move between the ranks mid-request, and
+    EPLB runs every fifth step (``DEEPINFER_EPLB_INTERVAL_STEPS``): experts move between the ranks mid-request, and
     the outputs stay the single process's."""
     kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
               async_scheduling=True)  # fmt: skip
     want = outputs(LLM(num_pages=64, **kw))
-    monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL_STEPS", "3")
+    monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL_STEPS", "5")
     with LLM(num_pages=5, ep=2, **kw) as llm:
         got = outputs(llm)
         preempted = llm.engine.scheduler.num_preemptions

@@ -28,12 +28,11 @@ def prompts(image_token: int) -> tuple[list[dict], list[SamplingParams]]:
     out = [
         {"prompt_token_ids": SHARED + [5, 6]},
         {"prompt_token_ids": [0, 17, 4242, image_token, 99, 5, 6, 7], "multi_modal_data": {"image": [png(1)]}},
-        {"prompt_token_ids": [(11 * j) % 300 + 3 for j in range(30)]},
         {"prompt_token_ids": SHARED + [5, 6, 7, 8]},  # resumes from r0's prompt
         {"prompt_token_ids": [9, 8, 7]},
     ]
-    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
-    params = [greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=70 + i, max_tokens=6, logprobs=1)
+    greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    params = [greedy if i % 2 == 0 else SamplingParams(temperature=0.8, seed=70 + i, max_tokens=4, logprobs=1)
               for i in range(len(out))]  # fmt: skip
     return out, params
 
@@ -58,7 +57,7 @@ def test_four_ranks_of_v41_give_one_process_outputs(tiny_v41_dir, monkeypatch: p
         tables = [b.engram.embed.weight for b in llm.model.layers if b.engram is not None]
         maps = [open(f"/proc/{p.pid}/maps").read() for p in llm._ranks.procs]
     assert [g[:2] for g in got] == [w[:2] for w in want]
-    assert got[3][2] > 0, "r3 resumed from r0's resume point"
+    assert got[2][2] > 0, "r2 resumed from r0's resume point"
     paths = {shared_host.mapping_of(t) for t in tables}
     assert tables and None not in paths and len(paths) == len(tables)
     for m in maps:  # every other rank maps the same files

@@ -174,7 +174,11 @@ def test_a_dead_follower_rank_ends_the_worker(mesh: Mesh) -> None:
 
 
 def test_up_gives_each_replica_its_own_devices(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``deepinfer up --ep 2``'s workers: each of two ranks (the flag passed on), on devices of its own."""
     from deepinfer.launcher import Mesh as Launched
+
+    args, dial = Launched(tmp_path, ranks=2).worker_args(1, 5000, tmp_path)
+    assert args[args.index("--ep") + 1] == "2" and dial == f"unix:{tmp_path}/worker-1.sock"
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     mesh = Launched(tmp_path, replicas=2, ranks=2, accelerator="nvidia")

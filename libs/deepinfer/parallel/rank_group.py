@@ -120,12 +120,8 @@ class RankGroupRunner:
                                  "yet (the op set's prepared expert weights are not rebuilt after a move)")  # fmt: skip
             self.balancer = ExpertBalancer(runner.model, channel.group, envs.DEEPINFER_EPLB_INTERVAL_STEPS,
                                            envs.DEEPINFER_EPLB_EXTRA_SLOTS)  # fmt: skip
-        self.device, self.remote, self.spec, self.constraints = (
-            runner.device,
-            runner.remote,
-            runner.spec,
-            runner.constraints,
-        )
+        self.device, self.remote = runner.device, runner.remote
+        self.spec, self.constraints = runner.spec, runner.constraints
 
     def launch(self, plan: WorkerStepPlan) -> InFlight:
         """Send each follower its plan (so every rank enters the step's exchanges), then launch rank 0's."""
@@ -189,7 +185,10 @@ class RankGroupRunner:
 
     def waits_for_tokens(self, plan: RankedPlan) -> bool:
         """Rank 0's own rows as its runner says; another rank's structured-output rows always (rank 0 does not see
-        whether their last tokens reached that rank's host)."""
+        whether their last tokens reached that rank's host); a plan that is not one of ranks: no (``launch``
+        refuses it)."""
+        if not isinstance(plan, RankedPlan) or not plan.ranks:
+            return False
         if self.local.runner.waits_for_tokens(plan.ranks[0]):
             return True
         return any(c.constraint is not None for sub in plan.ranks[1:] for c in sub.chunks)
