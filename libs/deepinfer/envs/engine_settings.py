@@ -265,7 +265,8 @@ declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """
     layers, a step's plan or result) before it gives up: a rank that died or hung then fails the worker with an
     error instead of stalling it forever. It must exceed the longest step.""", default=600.0, minimum=1.0)
 declare("DEEPINFER_TORCH_THREADS", "int", _HW, """
-    Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores).
+    Intra-op threads of the worker's torch (the cpu backend's compute). Unset: torch's default (all cores). A worker
+    of several ranks (`DEEPINFER_EP`) on the cpu backend divides them (unset: the cores) among its ranks.
     `deepinfer up` on the cpu backend sets it to the core count minus one, so that the scheduler and the
     balancer on the same machine keep a core: oversubscribed OpenMP threads cost far more than one thread
     less (see bench/results/serving/mesh_overhead_cpu.md).""", minimum=1)

@@ -81,11 +81,17 @@ def start_worker(ranks: int, accelerator: str | None = None, **build: Any) -> tu
         return build_worker(accelerator=accelerator, **build), None
     dtype = build.get("dtype", "auto")
     args = {**build, "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")}
-    procs = RankProcesses.start(ranks, args, accelerator)
+    env = {}
+    if accelerator == "cpu":  # the ranks of one host share its cores (DEEPINFER_TORCH_THREADS: the worker's in all)
+        share = max(1, (envs.DEEPINFER_TORCH_THREADS or os.cpu_count() or 1) // ranks)
+        env["DEEPINFER_TORCH_THREADS"] = str(share)
+    procs = RankProcesses.start(ranks, args, accelerator, env)
     group = None
     try:
         group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel)
         parts = build_worker(accelerator=accelerator, ep=group, **build)
+        if env:
+            torch.set_num_threads(int(env["DEEPINFER_TORCH_THREADS"]))
         same_pages(parts.num_pages, procs.channel)  # (every rank built: what they share is mapped by all)
         shared_host.release(group.host_key)
         parts = dataclasses.replace(parts, runner=RankGroupRunner(RankRunner(parts.runner), procs.channel, ranks))
@@ -108,16 +114,17 @@ class RankProcesses:
     channel: Channel | None = None
 
     @classmethod
-    def start(cls, world: int, args: dict[str, object], accelerator: str) -> RankProcesses:
-        """Start ranks ``1 .. world-1`` (``deepinfer rank``, with the build arguments ``args``; None: left out) and
-        join the group as rank 0."""
+    def start(cls, world: int, args: dict[str, object], accelerator: str, env: dict[str, str] | None = None
+              ) -> RankProcesses:  # fmt: skip
+        """Start ranks ``1 .. world-1`` (``deepinfer rank``, with the build arguments ``args``; None: left out; and
+        this process's environment with ``env``) and join the group as rank 0."""
         port = free_port()
         flags = [x for k, v in args.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
         out = cls(world)
         for r in range(1, world):
             cmd = [sys.executable, "-m", "deepinfer", "rank", "--rank", str(r), "--world", str(world), "--port",
                    str(port), "--accelerator", accelerator, *flags]  # fmt: skip
-            out.procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+            out.procs.append(subprocess.Popen(cmd, env={**os.environ, **(env or {})}))
         try:
             out.channel = join(0, world, port, accelerator)
         except Exception:
