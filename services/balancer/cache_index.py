@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepinfer.engine.prefix_cache import root_hash
+from deepinfer.engine.prefix_cache import page_hashes, root_hash
 from deepinfer.engine.remote_index import RemoteIndex
 from deepinfer.events import subjects
 from deepinfer.events.bus import EventBus
@@ -75,14 +75,19 @@ class CacheIndex:
 
     def cached(self, addresses: Sequence[str], tokens: Sequence[int], salt: str | None) -> dict[str, int]:
         """The prompt tokens each replica holds a resume point for (0: none known)."""
-        out = {}
+        out, chains = {}, {}  # the prompt's chain, hashed once per (fingerprint, page size): replicas of one model
+        limit = len(tokens) - 1
         for address in addresses:
             got = self._by_address.get(address)
-            if got is None or len(tokens) < 2:
+            if got is None or limit < 1:
                 out[address] = 0
                 continue
             index = got[1]
-            hit = index.lookup(tokens, root_hash(index.fingerprint, salt), len(tokens) - 1)
+            key = (index.fingerprint, index.page_size)
+            root = root_hash(index.fingerprint, salt)
+            if key not in chains:
+                chains[key] = page_hashes(tokens, root, index.page_size, limit // index.page_size)
+            hit = index.lookup(tokens, root, limit, chains[key])
             out[address] = hit.position if hit is not None else 0
         return out
 

@@ -8,13 +8,16 @@ import pytest
 from deepinfer import SamplingParams
 from deepinfer.engine.data_parallel import DataParallelScheduler
 from deepinfer.engine.interfaces import RankedPlan, WorkerStepPlan
+from deepinfer.engine.scheduler_config import SchedulerConfig
+
+
+def scheduler_config(max_num_seqs: int) -> SchedulerConfig:
+    return SchedulerConfig(page_size=16, max_model_len=512, eos_token_id=1, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=64, prefix_caching=True)  # fmt: skip
 
 
 def test_placement_goes_to_the_least_loaded_rank() -> None:
-    from deepinfer.engine.scheduler_config import SchedulerConfig
-
-    config = SchedulerConfig(page_size=16, max_model_len=512, eos_token_id=1, max_num_seqs=8,
-                             max_num_batched_tokens=64, prefix_caching=True)  # fmt: skip
+    config = scheduler_config(max_num_seqs=8)
     dp = DataParallelScheduler(config, 32, 3)
     dp.add("a", list(range(3, 40)), SamplingParams(max_tokens=4))
     dp.add("b", list(range(3, 20)), SamplingParams(max_tokens=4))
@@ -27,10 +30,7 @@ def test_placement_goes_to_the_least_loaded_rank() -> None:
 
 
 def test_a_step_is_every_ranks_plan_with_the_same_number() -> None:
-    from deepinfer.engine.scheduler_config import SchedulerConfig
-
-    config = SchedulerConfig(page_size=16, max_model_len=512, eos_token_id=1, max_num_seqs=8,
-                             max_num_batched_tokens=64, prefix_caching=True)  # fmt: skip
+    config = scheduler_config(max_num_seqs=8)
     dp = DataParallelScheduler(config, 32, 2)
     dp.add("a", list(range(3, 40)), SamplingParams(max_tokens=4))
     plan = dp.schedule()
@@ -44,10 +44,8 @@ def test_a_rank_with_room_takes_what_another_has_not_started() -> None:
     """One sequence a rank: ``c`` waits on rank 0 behind ``a`` while rank 1's ``b`` ends at its first token; the next
     step rank 1 runs ``c``. A request whose prompt rank 0 holds in its prefix cache stays there."""
     from deepinfer.engine.interfaces import SeqResult, StepResult
-    from deepinfer.engine.scheduler_config import SchedulerConfig
 
-    config = SchedulerConfig(page_size=16, max_model_len=512, eos_token_id=1, max_num_seqs=1,
-                             max_num_batched_tokens=64, prefix_caching=True)  # fmt: skip
+    config = scheduler_config(max_num_seqs=1)
     dp = DataParallelScheduler(config, 32, 2)
     dp.add("a", list(range(3, 13)), SamplingParams(max_tokens=20))
     dp.add("b", list(range(3, 33)), SamplingParams(max_tokens=1))

@@ -64,13 +64,16 @@ class RemoteIndex:
             if not group:
                 del self._by_anchor[entry.anchor]
 
-    def lookup(self, tokens: Sequence[int], root: bytes, limit: int) -> RemoteEntry | None:
+    def lookup(self, tokens: Sequence[int], root: bytes, limit: int, hashes: Sequence[bytes] | None = None
+               ) -> RemoteEntry | None:  # fmt: skip
         """The longest entry whose tokens are a prefix of ``tokens`` (position at most ``limit``) under ``root``,
-        with its key derived; it becomes the most recently used."""
+        with its key derived; it becomes the most recently used. ``hashes``: the chain ``page_hashes`` gives for
+        these arguments, when the caller has it already."""
         if not self._lru or limit <= 0:
             return None
         ps, fp = self.page_size, self.fingerprint
-        hashes = page_hashes(tokens, root, ps, limit // ps)
+        if hashes is None:
+            hashes = page_hashes(tokens, root, ps, limit // ps)
         for k in range(len(hashes) - 1, -1, -1):
             group = self._by_anchor.get(anchor(hashes[k]))
             if not group:
