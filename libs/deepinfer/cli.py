@@ -79,6 +79,21 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def replica_roles(replicas: int | None, prefill: int, decode: int) -> list[str]:
+    """Each replica's role for ``deepinfer up``: ``replicas`` mixed ones (default 1), and with disaggregation
+    ``prefill`` prefill and ``decode`` decode replicas (at least one of each; mixed ones then only as many as
+    ``replicas`` says, default none). Raises ValueError naming the option."""
+    if min(replicas or 0, prefill, decode) < 0:
+        raise ValueError("--replicas, --prefill-replicas and --decode-replicas must not be negative")
+    if not prefill and not decode:
+        if replicas is not None and replicas < 1:
+            raise ValueError("--replicas: at least one replica")
+        return ["mixed"] * (1 if replicas is None else replicas)
+    if not prefill or not decode:
+        raise ValueError("--prefill-replicas and --decode-replicas: disaggregation needs at least one of each")
+    return ["prefill"] * prefill + ["decode"] * decode + ["mixed"] * (replicas or 0)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
     import tempfile
@@ -88,6 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         ranks = ranks_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention, args.tp)
+        roles = replica_roles(args.replicas, args.prefill_replicas, args.decode_replicas)
     except ValueError as e:
         print(f"deepinfer up: {e}", file=sys.stderr)
         return 2
@@ -98,7 +114,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
-        replicas=args.replicas,
+        replicas=len(roles),
+        roles=roles,
         ranks=ranks,
         served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
@@ -261,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--grpc-port", type=int, default=50051)
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
-    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--replicas", type=int, help="replicas serving whole requests (default 1; none with disaggregation)")
+    s.add_argument("--prefill-replicas", type=int, default=0, help="prefill/decode disaggregation: replicas that "
+                   "prefill prompts and hand them off (with --decode-replicas; docs/routing.md)")  # fmt: skip
+    s.add_argument("--decode-replicas", type=int, default=0, help="replicas that decode what prefill replicas hand off")
     s.add_argument("--ep", type=int, help="ranks of each replica's worker, one device each, the MoE experts shared "
                    "among them (default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
     s.add_argument("--dp-attention", type=int, help="ranks attending over their own sequences (the same as --ep)")

@@ -45,6 +45,7 @@ class Mesh:
     grpc_port: int = 50051  # the balancer's (0: a free port, reserved until it serves)
     http_port: int = 8000
     replicas: int = 1
+    roles: list[str] = field(default_factory=list)  # each replica's (mixed, prefill, decode); empty: all mixed
     ranks: int = 1  # of each replica's worker (``--ep``): one process and one device each
     accelerator: str = "cpu"
     log_dir: Path | None = None
@@ -188,9 +189,10 @@ class Mesh:
             waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
             worker_args, dial = self.worker_args(r, wport, sockets)
             self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r))
+            role = self.roles[r] if r < len(self.roles) else "mixed"
             self._spawn(
                 f"scheduler-{r}",
-                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport)],
+                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport), "--role", role],
                 saddr,
             )
             schedulers += ["--scheduler", saddr]
@@ -215,6 +217,15 @@ class Mesh:
         if self.http_port > 0:
             self.endpoints["http"] = f"http://{self.host}:{self.http_port}/v1"
         return self
+
+    def add_balancer(self, name: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+        """Another balancer in front of the started mesh's replicas, as ``name`` with ``env`` (e.g. another routing
+        policy), supervised like the rest: its gRPC address and its OpenAI base URL."""
+        args = list(self.specs["balancer"][0])
+        gport, hport = self._grpc_port(), self._port()
+        args[args.index("--grpc-port") + 1], args[args.index("--http-port") + 1] = str(gport), str(hport)
+        self._spawn(name, args, f"{self.host}:{gport}", env)
+        return f"{self.host}:{gport}", f"http://{self.host}:{hport}/v1"
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs if p.poll() is not None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -40,6 +41,16 @@ _tracer = tracer(__name__)
 MOVABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED})
 
 
+@dataclass
+class Hop:
+    """What one submission of a request to a replica is: the prefill half of a disaggregated request (``hand_off``),
+    its decode half (``decodes``, from the state exported at ``resume_position``), or a whole request."""
+
+    hand_off: bool = False
+    resume_position: int = 0
+    decodes: bool = False
+
+
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
@@ -64,6 +75,7 @@ class Balancer:
         self.image_placeholder = None if image_token_id is None else tokenizer.id_to_token(image_token_id)
         self.metrics = metrics if metrics is not None else METRICS
         self.pool = ReplicaSet(replicas)
+        self.pool.on_probed.append(self._count_roles)
         # the replicas' resume points (fed from NATS by discovery): cache-aware routing
         self.cache = CacheIndex(on_change=lambda a, n: self.metrics.cache_index.labels(info.model, a).set(n))
         self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
@@ -79,6 +91,11 @@ class Balancer:
     def set_replicas(self, addresses: list[str]) -> None:
         """Route to exactly these scheduler replicas (kept ones keep their channel and counters)."""
         self.pool.set(addresses)
+
+    def _count_roles(self) -> None:
+        for role in ("mixed", "prefill", "decode", None):
+            n = sum(1 for r in self.pool.routable() if r.role == role)
+            self.metrics.replicas.labels(self.info.model, role or "unknown").set(n)
 
     def ready(self) -> bool:
         """Whether a request could be served now: not draining, and some replica is routable."""
@@ -192,43 +209,74 @@ class Balancer:
         relay = Relay(rid, prompt[0], params, self.tokenizer, prompt[1])
         relay.hints = prompt[2]
         metadata = inject_metadata(trace.set_span_in_context(span))
-        (prefer, shared, hint), attempt = route, 0
+        (prefer, shared, hint), attempt, moves = route, 0, 0
         hint = hint if hint is not None else RouteHint()
-        replica = self._route(self.pool.pick, prefer, hint)
+        # disaggregation: the prompt on a prefill replica, the rest on a decode replica (docs/routing.md)
+        split = prefer is None and not shared and not relay.images and params.prompt_logprobs is None
+        hop = Hop(hand_off=split and self.pool.disaggregated())
+        replica = self._route(self.pool.pick, prefer, hint, "prefill" if hop.hand_off else None)
         self.metrics.routes.labels(self.info.model, hint.reason).inc()
         while True:
             left = None if deadline is None else deadline - loop.time()
             replica.in_flight += 1
             self._where[rid] = replica
-            submit = relay.submit(request, constraint, attempt, shared)
+            submit = relay.submit(request, constraint, attempt, shared, hop.hand_off, hop.resume_position)
             call = replica.stub.Submit(submit, timeout=left, metadata=metadata)
+            error, handoff = None, None
             try:
                 async for ev in call:
-                    out = relay.response(ev)
+                    if ev.HasField("handoff"):  # its first token is out: the rest goes to a decode replica
+                        handoff = ev.handoff.position
+                        if relay.prefill_cached is None:  # (the prefill's, not a later handoff's)
+                            relay.prefill_cached = (ev.cached_tokens, ev.cached_tier)
+                        ev.ClearField("handoff")
+                    out = relay.response(ev) if handoff is None or ev.token_ids else None
                     if out is not None:
-                        if attempt and out.HasField("finished"):
-                            self.metrics.migrations.labels(self.info.model, ev.cached_tier or "recompute").inc()
+                        if out.HasField("finished"):
+                            self._count_end(hop, attempt, ev)
                         yield out
                         if out.HasField("finished"):
                             return
-                error = _unavailable(f"replica {replica.address} ended the stream without finishing")
+                    if handoff is not None:
+                        break
+                else:
+                    error = _unavailable(f"replica {replica.address} ended the stream without finishing")
             except grpc.aio.AioRpcError as e:
                 error = e
             finally:
                 call.cancel()  # stop string or caller gone: the replica frees the request's pages
                 replica.in_flight -= 1
                 self._where.pop(rid, None)
-            if error.code() not in MOVABLE or attempt >= envs.DEEPINFER_MIGRATION_LIMIT:
-                raise error
-            self.pool.failed(replica, f"{error.code().name}: {error.details()}")
             attempt += 1
-            log.warning("request_moving", request_id=rid, replica=replica.address, attempt=attempt,
+            if error is None:  # handed off (its first token out, or its replica drains): on from the exported state
+                hop = Hop(resume_position=handoff, decodes=True)
+                replica = await self._move(relay, deadline, "decode" if self.pool.routable("decode") else None)
+                continue
+            if error.code() not in MOVABLE or moves >= envs.DEEPINFER_MIGRATION_LIMIT:
+                raise error
+            moves += 1
+            self.pool.failed(replica, f"{error.code().name}: {error.details()}")
+            log.warning("request_moving", request_id=rid, replica=replica.address, attempt=moves,
                         sent_tokens=len(relay.generated), error=error.code().name)  # fmt: skip
-            # a request that has sent nothing yet goes where it can be served now, like a new one; one that has
-            # streamed tokens waits for a replica (the restarted one, with one replica)
-            wait = envs.DEEPINFER_MIGRATION_WAIT_S if relay.started else 0.0
-            wait = wait if deadline is None else min(wait, deadline - loop.time())
-            replica = self._route(self.pool.pick) if wait <= 0 else await self._wait_route(wait)
+            again = split and not relay.generated and self.pool.disaggregated()  # prefill again, elsewhere
+            hop = Hop(hand_off=True) if again else Hop(resume_position=hop.resume_position, decodes=hop.decodes)
+            replica = await self._move(relay, deadline, "prefill" if hop.hand_off else None)
+
+    def _count_end(self, hop: Hop, attempt: int, ev: scheduler_pb2.TokenEvent) -> None:
+        """Count how a request that changed replicas got its state there: a handoff, or a move after a failure."""
+        if hop.decodes:
+            self.metrics.handoffs.labels(self.info.model, ev.cached_tier or "recompute").inc()
+        elif attempt:
+            self.metrics.migrations.labels(self.info.model, ev.cached_tier or "recompute").inc()
+
+    async def _move(self, relay: Relay, deadline: float | None, role: str | None) -> Replica:
+        """The replica a request moves to after its replica failed. One that has sent nothing yet goes where it can
+        be served now, like a new one; one that has streamed tokens waits for a replica (the restarted one, with one
+        replica) up to ``DEEPINFER_MIGRATION_WAIT_S``."""
+        loop = asyncio.get_running_loop()
+        wait = envs.DEEPINFER_MIGRATION_WAIT_S if relay.started else 0.0
+        wait = wait if deadline is None else min(wait, deadline - loop.time())
+        return self._route(self.pool.pick, None, None, role) if wait <= 0 else await self._wait_route(wait)
 
     def _route(self, pick: Callable[..., Replica], *args: object) -> Replica:
         try:

@@ -30,6 +30,9 @@ class Relay:
         # speculative decoding: drafts verified and accepted on the current replica so far (its events' counts), and
         # on the replicas before it (a moved request)
         self.drafts, self.drafts_before = (0, 0), (0, 0)
+        # disaggregation: the prompt tokens the prefill replica's cache served, and its tier (the usage reports them:
+        # the decode replica resumes from the exported state, which is not a prefix-cache hit)
+        self.prefill_cached: tuple[int, str] | None = None
 
     def response(self, ev: scheduler_pb2.TokenEvent) -> generation_pb2.GenerateResponse | None:
         """The caller's message for one replica event (None: nothing to send yet). A message with ``finished``
@@ -75,9 +78,10 @@ class Relay:
                 f.stop_token_id = ev.stop_token_id
         n_in, n_out = self.num_prompt_tokens, len(self.generated)
         f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.total_tokens = n_in, n_out, n_in + n_out
-        f.usage.cached_tokens = ev.cached_tokens
-        if ev.cached_tokens and ev.cached_tier:
-            f.usage.cached_tokens_by_tier[ev.cached_tier] = ev.cached_tokens
+        cached, tier = self.prefill_cached if self.prefill_cached is not None else (ev.cached_tokens, ev.cached_tier)
+        f.usage.cached_tokens = cached
+        if cached and tier:
+            f.usage.cached_tokens_by_tier[tier] = cached
         f.usage.draft_tokens = self.drafts_before[0] + self.drafts[0]
         f.usage.accepted_draft_tokens = self.drafts_before[1] + self.drafts[1]
 
@@ -89,11 +93,12 @@ class Relay:
 
     def submit(
         self, request: generation_pb2.GenerateRequest, constraint: common_pb2.Constraint | None, attempt: int,
-        shared: bool = False,
+        shared: bool = False, hand_off: bool = False, resume_position: int = 0,
     ) -> scheduler_pb2.SubmitRequest:  # fmt: skip
         """The replica's request: on a move (``attempt`` > 0) with the tokens sent so far, under a fresh id, and
         without prompt logprobs (the caller has them). ``shared``: more requests for this prompt follow, so the
-        replica keeps a resume point one token short of the prompt's end (the first sample of ``n``)."""
+        replica keeps a resume point one token short of the prompt's end (the first sample of ``n``).
+        Disaggregation: ``hand_off`` to a prefill replica, ``resume_position`` (its export) to a decode replica."""
         if attempt:  # the lost replica's drafts count; the next one reports its own from 0
             self.drafts_before = (self.drafts_before[0] + self.drafts[0], self.drafts_before[1] + self.drafts[1])
             self.drafts = (0, 0)
@@ -112,4 +117,6 @@ class Relay:
             output_token_ids=self.generated if attempt else (),
             images=self.images,
             resume_hints=self.resume_hints(shared and not attempt),
+            hand_off=hand_off,
+            resume_position=resume_position,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,7 +21,7 @@ from deepinfer import envs
 from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.errors import Unavailable
 from deepinfer.telemetry import get_logger
-from deepinfer.v1 import scheduler_pb2_grpc
+from deepinfer.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -47,6 +47,7 @@ class Replica:
     healthy: bool = True  # routable: its last probe said SERVING and no stream failed since
     late_probes: int = 0  # health probes in a row that timed out
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
+    role: str | None = None  # mixed, prefill or decode (GetReplicaInfo, asked once it serves); None: not known yet
 
     @classmethod
     def connect(cls, address: str) -> Replica:
@@ -68,6 +69,12 @@ class Replica:
             self.late_probes += 1
             return self.healthy and self.late_probes < patience
         self.late_probes = 0
+        if res.status == SERVING and self.role is None:
+            try:
+                info = await self.stub.GetReplicaInfo(scheduler_pb2.GetReplicaInfoRequest(), timeout=timeout)
+                self.role = info.role or "mixed"
+            except grpc.aio.AioRpcError:
+                pass  # asked again with the next probe; routed as mixed meanwhile
         return res.status == SERVING
 
 
@@ -78,6 +85,7 @@ class ReplicaSet:
         self.replicas: list[Replica] = []
         self._rr = itertools.count()
         self._task: asyncio.Task | None = None
+        self.on_probed: list[Callable[[], None]] = []  # called after each round of probes (the role gauge)
         self.set(list(addresses))
 
     def set(self, addresses: list[str]) -> None:
@@ -88,28 +96,40 @@ class ReplicaSet:
             if gone.channel is not None and _has_loop():
                 asyncio.get_running_loop().create_task(_close_when_idle(gone))
 
-    def routable(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
+    def routable(self, role: str | None = None) -> list[Replica]:
+        """The replicas that serve now (of ``role`` only, when given: ``prefill`` or ``decode``)."""
+        return [r for r in self.replicas if r.healthy and (role is None or r.role == role)]
 
-    def pick(self, prefer: str | None = None, hint: RouteHint | None = None) -> Replica:
+    def disaggregated(self) -> bool:
+        """Whether a prefill and a decode replica serve now: requests then prefill on one and decode on the other."""
+        return bool(self.routable("prefill")) and bool(self.routable("decode"))
+
+    def pick(self, prefer: str | None = None, hint: RouteHint | None = None, role: str | None = None) -> Replica:
         """The replica for a request (docs/routing.md); ``prefer`` (an address) wins while it is routable (the
         samples of one prompt go where its prefix is cached). ``hint``: what cache-aware routing knows of the
-        request; its ``reason`` is set to what chose the replica."""
-        ready = self.routable()
+        request; its ``reason`` is set to what chose the replica. ``role``: among the replicas of that role only
+        (disaggregation); without one, a prefill replica only while no other serves."""
+        ready = self.routable(role)
+        if role is None and any(r.role != "prefill" for r in ready):
+            ready = [r for r in ready if r.role != "prefill"]  # whole requests go to mixed and decode replicas
         if not ready:
             why = "no scheduler replica is registered" if not self.replicas else "no scheduler replica is serving"
-            raise Unavailable(why)
+            raise Unavailable(why if role is None else f"no {role} replica is serving")
         hint = hint if hint is not None else RouteHint()
         if prefer is not None and (same := next((r for r in ready if r.address == prefer), None)) is not None:
             hint.reason = "prefer"
             return same
         start = next(self._rr) % len(ready)
         ready = ready[start:] + ready[:start]  # ties: round robin
-        if any(hint.cached.get(r.address, 0) for r in ready):
+        policy = envs.DEEPINFER_ROUTER_POLICY
+        if policy == "round_robin":
+            hint.reason = "round_robin"
+            return ready[0]
+        if policy == "cache" and any(hint.cached.get(r.address, 0) for r in ready):
             hint.reason = "cache"
             w = envs.DEEPINFER_ROUTER_LOAD_TOKENS
             return min(ready, key=lambda r: hint.prompt_len - hint.cached.get(r.address, 0) + w * r.in_flight)
-        if hint.session:
+        if policy == "cache" and hint.session:
             hint.reason = "session"  # rendezvous hashing: stable while replicas come and go
             return max(ready, key=lambda r: hashlib.blake2b(f"{hint.session}|{r.address}".encode()).digest())
         hint.reason = "load"
@@ -140,6 +160,8 @@ class ReplicaSet:
             if ok != r.healthy:
                 log.info("replica_up" if ok else "replica_down", replica=r.address, reason="health probe")
             r.healthy = ok
+        for cb in self.on_probed:
+            cb()
 
     def start(self, period_s: float | None = None) -> None:
         period = envs.DEEPINFER_REPLICA_PROBE_S if period_s is None else period_s

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, help="seconds to finish running requests on SIGTERM "
                    "(default: DEEPINFER_DRAIN_GRACE_S)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
+                   help="what the balancer routes here: whole requests, or one side of prefill/decode disaggregation "
+                   "(prefill and decode need a kvstore: DEEPINFER_KVSTORE_URL)")  # fmt: skip
     return p
 
 
@@ -33,7 +36,9 @@ def main() -> int:
         return 2
     try:
         grace = envs.DEEPINFER_DRAIN_GRACE_S if args.grace is None else args.grace
-        asyncio.run(run_scheduler(args.worker, args.host, args.port, args.max_queued, grace, args.metrics_port))
+        asyncio.run(
+            run_scheduler(args.worker, args.host, args.port, args.max_queued, grace, args.metrics_port, args.role)
+        )
     finally:
         provider.shutdown()  # flushes the spans still batched
     return 0

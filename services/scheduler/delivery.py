@@ -80,7 +80,10 @@ def token_events(
             entry.entries.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.items())
     for req in finished:
         ev = events.setdefault(req.request_id, scheduler_pb2.TokenEvent(request_id=req.request_id))
-        ev.finish_reason = FINISH[req.finish_reason or "stop"]
+        if req.finish_reason == "handoff":  # the stream ends without a finish reason: it goes on elsewhere
+            ev.handoff.position = req.handoff_position or 0
+        else:
+            ev.finish_reason = FINISH[req.finish_reason or "stop"]
         ev.cached_tokens = req.num_cached_tokens
         ev.cached_tier = req.cache_tier or ""
         ev.draft_tokens, ev.accepted_draft_tokens = req.num_draft_tokens, req.num_accepted_tokens

@@ -33,8 +33,9 @@ async def _first_info(worker: RemoteWorker) -> worker_pb2.WorkerInfo:
 
 
 async def run_scheduler(
-    worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0
-) -> None:
+    worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0,
+    role: str = "mixed",
+) -> None:  # fmt: skip
     """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
     ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``)."""
     from deepinfer.engine.pages import PagePool
@@ -59,14 +60,17 @@ async def run_scheduler(
         scheduler = DataParallelScheduler(config, info.num_pages, info.world_size)
     else:
         scheduler = Scheduler(config, PagePool(info.num_pages))
+    if role != "mixed" and scheduler.remote is None:  # the handoff's state moves through the kvstore
+        raise SystemExit(f"scheduler --role {role}: the worker has no kvstore (DEEPINFER_KVSTORE_URL) or prefix cache")
     service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
-    service.worker_info = info
+    service.worker_info, service.role = info, role
     stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
     tasks: list[asyncio.Task] = []
     registration = Registration(
         instance_id("scheduler"),
         "scheduler",
         advertised(host, port),
+        role=role,
         model=info.model,
         capacity={"max_queued": max_queued, "num_pages": info.num_pages, "worker": worker_address},
     )
@@ -92,8 +96,10 @@ async def run_scheduler(
         await presence.start()
 
     async def drain(grace: float) -> None:  # leave the registry first: no balancer routes here any more
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         await presence.close()
-        await service.drain(grace)
+        await service.drain(max(0.0, grace - (loop.time() - start)))  # within the grace serve() allows
 
     svc = Service("deepinfer.v1.Scheduler", service, scheduler_pb2_grpc.add_SchedulerServicer_to_server)
     try:

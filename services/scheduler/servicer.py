@@ -30,7 +30,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.step_loop import StepLoop, Turn
 from deepinfer.rpc.channel import Backoff
 from deepinfer.rpc.convert import constraint_from_proto, sampling_from_proto
-from deepinfer.serving.errors import Overloaded, RequestFailed, Unavailable
+from deepinfer.serving.errors import Overloaded, Precondition, RequestFailed, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import status_for
 from deepinfer.serving.tracing import RequestTrace, extract_metadata
@@ -54,6 +54,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.scheduler, self.worker, self.vocab_size, self.max_queued = scheduler, worker, vocab_size, max_queued
         self.metrics = metrics if metrics is not None else SchedulerMetrics("")
         self.worker_info: worker_pb2.WorkerInfo | None = None  # set once the worker answered GetWorkerInfo
+        self.role = "mixed"  # what the balancer routes here: mixed, prefill or decode (docs/routing.md)
         s = scheduler
         self.metrics.bind(
             running=lambda: len(s.running),
@@ -247,7 +248,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ValueError(f"output_token_ids: ids outside the vocabulary [0, {self.vocab_size})")
         hints = list(request.resume_hints)  # positions of the prompt as sent: past an image, moved by its span
         hints = hints if mm is None else mm.expand_positions(hints)
-        self.scheduler.add(request.request_id, ids, params, salt, hints, constraint, out, mm=mm)
+        if (request.hand_off or request.resume_position) and self.scheduler.remote is None:
+            what = "hand_off" if request.hand_off else "resume_position"
+            raise Precondition(f"{what}: this replica has no kvstore (DEEPINFER_KVSTORE_URL) or no prefix cache")
+        self.scheduler.add(request.request_id, ids, params, salt, hints, constraint, out, mm=mm,
+                           hand_off=request.hand_off, resume_position=request.resume_position)  # fmt: skip
 
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -285,9 +290,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         self.metrics.outcome(outcome)
                     await context.abort(*status_for(ev))
                     return
-                done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or ev.HasField("handoff")
                 if done:
                     outcome = "aborted" if ev.finish_reason == common_pb2.FINISH_REASON_ABORT else "finished"
+                    outcome = "handed_off" if ev.HasField("handoff") else outcome
                     trace_.finished = time.time_ns()
                     self.metrics.outcome(outcome)
                 yield ev
@@ -327,11 +333,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.DrainResponse(remaining_requests=len(self.streams))
 
     async def drain(self, grace_s: float) -> None:
-        """Stop admitting; let running requests finish for up to ``grace_s``, then abort the rest."""
+        """Stop admitting; let running requests finish for up to ``grace_s``, minus its last seconds (at most 5, at
+        most half), in which the rest hand off: each ends its stream with a handoff, its state exported to the
+        kvstore where there is one, and the balancer continues it on another replica from there (else recomputed:
+        ``engine.handoff``). Whatever is left when ``grace_s`` is over is aborted."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
+        move_at, moved = deadline - min(5.0, grace_s / 2), False
         while self.scheduler.has_unfinished() and loop.time() < deadline and self.dead is None:
+            if not moved and loop.time() >= move_at:
+                moved = True
+                self.scheduler.hand_off_all()
+                self.wakeup.set()
             await asyncio.sleep(0.05)
         self.scheduler.abort(list(self.scheduler.requests))
         for rid, q in list(self.streams.items()):
@@ -364,5 +378,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if w is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's worker has not reported yet")
         return scheduler_pb2.ReplicaInfo(
-            model=w.model, accelerator=w.accelerator, dtype=w.dtype, world_size=w.world_size, determinism=w.determinism
-        )
+            model=w.model, accelerator=w.accelerator, dtype=w.dtype, world_size=w.world_size,
+            determinism=w.determinism, role=self.role,
+        )  # fmt: skip

@@ -248,6 +248,16 @@ def test_thinking_chat_turns_resume_after_the_assistant_token(model_dir):
     assert cold.outputs[0].token_ids == second.outputs[0].token_ids
 
 
+def test_conversations_with_one_system_message_share_its_state(model_dir):
+    llm = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=PS, batch_invariant=True)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    system = {"role": "system", "content": "You answer in one word, politely and without any punctuation."}
+    (a,) = llm.chat([system, {"role": "user", "content": "Name a colour."}], params)
+    (b,) = llm.chat([system, {"role": "user", "content": "Name a fruit."}], params)
+    end = a.prompt_token_ids.index(llm.tokenizer.token_to_id("<｜User｜>"))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == end > 1  # another user: the system message's state
+
+
 @pytest.mark.parametrize("replay", [20, 64])
 def test_compact_mode_replays_the_last_tokens_and_its_drift_is_measured(model_dir, monkeypatch, replay, capsys):
     """DeepInfer's compact mode: resume points keep only pages, a hit replays ``replay`` tokens with a truncated

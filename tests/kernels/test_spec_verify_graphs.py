@@ -341,4 +341,6 @@ def test_one_attention_call_attends_as_the_sub_steps_on_the_gpu() -> None:
         assert len(subs) == len(fused)
         for i, (a, b) in enumerate(zip(subs, fused)):
             a, b = a.float(), b.float()
-            assert (a - b).abs().max() <= 1e-4 * max(1.0, float(a.abs().max())), i
+            assert a.shape == b.shape, i
+            if a.numel():  # (a state part some layer kinds leave empty)
+                assert (a - b).abs().max() <= 1e-4 * max(1.0, float(a.abs().max())), i

@@ -54,6 +54,17 @@ def test_the_choice_of_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(moved[s] == a for s, a in first.items() if a != "r1") and "r1" not in moved.values()
 
 
+def test_the_policies_to_measure_against(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = replicas(0, 3, 1)
+    monkeypatch.setenv("DEEPINFER_ROUTER_POLICY", "load")  # the cache and the session are not looked at
+    hint = RouteHint(1000, {"r1": 999}, session="s")
+    assert pool.pick(hint=hint).address == "r0" and hint.reason == "load"
+    monkeypatch.setenv("DEEPINFER_ROUTER_POLICY", "round_robin")
+    picked = [pool.pick(hint=RouteHint(1000, {"r1": 999})).address for _ in range(6)]
+    assert sorted(picked) == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    assert pool.pick("r2", RouteHint(10)).address == "r2"  # the samples of one prompt still go together
+
+
 def test_the_index_follows_a_replicas_resume_points() -> None:
     """A scheduler's own KV events (``kv_listeners``, as ``DeviceKVPublisher`` sends them) fill the index; a prompt
     that extends a resume point's tokens is a hit at its position, another prompt or salt is not, removal

@@ -71,13 +71,15 @@ class DataParallelScheduler:
         constraint: Constraint | None = None,
         output_token_ids: Sequence[int] = (),
         mm: MultiModalInput | None = None,
+        hand_off: bool = False,
+        resume_position: int = 0,
     ) -> None:
         """``Scheduler.add`` on the rank chosen for the request (module docstring)."""
         if request_id in self.rank_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
         r = self.place(prompt_token_ids, cache_salt, mm is not None)
         self.ranks[r].add(request_id, prompt_token_ids, params, cache_salt, resume_hints, constraint,
-                          output_token_ids, mm)  # fmt: skip
+                          output_token_ids, mm, hand_off, resume_position)  # fmt: skip
         self.rank_of[request_id] = r
 
     def place(self, prompt: Sequence[int], cache_salt: str | None = None, images: bool = False) -> int:
@@ -117,6 +119,10 @@ class DataParallelScheduler:
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.ranks[self.rank_of[req.request_id]].finish(req, reason, stop_reason)
 
+    def hand_off_all(self) -> None:
+        for s in self.ranks:
+            s.hand_off_all()
+
     def pop_finished(self, request_id: str) -> Request:
         return self.ranks[self.rank_of.pop(request_id)].pop_finished(request_id)
 
@@ -130,6 +136,10 @@ class DataParallelScheduler:
     @property
     def fetching(self) -> collections.ChainMap:
         return collections.ChainMap(*(s.fetching for s in self.ranks))
+
+    @property
+    def exporting(self) -> collections.ChainMap:
+        return collections.ChainMap(*(s.exporting for s in self.ranks))
 
     @property
     def waiting(self) -> list[Request]:
@@ -178,6 +188,9 @@ class DataParallelScheduler:
         for r, p in enumerate(plans):
             for f in p.fetches:
                 self._fetch_rank[f.fetch_id] = r
+            for o in p.offloads:
+                if o.export:
+                    self._fetch_rank[o.snapshot_id] = r
         return RankedPlan.of(plans)
 
     def update(self, result: StepResult) -> list[Request]:
@@ -188,6 +201,8 @@ class DataParallelScheduler:
                 parts[r].results.append(res)
         for f in result.fetched:
             parts[self._fetch_rank.pop(f.fetch_id, 0)].fetched.append(f)
+        for e in result.exported:  # (the rank that ordered the export)
+            parts[self._fetch_rank.pop(e.snapshot_id, 0)].exported.append(e)
         return [req for s, part in zip(self.ranks, parts) for req in s.update(part)]
 
     def _spread(self) -> None:

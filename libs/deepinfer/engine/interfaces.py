@@ -59,12 +59,14 @@ class SnapshotOrder:
 
 @dataclass
 class OffloadOrder:
-    """Write snapshot ``snapshot_id`` and the full ``pages`` to the kvstore as blob ``key``; then drop it."""
+    """Write snapshot ``snapshot_id`` and the full ``pages`` to the kvstore as blob ``key``; then drop it. ``export``
+    (a prefill replica's handoff): keep it, and report the put's completion in ``StepResult.exported``."""
 
     snapshot_id: str
     key: bytes
     pages: list[int]
     meta: dict[str, str]
+    export: bool = False
 
 
 @dataclass
@@ -80,6 +82,15 @@ class FetchResult:
     fetch_id: str
     ok: bool
     reason: str = ""  # why not: "not_found", "data_loss", "unavailable", ...
+
+
+@dataclass
+class ExportResult:
+    """An export's put completed (``ok``) or failed (``reason``)."""
+
+    snapshot_id: str
+    ok: bool
+    reason: str = ""
 
 
 @dataclass
@@ -155,6 +166,33 @@ class StepResult:
     step_id: int
     results: list[SeqResult] = field(default_factory=list)
     fetched: list[FetchResult] = field(default_factory=list)  # kvstore fetches completed since the last step
+    exported: list[ExportResult] = field(default_factory=list)  # exports (``OffloadOrder.export``) put since then
+
+
+class StateTransport(Protocol):
+    """How a worker moves resume points' bytes off the device tier and back (``ModelRunner.remote``): offloads, the
+    exports of handoffs (prefill/decode disaggregation, drain) and fetches. The implementation today is the kvstore
+    over gRPC (``kvstore.remote.RemoteResumeStore``: blobs streamed in 1 MiB chunks with CRC-32 checks, stored in
+    host memory and on disk, so a fetch works after the writer is gone). A direct path (RDMA through NIXL or
+    NVSHMEM, reading the writer's pinned host buffers or device pages in place) implements the same calls; the
+    scheduler's orders and the step contract stay as they are (docs/routing.md, "The transfer")."""
+
+    def put(self, key: bytes, data: bytes, meta: dict[str, str], export_id: str | None = None) -> object:
+        """Store ``data`` as ``key`` in the background; an ``export_id``'s completion is reported by ``exported``."""
+
+    def fetch(self, fetch_id: str, key: bytes) -> object:
+        """Start fetching ``key``; its decoded resume point (or the reason it failed) comes from ``completed``."""
+
+    def completed(self) -> list:
+        """Fetches finished since the last call (``kvstore.remote.Fetched``: id, payload or None, reason)."""
+
+    def exported(self) -> list[tuple[str, bool, str]]:
+        """Exports put or failed since the last call: ``(export id, ok, reason)``."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a transfer completes or ``timeout_s`` passes (an idle step waiting for one)."""
+
+    def close(self) -> None: ...
 
 
 class Runner(Protocol):

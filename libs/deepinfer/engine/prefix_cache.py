@@ -186,6 +186,13 @@ class PrefixCache:
             self._evicted_index.discard(key)
         return rp
 
+    def get(self, tokens: Sequence[int], root: bytes) -> ResumePoint | None:
+        """The resume point at exactly ``len(tokens)`` for these tokens (its snapshot ordered or not), or None."""
+        full = len(tokens) // self.page_size
+        return self._lru.get(
+            (page_hashes(tokens, root, self.page_size, full)[-1], tuple(tokens[full * self.page_size :]))
+        )
+
     def remove(self, rp: ResumePoint) -> None:
         if self._lru.get((rp.base, rp.tail)) is rp:
             self.remove_key((rp.base, rp.tail))

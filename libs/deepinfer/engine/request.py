@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.engine.constraints import Constraint
@@ -50,6 +51,11 @@ class Request:
     constraint_sent: bool = False  # the worker holds its matcher (sent with a chunk since the last drop)
     mm: MultiModalInput | None = None  # its images: spans of the prompt, their digests, the family's payload
     cache_prompt: list[int] | None = None  # the prompt as the prefix cache keys it (``mm.cache_tokens``)
+    # prefill/decode disaggregation (``engine.handoff``): hand off at this output length (0: never); the position whose
+    # state was exported (None: not handed off; 0: the export failed); the position a prefill replica exported for it
+    handoff_at: int = 0
+    handoff_position: int | None = None
+    resume_position: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -93,3 +99,25 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
             f"prompt_token_ids: {len(bad)} token ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]!r}"
         )
     params.validate_for_model(vocab_size)
+
+
+def check_admission(
+    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], params: SamplingParams, max_model_len: int,
+    max_len: int, pages_needed: int, pages_total: int, page_size: int,
+) -> None:  # fmt: skip
+    """A replica's own limits for a new request (``Scheduler.add``): ``max_len`` is the longest a sequence may grow
+    there, ``pages_needed`` what its prompt and one token take of the ``pages_total`` pages. Raises ValueError."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must contain at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt_token_ids)} tokens; the model's limit is {max_model_len} "
+            "tokens including at least one generated token"
+        )
+    if pages_needed > pages_total:
+        raise ValueError(f"prompt needs more KV pages than the cache holds ({pages_total} pages of {page_size} tokens)")
+    total = len(prompt_token_ids) + len(output_token_ids)
+    if output_token_ids and total >= max_len:
+        raise ValueError(f"output_token_ids: {total} tokens with the prompt; the limit is {max_len}")
+    if output_token_ids and params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+        raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens; max_tokens is {params.max_tokens}")

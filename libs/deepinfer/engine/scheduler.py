@@ -36,6 +36,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.handoff import Handoffs
 from deepinfer.engine.interfaces import (
     PLACEHOLDER,
     ChunkPlan,
@@ -50,7 +51,7 @@ from deepinfer.engine.pages import PagePool
 from deepinfer.engine.prefix_cache import PrefixCache, ResumePoint
 from deepinfer.engine.prefix_scheduling import PrefixCaching
 from deepinfer.engine.remote_index import RemoteEntry, RemoteIndex
-from deepinfer.engine.request import Request, Status
+from deepinfer.engine.request import Request, Status, check_admission
 from deepinfer.engine.scheduler_config import SchedulerConfig
 from deepinfer.engine.speculative.planning import draftable, speculating, track
 from deepinfer.engine.speculative.policy import SpecPolicy
@@ -58,7 +59,7 @@ from deepinfer.engine.speculative.stats import SpecStats
 from deepinfer.sampling_params import SamplingParams
 
 
-class Scheduler(PrefixCaching):
+class Scheduler(PrefixCaching, Handoffs):
     def __init__(self, config: SchedulerConfig, pages: PagePool) -> None:
         self.config, self.pages = config, pages
         self.requests: dict[str, Request] = {}
@@ -78,6 +79,7 @@ class Scheduler(PrefixCaching):
         self._offloads: list[OffloadOrder] = []
         self._fetches: list[FetchOrder] = []
         self.fetching: dict[str, tuple[Request, RemoteEntry]] = {}
+        self.exporting: dict[str, list[tuple[Request, int]]] = {}  # handoffs waiting for exports (engine.handoff)
         self.kv_listeners: list[Callable[[str, ResumePoint, str], None]] = []  # device-tier KV events
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / served from the cache
         self.prefix_misses: Counter[str] = Counter()  # requests that found nothing, by reason
@@ -93,31 +95,20 @@ class Scheduler(PrefixCaching):
         constraint: Constraint | None = None,
         output_token_ids: Sequence[int] = (),
         mm: MultiModalInput | None = None,
+        hand_off: bool = False,
+        resume_position: int = 0,
     ) -> None:
         """Queue a request. ``resume_hints``: prompt positions worth a resume point (chat turn ends);
         ``constraint``: what its sampled tokens obey (structured output), sent to the worker with its chunks;
         ``output_token_ids``: tokens it already generated elsewhere (a request moved from a failed replica): it
         continues after them, as if it had generated them here; ``mm``: its images (``engine.multimodal``), sent
-        with the chunks that cover their spans and folded into its prefix-cache keys."""
+        with the chunks that cover their spans and folded into its prefix-cache keys; ``hand_off``,
+        ``resume_position``: disaggregation's two halves (``engine.handoff``)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the model's limit is {self.config.max_model_len} "
-                "tokens including at least one generated token"
-            )
-        if self._pages_for(len(prompt_token_ids) + 1) > self.pages.num_total:
-            raise ValueError(
-                f"prompt needs more KV pages than the cache holds ({self.pages.num_total} pages of "
-                f"{self.config.page_size} tokens)"
-            )
-        total = len(prompt_token_ids) + len(output_token_ids)
-        if output_token_ids and total >= self._max_len():
-            raise ValueError(f"output_token_ids: {total} tokens with the prompt; the limit is {self._max_len()}")
-        if output_token_ids and params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
-            raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens; max_tokens is {params.max_tokens}")
+        pages = self._pages_for(len(prompt_token_ids) + 1)
+        check_admission(prompt_token_ids, output_token_ids, params, self.config.max_model_len, self._max_len(), pages,
+                        self.pages.num_total, self.config.page_size)  # fmt: skip
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals, cache_salt=cache_salt)
         req.output_token_ids = list(output_token_ids)
         req.constraint = constraint
@@ -125,6 +116,7 @@ class Scheduler(PrefixCaching):
             mm.check(len(prompt_token_ids))
             req.mm, req.cache_prompt = mm, mm.cache_tokens(prompt_token_ids)
         req.resume_hints = sorted({p for p in resume_hints if 0 < p < len(prompt_token_ids)})
+        self._setup_handoff(req, hand_off, resume_position)
         self._arrivals += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -156,6 +148,7 @@ class Scheduler(PrefixCaching):
         self.waiting.clear()
         self.running.clear()
         self.fetching.clear()
+        self.exporting.clear()
         while self.prefix is not None and (rp := self.prefix.pop_lru()) is not None:
             self.pages.free(rp.pages)
             if rp.visible:
@@ -168,12 +161,13 @@ class Scheduler(PrefixCaching):
         return self.requests.pop(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.fetching)
+        return bool(self.waiting or self.running or self.fetching or self.exporting)
 
     @property
     def has_pending_releases(self) -> bool:
         """Requests whose worker state must still be dropped or snapshotted (sent with the next plan)."""
-        return bool(self._released or self._pending or self._offloads or self._fetches or self.fetching)
+        return bool(self._released or self._pending or self._offloads or self._fetches or self.fetching
+                    or self.exporting)  # fmt: skip
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, lookahead: int = 0) -> WorkerStepPlan:
@@ -246,7 +240,7 @@ class Scheduler(PrefixCaching):
 
     def update(self, result: StepResult) -> list[Request]:
         """Record sampled tokens; returns the requests that finished (stop strings are the caller's)."""
-        done: list[Request] = []
+        done: list[Request] = self._exports_done(result.exported)
         for f in result.fetched:
             self._fetch_done(f)
         for r in result.results:
@@ -277,9 +271,12 @@ class Scheduler(PrefixCaching):
                     req.logprobs.append(lps[k])
                     req.top_logprobs.append(tops[k] if k < len(tops) else None)
                 reason = self._stop_reason(req, token)
-                if reason is not None:  # the tokens after it are not part of the output
+                if reason is not None and reason[0] == "handoff":  # reported once its state is exported
+                    self._hand_off(req)
+                elif reason is not None:  # the tokens after it are not part of the output
                     self.finish(req, *reason)
                     done.append(req)
+                if reason is not None:
                     break
         if self.config.num_speculative_tokens:
             tokens = sum(len(r.token_ids) for r in result.results)
@@ -298,12 +295,12 @@ class Scheduler(PrefixCaching):
             return "length", None
         if req.num_tokens >= self._max_len():
             return "length", None
-        return None
+        return ("handoff", None) if self._handoff_due(req, n_out) else None
 
     def _may_continue(self, req: Request) -> bool:
         """Whether a request whose token is in flight can certainly take one more step."""
         p, n_out = req.params, len(req.output_token_ids) + req.in_flight
-        if p.max_tokens is not None and n_out >= p.max_tokens:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or self._handoff_due(req, n_out):
             return False
         return req.num_tokens + req.in_flight < self._max_len()
 

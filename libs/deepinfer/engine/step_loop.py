@@ -98,4 +98,4 @@ class StepLoop:
             return None
         plan = self.scheduler.schedule(lookahead=len(self.in_flight))
         busy = plan.chunks or plan.released or plan.snapshots or plan.dropped_snapshots or plan.offloads
-        return plan if busy or plan.fetches or self.scheduler.fetching else None
+        return plan if busy or plan.fetches or self.scheduler.fetching or self.scheduler.exporting else None

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.constraints import ConstraintSet
-from deepinfer.engine.interfaces import PLACEHOLDER, FetchResult, SeqResult, StepResult, WorkerStepPlan
+from deepinfer.engine.interfaces import (
+    PLACEHOLDER,
+    ExportResult,
+    FetchResult,
+    SeqResult,
+    StateTransport,
+    StepResult,
+    WorkerStepPlan,
+)
 from deepinfer.engine.model_api import ModelFamily, PagedCache, SequenceState, ServedModel, Snapshot
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.engine.speculative.grammar import row_masks
@@ -49,8 +57,9 @@ class ModelRunner:
         self.states: dict[str, SequenceState] = {}
         self.tables: dict[str, torch.Tensor] = {}  # each running request's last block table
         self.snapshots: dict[str, Snapshot] = {}  # prefix-cache resume points, in host memory
-        self.remote = None  # a kvstore.remote.RemoteResumeStore when resume points move to a kvstore
+        self.remote: StateTransport | None = None  # the kvstore (``kvstore.remote.RemoteResumeStore``), if any
         self.fetched: dict[str, tuple[Snapshot, dict]] = {}  # resume points fetched from the kvstore
+        self._lost_exports: list[ExportResult] = []  # exports that could not start (reported with the next result)
         self.compact_replay = 0  # > 0: compact snapshots, resumed by a bounded replay of this many tokens
         self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
         # each request's last sampled token: its value, or (the device samples of a step in flight, row)
@@ -80,10 +89,14 @@ class ModelRunner:
                 st, self.cache, self.tables[order.request_id], self.compact_replay > 0
             )
         for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
-            snap = self.snapshots.pop(o.snapshot_id, None)
+            snap = self.snapshots.get(o.snapshot_id) if o.export else self.snapshots.pop(o.snapshot_id, None)
             if snap is not None and self.remote is not None:
                 pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
-                self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta)
+                export_id = o.snapshot_id if o.export else None
+                self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta, export_id)
+            elif o.export:  # nothing to export (no kvstore here, or the snapshot is gone): the handoff recomputes
+                why = "no_snapshot" if self.remote is not None else "no_kvstore"
+                self._lost_exports.append(ExportResult(o.snapshot_id, False, why))
         for f in plan.fetches:
             if self.remote is None:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
@@ -143,6 +156,9 @@ class ModelRunner:
                 if f.payload is not None:
                     self.fetched[f.fetch_id] = f.payload
                 result.fetched.append(FetchResult(f.fetch_id, f.payload is not None, f.reason))
+            result.exported += [ExportResult(*e) for e in self.remote.exported()]
+        result.exported += self._lost_exports
+        self._lost_exports = []
         return result
 
     def _run(self, plan: WorkerStepPlan) -> InFlight:

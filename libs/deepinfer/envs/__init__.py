@@ -133,6 +133,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_MIGRATION_WAIT_S: float
     DEEPINFER_REPLICA_PROBE_S: float
     DEEPINFER_ROUTER_LOAD_TOKENS: int
+    DEEPINFER_ROUTER_POLICY: str
     DEEPINFER_RESTART_MAX_BACKOFF_S: float
 
 

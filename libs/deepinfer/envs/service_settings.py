@@ -195,6 +195,12 @@ declare("DEEPINFER_ROUTER_LOAD_TOKENS", "int", _SRV, """
     a replica would not have to prefill. The balancer sends a request to the replica with the least
     `prompt tokens - tokens its prefix cache holds + DEEPINFER_ROUTER_LOAD_TOKENS x requests in flight there`.
     Larger: load counts more than cache hits.""", default=1024, minimum=0)
+declare("DEEPINFER_ROUTER_POLICY", "enum", _SRV, """
+    How the balancer picks a replica for a request (docs/routing.md): `cache` (by the prompt tokens each replica's
+    prefix cache holds against its load, then by session, then by load), `load` (the fewest requests in flight) or
+    `round_robin`. The replicas of a request's other samples (`n` > 1) and the roles of disaggregation apply under
+    every policy; `load` and `round_robin` are there to measure `cache` against.""",
+    choices=("cache", "load", "round_robin"), default="cache")
 declare("DEEPINFER_RESTART_MAX_BACKOFF_S", "float", _SRV, """
     `deepinfer up` restarts a service that exits unexpectedly, waiting 0.5 s before the first restart and
     doubling the wait for each further crash of the same service within a minute, up to this.""",

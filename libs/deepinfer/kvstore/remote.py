@@ -37,6 +37,7 @@ class RemoteResumeStore:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-remote", daemon=True)
         self._thread.start()
         self._done: list[Fetched] = []
+        self._exported: list[tuple[str, bool, str]] = []  # exports put (or failed): (snapshot id, ok, reason)
         self._lock = threading.Lock()
         self._arrived = threading.Event()
         self.puts_failed = 0
@@ -53,13 +54,22 @@ class RemoteResumeStore:
         fut.add_done_callback(self._pending.discard)
         return fut
 
-    def put(self, key: bytes, data: bytes, meta: dict[str, str]) -> Future:
+    def put(self, key: bytes, data: bytes, meta: dict[str, str], export_id: str | None = None) -> Future:
+        """Store a blob in the background. ``export_id`` (a handoff's export): its completion is reported by
+        :meth:`exported`."""
+
         async def send() -> None:
+            ok, reason = True, ""
             try:
                 await self._client.put(self.fingerprint, key, data, meta, self.layout)
             except Exception as e:  # noqa: BLE001 - a lost offload only costs a future recompute
                 self.puts_failed += 1
+                ok, reason = False, type(e).__name__
                 log.warning("kvstore_put_failed", key=key.hex()[:16], error=str(e))
+            if export_id is not None:
+                with self._lock:
+                    self._exported.append((export_id, ok, reason))
+                self._arrived.set()
 
         async def go() -> None:
             task = self._puts[key] = asyncio.ensure_future(send())
@@ -102,8 +112,15 @@ class RemoteResumeStore:
             self._arrived.clear()
         return out
 
+    def exported(self) -> list[tuple[str, bool, str]]:
+        """Exports put (or failed) since the last call: ``(export id, ok, reason)``."""
+        with self._lock:
+            out, self._exported = self._exported, []
+        return out
+
     def wait(self, timeout_s: float) -> None:
-        """Block until a fetch completes or ``timeout_s`` passes (an idle step with fetches in flight)."""
+        """Block until a fetch or an export completes or ``timeout_s`` passes (an idle step with transfers in
+        flight)."""
         self._arrived.wait(timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> None:

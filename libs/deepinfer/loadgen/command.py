@@ -34,6 +34,13 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--output-len", type=int, default=128, help="output tokens (mean for uniform / sharegpt)")
     s.add_argument("--range-ratio", type=float, default=0.0, help="uniform lengths: len·(1 ± ratio)")
     s.add_argument("--turns", type=int, default=1, help="turns per session (chat backends), each after the last")
+    s.add_argument("--system-prompt-len", type=int, default=0,
+                   help="words of a system message every session shares (chat backends; 0: none)")  # fmt: skip
+    s.add_argument(
+        "--session-ids",
+        action="store_true",
+        help="each request names its session (OpenAI user, gRPC session_id), for session-affine routing",
+    )
     s.add_argument("--request-rate", type=float, default=float("inf"), help="sessions per second (inf: at once)")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     s.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -58,7 +65,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"percentiles: {args.percentiles!r} is not a comma-separated list of numbers") from None
     sessions = workload.build(args.num_prompts, args.input_len, args.output_len, args.dataset, args.range_ratio,
-                              args.turns, chat, seed=args.seed)  # fmt: skip
+                              args.turns, chat, seed=args.seed, system_len=args.system_prompt_len)  # fmt: skip
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     params: dict[str, Any] = {"temperature": args.temperature}
     t0 = time.time()
@@ -68,7 +75,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 "endpoint": args.grpc_address if args.backend.startswith("grpc") else args.base_url,
                 "model": args.model, "num_prompts": args.num_prompts, "dataset": args.dataset,
                 "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-                "turns": args.turns, "request_rate": args.request_rate, "burstiness": args.burstiness,
+                "turns": args.turns, "system_prompt_len": args.system_prompt_len, "session_ids": args.session_ids,
+                "request_rate": args.request_rate, "burstiness": args.burstiness,
                 "max_concurrency": args.max_concurrency, "temperature": args.temperature, "seed": args.seed,
                 "goodput": slos, "command": " ".join(["deepinfer", *sys.argv[1:]])}  # fmt: skip
     print(report.table(summary))
@@ -87,7 +95,7 @@ async def _run(args: argparse.Namespace, chat: bool, key: str | None, sessions: 
     from deepinfer.loadgen.http_client import OpenAIClient
 
     kw = {"request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-          "params": params, "seed": args.seed}  # fmt: skip
+          "params": params, "seed": args.seed, "session_ids": args.session_ids}  # fmt: skip
     if args.backend.startswith("grpc"):
         async with GrpcClient(args.grpc_address, args.model, chat, key, args.timeout) as client:
             return await runner.run(client, sessions, **kw)

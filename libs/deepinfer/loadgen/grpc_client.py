@@ -33,13 +33,14 @@ class GrpcClient:
     def request(self, turn: Turn, history: list[dict[str, str]], params: dict[str, Any]) -> Any:
         from deepinfer.v1 import common_pb2, generation_pb2
 
+        params = dict(params)
+        session = params.pop("user", "")  # (the OpenAI name) the request's session, for session-affine routing
         sampling = common_pb2.SamplingParams(max_tokens=turn.output_len, ignore_eos=True, **params)
+        kw = {"sampling": sampling, "model": self.model, "session_id": session}
         if self.chat:
             msgs = [generation_pb2.ChatMessage(**m) for m in [*history, {"role": "user", "content": turn.text}]]
-            chat = generation_pb2.ChatInput(messages=msgs)
-            return generation_pb2.GenerateRequest(chat=chat, sampling=sampling, model=self.model)
-        ids = generation_pb2.TokenIds(ids=turn.prompt_ids)
-        return generation_pb2.GenerateRequest(token_ids=ids, sampling=sampling, model=self.model)
+            return generation_pb2.GenerateRequest(chat=generation_pb2.ChatInput(messages=msgs), **kw)
+        return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=turn.prompt_ids), **kw)
 
     async def send(self, out: Outcome, turn: Turn, history: list[dict[str, str]], params: dict[str, Any]) -> None:
         req = self.request(turn, history, params)
@@ -51,6 +52,9 @@ class GrpcClient:
                 if msg.token_ids:
                     out.output_tokens += len(msg.token_ids)
                     out.piece(msg.text)
+                if msg.HasField("finished"):
+                    out.cached_tokens = msg.finished.usage.cached_tokens
+                    out.cached_by_tier = dict(msg.finished.usage.cached_tokens_by_tier)
         except grpc.aio.AioRpcError as e:
             out.end(f"{e.code().name}: {e.details()}")
             return

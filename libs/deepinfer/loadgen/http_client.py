@@ -94,6 +94,9 @@ class OpenAIClient:
             if msg.get("usage"):
                 out.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
                 out.output_tokens = msg["usage"].get("completion_tokens", 0)
+                details = msg["usage"].get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens", 0)
+                out.cached_by_tier = dict(details.get("cached_tokens_by_tier") or {})
             for choice in msg.get("choices") or []:
                 text = _text(choice, self.chat)
                 if text:

@@ -78,6 +78,12 @@ def summarize(
         "failed": len(outcomes) - len(done),
         "total_input_tokens": inp,
         "total_output_tokens": outp,
+        "total_cached_tokens": sum(o.cached_tokens for o in done),
+        "cache_hit_rate": sum(o.cached_tokens for o in done) / inp if inp else 0.0,  # prompt tokens served cached
+        "cached_tokens_by_tier": {
+            t: sum(o.cached_by_tier.get(t, 0) for o in done)
+            for t in sorted({t for o in done for t in o.cached_by_tier})
+        },  # fmt: skip
         "request_throughput": len(done) / dur,
         "output_throughput": outp / dur,
         "total_token_throughput": (inp + outp) / dur,

@@ -14,6 +14,8 @@ class Outcome:
     ok: bool = False
     error: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, served from a prefix cache (the usage's cached_tokens)
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # ... by where they were: device, kvstore
     output_tokens: int = 0
     ttft: float = 0.0  # seconds from sending to the first generated text
     itl: list[float] = field(default_factory=list)  # seconds between successive pieces of generated text

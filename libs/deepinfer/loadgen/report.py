@@ -39,6 +39,7 @@ def table(summary: dict[str, Any]) -> str:
     rows += [
         ("Total input tokens", summary["total_input_tokens"]),
         ("Total generated tokens", summary["total_output_tokens"]),
+        ("Prompt tokens served cached", f"{summary['total_cached_tokens']} ({summary['cache_hit_rate']:.1%})"),
     ]
     rows += [("Request throughput (req/s)", f"{summary['request_throughput']:.2f}")]
     if "request_goodput" in summary:

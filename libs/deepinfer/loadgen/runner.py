@@ -26,8 +26,10 @@ async def run(
     max_concurrency: int | None = None,
     params: dict[str, Any] | None = None,
     seed: int = 0,
+    session_ids: bool = False,
 ) -> tuple[list[Outcome], float]:
-    """Every turn's outcome, in session order, and the run's wall time in seconds."""
+    """Every turn's outcome, in session order, and the run's wall time in seconds. ``session_ids``: each request
+    names its session (OpenAI ``user``, gRPC ``session_id``: ``loadgen-<index>``), for session-affine routing."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError("max_concurrency must be at least 1")
     gaps = arrival_gaps(len(sessions), request_rate, burstiness, random.Random(seed + 1))
@@ -35,14 +37,15 @@ async def run(
     results: list[list[Outcome]] = [[] for _ in sessions]
 
     async def session(s: Session) -> None:
-        history: list[dict[str, str]] = []
+        history: list[dict[str, str]] = [{"role": "system", "content": s.system}] if s.system else []
+        own = {**(params or {}), **({"user": f"loadgen-{s.index}"} if session_ids else {})}
         for k, turn in enumerate(s.turns):
             out = Outcome(s.index, k)
             if slots is None:
-                await client.send(out, turn, history, params or {})
+                await client.send(out, turn, history, own)
             else:
                 async with slots:
-                    await client.send(out, turn, history, params or {})
+                    await client.send(out, turn, history, own)
             results[s.index].append(out)
             if not out.ok:
                 return  # a failed turn ends its session: the next one would carry a broken conversation

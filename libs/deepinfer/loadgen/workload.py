@@ -10,6 +10,8 @@ A single-turn request is a session of one turn. Prompts are token ids drawn unif
 lengths: the completions and gRPC token-id APIs take them as they are) or, for chat, text of about as many words
 (chat prompts are measured by the server's usage instead). Multi-turn sessions (``turns`` > 1) are chat only: turn
 ``k`` sends the conversation so far (each earlier user message and the answer it got) plus a new user message.
+``system_len`` > 0 (chat): every session starts with the same system message of that many words, the prefix that
+users of one deployment share.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Turn:
 class Session:
     index: int
     turns: list[Turn]
+    system: str = ""  # the system message every turn sends first (chat; empty: none)
 
 
 def lengths(kind: str, n: int, mean: int, range_ratio: float, rng: random.Random, which: str = "input") -> list[int]:
@@ -70,10 +73,13 @@ def build(
     chat: bool = False,
     token_range: tuple[int, int] = (1000, 30000),
     seed: int = 0,
+    system_len: int = 0,
 ) -> list[Session]:
     """The sessions of a run, the same for the same arguments."""
     if num_sessions < 1 or turns < 1:
         raise ValueError("num_prompts and turns must be at least 1")
+    if system_len and not chat:
+        raise ValueError("system_len: a shared system prompt needs a chat backend (openai-chat or grpc-chat)")
     if turns > 1 and not chat:
         raise ValueError("multi-turn sessions need a chat backend (openai-chat or grpc-chat)")
     lo, hi = token_range
@@ -93,6 +99,11 @@ def build(
             else:
                 ts.append(Turn(i, o, prompt_ids=[rng.randrange(lo, hi) for _ in range(i)]))
         sessions.append(Session(s, ts))
+    if system_len > 0:
+        shared = random.Random(seed + 2)
+        system = " ".join(shared.choice(_WORDS) for _ in range(system_len))
+        for s in sessions:
+            s.system = system
     return sessions
 
 

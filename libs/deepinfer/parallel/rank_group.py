@@ -153,6 +153,7 @@ class RankGroupRunner:
                     raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
                 out.results += part.results
                 out.fetched += part.fetched
+                out.exported += part.exported
             return out
 
     @contextlib.contextmanager

@@ -14,6 +14,7 @@ from deepinfer.engine.constraints import Constraint
 from deepinfer.engine.determinism import Determinism
 from deepinfer.engine.interfaces import (
     ChunkPlan,
+    ExportResult,
     FetchOrder,
     FetchResult,
     OffloadOrder,
@@ -136,7 +137,7 @@ def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.Ste
     for o in plan.snapshots:
         msg.snapshots.add(request_id=o.request_id, snapshot_id=o.snapshot_id, position=o.position)
     for o in plan.offloads:
-        msg.offloads.add(snapshot_id=o.snapshot_id, key=o.key, pages=o.pages, meta=o.meta)
+        msg.offloads.add(snapshot_id=o.snapshot_id, key=o.key, pages=o.pages, meta=o.meta, export=o.export)
     for f in plan.fetches:
         msg.fetches.add(fetch_id=f.fetch_id, key=f.key)
     for rid in plan.released:
@@ -205,7 +206,7 @@ def plan_from_proto(
             )
         )
     snapshots = [SnapshotOrder(o.request_id, o.snapshot_id, o.position) for o in msg.snapshots]
-    offloads = [OffloadOrder(o.snapshot_id, o.key, list(o.pages), dict(o.meta)) for o in msg.offloads]
+    offloads = [OffloadOrder(o.snapshot_id, o.key, list(o.pages), dict(o.meta), o.export) for o in msg.offloads]
     fetches = [FetchOrder(f.fetch_id, f.key) for f in msg.fetches]
     return WorkerStepPlan(
         msg.step_id, chunks, list(msg.released), snapshots, list(msg.dropped_snapshots), offloads, fetches
@@ -223,6 +224,8 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
     msg = worker_pb2.StepResult(step_id=result.step_id)
     for f in result.fetched:
         msg.fetched.add(fetch_id=f.fetch_id, ok=f.ok, reason=f.reason)
+    for e in result.exported:
+        msg.exported.add(snapshot_id=e.snapshot_id, ok=e.ok, reason=e.reason)
     for r in result.results:
         out = msg.results.add(request_id=r.request_id, error=r.error or "", num_drafts=r.num_drafts)
         if r.token_id is not None:
@@ -268,7 +271,8 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
             )
         )
     fetched = [FetchResult(f.fetch_id, f.ok, f.reason) for f in msg.fetched]
-    return StepResult(step_id=msg.step_id, results=results, fetched=fetched)
+    exported = [ExportResult(e.snapshot_id, e.ok, e.reason) for e in msg.exported]
+    return StepResult(step_id=msg.step_id, results=results, fetched=fetched, exported=exported)
 
 
 def determinism_to_proto(d: Determinism) -> common_pb2.Determinism:

@@ -15,6 +15,10 @@ class Unavailable(RuntimeError):
     """A dependency (worker, scheduler) is gone or draining."""
 
 
+class Precondition(RuntimeError):
+    """The request asks for something this replica is not set up for (FAILED_PRECONDITION)."""
+
+
 class RequestFailed(RuntimeError):
     """The engine failed this one request (e.g. its structured-output grammar failed on the worker:
     ``constraint.grammar: ...``); the service stays healthy. INTERNAL with this message, never moved to

@@ -90,7 +90,8 @@ class Metrics:
         self.routes = Counter(
             "deepinfer_balancer_routes", "Requests sent to a replica, by what chose it (docs/routing.md): cache (a "
             "replica's prefix cache holds part of the prompt), session (the replica of the request's session), load "
-            "(the fewest requests in flight), prefer (the replica of the request's other samples).",
+            "(the fewest requests in flight), prefer (the replica of the request's other samples), round_robin "
+            "(DEEPINFER_ROUTER_POLICY=round_robin).",
             [*model, "reason"], registry=r,
         )  # fmt: skip
         self.cache_index = Gauge(
@@ -102,6 +103,16 @@ class Metrics:
             "Requests moved to another replica after theirs failed mid-stream, by how the new replica rebuilt their "
             "state (kvstore: from a resume point the kvstore held; device: from one on its device; recompute).",
             [*model, "source"], registry=r,
+        )  # fmt: skip
+        self.replicas = Gauge(
+            "deepinfer_balancer_replicas", "Replicas that serve now, by role (mixed, prefill, decode; unknown until "
+            "a replica has answered its first probe).", [*model, "role"], registry=r,
+        )  # fmt: skip
+        self.handoffs = Counter(
+            "deepinfer_balancer_handoffs",
+            "Requests prefilled on a prefill replica and decoded on a decode replica (disaggregation), by how the "
+            "decode replica got their state (kvstore: the prefill replica's export; recompute: the export or its fetch "
+            "failed).", [*model, "source"], registry=r,
         )  # fmt: skip
 
     def count_request(self, model: str, route: str, status: str) -> None:
@@ -119,7 +130,7 @@ class SchedulerMetrics:
     """One scheduler replica's metrics (vLLM names for the gauges and counters dashboards already read)."""
 
     # failed: the engine failed the request (its grammar failed on the worker: the stream ends with INTERNAL)
-    OUTCOMES = ("finished", "aborted", "rejected", "failed")
+    OUTCOMES = ("finished", "aborted", "rejected", "failed", "handed_off")
 
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
@@ -146,7 +157,7 @@ class SchedulerMetrics:
             [*labels, "phase"], buckets=PHASE_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected, failed).",
+            "deepinfer_scheduler_requests", "Requests by outcome (finished, aborted, rejected, failed, handed_off).",
             [*labels, "outcome"], registry=r,
         )  # fmt: skip
         self.workers_lost = Counter(

@@ -158,7 +158,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of a domain error (never leaks a traceback)."""
     from google.protobuf.message import DecodeError
 
-    from deepinfer.serving.errors import ModelNotFound, Overloaded, RequestFailed, Unavailable
+    from deepinfer.serving.errors import ModelNotFound, Overloaded, Precondition, RequestFailed, Unavailable
 
     if isinstance(exc, DecodeError):
         return grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message"
@@ -173,4 +173,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, RequestFailed):
         return grpc.StatusCode.INTERNAL, str(exc)
+    if isinstance(exc, Precondition):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"

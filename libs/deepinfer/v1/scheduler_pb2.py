@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x65\x65pinfer/v1/scheduler.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\x83\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0cresume_hints\x18\x05 \x03(\x05\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x42\r\n\x0b_cache_salt\"\xde\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32 .deepinfer.v1.PromptLogprobEntry\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x63\x61\x63hed_tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\x05\"Q\n\x12PromptLogprobEntry\x12\x10\n\x08position\x18\x01 \x01(\x05\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\x17\n\x15GetReplicaInfoRequest\"\x84\x01\n\x0bReplicaInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x19.deepinfer.v1.Determinism2\xfa\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.deepinfer.v1.SubmitRequest\x1a\x18.deepinfer.v1.TokenEvent0\x01\x12R\n\x05\x41\x62ort\x12#.deepinfer.v1.SchedulerAbortRequest\x1a$.deepinfer.v1.SchedulerAbortResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponse\x12\x42\n\x07GetLoad\x12\x1c.deepinfer.v1.GetLoadRequest\x1a\x19.deepinfer.v1.ReplicaLoad\x12P\n\x0eGetReplicaInfo\x12#.deepinfer.v1.GetReplicaInfoRequest\x1a\x19.deepinfer.v1.ReplicaInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x65\x65pinfer/v1/scheduler.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\xae\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0cresume_hints\x18\x05 \x03(\x05\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08hand_off\x18\t \x01(\x08\x12\x17\n\x0fresume_position\x18\n \x01(\x05\x42\r\n\x0b_cache_salt\"\x1b\n\x07Handoff\x12\x10\n\x08position\x18\x01 \x01(\x05\"\x86\x03\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32 .deepinfer.v1.PromptLogprobEntry\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x63\x61\x63hed_tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\x05\x12&\n\x07handoff\x18\x0c \x01(\x0b\x32\x15.deepinfer.v1.Handoff\"Q\n\x12PromptLogprobEntry\x12\x10\n\x08position\x18\x01 \x01(\x05\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\x17\n\x15GetReplicaInfoRequest\"\x92\x01\n\x0bReplicaInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x0c\n\x04role\x18\x06 \x01(\t2\xfa\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.deepinfer.v1.SubmitRequest\x1a\x18.deepinfer.v1.TokenEvent0\x01\x12R\n\x05\x41\x62ort\x12#.deepinfer.v1.SchedulerAbortRequest\x1a$.deepinfer.v1.SchedulerAbortResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponse\x12\x42\n\x07GetLoad\x12\x1c.deepinfer.v1.GetLoadRequest\x1a\x19.deepinfer.v1.ReplicaLoad\x12P\n\x0eGetReplicaInfo\x12#.deepinfer.v1.GetReplicaInfoRequest\x1a\x19.deepinfer.v1.ReplicaInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepinfer.v1.scheduler_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=74
-  _globals['_SUBMITREQUEST']._serialized_end=333
-  _globals['_TOKENEVENT']._serialized_start=336
-  _globals['_TOKENEVENT']._serialized_end=686
-  _globals['_PROMPTLOGPROBENTRY']._serialized_start=688
-  _globals['_PROMPTLOGPROBENTRY']._serialized_end=769
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=771
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=815
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=817
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=858
-  _globals['_DRAINREQUEST']._serialized_start=860
-  _globals['_DRAINREQUEST']._serialized_end=898
-  _globals['_DRAINRESPONSE']._serialized_start=900
-  _globals['_DRAINRESPONSE']._serialized_end=943
-  _globals['_GETLOADREQUEST']._serialized_start=945
-  _globals['_GETLOADREQUEST']._serialized_end=961
-  _globals['_GETREPLICAINFOREQUEST']._serialized_start=963
-  _globals['_GETREPLICAINFOREQUEST']._serialized_end=986
-  _globals['_REPLICAINFO']._serialized_start=989
-  _globals['_REPLICAINFO']._serialized_end=1121
-  _globals['_SCHEDULER']._serialized_start=1124
-  _globals['_SCHEDULER']._serialized_end=1502
+  _globals['_SUBMITREQUEST']._serialized_end=376
+  _globals['_HANDOFF']._serialized_start=378
+  _globals['_HANDOFF']._serialized_end=405
+  _globals['_TOKENEVENT']._serialized_start=408
+  _globals['_TOKENEVENT']._serialized_end=798
+  _globals['_PROMPTLOGPROBENTRY']._serialized_start=800
+  _globals['_PROMPTLOGPROBENTRY']._serialized_end=881
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=883
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=927
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=929
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=970
+  _globals['_DRAINREQUEST']._serialized_start=972
+  _globals['_DRAINREQUEST']._serialized_end=1010
+  _globals['_DRAINRESPONSE']._serialized_start=1012
+  _globals['_DRAINRESPONSE']._serialized_end=1055
+  _globals['_GETLOADREQUEST']._serialized_start=1057
+  _globals['_GETLOADREQUEST']._serialized_end=1073
+  _globals['_GETREPLICAINFOREQUEST']._serialized_start=1075
+  _globals['_GETREPLICAINFOREQUEST']._serialized_end=1098
+  _globals['_REPLICAINFO']._serialized_start=1101
+  _globals['_REPLICAINFO']._serialized_end=1247
+  _globals['_SCHEDULER']._serialized_start=1250
+  _globals['_SCHEDULER']._serialized_end=1628
 # @@protoc_insertion_point(module_scope)

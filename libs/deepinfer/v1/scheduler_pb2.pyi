@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "resume_hints", "constraint", "output_token_ids", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "resume_hints", "constraint", "output_token_ids", "images", "hand_off", "resume_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class SubmitRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    RESUME_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,10 +27,18 @@ class SubmitRequest(_message.Message):
     constraint: _common_pb2.Constraint
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_hints: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    hand_off: bool
+    resume_position: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume_hints: _Optional[_Iterable[int]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., hand_off: _Optional[bool] = ..., resume_position: _Optional[int] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    def __init__(self, position: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "cached_tokens", "cached_tier", "prompt_tokens", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "cached_tokens", "cached_tier", "prompt_tokens", "draft_tokens", "accepted_draft_tokens", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +50,7 @@ class TokenEvent(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -51,7 +62,8 @@ class TokenEvent(_message.Message):
     prompt_tokens: int
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    handoff: Handoff
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
 
 class PromptLogprobEntry(_message.Message):
     __slots__ = ("position", "entries")
@@ -94,15 +106,17 @@ class GetReplicaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("model", "accelerator", "dtype", "world_size", "determinism")
+    __slots__ = ("model", "accelerator", "dtype", "world_size", "determinism", "role")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     accelerator: str
     dtype: str
     world_size: int
     determinism: _common_pb2.Determinism
-    def __init__(self, model: _Optional[str] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ...) -> None: ...
+    role: str
+    def __init__(self, model: _Optional[str] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., role: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"M\n\x14PrepareImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"J\n\x15PrepareImagesResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05spans\x18\x02 \x03(\x03\x12\x0f\n\x07\x64igests\x18\x03 \x03(\x0c\"m\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.ChunkPlan\x12\x10\n\x08released\x18\x03 \x03(\t\x12.\n\tsnapshots\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.SnapshotOrder\x12\x19\n\x11\x64ropped_snapshots\x18\x05 \x03(\t\x12,\n\x08offloads\x18\x06 \x03(\x0b\x32\x1a.deepinfer.v1.OffloadOrder\x12)\n\x07\x66\x65tches\x18\x07 \x03(\x0b\x32\x18.deepinfer.v1.FetchOrder\x12\x16\n\x0e\x64ropped_images\x18\x08 \x03(\t\x12%\n\x05ranks\x18\t \x03(\x0b\x32\x16.deepinfer.v1.StepPlan\"\xa0\x01\n\x0cOffloadOrder\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05pages\x18\x03 \x03(\x05\x12\x32\n\x04meta\x18\x04 \x03(\x0b\x32$.deepinfer.v1.OffloadOrder.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\nFetchOrder\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\";\n\x0b\x46\x65tchResult\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"J\n\rSnapshotOrder\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"\xd3\x03\n\tChunkPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\x0flogprob_targets\x18\x07 \x03(\x05\x12@\n\rtrace_context\x18\x08 \x03(\x0b\x32).deepinfer.v1.ChunkPlan.TraceContextEntry\x12\x13\n\x0bresume_from\x18\t \x01(\t\x12,\n\nconstraint\x18\n \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x1a\n\x12\x63onstraint_history\x18\x0b \x03(\x05\x12\x19\n\x0c\x64\x65\x63oder_from\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06images\x18\r \x01(\x08\x12\x12\n\nnum_drafts\x18\x0e \x01(\x05\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_decoder_from\"\x87\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.SeqResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12*\n\x07\x66\x65tched\x18\x04 \x03(\x0b\x32\x19.deepinfer.v1.FetchResult\"\x99\x02\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x07logprob\x18\x03 \x01(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.deepinfer.v1.PromptLogprobRow\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x17\n\x0f\x65xtra_token_ids\x18\x06 \x03(\x05\x12\x32\n\x0e\x65xtra_logprobs\x18\x07 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x12\n\nnum_drafts\x18\x08 \x01(\x05\x42\x0b\n\t_token_id\"=\n\x10PromptLogprobRow\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x16\n\x14GetWorkerInfoRequest\"\xe1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\r \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t\x12\x0f\n\x07kvstore\x18\x0f \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x10 \x01(\x05\x32\xb6\x02\n\x06Worker\x12<\n\x04Step\x12\x16.deepinfer.v1.StepPlan\x1a\x18.deepinfer.v1.StepResult(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".deepinfer.v1.GetWorkerInfoRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12\x45\n\tLoadModel\x12\x1e.deepinfer.v1.LoadModelRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12X\n\rPrepareImages\x12\".deepinfer.v1.PrepareImagesRequest\x1a#.deepinfer.v1.PrepareImagesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pinfer/v1/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"M\n\x14PrepareImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"J\n\x15PrepareImagesResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05spans\x18\x02 \x03(\x03\x12\x0f\n\x07\x64igests\x18\x03 \x03(\x0c\"m\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.ChunkPlan\x12\x10\n\x08released\x18\x03 \x03(\t\x12.\n\tsnapshots\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.SnapshotOrder\x12\x19\n\x11\x64ropped_snapshots\x18\x05 \x03(\t\x12,\n\x08offloads\x18\x06 \x03(\x0b\x32\x1a.deepinfer.v1.OffloadOrder\x12)\n\x07\x66\x65tches\x18\x07 \x03(\x0b\x32\x18.deepinfer.v1.FetchOrder\x12\x16\n\x0e\x64ropped_images\x18\x08 \x03(\t\x12%\n\x05ranks\x18\t \x03(\x0b\x32\x16.deepinfer.v1.StepPlan\"\xb0\x01\n\x0cOffloadOrder\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05pages\x18\x03 \x03(\x05\x12\x32\n\x04meta\x18\x04 \x03(\x0b\x32$.deepinfer.v1.OffloadOrder.MetaEntry\x12\x0e\n\x06\x65xport\x18\x05 \x01(\x08\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x0c\x45xportResult\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"+\n\nFetchOrder\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\";\n\x0b\x46\x65tchResult\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"J\n\rSnapshotOrder\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"\xd3\x03\n\tChunkPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\x0flogprob_targets\x18\x07 \x03(\x05\x12@\n\rtrace_context\x18\x08 \x03(\x0b\x32).deepinfer.v1.ChunkPlan.TraceContextEntry\x12\x13\n\x0bresume_from\x18\t \x01(\t\x12,\n\nconstraint\x18\n \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x1a\n\x12\x63onstraint_history\x18\x0b \x03(\x05\x12\x19\n\x0c\x64\x65\x63oder_from\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06images\x18\r \x01(\x08\x12\x12\n\nnum_drafts\x18\x0e \x01(\x05\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_decoder_from\"\xb5\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.deepinfer.v1.SeqResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12*\n\x07\x66\x65tched\x18\x04 \x03(\x0b\x32\x19.deepinfer.v1.FetchResult\x12,\n\x08\x65xported\x18\x05 \x03(\x0b\x32\x1a.deepinfer.v1.ExportResult\"\x99\x02\n\tSeqResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x07logprob\x18\x03 \x01(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.deepinfer.v1.PromptLogprobRow\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x17\n\x0f\x65xtra_token_ids\x18\x06 \x03(\x05\x12\x32\n\x0e\x65xtra_logprobs\x18\x07 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x12\n\nnum_drafts\x18\x08 \x01(\x05\x42\x0b\n\t_token_id\"=\n\x10PromptLogprobRow\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\"\x16\n\x14GetWorkerInfoRequest\"\xe1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\r \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x13\n\x0b\x66ingerprint\x18\x0e \x01(\t\x12\x0f\n\x07kvstore\x18\x0f \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x10 \x01(\x05\x32\xb6\x02\n\x06Worker\x12<\n\x04Step\x12\x16.deepinfer.v1.StepPlan\x1a\x18.deepinfer.v1.StepResult(\x01\x30\x01\x12M\n\rGetWorkerInfo\x12\".deepinfer.v1.GetWorkerInfoRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12\x45\n\tLoadModel\x12\x1e.deepinfer.v1.LoadModelRequest\x1a\x18.deepinfer.v1.WorkerInfo\x12X\n\rPrepareImages\x12\".deepinfer.v1.PrepareImagesRequest\x1a#.deepinfer.v1.PrepareImagesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,29 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPPLAN']._serialized_start=337
   _globals['_STEPPLAN']._serialized_end=650
   _globals['_OFFLOADORDER']._serialized_start=653
-  _globals['_OFFLOADORDER']._serialized_end=813
-  _globals['_OFFLOADORDER_METAENTRY']._serialized_start=770
-  _globals['_OFFLOADORDER_METAENTRY']._serialized_end=813
-  _globals['_FETCHORDER']._serialized_start=815
-  _globals['_FETCHORDER']._serialized_end=858
-  _globals['_FETCHRESULT']._serialized_start=860
-  _globals['_FETCHRESULT']._serialized_end=919
-  _globals['_SNAPSHOTORDER']._serialized_start=921
-  _globals['_SNAPSHOTORDER']._serialized_end=995
-  _globals['_CHUNKPLAN']._serialized_start=998
-  _globals['_CHUNKPLAN']._serialized_end=1465
-  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_start=1397
-  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_end=1448
-  _globals['_STEPRESULT']._serialized_start=1468
-  _globals['_STEPRESULT']._serialized_end=1603
-  _globals['_SEQRESULT']._serialized_start=1606
-  _globals['_SEQRESULT']._serialized_end=1887
-  _globals['_PROMPTLOGPROBROW']._serialized_start=1889
-  _globals['_PROMPTLOGPROBROW']._serialized_end=1950
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1952
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1974
-  _globals['_WORKERINFO']._serialized_start=1977
-  _globals['_WORKERINFO']._serialized_end=2330
-  _globals['_WORKER']._serialized_start=2333
-  _globals['_WORKER']._serialized_end=2643
+  _globals['_OFFLOADORDER']._serialized_end=829
+  _globals['_OFFLOADORDER_METAENTRY']._serialized_start=786
+  _globals['_OFFLOADORDER_METAENTRY']._serialized_end=829
+  _globals['_EXPORTRESULT']._serialized_start=831
+  _globals['_EXPORTRESULT']._serialized_end=894
+  _globals['_FETCHORDER']._serialized_start=896
+  _globals['_FETCHORDER']._serialized_end=939
+  _globals['_FETCHRESULT']._serialized_start=941
+  _globals['_FETCHRESULT']._serialized_end=1000
+  _globals['_SNAPSHOTORDER']._serialized_start=1002
+  _globals['_SNAPSHOTORDER']._serialized_end=1076
+  _globals['_CHUNKPLAN']._serialized_start=1079
+  _globals['_CHUNKPLAN']._serialized_end=1546
+  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_start=1478
+  _globals['_CHUNKPLAN_TRACECONTEXTENTRY']._serialized_end=1529
+  _globals['_STEPRESULT']._serialized_start=1549
+  _globals['_STEPRESULT']._serialized_end=1730
+  _globals['_SEQRESULT']._serialized_start=1733
+  _globals['_SEQRESULT']._serialized_end=2014
+  _globals['_PROMPTLOGPROBROW']._serialized_start=2016
+  _globals['_PROMPTLOGPROBROW']._serialized_end=2077
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2079
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2101
+  _globals['_WORKERINFO']._serialized_start=2104
+  _globals['_WORKERINFO']._serialized_end=2457
+  _globals['_WORKER']._serialized_start=2460
+  _globals['_WORKER']._serialized_end=2770
 # @@protoc_insertion_point(module_scope)

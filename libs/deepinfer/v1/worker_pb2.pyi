@@ -64,7 +64,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotOrder, _Mapping]]] = ..., dropped_snapshots: _Optional[_Iterable[str]] = ..., offloads: _Optional[_Iterable[_Union[OffloadOrder, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchOrder, _Mapping]]] = ..., dropped_images: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[StepPlan, _Mapping]]] = ...) -> None: ...
 
 class OffloadOrder(_message.Message):
-    __slots__ = ("snapshot_id", "key", "pages", "meta")
+    __slots__ = ("snapshot_id", "key", "pages", "meta", "export")
     class MetaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,11 +76,23 @@ class OffloadOrder(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     key: bytes
     pages: _containers.RepeatedScalarFieldContainer[int]
     meta: _containers.ScalarMap[str, str]
-    def __init__(self, snapshot_id: _Optional[str] = ..., key: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    export: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., key: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., meta: _Optional[_Mapping[str, str]] = ..., export: _Optional[bool] = ...) -> None: ...
+
+class ExportResult(_message.Message):
+    __slots__ = ("snapshot_id", "ok", "reason")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    ok: bool
+    reason: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FetchOrder(_message.Message):
     __slots__ = ("fetch_id", "key")
@@ -150,16 +162,18 @@ class ChunkPlan(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ..., images: _Optional[bool] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "forward_ms", "fetched")
+    __slots__ = ("step_id", "results", "forward_ms", "fetched", "exported")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     forward_ms: float
     fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
+    exported: _containers.RepeatedCompositeFieldContainer[ExportResult]
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., exported: _Optional[_Iterable[_Union[ExportResult, _Mapping]]] = ...) -> None: ...
 
 class SeqResult(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs", "error", "extra_token_ids", "extra_logprobs", "num_drafts")

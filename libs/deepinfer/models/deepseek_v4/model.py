@@ -116,9 +116,9 @@ class MTPBlock(Block):
 
 class DeepseekV4Model(nn.Module):
     verify_on_decode_path = True  # speculative verify steps may run as decode sub-steps (verify_step.py)
-    # their attention in one call over every sub-step's rows (verify_attention.py), else in turns (the default until
-    # the H200 has measured it: the GPU runs the sub-steps' tests of record)
-    verify_fused = False
+    # their attention in one call over every sub-step's rows (verify_attention.py), else in turns: one call is 2-16%
+    # faster a verify step on the H200 (bench/results/engine/2026-12-05-speculative-verify-*.md)
+    verify_fused = True
 
     def verify_forward(self, batch: ForwardBatch, cache: PagedKVCache | None, verified: list[int], pad: int = 0
                        ) -> tuple[torch.Tensor, None, verify_step.PooledVerify] | None:  # fmt: skip
