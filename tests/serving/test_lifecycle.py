@@ -78,7 +78,8 @@ def test_a_full_queue_refuses_at_once(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_sigterm_drains_running_streams_and_exits_cleanly(model_dir: Path, tmp_path: Path) -> None:
-    m = Mesh(model_dir, tmp_path).up(http=False, grace_s=20)
+    # a grace long enough for the stream to finish here (its last 5 s would hand what still runs off elsewhere)
+    m = Mesh(model_dir, tmp_path).up(http=False, grace_s=40)
     sched = m.procs["scheduler"]
     try:
 
