@@ -4,6 +4,7 @@ the settings it reads from the environment set for its lifetime, as `deepinfer u
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,3 +43,11 @@ def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = F
         m.stop()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples at ``url`` whose labels include ``labels``."""
+    text = urllib.request.urlopen(url).read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(ln.split()[-1]) for ln in text.splitlines()
+               if ln.startswith(name) and all(w in ln for w in want))  # fmt: skip

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import urllib.request
 
 import openai
 import pytest
@@ -24,7 +23,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import SchedulerConfig
 from services.balancer.cache_index import CacheIndex
 from services.balancer.replicas import Replica, ReplicaSet, RouteHint
-from serving.launched import launched_mesh
+from serving.launched import launched_mesh, metric
 
 VOCAB = 129280
 
@@ -106,13 +105,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("routing")
     with launched_mesh(tmp, make_tiny_model(tmp / "model", seed=8), http=True, DEEPINFER_BATCH_INVARIANT="1") as m:
         yield m
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(url).read().decode()
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(ln.split()[-1]) for ln in text.splitlines()
-               if ln.startswith(name) and all(w in ln for w in want))  # fmt: skip
 
 
 def wait_for(predicate, timeout_s: float = 60.0) -> None:

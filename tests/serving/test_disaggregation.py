@@ -30,7 +30,7 @@ from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.errors import Unavailable
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.balancer.replicas import Replica, ReplicaSet
-from serving.launched import launched_mesh
+from serving.launched import launched_mesh, metric
 
 VOCAB = 129280
 
@@ -77,13 +77,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
     model = make_tiny_model(tmp / "model", seed=8)
     with launched_mesh(tmp, model, http=True, roles=["prefill", "decode"], **env) as m:
         yield m
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(url).read().decode()
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(ln.split()[-1]) for ln in text.splitlines()
-               if ln.startswith(name) and all(w in ln for w in want))  # fmt: skip
 
 
 async def whole(address: str, rid: str, ids: list[int], sampling: common_pb2.SamplingParams) -> tuple[list, list]:
