@@ -99,10 +99,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     import tempfile
 
     from deepinfer.launcher import Mesh
-    from deepinfer.parallel.layout import ranks_of
+    from deepinfer.parallel.layout import layout_of
 
     try:
-        ranks = ranks_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention, args.tp)
+        layout = layout_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention,
+                           envs.DEEPINFER_TP if args.tp is None else args.tp)  # fmt: skip
         roles = replica_roles(args.replicas, args.prefill_replicas, args.decode_replicas)
     except ValueError as e:
         print(f"deepinfer up: {e}", file=sys.stderr)
@@ -116,7 +117,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         replicas=len(roles),
         roles=roles,
-        ranks=ranks,
+        ranks=layout.ranks,
+        tp=layout.tp,
         served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
@@ -233,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     engram = args.engram or envs.DEEPINFER_ENGRAM_TABLES
     try:
-        p = plan(args.model, args.gpus, parse_bytes(args.gpu_mem), int(parse_bytes(args.reserve)), engram)
+        p = plan(args.model, args.gpus, parse_bytes(args.gpu_mem), int(parse_bytes(args.reserve)), engram, args.tp)
     except PlanError as e:
         print(f"deepinfer plan: {e}", file=sys.stderr)
         return 2
@@ -255,7 +257,7 @@ def cmd_rank(args: argparse.Namespace) -> int:
 
     channel = join(args.rank, args.world, args.port, args.accelerator)
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]), channel)
+        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]), channel, args.tp)
         flag = {None: None, "true": True, "false": False}
         parts = build_worker(args.model, args.dtype, args.accelerator, args.max_model_len, args.num_pages,
                              args.page_size, flag[args.quant_sim], flag[args.batch_invariant],
@@ -284,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode-replicas", type=int, default=0, help="replicas that decode what prefill replicas hand off")
     s.add_argument("--ep", type=int, help="ranks of each replica's worker, one device each, the MoE experts shared "
                    "among them (default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
-    s.add_argument("--dp-attention", type=int, help="ranks attending over their own sequences (the same as --ep)")
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: not built yet)")
+    s.add_argument("--dp-attention", type=int, help="groups attending over their own sequences (--ep / --tp)")
+    s.add_argument("--tp", type=int, help="ranks of each tensor-parallel group: the same sequences, the attention's "
+                   "heads split among them; divides --ep (default: DEEPINFER_TP)")  # fmt: skip
     s.add_argument("--served-model-name", help="the model's name in the APIs (default: the model directory's name)")
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
@@ -318,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", type=int, required=True, help="GPUs of the worker (expert parallel across them)")
     s.add_argument("--gpu-mem", required=True, help="memory of each GPU, e.g. 141GB or 80GiB")
     s.add_argument("--reserve", default="8GiB", help="per GPU, beside weights and KV state (context, activations)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel group size: the attention heads split over it")
     s.add_argument("--engram", choices=("host", "device"), default=None,
                    help="where DeepSeek-V4.1's Engram tables go (default: DEEPINFER_ENGRAM_TABLES)")  # fmt: skip
     s.set_defaults(func=cmd_plan)
@@ -326,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--world", type=int, required=True)
     s.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port on loopback")
     s.add_argument("--accelerator", required=True, choices=("nvidia", "ascend", "cpu"))
+    s.add_argument("--tp", type=int, default=1, help="ranks of each tensor-parallel group")
     s.add_argument("--model")
     s.add_argument("--dtype", default="auto")
     for name in ("max-model-len", "num-pages", "page-size", "num-speculative-tokens"):

@@ -47,6 +47,7 @@ class Mesh:
     replicas: int = 1
     roles: list[str] = field(default_factory=list)  # each replica's (mixed, prefill, decode); empty: all mixed
     ranks: int = 1  # of each replica's worker (``--ep``): one process and one device each
+    tp: int = 1  # ranks of each tensor-parallel group of a replica's worker (``--tp``)
     accelerator: str = "cpu"
     log_dir: Path | None = None
     served_model_name: str | None = None  # the balancer's name for the model (default: the directory's base name)
@@ -68,7 +69,8 @@ class Mesh:
         """A replica's worker command (after ``python -m``), and the address its scheduler dials: a Unix socket in
         ``sockets`` when given, else TCP."""
         service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
-        args = [service, "--model", str(self.model), "--host", self.host, "--port", str(port), "--ep", str(self.ranks)]
+        args = [service, "--model", str(self.model), "--host", self.host, "--port", str(port), "--ep", str(self.ranks),
+                "--tp", str(self.tp)]  # fmt: skip
         if sockets is None:
             return args, f"{self.host}:{port}"
         return [

@@ -24,7 +24,7 @@ from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.engine.structured import LocalConstraints
 from deepinfer.image_inputs import chat_images, prompt_images
 from deepinfer.parallel.launch import RankProcesses, start_worker
-from deepinfer.parallel.layout import ranks_of
+from deepinfer.parallel.layout import layout_of
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
@@ -50,15 +50,18 @@ class LLM:
         num_speculative_tokens: int | None = None,
         ep: int | None = None,
         dp_attention: int | None = None,
-        tp: int = 1,
+        tp: int | None = None,
     ) -> None:
         """``ep`` (default ``DEEPINFER_EP``): the ranks of the worker (one process per device, this one rank 0:
-        ``parallel``), the MoE layers' experts shared among them and each attending over its own sequences
-        (``dp_attention``, the same number: the one layout built). ``tp``: tensor parallelism, not built yet (1)."""
-        ranks = ranks_of(envs.DEEPINFER_EP if ep is None else ep, dp_attention, tp)
+        ``parallel``), the MoE layers' experts shared among them. ``tp`` (default ``DEEPINFER_TP``): ranks per
+        tensor-parallel group, which run the same sequences with the attention's heads split among them (``ep``
+        defaults to it). ``dp_attention``: the groups, each attending over its own sequences (``ep / tp``)."""
+        layout = layout_of(
+            envs.DEEPINFER_EP if ep is None else ep, dp_attention, envs.DEEPINFER_TP if tp is None else tp
+        )
         self._ranks: RankProcesses | None = None
         parts, self._ranks = start_worker(
-            ranks, accelerator, model=model, dtype=dtype, max_model_len=max_model_len, num_pages=num_pages,
+            layout, accelerator, model=model, dtype=dtype, max_model_len=max_model_len, num_pages=num_pages,
             page_size=page_size, quant_sim=quant_sim, batch_invariant=batch_invariant,
             num_speculative_tokens=num_speculative_tokens,
         )  # fmt: skip
@@ -72,8 +75,8 @@ class LLM:
         )  # fmt: skip
         if async_scheduling is None:
             async_scheduling = envs.DEEPINFER_ASYNC_SCHEDULING
-        if self._ranks is not None:  # one scheduler per rank, rank 0 driving the others (docs/parallelism.md)
-            sched = DataParallelScheduler(sched.config, parts.num_pages, ranks)
+        if layout.dp > 1:  # one scheduler per data-parallel rank, rank 0 driving the others (docs/parallelism.md)
+            sched = DataParallelScheduler(sched.config, parts.num_pages, layout.dp)
         self.engine = LLMEngine(sched, parts.runner, self.tokenizer, parts.config.vocab_size, async_scheduling)
         self.constraints = LocalConstraints(parts.path, self.tokenizer)
         self.family = parts.family

@@ -97,9 +97,9 @@ def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
     )
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.count("--- ") == 3 and "through the mesh" in up.stdout and "stopped" in up.stdout
-    bad = subprocess.run([sys.executable, "-m", "deepinfer", "up", "--tp", "2"], env=_env(tmp_path),
+    bad = subprocess.run([sys.executable, "-m", "deepinfer", "up", "--ep", "3", "--tp", "2"], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "tensor parallelism is not built yet" in bad.stderr
+    assert bad.returncode == 2 and "tp must divide ep" in bad.stderr
 
 
 def test_cli_reports_bad_env(tmp_path: Path) -> None:

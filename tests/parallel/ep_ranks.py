@@ -22,6 +22,7 @@ from deepinfer.parallel import rebalancer
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.eplb import rebalance
 from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.launch import tensor_group
 from deepinfer.parallel.placement import ExpertPlacement
 
 PAGE, PAGES, CHUNK = 16, 6, 8
@@ -100,11 +101,13 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        tp = int(mode[2:]) if mode.startswith("tp") else 1  # "tp2": tensor-parallel groups of 2 ranks
         placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
-        model = load(Path(ckpt), invariant == "1", ExpertParallel(placement, TorchAllToAll()))
+        model = load(Path(ckpt), invariant == "1", ExpertParallel(placement, TorchAllToAll(), tensor_group(tp)))
         moved: dict[str, torch.Tensor] = {}
         hook = None if mode != "eplb" else lambda step: rebalance_after(model, step, 2, moved)
-        got = drive(model, [i for i in range(len(PROMPTS)) if i % world == rank], hook)
+        dp = world // tp
+        got = drive(model, [i for i in range(len(PROMPTS)) if i % dp == rank // tp], hook)
         got.update(moved)
         save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
     finally:

@@ -158,7 +158,9 @@ def test_a_v41_shard_reads_only_its_experts(tiny_v41_dir: Path, monkeypatch: pyt
 
     read: list[str] = []
     real = loader_v41._Reader.get
-    monkeypatch.setattr(loader_v41._Reader, "get", lambda self, key: read.append(key) or real(self, key))
+    monkeypatch.setattr(
+        loader_v41._Reader, "get", lambda self, key, part=None: read.append(key) or real(self, key, part)
+    )
     n = ep_ranks.n_experts(tiny_v41_dir)
     placement = ExpertPlacement.even(n, 2)
     model = ep_ranks.load(tiny_v41_dir, True, ExpertParallel(placement, _Group(1, 2)))

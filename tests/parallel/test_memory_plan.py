@@ -14,7 +14,7 @@ from deepinfer.cli import main
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.parallel.memory_plan import GIB, plan, render
+from deepinfer.parallel.memory_plan import GIB, HEADS, plan, render
 from deepinfer.quant.native import prepare_native
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,12 @@ def test_v4_pro_plans(capsys: pytest.CaptureFixture) -> None:
     assert main([*args, "--gpus", "8"]) == 2
     assert main([*args, "--gpus", "16"]) == 0
     assert "up to 24 of 384 routed experts" in capsys.readouterr().out
+    assert main([*args, "--gpus", "8", "--tp", "2"]) == 2  # half the heads a rank: still short
+    assert main([*args, "--gpus", "8", "--tp", "8"]) == 0  # an eighth of the heads: it fits, with little KV room
+    assert "1 group of 8 ranks" in capsys.readouterr().out
+    full, split = (plan(CONFIGS / "deepseek-v4-pro", 16, 141 * 10**9, tp=t) for t in (1, 8))
+    assert split.rank_gpu[HEADS] * 8 == full.rank_gpu[HEADS] > 16 * GIB
+    assert main([*args, "--gpus", "8", "--tp", "3"]) == 2
 
 
 def test_bad_sizes_are_refused(capsys: pytest.CaptureFixture) -> None:

@@ -60,11 +60,45 @@ def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypa
     assert any(sum(map(len, p.slots)) > p.n_experts for p in held)  # redundant copies placed
 
 
-def test_layouts_not_built_are_refused(model_dir) -> None:
-    with pytest.raises(ValueError, match="tensor parallelism is not built yet"):
-        LLM(model=model_dir, tp=2)
-    with pytest.raises(ValueError, match="both are the number of ranks"):
+def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="tp must divide ep"):
+        LLM(model=model_dir, ep=3, tp=2)
+    with pytest.raises(ValueError, match="dp_attention=1 with ep=2"):
         LLM(model=model_dir, ep=2, dp_attention=1)
+
+
+def _sampled_logprobs(o: object) -> list[float]:
+    c = o.outputs[0]
+    return [lp[t] for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_worker_gives_one_process_outputs(model_dir) -> None:
+    """Four ranks in two tensor-parallel groups of two (``LLM(ep=4, tp=2)``: a group's ranks the same sequences,
+    half the heads each; the groups their own sequences, the experts over all four), async scheduling and
+    preemptions: greedy and seeded tokens equal the single process's, logprobs within fp32 rounding.
+    An unseeded sampled request: the group's ranks draw the same noise, so both ranks' KV state holds the tokens
+    rank 0 reports; the single process, scoring those tokens as a prompt, gives their logprobs."""
+    kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
+              async_scheduling=True)  # fmt: skip
+    prompts, params = prompts_and_params()
+    free = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0)
+    one = LLM(num_pages=64, **kw)
+    want = one.generate(prompts, params)
+    with LLM(num_pages=6, ep=4, tp=2, **kw) as llm:
+        got = llm.generate(prompts, params)
+        sampled = llm.generate(prompts[1:3], free)
+        preempted = llm.engine.scheduler.num_preemptions
+    assert preempted > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(_sampled_logprobs(g), _sampled_logprobs(w))) < 1e-4
+    for o, p in zip(sampled, prompts[1:3]):
+        ids = p["prompt_token_ids"] + o.outputs[0].token_ids
+        scored = one.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        n = len(p["prompt_token_ids"])
+        ref = [lp[t] for t, lp in zip(ids[n:], scored.prompt_logprobs[n:])]
+        assert max(abs(a - b) for a, b in zip(_sampled_logprobs(o), ref)) < 1e-4
 
 
 @pytest.mark.timeout(300)

@@ -179,6 +179,8 @@ def test_up_gives_each_replica_its_own_devices(monkeypatch: pytest.MonkeyPatch, 
 
     args, dial = Launched(tmp_path, ranks=2).worker_args(1, 5000, tmp_path)
     assert args[args.index("--ep") + 1] == "2" and dial == f"unix:{tmp_path}/worker-1.sock"
+    args, _ = Launched(tmp_path, ranks=4, tp=2).worker_args(0, 5000, None)
+    assert args[args.index("--ep") + 1] == "4" and args[args.index("--tp") + 1] == "2"
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     mesh = Launched(tmp_path, replicas=2, ranks=2, accelerator="nvidia")

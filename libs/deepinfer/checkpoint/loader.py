@@ -23,6 +23,7 @@ from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names import hf_to_official, internal_to_official, is_hf_name, official_to_internal
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.parallel.expert_parallel import ExpertSlots
+from deepinfer.parallel.tensor_parallel import TensorShards
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -58,11 +59,13 @@ def safetensors_files(path: Path) -> list[Path]:
 _HF_STACKED = re.compile(r"^(.*\.ffn)\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _iter_tensors(files: list[Path], progress: bool, held: Callable[[str, int], bool]
+def _iter_tensors(files: list[Path], progress: bool, held: Callable[[str, int], bool],
+                  shards: TensorShards | None = None, block: tuple[int, int] = (128, 128)
                   ) -> Iterator[tuple[str, torch.Tensor, Path]]:  # fmt: skip
     """Every tensor of ``files`` under its official name, transformers' stacked experts split per expert; the
     routed experts this process does not hold (``held(target, expert)`` false: an expert-parallel shard) are not
-    read at all (a stacked tensor is read by the rows of its held experts)."""
+    read at all (a stacked tensor is read by the rows of its held experts), and a tensor-parallel shard's tensors
+    (``shards``) only by the part it holds (FP8 weights by whole ``block`` s)."""
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress, unit="shard")
     for file in bar:
         try:
@@ -74,7 +77,12 @@ def _iter_tensors(files: list[Path], progress: bool, held: Callable[[str, int], 
                         yield from _split_hf_experts(stacked, f.get_slice(key), held, file)
                         continue
                     target, expert = official_to_internal(_weight_name(name))
-                    if expert is None or held(target, expert):
+                    part = None
+                    if expert is None and shards is not None and target in shards.shards:
+                        part = shards.read(f.get_slice(key), target, name.endswith(".scale"), block)
+                    if part is not None:
+                        yield name, part, file
+                    elif expert is None or held(target, expert):
                         yield name, f.get_tensor(key), file
         except CheckpointError:
             raise
@@ -110,7 +118,8 @@ def load_checkpoint(
     parallelism (``parallel.expert_parallel.shard``) gets its slots' experts, and the others are never read."""
     path = Path(path)
     filler = _Filler(model, dtype)
-    for name, t, file in _iter_tensors(safetensors_files(path), progress, filler.holds):
+    files = safetensors_files(path)
+    for name, t, file in _iter_tensors(files, progress, filler.holds, filler.shards, filler.block):
         filler.add(name, t, file)
     filler.check_complete(path)
 
@@ -133,6 +142,7 @@ class _Filler:
         self.block = tuple(model.config.weight_block_size)
         self.slots = ExpertSlots(model)  # where each routed expert goes (a sharded MoE: its slots only)
         self.holds = self.slots.holds
+        self.shards = TensorShards(model)  # what a tensor-parallel shard holds of its attention's tensors
 
     def _slots(self, target: str, expert: int) -> list[int]:
         return self.slots.rows(target, expert, self.n_experts)
@@ -166,6 +176,9 @@ class _Filler:
         if is_fp8(p) or (is_mxfp4(p) and expert is not None):  # prepared for a format it is not stored in
             params.pop(unprepare(model, target), None)
             p.data = torch.empty(logical_shape(p), dtype=dtype, device=p.device)
+        sh = self.shards.get(target) if expert is None else None
+        if sh is not None:  # (an FP8 weight read by whole blocks, dequantised: this shard's part of it)
+            t = sh.cut(t, self.block[sh.dim])
         want = p.shape[1:] if expert is not None else p.shape
         if tuple(t.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(want)}")
@@ -195,6 +208,9 @@ class _Filler:
         if p is None:
             return False
         if is_fp8(p) and w.dtype == torch.float8_e4m3fn and expert is None:
+            sh = self.shards.get(target)
+            if sh is not None and not sh.aligned(block[sh.dim]):
+                return False  # a shard that cuts a scale block: decoded (``TensorShards``)
             want = (-(-p.shape[0] // block[0]), -(-p.shape[1] // block[1]))
             if tuple(w.shape) != tuple(p.shape) or tuple(s.shape) != want:
                 raise CheckpointError(

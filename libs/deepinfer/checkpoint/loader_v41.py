@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from deepinfer.checkpoint.loader import CheckpointError
 from deepinfer.checkpoint.mtp import MTP_PREFIX, drop_mtp, split_missing
 from deepinfer.checkpoint.names_v41 import internal_to_released, is_stacked_expert, keeps_fp32, released_to_internal
 from deepinfer.parallel.expert_parallel import ExpertSlots
+from deepinfer.parallel.tensor_parallel import TensorShards
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4
 from deepinfer.quant.native import is_fp8, is_mxfp4, logical_shape, unprepare
 
@@ -115,10 +116,12 @@ class _Reader:
                     "but that file does not hold it"
                 )
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, part: Callable[[Any], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Tensor ``key``, or ``part`` of its safetensors slice where that gives one (a tensor-parallel shard)."""
         file = self.where[key]
         try:
-            return self._handles[file].get_tensor(key)
+            got = part(self._handles[file].get_slice(key)) if part is not None else None
+            return got if got is not None else self._handles[file].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {key!r} from {file.name}: {e}") from e
 
@@ -231,6 +234,7 @@ class _Filler:
         self.experts: dict[str, torch.Tensor] = {}  # stacked target → the tensor being filled
         self.expert_rows: dict[str, set[int]] = {}
         self.slots = ExpertSlots(model)  # where each routed expert goes (a sharded MoE: its slots only)
+        self.shards = TensorShards(model)  # what a tensor-parallel shard holds of its attention's tensors
 
     def _rows(self, target: str, expert: int, ref: torch.Tensor) -> list[int]:
         return self.slots.rows(target, expert, ref.shape[0])
@@ -254,10 +258,11 @@ class _Filler:
             _set(self.model, target, self.shared[target][0])  # another process fills it
             self.filled.add(target)
             return
-        t = reader.get(name)
+        sh = self.shards.get(target) if expert is None else None
+        t = reader.get(name, sh and (lambda sl: self.shards.read(sl, target, False, self.block)))
         scale_name = name.removesuffix(".weight") + ".scale"
         if name.endswith(".weight") and scale_name in reader.where:
-            scale = reader.get(scale_name)
+            scale = reader.get(scale_name, sh and (lambda sl: self.shards.read(sl, target, True, self.block)))
             rows = [] if expert is None else self._rows(target, expert, ref)
             kept = _keep_native(self.model, target, expert, ref, t, scale, self.block, self.experts, self.targets, rows)
             if kept:
@@ -269,6 +274,8 @@ class _Filler:
                 t = decode_tensor(name, t, scale, self.block)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name!r} in {file}: {e}") from e
+            if sh is not None:  # (read by whole blocks: this shard's part)
+                t = sh.cut(t, self.block[sh.dim])
         elif t.dtype in (torch.float8_e4m3fn, torch.int8):
             raise CheckpointError(f"quantized tensor {name!r} in {file} has no scale tensor {scale_name!r}")
         self.store(name, file, target, expert, ref, t)

@@ -49,8 +49,9 @@ def _device_name(accelerator: str) -> str:
     return platform_for(accelerator).device_name()  # the host's processor where no such device is visible
 
 
-def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1) -> Determinism:
-    """The guarantee of a worker running ``ops`` (one of a group of ``world_size`` expert-parallel ranks)."""
+def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1, tp: int = 1) -> Determinism:
+    """The guarantee of a worker running ``ops`` (one of a group of ``world_size`` expert-parallel ranks, its
+    attention's heads split over ``tp`` of them)."""
     import torch
 
     from deepinfer.backends.reference.invariant import BLOCK, TILE_M
@@ -61,6 +62,7 @@ def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "expert_parallel_size": str(world_size),
+        "tensor_parallel_size": str(tp),
     }
     if ops.batch_invariant:
         requires["ops"] = f"batch-invariant v1 (tile_m={TILE_M}, block={BLOCK})"

@@ -132,8 +132,11 @@ def build_worker(
             f"DEEPINFER_COMPACT_REPLAY_TOKENS={runner.compact_replay} is too short for this model: a replay must "
             f"rebuild the compressors' pending tokens, at least {min_replay(config)}"
         )
-    determinism = describe(ops, accelerator, torch_dtype)
+    tp = getattr(getattr(ep, "tp", None), "size", 1)
+    determinism = describe(ops, accelerator, torch_dtype, ep.a2a.size if ep is not None else 1, tp)
     facts = family.fingerprint_facts(net)  # e.g. w8a8, V4.1's bounded decoder replay
+    if tp > 1:  # (the attention's output summed over the heads' ranks: other roundings than one rank's)
+        facts.append(f"tp={tp}")
     fp = model_fingerprint(path, torch_dtype, page_size, net_quant_sim(net), ops.batch_invariant, facts)
     if envs.DEEPINFER_KVSTORE_URL:  # resume points evicted from the device move to the kvstore
         from deepinfer.kvstore.remote import RemoteResumeStore

@@ -246,6 +246,12 @@ declare("DEEPINFER_EP", "int", _HW, """
     attending over its own sequences with its own KV pages (attention data parallel; docs/parallelism.md). A worker
     of several ranks uses devices `0 .. N-1` of those visible to it (`deepinfer up` gives each replica its own).""",
         default=1, minimum=1)
+declare("DEEPINFER_TP", "int", _HW, """
+    Tensor-parallel ranks of a worker (`--tp` of the worker and of `deepinfer up`, `LLM(tp=N)`): groups of this many
+    ranks run the same sequences, each the attention of its share of the heads (`wq_b`, `wo_a`, `wo_b`, the sinks;
+    the KV state is the group's, whole on each). It must divide `DEEPINFER_EP` (which defaults to it); the experts
+    stay sharded over all ranks, and `EP / TP` groups attend over their own sequences (docs/parallelism.md).""",
+        default=1, minimum=1)
 declare("DEEPINFER_EPLB_INTERVAL_STEPS", "int", _HW, """
     EPLB in a worker of several ranks (`DEEPINFER_EP`): every this many steps, between two steps, the ranks' expert
     loads are gathered, published on NATS (`deepinfer.experts.<worker>`, one report per rank) and the MoE layers

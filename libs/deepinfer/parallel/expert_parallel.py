@@ -25,6 +25,7 @@ from torch import nn
 
 from deepinfer.parallel.all_to_all import AllToAll
 from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.parallel.tensor_parallel import TensorParallel
 from deepinfer.quant.native import routed_experts
 
 _WEIGHTS = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
@@ -34,10 +35,13 @@ class ExpertParallel:
     """One rank's view of an expert-parallel group: the ``placement`` of a layer's experts, this ``rank``'s slots,
     the exchange (``a2a``)."""
 
-    def __init__(self, placement: ExpertPlacement, a2a: AllToAll) -> None:
+    def __init__(self, placement: ExpertPlacement, a2a: AllToAll, tp: TensorParallel | None = None) -> None:
         if placement.ranks != a2a.size:
             raise ValueError(f"a placement over {placement.ranks} ranks in a group of {a2a.size}")
         self.placement, self.a2a, self.rank = placement, a2a, a2a.rank
+        # this rank's tensor-parallel group (``tensor_parallel``): its ranks hold the same tokens, each sends its
+        # share of them to the experts, and the group's outputs are put back together
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.held = placement.slots[self.rank]
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
         self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)
@@ -58,6 +62,14 @@ class ExpertParallel:
             act_quant: bool = False) -> torch.Tensor:  # fmt: skip
         """The routed experts' output ``[T, D]`` (fp32) of this rank's tokens ``x [T, D]`` routed to ``idx [T, k]``
         with weights ``w [T, k]``; ``m`` holds this rank's slots (``shard``)."""
+        if self.tp is not None:  # the group's tokens: this rank's share of them, then every rank's outputs
+            n = idx.shape[0]
+            a, b = self.tp.rows(n)
+            return self.tp.gather_rows(self._run(m, x[a:b], idx[a:b], w[a:b], limit, ops, act_quant), n)
+        return self._run(m, x, idx, w, limit, ops, act_quant)
+
+    def _run(self, m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float, ops: Any,
+             act_quant: bool) -> torch.Tensor:  # fmt: skip
         t, k = idx.shape
         self.calls += 1
         self._count(idx)
@@ -72,7 +84,7 @@ class ExpertParallel:
         meta = self.a2a.exchange(meta.float(), send, recv)  # (slots < 2**24: exact in fp32)
         out = routed_experts(m, rows, meta[:, :1].long(), meta[:, 1:], limit, ops, act_quant)
         back = self.a2a.exchange(out.float(), recv, send)
-        parts = torch.empty_like(back).index_copy_(0, order, back).view(t, k, -1)
+        parts = torch.empty_like(back).index_copy_(0, order, back).view(t, k, back.shape[-1])
         asc = torch.argsort(idx, dim=1, stable=True).unsqueeze(-1).expand(-1, -1, parts.shape[-1])
         parts = parts.gather(1, asc)
         y = torch.zeros(t, parts.shape[-1], dtype=torch.float32, device=x.device)
@@ -116,7 +128,7 @@ def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
     of ``ep``'s placement and group: EPLB moves each layer's experts apart; the drafters' blocks keep every expert:
     each rank drafts for its own sequences)."""
     for layer in model.layers:
-        shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a))
+        shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a, ep.tp))
 
 
 def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
@@ -160,7 +172,7 @@ def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
             out[torch.tensor(got_at, device=p.device)] = recv
         setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
     calls = ep.calls
-    moe.ep = ExpertParallel(new, a2a)
+    moe.ep = ExpertParallel(new, a2a, ep.tp)
     moe.ep.calls = calls
 
 

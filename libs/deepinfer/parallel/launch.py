@@ -28,8 +28,10 @@ from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker, resolve_model_dir
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement, routed_experts_of
 from deepinfer.parallel.rank_group import Channel, RankGroupRunner, RankRunner
+from deepinfer.parallel.tensor_parallel import TensorParallel
 from deepinfer.runtime import shared_host
 from deepinfer.runtime.platform import platform_for
 
@@ -51,14 +53,29 @@ def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
     return Channel(None if gloo else dist.new_group(backend="gloo", timeout=timeout))
 
 
-def expert_group(n_experts: int, channel: Channel) -> ExpertParallel:
-    """This rank's share of every MoE layer: an even placement over the group; its ``host_key`` names what the
-    ranks share on their host (``runtime.shared_host``), drawn by rank 0."""
+def tensor_group(tp: int) -> TensorParallel | None:
+    """This rank's tensor-parallel group: ranks ``g·tp .. g·tp + tp - 1`` of the worker (every rank creates every
+    group, as ``torch.distributed`` requires); None for ``tp`` 1."""
+    if tp == 1:
+        return None
+    world, me = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise ValueError(f"tp={tp} does not divide the worker's {world} ranks")
+    groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]
+    return TensorParallel(groups[me // tp], me % tp, tp)
+
+
+def expert_group(n_experts: int, channel: Channel, tp: int = 1) -> ExpertParallel:
+    """This rank's share of every MoE layer: an even placement over the group, with its tensor-parallel group
+    (``tensor_group``); its ``host_key`` names what the ranks share on their host (``runtime.shared_host``), drawn
+    by rank 0."""
     a2a = TorchAllToAll()
-    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a)
+    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tensor_group(tp))
     key = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0])
     dist.broadcast(key, src=0, group=channel.group)
     ep.host_key = f"{int(key):016x}"
+    if ep.tp is not None:  # a tensor-parallel group's ranks draw the same unseeded sampling noise: one seed each
+        torch.manual_seed(int(key) + dist.get_rank() // tp)
     return ep
 
 
@@ -71,12 +88,15 @@ def same_pages(num_pages: int, channel: Channel) -> None:
         raise RuntimeError(f"the ranks sized their caches differently ({int(lo)} to {-int(hi)} pages)")
 
 
-def start_worker(ranks: int, accelerator: str | None = None, **build: Any) -> tuple[EngineParts, RankProcesses | None]:
-    """Build a worker (``engine.factory.build_worker`` with the arguments ``build``) of ``ranks`` ranks: with more
-    than one, ranks ``1 ..`` start in processes of their own, this process, rank 0, holds its share of the experts,
-    and the worker's runner is the group's (``rank_group.RankGroupRunner``); the processes come back too (None for
-    one rank). Every rank sizes its cache alike (checked)."""
+def start_worker(layout: Layout, accelerator: str | None = None, **build: Any
+                 ) -> tuple[EngineParts, RankProcesses | None]:  # fmt: skip
+    """Build a worker (``engine.factory.build_worker`` with the arguments ``build``) of ``layout.ranks`` ranks: with
+    more than one, ranks ``1 ..`` start in processes of their own, this process, rank 0, holds its share of the
+    experts (and of the heads, with ``layout.tp`` > 1), and the worker's runner is the group's
+    (``rank_group.RankGroupRunner``); the processes come back too (None for one rank). Every rank sizes its cache
+    alike (checked)."""
     accelerator = accelerator or envs.DEEPINFER_ACCELERATOR
+    ranks = layout.ranks
     if ranks == 1:
         return build_worker(accelerator=accelerator, **build), None
     dtype = build.get("dtype", "auto")
@@ -85,16 +105,17 @@ def start_worker(ranks: int, accelerator: str | None = None, **build: Any) -> tu
     if accelerator == "cpu":  # the ranks of one host share its cores (DEEPINFER_TORCH_THREADS: the worker's in all)
         share = max(1, (envs.DEEPINFER_TORCH_THREADS or os.cpu_count() or 1) // ranks)
         env["DEEPINFER_TORCH_THREADS"] = str(share)
-    procs = RankProcesses.start(ranks, args, accelerator, env)
+    procs = RankProcesses.start(ranks, {**args, "tp": layout.tp}, accelerator, env)
     group = None
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel)
+        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel, layout.tp)
         parts = build_worker(accelerator=accelerator, ep=group, **build)
         if env:
             torch.set_num_threads(int(env["DEEPINFER_TORCH_THREADS"]))
         same_pages(parts.num_pages, procs.channel)  # (every rank built: what they share is mapped by all)
         shared_host.release(group.host_key)
-        parts = dataclasses.replace(parts, runner=RankGroupRunner(RankRunner(parts.runner), procs.channel, ranks))
+        runner = RankGroupRunner(RankRunner(parts.runner), procs.channel, layout)
+        parts = dataclasses.replace(parts, runner=runner)
     except BaseException:
         if group is not None:
             shared_host.release(group.host_key)
@@ -154,4 +175,4 @@ class RankProcesses:
                 dist.destroy_process_group()
 
 
-__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "start_worker"]
+__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "start_worker", "tensor_group"]

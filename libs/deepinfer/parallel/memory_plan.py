@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class MemoryPlan:
     kv_per_token: dict[str, int] = field(default_factory=dict)  # paged cache bytes per token, by layer kind
     per_sequence: int = 0  # window and compressor rings of one sequence
     max_position: int = 0
+    tp: int = 1  # ranks of a tensor-parallel group (the trunk's attention heads split among them)
 
     @property
     def gpu_used(self) -> int:
@@ -70,11 +72,14 @@ class MemoryPlan:
         return min(self.max_position, left // (batch * max(self.token_bytes, 1)))
 
 
-def plan(path: str | Path, gpus: int, gpu_bytes: int, reserve: int = 8 * GIB, engram: str = "host") -> MemoryPlan:
-    """The plan of the model whose config.json is in ``path`` on ``gpus`` GPUs of ``gpu_bytes`` each (PlanError:
-    it does not fit)."""
+def plan(path: str | Path, gpus: int, gpu_bytes: int, reserve: int = 8 * GIB, engram: str = "host", tp: int = 1
+         ) -> MemoryPlan:  # fmt: skip
+    """The plan of the model whose config.json is in ``path`` on ``gpus`` GPUs of ``gpu_bytes`` each, the trunk's
+    attention heads split over tensor-parallel groups of ``tp`` (PlanError: it does not fit)."""
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
+    if tp < 1 or gpus % tp:
+        raise PlanError(f"--tp {tp} must divide --gpus {gpus}")
     if engram not in ("host", "device"):
         raise PlanError(f"Engram tables go to 'host' or 'device', not {engram!r}")
     path = Path(path)
@@ -89,13 +94,19 @@ def plan(path: str | Path, gpus: int, gpu_bytes: int, reserve: int = 8 * GIB, en
     most = max(len(s) for s in placement.slots)
     rank_gpu = {k: v for k, v in weights.items() if k not in ("routed experts", "Engram tables")}
     rank_gpu["routed experts"] = weights.get("routed experts", 0) * most // text.n_routed_experts
+    if HEADS in rank_gpu:  # (the shards of the released models' heads fall on whole FP8 blocks)
+        heads, groups = text.num_attention_heads, text.o_groups
+        if heads % tp or groups % tp:
+            raise PlanError(f"--tp {tp}: {heads} heads in {groups} output groups cannot be split over {tp} ranks")
+        rank_gpu[HEADS] = -(-rank_gpu[HEADS] // tp)
     host = 0
     if weights.get("Engram tables"):
         if engram == "host":
             host = weights["Engram tables"]
         else:
             rank_gpu["Engram tables"] = weights["Engram tables"]
-    p = MemoryPlan(path.name, gpus, gpu_bytes, reserve, engram, weights, most, text.n_routed_experts, rank_gpu, host)
+    p = MemoryPlan(path.name, gpus, gpu_bytes, reserve, engram, weights, most, text.n_routed_experts, rank_gpu, host,
+                   tp=tp)  # fmt: skip
     p.kv_per_token, p.per_sequence = _kv(net, config, kinds)
     p.max_position = text.max_position_embeddings
     if p.free <= 0:
@@ -155,6 +166,10 @@ def _weights(net: torch.nn.Module, config: object) -> tuple[dict[str, int], Coun
     return dict(out), kinds
 
 
+HEADS = "attention heads (wq_b, wo_a, wo_b, sinks)"
+_HEADS = re.compile(r"^layers\.\d+\.attn\.(wq_b\.|wo_a\.|wo_b\.|attn_sink$)")
+
+
 def _part(name: str) -> str:
     if ".engram.embed." in name:
         return "Engram tables"
@@ -166,6 +181,8 @@ def _part(name: str) -> str:
         return "embeddings and head"
     if name.startswith("layers.") and ".ffn.w" in name and ".shared_" not in name:
         return "routed experts"
+    if _HEADS.match(name):
+        return HEADS
     return "attention, shared experts, routers, norms"
 
 
@@ -198,11 +215,15 @@ def _kv(net: torch.nn.Module, config: object, kinds: Counter) -> tuple[dict[str,
 def render(p: MemoryPlan) -> str:
     """The plan as text (``deepinfer plan``)."""
     g = GIB
+    groups = p.gpus // p.tp
+    dp = ("each rank its own sequences" if p.tp == 1 else
+          f"{groups} group{'s' if groups > 1 else ''} of {p.tp} ranks, the heads split in each")  # fmt: skip
     lines = [f"{p.model} on {p.gpus} GPU(s) of {p.gpu_bytes / g:.1f} GiB (expert parallel over {p.gpus}, attention "
-             f"data parallel: each rank its own sequences)", "", "weights (whole model):"]  # fmt: skip
+             f"data parallel: {dp})", "", "weights (whole model):"]  # fmt: skip
     lines += [f"  {k:<44} {v / g:9.2f} GiB" for k, v in sorted(p.weights.items())]
-    lines += ["", f"one rank (up to {p.experts_per_rank} of {p.n_experts} routed experts per trunk layer; the drafter "
-              "whole on every rank, which drafts for its own sequences):"]  # fmt: skip
+    heads = f", 1/{p.tp} of the attention heads" if p.tp > 1 else ""
+    lines += ["", f"one rank (up to {p.experts_per_rank} of {p.n_experts} routed experts per trunk layer{heads}; the "
+              "drafter whole on every rank, which drafts for its own sequences):"]  # fmt: skip
     lines += [f"  {k:<44} {v / g:9.2f} GiB" for k, v in sorted(p.rank_gpu.items())]
     lines += [f"  {'reserve (context, activations, graphs)':<44} {p.reserve / g:9.2f} GiB",
               f"  {'GPU total':<44} {p.gpu_used / g:9.2f} GiB of {p.gpu_bytes / g:.1f}"]  # fmt: skip
@@ -214,7 +235,10 @@ def render(p: MemoryPlan) -> str:
               f"  {'window and compressor rings':<44} {p.per_sequence / 2**20:9.2f} MiB / sequence"]  # fmt: skip
     free = max(p.free, 0)
     lines += ["", f"left for KV state per rank: {free / g:.2f} GiB = {free // max(p.token_bytes, 1):,} tokens"]
-    lines.append("largest context per sequence (per rank; the whole worker serves the batch times the ranks):")
+    lines.append(
+        "largest context per sequence (per rank; the whole worker serves the batch times the "
+        f"{'ranks' if p.tp == 1 else 'groups'}):"
+    )
     lines += [f"  batch {b:>4}: {p.context(b):>9,} tokens" for b in BATCHES]
     return "\n".join(lines)
 
@@ -236,4 +260,4 @@ def parse_bytes(text: str) -> int:
         raise PlanError(f"cannot read a memory size from {text!r} (e.g. 141GB, 80GiB)") from None
 
 
-__all__ = ["GIB", "MemoryPlan", "PlanError", "parse_bytes", "plan", "render"]
+__all__ = ["GIB", "HEADS", "MemoryPlan", "PlanError", "parse_bytes", "plan", "render"]

@@ -34,6 +34,7 @@ from deepinfer.engine.interfaces import RankedPlan, StepResult, WorkerStepPlan
 from deepinfer.engine.worker import InFlight, ModelRunner
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.parallel.expert_balancer import ExpertBalancer, follow_rebalance
+from deepinfer.parallel.layout import Layout
 from deepinfer.rpc.convert import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import worker_pb2
@@ -107,8 +108,9 @@ class RankGroupRunner:
     ``finish``, ``release``); the local runner's device, kvstore client, drafter and constraints stand for the
     group's (every rank builds the same)."""
 
-    def __init__(self, local: RankRunner, channel: Channel, world: int) -> None:
-        self.local, self.channel, self.world = local, channel, world
+    def __init__(self, local: RankRunner, channel: Channel, layout: Layout) -> None:
+        self.local, self.channel, self.layout = local, channel, layout
+        self.world = world = layout.ranks
         self._sent: list[set[str]] = [set() for _ in range(world)]  # requests whose parameters each rank has
         self._launched: collections.deque[InFlight] = collections.deque()
         self.broken: str | None = None  # why the group can run no more steps (``_group_step``), or None
@@ -124,10 +126,14 @@ class RankGroupRunner:
         self.spec, self.constraints = runner.spec, runner.constraints
 
     def launch(self, plan: WorkerStepPlan) -> InFlight:
-        """Send each follower its plan (so every rank enters the step's exchanges), then launch rank 0's."""
-        if not isinstance(plan, RankedPlan) or len(plan.ranks) != self.world:
+        """Send each follower its plan (so every rank enters the step's exchanges), then launch rank 0's. A plan
+        has a step per data-parallel group (``Layout.dp``); every rank of a tensor-parallel group runs its group's."""
+        dp = self.layout.dp
+        if dp == 1 and not isinstance(plan, RankedPlan):  # (one data-parallel group: the plan of a single worker)
+            plan = RankedPlan.of([plan])
+        if not isinstance(plan, RankedPlan) or len(plan.ranks) != dp:
             got = len(plan.ranks) if isinstance(plan, RankedPlan) else 1
-            raise ValueError(f"ranks: the plan has {got} ranks' steps, this worker has {self.world} ranks")
+            raise ValueError(f"ranks: the plan has {got} ranks' steps, this worker has {dp} data-parallel ranks")
         busy = int(bool(plan.chunks))
         with self._group_step():
             if self.balancer is not None and self.balancer.due():  # between two steps, before this one's plans
@@ -135,12 +141,13 @@ class RankGroupRunner:
                     self.channel.send(r, EXPERTS)
                 self.balancer.rebalance()
             for r in range(1, self.world):
-                msg = plan_to_proto(plan.ranks[r], self._sent[r]).SerializeToString()
+                msg = plan_to_proto(plan.ranks[self.layout.group_of(r)], self._sent[r]).SerializeToString()
                 self.channel.send(r, PLAN, msg, busy)
             return self.local.launch(plan.ranks[0], bool(busy))
 
     def finish(self, step: InFlight) -> StepResult:
-        """Rank 0's result of the step, then each follower's, in rank order, merged."""
+        """Rank 0's result of the step, then each follower's, in rank order, merged: the first rank's of each
+        tensor-parallel group (the others computed the same)."""
         with self._group_step():
             out = self.local.runner.finish(step)
             for r in range(1, self.world):
@@ -151,6 +158,8 @@ class RankGroupRunner:
                 part = result_from_proto(worker_pb2.StepResult.FromString(data))
                 if part.step_id != out.step_id:
                     raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
+                if r % self.layout.tp:
+                    continue
                 out.results += part.results
                 out.fetched += part.fetched
                 out.exported += part.exported

@@ -31,7 +31,7 @@ from deepinfer.events.experts import ExpertLoadReporter
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
 from deepinfer.parallel.expert_balancer import ExpertBalancer
 from deepinfer.parallel.launch import start_worker
-from deepinfer.parallel.layout import ranks_of
+from deepinfer.parallel.layout import layout_of
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.collectors import ExpertBalanceCollector
@@ -57,9 +57,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     takes plans of ``world`` ranks' steps (``StepPlan.ranks``)."""
 
     def __init__(
-        self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None, world: int = 1
-    ) -> None:
+        self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None, world: int = 1,
+        processes: int | None = None,
+    ) -> None:  # fmt: skip
         self.parts, self.worker_id, self.world = parts, worker_id, world
+        self.processes = world if processes is None else processes  # its ranks' processes (tensor parallel: more)
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # one image preparation or model load at a time
         self._device = threading.Lock()  # the runner runs one thing at a time: a step's launch or collection, ...
@@ -176,9 +178,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: required")
-        if self.world > 1:
+        if self.processes > 1:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"a worker of {self.world} ranks loads its model when it starts only")  # fmt: skip
+                                f"a worker of {self.processes} ranks loads its model when it starts only")  # fmt: skip
         async with self._lock:
             if self._streams:
                 await context.abort(
@@ -248,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--ep", type=int, help="ranks of the worker, one device each, the MoE experts shared among them "
                    "(default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
-    p.add_argument("--dp-attention", type=int, help="ranks attending over their own sequences (the same as --ep)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: not built yet)")
+    p.add_argument("--dp-attention", type=int, help="groups attending over their own sequences (--ep / --tp)")
+    p.add_argument("--tp", type=int, help="ranks of each tensor-parallel group: the same sequences, the attention's "
+                   "heads split among them; divides --ep (default: DEEPINFER_TP)")  # fmt: skip
     p.add_argument("--unix-socket", type=Path, help="also serve on this Unix socket, for a scheduler on this host "
                    "(default: DEEPINFER_WORKER_UNIX_SOCKET)")  # fmt: skip
     return p
@@ -269,8 +272,9 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         provider = configure_tracing("deepinfer-worker")
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
-        ranks = ranks_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention, args.tp)
-        parts, procs = start_worker(ranks, accelerator, model=args.model, dtype=args.dtype,
+        layout = layout_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention,
+                           envs.DEEPINFER_TP if args.tp is None else args.tp)  # fmt: skip
+        parts, procs = start_worker(layout, accelerator, model=args.model, dtype=args.dtype,
                                     max_model_len=args.max_model_len, num_pages=args.num_pages,
                                     page_size=args.page_size)  # fmt: skip
     except (RuntimeError, ValueError) as e:
@@ -281,7 +285,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
         threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
-    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), ranks)
+    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), layout.dp, layout.ranks)
     service = Service("deepinfer.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
     registration = Registration(
         worker_id,
@@ -289,7 +293,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         advertised(args.host, args.port),
         model=str(parts.path),
         capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator,
-                  "ranks": ranks},
+                  "ranks": layout.ranks, "tp": layout.tp},
     )  # fmt: skip
     presence = Presence(registration)
     balancer = getattr(parts.runner, "balancer", None)

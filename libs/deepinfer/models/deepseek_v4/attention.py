@@ -33,6 +33,7 @@ from deepinfer.models.deepseek_v4.state import ring_span as _ring_span
 from deepinfer.models.deepseek_v4.state_pool import StatePool
 from deepinfer.models.deepseek_v4.window_lists import WindowLists, step_window_lists
 from deepinfer.ops import Ops
+from deepinfer.parallel.tensor_parallel import reduce_output
 from deepinfer.runtime.host_copy import to_device
 
 
@@ -64,6 +65,7 @@ class Attention(nn.Module):
         # a dict while a speculative verify step runs (speculative.py): ``attend`` leaves the compressors' projections
         # of the step there (``{name: (kv, score)}``), which the rollback rebuilds the kept buffers from
         self.capture: dict | None = None
+        self.tp = None  # this layer's tensor-parallel group: its heads only (``parallel.tensor_parallel``)
 
     def _compressors(self) -> list[tuple[str, Compressor]]:
         """The layer's compressors by the name of their projections in ``project``'s tensors."""
@@ -177,7 +179,7 @@ class Attention(nn.Module):
         n_tok, cos, sin = out.shape[0], t["cos"], t["sin"]
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True, inplace=True)
         z = self.wo_a.grouped(out.view(n_tok, self.o_groups, -1), ops)
-        return self.wo_b(z.flatten(1), ops)
+        return reduce_output(self, self.wo_b(z.flatten(1), ops))
 
     def _attend_one(
         self,

@@ -55,16 +55,20 @@ class DeepseekV4Family:
     ) -> torch.nn.Module:
         """``quant_sim``: the official quantisation points are simulated only when asked (``DEEPINFER_QUANT_SIM``
         when None). ``ep``: the MoE layers sharded for expert parallelism before loading
-        (``parallel.expert_parallel.shard_model``). With ``ops.native_weights`` the FP8 linears and MXFP4 experts
-        stay in their stored formats (``quant.native``), then ``ops.prepare_weights`` arranges them for its kernels.
+        (``parallel.expert_parallel.shard_model``), and the attention's heads for tensor parallelism where its
+        ``tp`` group has several ranks (``parallel.tensor_parallel.shard_heads``). With ``ops.native_weights`` the
+        FP8 linears and MXFP4 experts stay in their stored formats (``quant.native``), then ``ops.prepare_weights``
+        arranges them for its kernels.
         The model gets the family's ``step_graphs`` (used where ``ops`` allows graphs)."""
         from deepinfer.checkpoint.loader import load_checkpoint
         from deepinfer.models.deepseek_v4.model import DeepseekV4Model
         from deepinfer.parallel.expert_parallel import shard_model
+        from deepinfer.parallel.tensor_parallel import shard_heads
         from deepinfer.quant.native import prepare_native
 
         net = DeepseekV4Model(config, ops)
         net.step_graphs = self.step_graphs()
+        shard_heads(net, getattr(ep, "tp", None))  # (tensor parallelism: this rank's heads, before any format)
         if getattr(ops, "native_weights", False):
             prepare_native(net, tuple(config.weight_block_size), quantize=False)
         if ep is not None:

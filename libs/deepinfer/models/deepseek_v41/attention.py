@@ -39,6 +39,7 @@ from deepinfer.models.deepseek_v41.indexer import Compressor, Indexer
 from deepinfer.models.deepseek_v41.layout import LayerSpec
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.ops import Ops
+from deepinfer.parallel.tensor_parallel import reduce_output
 from deepinfer.runtime.host_copy import to_device
 
 
@@ -60,6 +61,7 @@ class SharedKVAttention(nn.Module):
         self.wo_b = Linear(self.o_groups * self.o_lora_rank, c.hidden_size, fp8=True)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.quant_sim = True
+        self.tp = None  # this layer's tensor-parallel group: its heads only (``parallel.tensor_parallel``)
 
     def join_projections(self) -> None:
         """``wq_a`` and ``wkv`` (both read the layer's input) as one GEMM (``layers.join_rows``; a backend's
@@ -93,7 +95,7 @@ class SharedKVAttention(nn.Module):
         """Attention output ``[T, H, d]`` → ``[T, hidden]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
         out = ops.rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True, inplace=True)
         z = self.wo_a.grouped(out.view(out.shape[0], self.o_groups, -1), ops)
-        return self.wo_b(z.flatten(1), ops)
+        return reduce_output(self, self.wo_b(z.flatten(1), ops))
 
 
 class Attention(SharedKVAttention):

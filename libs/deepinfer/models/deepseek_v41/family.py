@@ -71,6 +71,7 @@ class DeepseekV41Family(DeepseekV4Family):
         from deepinfer.checkpoint.loader_v41 import load_v41_checkpoint
         from deepinfer.models.deepseek_v41.model import DeepseekV41Model
         from deepinfer.parallel.expert_parallel import shard_model
+        from deepinfer.parallel.tensor_parallel import shard_heads
         from deepinfer.quant.native import prepare_native
 
         has_engram = bool(config.text_config.engram_layer_ids)
@@ -78,6 +79,7 @@ class DeepseekV41Family(DeepseekV4Family):
         with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
             net = DeepseekV41Model(config, ops, token_map)
             net.step_graphs = self.step_graphs()
+            shard_heads(net, getattr(ep, "tp", None))  # (tensor parallelism: this rank's heads, before any format)
             if getattr(ops, "native_weights", False):
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
             if ep is not None:  # (expert parallelism: each MoE layer this rank's experts only)

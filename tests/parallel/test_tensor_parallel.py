@@ -1,0 +1,121 @@
+"""Tensor parallelism of the attention (``deepinfer.parallel.tensor_parallel``): the shards a rank holds and reads,
+and the model in real processes (gloo on loopback) against one process.
+
+Groups of ``tp`` ranks run the same sequences, each rank its share of the heads (``wq_b``, ``attn_sink``, ``wo_a``,
+``wo_b``), the output summed over the group; the routed experts stay sharded over every rank, each rank of a group
+sending its share of the group's tokens. The sums over the group are not one GEMM's, so the logits equal one
+process's within fp32 rounding; the ranks of a group hold the same bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.checkpoint import loader
+from deepinfer.checkpoint.loader import load_checkpoint
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer.parallel.layout import Layout, layout_of
+from deepinfer.parallel.tensor_parallel import Shard, TensorParallel, shard_heads
+from parallel import ep_ranks
+from parallel.test_expert_parallel import run_ranks
+
+
+def test_layouts() -> None:
+    assert layout_of(4, None, 2) == Layout(4, 2) and layout_of(4, None, 2).dp == 2
+    assert layout_of(1, None, 2) == Layout(2, 2) and layout_of(None, None, 2).dp == 1
+    assert layout_of(4) == Layout(4, 1) and layout_of(4, 4).dp == 4
+    assert [Layout(6, 2).group_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="tp must divide ep"):
+        layout_of(3, None, 2)
+    with pytest.raises(ValueError, match="dp_attention=4"):
+        layout_of(4, 4, 2)
+    with pytest.raises(ValueError, match="at least one rank"):
+        layout_of(2, None, 0)
+
+
+def test_rows_and_block_reads() -> None:
+    """A group's rows split in consecutive shares (the first ranks one more); a shard of an FP8 weight read by the
+    blocks that cover it, then cut."""
+    shares = [TensorParallel(None, r, 3).rows(7) for r in range(3)]
+    assert shares == [(0, 3), (3, 5), (5, 7)]
+    full = torch.arange(40 * 6).view(40, 6)
+    sh = Shard(0, 12, 28, 40)
+    covered = sh.read(full, 8)  # blocks [8, 32)
+    assert covered.shape[0] == 24 and torch.equal(sh.cut(covered, 8), full[12:28])
+    assert torch.equal(sh.read(full, None), full[12:28]) and torch.equal(sh.cut(full[12:28], 8), full[12:28])
+    assert sh.read_scale(torch.arange(5).view(5, 1), 8).flatten().tolist() == [1, 2, 3]
+    assert not sh.aligned(8) and Shard(1, 16, 32, 40).aligned(8) and Shard(0, 32, 40, 40).aligned(16)
+
+
+def test_a_rank_reads_and_holds_its_heads(tiny_dirs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2: its attention's sharded tensors are read as safetensors slices (never whole), and it holds
+    exactly the whole model's rows / columns of its heads and groups (the FP8 weights dequantised by whole blocks)."""
+    path = tiny_dirs["base"]
+    config = DeepseekV4Config.from_file(path / "config.json")
+    full = DeepseekV4Model(config)
+    load_checkpoint(full, path, dtype=torch.float32, progress=False)
+    whole: list[str] = []
+    real = loader.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+            self.f = real(*a, **k)
+
+        def __enter__(self) -> Spy:
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *a) -> None:  # noqa: ANN002
+            self.f.__exit__(*a)
+
+        def keys(self) -> list[str]:
+            return self.f.keys()
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            whole.append(key)
+            return self.f.get_tensor(key)
+
+        def get_slice(self, key: str) -> object:
+            return self.f.get_slice(key)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    part = DeepseekV4Model(config)
+    shard_heads(part, TensorParallel(None, 1, 2))
+    load_checkpoint(part, path, dtype=torch.float32, progress=False)
+    sharded = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".attn.attn_sink")  # (the indexer's wq_b: whole)
+    assert not [k for k in whole if k.startswith("layers.") and any(s in k for s in sharded)]
+    h, d, g, ol = config.num_attention_heads, config.head_dim, config.o_groups, config.o_lora_rank
+    for a, b in zip(part.layers, full.layers):
+        assert a.attn.n_heads == h // 2 and a.attn.o_groups == g // 2
+        assert torch.equal(a.attn.wq_b.weight, b.attn.wq_b.weight[h // 2 * d :])
+        assert torch.equal(a.attn.attn_sink, b.attn.attn_sink[h // 2 :])
+        assert torch.equal(a.attn.wo_a.weight, b.attn.wo_a.weight[g // 2 * ol :])
+        assert torch.equal(a.attn.wo_b.weight, b.attn.wo_b.weight[:, g // 2 * ol :])
+    assert torch.equal(part.mtp[0].attn.wq_b.weight, full.mtp[0].attn.wq_b.weight)  # the drafter keeps every head
+    with pytest.raises(ValueError, match="tp must divide"):
+        shard_heads(DeepseekV4Model(config), TensorParallel(None, 0, 3))
+
+
+@pytest.mark.parametrize(("name", "world", "tp", "invariant"), [("base", 2, 2, False), ("base", 4, 2, True),
+                                                                ("v41", 2, 2, False)])  # fmt: skip
+def test_tensor_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
+                                                 world: int, tp: int, invariant: bool) -> None:  # fmt: skip
+    """Every sequence's logits at every step (chunked prefill, mixed steps) within 1e-4 of one process's; the ranks
+    of a tensor-parallel group bit for bit alike (4 ranks: 2 groups of 2, the batch-invariant ops)."""
+    ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
+    one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
+    parts = run_ranks(world, ckpt, tmp_path, invariant, f"tp{tp}")
+    got: dict[str, torch.Tensor] = {}
+    for r, part in enumerate(parts):
+        if r % tp == 0:
+            got.update(part)
+        else:
+            lead = parts[r - r % tp]
+            assert sorted(part) == sorted(lead) and all(torch.equal(part[k], lead[k]) for k in part)
+    assert sorted(got) == sorted(one)
+    for k, want in one.items():
+        assert (got[k] - want).abs().max() <= 1e-4, k
+    assert any(not torch.equal(got[k], one[k]) for k in one) or invariant  # (the sums' order shows somewhere)
