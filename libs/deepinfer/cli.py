@@ -99,11 +99,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     import tempfile
 
     from deepinfer.launcher import Mesh
-    from deepinfer.parallel.layout import layout_of
+    from deepinfer.parallel.layout import from_args as layout_from_args
 
     try:
-        layout = layout_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention,
-                           envs.DEEPINFER_TP if args.tp is None else args.tp)  # fmt: skip
+        layout = layout_from_args(args)
         roles = replica_roles(args.replicas, args.prefill_replicas, args.decode_replicas)
     except ValueError as e:
         print(f"deepinfer up: {e}", file=sys.stderr)
@@ -119,6 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         roles=roles,
         ranks=layout.ranks,
         tp=layout.tp,
+        cp=layout.cp,
         served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
@@ -251,13 +251,15 @@ def cmd_rank(args: argparse.Namespace) -> int:
 
     from deepinfer.engine.factory import build_worker, resolve_model_dir
     from deepinfer.parallel.launch import expert_group, join, same_pages
+    from deepinfer.parallel.layout import Layout
     from deepinfer.parallel.placement import routed_experts_of
     from deepinfer.parallel.rank_group import RankRunner, follow
     from deepinfer.runtime import shared_host
 
     channel = join(args.rank, args.world, args.port, args.accelerator)
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]), channel, args.tp)
+        layout = Layout(args.world, args.tp, args.cp)
+        group = expert_group(routed_experts_of(resolve_model_dir(args.model)[1]), channel, layout)
         flag = {None: None, "true": True, "false": False}
         parts = build_worker(args.model, args.dtype, args.accelerator, args.max_model_len, args.num_pages,
                              args.page_size, flag[args.quant_sim], flag[args.batch_invariant],
@@ -270,9 +272,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4.1 and DeepSeek-V4 models.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    from deepinfer.parallel.layout import add_arguments as add_layout_arguments
+
     s = sub.add_parser("up", help="run the mesh (NATS, worker, scheduler, balancer) on one machine")
     s.add_argument(
         "--model", help="model directory or hub id (default: DEEPINFER_HF_MODEL_DIR or a tiny DeepSeek-V4.1 model)"
@@ -284,15 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-replicas", type=int, default=0, help="prefill/decode disaggregation: replicas that "
                    "prefill prompts and hand them off (with --decode-replicas; docs/routing.md)")  # fmt: skip
     s.add_argument("--decode-replicas", type=int, default=0, help="replicas that decode what prefill replicas hand off")
-    s.add_argument("--ep", type=int, help="ranks of each replica's worker, one device each, the MoE experts shared "
-                   "among them (default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
-    s.add_argument("--dp-attention", type=int, help="groups attending over their own sequences (--ep / --tp)")
-    s.add_argument("--tp", type=int, help="ranks of each tensor-parallel group: the same sequences, the attention's "
-                   "heads split among them; divides --ep (default: DEEPINFER_TP)")  # fmt: skip
+    add_layout_arguments(
+        s,
+        "ranks of each replica's worker, one device each, the MoE experts shared "
+        "among them (default: DEEPINFER_EP; docs/parallelism.md)",
+    )
     s.add_argument("--served-model-name", help="the model's name in the APIs (default: the model directory's name)")
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
     s.set_defaults(func=cmd_up)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer", description="Serve DeepSeek-V4.1 and DeepSeek-V4 models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _up_parser(sub)
     s = sub.add_parser("make-tiny-model", help="write a random tiny checkpoint in the official formats")
     s.add_argument("dir")
     s.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"])
@@ -331,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port on loopback")
     s.add_argument("--accelerator", required=True, choices=("nvidia", "ascend", "cpu"))
     s.add_argument("--tp", type=int, default=1, help="ranks of each tensor-parallel group")
+    s.add_argument("--cp", type=int, default=1, help="ranks of each context-parallel group")
     s.add_argument("--model")
     s.add_argument("--dtype", default="auto")
     for name in ("max-model-len", "num-pages", "page-size", "num-speculative-tokens"):

@@ -48,6 +48,7 @@ class Mesh:
     roles: list[str] = field(default_factory=list)  # each replica's (mixed, prefill, decode); empty: all mixed
     ranks: int = 1  # of each replica's worker (``--ep``): one process and one device each
     tp: int = 1  # ranks of each tensor-parallel group of a replica's worker (``--tp``)
+    cp: int = 1  # ranks of each context-parallel group of a replica's worker (``--cp``)
     accelerator: str = "cpu"
     log_dir: Path | None = None
     served_model_name: str | None = None  # the balancer's name for the model (default: the directory's base name)
@@ -70,7 +71,7 @@ class Mesh:
         ``sockets`` when given, else TCP."""
         service = "services.worker_ascend" if self.accelerator == "ascend" else "services.worker_nvidia"
         args = [service, "--model", str(self.model), "--host", self.host, "--port", str(port), "--ep", str(self.ranks),
-                "--tp", str(self.tp)]  # fmt: skip
+                "--tp", str(self.tp), "--cp", str(self.cp)]  # fmt: skip
         if sockets is None:
             return args, f"{self.host}:{port}"
         return [

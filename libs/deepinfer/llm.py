@@ -51,14 +51,17 @@ class LLM:
         ep: int | None = None,
         dp_attention: int | None = None,
         tp: int | None = None,
+        cp: int | None = None,
     ) -> None:
         """``ep`` (default ``DEEPINFER_EP``): the ranks of the worker (one process per device, this one rank 0:
         ``parallel``), the MoE layers' experts shared among them. ``tp`` (default ``DEEPINFER_TP``): ranks per
         tensor-parallel group, which run the same sequences with the attention's heads split among them (``ep``
-        defaults to it). ``dp_attention``: the groups, each attending over its own sequences (``ep / tp``)."""
-        layout = layout_of(
-            envs.DEEPINFER_EP if ep is None else ep, dp_attention, envs.DEEPINFER_TP if tp is None else tp
-        )
+        defaults to it). ``cp`` (default ``DEEPINFER_CP``): ranks per context-parallel group, which run the same
+        sequences with each step's tokens split among them. ``dp_attention``: the groups, each attending over its own
+        sequences (``ep / tp`` or ``ep / cp``)."""
+        pick = {"ep": ep, "tp": tp, "cp": cp}
+        ep, tp, cp = (getattr(envs, f"DEEPINFER_{k.upper()}") if v is None else v for k, v in pick.items())
+        layout = layout_of(ep, dp_attention, tp, cp)
         self._ranks: RankProcesses | None = None
         parts, self._ranks = start_worker(
             layout, accelerator, model=model, dtype=dtype, max_model_len=max_model_len, num_pages=num_pages,

@@ -22,7 +22,8 @@ from deepinfer.parallel import rebalancer
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.eplb import rebalance
 from deepinfer.parallel.expert_parallel import ExpertParallel
-from deepinfer.parallel.launch import tensor_group
+from deepinfer.parallel.launch import rank_groups
+from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement
 
 PAGE, PAGES, CHUNK = 16, 6, 8
@@ -101,14 +102,19 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        tp = int(mode[2:]) if mode.startswith("tp") else 1  # "tp2": tensor-parallel groups of 2 ranks
+        n = int(mode[2:]) if mode[:2] in ("tp", "cp") else 1  # "tp2" / "cp2": tensor- / context-parallel groups
+        layout = Layout(world, n if mode.startswith("tp") else 1, n if mode.startswith("cp") else 1)
         placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
-        model = load(Path(ckpt), invariant == "1", ExpertParallel(placement, TorchAllToAll(), tensor_group(tp)))
+        tp, cp = rank_groups(layout)
+        ep = ExpertParallel(placement, TorchAllToAll(), tp)
+        ep.cp = cp
+        model = load(Path(ckpt), invariant == "1", ep)
         moved: dict[str, torch.Tensor] = {}
         hook = None if mode != "eplb" else lambda step: rebalance_after(model, step, 2, moved)
-        dp = world // tp
-        got = drive(model, [i for i in range(len(PROMPTS)) if i % dp == rank // tp], hook)
+        got = drive(model, [i for i in range(len(PROMPTS)) if i % layout.dp == layout.group_of(rank)], hook)
         got.update(moved)
+        if cp is not None:
+            got["cp/steps"] = torch.tensor([cp.steps])  # steps split over the group
         save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()

@@ -65,6 +65,28 @@ def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:
         LLM(model=model_dir, ep=3, tp=2)
     with pytest.raises(ValueError, match="dp_attention=1 with ep=2"):
         LLM(model=model_dir, ep=2, dp_attention=1)
+    with pytest.raises(ValueError, match="not both"):
+        LLM(model=model_dir, ep=4, tp=2, cp=2)
+
+
+@pytest.mark.timeout(600)
+def test_a_context_parallel_worker_gives_one_process_outputs(model_dir) -> None:
+    """Two ranks in one context-parallel group (``LLM(cp=2)``: each prefill step's tokens split between them, the
+    state whole on both), the default ops, chunked prefill and preemptions: the single process's greedy and seeded
+    tokens, logprobs within fp32 rounding; the batch-invariant ops are refused."""
+    kw = dict(model=model_dir, dtype="float32", page_size=16, max_num_batched_tokens=24)
+    prompts, params = prompts_and_params()
+    want = LLM(num_pages=64, **kw).generate(prompts, params)
+    with LLM(num_pages=6, cp=2, **kw) as llm:
+        got = llm.generate(prompts, params)
+        preempted = llm.engine.scheduler.num_preemptions
+        split = llm.model.cp.steps
+    assert preempted > 0 and split > 5
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(_sampled_logprobs(g), _sampled_logprobs(w))) < 1e-4
+    with pytest.raises(ValueError, match="batch-invariant"):
+        LLM(num_pages=6, cp=2, batch_invariant=True, **kw)
 
 
 def _sampled_logprobs(o: object) -> list[float]:

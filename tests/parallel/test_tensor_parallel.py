@@ -119,3 +119,39 @@ def test_tensor_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: 
     for k, want in one.items():
         assert (got[k] - want).abs().max() <= 1e-4, k
     assert any(not torch.equal(got[k], one[k]) for k in one) or invariant  # (the sums' order shows somewhere)
+
+
+def test_context_parallel_splits_each_chunk_balanced() -> None:
+    """Each chunk cut into 2·cp pieces, rank r taking pieces r and 2·cp-1-r (an early and a late one), the first
+    rank rotating by chunk; every token on exactly one rank."""
+    from deepinfer.parallel.context_parallel import ContextParallel
+
+    offsets = [(0, 16), (16, 17), (17, 18), (18, 30)]
+    rows = [ContextParallel(None, r, 2).split(offsets, 30).mine.tolist() for r in range(2)]
+    assert sorted(rows[0] + rows[1]) == list(range(30))
+    assert rows[0][:8] == [0, 1, 2, 3, 12, 13, 14, 15] and rows[1][:8] == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert 16 in rows[1] and 17 in rows[0]  # one-token chunks alternate
+    causal = [sum(p - a for p in r for a, b in offsets if a <= p < b) for r in rows]  # keys each rank's queries read
+    assert abs(causal[0] - causal[1]) <= 0.1 * sum(causal)
+
+
+@pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 2)])
+def test_context_parallel_ranks_equal_one_process(tiny_dirs: dict, tmp_path: Path, world: int, cp: int) -> None:
+    """A step's tokens split over each context-parallel group (each rank its own tokens through every layer, every
+    token's state gathered): every sequence's logits at every step (chunked prefill, mixed, decode steps run whole)
+    within 1e-4 of one process's, the ranks of a group bit for bit alike."""
+    ckpt = tiny_dirs["base"]
+    one = ep_ranks.drive(ep_ranks.load(ckpt, False), list(range(len(ep_ranks.PROMPTS))))
+    parts = run_ranks(world, ckpt, tmp_path, False, f"cp{cp}")
+    steps = [int(p.pop("cp/steps")) for p in parts]
+    assert min(steps) >= 2, steps  # the prefill and mixed steps were split
+    got: dict[str, torch.Tensor] = {}
+    for r, part in enumerate(parts):
+        if r % cp == 0:
+            got.update(part)
+        else:
+            lead = parts[r - r % cp]
+            assert sorted(part) == sorted(lead) and all(torch.equal(part[k], lead[k]) for k in part)
+    assert sorted(got) == sorted(one)
+    for k, want in one.items():
+        assert (got[k] - want).abs().max() <= 1e-4, k

@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_ENGRAM_TABLES: str
     DEEPINFER_EP: int
     DEEPINFER_TP: int
+    DEEPINFER_CP: int
     DEEPINFER_EPLB_INTERVAL_STEPS: int
     DEEPINFER_EPLB_EXTRA_SLOTS: int
     DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S: float

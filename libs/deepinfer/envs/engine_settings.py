@@ -252,6 +252,13 @@ declare("DEEPINFER_TP", "int", _HW, """
     the KV state is the group's, whole on each). It must divide `DEEPINFER_EP` (which defaults to it); the experts
     stay sharded over all ranks, and `EP / TP` groups attend over their own sequences (docs/parallelism.md).""",
         default=1, minimum=1)
+declare("DEEPINFER_CP", "int", _HW, """
+    Context-parallel ranks of a worker (`--cp` of the worker and of `deepinfer up`, `LLM(cp=N)`; DeepSeek-V4, not with
+    the batch-invariant ops): groups of this many ranks run the same sequences, each step's tokens split among them
+    (each chunk in `2 * CP` pieces, one early and one late to each rank), every token's window and compressor inputs
+    gathered so each rank keeps the whole state. Decode steps run whole on every rank. It must divide
+    `DEEPINFER_EP` (which defaults to it); not with `DEEPINFER_TP` (docs/parallelism.md).""",
+        default=1, minimum=1)
 declare("DEEPINFER_EPLB_INTERVAL_STEPS", "int", _HW, """
     EPLB in a worker of several ranks (`DEEPINFER_EP`): every this many steps, between two steps, the ranks' expert
     loads are gathered, published on NATS (`deepinfer.experts.<worker>`, one report per rank) and the MoE layers

@@ -42,6 +42,7 @@ class ExpertParallel:
         # this rank's tensor-parallel group (``tensor_parallel``): its ranks hold the same tokens, each sends its
         # share of them to the experts, and the group's outputs are put back together
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.cp: Any = None  # this rank's context-parallel group (``context_parallel``; the model's, set at launch)
         self.held = placement.slots[self.rank]
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
         self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepinfer import envs
 from deepinfer.engine.factory import EngineParts, build_worker, resolve_model_dir
 from deepinfer.parallel.all_to_all import TorchAllToAll
+from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement, routed_experts_of
@@ -53,29 +54,35 @@ def join(rank: int, world: int, port: int, accelerator: str) -> Channel:
     return Channel(None if gloo else dist.new_group(backend="gloo", timeout=timeout))
 
 
-def tensor_group(tp: int) -> TensorParallel | None:
-    """This rank's tensor-parallel group: ranks ``g·tp .. g·tp + tp - 1`` of the worker (every rank creates every
-    group, as ``torch.distributed`` requires); None for ``tp`` 1."""
-    if tp == 1:
-        return None
+def rank_groups(layout: Layout) -> tuple[TensorParallel | None, ContextParallel | None]:
+    """This rank's tensor- or context-parallel group: ranks ``g·n .. g·n + n - 1`` of the worker, ``n`` the
+    layout's group size (every rank creates every group, as ``torch.distributed`` requires); None for neither."""
+    n = layout.group
+    if n == 1:
+        return None, None
     world, me = dist.get_world_size(), dist.get_rank()
-    if world % tp:
-        raise ValueError(f"tp={tp} does not divide the worker's {world} ranks")
-    groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]
-    return TensorParallel(groups[me // tp], me % tp, tp)
+    if world != layout.ranks:
+        raise ValueError(f"a layout of {layout.ranks} ranks in a group of {world}")
+    groups = [dist.new_group(list(range(g * n, (g + 1) * n))) for g in range(world // n)]
+    if layout.tp > 1:
+        return TensorParallel(groups[me // n], me % n, n), None
+    return None, ContextParallel(groups[me // n], me % n, n)
 
 
-def expert_group(n_experts: int, channel: Channel, tp: int = 1) -> ExpertParallel:
-    """This rank's share of every MoE layer: an even placement over the group, with its tensor-parallel group
-    (``tensor_group``); its ``host_key`` names what the ranks share on their host (``runtime.shared_host``), drawn
-    by rank 0."""
+def expert_group(n_experts: int, channel: Channel, layout: Layout | None = None) -> ExpertParallel:
+    """This rank's share of every MoE layer: an even placement over the group, with its tensor- or context-parallel
+    group (``rank_groups``: ``ep.tp``, ``ep.cp``); its ``host_key`` names what the ranks share on their host
+    (``runtime.shared_host``), drawn by rank 0."""
+    layout = layout or Layout(dist.get_world_size())
     a2a = TorchAllToAll()
-    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tensor_group(tp))
+    tp, cp = rank_groups(layout)
+    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tp)
+    ep.cp = cp
     key = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0])
     dist.broadcast(key, src=0, group=channel.group)
     ep.host_key = f"{int(key):016x}"
-    if ep.tp is not None:  # a tensor-parallel group's ranks draw the same unseeded sampling noise: one seed each
-        torch.manual_seed(int(key) + dist.get_rank() // tp)
+    if layout.group > 1:  # a group's ranks draw the same unseeded sampling noise: one seed each
+        torch.manual_seed(int(key) + layout.group_of(dist.get_rank()))
     return ep
 
 
@@ -105,10 +112,10 @@ def start_worker(layout: Layout, accelerator: str | None = None, **build: Any
     if accelerator == "cpu":  # the ranks of one host share its cores (DEEPINFER_TORCH_THREADS: the worker's in all)
         share = max(1, (envs.DEEPINFER_TORCH_THREADS or os.cpu_count() or 1) // ranks)
         env["DEEPINFER_TORCH_THREADS"] = str(share)
-    procs = RankProcesses.start(ranks, {**args, "tp": layout.tp}, accelerator, env)
+    procs = RankProcesses.start(ranks, {**args, "tp": layout.tp, "cp": layout.cp}, accelerator, env)
     group = None
     try:
-        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel, layout.tp)
+        group = expert_group(routed_experts_of(resolve_model_dir(build.get("model"))[1]), procs.channel, layout)
         parts = build_worker(accelerator=accelerator, ep=group, **build)
         if env:
             torch.set_num_threads(int(env["DEEPINFER_TORCH_THREADS"]))
@@ -175,4 +182,4 @@ class RankProcesses:
                 dist.destroy_process_group()
 
 
-__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "start_worker", "tensor_group"]
+__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "rank_groups", "start_worker"]

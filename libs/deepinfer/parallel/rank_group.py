@@ -127,7 +127,8 @@ class RankGroupRunner:
 
     def launch(self, plan: WorkerStepPlan) -> InFlight:
         """Send each follower its plan (so every rank enters the step's exchanges), then launch rank 0's. A plan
-        has a step per data-parallel group (``Layout.dp``); every rank of a tensor-parallel group runs its group's."""
+        has a step per data-parallel group (``Layout.dp``); every rank of a tensor- or context-parallel group runs
+        its group's."""
         dp = self.layout.dp
         if dp == 1 and not isinstance(plan, RankedPlan):  # (one data-parallel group: the plan of a single worker)
             plan = RankedPlan.of([plan])
@@ -147,7 +148,7 @@ class RankGroupRunner:
 
     def finish(self, step: InFlight) -> StepResult:
         """Rank 0's result of the step, then each follower's, in rank order, merged: the first rank's of each
-        tensor-parallel group (the others computed the same)."""
+        tensor- or context-parallel group (the others computed the same)."""
         with self._group_step():
             out = self.local.runner.finish(step)
             for r in range(1, self.world):
@@ -158,7 +159,7 @@ class RankGroupRunner:
                 part = result_from_proto(worker_pb2.StepResult.FromString(data))
                 if part.step_id != out.step_id:
                     raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
-                if r % self.layout.tp:
+                if r % self.layout.group:
                     continue
                 out.results += part.results
                 out.fetched += part.fetched

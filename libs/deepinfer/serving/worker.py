@@ -31,7 +31,8 @@ from deepinfer.events.experts import ExpertLoadReporter
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
 from deepinfer.parallel.expert_balancer import ExpertBalancer
 from deepinfer.parallel.launch import start_worker
-from deepinfer.parallel.layout import layout_of
+from deepinfer.parallel.layout import add_arguments as add_layout_arguments
+from deepinfer.parallel.layout import from_args as layout_from_args
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving.collectors import ExpertBalanceCollector
@@ -248,11 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--ep", type=int, help="ranks of the worker, one device each, the MoE experts shared among them "
-                   "(default: DEEPINFER_EP; docs/parallelism.md)")  # fmt: skip
-    p.add_argument("--dp-attention", type=int, help="groups attending over their own sequences (--ep / --tp)")
-    p.add_argument("--tp", type=int, help="ranks of each tensor-parallel group: the same sequences, the attention's "
-                   "heads split among them; divides --ep (default: DEEPINFER_TP)")  # fmt: skip
+    add_layout_arguments(
+        p,
+        "ranks of the worker, one device each, the MoE experts shared among them "
+        "(default: DEEPINFER_EP; docs/parallelism.md)",
+    )
     p.add_argument("--unix-socket", type=Path, help="also serve on this Unix socket, for a scheduler on this host "
                    "(default: DEEPINFER_WORKER_UNIX_SOCKET)")  # fmt: skip
     return p
@@ -272,8 +273,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         provider = configure_tracing("deepinfer-worker")
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
-        layout = layout_of(envs.DEEPINFER_EP if args.ep is None else args.ep, args.dp_attention,
-                           envs.DEEPINFER_TP if args.tp is None else args.tp)  # fmt: skip
+        layout = layout_from_args(args)
         parts, procs = start_worker(layout, accelerator, model=args.model, dtype=args.dtype,
                                     max_model_len=args.max_model_len, num_pages=args.num_pages,
                                     page_size=args.page_size)  # fmt: skip
@@ -293,7 +293,7 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         advertised(args.host, args.port),
         model=str(parts.path),
         capacity={"num_pages": parts.num_pages, "page_size": parts.page_size, "accelerator": parts.accelerator,
-                  "ranks": layout.ranks, "tp": layout.tp},
+                  "ranks": layout.ranks, "tp": layout.tp, "cp": layout.cp},
     )  # fmt: skip
     presence = Presence(registration)
     balancer = getattr(parts.runner, "balancer", None)

@@ -232,9 +232,11 @@ class Attention(nn.Module):
         rope: RotaryTable,
         ops: Ops,
         out: torch.Tensor | None = None,
+        sel: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every chunk at once (module docstring); the same keys and masks as ``_attend_one``. ``iq``: the
-        indexer's queries and head weights (CSA layers); ``out``: ``attend``'s."""
+        indexer's queries and head weights (CSA layers); ``out``: ``attend``'s. ``sel``: the step's rows whose
+        queries ``q`` and ``iq`` hold (context parallelism: this rank's; the state takes every row's ``kv``)."""
         if self.compressor is not None and cache is None:
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         win = self.window
@@ -261,6 +263,8 @@ class Attention(nn.Module):
         if self.indexer is not None:
             index = self._compress_batched(self.indexer.compressor, proj["index"], chunks, offsets, "index", cache,
                                            rope, ops, kv.dtype)  # fmt: skip
+        if sel is not None:
+            wl = wl.select(sel)
         return self._attend_pools(q, iq, window_pool, wl, chunks, rows, index, ops, out)
 
     def _attend_pools(

@@ -21,6 +21,7 @@ from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
+from deepinfer.parallel.context_parallel import ContextParallel, split_forward, splits
 
 if TYPE_CHECKING:
     from deepinfer.runtime.step_graphs import StepGraphs
@@ -160,6 +161,7 @@ class DeepseekV4Model(nn.Module):
         self.pooled_decode = True  # decode steps keep windows and compressor buffers in a StatePool (state_pool.py)
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
+        self.cp: ContextParallel | None = None  # this rank's context-parallel group (``parallel.context_parallel``)
 
     def set_quant_sim(self, enabled: bool) -> None:
         """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""
@@ -186,6 +188,8 @@ class DeepseekV4Model(nn.Module):
             self.state_pool.begin_step()
         graphs = self.step_graphs
         h = None if graphs is None else graphs.run(self, batch, cache, self.verifying)  # None: run eagerly
+        if h is None and splits(self, batch):  # context parallelism: this rank's tokens, every token's state
+            h = split_forward(self, batch, cache, self.cp)
         if h is None:
             offsets = batch.offsets()
             h = self.embed_streams(batch.token_ids)

@@ -35,6 +35,12 @@ class WindowLists:
     width: int
     _device: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def select(self, rows: torch.Tensor) -> WindowLists:
+        """The lists of the tokens ``rows`` only (the window pool unchanged: context parallelism's queries)."""
+        rows = rows.cpu()
+        return WindowLists(self.lo, self.woff, self.cid[rows], self.pos[rows], self.w_start[rows], self.w_cnt[rows],
+                           self.width)  # fmt: skip
+
     def device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._device is None or self._device[0].device != dev:
             start_d, cnt = to_device(torch.stack([self.w_start, self.w_cnt]), dev)

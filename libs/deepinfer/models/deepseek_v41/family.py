@@ -74,6 +74,8 @@ class DeepseekV41Family(DeepseekV4Family):
         from deepinfer.parallel.tensor_parallel import shard_heads
         from deepinfer.quant.native import prepare_native
 
+        if getattr(ep, "cp", None) is not None:
+            raise ValueError("cp: context parallelism is built for DeepSeek-V4 only so far")
         has_engram = bool(config.text_config.engram_layer_ids)
         token_map = engram_token_map_of(path)[0] if has_engram else None
         with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)

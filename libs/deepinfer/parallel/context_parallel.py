@@ -1,0 +1,104 @@
+"""Balanced context parallelism for long prefills: a group of ``cp`` ranks runs the same sequences, and each step's
+tokens are split among them, each rank computing everything for its own tokens.
+
+A step's tokens stay with their rank through every layer: the embedding, mHC, the attention's projections and
+queries, the indexer's scoring, the attention itself, the output projections and the MoE (whose experts are sharded
+over all ranks as ever: each rank dispatches its own tokens). What crosses the group, per layer, is what the state
+needs from every token: the window's KV row and the compressors' projections of each token (``STATE_KEYS``, a few
+KiB a token). Every rank gathers them (``gather``) and keeps the whole sequence's state (window, compressor buffers,
+compressed rows and index keys in its pages), as a tensor-parallel group does, so the group's ranks hold the same
+state and any of them can continue the sequence. At the end of the step the group gathers the final hidden streams.
+
+**Balanced:** attention is causal, so the later tokens of a chunk read more keys (V4's indexer scores every
+compressed row before the query: its work grows with the position). Each chunk is cut into ``2·cp`` equal pieces and
+rank ``r`` takes pieces ``r`` and ``2·cp - 1 - r`` (one early, one late), the first rank rotating from chunk to
+chunk so that short chunks spread too (``ContextParallel.split``).
+
+Steps that the decode path runs (one token per sequence, speculative verify steps) are not split: every rank of the
+group runs them whole. Only DeepSeek-V4 is built, on the batched attention path (not the batch-invariant ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STATE_KEYS = ("kv", "main_kv", "main_score", "index_kv", "index_score")  # the projections the state takes
+
+
+@dataclass
+class StepRows:
+    """A step's tokens by rank: ``mine`` this rank's (ascending, on the device), ``every`` each rank's, ``total``."""
+
+    mine: torch.Tensor
+    every: list[torch.Tensor]
+    total: int
+
+
+class ContextParallel:
+    """One rank's view of its context-parallel group (``group``: a ``torch.distributed`` group of ``size`` ranks,
+    this one ``rank`` in it)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.steps = 0  # steps split so far
+
+    def split(self, offsets: list[tuple[int, int]], total: int, device: torch.device | str = "cpu") -> StepRows:
+        """Each rank's tokens of a step of ``total`` tokens whose chunks are ``offsets`` (module docstring:
+        balanced)."""
+        c = self.size
+        per: list[list[np.ndarray]] = [[] for _ in range(c)]
+        for j, (a, b) in enumerate(offsets):
+            cuts = [a + (b - a) * p // (2 * c) for p in range(2 * c + 1)]
+            for p in range(2 * c):
+                if cuts[p + 1] > cuts[p]:
+                    per[(min(p, 2 * c - 1 - p) + j) % c].append(np.arange(cuts[p], cuts[p + 1]))
+        every = [torch.from_numpy(np.sort(np.concatenate(x)) if x else np.zeros(0, np.int64)).to(device) for x in per]
+        return StepRows(every[self.rank], every, total)
+
+    def gather(self, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """The step's rows of a per-token tensor, every rank's ``x`` (its ``rows.mine``) put in place."""
+        counts = [len(r) for r in rows.every]
+        pad = x.new_zeros((max(counts), *x.shape[1:]))
+        pad[: x.shape[0]] = x
+        parts = [torch.empty_like(pad) for _ in range(self.size)]
+        dist.all_gather(parts, pad, group=self.group)
+        out = x.new_empty((rows.total, *x.shape[1:]))
+        for idx, part, n in zip(rows.every, parts, counts):
+            out[idx] = part[:n]
+        return out
+
+
+def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextParallel) -> torch.Tensor:
+    """A DeepSeek-V4 step split over ``cp`` (module docstring): the final hidden streams of every token."""
+    ops, offsets = model.ops, batch.offsets()
+    rows = cp.split(offsets, batch.token_ids.shape[0], batch.token_ids.device)
+    cp.steps += 1
+    ids, pos = batch.token_ids[rows.mine], batch.positions[rows.mine]
+    h = model.embed_streams(ids)
+    for layer in model.layers:
+        rope = model.rope_of(layer.layer_id)
+        t, post, comb = layer.attn_in(h, pos, rope, ops)
+        full = {k: cp.gather(t[k], rows) for k in STATE_KEYS if k in t}
+        proj = {k: (full[f"{k}_kv"], full[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in full}
+        iq = (t["iq"], t["iw"]) if "iq" in t else None
+        out = layer.attn._attend_batched(None, t["q"], full["kv"], iq, proj, batch.chunks, offsets, cache, rope, ops,
+                                         sel=rows.mine)  # fmt: skip
+        h = layer.ffn_out(out, t, h, post, comb, ids, ops)
+    return cp.gather(h, rows)
+
+
+def splits(model: nn.Module, batch: object) -> bool:
+    """Whether ``model``'s step ``batch`` is split over its context-parallel group: a group of several ranks, not a
+    speculative verify step, not a step the decode path runs (one token per sequence)."""
+    cp = getattr(model, "cp", None)
+    if cp is None or cp.size == 1 or model.verifying or not batch.chunks:
+        return False
+    return not all(c.length == 1 and c.state.replay_until <= c.start for c in batch.chunks)
+
+
+__all__ = ["STATE_KEYS", "ContextParallel", "StepRows", "split_forward", "splits"]
