@@ -72,21 +72,17 @@ def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:
 @pytest.mark.timeout(600)
 def test_a_context_parallel_worker_gives_one_process_outputs(model_dir) -> None:
     """Two ranks in one context-parallel group (``LLM(cp=2)``: each prefill step's tokens split between them, the
-    state whole on both), the default ops, chunked prefill and preemptions: the single process's greedy and seeded
-    tokens, logprobs within fp32 rounding; the batch-invariant ops are refused."""
-    kw = dict(model=model_dir, dtype="float32", page_size=16, max_num_batched_tokens=24)
-    prompts, params = prompts_and_params()
-    want = LLM(num_pages=64, **kw).generate(prompts, params)
-    with LLM(num_pages=6, cp=2, **kw) as llm:
-        got = llm.generate(prompts, params)
+    state whole on both), the batch-invariant ops, async scheduling, chunked prefill, preemptions and a prefix-cache
+    hit: the single process's tokens and logprobs, request by request."""
+    kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
+              async_scheduling=True)  # fmt: skip
+    want = outputs(LLM(num_pages=64, **kw))
+    with LLM(num_pages=8, cp=2, **kw) as llm:
+        got = outputs(llm)
         preempted = llm.engine.scheduler.num_preemptions
         split = llm.model.cp.steps
-    assert preempted > 0 and split > 5
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert max(abs(a - b) for a, b in zip(_sampled_logprobs(g), _sampled_logprobs(w))) < 1e-4
-    with pytest.raises(ValueError, match="batch-invariant"):
-        LLM(num_pages=6, cp=2, batch_invariant=True, **kw)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert preempted > 0 and split > 5 and got[3][2] > 0
 
 
 def _sampled_logprobs(o: object) -> list[float]:

@@ -253,8 +253,8 @@ declare("DEEPINFER_TP", "int", _HW, """
     stay sharded over all ranks, and `EP / TP` groups attend over their own sequences (docs/parallelism.md).""",
         default=1, minimum=1)
 declare("DEEPINFER_CP", "int", _HW, """
-    Context-parallel ranks of a worker (`--cp` of the worker and of `deepinfer up`, `LLM(cp=N)`; DeepSeek-V4, not with
-    the batch-invariant ops): groups of this many ranks run the same sequences, each step's tokens split among them
+    Context-parallel ranks of a worker (`--cp` of the worker and of `deepinfer up`, `LLM(cp=N)`; DeepSeek-V4):
+    groups of this many ranks run the same sequences, each step's tokens split among them
     (each chunk in `2 * CP` pieces, one early and one late to each rank), every token's window and compressor inputs
     gathered so each rank keeps the whole state. Decode steps run whole on every rank. It must divide
     `DEEPINFER_EP` (which defaults to it); not with `DEEPINFER_TP` (docs/parallelism.md).""",

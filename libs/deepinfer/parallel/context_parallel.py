@@ -15,7 +15,8 @@ rank ``r`` takes pieces ``r`` and ``2·cp - 1 - r`` (one early, one late), the f
 chunk so that short chunks spread too (``ContextParallel.split``).
 
 Steps that the decode path runs (one token per sequence, speculative verify steps) are not split: every rank of the
-group runs them whole. Only DeepSeek-V4 is built, on the batched attention path (not the batch-invariant ops).
+group runs them whole. With the batch-invariant ops each chunk's queries attend sequence by sequence as in one
+process, so the logits are one process's bit for bit; otherwise within fp32 rounding. Only DeepSeek-V4 is built.
 """
 
 from __future__ import annotations
@@ -85,11 +86,30 @@ def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextPar
         t, post, comb = layer.attn_in(h, pos, rope, ops)
         full = {k: cp.gather(t[k], rows) for k in STATE_KEYS if k in t}
         proj = {k: (full[f"{k}_kv"], full[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in full}
-        iq = (t["iq"], t["iw"]) if "iq" in t else None
-        out = layer.attn._attend_batched(None, t["q"], full["kv"], iq, proj, batch.chunks, offsets, cache, rope, ops,
-                                         sel=rows.mine)  # fmt: skip
+        if ops.batch_invariant:
+            out = _attend_each(layer.attn, t, full, proj, rows.mine, pos, batch.chunks, offsets, cache, rope, ops)
+        else:
+            iq = (t["iq"], t["iw"]) if "iq" in t else None
+            out = layer.attn._attend_batched(None, t["q"], full["kv"], iq, proj, batch.chunks, offsets, cache, rope,
+                                             ops, sel=rows.mine)  # fmt: skip
         h = layer.ffn_out(out, t, h, post, comb, ids, ops)
     return cp.gather(h, rows)
+
+
+def _attend_each(attn: nn.Module, t: dict, full: dict, proj: dict, mine: torch.Tensor, pos: torch.Tensor,
+                 chunks: list, offsets: list[tuple[int, int]], cache: object, rope: object, ops: object
+                 ) -> torch.Tensor:  # fmt: skip
+    """The batch-invariant ops' attention (``Attention._attend_one``, sequence by sequence) of this rank's queries:
+    each chunk's state advanced with every row of it, its queries those of ``mine`` in it. A row's result does not
+    depend on the others computed with it, so it equals one process's bit for bit."""
+    out = torch.empty_like(t["q"])
+    for chunk, (a, b) in zip(chunks, offsets):
+        li = torch.nonzero((mine >= a) & (mine < b)).flatten()
+        part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
+        res = attn._attend_one(t["x"][li], t["qr"][li], t["q"][li], full["kv"][a:b], pos[li], part, chunk, cache,
+                               rope, ops)  # fmt: skip
+        out[li] = res
+    return out
 
 
 def splits(model: nn.Module, batch: object) -> bool:

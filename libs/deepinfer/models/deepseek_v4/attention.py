@@ -198,7 +198,7 @@ class Attention(nn.Module):
         ring = st.window(self.layer_id, win, self.head_dim, kv.dtype, kv.device)
         old = torch.arange(max(st.window_start, s - win + 1), s, device=x.device)  # a replay sees no older rows
         keys = torch.cat([ring[old % win], kv])
-        kpos = torch.cat([old, positions])
+        kpos = torch.cat([old, torch.arange(s, e, device=x.device)])  # (``positions``: the queries', maybe fewer)
         t = positions.unsqueeze(1)
         mask = (kpos.unsqueeze(0) <= t) & (kpos.unsqueeze(0) > t - win)
         if self.compressor is not None:

@@ -74,9 +74,6 @@ class DeepseekV4Family:
         if ep is not None:
             shard_model(net, ep)
         net.cp = getattr(ep, "cp", None)  # context parallelism: a step's tokens split over the group
-        if net.cp is not None and getattr(ops, "batch_invariant", False):
-            raise ValueError("cp: context parallelism runs on the batched attention path; the batch-invariant ops "
-                             "attend sequence by sequence and are not built for it")  # fmt: skip
         load_checkpoint(net, path, dtype=dtype)
         net.to(device)
         sim = envs.DEEPINFER_QUANT_SIM if quant_sim is None else quant_sim
