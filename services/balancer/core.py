@@ -31,6 +31,7 @@ from services.balancer.admission import AdmissionGate, check_prompt, check_reque
 from services.balancer.cache_index import CacheIndex
 from services.balancer.constraints import ConstraintCompiler
 from services.balancer.prompt import build_prompt, check_images, prompt_images
+from services.balancer.rebalance import Rebalancer
 from services.balancer.relay import Relay
 from services.balancer.replicas import Replica, ReplicaSet, RouteHint
 
@@ -80,6 +81,9 @@ class Balancer:
         self.cache = CacheIndex(on_change=lambda a, n: self.metrics.cache_index.labels(info.model, a).set(n))
         self.gate = AdmissionGate(lambda: self.pool.replicas)  # refuses at once while every replica is full
         self._where: dict[str, Replica] = {}
+        self._live: dict[str, tuple[Relay, str, int]] = {}  # request -> its relay, the replica's id, max_tokens
+        self.rebalancer = Rebalancer(lambda: self.pool.replicas, self._live_requests,
+                                     lambda n: self.metrics.rebalanced.labels(info.model).inc(n))  # fmt: skip
         self.samples: dict[str, int] = {}  # gRPC requests with n > 1 now running: id -> n (samples {id}-{i})
         self.draining = False  # SIGTERM: new requests are refused (UNAVAILABLE / 503), open ones finish
         self.in_flight = 0  # open streams of generate(), gRPC and HTTP alike (the drain waits for them)
@@ -96,6 +100,16 @@ class Balancer:
         for role in ("mixed", "prefill", "decode", None):
             n = sum(1 for r in self.pool.routable() if r.role == role)
             self.metrics.replicas.labels(self.info.model, role or "unknown").set(n)
+
+    def _live_requests(self) -> dict[str, tuple[Replica, str, int, int]]:
+        """The requests in flight (``rebalance.Rebalancer``): replica, its request id, tokens left, tokens sent."""
+        out = {}
+        for rid, (relay, sid, max_tokens) in self._live.items():
+            replica = self._where.get(rid)
+            if replica is not None:
+                sent = len(relay.generated)
+                out[rid] = (replica, sid, max_tokens - sent, sent)
+        return out
 
     def ready(self) -> bool:
         """Whether a request could be served now: not draining, and some replica is routable."""
@@ -221,6 +235,7 @@ class Balancer:
             replica.in_flight += 1
             self._where[rid] = replica
             submit = relay.submit(request, constraint, attempt, shared, hop.hand_off, hop.resume_position)
+            self._live[rid] = (relay, submit.request_id, request.sampling.max_tokens)
             call = replica.stub.Submit(submit, timeout=left, metadata=metadata)
             error, handoff = None, None
             try:
@@ -247,9 +262,14 @@ class Balancer:
                 call.cancel()  # stop string or caller gone: the replica frees the request's pages
                 replica.in_flight -= 1
                 self._where.pop(rid, None)
+                self._live.pop(rid, None)
+                target = self.rebalancer.targets.pop(rid, None)  # where rebalancing moves it, if it does
             attempt += 1
-            if error is None:  # handed off (its first token out, or its replica drains): on from the exported state
+            if error is None:  # handed off (first token out, replica draining, rebalancing): on from the exported state
                 hop = Hop(resume_position=handoff, decodes=True)
+                if target is not None and target.healthy:
+                    replica = target
+                    continue
                 replica = await self._move(relay, deadline, "decode" if self.pool.routable("decode") else None)
                 continue
             if error.code() not in MOVABLE or moves >= envs.DEEPINFER_MIGRATION_LIMIT:

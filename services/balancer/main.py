@@ -57,6 +57,7 @@ async def run_balancer(
     async def started(running: RunningServer) -> None:  # readiness follows the replicas; probes start
         service.pool.start()
         service.gate.start()  # the replicas' capacities, known before the first burst
+        service.rebalancer.start()  # (DEEPINFER_REBALANCE_INTERVAL_S: 0, off)
         tasks.append(asyncio.create_task(_mirror_readiness(service, running)))
 
     async def drain(grace_s: float) -> None:  # 503 / UNAVAILABLE for new requests; open streams finish
@@ -88,6 +89,7 @@ async def run_balancer(
             t.cancel()
         await discovery.close()
         await service.gate.close()
+        await service.rebalancer.close()
         await service.pool.close()
         await constraints.close()
 

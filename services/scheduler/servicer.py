@@ -332,6 +332,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await self.drain(request.grace_period_s or 30.0)
         return scheduler_pb2.DrainResponse(remaining_requests=len(self.streams))
 
+    async def HandOff(  # noqa: N802
+        self, request: scheduler_pb2.HandOffRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.HandOffResponse:
+        if self.scheduler.remote is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "request_ids: this replica has no kvstore "
+                                "(DEEPINFER_KVSTORE_URL) to hand state off through")  # fmt: skip
+        ids = self.scheduler.hand_off([r for r in request.request_ids if r in self.streams])
+        self.wakeup.set()
+        return scheduler_pb2.HandOffResponse(request_ids=ids)
+
     async def drain(self, grace_s: float) -> None:
         """Stop admitting; let running requests finish for up to ``grace_s``, minus its last seconds (at most 5, at
         most half), in which the rest hand off: each ends its stream with a handoff, its state exported to the

@@ -123,6 +123,9 @@ class DataParallelScheduler:
         for s in self.ranks:
             s.hand_off_all()
 
+    def hand_off(self, request_ids: list[str]) -> list[str]:
+        return [rid for r, ids in self._by_rank(request_ids).items() for rid in self.ranks[r].hand_off(ids)]
+
     def pop_finished(self, request_id: str) -> Request:
         return self.ranks[self.rank_of.pop(request_id)].pop_finished(request_id)
 

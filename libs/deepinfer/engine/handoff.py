@@ -17,7 +17,8 @@ failed fetch recomputes, as every kvstore miss does: the same tokens, later.
 
 **On a draining replica** (:meth:`hand_off_all`): every unfinished request hands off as soon as it can: a running one
 after the token it has in flight (or its next one), a waiting one at once, without state; the balancer continues
-each on another replica from what was exported.
+each on another replica from what was exported. **Rebalancing** (:meth:`hand_off`): the requests the balancer names,
+the same way.
 """
 
 from __future__ import annotations
@@ -76,7 +77,19 @@ class Handoffs:
 
     def hand_off_all(self) -> None:
         """Hand off every unfinished request (module docstring: a draining replica)."""
-        for req in [*self.running, *self.waiting, *(r for r, _ in self.fetching.values())]:
+        self._hand_off_now([*self.running, *self.waiting, *(r for r, _ in self.fetching.values())])
+
+    def hand_off(self, request_ids: list[str]) -> list[str]:
+        """Hand off these requests as a draining replica does its own (rebalancing: the balancer moves them to a
+        less loaded replica); the ids of those that will (the unknown and finished ones are left out)."""
+        reqs = [self.requests[r] for r in dict.fromkeys(request_ids) if r in self.requests]
+        reqs = [r for r in reqs if not r.finished]
+        self._hand_off_now(reqs)
+        return [r.request_id for r in reqs]
+
+    def _hand_off_now(self, reqs: list[Request]) -> None:
+        """A running request after the token it has in flight (or its next one), any other at once, without state."""
+        for req in reqs:
             if req.status is Status.RUNNING and req.num_computed:
                 req.handoff_at = len(req.output_token_ids) + max(1, req.in_flight)
             else:

@@ -186,6 +186,15 @@ declare("DEEPINFER_MIGRATION_WAIT_S", "float", _SRV, """
     How long a request whose replica failed may wait for a replica to serve again (another one, or the same
     one restarted) before it fails with UNAVAILABLE; never longer than the request's own deadline.""",
     default=120.0, minimum=0.0)
+declare("DEEPINFER_REBALANCE_INTERVAL_S", "float", _SRV, """
+    Rebalancing (docs/routing.md): every this many seconds the balancer compares the requests it has in flight on
+    each replica that decodes and, where the busiest has `DEEPINFER_REBALANCE_MIN_GAP` more than the idlest, has the
+    busiest hand half the gap off (those with the most tokens left): their state goes through the kvstore and they
+    continue on the idlest, not recomputed. 0: off. The replicas need a kvstore (`DEEPINFER_KVSTORE_URL`).""",
+    default=0.0, minimum=0.0)
+declare("DEEPINFER_REBALANCE_MIN_GAP", "int", _SRV, """
+    Rebalancing: the least difference in requests in flight between the busiest and the idlest decoding replica
+    that moves requests (at least 2; see `DEEPINFER_REBALANCE_INTERVAL_S`).""", default=4, minimum=2)
 declare("DEEPINFER_REPLICA_PROBE_S", "float", _SRV, """
     Period of the balancer's health probes of its scheduler replicas. A replica whose probe or stream
     fails leaves routing at once and comes back when a probe finds it SERVING again.""",

@@ -110,9 +110,13 @@ class Metrics:
         )  # fmt: skip
         self.handoffs = Counter(
             "deepinfer_balancer_handoffs",
-            "Requests prefilled on a prefill replica and decoded on a decode replica (disaggregation), by how the "
-            "decode replica got their state (kvstore: the prefill replica's export; recompute: the export or its fetch "
-            "failed).", [*model, "source"], registry=r,
+            "Requests continued on another replica from the state theirs handed off (disaggregation's prefill to "
+            "decode, a draining replica's, rebalancing's), by how the next replica got that state (kvstore: the "
+            "export; recompute: the export or its fetch failed).", [*model, "source"], registry=r,
+        )  # fmt: skip
+        self.rebalanced = Counter(
+            "deepinfer_balancer_rebalanced", "Running requests the balancer moved from its busiest decoding replica "
+            "to its idlest, their state through the kvstore (DEEPINFER_REBALANCE_INTERVAL_S).", model, registry=r,
         )  # fmt: skip
 
     def count_request(self, model: str, route: str, status: str) -> None:

@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.DrainRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/deepinfer.v1.Scheduler/HandOff',
+                request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.HandOffResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/deepinfer.v1.Scheduler/GetLoad',
                 request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.GetLoadRequest.SerializeToString,
@@ -79,6 +84,15 @@ class SchedulerServicer:
 
     def Drain(self, request, context):
         """Stops admitting; running requests finish (or are aborted after the grace period).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandOff(self, request, context):
+        """Hands these running requests off (rebalancing, docs/routing.md): each ends its stream with `handoff` after the
+        token it has in flight, its state exported to the kvstore, and the balancer continues it on another replica
+        from that state. FAILED_PRECONDITION on a replica without a kvstore; unknown or finished ids are left out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.DrainRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_scheduler__pb2.DrainResponse.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.HandOffRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_scheduler__pb2.HandOffResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -207,6 +226,33 @@ class Scheduler:
             '/deepinfer.v1.Scheduler/Drain',
             deepinfer_dot_v1_dot_scheduler__pb2.DrainRequest.SerializeToString,
             deepinfer_dot_v1_dot_scheduler__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Scheduler/HandOff',
+            deepinfer_dot_v1_dot_scheduler__pb2.HandOffRequest.SerializeToString,
+            deepinfer_dot_v1_dot_scheduler__pb2.HandOffResponse.FromString,
             options,
             channel_credentials,
             insecure,
