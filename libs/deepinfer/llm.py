@@ -61,7 +61,7 @@ class LLM:
         sequences (``ep / tp`` or ``ep / cp``)."""
         pick = {"ep": ep, "tp": tp, "cp": cp}
         ep, tp, cp = (getattr(envs, f"DEEPINFER_{k.upper()}") if v is None else v for k, v in pick.items())
-        layout = layout_of(ep, dp_attention, tp, cp)
+        self.layout = layout = layout_of(ep, dp_attention, tp, cp)
         self._ranks: RankProcesses | None = None
         parts, self._ranks = start_worker(
             layout, accelerator, model=model, dtype=dtype, max_model_len=max_model_len, num_pages=num_pages,
@@ -112,6 +112,8 @@ class LLM:
         images = prompt_images(prompt, where, self.local_media)
         if images is None:
             return ids, text, None
+        if self.layout.group > 1:  # (this process alone holds the features; its group's other ranks need them)
+            raise ValueError(f"{where}: images are not served by a worker of tensor- or context-parallel groups")
         ids, mm = prepare_images(self.family, self.config, self.image_encoder(), ids, images)
         return ids, text, mm
 

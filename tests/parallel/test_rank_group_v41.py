@@ -63,3 +63,25 @@ def test_four_ranks_of_v41_give_one_process_outputs(tiny_v41_dir, monkeypatch: p
     for m in maps:  # every other rank maps the same files
         assert paths <= {ln.split()[5] for ln in m.splitlines() if "/dev/shm/deepinfer-" in ln}
     assert not [p for p in paths if os.path.exists(p)]  # removed once every rank mapped them
+
+
+@pytest.mark.timeout(600)
+def test_a_context_parallel_v41_worker_gives_one_process_outputs(tiny_v41_dir) -> None:
+    """``LLM(cp=2)`` on V4.1 (each prefill step's tokens split between two ranks, Engram and every CSA2 layer kind):
+    the text prompts' tokens and logprobs are the single process's; an image prompt is refused (rank 0 alone would
+    hold its features)."""
+    kw = dict(model=tiny_v41_dir, dtype="float32", page_size=16, num_pages=64, batch_invariant=True,
+              quant_sim=False, max_num_batched_tokens=16)  # fmt: skip
+    ps, params = prompts(0)
+    text = [0, 2, 3]
+    one = LLM(**kw)
+    want = one.generate([ps[i] for i in text], [params[i] for i in text])
+    with LLM(cp=2, **kw) as llm:
+        got = llm.generate([ps[i] for i in text], [params[i] for i in text])
+        split = llm.model.cp.steps
+        image, image_params = prompts(llm.config.image_token_id)
+        with pytest.raises(ValueError, match="images are not served"):
+            llm.generate([image[1]], [image_params[1]])
+    assert split >= 2
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]  # fmt: skip

@@ -136,14 +136,16 @@ def test_context_parallel_splits_each_chunk_balanced() -> None:
 
 
 @pytest.mark.parametrize(("name", "world", "cp", "invariant"), [("base", 2, 2, False), ("base", 4, 2, False),
-                                                                ("odd", 2, 2, True)])  # fmt: skip
-def test_context_parallel_ranks_equal_one_process(tiny_dirs: dict, tmp_path: Path, name: str, world: int, cp: int,
-                                                  invariant: bool) -> None:  # fmt: skip
+                                                                ("odd", 2, 2, True), ("v41", 2, 2, True),
+                                                                ("v41", 2, 2, False)])  # fmt: skip
+def test_context_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
+                                                  world: int, cp: int, invariant: bool) -> None:  # fmt: skip
     """A step's tokens split over each context-parallel group (each rank its own tokens through every layer, every
     token's state gathered): every sequence's logits at every step (chunked prefill, mixed, decode steps run whole)
     equal one process's, bit for bit with the batch-invariant ops ("odd": 3 heads, a CSA first layer, top-3 of 6
-    experts), within 1e-4 otherwise; the ranks of a group bit for bit alike."""
-    ckpt = tiny_dirs[name]
+    experts; "v41": the tiny DeepSeek-V4.1 checkpoint, Engram and every CSA2 layer kind), within 1e-4 otherwise; the
+    ranks of a group bit for bit alike."""
+    ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
     one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
     parts = run_ranks(world, ckpt, tmp_path, invariant, f"cp{cp}")
     steps = [int(p.pop("cp/steps")) for p in parts]

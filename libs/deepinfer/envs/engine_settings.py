@@ -247,13 +247,14 @@ declare("DEEPINFER_EP", "int", _HW, """
     of several ranks uses devices `0 .. N-1` of those visible to it (`deepinfer up` gives each replica its own).""",
         default=1, minimum=1)
 declare("DEEPINFER_TP", "int", _HW, """
-    Tensor-parallel ranks of a worker (`--tp` of the worker and of `deepinfer up`, `LLM(tp=N)`): groups of this many
-    ranks run the same sequences, each the attention of its share of the heads (`wq_b`, `wo_a`, `wo_b`, the sinks;
-    the KV state is the group's, whole on each). It must divide `DEEPINFER_EP` (which defaults to it); the experts
-    stay sharded over all ranks, and `EP / TP` groups attend over their own sequences (docs/parallelism.md).""",
+    Tensor-parallel ranks of a worker (`--tp` of the worker and of `deepinfer up`, `LLM(tp=N)`; no images): groups
+    of this many ranks run the same sequences, each the attention of its share of the heads (`wq_b`, `wo_a`, `wo_b`,
+    the sinks; the KV state is the group's, whole on each). It must divide `DEEPINFER_EP` (which defaults to it);
+    the experts stay sharded over all ranks, and `EP / TP` groups attend over their own sequences
+    (docs/parallelism.md).""",
         default=1, minimum=1)
 declare("DEEPINFER_CP", "int", _HW, """
-    Context-parallel ranks of a worker (`--cp` of the worker and of `deepinfer up`, `LLM(cp=N)`; DeepSeek-V4):
+    Context-parallel ranks of a worker (`--cp` of the worker and of `deepinfer up`, `LLM(cp=N)`; no images):
     groups of this many ranks run the same sequences, each step's tokens split among them
     (each chunk in `2 * CP` pieces, one early and one late to each rank), every token's window and compressor inputs
     gathered so each rank keeps the whole state. Decode steps run whole on every rank. It must divide

@@ -16,7 +16,9 @@ chunk so that short chunks spread too (``ContextParallel.split``).
 
 Steps that the decode path runs (one token per sequence, speculative verify steps) are not split: every rank of the
 group runs them whole. With the batch-invariant ops each chunk's queries attend sequence by sequence as in one
-process, so the logits are one process's bit for bit; otherwise within fp32 rounding. Only DeepSeek-V4 is built.
+process, so the logits are one process's bit for bit; otherwise within fp32 rounding. The models' split steps are
+``models.deepseek_v4.context_split`` and ``models.deepseek_v41.context_split`` (whose steps in a bounded decoder
+replay, or capturing DSpark's features, run whole).
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-
-STATE_KEYS = ("kv", "main_kv", "main_score", "index_kv", "index_score")  # the projections the state takes
 
 
 @dataclass
@@ -74,51 +74,16 @@ class ContextParallel:
         return out
 
 
-def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextParallel) -> torch.Tensor:
-    """A DeepSeek-V4 step split over ``cp`` (module docstring): the final hidden streams of every token."""
-    ops, offsets = model.ops, batch.offsets()
-    rows = cp.split(offsets, batch.token_ids.shape[0], batch.token_ids.device)
-    cp.steps += 1
-    ids, pos = batch.token_ids[rows.mine], batch.positions[rows.mine]
-    h = model.embed_streams(ids)
-    for layer in model.layers:
-        rope = model.rope_of(layer.layer_id)
-        t, post, comb = layer.attn_in(h, pos, rope, ops)
-        full = {k: cp.gather(t[k], rows) for k in STATE_KEYS if k in t}
-        proj = {k: (full[f"{k}_kv"], full[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in full}
-        if ops.batch_invariant:
-            out = _attend_each(layer.attn, t, full, proj, rows.mine, pos, batch.chunks, offsets, cache, rope, ops)
-        else:
-            iq = (t["iq"], t["iw"]) if "iq" in t else None
-            out = layer.attn._attend_batched(None, t["q"], full["kv"], iq, proj, batch.chunks, offsets, cache, rope,
-                                             ops, sel=rows.mine)  # fmt: skip
-        h = layer.ffn_out(out, t, h, post, comb, ids, ops)
-    return cp.gather(h, rows)
-
-
-def _attend_each(attn: nn.Module, t: dict, full: dict, proj: dict, mine: torch.Tensor, pos: torch.Tensor,
-                 chunks: list, offsets: list[tuple[int, int]], cache: object, rope: object, ops: object
-                 ) -> torch.Tensor:  # fmt: skip
-    """The batch-invariant ops' attention (``Attention._attend_one``, sequence by sequence) of this rank's queries:
-    each chunk's state advanced with every row of it, its queries those of ``mine`` in it. A row's result does not
-    depend on the others computed with it, so it equals one process's bit for bit."""
-    out = torch.empty_like(t["q"])
-    for chunk, (a, b) in zip(chunks, offsets):
-        li = torch.nonzero((mine >= a) & (mine < b)).flatten()
-        part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}
-        res = attn._attend_one(t["x"][li], t["qr"][li], t["q"][li], full["kv"][a:b], pos[li], part, chunk, cache,
-                               rope, ops)  # fmt: skip
-        out[li] = res
-    return out
-
-
 def splits(model: nn.Module, batch: object) -> bool:
     """Whether ``model``'s step ``batch`` is split over its context-parallel group: a group of several ranks, not a
-    speculative verify step, not a step the decode path runs (one token per sequence)."""
+    speculative verify step, not a step the decode path runs (one token per sequence), no chunk in a bounded
+    decoder replay (DeepSeek-V4.1: those run whole)."""
     cp = getattr(model, "cp", None)
-    if cp is None or cp.size == 1 or model.verifying or not batch.chunks:
+    if cp is None or cp.size == 1 or getattr(model, "verifying", False) or not batch.chunks:
+        return False
+    if any(getattr(c, "decoder_from", None) is not None for c in batch.chunks):
         return False
     return not all(c.length == 1 and c.state.replay_until <= c.start for c in batch.chunks)
 
 
-__all__ = ["STATE_KEYS", "ContextParallel", "StepRows", "split_forward", "splits"]
+__all__ = ["ContextParallel", "StepRows", "splits"]

@@ -82,6 +82,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise ValueError("request_id: required")
             if any(len(b) > MAX_IMAGE_BYTES for b in request.images):
                 raise ValueError(f"images: an image is larger than {MAX_IMAGE_BYTES} bytes")
+            if self.processes > self.world:  # (rank 0 alone holds the features; its group's other ranks need them)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "images: not served by a worker of "
+                                    "tensor- or context-parallel groups (--tp, --cp)")  # fmt: skip
             async with self._lock:  # one preparation at a time; the encoder runs between steps (the device lock)
                 self.budget.check_room()
                 if self._encoder is None:

@@ -15,13 +15,14 @@ from torch import nn
 from deepinfer.models.deepseek_v4 import verify_step
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.context_split import split_forward
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
-from deepinfer.parallel.context_parallel import ContextParallel, split_forward, splits
+from deepinfer.parallel.context_parallel import ContextParallel, splits
 
 if TYPE_CHECKING:
     from deepinfer.runtime.step_graphs import StepGraphs

@@ -192,23 +192,30 @@ class Attention(SharedKVAttention):
         ctx: StepContext,
         ops: Ops,
     ) -> torch.Tensor:
-        """Each sequence alone: its keys and mask, one ``ops.sparse_attention`` (the batch-invariant path)."""
+        """Each sequence alone: its keys and mask, one ``ops.sparse_attention`` (the batch-invariant path). With
+        ``ctx.queries`` (context parallelism) ``q``, ``iq``, ``iw`` are those rows' only; ``kv`` is every row's."""
         out = torch.empty_like(q)
         for i, (chunk, (a, b)) in enumerate(zip(ctx.chunks, ctx.offsets)):
             keys, mask = self._window(kv[a:b], chunk, ctx.positions[a:b])
+            li, rel = slice(a, b), slice(None)  # the chunk's queries: in q, and in the chunk
+            if ctx.queries is not None:
+                li = torch.nonzero((ctx.queries >= a) & (ctx.queries < b)).flatten()
+                rel = ctx.queries[li] - a
+                li, rel = li.to(q.device), rel.to(q.device)
+                mask = mask[rel]
             if self.ratio:
                 rows = self._owner_rows(ctx, i, chunk, "rows")
                 if self.indexer is not None:
-                    visible = (ctx.positions[a:b] + 1) // self.ratio
+                    visible = (ctx.positions[a:b][rel] + 1) // self.ratio
                     ikeys = self._owner_rows(ctx, i, chunk, "index")
                     ctx.selection[i], ctx.candidates[i] = self.indexer.select(
-                        iq[a:b], iw[a:b], ikeys, visible, ctx.candidates.get(i), ops
+                        iq[li], iw[li], ikeys, visible, ctx.candidates.get(i), ops
                     )
                 sel = ctx.selection.get(i)
-                if sel is None or sel.shape != (b - a, rows.shape[0]):
+                if sel is None or sel.shape != (mask.shape[0], rows.shape[0]):
                     raise ValueError(f"layer {self.layer_id} reuses a selection no index source made for this step")
                 keys, mask = torch.cat([keys, rows.to(keys.dtype)]), torch.cat([mask, sel], dim=1)
-            out[a:b] = ops.sparse_attention(q[a:b], keys, mask, self.attn_sink, self.head_dim**-0.5)
+            out[li] = ops.sparse_attention(q[li], keys, mask, self.attn_sink, self.head_dim**-0.5)
         return out
 
     def publish(self, x: torch.Tensor, ctx: StepContext, rope: RotaryTable, ops: Ops) -> None:

@@ -56,6 +56,8 @@ def _window(
     w_first = torch.maximum(pos - win + 1, lo)
     start = torch.tensor(offs, dtype=torch.long)[cid] + (w_first - lo)
     count = pos - w_first + 1
+    if ctx.queries is not None:  # (context parallelism: this rank's queries)
+        start, count = start[ctx.queries], count[ctx.queries]
     meta = to_device(torch.stack([start, count]), kv.device)
     return pool, meta[0], meta[1], int(count.max()) if count.numel() else 0
 
@@ -72,6 +74,8 @@ def _owner_pool(attn: AttentionLayer, ctx: StepContext, kind: str) -> tuple[torc
     pool, offsets = got
     lens = torch.tensor([b - a for a, b in ctx.offsets], dtype=torch.long)
     tok_off = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long), lens)
+    if ctx.queries is not None:
+        tok_off = tok_off[ctx.queries]
     return pool, to_device(tok_off, pool.device)
 
 
@@ -83,7 +87,7 @@ def _select(
     width = max(c.end // r for c in ctx.chunks)
     keys, start = _owner_pool(attn, ctx, "index")
     t = iq.shape[0]
-    visible = (ctx.positions + 1) // r
+    visible = (ctx.query_positions() + 1) // r
     cols = torch.arange(width, device=iq.device).unsqueeze(0)
     allowed = cols < visible.unsqueeze(1)
     if width == 0:

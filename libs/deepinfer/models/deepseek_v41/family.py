@@ -74,8 +74,6 @@ class DeepseekV41Family(DeepseekV4Family):
         from deepinfer.parallel.tensor_parallel import shard_heads
         from deepinfer.quant.native import prepare_native
 
-        if getattr(ep, "cp", None) is not None:
-            raise ValueError("cp: context parallelism is built for DeepSeek-V4 only so far")
         has_engram = bool(config.text_config.engram_layer_ids)
         token_map = engram_token_map_of(path)[0] if has_engram else None
         with torch.device("meta"):  # nothing allocated until the loader fills it (Flash: 552B parameters)
@@ -86,6 +84,7 @@ class DeepseekV41Family(DeepseekV4Family):
                 prepare_native(net, tuple(config.weight_block_size), quantize=False)
             if ep is not None:  # (expert parallelism: each MoE layer this rank's experts only)
                 shard_model(net, ep)
+            net.cp = getattr(ep, "cp", None)  # context parallelism: a step's tokens split over the group
         host_tables = envs.DEEPINFER_ENGRAM_TABLES == "host"
         shared = shared_tables(net, dtype, ep) if host_tables and ep is not None and ep.a2a.size > 1 else {}
         load_v41_checkpoint(net, path, dtype, shared=shared)

@@ -29,6 +29,7 @@ from deepinfer.models.deepseek_v41 import verify_step
 from deepinfer.models.deepseek_v41.attention import Attention, SharedKVAttention
 from deepinfer.models.deepseek_v41.block import Block
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.context_split import split_forward
 from deepinfer.models.deepseek_v41.decoder_split import decoder_context, split_at_decoder
 from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 from deepinfer.models.deepseek_v41.engram import BLOCKED, EngramHasher
@@ -39,6 +40,7 @@ from deepinfer.models.deepseek_v41.mhc import embed_streams, final_collapse, ini
 from deepinfer.models.deepseek_v41.step_context import StepContext
 from deepinfer.models.deepseek_v41.vision import VisionAligner, VisionTransformer
 from deepinfer.ops import Ops, get_ops
+from deepinfer.parallel.context_parallel import ContextParallel, splits
 from deepinfer.runtime.host_copy import to_device
 from deepinfer.runtime.platform import platform_of
 
@@ -107,6 +109,7 @@ class DeepseekV41Model(nn.Module):
         self.piecewise_prefill = True
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
         self.state_pool: StatePool | None = None
+        self.cp: ContextParallel | None = None  # this rank's context-parallel group (``parallel.context_parallel``)
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.vision = self.aligner = None
         if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
@@ -238,6 +241,11 @@ class DeepseekV41Model(nn.Module):
         self._use_pool(not ops.batch_invariant and self.pooled_decode)
         y = None if self.step_graphs is None else self._replay(batch, cache, capture)
         if y is not None:  # replayed from graphs (None: run eagerly)
+            for chunk in batch.chunks:
+                chunk.state.num_tokens = chunk.end
+            return y
+        if not capture and splits(self, batch):  # context parallelism: this rank's tokens, every token's state
+            y = split_forward(self, batch, cache, self.cp)
             for chunk in batch.chunks:
                 chunk.state.num_tokens = chunk.end
             return y

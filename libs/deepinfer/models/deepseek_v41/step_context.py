@@ -36,6 +36,12 @@ class StepContext:
     sel_count: torch.Tensor | None = None  # [T]
     cand: torch.Tensor | None = None  # [T, width] bool
     plan: Any = None  # a decode step on pooled state: its decode_step.V41DecodePlan, made by the first layer
+    # context parallelism: the rows (host, ascending) whose queries this rank attends; the state takes every row
+    queries: torch.Tensor | None = None
+
+    def query_positions(self) -> torch.Tensor:
+        """The positions of the rows whose queries are attended (all rows', or ``queries``')."""
+        return self.positions if self.queries is None else self.positions[self.queries.to(self.positions.device)]
 
 
 class AttentionLayer(Protocol):
