@@ -31,6 +31,7 @@ def _name(p: Path) -> str:
 # flags that trim a smoke run further (the script's --tiny alone is what a person runs on a CPU)
 TRIM: dict[str, list[str]] = {
     "serving/routing.py": ["--policies", "cache", "--replicas", "1"],
+    "serving/disaggregation.py": ["--configs", "disaggregated"],
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
     "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2"],
     "engine/engine_decode.py": [

@@ -100,6 +100,9 @@ def test_a_tensor_parallel_worker_gives_one_process_outputs(model_dir) -> None:
     kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
               async_scheduling=True)  # fmt: skip
     prompts, params = prompts_and_params()
+    prompts.append({"prompt_token_ids": [11, 12, 13]})  # structured output: the group's ranks advance their matchers
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=0,
+                                 so_args={"schema_type": "regex", "schema": "(ab)+c?"}))  # fmt: skip
     free = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0)
     one = LLM(num_pages=64, **kw)
     want = one.generate(prompts, params)

@@ -196,13 +196,17 @@ class RankGroupRunner:
 
     def waits_for_tokens(self, plan: RankedPlan) -> bool:
         """Rank 0's own rows as its runner says; another rank's structured-output rows always (rank 0 does not see
-        whether their last tokens reached that rank's host); a plan that is not one of ranks: no (``launch``
-        refuses it)."""
+        whether their last tokens reached that rank's host), those of rank 0's tensor- or context-parallel peers
+        too; a plan that is not one of ranks: no (``launch`` refuses it), except the plain plan of one data-parallel
+        group."""
+        if self.layout.dp == 1 and not isinstance(plan, RankedPlan):
+            plan = RankedPlan.of([plan])
         if not isinstance(plan, RankedPlan) or not plan.ranks:
             return False
         if self.local.runner.waits_for_tokens(plan.ranks[0]):
             return True
-        return any(c.constraint is not None for sub in plan.ranks[1:] for c in sub.chunks)
+        others = plan.ranks if self.layout.group > 1 else plan.ranks[1:]
+        return any(c.constraint is not None for sub in others for c in sub.chunks)
 
     def close(self) -> None:
         """Tell the followers to stop (each leaves its loop and the group)."""

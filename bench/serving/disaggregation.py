@@ -1,0 +1,134 @@
+"""Prefill/decode disaggregation against co-location: decode streams' TPOT while long prompts arrive.
+
+    PYTHONPATH=libs:. python bench/serving/disaggregation.py --out bench/results/serving   # tiny model, CPU (≈ 4 min)
+    PYTHONPATH=libs:. python bench/serving/disaggregation.py --tiny --device cpu           # smoke mode
+
+The same hardware either way: two workers, one torch thread each (``DEEPINFER_TORCH_THREADS=1``), so on a 2-core
+host each has a core. **Co-located**: two mixed replicas, each request served whole on one of them. **Disaggregated**:
+one prefill and one decode replica (``deepinfer up --prefill-replicas 1 --decode-replicas 1``), each request's prompt
+on the first, its decoding on the second, its state through the kvstore. Each configuration is a mesh of its own
+(``deepinfer.launcher.Mesh``: NATS, the kvstore, the replicas, a balancer), run one after the other.
+
+The workload, through the balancer's OpenAI completions API (``deepinfer bench serve``'s runner): ``--streams``
+decode-heavy requests (``--stream-input`` prompt tokens, ``--stream-output`` output tokens) start together, and
+while they decode ``--prefills`` long prompts (``--prefill-input`` tokens, ``--prefill-output`` output tokens) arrive
+at ``--prefill-rate`` a second (Poisson). Reported per configuration: the decode streams' TPOT and ITL p50 / p99
+(what a long prefill in the same step costs a decoding request), the long prompts' TTFT p50 / p99, and the
+disaggregated run's handoffs. Greedy, ``ignore_eos``.
+
+The figures are of a tiny model on CPU cores, where a prefill's cost grows with its tokens as on a GPU but nothing
+else does: the direction and the size of the effect at this scale, not a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from bench.harness import ROOT, add_common_args, git_commit, result_header, write_result
+from deepinfer.launcher import Mesh
+from deepinfer.loadgen import runner, workload
+from deepinfer.loadgen.http_client import OpenAIClient
+from deepinfer.loadgen.metrics import summarize
+from deepinfer.parallel.launch import free_port
+
+CONFIGS = {"colocated": ["mixed", "mixed"], "disaggregated": ["prefill", "decode"]}
+
+
+def handoffs(http: str) -> float:
+    text = urllib.request.urlopen(http.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("deepinfer_balancer_handoffs_total{"))
+
+
+async def _both(url: str, args: argparse.Namespace) -> tuple:
+    params = {"temperature": 0, "ignore_eos": True}
+    streams = workload.build(args.streams, args.stream_input, args.stream_output, seed=1)
+    prefills = workload.build(args.prefills, args.prefill_input, args.prefill_output, seed=2)
+
+    async def later() -> tuple:
+        await asyncio.sleep(args.prefill_delay_s)  # the streams are decoding by then
+        client = OpenAIClient(url, "model", chat=False, timeout_s=900)
+        return await runner.run(client, prefills, request_rate=args.prefill_rate, params=params, seed=3)
+
+    client = OpenAIClient(url, "model", chat=False, timeout_s=900)
+    return await asyncio.gather(runner.run(client, streams, params=params), later())
+
+
+def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict:
+    (tmp / name).mkdir()
+    mesh = Mesh(model, grpc_port=0, http_port=free_port(), replicas=2, roles=CONFIGS[name], log_dir=tmp / name,
+                extra_env={"DEEPINFER_TORCH_THREADS": "1"})  # fmt: skip
+    try:
+        mesh.start()
+        url = mesh.endpoints["http"]
+        warm = workload.build(2 if args.tiny else 4, 16, 2, seed=9)
+        client = OpenAIClient(url, "model", chat=False, timeout_s=600)
+        asyncio.run(runner.run(client, warm, max_concurrency=1))  # each replica's first requests, untimed
+        before = handoffs(url)
+        (s_out, s_dur), (p_out, p_dur) = asyncio.run(_both(url, args))
+        return {"streams": summarize(s_out, s_dur, percentiles=(50, 99)),
+                "prefills": summarize(p_out, p_dur, percentiles=(50, 99)), "handoffs": handoffs(url) - before}  # fmt: skip
+    finally:
+        mesh.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap)
+    for flag, what in [("streams", "decode-heavy requests"), ("stream-input", "their prompt tokens"),
+                       ("stream-output", "their output tokens"), ("prefills", "long prompts"),
+                       ("prefill-input", "their prompt tokens"), ("prefill-output", "their output tokens")]:  # fmt: skip
+        ap.add_argument(f"--{flag}", type=int, default=None, help=what)
+    ap.add_argument("--prefill-rate", type=float, default=None, help="long prompts a second (Poisson)")
+    ap.add_argument("--prefill-delay-s", type=float, default=None, help="when the long prompts start arriving")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    tiny = dict(streams=2, stream_input=16, stream_output=8, prefills=1, prefill_input=64, prefill_output=2,
+                prefill_rate=10.0, prefill_delay_s=0.2)  # fmt: skip
+    full = dict(streams=8, stream_input=32, stream_output=160, prefills=6, prefill_input=1536, prefill_output=4,
+                prefill_rate=0.5, prefill_delay_s=2.0)  # fmt: skip
+    for k, v in (tiny if args.tiny else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    configs = args.configs.split(",")
+    if any(c not in CONFIGS for c in configs):
+        raise SystemExit(f"--configs: each of {', '.join(CONFIGS)}")
+    from deepinfer.checkpoint.tiny import make_tiny_model
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        path = os.pathsep.join([str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+        os.environ |= {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": "warning", "DEEPINFER_CACHE_DIR": str(tmp / "cache")}
+        model = make_tiny_model(tmp / "model", seed=0)
+        for c in configs:
+            rows[c] = run_config(c, args, model, tmp)
+            s = rows[c]["streams"]
+            print(f"{c}: TPOT p50 {s['median_tpot_ms']:.1f} p99 {s['p99_tpot_ms']:.1f} ms", flush=True)
+    table = [
+        f"{args.streams} decode streams ({args.stream_input} prompt + {args.stream_output} output tokens) while "
+        f"{args.prefills} prompts of {args.prefill_input} tokens ({args.prefill_output} output) arrive at "
+        f"{args.prefill_rate}/s; two workers of one torch thread each, tiny model, CPU",
+        "",
+        "| configuration | streams TPOT p50 ms | TPOT p99 ms | ITL p99 ms | long prompts TTFT p50 ms | TTFT p99 ms | "
+        "handoffs | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, r in rows.items():
+        s, p = r["streams"], r["prefills"]
+        table.append(f"| {c} | {s['median_tpot_ms']:.1f} | {s['p99_tpot_ms']:.1f} | {s['p99_itl_ms']:.1f} | "
+                     f"{p['median_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | {r['handoffs']:.0f} | "
+                     f"{s['failed'] + p['failed']} |")  # fmt: skip
+    failed = sum(r["streams"]["failed"] + r["prefills"]["failed"] for r in rows.values())
+    res = {**result_header("cpu", args), "commit": git_commit(), "configs": rows, "failed": failed}
+    write_result(args.out, f"{res['date']}-disaggregation{'-tiny' if args.tiny else ''}", res, table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
