@@ -71,8 +71,8 @@ def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
         asyncio.run(runner.run(client, warm, max_concurrency=1))  # each replica's first requests, untimed
         before = handoffs(url)
         (s_out, s_dur), (p_out, p_dur) = asyncio.run(_both(url, args))
-        return {"streams": summarize(s_out, s_dur, percentiles=(50, 99)),
-                "prefills": summarize(p_out, p_dur, percentiles=(50, 99)), "handoffs": handoffs(url) - before}  # fmt: skip
+        streams, prefills = (summarize(o, t, percentiles=(50, 99)) for o, t in ((s_out, s_dur), (p_out, p_dur)))
+        return {"streams": streams, "prefills": prefills, "handoffs": handoffs(url) - before}
     finally:
         mesh.stop()
 
@@ -80,9 +80,10 @@ def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
-    for flag, what in [("streams", "decode-heavy requests"), ("stream-input", "their prompt tokens"),
-                       ("stream-output", "their output tokens"), ("prefills", "long prompts"),
-                       ("prefill-input", "their prompt tokens"), ("prefill-output", "their output tokens")]:  # fmt: skip
+    flags = [("streams", "decode-heavy requests"), ("stream-input", "their prompt tokens"),
+             ("stream-output", "their output tokens"), ("prefills", "long prompts"),
+             ("prefill-input", "their prompt tokens"), ("prefill-output", "their output tokens")]  # fmt: skip
+    for flag, what in flags:
         ap.add_argument(f"--{flag}", type=int, default=None, help=what)
     ap.add_argument("--prefill-rate", type=float, default=None, help="long prompts a second (Poisson)")
     ap.add_argument("--prefill-delay-s", type=float, default=None, help="when the long prompts start arriving")
