@@ -66,9 +66,10 @@ def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
     try:
         mesh.start()
         url = mesh.endpoints["http"]
-        warm = workload.build(2 if args.tiny else 4, 16, 2, seed=9)
-        client = OpenAIClient(url, "model", chat=False, timeout_s=600)
-        asyncio.run(runner.run(client, warm, max_concurrency=1))  # each replica's first requests, untimed
+        if not args.tiny:  # each replica's first requests, untimed
+            warm = workload.build(4, 16, 2, seed=9)
+            client = OpenAIClient(url, "model", chat=False, timeout_s=600)
+            asyncio.run(runner.run(client, warm, max_concurrency=1))
         before = handoffs(url)
         (s_out, s_dur), (p_out, p_dur) = asyncio.run(_both(url, args))
         streams, prefills = (summarize(o, t, percentiles=(50, 99)) for o, t in ((s_out, s_dur), (p_out, p_dur)))
@@ -89,8 +90,8 @@ def main() -> int:
     ap.add_argument("--prefill-delay-s", type=float, default=None, help="when the long prompts start arriving")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
-    tiny = dict(streams=2, stream_input=16, stream_output=8, prefills=1, prefill_input=64, prefill_output=2,
-                prefill_rate=10.0, prefill_delay_s=0.2)  # fmt: skip
+    tiny = dict(streams=1, stream_input=8, stream_output=4, prefills=1, prefill_input=32, prefill_output=2,
+                prefill_rate=10.0, prefill_delay_s=0.1)  # fmt: skip
     full = dict(streams=8, stream_input=32, stream_output=160, prefills=6, prefill_input=1536, prefill_output=4,
                 prefill_rate=0.5, prefill_delay_s=2.0)  # fmt: skip
     for k, v in (tiny if args.tiny else full).items():
