@@ -263,15 +263,16 @@ class Balancer:
                 replica.in_flight -= 1
                 self._where.pop(rid, None)
                 self._live.pop(rid, None)
-                target = self.rebalancer.targets.pop(rid, None)  # where rebalancing moves it, if it does
             attempt += 1
             if error is None:  # handed off (first token out, replica draining, rebalancing): on from the exported state
                 hop = Hop(resume_position=handoff, decodes=True)
+                target = self.rebalancer.arrived(rid)  # where rebalancing moves it, if it does
                 if target is not None and target.healthy:
                     replica = target
                     continue
                 replica = await self._move(relay, deadline, "decode" if self.pool.routable("decode") else None)
                 continue
+            self.rebalancer.forget(rid)
             if error.code() not in MOVABLE or moves >= envs.DEEPINFER_MIGRATION_LIMIT:
                 raise error
             moves += 1

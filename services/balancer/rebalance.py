@@ -14,6 +14,7 @@ interval. A replica without a kvstore refuses (FAILED_PRECONDITION) and is left 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
@@ -29,13 +30,14 @@ log = get_logger(__name__)
 class Rebalancer:
     """The balancer's loop moving requests from its busiest decoding replica to its idlest (module docstring).
     ``live()``: the balancer's requests in flight, ``(replica, the replica's request id, tokens still to generate,
-    tokens streamed)`` by request id; ``targets``: where a handed-off request goes next (the relay reads it)."""
+    tokens streamed)`` by request id; ``targets``: where a request asked to hand off goes next (the relay takes it
+    with ``arrived``); ``on_moved``: called for each request that did move."""
 
     def __init__(self, replicas: Callable[[], list[Replica]], live: Callable[[], dict[str, tuple]],
                  on_moved: Callable[[int], None] | None = None) -> None:  # fmt: skip
         self.replicas, self.live, self.on_moved = replicas, live, on_moved
         self.targets: dict[str, Replica] = {}
-        self.moved = 0  # requests handed off by rebalancing so far
+        self.moved = 0  # requests asked to hand off so far (a request may finish before it does)
         self.refused: set[str] = set()  # replicas that cannot hand off (no kvstore)
         self._task: asyncio.Task | None = None
 
@@ -63,11 +65,20 @@ class Rebalancer:
         ready = self._decoding()
         if len(ready) < 2:
             return 0
-        busy, idle = max(ready, key=lambda r: r.in_flight), min(ready, key=lambda r: r.in_flight)
-        gap = busy.in_flight - idle.in_flight
+        live = self.live()
+        for rid in [r for r in self.targets if r not in live]:  # ended before handing off (a finish, a cancel)
+            del self.targets[rid]
+        # moves asked for and not done yet count where they are going (else the next round would see the same gap)
+        leaving = Counter(live[rid][0].address for rid in self.targets if rid in live)
+        coming = Counter(t.address for rid, t in self.targets.items() if rid in live)
+
+        def load(r: Replica) -> int:
+            return r.in_flight - leaving[r.address] + coming[r.address]
+
+        busy, idle = max(ready, key=load), min(ready, key=load)
+        gap = load(busy) - load(idle)
         if gap < max(gap_min, 2):
             return 0
-        live = self.live()
         movable = [(left, rid, sid) for rid, (rep, sid, left, sent) in live.items()
                    if rep is busy and sent and rid not in self.targets]  # fmt: skip
         chosen = sorted(movable, reverse=True)[: gap // 2]
@@ -90,10 +101,20 @@ class Rebalancer:
             if sid not in taken:
                 self.targets.pop(rid, None)
         self.moved += len(taken)
-        if self.on_moved is not None:
-            self.on_moved(len(taken))
-        log.info("rebalanced", source=busy.address, target=idle.address, requests=len(taken), gap=gap)
+        log.info("rebalancing", source=busy.address, target=idle.address, requests=len(taken), gap=gap)
         return len(taken)
+
+    def arrived(self, rid: str) -> Replica | None:
+        """Where a request that just handed off goes, when rebalancing moved it (counted: ``on_moved``); None:
+        it handed off for another reason, or rebalancing did not move it."""
+        target = self.targets.pop(rid, None)
+        if target is not None and self.on_moved is not None:
+            self.on_moved(1)
+        return target
+
+    def forget(self, rid: str) -> None:
+        """A request whose stream ended otherwise (finished, failed, cancelled) is not moving any more."""
+        self.targets.pop(rid, None)
 
     async def close(self) -> None:
         if self._task is not None:

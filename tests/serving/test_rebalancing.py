@@ -2,9 +2,10 @@
 
 Through the launcher's mesh (two replicas, NATS, the kvstore, the balancer; real processes, grpcio): four requests
 of one session all land on one replica (session affinity); the balancer's rebalancer (every 0.3 s here) finds the
-other idle and has the busy one hand two of them off, their state exported to the kvstore; they continue on the idle
-replica from that state, not recomputed. Every request's tokens and logprobs are exactly those of the same request
-run whole on one replica (the batch-invariant ops). Without processes: the rebalancer's choice."""
+other idle and has the busy one hand some of them off (half the gap, counting the moves on their way), their state
+exported to the kvstore; they continue on the idle replica from that state, not recomputed. Every request's tokens
+and logprobs are exactly those of the same request run whole on one replica (the batch-invariant ops). Without
+processes: the rebalancer's choice."""
 
 from __future__ import annotations
 
@@ -43,13 +44,20 @@ def test_the_rebalancers_choice() -> None:
     live = {f"r{i}": (busy, f"r{i}.1", left, sent) for i, (left, sent) in
             enumerate([(50, 3), (90, 1), (70, 2), (200, 0), (10, 5), (60, 1)])}  # fmt: skip
     live["x"] = (idle, "x", 500, 9)
-    rb = Rebalancer(lambda: [busy, idle], lambda: live)
+    moved: list[int] = []
+    rb = Rebalancer(lambda: [busy, idle], lambda: live, moved.append)
     assert asyncio.run(rb.once(min_gap=4)) == 2
     assert busy.stub.asked == [["r1.1", "r2.1"]] and rb.targets == {"r1": idle, "r2": idle} and rb.moved == 2
-    assert asyncio.run(rb.once(min_gap=6)) == 0  # a gap of 5
+    assert asyncio.run(rb.once(min_gap=2)) == 0  # the two on their way count at the idle replica: 4 against 3
+    assert rb.arrived("r1") is idle and moved == [1] and rb.arrived("r7") is None  # only a move is counted
+    del live["r1"]
+    busy.in_flight, idle.in_flight = 5, 2  # (r1 arrived)
+    assert asyncio.run(rb.once(min_gap=6)) == 0  # a gap of 5 - 1 - (2 + 1) = 1
+    rb.forget("r2")
+    busy.in_flight = 6
     busy.stub = _Stub(code=grpc.StatusCode.FAILED_PRECONDITION)
-    assert asyncio.run(rb.once(min_gap=2)) == 0 and "a" in rb.refused and set(rb.targets) == {"r1", "r2"}
-    assert asyncio.run(rb.once(min_gap=2)) == 0 and busy.stub.asked == [["r5.1", "r0.1"]]  # asked once only
+    assert asyncio.run(rb.once(min_gap=2)) == 0 and "a" in rb.refused and not rb.targets
+    assert asyncio.run(rb.once(min_gap=2)) == 0 and len(busy.stub.asked) == 1  # asked once only
     decode = Replica("d", _Stub(), in_flight=0, role="decode")
     prefill = Replica("p", _Stub(), in_flight=0, role="prefill")
     rb2 = Rebalancer(lambda: [prefill, decode, Replica("d2", _Stub(), in_flight=5, role="decode")], lambda: {})
@@ -60,7 +68,7 @@ def test_the_rebalancers_choice() -> None:
 def mesh(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("rebalance")
     env = dict(DEEPINFER_BATCH_INVARIANT="1", DEEPINFER_INTERNAL_TOKEN="test-internal-token",
-               DEEPINFER_REBALANCE_INTERVAL_S="0.3", DEEPINFER_REBALANCE_MIN_GAP="4")  # fmt: skip
+               DEEPINFER_REBALANCE_INTERVAL_S="0.3", DEEPINFER_REBALANCE_MIN_GAP="2")  # fmt: skip
     model = make_tiny_model(tmp / "model", seed=8)
     with launched_mesh(tmp, model, http=True, **env) as m:
         yield m
@@ -91,7 +99,7 @@ def test_running_requests_move_to_the_idle_replica_with_their_state(mesh) -> Non
     refs, got = asyncio.run(run())
     assert got == refs and all(len(t) == 40 for t, _ in got)
     moved = metric(balancer, "deepinfer_balancer_rebalanced_total")
-    assert moved >= 2
+    assert moved >= 1  # (as many as had streamed a token when a round looked: half the gap at most)
     # each moved request continued from the state it exported, not recomputed
     assert metric(balancer, "deepinfer_balancer_handoffs_total", source="kvstore") == moved
     handed = sum(metric(mesh.endpoints[f"scheduler-{i} metrics"], "deepinfer_scheduler_requests_total",

@@ -116,7 +116,8 @@ class Metrics:
         )  # fmt: skip
         self.rebalanced = Counter(
             "deepinfer_balancer_rebalanced", "Running requests the balancer moved from its busiest decoding replica "
-            "to its idlest, their state through the kvstore (DEEPINFER_REBALANCE_INTERVAL_S).", model, registry=r,
+            "to its idlest (counted when they hand off), their state through the kvstore "
+            "(DEEPINFER_REBALANCE_INTERVAL_S).", model, registry=r,
         )  # fmt: skip
 
     def count_request(self, model: str, route: str, status: str) -> None:
