@@ -100,8 +100,9 @@ def test_running_requests_move_to_the_idle_replica_with_their_state(mesh) -> Non
     assert got == refs and all(len(t) == 40 for t, _ in got)
     moved = metric(balancer, "deepinfer_balancer_rebalanced_total")
     assert moved >= 1  # (as many as had streamed a token when a round looked: half the gap at most)
-    # each moved request continued from the state it exported, not recomputed
-    assert metric(balancer, "deepinfer_balancer_handoffs_total", source="kvstore") == moved
+    # each moved request continued from the state it exported, not recomputed (one moved twice counts once here)
+    assert 1 <= metric(balancer, "deepinfer_balancer_handoffs_total", source="kvstore") <= moved
+    assert metric(balancer, "deepinfer_balancer_handoffs_total", source="recompute") == 0
     handed = sum(metric(mesh.endpoints[f"scheduler-{i} metrics"], "deepinfer_scheduler_requests_total",
                         outcome="handed_off") for i in range(2))  # fmt: skip
     assert handed == moved
