@@ -25,6 +25,7 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.parallel.expert_parallel import ExpertParallel, shard
 from deepinfer.parallel.placement import ExpertPlacement
 from parallel import ep_ranks
+from parallel.loader_spy import spy_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,36 +65,12 @@ def test_a_shard_reads_only_its_experts(tiny_dirs: dict, monkeypatch: pytest.Mon
     full = DeepseekV4Model(config)
     load_checkpoint(full, path, dtype=torch.float32, progress=False)
     placement = ExpertPlacement(config.n_routed_experts, ((0, 3, 3), tuple(range(1, config.n_routed_experts))))
-    read: list[str] = []
-    real = loader.safe_open
-
-    class Spy:
-        def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-            self.f = real(*a, **k)
-
-        def __enter__(self) -> Spy:
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *a) -> None:  # noqa: ANN002
-            self.f.__exit__(*a)
-
-        def keys(self) -> list[str]:
-            return self.f.keys()
-
-        def get_tensor(self, key: str) -> torch.Tensor:
-            read.append(key)
-            return self.f.get_tensor(key)
-
-        def get_slice(self, key: str) -> object:
-            read.append(key)
-            return self.f.get_slice(key)
-
-    monkeypatch.setattr(loader, "safe_open", Spy)
+    whole, sliced = spy_reads(monkeypatch, loader)
     part = DeepseekV4Model(config)
     for layer in part.layers:
         shard(layer.ffn, ExpertParallel(placement, _Group(0, 2)))
     load_checkpoint(part, path, dtype=torch.float32, progress=False)
+    read = whole + sliced
     experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k and k.startswith("layers.")}
     assert experts == {0, 3}
     for a, b in zip(part.layers, full.layers):

@@ -20,7 +20,19 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.parallel.layout import Layout, layout_of
 from deepinfer.parallel.tensor_parallel import Shard, TensorParallel, shard_heads
 from parallel import ep_ranks
+from parallel.loader_spy import spy_reads
 from parallel.test_expert_parallel import run_ranks
+
+
+def group_outputs(parts: list[dict[str, torch.Tensor]], n: int) -> dict[str, torch.Tensor]:
+    """The outputs of each group of ``n`` ranks (its first rank's), after checking its other ranks wrote the same."""
+    got: dict[str, torch.Tensor] = {}
+    for r, part in enumerate(parts):
+        lead = parts[r - r % n]
+        assert sorted(part) == sorted(lead) and all(torch.equal(part[k], lead[k]) for k in part), r
+        if r % n == 0:
+            got.update(part)
+    return got
 
 
 def test_layouts() -> None:
@@ -57,31 +69,7 @@ def test_a_rank_reads_and_holds_its_heads(tiny_dirs: dict, monkeypatch: pytest.M
     config = DeepseekV4Config.from_file(path / "config.json")
     full = DeepseekV4Model(config)
     load_checkpoint(full, path, dtype=torch.float32, progress=False)
-    whole: list[str] = []
-    real = loader.safe_open
-
-    class Spy:
-        def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-            self.f = real(*a, **k)
-
-        def __enter__(self) -> Spy:
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *a) -> None:  # noqa: ANN002
-            self.f.__exit__(*a)
-
-        def keys(self) -> list[str]:
-            return self.f.keys()
-
-        def get_tensor(self, key: str) -> torch.Tensor:
-            whole.append(key)
-            return self.f.get_tensor(key)
-
-        def get_slice(self, key: str) -> object:
-            return self.f.get_slice(key)
-
-    monkeypatch.setattr(loader, "safe_open", Spy)
+    whole, _ = spy_reads(monkeypatch, loader)
     part = DeepseekV4Model(config)
     shard_heads(part, TensorParallel(None, 1, 2))
     load_checkpoint(part, path, dtype=torch.float32, progress=False)
@@ -107,13 +95,7 @@ def test_tensor_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: 
     ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
     one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
     parts = run_ranks(world, ckpt, tmp_path, invariant, f"tp{tp}")
-    got: dict[str, torch.Tensor] = {}
-    for r, part in enumerate(parts):
-        if r % tp == 0:
-            got.update(part)
-        else:
-            lead = parts[r - r % tp]
-            assert sorted(part) == sorted(lead) and all(torch.equal(part[k], lead[k]) for k in part)
+    got = group_outputs(parts, tp)
     assert sorted(got) == sorted(one)
     for k, want in one.items():
         assert (got[k] - want).abs().max() <= 1e-4, k
@@ -134,26 +116,20 @@ def test_context_parallel_splits_each_chunk_balanced() -> None:
     assert abs(causal[0] - causal[1]) <= 0.1 * sum(causal)
 
 
-@pytest.mark.parametrize(("name", "world", "cp", "invariant"), [("base", 4, 2, False), ("v41", 2, 2, False)])
+@pytest.mark.parametrize(("name", "world", "cp"), [("base", 4, 2), ("v41", 2, 2)])
 def test_context_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
-                                                  world: int, cp: int, invariant: bool) -> None:  # fmt: skip
+                                                  world: int, cp: int) -> None:  # fmt: skip
     """A step's tokens split over each context-parallel group (each rank its own tokens through every layer, every
     token's state gathered): every sequence's logits at every step (chunked prefill, mixed, decode steps run whole)
     within 1e-4 of one process's with the default ops ("v41": the tiny DeepSeek-V4.1 checkpoint, Engram and every
     CSA2 layer kind); the ranks of a group bit for bit alike. With the batch-invariant ops they are one process's bit
     for bit: ``LLM(cp=2)`` in ``test_rank_group.py`` and ``test_rank_group_v41.py``."""
     ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
-    one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
-    parts = run_ranks(world, ckpt, tmp_path, invariant, f"cp{cp}")
+    one = ep_ranks.drive(ep_ranks.load(ckpt, False), list(range(len(ep_ranks.PROMPTS))))
+    parts = run_ranks(world, ckpt, tmp_path, False, f"cp{cp}")
     steps = [int(p.pop("cp/steps")) for p in parts]
     assert min(steps) >= 2, steps  # the prefill and mixed steps were split
-    got: dict[str, torch.Tensor] = {}
-    for r, part in enumerate(parts):
-        if r % cp == 0:
-            got.update(part)
-        else:
-            lead = parts[r - r % cp]
-            assert sorted(part) == sorted(lead) and all(torch.equal(part[k], lead[k]) for k in part)
+    got = group_outputs(parts, cp)
     assert sorted(got) == sorted(one)
     for k, want in one.items():
-        assert torch.equal(got[k], want) if invariant else (got[k] - want).abs().max() <= 1e-4, k
+        assert (got[k] - want).abs().max() <= 1e-4, k

@@ -65,11 +65,8 @@ class TensorParallel:
         pad[: y.shape[0]] = y
         parts = [torch.empty_like(pad) for _ in range(self.size)]
         dist.all_gather(parts, pad, group=self.group)
-        out = []
-        for r, p in enumerate(parts):
-            base, extra = divmod(n, self.size)
-            out.append(p[: base + (1 if r < extra else 0)])
-        return torch.cat(out)
+        base, extra = divmod(n, self.size)
+        return torch.cat([p[: base + (1 if r < extra else 0)] for r, p in enumerate(parts)])
 
 
 @dataclass(frozen=True)
