@@ -33,7 +33,7 @@ import torch
 
 from bench import harness
 from bench.engine import sweep
-from deepinfer.engine.constraints import Constraint  # noqa: E402
+from deepinfer.engine.constraint import Constraint  # noqa: E402
 from deepinfer.engine.factory import constraint_set  # noqa: E402
 from deepinfer.engine.models import family_of  # noqa: E402
 from deepinfer.engine.pages import PagePool  # noqa: E402

@@ -249,7 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from deepinfer.engine.factory import build_worker, resolve_model_dir
+    from deepinfer.engine.factory import build_worker
+    from deepinfer.engine.model_dir import resolve_model_dir
     from deepinfer.parallel.launch import expert_group, join, same_pages
     from deepinfer.parallel.layout import Layout
     from deepinfer.parallel.placement import routed_experts_of

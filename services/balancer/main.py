@@ -26,7 +26,7 @@ async def run_balancer(
     """Serve ``deepinfer.v1.Generation`` for the model in ``model`` (tokenizer and config only) and, with
     ``http_port``, the OpenAI-compatible HTTP API beside it; both drain and stop together on SIGTERM. The APIs
     name the model ``served_name`` (default: the model directory's base name, or the hub id)."""
-    from deepinfer.engine.factory import resolve_model_dir
+    from deepinfer.engine.model_dir import resolve_model_dir
     from deepinfer.grammar import tokenizer_fingerprint
     from deepinfer.serving.server import Service, serve
     from deepinfer.tokenizer import load_tokenizer

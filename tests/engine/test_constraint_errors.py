@@ -17,7 +17,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.structured import LocalConstraints
 from deepinfer.grammar import Compiler, GrammarSpec
 

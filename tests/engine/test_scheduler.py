@@ -370,7 +370,7 @@ def test_preemption_requeues_newest_at_front_and_recomputes_from_zero():
 
 
 def test_constraint_goes_with_the_first_chunk_and_again_with_history_after_a_preemption():
-    from deepinfer.engine.constraints import Constraint
+    from deepinfer.engine.constraint import Constraint
 
     sched = make_scheduler(num_pages=4, budget=8)  # chunked prefill: 8 tokens a step
     worker = FakeWorker(sched)

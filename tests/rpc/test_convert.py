@@ -175,7 +175,7 @@ def test_step_result_round_trip_carries_drafts() -> None:
 
 
 def test_constraint_travels_with_the_first_chunk_and_again_after_a_release() -> None:
-    from deepinfer.engine.constraints import Constraint
+    from deepinfer.engine.constraint import Constraint
     from deepinfer.grammar import CompiledGrammar
 
     g = CompiledGrammar('{"grammar": 1}', "k" * 64, "f" * 64, (128821, 128822))

@@ -228,6 +228,15 @@ def test_the_worker_freezes_its_start_up_heap(mesh: Mesh) -> None:
     assert len(frozen) == 1 and frozen[0]["frozen"] > 100_000, frozen
 
 
+def test_the_balancer_and_the_scheduler_run_without_torch(mesh: Mesh) -> None:
+    """Only the worker computes: the balancer and the scheduler, having served this module's requests, never loaded
+    torch (a process start of about 2 s of CPU and 200 MB each, paid at every restart, for nothing)."""
+    for name in ("balancer", "scheduler"):
+        maps = Path(f"/proc/{mesh.procs[name].pid}/maps").read_text()
+        assert "libtorch" not in maps and "libc10" not in maps, name
+    assert "libtorch" in Path(f"/proc/{mesh.procs['worker'].pid}/maps").read_text()
+
+
 def test_unknown_model_is_not_found(mesh: Mesh) -> None:
     async def run():
         req = gen_request([0, 1, 2], max_tokens=2)

@@ -63,7 +63,7 @@ def consolidated_dir(path: Path) -> Path:
 def check_architecture(model_dir: Path) -> dict:
     """The parsed config.json; refuses a missing config, a ``model_type`` no model family of this build serves
     (the engine's registry, ``engine.models``), or a config its family does not accept."""
-    from deepinfer.engine.models import family_for, model_type_of  # the registry builds on this package: late
+    from deepinfer.engine.models import known_model_types, model_type_of, parse_config  # (builds on this package)
 
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
@@ -71,14 +71,12 @@ def check_architecture(model_dir: Path) -> dict:
     with open(cfg_file, encoding="utf-8") as f:
         raw = json.load(f)
     mt = model_type_of(raw)
+    if mt is None or mt not in known_model_types():
+        why = ("config.json names no model_type" if mt is None else
+               f"model_type {mt!r} is not served by this build (known: {', '.join(known_model_types())})")  # fmt: skip
+        raise ModelUnavailable(_advice(f"The model in {model_dir} is not one this build runs yet: {why}."))
     try:
-        if mt is None:
-            raise ValueError("config.json names no model_type")
-        family = family_for(mt)
-    except ValueError as e:
-        raise ModelUnavailable(_advice(f"The model in {model_dir} is not one this build runs yet: {e}.")) from e
-    try:
-        family.parse_config(raw)
+        parse_config(raw)  # (the family's config class alone: no model code, no torch)
     except (ValueError, TypeError, KeyError) as e:
         raise ModelUnavailable(_advice(f"The {mt} config in {model_dir} is invalid: {e}")) from e
     return raw

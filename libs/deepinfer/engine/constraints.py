@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.constraint import Constraint
 from deepinfer.runtime.host_copy import to_device
 from deepinfer.telemetry import get_logger
 
@@ -40,16 +41,6 @@ log = get_logger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 # per accepted token: before "</think>"; accepted by the grammar; the "</think>" that opened it; refused
 _UNSEEN, _SEEN, _OPENED, _REFUSED = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a request's sampled tokens obey. ``grammar`` is a ``deepinfer.grammar.CompiledGrammar``."""
-
-    grammar: Any = None
-    banned_token_ids: tuple[int, ...] = ()
-    after_think: bool = False
-    reasoning_banned_token_ids: tuple[int, ...] = ()  # masked before "</think>" only
 
 
 @dataclass

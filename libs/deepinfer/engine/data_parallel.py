@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.interfaces import RankedPlan, StepResult
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.pages import PagePool

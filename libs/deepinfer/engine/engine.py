@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from deepinfer.chat.turns import turn_boundaries
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.interfaces import Runner, StepResult
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.engine.request import Request, validate_request

@@ -14,11 +14,11 @@ import torch
 from deepinfer import envs
 from deepinfer.backends import platform_for
 from deepinfer.chat.tokens import THINK_END
-from deepinfer.checkpoint.hub import check_architecture, resolve_model
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.determinism import Determinism, describe
 from deepinfer.engine.model_api import ModelConfig, ModelFamily, ServedModel
-from deepinfer.engine.models import family_of, model_type_of, parse_config
+from deepinfer.engine.model_dir import resolve_model_dir
+from deepinfer.engine.models import family_of, model_type_of
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import config_from_env
@@ -56,15 +56,6 @@ class EngineParts:
     determinism: Determinism
     fingerprint: str  # identifies the KV state this worker computes (prefix-cache hashes include it)
     family: ModelFamily  # the model's family (engine.models), by its config's model_type
-
-
-def resolve_model_dir(model: str | Path | None) -> tuple[Path, ModelConfig]:
-    """The model's local directory (downloading if ``model`` is a hub id) and its parsed config (by the family of
-    config.json's ``model_type``: ``engine.models``)."""
-    if model is None and envs.DEEPINFER_HF_MODEL_DIR is None:
-        model = envs.DEEPINFER_MODEL
-    path = resolve_model(model, envs.DEEPINFER_HF_MODEL_DIR, envs.DEEPINFER_CACHE_DIR)
-    return path, parse_config(check_architecture(path))
 
 
 def build_worker(

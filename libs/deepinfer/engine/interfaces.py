@@ -11,7 +11,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.sampling_params import SamplingParams
 

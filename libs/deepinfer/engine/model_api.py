@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # (the scheduler and the balancer read configs without torch)
+    import torch
 
-Pages = dict[tuple[str, int], torch.Tensor]  # a resume point's full pages by (store kind, layer)
+Pages = dict[tuple[str, int], "torch.Tensor"]  # a resume point's full pages by (store kind, layer)
 
 
 class ModelConfig(Protocol):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.engine.model_api import ModelConfig, ModelFamily, ServedModel
-from deepinfer.models.families import DEFAULT_MODEL_TYPE, FAMILIES
+from deepinfer.models.families import CONFIGS, DEFAULT_MODEL_TYPE, FAMILIES
+
+if TYPE_CHECKING:  # (parsing a config loads no torch: the scheduler and the balancer read configs)
+    import torch
 
 _registered: dict[str, ModelFamily] = {}  # registered, or built-in ones already imported
 
@@ -60,8 +61,13 @@ def family_of(config: Any) -> ModelFamily:
 
 
 def parse_config(raw: dict) -> ModelConfig:
-    """The config of the model in a parsed config.json, by its family."""
-    return family_for(model_type_of(raw)).parse_config(raw)
+    """The config of the model in a parsed config.json, by its family (a built-in family's config class alone, so
+    that no model code is imported: ``models.families.CONFIGS``)."""
+    model_type = model_type_of(raw) or DEFAULT_MODEL_TYPE
+    if model_type in CONFIGS and model_type not in _registered:
+        module, _, attr = CONFIGS[model_type].partition(":")
+        return getattr(importlib.import_module(module), attr).from_dict(raw)
+    return family_for(model_type).parse_config(raw)
 
 
 def build_model(

@@ -6,7 +6,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.multimodal import MultiModalInput
 from deepinfer.sampling_params import SamplingParams
 

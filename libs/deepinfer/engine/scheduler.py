@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 from deepinfer.engine.handoff import Handoffs
 from deepinfer.engine.interfaces import (
     PLACEHOLDER,

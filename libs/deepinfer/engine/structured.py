@@ -17,7 +17,7 @@ from typing import Any
 
 from deepinfer import envs
 from deepinfer.chat.tokens import THINK_START
-from deepinfer.engine.constraints import Constraint
+from deepinfer.engine.constraint import Constraint
 
 
 def grammar_source(so_args: dict) -> tuple[str, str]:

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from deepinfer import envs
-from deepinfer.engine.factory import EngineParts, build_worker, resolve_model_dir
+from deepinfer.engine.factory import EngineParts, build_worker
+from deepinfer.engine.model_dir import resolve_model_dir
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallel
