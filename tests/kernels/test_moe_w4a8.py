@@ -180,3 +180,35 @@ def test_gpu_w4a8_rounds_like_act_quant_fp8():
     a = moe_mxfp4(x, idx, w, *mx, 7.0, act_quant=True, refs=refs)
     b = moe_mxfp4(xr, idx, w, *mx, 7.0, act_quant=True, refs=refs)
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_gpu_prepared_experts_go_back_to_the_stored_format_and_again():
+    """What ``NvidiaOps.prepare_weights`` derives for the experts on a GPU (W4A8 references where the W4A8 kernels
+    run, else the rotate order) is undone by ``stored_experts`` (EPLB moves rows of the stored format: the codes as
+    stored, bit for bit) and derived again alike; the experts compute the same before and after."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.quant.native import stored_experts
+
+    g = torch.Generator().manual_seed(4)
+    net = torch.nn.ModuleDict({"a": _Experts(g), "b": _Experts(g)}).cuda()
+    w4a8.set_w4a8(net["a"], True)
+    stored = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    ops = NvidiaOps()
+    ops.prepare_weights(net)
+    prepared = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    assert w4a8.refs_of(net["b"]) is None and order_experts(net, "rotate") == 0  # b was rearranged
+    assert not torch.equal(prepared["b.w1"], stored["b.w1"])
+    x = torch.randn(7, 128, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(7, 4, device="cuda").argsort(dim=1)[:, :2]
+    wt = torch.rand(7, 2, device="cuda")
+    before = [routed_experts(net[k], x, idx, wt, 10.0, ops) for k in "ab"]
+    refs = w4a8.refs_of(net["a"])
+    assert stored_experts(net) >= 1
+    assert all(torch.equal(v, stored[k]) for k, v in net.state_dict().items())
+    ops.prepare_weights(net)
+    assert all(torch.equal(v, prepared[k]) for k, v in net.state_dict().items())
+    assert (refs is None) == (w4a8.refs_of(net["a"]) is None)
+    assert refs is None or all(map(torch.equal, refs, w4a8.refs_of(net["a"])))
+    after = [routed_experts(net[k], x, idx, wt, 10.0, ops) for k in "ab"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

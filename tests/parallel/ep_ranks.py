@@ -25,17 +25,43 @@ from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.parallel.launch import rank_groups
 from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.quant.native import EXPERT_WEIGHTS, REFS_ATTR, expert_modules, expert_order, order_experts
 
 PAGE, PAGES, CHUNK = 16, 6, 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate((13, 7, 20, 5, 9, 16, 3, 11))]
 STEPS = 6
 
 
-def load(ckpt: Path, invariant: bool, ep: ExpertParallel | None = None) -> torch.nn.Module:
+class ArrangingOps(BatchInvariantOps):
+    """An op set that keeps the checkpoint's formats and, once they are loaded, derives from the MXFP4 experts what
+    the NVIDIA op set derives on a GPU: codes rearranged for its kernels (the rotate order) and per-row data read
+    from the weights (here each row's largest scale, where W4A8 keeps its row references). EPLB must move rows of
+    the stored format and derive both again (``rebalancer.apply``)."""
+
+    native_weights = True
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        order_experts(model, "rotate")
+        for _, m in expert_modules(model):
+            if getattr(m, REFS_ATTR, None) is None:
+                setattr(m, REFS_ATTR, row_data(m))
+
+
+def row_data(m: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(m, f"{w}_scale").amax(-1) for w in EXPERT_WEIGHTS)
+
+
+def arranged_now(m: torch.nn.Module) -> bool:
+    """Whether ``m``'s codes are rearranged and its per-row data is that of the weights it holds now."""
+    got = getattr(m, REFS_ATTR, None)
+    return expert_order(m) == "rotate" and got is not None and all(map(torch.equal, got, row_data(m)))
+
+
+def load(ckpt: Path, invariant: bool, ep: ExpertParallel | None = None, arranged: bool = False) -> torch.nn.Module:
     """The model at ``ckpt`` as a worker builds it (``ModelFamily.build``, fp32, no quantisation simulation), its MoE
-    layers holding ``ep``'s experts only where given."""
+    layers holding ``ep``'s experts only where given; ``arranged``: with ``ArrangingOps``."""
     config = parse_config(json.loads((ckpt / "config.json").read_text()))
-    ops = BatchInvariantOps() if invariant else ReferenceOps()
+    ops = ArrangingOps() if arranged else BatchInvariantOps() if invariant else ReferenceOps()
     return family_of(config).build(ckpt, config, ops, torch.float32, torch.device("cpu"), False, ep=ep)
 
 
@@ -93,6 +119,7 @@ def rebalance_after(model: torch.nn.Module, step: int, at: int, out: dict[str, t
     for i, layer in enumerate(model.layers):
         out[f"held/{i}"] = torch.tensor(layer.ffn.ep.held)
         out[f"w1/{i}"], out[f"w2/{i}"] = layer.ffn.w1.clone(), layer.ffn.w2.clone()
+        out[f"arranged/{i}"] = torch.tensor([arranged_now(layer.ffn)])
 
 
 def main() -> None:
@@ -108,9 +135,9 @@ def main() -> None:
         tp, cp = rank_groups(layout)
         ep = ExpertParallel(placement, TorchAllToAll(), tp)
         ep.cp = cp
-        model = load(Path(ckpt), invariant == "1", ep)
+        model = load(Path(ckpt), invariant == "1", ep, arranged=mode == "eplb-arranged")
         moved: dict[str, torch.Tensor] = {}
-        hook = None if mode != "eplb" else lambda step: rebalance_after(model, step, 2, moved)
+        hook = None if not mode.startswith("eplb") else lambda step: rebalance_after(model, step, 2, moved)
         got = drive(model, [i for i in range(len(PROMPTS)) if i % layout.dp == layout.group_of(rank)], hook)
         got.update(moved)
         if cp is not None:

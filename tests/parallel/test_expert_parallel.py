@@ -24,6 +24,8 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.parallel.expert_parallel import ExpertParallel, shard
 from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.quant import native
+from deepinfer.quant.native import EXPERT_WEIGHTS, REFS_ATTR, expert_order, order_experts, stored_experts
 from parallel import ep_ranks
 from parallel.loader_spy import spy_reads
 
@@ -146,15 +148,19 @@ def test_a_v41_shard_reads_only_its_experts(tiny_v41_dir: Path, monkeypatch: pyt
     assert all(layer.ffn.w1.shape[0] == len(placement.slots[1]) for layer in model.layers)
 
 
-def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["eplb", "eplb-arranged"])
+def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_path: Path, mode: str) -> None:
     """EPLB on 3 ranks (``ep_ranks.rebalance_after``): after step 2 each layer's loads (summed over the ranks) give
     a placement with a redundant slot per rank, and the experts move (``move_experts``) through the exchange. Each
     rank then holds the whole model's weights of its new experts, the busiest expert has a second copy, and every
-    step's logits stay the single-process ones, bit for bit."""
-    ckpt = tiny_dirs["odd"]
-    full = ep_ranks.load(ckpt, True)
+    step's logits stay the single-process ones, bit for bit. ``eplb-arranged``: the experts kept in MXFP4 by an op
+    set that derives data from them for its kernels (``ep_ranks.ArrangingOps``, as the NVIDIA one does): after the
+    move their codes are rearranged as the single process's and the derived data is that of the rows now held."""
+    ckpt, arranged = tiny_dirs["odd"], mode == "eplb-arranged"
+    full = ep_ranks.load(ckpt, True, arranged=arranged)
+    assert not arranged or all(ep_ranks.arranged_now(layer.ffn) for layer in full.layers)
     one = ep_ranks.drive(full, list(range(len(ep_ranks.PROMPTS))))
-    parts = run_ranks(3, ckpt, tmp_path, True, "eplb")
+    parts = run_ranks(3, ckpt, tmp_path, True, mode)
     got = {k: v for part in parts for k, v in part.items() if k.split("/")[0].isdigit()}
     assert sorted(got) == sorted(one) and all(torch.equal(got[k], v) for k, v in one.items())
     for i, layer in enumerate(full.layers):
@@ -164,3 +170,22 @@ def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_pat
         assert sum(h.count(int(load.argmax())) for h in held) >= 2
         for p, h in zip(parts, held):
             assert torch.equal(p[f"w1/{i}"], layer.ffn.w1[h]) and torch.equal(p[f"w2/{i}"], layer.ffn.w2[h])
+            assert bool(p[f"arranged/{i}"]) == arranged
+
+
+def test_stored_experts_undoes_the_arrangement() -> None:
+    """``stored_experts`` puts rearranged MXFP4 codes back in the stored order, bit for bit, drops W4A8 row
+    references, and leaves a module in the stored order as it is."""
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    for name in EXPERT_WEIGHTS:
+        w, s = native.quantize_experts(torch.randn(4, 16, 64))
+        setattr(m, name, torch.nn.Parameter(w, requires_grad=False))
+        setattr(m, f"{name}_scale", s)
+    stored = [getattr(m, w).clone() for w in EXPERT_WEIGHTS]
+    assert order_experts(m, "rotate") == 1 and expert_order(m) == "rotate"
+    assert any(not torch.equal(getattr(m, w), t) for w, t in zip(EXPERT_WEIGHTS, stored))
+    setattr(m, REFS_ATTR, (torch.zeros(1),) * 3)
+    assert stored_experts(m) == 1 and expert_order(m) == "plain" and getattr(m, REFS_ATTR) is None
+    assert all(torch.equal(getattr(m, w), t) for w, t in zip(EXPERT_WEIGHTS, stored))
+    assert stored_experts(m) == 0

@@ -264,8 +264,9 @@ declare("DEEPINFER_EPLB_INTERVAL_STEPS", "int", _HW, """
     EPLB in a worker of several ranks (`DEEPINFER_EP`): every this many steps, between two steps, the ranks' expert
     loads are gathered, published on NATS (`deepinfer.experts.<worker>`, one report per rank) and the MoE layers
     whose ranks' max / mean load a new placement (DeepSeek's EPLB, with redundant copies of hot experts) lowers by
-    5% or more are re-placed, the experts' weights moving between the ranks; no request is dropped. 0: off. On the
-    cpu backend only so far (the GPU op sets' prepared expert weights are not rebuilt after a move yet).""",
+    5% or more are re-placed, the experts' weights moving between the ranks; no request is dropped. 0: off. The
+    weights move in their stored format: what the op set derived from them for its kernels is undone before the
+    move and derived again after it.""",
         default=0, minimum=0)
 declare("DEEPINFER_EPLB_EXTRA_SLOTS", "int", _HW, """
     Expert slots per rank beyond an even share (`ceil(experts / ranks)`) in the placements EPLB makes

@@ -117,9 +117,6 @@ class RankGroupRunner:
         runner = local.runner
         self.balancer: ExpertBalancer | None = None  # EPLB (``expert_balancer``), every so many steps
         if envs.DEEPINFER_EPLB_INTERVAL_STEPS > 0:
-            if runner.device.type != "cpu":
-                raise ValueError(f"DEEPINFER_EPLB_INTERVAL_STEPS: EPLB's move on {runner.device.type} is not built "
-                                 "yet (the op set's prepared expert weights are not rebuilt after a move)")  # fmt: skip
             self.balancer = ExpertBalancer(runner.model, channel.group, envs.DEEPINFER_EPLB_INTERVAL_STEPS,
                                            envs.DEEPINFER_EPLB_EXTRA_SLOTS)  # fmt: skip
         self.device, self.remote = runner.device, runner.remote

@@ -17,6 +17,7 @@ from torch import nn
 from deepinfer.parallel import eplb
 from deepinfer.parallel.expert_parallel import move_experts
 from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.quant.native import stored_experts
 
 
 def propose(loads: Mapping[int, np.ndarray], current: Mapping[int, ExpertPlacement], slots: int, nodes: int = 1,
@@ -47,9 +48,14 @@ def placements(model: nn.Module) -> dict[int, ExpertPlacement]:
 
 def apply(model: nn.Module, new: Mapping[int, ExpertPlacement]) -> None:
     """Move the experts of the layers in ``new`` (between steps; every rank of the group calls it with the same
-    placements, in the same order)."""
+    placements, in the same order). What the op set derived from a layer's expert weights for its kernels (the
+    NVIDIA op set's code order and W4A8 row references) is undone before the move, so that rows of the stored
+    format travel, and derived again after it (``model.ops.prepare_weights`` of the layer)."""
     for i in sorted(new):
-        move_experts(model.layers[i].ffn, new[i])
+        moe = model.layers[i].ffn
+        stored_experts(moe)
+        move_experts(moe, new[i])
+        model.ops.prepare_weights(moe)
 
 
 __all__ = ["apply", "placements", "propose", "taken_loads"]

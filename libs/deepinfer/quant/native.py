@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from deepinfer.quant.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_fp8_blocks, quantize_mxfp4
-from deepinfer.quant.nibble_order import check_order, shift_order_fits, to_order
+from deepinfer.quant.nibble_order import check_order, plain, shift_order_fits, to_order
 
 FP8 = torch.float8_e4m3fn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -171,6 +171,27 @@ def order_experts(model: nn.Module, order: str = "rotate") -> int:
                 to_order(w.data, order)
             setattr(m, ORDER_ATTR, order)
             done += 1
+    return done
+
+
+def stored_experts(model: nn.Module) -> int:
+    """Undo what an op set's ``prepare_weights`` derived for the routed-expert modules of ``model`` (a MoE layer, or
+    a whole model): codes back in the stored order (``order_experts``), W4A8 row references dropped
+    (``quant.w4a8.prepare_w4a8``). Each expert row is then what the checkpoint stored, so rows can move between
+    modules (EPLB: ``parallel.rebalancer.apply``) and ``prepare_weights`` arrange them again. Returns how many
+    modules changed."""
+    done = 0
+    with torch.no_grad():
+        for _, m in expert_modules(model):
+            order, changed = expert_order(m), getattr(m, REFS_ATTR, None) is not None
+            if order != "plain":
+                for w in EXPERT_WEIGHTS:
+                    p = getattr(m, w)
+                    p.data.copy_(plain(p.data, order))
+                setattr(m, ORDER_ATTR, "plain")
+                changed = True
+            setattr(m, REFS_ATTR, None)
+            done += changed
     return done
 
 
