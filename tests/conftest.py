@@ -18,6 +18,8 @@ triton_interpreter.patch()
 
 torch.set_num_threads(1)
 
+pytest_plugins = ["file_order"]  # the files longest first (tests/file_order.py)
+
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
