@@ -57,6 +57,7 @@ import torch
 
 from bench import harness
 from bench.engine import sweep, sweep_v41
+from bench.host.device_gaps import device_gaps
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.factory import build_scheduler
 from deepinfer.engine.models import family_of
@@ -84,11 +85,12 @@ class Setup:
 
 def run(
     s: Setup, b: int, drafter: str | float | None, cont: dict | None = None, limit: int = 1 << 30,
-    profile: bool = False, explore: int = 0,
+    profile: bool = False, explore: int = 0, kernels: bool = False,
 ) -> dict:  # fmt: skip
     """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off: with the top-2
     logprobs, for ``divergence``), "mtp", or the oracle's error rate (``cont``: its continuations); ``profile``: a
-    cProfile of the timed steps; ``explore``: the scheduler's cost policy (0: every step under ``limit`` drafts)."""
+    cProfile of the timed steps; ``explore``: the scheduler's cost policy (0: every step under ``limit`` drafts);
+    ``kernels``: ``torch.profiler`` over the timed steps (``kernel_profile``: its times are not the run's)."""
     args, n = s.args, s.args.drafts
     total = args.tokens + 2
     sched = build_scheduler(
@@ -128,9 +130,12 @@ def run(
     outs: dict[str, list[int]] = {}
     lps: dict[str, list] = {}
     prof = cProfile.Profile() if profile else None
+    tracer = torch.profiler.profile(activities=activities(s.dev)) if kernels else None
     t = time.perf_counter()
     if prof is not None:
         prof.enable()
+    if tracer is not None:
+        tracer.__enter__()
     try:
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -140,6 +145,8 @@ def run(
         runner.launch = launch
         if prof is not None:
             prof.disable()
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
     elapsed = time.perf_counter() - t
     tokens = sum(len(outs[rid]) - start[rid] for rid in prompts) / b
     # where the time went: the launches' spacing (a step's host work and the wait for the one before it), the
@@ -173,7 +180,35 @@ def run(
         "logprobs": lps,
         "prompt_len": args.context,
         **({"host_profile": profile_text(prof)} if prof is not None else {}),
+        **({"kernel_profile": kernel_profile(tracer, steps[0])} if tracer is not None else {}),
     }
+
+
+def kernel_profile(tracer: Any, steps: int) -> dict[str, Any]:
+    """What the device did in a profiled run's timed steps: busy and idle time per step (``device_gaps``), the
+    kernels by device time and the host's launch and sync counts per step."""
+    ka = tracer.key_averages()
+    key = "self_device_time_total" if on_device(ka) else "self_cpu_time_total"
+    gaps = device_gaps(tracer) if on_device(ka) else {}
+    counts = {tag: round(sum(e.count for e in ka if tag in e.key) / max(steps, 1), 1)
+              for tag in ("LaunchKernel", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaMemcpyAsync")}  # fmt: skip
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka) / 1e3
+    return {
+        "steps": steps,
+        "device_busy_ms_per_step": round(busy / max(steps, 1), 3),
+        "gaps": gaps,
+        "counts_per_step": counts,
+        "table": ka.table(sort_by=key, row_limit=45, max_name_column_width=70),
+    }
+
+
+def on_device(ka: Any) -> bool:
+    return any(getattr(e, "self_device_time_total", 0.0) for e in ka)
+
+
+def activities(dev: torch.device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
 
 
 def median(xs: list[float]) -> float | None:
@@ -279,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="a verify step's attention: one call per layer, or in sub-steps (default: the model's)",
     )
     ap.add_argument("--profile", type=ints, default=[], help="batch sizes to cProfile (2nd-rate oracle, drafter)")
+    ap.add_argument("--kernel-profile", type=ints, default=[], help="batch sizes to torch.profile (off, verify)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -317,6 +353,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cont = ref["continuations"]
             row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": ref}
             row["verify_vs_plain"] = divergence(off, ref)
+            if b in args.kernel_profile:  # where a plain and a verify step's time goes, on the device
+                for key, drafter in (("off", None), ("verify", 1.0)):
+                    got = run(s, b, drafter, cont, kernels=True)
+                    row[f"kernel_profile_{key}"] = got["kernel_profile"]
+                    print(f"-- L={depth} B={b} {key}: kernels\n{got['kernel_profile']['table']}", flush=True)
             row["plain_roofline_ms"] = work.decode(b, args.context, bw, peak)["roofline_ms"]
             row["verify_roofline_ms"] = work.decode(b, args.context, bw, peak, rows=args.drafts + 1)["roofline_ms"]
             try:
