@@ -19,8 +19,6 @@ from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.quant.formats import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8_blocks
 from deepinfer.quant.native import (
-    EXPERT_WEIGHTS,
-    ORDER_ATTR,
     dequantize_experts,
     expert_modules,
     expert_order,
@@ -28,8 +26,8 @@ from deepinfer.quant.native import (
     order_experts,
     prepare_native,
     quantize_experts,
+    stored_experts,
 )
-from deepinfer.quant.nibble_order import plain
 
 
 class NativeReferenceOps(ReferenceOps):
@@ -158,7 +156,7 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
     out = [run(ops) for ops in op_sets]
     assert (out[0] - out[1]).abs().max().item() < 1e-4
     # the experts' codes rearranged into the shift and the rotate order (the latter what NvidiaOps.prepare_weights does
-    # on a GPU): both op sets read them to the same logits, bit for bit
+    # on a GPU): the reference ops read both, NvidiaOps' kernels the rotate order, to the same logits, bit for bit
     op_sets[1].prepare_weights(model)  # CPU tensors: left as they are
     assert all(expert_order(m) == "plain" for _, m in expert_modules(model))
     w1 = {n: m.w1.clone() for n, m in expert_modules(model)}
@@ -167,11 +165,9 @@ def test_v41_on_the_nvidia_kernels_with_native_weights(tiny_v41_dir: Path) -> No
         assert all(expert_order(m) == order and not torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
         assert order_experts(model, order) == 0  # once
         for ops, before in zip(op_sets, out, strict=True):
-            assert torch.equal(run(ops), before)
-        for _, m in expert_modules(model):  # back to the plain order
-            for name in EXPERT_WEIGHTS:
-                getattr(m, name).data.copy_(plain(getattr(m, name).data, order))
-            setattr(m, ORDER_ATTR, "plain")
+            if order == "rotate" or ops is op_sets[0]:  # (the interpreter once, in the order a GPU runs: it is slow)
+                assert torch.equal(run(ops), before)
+        assert stored_experts(model) == len(w1)  # back to the stored order
         assert all(torch.equal(m.w1, w1[n]) for n, m in expert_modules(model))
 
 
