@@ -63,7 +63,7 @@ def consolidated_dir(path: Path) -> Path:
 def check_architecture(model_dir: Path) -> dict:
     """The parsed config.json; refuses a missing config, a ``model_type`` no model family of this build serves
     (the engine's registry, ``engine.models``), or a config its family does not accept."""
-    from deepinfer.engine.models import known_model_types, model_type_of, parse_config  # (builds on this package)
+    from deepinfer.engine.models import known_model_types, model_type_of, not_served, parse_config  # (late)
 
     cfg_file = model_dir / "config.json"
     if not cfg_file.exists():
@@ -72,8 +72,7 @@ def check_architecture(model_dir: Path) -> dict:
         raw = json.load(f)
     mt = model_type_of(raw)
     if mt is None or mt not in known_model_types():
-        why = ("config.json names no model_type" if mt is None else
-               f"model_type {mt!r} is not served by this build (known: {', '.join(known_model_types())})")  # fmt: skip
+        why = "config.json names no model_type" if mt is None else not_served(mt)
         raise ModelUnavailable(_advice(f"The model in {model_dir} is not one this build runs yet: {why}."))
     try:
         parse_config(raw)  # (the family's config class alone: no model code, no torch)

@@ -34,6 +34,11 @@ def known_model_types() -> list[str]:
     return sorted({*FAMILIES, *_registered})
 
 
+def not_served(model_type: str) -> str:
+    """Why ``model_type`` is refused (no family of this build serves it)."""
+    return f"model_type {model_type!r} is not served by this build (known: {', '.join(known_model_types())})"
+
+
 def family_for(model_type: str | None) -> ModelFamily:
     """The family of ``model_type`` (None: the default's); ValueError naming the known ones for any other."""
     model_type = model_type or DEFAULT_MODEL_TYPE
@@ -41,9 +46,7 @@ def family_for(model_type: str | None) -> ModelFamily:
     if family is not None:
         return family
     if model_type not in FAMILIES:
-        raise ValueError(
-            f"model_type {model_type!r} is not served by this build (known: {', '.join(known_model_types())})"
-        )
+        raise ValueError(not_served(model_type))
     module, _, attr = FAMILIES[model_type].partition(":")
     family = getattr(importlib.import_module(module), attr)
     _registered[model_type] = family
