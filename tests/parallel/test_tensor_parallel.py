@@ -116,6 +116,39 @@ def test_context_parallel_splits_each_chunk_balanced() -> None:
     assert abs(causal[0] - causal[1]) <= 0.1 * sum(causal)
 
 
+def test_context_parallel_gathers_many_tensors_in_one_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gather_many`` packs each token's rows of tensors of any dtype and shape side by side as bytes, exchanges them
+    once, and unpacks them bit for bit, each token's rows where the step has them (two ranks' parts, the other
+    rank's played by a stand-in for the exchange)."""
+    from deepinfer.parallel import context_parallel
+    from deepinfer.parallel.context_parallel import ContextParallel
+
+    cp = ContextParallel(None, 0, 2)
+    rows = cp.split([(0, 9)], 9)
+    g = torch.Generator().manual_seed(0)
+    every = {  # the whole step's tensors: each rank holds its rows
+        "kv": torch.randn(9, 3, 4, generator=g).bfloat16(),
+        "score": torch.randn(9, 5, generator=g),
+        "ids": torch.randint(-(2**31), 2**31 - 1, (9,), generator=g, dtype=torch.int32),
+    }
+    other = {k: v[rows.every[1]] for k, v in every.items()}
+    calls = []
+
+    def all_gather(parts, pad, group=None):  # rank 0's part is ours; rank 1's, packed alike
+        calls.append(pad.dtype)
+        theirs = torch.cat(
+            [v.contiguous().reshape(len(rows.every[1]), -1).view(torch.uint8) for v in other.values()], 1
+        )
+        parts[0].copy_(pad)
+        parts[1].zero_()
+        parts[1][: theirs.shape[0]] = theirs
+
+    monkeypatch.setattr(context_parallel.dist, "all_gather", all_gather)
+    got = cp.gather_many({k: v[rows.mine] for k, v in every.items()}, rows)
+    assert calls == [torch.uint8]  # one exchange
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in every.items())
+
+
 @pytest.mark.parametrize(("name", "world", "cp"), [("base", 4, 2), ("v41", 2, 2)])
 def test_context_parallel_ranks_equal_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str,
                                                   world: int, cp: int) -> None:  # fmt: skip

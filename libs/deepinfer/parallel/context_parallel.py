@@ -5,9 +5,10 @@ A step's tokens stay with their rank through every layer: the embedding, mHC, th
 queries, the indexer's scoring, the attention itself, the output projections and the MoE (whose experts are sharded
 over all ranks as ever: each rank dispatches its own tokens). What crosses the group, per layer, is what the state
 needs from every token: the window's KV row and the compressors' projections of each token (``STATE_KEYS``, a few
-KiB a token). Every rank gathers them (``gather``) and keeps the whole sequence's state (window, compressor buffers,
-compressed rows and index keys in its pages), as a tensor-parallel group does, so the group's ranks hold the same
-state and any of them can continue the sequence. At the end of the step the group gathers the final hidden streams.
+KiB a token). Every rank gathers them, all in one exchange a layer (``gather_many``), and keeps the whole
+sequence's state (window, compressor buffers, compressed rows and index keys in its pages), as a tensor-parallel
+group does, so the group's ranks hold the same state and any of them can continue the sequence. At the end of the
+step the group gathers the final hidden streams.
 
 **Balanced:** attention is causal, so the later tokens of a chunk read more keys (V4's indexer scores every
 compressed row before the query: its work grows with the position). Each chunk is cut into ``2·cp`` equal pieces and
@@ -71,6 +72,21 @@ class ContextParallel:
         out = x.new_empty((rows.total, *x.shape[1:]))
         for idx, part, n in zip(rows.every, parts, counts):
             out[idx] = part[:n]
+        return out
+
+    def gather_many(self, xs: dict[str, torch.Tensor], rows: StepRows) -> dict[str, torch.Tensor]:
+        """``gather`` of several per-token tensors (any dtypes) in one exchange: each token's rows of all of them
+        packed as bytes side by side, gathered once, unpacked (the bits move unchanged)."""
+        if not xs:
+            return {}
+        n = len(rows.mine)
+        flat = {k: x.contiguous().reshape(n, -1).view(torch.uint8) for k, x in xs.items()}
+        whole = self.gather(torch.cat(list(flat.values()), dim=1), rows)
+        out, at = {}, 0
+        for k, x in xs.items():
+            width = flat[k].shape[1]
+            out[k] = whole[:, at : at + width].contiguous().view(x.dtype).reshape(rows.total, *x.shape[1:])
+            at += width
         return out
 
 

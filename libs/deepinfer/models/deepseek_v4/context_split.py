@@ -21,7 +21,7 @@ def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextPar
     for layer in model.layers:
         rope = model.rope_of(layer.layer_id)
         t, post, comb = layer.attn_in(h, pos, rope, ops)
-        full = {k: cp.gather(t[k], rows) for k in STATE_KEYS if k in t}
+        full = cp.gather_many({k: t[k] for k in STATE_KEYS if k in t}, rows)
         proj = {k: (full[f"{k}_kv"], full[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in full}
         if ops.batch_invariant:
             out = _attend_each(layer.attn, t, full, proj, rows.mine, pos, batch.chunks, offsets, cache, rope, ops)

@@ -36,7 +36,7 @@ def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextPar
         if layer.engram is not None:
             h = layer.engram(h, e_rows[:, layer.engram.slot], None if image is None else ~image, ops)
         mix, t = layer.attn_in(h, pre, pos, rope, ops)
-        t.update({k: cp.gather(t[k], rows) for k in STATE_KEYS if k in t})
+        t.update(cp.gather_many({k: t[k] for k in STATE_KEYS if k in t}, rows))
         h, pre = layer.ffn_out(layer.attn.attend(t, ctx, rope, ops), t, h, mix, image, ops)
     return cp.gather(final_collapse(h, pre, ops), rows)
 
