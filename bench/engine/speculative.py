@@ -38,6 +38,10 @@ starts in two halves). ``verify_vs_plain`` says where that run's tokens first di
     PYTHONPATH=libs:. python bench/engine/speculative.py --depths 2,4 --batches 1,16,64 --out bench/results/engine
     PYTHONPATH=libs:. python bench/engine/speculative.py --model v41 --depths 4,5 --batches 1,16 --out <dir>
     PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu [--model v41]
+
+``--kernel-profile B`` adds, at batch ``B``, a plain run and a verify run (every draft wrong) under ``torch.profiler``:
+per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels by device time, and the
+host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
 """
 
 from __future__ import annotations

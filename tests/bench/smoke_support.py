@@ -56,7 +56,10 @@ TRIM: dict[str, list[str]] = {
         "--repeats",
         "1",
     ],
-    "engine/speculative.py": ["--errors", "0,1", "--tokens", "4", "--depths", "2,3", "--batches", "2"],
+    "engine/speculative.py": [
+        *("--errors", "0,1", "--tokens", "4", "--depths", "2,3", "--batches", "2"),
+        *("--kernel-profile", "2"),  # (the profiled runs too)
+    ],
     "engine/sweep.py": ["--batches", "1,4", "--prefill-tokens", "128,256", "--repeats", "2", "--budget-s", "5"],
     "engine/sweep_v41.py": ["--batches", "1,4", "--prefill-tokens", "128", "--repeats", "2", "--budget-s", "5"],
     "engine/batch_invariance.py": [
