@@ -39,9 +39,9 @@ starts in two halves). ``verify_vs_plain`` says where that run's tokens first di
     PYTHONPATH=libs:. python bench/engine/speculative.py --model v41 --depths 4,5 --batches 1,16 --out <dir>
     PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu [--model v41]
 
-``--kernel-profile B`` adds, at batch ``B``, a plain run and a verify run (every draft wrong) under ``torch.profiler``:
-per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels by device time, and the
-host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
+``--kernel-profile B`` adds, at batch ``B`` and the largest depth, a plain run and a verify run (every draft wrong)
+under ``torch.profiler``: per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels
+by device time, and the host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cont = ref["continuations"]
             row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": ref}
             row["verify_vs_plain"] = divergence(off, ref)
-            if b in args.kernel_profile:  # where a plain and a verify step's time goes, on the device
+            if b in args.kernel_profile and depth == max(args.depths):  # a plain and a verify step's device time
                 for key, drafter in (("off", None), ("verify", 1.0)):
                     got = run(s, b, drafter, cont, kernels=True)
                     row[f"kernel_profile_{key}"] = got["kernel_profile"]
