@@ -147,6 +147,13 @@ def test_context_parallel_gathers_many_tensors_in_one_exchange(monkeypatch: pyte
     got = cp.gather_many({k: v[rows.mine] for k, v in every.items()}, rows)
     assert calls == [torch.uint8]  # one exchange
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in every.items())
+    # a rank with no token of the step (one token split over two ranks) still takes part in the exchange
+    rows = ContextParallel(None, 1, 2).split([(0, 1)], 1)
+    assert len(rows.mine) == 0
+    other = {k: v[:1] for k, v in every.items()}
+    rows.every.reverse()  # (the stand-in's "other rank" is rank 0 here)
+    got = ContextParallel(None, 1, 2).gather_many({k: v[:0] for k, v in every.items()}, rows)
+    assert all(torch.equal(got[k], v[:1]) for k, v in every.items())
 
 
 @pytest.mark.parametrize(("name", "world", "cp"), [("base", 4, 2), ("v41", 2, 2)])

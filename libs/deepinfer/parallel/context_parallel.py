@@ -24,6 +24,7 @@ replay, or capturing DSpark's features, run whole).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +81,8 @@ class ContextParallel:
         if not xs:
             return {}
         n = len(rows.mine)
-        flat = {k: x.contiguous().reshape(n, -1).view(torch.uint8) for k, x in xs.items()}
+        # (widths from the shapes: a rank may hold no token of a step, and reshape(0, -1) is ambiguous)
+        flat = {k: x.contiguous().reshape(n, math.prod(x.shape[1:])).view(torch.uint8) for k, x in xs.items()}
         whole = self.gather(torch.cat(list(flat.values()), dim=1), rows)
         out, at = {}, 0
         for k, x in xs.items():
