@@ -1,15 +1,19 @@
-"""How fast a request's state moves between replicas: the kvstore's Put and Get over loopback gRPC, against the
-loopback's own bandwidth and a memory copy, in one run.
+"""How fast a request's state moves between replicas: the kvstore's Put and Get over loopback gRPC and through its
+shared directory, against the loopback's own bandwidth and a memory copy, in one run.
 
     PYTHONPATH=libs:. python bench/serving/state_transfer.py --out bench/results/serving        # ≈ 1 min
     PYTHONPATH=libs:. python bench/serving/state_transfer.py --tiny --device cpu               # smoke mode
 
 A prefill replica's handoff exports the request's resume point (pages of compressed rows and index keys, the window,
 the compressor buffers: docs/routing.md) to the kvstore; the decode replica fetches it. Both are the kvstore client's
-``put`` and ``get`` of one blob (``KVStoreClient``: 1 MiB chunks with their CRC-32, checked on arrival), which this
-script times against a kvstore process of its own (``python -m services.kvstore``, host tier; ``--disk`` adds the
-disk tier, which a put also writes) for each blob size (``--sizes``, MiB), on random bytes, ``--repeats`` times
-(medians).
+``put`` and ``get`` of one blob, which this script times against a kvstore process of its own (``python -m
+services.kvstore``, host tier; ``--disk`` adds the disk tier, which a put also writes) for each blob size
+(``--sizes``, MiB), on random bytes, ``--repeats`` times (medians), both ways a client moves it:
+
+* **stream**: 1 MiB chunks with their CRC-32 through the gRPC stream (``KVStoreClient(same_host=False)``), the path
+  between hosts;
+* **same host**: the bytes through a file of the kvstore's shared directory (``DEEPINFER_KVSTORE_SHARED_DIR``, here
+  ``auto``: under /dev/shm), only the header over gRPC; the CRC-32 checked all the same.
 
 Beside it, in the same run:
 
@@ -88,10 +92,13 @@ def copy_gbps(data: bytes, repeats: int) -> float:
     return len(data) / statistics.median(times) / 1e9
 
 
-async def kvstore_gbps(address: str, data: bytes, repeats: int) -> tuple[float, float]:
-    """Median GB/s of ``put`` and of ``get`` of ``data`` (a fresh key per put, each got back and checked)."""
+async def kvstore_gbps(address: str, data: bytes, repeats: int, same_host: bool) -> tuple[float, float]:
+    """Median GB/s of ``put`` and of ``get`` of ``data`` (a fresh key per put, each got back and checked), through
+    the kvstore's shared directory (``same_host``) or its stream."""
     puts, gets = [], []
-    async with KVStoreClient(address, timeout_s=300) as kv:
+    async with KVStoreClient(address, timeout_s=300, same_host=same_host) as kv:
+        if same_host and not await kv.shared_dir():
+            raise RuntimeError("the kvstore offers no shared directory this process reads")
         for i in range(repeats):
             key = os.urandom(16)
             t0 = time.perf_counter()
@@ -111,6 +118,7 @@ def start_kvstore(tmp: Path, disk: bool, max_bytes: int) -> tuple[subprocess.Pop
     port = free_port()
     path = os.pathsep.join([str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "DEEPINFER_KVSTORE_MAX_BLOB_BYTES": str(max_bytes),
+           "DEEPINFER_KVSTORE_SHARED_DIR": "auto",
            "DEEPINFER_LOG_LEVEL": "warning"}  # fmt: skip
     env.pop("DEEPINFER_NATS_URL", None)
     args = [sys.executable, "-m", "services.kvstore", "--host", "127.0.0.1", "--port", str(port)]
@@ -133,20 +141,23 @@ def main() -> int:
     repeats = args.repeats or (2 if args.tiny else 5)
     rows: list[dict] = []
     table = [
-        "| blob MiB | kvstore put GB/s | kvstore get GB/s | loopback TCP GB/s (peer) | memory copy GB/s (roof) |",
-        "|---:|---:|---:|---:|---:|",
+        "| blob MiB | stream put GB/s | stream get GB/s | same-host put GB/s | same-host get GB/s "
+        "| loopback TCP GB/s (peer) | memory copy GB/s (roof) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as d:
         proc, address = start_kvstore(Path(d), args.disk, 2 * max(sizes) * MIB)
         try:
             for size in sizes:
                 data = os.urandom(size * MIB)
-                put, get = asyncio.run(kvstore_gbps(address, data, repeats))
-                row = {"mib": size, "put_gbps": put, "get_gbps": get, "loopback_gbps": loopback_gbps(data, repeats),
+                put, get = asyncio.run(kvstore_gbps(address, data, repeats, same_host=False))
+                shared_put, shared_get = asyncio.run(kvstore_gbps(address, data, repeats, same_host=True))
+                row = {"mib": size, "put_gbps": put, "get_gbps": get, "shared_put_gbps": shared_put,
+                       "shared_get_gbps": shared_get, "loopback_gbps": loopback_gbps(data, repeats),
                        "copy_gbps": copy_gbps(data, repeats)}  # fmt: skip
                 rows.append(row)
-                table.append(f"| {size} | {put:.2f} | {get:.2f} | {row['loopback_gbps']:.2f} | "
-                             f"{row['copy_gbps']:.2f} |")  # fmt: skip
+                table.append(f"| {size} | {put:.2f} | {get:.2f} | {shared_put:.2f} | {shared_get:.2f} | "
+                             f"{row['loopback_gbps']:.2f} | {row['copy_gbps']:.2f} |")  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(30)

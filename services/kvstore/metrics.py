@@ -15,6 +15,9 @@ name                                            labels                 meaning
 ``deepinfer_kvstore_expired_total``             tier                   copies expired by retention
 ``deepinfer_kvstore_removed_total``             tier, reason           every removal (the four above + Remove)
 ``deepinfer_kvstore_events_dropped_total``                             KV events not published (NATS)
+``deepinfer_kvstore_transfers_total``           op, path               blobs put / got: stream or shared (file)
+``deepinfer_kvstore_transfer_bytes_total``      op, path               their payload bytes
+``deepinfer_kvstore_shared_waiting_bytes``                             bytes in shared files not yet read
 ==============================================  =====================  ======================================
 """
 
@@ -23,11 +26,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deepinfer.kvstore.blob import Tier
+from services.kvstore.shared_dir import SharedDir
 from services.kvstore.store import Store, StoreEvent
 
 __all__ = ["KVStoreMetrics", "REFUSAL_REASONS"]
 
 OPS = ("get", "lookup")
+TRANSFER_OPS, PATHS = ("put", "get"), ("stream", "shared")
 REFUSAL_REASONS = ("bad_key", "bad_fingerprint", "bad_meta", "empty", "too_large", "crc_mismatch", "capacity",
                    "io_error", "key_mismatch", "unbound_key")  # fmt: skip
 
@@ -51,6 +56,15 @@ class KVStoreMetrics:
         self.expired = Counter(f"{p}_expired", "Copies expired by the retention time.", ["tier"], registry=r)
         self.removed = Counter(f"{p}_removed", "Copies removed, by reason.", ["tier", "reason"], registry=r)
         self.events_dropped = Counter(f"{p}_events_dropped", "KV events that could not be published.", registry=r)
+        self.transfers = Counter(f"{p}_transfers", "Blobs put or got, by path (stream, shared).", ["op", "path"],
+                                 registry=r)  # fmt: skip
+        self.transfer_bytes = Counter(f"{p}_transfer_bytes", "Payload bytes put or got, by path.", ["op", "path"],
+                                      registry=r)  # fmt: skip
+        self.shared_waiting = Gauge(f"{p}_shared_waiting_bytes", "Bytes in shared files not yet read.", registry=r)
+        for op in TRANSFER_OPS:
+            for path in PATHS:
+                self.transfers.labels(op, path)
+                self.transfer_bytes.labels(op, path)
         for tier in Tier:  # exported at 0 from the start
             for c in (self.corrupt, self.evicted, self.expired, self.stored_bytes):
                 c.labels(tier.value)
@@ -67,6 +81,16 @@ class KVStoreMetrics:
         self.bytes.labels(Tier.DISK.value).set_function(lambda: store.disk_used)
         self.entries.labels(Tier.HOST.value).set_function(lambda: store.host_entries)
         self.entries.labels(Tier.DISK.value).set_function(lambda: store.disk_entries)
+
+    def bind_shared(self, shared: SharedDir | None) -> None:
+        """Read the bytes waiting in the shared directory at scrape time (0 without one)."""
+        if shared is not None:
+            self.shared_waiting.set_function(lambda: shared.waiting_bytes)
+
+    def transferred(self, op: str, path: str, size: int) -> None:
+        """Count one blob put or got (``op``) over ``path`` (``stream`` or ``shared``)."""
+        self.transfers.labels(op, path).inc()
+        self.transfer_bytes.labels(op, path).inc(size)
 
     def on_event(self, event: StoreEvent) -> None:
         tier = event.tier.value

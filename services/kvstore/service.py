@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,13 @@ import grpc
 
 from deepinfer import envs
 from deepinfer.kvstore.assembly import PutAssembler, StreamError, blob_chunks
-from deepinfer.kvstore.blob import BlobKey, BlobNotFound, BlobRefused, CorruptBlob, Tier, check_key
+from deepinfer.kvstore.blob import Blob, BlobKey, BlobNotFound, BlobRefused, CorruptBlob, Tier, check_blob, check_key
 from deepinfer.kvstore.keys import check_binding
+from deepinfer.kvstore.shared import SharedFileError, check_name
 from deepinfer.telemetry import get_logger
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.shared_dir import SharedDir, SharedFull
 from services.kvstore.store import Store
 
 __all__ = ["KVStoreConfig", "KVStoreService", "run_kvstore"]
@@ -48,6 +51,7 @@ class KVStoreConfig:
     disk_bytes: int = 64 * 1024**3
     retention_s: float = 259200.0
     max_blob_bytes: int = 1024**3
+    shared_dir: str = "auto"  # the same-host path's directory (``shared_dir.SharedDir.open``)
 
     @classmethod
     def from_env(cls, data_dir: str | Path | None = None) -> KVStoreConfig:
@@ -58,6 +62,7 @@ class KVStoreConfig:
             disk_bytes=envs.DEEPINFER_KVSTORE_DISK_BYTES,
             retention_s=float(envs.DEEPINFER_KVSTORE_RETENTION_S),
             max_blob_bytes=envs.DEEPINFER_KVSTORE_MAX_BLOB_BYTES,
+            shared_dir=envs.DEEPINFER_KVSTORE_SHARED_DIR,
         )
 
     @property
@@ -67,8 +72,8 @@ class KVStoreConfig:
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: Store, metrics: KVStoreMetrics, max_blob_bytes: int) -> None:
-        self.store, self.metrics, self.max_blob_bytes = store, metrics, max_blob_bytes
+    def __init__(self, store: Store, metrics: KVStoreMetrics, max_blob_bytes: int, shared: SharedDir | None = None):
+        self.store, self.metrics, self.max_blob_bytes, self.shared = store, metrics, max_blob_bytes, shared
 
     async def Lookup(
         self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext
@@ -91,18 +96,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     continue
                 index = assembler.blobs - 1
                 if not isinstance(done, BlobRefused):
-                    await self._check_binding(done.key, done.meta, index, context)
-                    try:
-                        await self._call(context, self.store.put, done)
+                    key, size = done.key, len(done.data)
+                    done = await self._store(done, index, context)
+                    if done is None:
                         stored += 1
+                        self.metrics.transferred("put", "stream", size)
                         continue
-                    except BlobRefused as exc:
-                        key, done = done.key, exc
                 else:
                     key = assembler.last_key
-                self.metrics.refused.labels(done.reason).inc()
-                refused.append(f"blob {index} ({key}): {done}")
-                log.info("kvstore_put_refused", blob=index, key=str(key), reason=done.reason, error=str(done))
+                refused.append(self._refused(index, key, done))
             assembler.finish()
         except StreamError as exc:
             log.info("kvstore_put_malformed", error=str(exc), stored=stored)
@@ -122,14 +124,93 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             self.metrics.hit("get", None)
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         self.metrics.hit("get", tier)
+        self.metrics.transferred("get", "stream", len(blob.data))
         for chunk in blob_chunks(blob):
             yield chunk
+
+    async def Describe(
+        self, request: kvstore_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.DescribeResponse:
+        d = self.shared
+        return kvstore_pb2.DescribeResponse(shared_dir=str(d.path) if d else "", probe=d.probe if d else "")
+
+    async def PutShared(
+        self, request: kvstore_pb2.SharedBlob, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        """One blob from the client's file in the shared directory (module ``shared_dir``); the file is taken or
+        removed whatever the answer."""
+        d, h = await self._shared(context), request.header
+        key, meta = BlobKey(h.model_fingerprint, h.key.hash, h.key.resume_point), dict(h.meta)
+        try:
+            check_name(request.file, "put")
+            check_blob(key, h.layout, meta, h.total_bytes, self.max_blob_bytes)
+            data = await asyncio.to_thread(d.take, request.file, h.total_bytes)
+            if zlib.crc32(data) != h.crc32:  # type: ignore[arg-type]
+                raise BlobRefused("crc_mismatch", f"crc32: the file has {zlib.crc32(data):#010x}, the header said "
+                                  f"{h.crc32:#010x}")  # type: ignore[arg-type]  # fmt: skip
+        except SharedFileError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BlobRefused as exc:
+            with contextlib.suppress(SharedFileError):
+                await asyncio.to_thread(d.discard, request.file)
+            return kvstore_pb2.PutResponse(refused=[self._refused(0, key, exc)])
+        refusal = await self._store(Blob(key, data, h.layout, meta, h.crc32), 0, context)  # type: ignore[arg-type]
+        if refusal is not None:
+            return kvstore_pb2.PutResponse(refused=[self._refused(0, key, refusal)])
+        self.metrics.transferred("put", "shared", h.total_bytes)
+        return kvstore_pb2.PutResponse(stored=1)
+
+    async def GetShared(
+        self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.SharedBlob:
+        """One blob written to a new file of the shared directory for the client, who removes it once read."""
+        d = await self._shared(context)
+        (key,) = await _keys(request.model_fingerprint, [request.key], context)
+        try:
+            blob, tier = await self._call(context, self.store.get, key)
+        except BlobNotFound as exc:
+            self.metrics.hit("get", None)
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except CorruptBlob as exc:
+            self.metrics.hit("get", None)
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        try:
+            name = await asyncio.to_thread(d.give, blob.data)
+        except (SharedFull, OSError) as exc:  # (a full tmpfs too): the client streams
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared directory: {exc}")
+        self.metrics.hit("get", tier)
+        self.metrics.transferred("get", "shared", len(blob.data))
+        header = kvstore_pb2.PageChunk(
+            key=request.key, model_fingerprint=key.fingerprint, layout=blob.layout, total_bytes=len(blob.data),
+            crc32=blob.crc32, meta=blob.meta,
+        )  # fmt: skip
+        return kvstore_pb2.SharedBlob(header=header, file=name)
 
     async def Remove(
         self, request: kvstore_pb2.RemoveRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.RemoveResponse:
         keys = await _keys(request.model_fingerprint, request.keys, context)
         return kvstore_pb2.RemoveResponse(removed=await self._call(context, self.store.remove, keys))
+
+    async def _shared(self, context: grpc.aio.ServicerContext) -> SharedDir:
+        if self.shared is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this kvstore has no shared directory")
+        return self.shared  # type: ignore[return-value]
+
+    async def _store(self, blob: Blob, index: int, context: grpc.aio.ServicerContext) -> BlobRefused | None:
+        """Store a received blob: None, or the store's refusal (PERMISSION_DENIED for a forged resume point)."""
+        await self._check_binding(blob.key, blob.meta, index, context)
+        try:
+            await self._call(context, self.store.put, blob)
+        except BlobRefused as exc:
+            return exc
+        return None
+
+    def _refused(self, index: int, key: BlobKey | None, exc: BlobRefused) -> str:
+        """A refused blob counted and logged; its line of ``PutResponse.refused``."""
+        self.metrics.refused.labels(exc.reason).inc()
+        log.info("kvstore_put_refused", blob=index, key=str(key), reason=exc.reason, error=str(exc))
+        return f"blob {index} ({key}): {exc}"
 
     async def _check_binding(
         self, key: BlobKey, meta: dict[str, str], index: int, context: grpc.aio.ServicerContext
@@ -198,8 +279,11 @@ async def run_kvstore(
     store = Store(config.host_bytes, disk, config.disk_bytes, config.retention_s, listeners=listeners)
     metrics.bind(store)
     log.info("kvstore_config", instance=me, data_dir=str(config.data_dir) if config.data_dir else None,
-             host_bytes=config.host_bytes, disk_bytes=config.disk_bytes, retention_s=config.retention_s)  # fmt: skip
+             host_bytes=config.host_bytes, disk_bytes=config.disk_bytes, retention_s=config.retention_s,
+             shared_dir=config.shared_dir)  # fmt: skip
     await asyncio.to_thread(store.index_disk)
+    shared = SharedDir.open(config.shared_dir, 2 * config.max_blob_bytes)
+    metrics.bind_shared(shared)
     stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
     tasks: list[asyncio.Task[None]] = []
 
@@ -208,6 +292,8 @@ async def run_kvstore(
             await asyncio.sleep(config.sweep_interval_s)
             try:
                 await asyncio.to_thread(store.sweep)
+                if shared is not None:
+                    await asyncio.to_thread(shared.sweep)
             except Exception as exc:  # keep sweeping
                 log.error("kvstore_sweep_failed", error=repr(exc))
 
@@ -217,7 +303,7 @@ async def run_kvstore(
             await publisher.start()
         await presence.start()
 
-    servicer = KVStoreService(store, metrics, config.max_blob_bytes)
+    servicer = KVStoreService(store, metrics, config.max_blob_bytes, shared)
     service = Service("deepinfer.v1.KVStore", servicer, kvstore_pb2_grpc.add_KVStoreServicer_to_server)
     try:
         await serve([service], host, port, grace_s=grace_s, on_started=started)
@@ -231,3 +317,5 @@ async def run_kvstore(
         await presence.close()
         if stop_metrics is not None:
             stop_metrics()
+        if shared is not None:
+            shared.close()

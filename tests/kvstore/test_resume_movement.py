@@ -58,6 +58,9 @@ def test_evicted_resume_points_come_back_from_the_kvstore(model_dir, cold, monke
     got = run(llm, follow)
     assert got[0] == 45  # the prompt-end resume point, fetched back
     assert got[1:] == run(cold, follow)[1:]  # bit-identical to a cold prefill
+    # on the kvstore's host the state moved through its shared directory, not the stream
+    shared = {op: kv.metric("deepinfer_kvstore_transfers_total", op=op, path="shared") for op in ("put", "get")}
+    assert shared["put"] >= 1 and shared["get"] == 1, shared
 
     # restart the kvstore (same address, same data dir): served from disk
     offload_everything(llm)
@@ -69,6 +72,7 @@ def test_evicted_resume_points_come_back_from_the_kvstore(model_dir, cold, monke
 
     # damage the stored blobs: refused, recomputed, same output
     offload_everything(llm)
+    assert kv.metric("deepinfer_kvstore_transfers_total", op="put", path="shared") >= 1  # the new directory, asked
     kv.stop()
     for f in (tmp_path / "kv").glob("*.kvb"):
         raw = bytearray(f.read_bytes())

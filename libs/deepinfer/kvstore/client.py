@@ -7,8 +7,11 @@
         got = await kv.get("fp", key)  # (payload, meta) or None
         tiers = await kv.lookup("fp", [key, other])  # [Tier.HOST, None]
 
-Payloads are streamed in 1 MiB chunks with their CRC-32; ``get`` checks the CRC again on arrival. Every
-call has a deadline (``timeout_s``). ``get`` returns ``None`` for NOT_FOUND and raises
+Payloads are streamed in 1 MiB chunks with their CRC-32; ``get`` checks the CRC again on arrival. On the kvstore's
+host (``same_host``, the default) they pass through a file of its shared directory instead (``PutShared`` /
+``GetShared``, ``deepinfer.kvstore.shared``), with the same checks, when ``Describe`` says it has one and this
+process reads its probe there; a kvstore without one, a refusal of the path or a file that cannot be written or read
+falls back to the stream. Every call has a deadline (``timeout_s``). ``get`` returns ``None`` for NOT_FOUND and raises
 :class:`KVStoreDataLoss` for DATA_LOSS (a stored copy failed its checks and was removed, or the bytes
 arrived damaged); ``put`` raises :class:`KVStoreRefused` when the service refuses the blob. Other gRPC
 failures propagate as ``grpc.aio.AioRpcError``.
@@ -16,6 +19,10 @@ failures propagate as ``grpc.aio.AioRpcError``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import re
 import zlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,12 +31,17 @@ import grpc
 
 from deepinfer.kvstore.assembly import CHUNK_BYTES, blob_chunks
 from deepinfer.kvstore.blob import Blob, BlobKey, Tier
+from deepinfer.kvstore.shared import SharedFileError, new_name, probe_matches, read_taken, write_new
 from deepinfer.rpc.channel import open_channel
+from deepinfer.telemetry import get_logger
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 __all__ = ["KVStoreClient", "KVStoreDataLoss", "KVStoreError", "KVStoreRefused", "PutResult"]
 
+log = get_logger(__name__)
 _TIERS = {kvstore_pb2.TIER_HOST: Tier.HOST, kvstore_pb2.TIER_DISK: Tier.DISK}
+_NO_SHARED_PATH = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)  # (then stream from now on)
+_STREAM = object()  # ``_get_shared``: stream this blob
 
 
 class KVStoreError(RuntimeError):
@@ -57,10 +69,27 @@ class PutResult:
 class KVStoreClient:
     """One channel to one kvstore instance; ``await close()`` (or use ``async with``) when done."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 60.0, chunk_bytes: int = CHUNK_BYTES, same_host: bool = True
+    ) -> None:
         self.address, self.timeout_s, self.chunk_bytes = address, timeout_s, chunk_bytes
         self._channel = open_channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._shared: str | None = None  # the kvstore's shared directory, when this process shares it
+        self._described = not same_host  # (False: not asked yet)
+
+    async def shared_dir(self) -> str | None:
+        """The kvstore's shared directory if this process shares it (asked once), else None."""
+        if not self._described:
+            try:
+                d = await self._stub.Describe(kvstore_pb2.DescribeRequest(), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # (a kvstore of an earlier release: stream)
+                    raise
+                d = kvstore_pb2.DescribeResponse()
+            self._shared = d.shared_dir if probe_matches(d.shared_dir, d.probe) else None
+            self._described = True
+        return self._shared
 
     async def put(
         self,
@@ -80,13 +109,52 @@ class KVStoreClient:
     async def put_many(self, blobs: Iterable[Blob]) -> PutResult:
         """Store several blobs in one stream; the result lists those refused (nothing is raised for them)."""
 
-        async def chunks() -> AsyncIterator[kvstore_pb2.PageChunk]:
-            for blob in blobs:
-                for chunk in blob_chunks(blob, self.chunk_bytes):
-                    yield chunk
+        blobs, out, streamed = list(blobs), PutResult(0), []
+        for i, blob in enumerate(blobs):
+            response = await self._put_shared(blob) if await self.shared_dir() else None
+            if response is None:
+                streamed.append(i)
+                continue
+            out.stored += response.stored
+            out.refused += [re.sub(r"^blob 0 ", f"blob {i} ", line) for line in response.refused]
+        if streamed:
 
-        response = await self._stub.Put(chunks(), timeout=self.timeout_s)
-        return PutResult(response.stored, list(response.refused))
+            async def chunks() -> AsyncIterator[kvstore_pb2.PageChunk]:
+                for i in streamed:
+                    for chunk in blob_chunks(blobs[i], self.chunk_bytes):
+                        yield chunk
+
+            response = await self._stub.Put(chunks(), timeout=self.timeout_s)
+            out.stored += response.stored
+            out.refused += [re.sub(r"^blob (\d+) ", lambda m: f"blob {streamed[int(m[1])]} ", line)
+                            for line in response.refused]  # fmt: skip
+        return out
+
+    async def _put_shared(self, blob: Blob) -> kvstore_pb2.PutResponse | None:
+        """One blob through a file of the shared directory; None: stream it (the path is refused or unusable)."""
+        directory, name = self._shared, new_name("put")
+        assert directory is not None
+        header = kvstore_pb2.PageChunk(
+            key=kvstore_pb2.PageKey(hash=blob.key.hash, resume_point=blob.key.resume_point),
+            model_fingerprint=blob.key.fingerprint, layout=blob.layout, total_bytes=len(blob.data), crc32=blob.crc32,
+            meta=blob.meta,
+        )  # fmt: skip
+        try:
+            await asyncio.to_thread(write_new, directory, name, blob.data)
+        except OSError as exc:  # (a full tmpfs, or a kvstore restarted with another directory): this blob streams
+            log.warning("kvstore_shared_write_failed", error=str(exc))
+            self._forget_shared()
+            return None
+        try:
+            return await self._stub.PutShared(kvstore_pb2.SharedBlob(header=header, file=name), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _NO_SHARED_PATH:
+                raise
+            self._shared = None
+            return None
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # (taken by the kvstore unless the call failed first)
+                os.unlink(os.path.join(directory, name))
 
     async def get(self, fingerprint: str, key: bytes, resume_point: bool = True) -> tuple[bytes, dict[str, str]] | None:
         """``(payload, meta)``, or ``None`` if the blob is not stored; :class:`KVStoreDataLoss` if it is damaged."""
@@ -98,6 +166,10 @@ class KVStoreClient:
         request = kvstore_pb2.GetRequest(
             model_fingerprint=fingerprint, key=kvstore_pb2.PageKey(hash=key, resume_point=resume_point)
         )
+        if await self.shared_dir():
+            got = await self._get_shared(request)
+            if got is not _STREAM:
+                return got  # type: ignore[return-value]
         parts: list[bytes] = []
         first: kvstore_pb2.PageChunk | None = None
         received = 0
@@ -123,6 +195,39 @@ class KVStoreClient:
             raise KVStoreDataLoss(f"blob {key.hex()}: checksum mismatch after transfer")
         return Blob(BlobKey(fingerprint, key, resume_point), data, first.layout, dict(first.meta), first.crc32)
 
+    async def _get_shared(self, request: kvstore_pb2.GetRequest) -> Blob | None | object:
+        """One blob through a file of the shared directory: the blob, None (not stored), or ``_STREAM``."""
+        directory, key = self._shared, request.key.hash
+        assert directory is not None
+        try:
+            answer = await self._stub.GetShared(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                return None
+            if code == grpc.StatusCode.DATA_LOSS:
+                raise KVStoreDataLoss(exc.details() or "data loss") from None
+            if code in _NO_SHARED_PATH:
+                self._shared = None
+            elif code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # (too many bytes wait in files: this one streams)
+                raise
+            return _STREAM
+        h = answer.header
+        try:
+            data, crc = await asyncio.to_thread(_read_file, directory, answer.file, h.total_bytes)
+        except (OSError, SharedFileError) as exc:  # (a kvstore restarted with another directory, say): stream it
+            log.warning("kvstore_shared_read_failed", key=key.hex()[:16], error=str(exc))
+            self._forget_shared()
+            return _STREAM
+        if crc != h.crc32:
+            raise KVStoreDataLoss(f"blob {key.hex()}: checksum mismatch after transfer")
+        blob_key = BlobKey(request.model_fingerprint, key, request.key.resume_point)
+        return Blob(blob_key, data, h.layout, dict(h.meta), h.crc32)
+
+    def _forget_shared(self) -> None:
+        """Ask again before the next transfer (``Describe``): the directory may have moved or gone."""
+        self._shared, self._described = None, False
+
     async def lookup(self, fingerprint: str, keys: Sequence[bytes], resume_point: bool = True) -> list[Tier | None]:
         """The fastest tier holding each key (``None``: not stored)."""
         request = kvstore_pb2.LookupRequest(model_fingerprint=fingerprint, keys=_page_keys(keys, resume_point))
@@ -142,6 +247,11 @@ class KVStoreClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _read_file(directory: str, name: str, size: int) -> tuple[bytes, int]:
+    data = read_taken(directory, name, "get", size)
+    return data, zlib.crc32(data)
 
 
 def _meta(meta: Mapping[str, object] | None) -> dict[str, str]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65\x65pinfer/v1/kvstore.proto\x12\x0c\x64\x65\x65pinfer.v1\"-\n\x07PageKey\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x14\n\x0cresume_point\x18\x02 \x01(\x08\"O\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12#\n\x04keys\x18\x02 \x03(\x0b\x32\x15.deepinfer.v1.PageKey\"3\n\x0eLookupResponse\x12!\n\x05tiers\x18\x01 \x03(\x0e\x32\x12.deepinfer.v1.Tier\"\xfa\x01\n\tPageChunk\x12\"\n\x03key\x18\x01 \x01(\x0b\x32\x15.deepinfer.v1.PageKey\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12/\n\x04meta\x18\x08 \x03(\x0b\x32!.deepinfer.v1.PageChunk.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x0f\n\x07refused\x18\x02 \x03(\t\"K\n\nGetRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\"\n\x03key\x18\x02 \x01(\x0b\x32\x15.deepinfer.v1.PageKey\"O\n\rRemoveRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12#\n\x04keys\x18\x02 \x03(\x0b\x32\x15.deepinfer.v1.PageKey\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x05*:\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_HOST\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\x8c\x02\n\x07KVStore\x12\x43\n\x06Lookup\x12\x1b.deepinfer.v1.LookupRequest\x1a\x1c.deepinfer.v1.LookupResponse\x12;\n\x03Put\x12\x17.deepinfer.v1.PageChunk\x1a\x19.deepinfer.v1.PutResponse(\x01\x12:\n\x03Get\x12\x18.deepinfer.v1.GetRequest\x1a\x17.deepinfer.v1.PageChunk0\x01\x12\x43\n\x06Remove\x12\x1b.deepinfer.v1.RemoveRequest\x1a\x1c.deepinfer.v1.RemoveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65\x65pinfer/v1/kvstore.proto\x12\x0c\x64\x65\x65pinfer.v1\"-\n\x07PageKey\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x14\n\x0cresume_point\x18\x02 \x01(\x08\"O\n\rLookupRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12#\n\x04keys\x18\x02 \x03(\x0b\x32\x15.deepinfer.v1.PageKey\"3\n\x0eLookupResponse\x12!\n\x05tiers\x18\x01 \x03(\x0e\x32\x12.deepinfer.v1.Tier\"\xfa\x01\n\tPageChunk\x12\"\n\x03key\x18\x01 \x01(\x0b\x32\x15.deepinfer.v1.PageKey\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12/\n\x04meta\x18\x08 \x03(\x0b\x32!.deepinfer.v1.PageChunk.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x0f\n\x07refused\x18\x02 \x03(\t\"K\n\nGetRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\"\n\x03key\x18\x02 \x01(\x0b\x32\x15.deepinfer.v1.PageKey\"O\n\rRemoveRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12#\n\x04keys\x18\x02 \x03(\x0b\x32\x15.deepinfer.v1.PageKey\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x05\"\x11\n\x0f\x44\x65scribeRequest\"5\n\x10\x44\x65scribeResponse\x12\x12\n\nshared_dir\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\t\"C\n\nSharedBlob\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.deepinfer.v1.PageChunk\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t*:\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_HOST\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xda\x03\n\x07KVStore\x12\x43\n\x06Lookup\x12\x1b.deepinfer.v1.LookupRequest\x1a\x1c.deepinfer.v1.LookupResponse\x12;\n\x03Put\x12\x17.deepinfer.v1.PageChunk\x1a\x19.deepinfer.v1.PutResponse(\x01\x12:\n\x03Get\x12\x18.deepinfer.v1.GetRequest\x1a\x17.deepinfer.v1.PageChunk0\x01\x12\x43\n\x06Remove\x12\x1b.deepinfer.v1.RemoveRequest\x1a\x1c.deepinfer.v1.RemoveResponse\x12I\n\x08\x44\x65scribe\x12\x1d.deepinfer.v1.DescribeRequest\x1a\x1e.deepinfer.v1.DescribeResponse\x12@\n\tPutShared\x12\x18.deepinfer.v1.SharedBlob\x1a\x19.deepinfer.v1.PutResponse\x12?\n\tGetShared\x12\x18.deepinfer.v1.GetRequest\x1a\x18.deepinfer.v1.SharedBlobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PAGECHUNK_METAENTRY']._loaded_options = None
   _globals['_PAGECHUNK_METAENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=719
-  _globals['_TIER']._serialized_end=777
+  _globals['_TIER']._serialized_start=862
+  _globals['_TIER']._serialized_end=920
   _globals['_PAGEKEY']._serialized_start=44
   _globals['_PAGEKEY']._serialized_end=89
   _globals['_LOOKUPREQUEST']._serialized_start=91
@@ -53,6 +53,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOVEREQUEST']._serialized_end=682
   _globals['_REMOVERESPONSE']._serialized_start=684
   _globals['_REMOVERESPONSE']._serialized_end=717
-  _globals['_KVSTORE']._serialized_start=780
-  _globals['_KVSTORE']._serialized_end=1048
+  _globals['_DESCRIBEREQUEST']._serialized_start=719
+  _globals['_DESCRIBEREQUEST']._serialized_end=736
+  _globals['_DESCRIBERESPONSE']._serialized_start=738
+  _globals['_DESCRIBERESPONSE']._serialized_end=791
+  _globals['_SHAREDBLOB']._serialized_start=793
+  _globals['_SHAREDBLOB']._serialized_end=860
+  _globals['_KVSTORE']._serialized_start=923
+  _globals['_KVSTORE']._serialized_end=1397
 # @@protoc_insertion_point(module_scope)

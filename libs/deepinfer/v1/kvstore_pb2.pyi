@@ -94,3 +94,23 @@ class RemoveResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("shared_dir", "probe")
+    SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    shared_dir: str
+    probe: str
+    def __init__(self, shared_dir: _Optional[str] = ..., probe: _Optional[str] = ...) -> None: ...
+
+class SharedBlob(_message.Message):
+    __slots__ = ("header", "file")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    header: PageChunk
+    file: str
+    def __init__(self, header: _Optional[_Union[PageChunk, _Mapping]] = ..., file: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,21 @@ class KVStoreStub:
                 request_serializer=deepinfer_dot_v1_dot_kvstore__pb2.RemoveRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/deepinfer.v1.KVStore/Describe',
+                request_serializer=deepinfer_dot_v1_dot_kvstore__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.DescribeResponse.FromString,
+                _registered_method=True)
+        self.PutShared = channel.unary_unary(
+                '/deepinfer.v1.KVStore/PutShared',
+                request_serializer=deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.GetShared = channel.unary_unary(
+                '/deepinfer.v1.KVStore/GetShared',
+                request_serializer=deepinfer_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -88,6 +103,33 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The same-host path: a blob's bytes pass through a file in the kvstore's shared directory (a tmpfs, e.g.
+        under /dev/shm) instead of the stream; only its header and the file's name cross gRPC. Describe says where
+        the directory is; a client that reads the probe file there with the content Describe gave shares it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShared(self, request, context):
+        """Store the blob the client wrote to shared_dir/<file> (the kvstore takes the file: it is gone afterwards,
+        stored or not). FAILED_PRECONDITION when this kvstore has no shared directory; INVALID_ARGUMENT when the
+        file is not a plain file of the named size with no other link; refusals as Put's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShared(self, request, context):
+        """One blob written to shared_dir/<file> for the client, who removes it once read (the kvstore removes it
+        after a while otherwise). NOT_FOUND, DATA_LOSS as Get; RESOURCE_EXHAUSTED when too many bytes wait in
+        files not yet read (use Get); FAILED_PRECONDITION without a shared directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +152,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Remove,
                     request_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.RemoveRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_kvstore__pb2.RemoveResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.DescribeRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_kvstore__pb2.DescribeResponse.SerializeToString,
+            ),
+            'PutShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShared,
+                    request_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'GetShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShared,
+                    request_deserializer=deepinfer_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +277,87 @@ class KVStore:
             '/deepinfer.v1.KVStore/Remove',
             deepinfer_dot_v1_dot_kvstore__pb2.RemoveRequest.SerializeToString,
             deepinfer_dot_v1_dot_kvstore__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.KVStore/Describe',
+            deepinfer_dot_v1_dot_kvstore__pb2.DescribeRequest.SerializeToString,
+            deepinfer_dot_v1_dot_kvstore__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.KVStore/PutShared',
+            deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.SerializeToString,
+            deepinfer_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.KVStore/GetShared',
+            deepinfer_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
+            deepinfer_dot_v1_dot_kvstore__pb2.SharedBlob.FromString,
             options,
             channel_credentials,
             insecure,
