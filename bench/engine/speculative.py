@@ -431,7 +431,7 @@ def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     out, real = [], REAL_DEPTH[args.model]
     for b in args.batches:
         rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["depth"])
-        if not rs:
+        if len({r["depth"] for r in rs}) < 2:  # (a line through one depth: no projection)
             continue
         depths = [r["depth"] for r in rs]
         pa, pb, plain = fit(depths, [r["off"]["step_ms"] for r in rs], real)
@@ -469,6 +469,8 @@ def table(res: dict, args: argparse.Namespace) -> list[str]:
         lines.append(f"| {r['depth']} | {r['batch']} | {r['off']['tpot_ms']:.3f} | {r['plain_roofline_ms']:.3f} | "
                      f"{r['verify_step_ms']:.3f} | {r['verify_roofline_ms']:.3f} | {r['draft_ms']:.3f} | {cells} | "
                      f"{r['policy']['tpot_ms']:.3f} | {r['policy_mtp']['tpot_ms']:.3f} |")  # fmt: skip
+    if not res["projection"]:
+        return [*lines, "", "No projection to the real depth: it needs two depths or more (--depths)."]
     lines += [
         "",
         f"Projected to {REAL_DEPTH[args.model]} layers (step times fitted over the depths measured):",
