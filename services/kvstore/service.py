@@ -144,10 +144,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         try:
             check_name(request.file, "put")
             check_blob(key, h.layout, meta, h.total_bytes, self.max_blob_bytes)
-            data = await asyncio.to_thread(d.take, request.file, h.total_bytes)
-            if zlib.crc32(data) != h.crc32:  # type: ignore[arg-type]
-                raise BlobRefused("crc_mismatch", f"crc32: the file has {zlib.crc32(data):#010x}, the header said "
-                                  f"{h.crc32:#010x}")  # type: ignore[arg-type]  # fmt: skip
+            data, crc = await asyncio.to_thread(_take, d, request.file, h.total_bytes)
+            if crc != h.crc32:
+                raise BlobRefused("crc_mismatch", f"crc32: the file has {crc:#010x}, the header said {h.crc32:#010x}")
         except SharedFileError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BlobRefused as exc:
@@ -234,6 +233,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             log.exception("kvstore_internal_error", error=repr(exc))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
             raise  # unreachable: abort raises
+
+
+def _take(d: SharedDir, name: str, size: int) -> tuple[object, int]:
+    """A client's file taken (mapped) and its CRC-32, off the event loop."""
+    data = d.take(name, size)
+    return data, zlib.crc32(data)  # type: ignore[arg-type]
 
 
 async def _keys(

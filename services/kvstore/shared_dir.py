@@ -109,13 +109,14 @@ class SharedDir:
                     del self._waiting[name]
                     removed += 1
         for entry in os.scandir(self.path):
-            if entry.name.endswith(".put") and entry.is_file(follow_symlinks=False):
-                try:
-                    if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl_s:
-                        os.unlink(entry.path)
-                        removed += 1
-                except FileNotFoundError:
-                    continue
+            if not entry.name.endswith(".put"):
+                continue
+            try:  # (a link or a FIFO left there goes too: the name is removed, never followed)
+                if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl_s:
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:  # (gone meanwhile, or a directory)
+                continue
         if removed:
             log.info("kvstore_shared_files_removed", files=removed, reason="not taken within ttl")
         return removed
