@@ -385,7 +385,13 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
     """The speculative runs of one batch size (``row`` has the plain one)."""
     off, depth = row["off"], row["depth"]
     for e in args.errors:
-        r = run(s, b, e, cont, profile=b in args.profile and depth == max(args.depths) and e == args.errors[1])
+        r = run(
+            s,
+            b,
+            e,
+            cont,
+            profile=b in args.profile and depth == max(args.depths) and e == args.errors[min(1, len(args.errors) - 1)],
+        )
         r["divergence"] = divergence(row["_off"], r)
         r.pop("continuations"), r.pop("logprobs")
         row[f"oracle_{e:g}"] = r
