@@ -4,6 +4,7 @@ on loopback, the real client and raw gRPC calls, hostile files included; and the
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import stat
 import subprocess
@@ -212,3 +213,32 @@ def test_the_directory_removes_what_nobody_took_and_what_dead_kvstores_left(tmp_
     named = SharedDir.open(str(tmp_path / "named"), 10)
     assert named is not None and stat.S_IMODE(os.stat(named.path).st_mode) == 0o700
     assert (named.path / PROBE).read_text() == named.probe
+
+
+@pytest.mark.timeout(60)
+def test_a_full_shared_directory_means_the_stream_for_a_while(kvstore_factory, monkeypatch):
+    """A write that fails for space (the tmpfs is full) streams that blob and every blob for the back-off, without
+    writing again; after it the client asks again and uses the directory."""
+    from deepinfer.kvstore import client as client_module
+
+    kv = kvstore_factory()
+    attempts = []
+
+    def full(directory, name, data):
+        attempts.append(name)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def scenario():
+        async with KVStoreClient(kv.address, timeout_s=30) as c:
+            monkeypatch.setattr(client_module, "write_new", full)
+            for i in (80, 81):
+                await c.put(FP, key(i), b"x" * 1000, meta(i))
+            assert len(attempts) == 1 and await c.shared_dir() is None
+            monkeypatch.undo()
+            c._ask_again_at = 0.0  # (the back-off has passed)
+            await c.put(FP, key(82), b"y" * 1000, meta(82))
+            assert await c.get(FP, key(81)) == (b"x" * 1000, meta(81))
+
+    asyncio.run(scenario())
+    assert (transfers(kv, "put", "stream"), transfers(kv, "put", "shared")) == (2, 1)
+    assert transfers(kv, "get", "shared") == 1

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import math
 import os
 import re
+import time
 import zlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +45,7 @@ log = get_logger(__name__)
 _TIERS = {kvstore_pb2.TIER_HOST: Tier.HOST, kvstore_pb2.TIER_DISK: Tier.DISK}
 _NO_SHARED_PATH = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)  # (then stream from now on)
 _STREAM = object()  # ``_get_shared``: stream this blob
+SHARED_FULL_BACKOFF_S = 60.0  # a shared directory that was full: the stream for this long, then ask again
 
 
 class KVStoreError(RuntimeError):
@@ -76,11 +80,12 @@ class KVStoreClient:
         self._channel = open_channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._shared: str | None = None  # the kvstore's shared directory, when this process shares it
-        self._described = not same_host  # (False: not asked yet)
+        self._ask_again_at = 0.0 if same_host else math.inf  # when to ask for it (again): never, once answered
 
     async def shared_dir(self) -> str | None:
-        """The kvstore's shared directory if this process shares it (asked once), else None."""
-        if not self._described:
+        """The kvstore's shared directory if this process shares it, else None: asked once, and again after a file
+        could not be written or read (at once; after ``SHARED_FULL_BACKOFF_S`` when the directory was full)."""
+        if self._shared is None and time.monotonic() >= self._ask_again_at:
             try:
                 d = await self._stub.Describe(kvstore_pb2.DescribeRequest(), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -88,7 +93,7 @@ class KVStoreClient:
                     raise
                 d = kvstore_pb2.DescribeResponse()
             self._shared = d.shared_dir if probe_matches(d.shared_dir, d.probe) else None
-            self._described = True
+            self._ask_again_at = math.inf
         return self._shared
 
     async def put(
@@ -141,9 +146,9 @@ class KVStoreClient:
         )  # fmt: skip
         try:
             await asyncio.to_thread(write_new, directory, name, blob.data)
-        except OSError as exc:  # (a full tmpfs, or a kvstore restarted with another directory): this blob streams
+        except OSError as exc:  # (a kvstore restarted with another directory, or a full tmpfs): this blob streams
             log.warning("kvstore_shared_write_failed", error=str(exc))
-            self._forget_shared()
+            self._forget_shared(SHARED_FULL_BACKOFF_S if exc.errno in (errno.ENOSPC, errno.EDQUOT) else 0.0)
             return None
         try:
             return await self._stub.PutShared(kvstore_pb2.SharedBlob(header=header, file=name), timeout=self.timeout_s)
@@ -224,9 +229,10 @@ class KVStoreClient:
         blob_key = BlobKey(request.model_fingerprint, key, request.key.resume_point)
         return Blob(blob_key, data, h.layout, dict(h.meta), h.crc32)
 
-    def _forget_shared(self) -> None:
-        """Ask again before the next transfer (``Describe``): the directory may have moved or gone."""
-        self._shared, self._described = None, False
+    def _forget_shared(self, backoff_s: float = 0.0) -> None:
+        """Ask again (``Describe``) before the next transfer, the directory may have moved or gone; after
+        ``backoff_s`` (a full directory: stream until then)."""
+        self._shared, self._ask_again_at = None, time.monotonic() + backoff_s
 
     async def lookup(self, fingerprint: str, keys: Sequence[bytes], resume_point: bool = True) -> list[Tier | None]:
         """The fastest tier holding each key (``None``: not stored)."""
