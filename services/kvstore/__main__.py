@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from deepinfer import envs
 from deepinfer.telemetry import MissingExtra, configure_logging, configure_tracing
@@ -26,6 +27,8 @@ def main() -> int:
         config = KVStoreConfig.from_env(args.data_dir)
         if config.data_dir is not None:
             config.data_dir.mkdir(parents=True, exist_ok=True)
+        if config.shared_dir not in ("auto", "off"):  # a named shared directory: made (0700) before serving
+            Path(config.shared_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
     except (envs.EnvError, OSError) as e:
         print(f"deepinfer kvstore: cannot start: {e}", file=sys.stderr, flush=True)
         return 2

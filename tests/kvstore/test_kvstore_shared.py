@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +24,8 @@ from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.test_kvstore_service import FP, MiB, key, meta
 from services.kvstore import shared_dir as shared_dir_module
 from services.kvstore.shared_dir import SharedDir, SharedFull
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def describe(address: str) -> kvstore_pb2.DescribeResponse:
@@ -242,3 +245,13 @@ def test_a_full_shared_directory_means_the_stream_for_a_while(kvstore_factory, m
     asyncio.run(scenario())
     assert (transfers(kv, "put", "stream"), transfers(kv, "put", "shared")) == (2, 1)
     assert transfers(kv, "get", "shared") == 1
+
+
+def test_a_shared_directory_that_cannot_be_made_stops_the_start_with_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
+            "DEEPINFER_KVSTORE_SHARED_DIR": str(tmp_path / "a-file" / "shared")}  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "services.kvstore", "--port", "0"], env=env, capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2 and "cannot start" in out.stderr and "Traceback" not in out.stderr, out.stderr
