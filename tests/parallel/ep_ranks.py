@@ -21,7 +21,7 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.parallel import rebalancer
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.eplb import rebalance
-from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.expert_parallel import ExpertParallel, FixedBuffers
 from deepinfer.parallel.launch import rank_groups
 from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement
@@ -129,11 +129,18 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        if mode == "check":  # each rank given its own DEEPINFER_EP_FIXED_BUFFER_TOKENS: refused on every rank
+            try:
+                FixedBuffers(4 + rank).check()
+            except RuntimeError as e:
+                save_file({"refused": torch.tensor(list(str(e).encode()))}, str(Path(out) / f"rank{rank}.safetensors"))
+            return
         n = int(mode[2:]) if mode[:2] in ("tp", "cp") else 1  # "tp2" / "cp2": tensor- / context-parallel groups
         layout = Layout(world, n if mode.startswith("tp") else 1, n if mode.startswith("cp") else 1)
         placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
         tp, cp = rank_groups(layout)
-        ep = ExpertParallel(placement, TorchAllToAll(), tp)
+        fixed = FixedBuffers(int(mode[5:])) if mode.startswith("fixed") else None  # "fixed14": 14 tokens a rank
+        ep = ExpertParallel(placement, TorchAllToAll(), tp, fixed)
         ep.cp = cp
         model = load(Path(ckpt), invariant == "1", ep, arranged=mode == "eplb-arranged")
         moved: dict[str, torch.Tensor] = {}
@@ -142,6 +149,8 @@ def main() -> None:
         got.update(moved)
         if cp is not None:
             got["cp/steps"] = torch.tensor([cp.steps])  # steps split over the group
+        if fixed is not None:
+            got["fixed/steps"] = torch.tensor([fixed.steps])  # steps whose exchanges took the fixed buffers
         save_file(got, str(Path(out) / f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()

@@ -131,6 +131,37 @@ def test_the_sharded_model_equals_one_process(tiny_dirs: dict, tiny_v41_dir: Pat
             assert (got[k] - want).abs().max() <= 1e-4, k
 
 
+@pytest.mark.parametrize(("name", "world", "invariant"), [("odd", 2, True), ("base", 2, False), ("v41", 2, True)])
+def test_fixed_buffers_give_the_logits_of_one_process(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path,
+                                                      name: str, world: int, invariant: bool) -> None:  # fmt: skip
+    """``DEEPINFER_EP_FIXED_BUFFER_TOKENS`` = 14 (``FixedBuffers``): the two prefill steps (27 and 28 tokens, then 15
+    and 13: one rank alone would take the fixed buffers there, the ranks agree on counts) exchange row counts, the
+    later ones (at most 7 tokens a rank) blocks of 14 tokens' rows; the logits are one process's, bit for bit with
+    the batch-invariant ops."""
+    ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
+    one = ep_ranks.drive(ep_ranks.load(ckpt, invariant), list(range(len(ep_ranks.PROMPTS))))
+    got: dict[str, torch.Tensor] = {}
+    parts = run_ranks(world, ckpt, tmp_path, invariant, "fixed14")
+    for part in parts:
+        got.update(part)
+    assert [int(p["fixed/steps"]) for p in parts] == [ep_ranks.STEPS - 2] * world
+    del got["fixed/steps"]
+    assert sorted(got) == sorted(one)
+    for k, want in one.items():
+        if invariant:
+            assert torch.equal(got[k], want), k
+        else:
+            assert (got[k] - want).abs().max() <= 1e-4, k
+
+
+def test_ranks_given_other_fixed_buffers_are_refused(tiny_dirs: dict, tmp_path: Path) -> None:
+    """Ranks given different ``DEEPINFER_EP_FIXED_BUFFER_TOKENS`` would wait for each other at the first step: every
+    rank refuses at start (``FixedBuffers.check``), naming the values."""
+    for part in run_ranks(3, tiny_dirs["base"], tmp_path, False, "check"):
+        msg = bytes(part["refused"].tolist()).decode()
+        assert "DEEPINFER_EP_FIXED_BUFFER_TOKENS from 4 to 6" in msg
+
+
 def test_a_v41_shard_reads_only_its_experts(tiny_v41_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The V4.1 loader, a rank of two: the trunk's routed experts it reads are its own (the DSpark stages keep all)."""
     from deepinfer.checkpoint import loader_v41

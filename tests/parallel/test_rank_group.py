@@ -43,21 +43,26 @@ def outputs(llm: LLM) -> list[tuple]:
 def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """(Two ranks; the sharded model itself is checked on more ranks and on V4.1 in ``test_expert_parallel.py``.)
     EPLB runs every fifth step (``DEEPINFER_EPLB_INTERVAL_STEPS``): experts move between the ranks mid-request, and
-    the outputs stay the single process's."""
+    the outputs stay the single process's; steps of at most 6 tokens a rank exchange through fixed buffers
+    (``DEEPINFER_EP_FIXED_BUFFER_TOKENS``), the others their row counts."""
     kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
               async_scheduling=True)  # fmt: skip
     want = outputs(LLM(num_pages=64, **kw))
     monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL_STEPS", "5")
+    monkeypatch.setenv("DEEPINFER_EP_FIXED_BUFFER_TOKENS", "6")
     with LLM(num_pages=5, ep=2, **kw) as llm:
         got = outputs(llm)
         preempted = llm.engine.scheduler.num_preemptions
         balancer = llm.engine.runner.balancer
         held = [layer.ffn.ep.placement for layer in llm.model.layers]
+        first = llm.model.layers[0].ffn.ep
+        fixed, steps = first.fixed.steps, first.calls
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert preempted > 0
     assert got[3][2] > 0, "r3 resumed from r0's resume point"
     assert balancer.rebalances >= 3 and balancer.layers_moved > 0
     assert any(sum(map(len, p.slots)) > p.n_experts for p in held)  # redundant copies placed
+    assert 0 < fixed < steps  # both forms of the exchanges ran
 
 
 def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:

@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_EPLB_INTERVAL_STEPS: int
     DEEPINFER_EPLB_EXTRA_SLOTS: int
     DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S: float
+    DEEPINFER_EP_FIXED_BUFFER_TOKENS: int
     DEEPINFER_RANK_TIMEOUT_S: float
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str

@@ -275,6 +275,15 @@ declare("DEEPINFER_EPLB_EXTRA_SLOTS", "int", _HW, """
 declare("DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S", "float", _HW, """
     How often a worker of several ranks publishes each rank's expert loads gathered by EPLB
     (`DEEPINFER_EPLB_INTERVAL_STEPS`) on NATS.""", default=10.0, minimum=0.05)
+declare("DEEPINFER_EP_FIXED_BUFFER_TOKENS", "int", _HW, """
+    In a worker of several ranks (`DEEPINFER_EP`): a step in which no rank sends more than this many tokens through
+    a MoE layer dispatches and combines them through buffers of a fixed size (this many tokens times the experts per
+    token, from each rank to each rank; DeepEP's low-latency mode): no row counts are exchanged and none is read on
+    the host, so nothing waits for the device in the layer, at the price of computing the empty rows of the buffers.
+    Larger steps (prefill chunks) exchange their row counts first. The ranks agree on the mode once per step (one
+    small exchange on the control group); every rank must be given the same value (checked at start). Tokens give
+    the same outputs either way: bit for bit with the batch-invariant ops, within fp32 rounding otherwise. 0: off.""",
+        default=0, minimum=0)
 declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """
     How long a rank of a worker of several devices (`DEEPINFER_EP`) waits on another rank (an exchange of the MoE
     layers, a step's plan or result) before it gives up: a rank that died or hung then fails the worker with an

@@ -3,7 +3,8 @@
 ``AllToAll`` is the seam: the expert-parallel MoE (``expert_parallel``) only asks it to swap row counts and to move
 rows, so an implementation over RDMA / NVSHMEM (DeepEP's kind: fixed buffers, no host round trip for the counts)
 can replace the one here. ``TorchAllToAll`` runs on a ``torch.distributed`` process group: NCCL on GPUs, gloo on
-CPUs (its counts cross the host once per exchange, which a CUDA graph cannot capture).
+CPUs. ``exchange`` needs the row counts on the host (``counts`` first: a round trip a CUDA graph cannot capture);
+``exchange_fixed`` moves blocks of one size, known before the step, and needs none.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class AllToAll(Protocol):
         from rank ``r``, in rank order)."""
         ...
 
+    def exchange_fixed(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``blocks [size, n, ...]``: block ``r`` goes to rank ``r``; returns ``[size, n, ...]``, block ``r`` from
+        rank ``r``. Every rank gives the same ``n`` and trailing shape; nothing is read on the host."""
+        ...
+
 
 class TorchAllToAll:
     """``AllToAll`` over a ``torch.distributed`` group (``dist.all_to_all_single``)."""
@@ -46,6 +52,13 @@ class TorchAllToAll:
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = rows.new_empty((sum(recv), *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        return out
+
+    def exchange_fixed(self, blocks: torch.Tensor) -> torch.Tensor:
+        if blocks.shape[0] != self.size:
+            raise ValueError(f"{blocks.shape[0]} blocks for a group of {self.size}")
+        out = torch.empty_like(blocks)
+        dist.all_to_all_single(out, blocks.contiguous(), group=self.group)
         return out
 
 

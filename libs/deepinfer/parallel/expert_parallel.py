@@ -11,9 +11,14 @@ Every rank routes its own tokens (the router and the shared expert are replicate
 3. **combine**: the outputs go back the way they came, and each token sums its choices' outputs in fp32 in the
    order the single-process reference sums them (experts by ascending id, from zero).
 
+The exchanges take one of two forms, the same for every rank of a step (``FixedBuffers``): row counts first, then
+exactly the rows (the counts read on the host), or, when no rank has more than ``DEEPINFER_EP_FIXED_BUFFER_TOKENS``
+tokens in the step, blocks of a fixed size from each rank to each rank, the rows at known places in them and the
+empty places computed and dropped (nothing read on the host; DeepEP's low-latency mode).
+
 With batch-invariant ops a row's expert output does not depend on which rows it was computed with, so the sharded
-MoE equals the single-process one bit for bit; otherwise within fp32 rounding. Every rank must run every MoE layer
-of every step, with no tokens if it has none (the exchanges are collective).
+MoE equals the single-process one bit for bit, in either form; otherwise within fp32 rounding. Every rank must run
+every MoE layer of every step, with no tokens if it has none (the exchanges are collective).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from deepinfer.parallel.all_to_all import AllToAll
@@ -31,11 +37,39 @@ from deepinfer.quant.native import routed_experts
 _WEIGHTS = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
 
 
+class FixedBuffers:
+    """Whether a step's MoE exchanges go through fixed buffers of ``tokens`` tokens per rank (0: never), shared by a
+    model's MoE layers: the first layer of each step (``agree``) takes the most tokens any rank has in it, over the
+    gloo group ``control`` (the ranks' control channel), so that every rank's layers take the same form."""
+
+    def __init__(self, tokens: int, control: dist.ProcessGroup | None = None) -> None:
+        self.tokens, self.control = tokens, control
+        self.on = False  # this step's form: fixed buffers
+        self.steps = 0  # steps that took it
+
+    def agree(self, rows: int) -> None:
+        most = torch.tensor([rows], dtype=torch.long)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.control)
+        self.on = int(most) <= self.tokens
+        self.steps += self.on
+
+    def check(self) -> None:
+        """Raise unless every rank of the group was given the same ``tokens`` (a rank that agrees alone would
+        wait forever)."""
+        lo, hi = torch.tensor([self.tokens]), torch.tensor([-self.tokens])
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=self.control)
+        if int(lo) != -int(hi):
+            raise RuntimeError(f"the ranks were given DEEPINFER_EP_FIXED_BUFFER_TOKENS from {int(lo)} to {-int(hi)}")
+
+
 class ExpertParallel:
     """One rank's view of an expert-parallel group: the ``placement`` of a layer's experts, this ``rank``'s slots,
-    the exchange (``a2a``)."""
+    the exchange (``a2a``); ``fixed``: the model's ``FixedBuffers`` (None: counts always), ``agrees``: this layer
+    is the first of the step (it agrees on the form)."""
 
-    def __init__(self, placement: ExpertPlacement, a2a: AllToAll, tp: TensorParallel | None = None) -> None:
+    def __init__(self, placement: ExpertPlacement, a2a: AllToAll, tp: TensorParallel | None = None,
+                 fixed: FixedBuffers | None = None, agrees: bool = False) -> None:  # fmt: skip
         if placement.ranks != a2a.size:
             raise ValueError(f"a placement over {placement.ranks} ranks in a group of {a2a.size}")
         self.placement, self.a2a, self.rank = placement, a2a, a2a.rank
@@ -47,6 +81,8 @@ class ExpertParallel:
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
         self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)
         self.host_key: str | None = None  # what the group's ranks share on their host (``launch.expert_group``)
+        self.fixed = fixed if fixed is not None and fixed.tokens > 0 else None
+        self.agrees = agrees
 
     def take_load(self) -> torch.Tensor:
         """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over."""
@@ -74,24 +110,52 @@ class ExpertParallel:
         t, k = idx.shape
         self.calls += 1
         self._count(idx)
+        if self.fixed is not None and self.agrees:
+            self.fixed.agree(t)
         dest, slot = self.placement.route(idx, self.rank)
-        order = torch.argsort(dest, stable=True)
-        send_n = torch.bincount(dest, minlength=self.a2a.size)
-        recv_n = self.a2a.counts(send_n)
-        send, recv = send_n.tolist(), recv_n.tolist()
-        token = order // k
-        rows = self.a2a.exchange(x.index_select(0, token), send, recv)
-        meta = torch.stack([slot.index_select(0, order).to(torch.float32), w.reshape(-1).index_select(0, order)], 1)
-        meta = self.a2a.exchange(meta.float(), send, recv)  # (slots < 2**24: exact in fp32)
-        out = routed_experts(m, rows, meta[:, :1].long(), meta[:, 1:], limit, ops, act_quant)
-        back = self.a2a.exchange(out.float(), recv, send)
-        parts = torch.empty_like(back).index_copy_(0, order, back).view(t, k, back.shape[-1])
+        meta = torch.stack([slot.to(torch.float32), w.reshape(-1).float()], 1)  # (slots < 2**24: exact in fp32)
+        token = torch.arange(t * k, device=x.device) // k
+        if self.fixed is not None and self.fixed.on:
+            back, at = self._exchange_fixed(m, x.index_select(0, token), dest, meta, k, limit, ops, act_quant)
+            parts = back.index_select(0, at).view(t, k, back.shape[-1])
+        else:
+            order = torch.argsort(dest, stable=True)
+            send = torch.bincount(dest, minlength=self.a2a.size)
+            send_n, recv_n = send.tolist(), self.a2a.counts(send).tolist()
+            rows = self.a2a.exchange(x.index_select(0, token.index_select(0, order)), send_n, recv_n)
+            got = self.a2a.exchange(meta.index_select(0, order), send_n, recv_n)
+            out = routed_experts(m, rows, got[:, :1].long(), got[:, 1:], limit, ops, act_quant)
+            back = self.a2a.exchange(out.float(), recv_n, send_n)
+            parts = torch.empty_like(back).index_copy_(0, order, back).view(t, k, back.shape[-1])
         asc = torch.argsort(idx, dim=1, stable=True).unsqueeze(-1).expand(-1, -1, parts.shape[-1])
         parts = parts.gather(1, asc)
         y = torch.zeros(t, parts.shape[-1], dtype=torch.float32, device=x.device)
         for j in range(k):  # the reference's order: y = ((0 + e_0) + e_1) + ..., experts ascending
             y = y + parts[:, j]
         return y
+
+    def _exchange_fixed(self, m: nn.Module, rows: torch.Tensor, dest: torch.Tensor, meta: torch.Tensor, k: int,
+                        limit: float, ops: Any, act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The experts' outputs of ``rows`` (one per choice) through fixed buffers: ``(back, at)``, the output of
+        row ``i`` at ``back[at[i]]``. Row ``i`` goes to block ``dest[i]``, after the rows before it with the same
+        destination; the empty places carry zeros to slot 0 with weight 0."""
+        n, size = self.a2a.size, self.fixed.tokens * k  # a block: the most rows one rank may send to another
+        if rows.shape[0] > size:
+            raise RuntimeError(f"{rows.shape[0]} rows overrun the fixed buffers of {size} a rank")
+        order = torch.argsort(dest, stable=True)
+        counts = torch.bincount(dest, minlength=n)
+        first = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(dest)
+        sorted_dest = dest.index_select(0, order)
+        pos[order] = torch.arange(dest.shape[0], device=dest.device) - first.index_select(0, sorted_dest)
+        at = dest * size + pos
+        send = rows.new_zeros((n * size, rows.shape[1])).index_copy_(0, at, rows)
+        info = meta.new_zeros((n * size, 2)).index_copy_(0, at, meta)
+        got = self.a2a.exchange_fixed(send.view(n, size, -1)).view(n * size, -1)
+        info = self.a2a.exchange_fixed(info.view(n, size, 2)).view(n * size, 2)
+        out = routed_experts(m, got, info[:, :1].long(), info[:, 1:], limit, ops, act_quant)
+        back = self.a2a.exchange_fixed(out.float().view(n, size, -1)).view(n * size, -1)
+        return back, at
 
 
 def routed(m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float, ops: Any,
@@ -128,8 +192,8 @@ def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
     """``shard`` every MoE layer of the model's trunk (``model.layers[i].ffn``, each with its own ``ExpertParallel``
     of ``ep``'s placement and group: EPLB moves each layer's experts apart; the drafters' blocks keep every expert:
     each rank drafts for its own sequences)."""
-    for layer in model.layers:
-        shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a, ep.tp))
+    for i, layer in enumerate(model.layers):
+        shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a, ep.tp, ep.fixed, agrees=i == 0))
 
 
 def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
@@ -173,7 +237,7 @@ def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
             out[torch.tensor(got_at, device=p.device)] = recv
         setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
     calls = ep.calls
-    moe.ep = ExpertParallel(new, a2a, ep.tp)
+    moe.ep = ExpertParallel(new, a2a, ep.tp, ep.fixed, ep.agrees)
     moe.ep.calls = calls
 
 
@@ -217,4 +281,4 @@ class ExpertSlots:
         return list(range(n)) if got is None else sorted(got[0])
 
 
-__all__ = ["ExpertParallel", "ExpertSlots", "move_experts", "routed", "shard", "shard_model"]
+__all__ = ["ExpertParallel", "ExpertSlots", "FixedBuffers", "move_experts", "routed", "shard", "shard_model"]

@@ -29,7 +29,7 @@ from deepinfer.engine.factory import EngineParts, build_worker
 from deepinfer.engine.model_dir import resolve_model_dir
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.context_parallel import ContextParallel
-from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.expert_parallel import ExpertParallel, FixedBuffers
 from deepinfer.parallel.layout import Layout
 from deepinfer.parallel.placement import ExpertPlacement, routed_experts_of
 from deepinfer.parallel.rank_group import Channel, RankGroupRunner, RankRunner
@@ -77,7 +77,9 @@ def expert_group(n_experts: int, channel: Channel, layout: Layout | None = None)
     layout = layout or Layout(dist.get_world_size())
     a2a = TorchAllToAll()
     tp, cp = rank_groups(layout)
-    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tp)
+    fixed = FixedBuffers(envs.DEEPINFER_EP_FIXED_BUFFER_TOKENS, channel.group)
+    fixed.check()
+    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tp, fixed)
     ep.cp = cp
     key = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0])
     dist.broadcast(key, src=0, group=channel.group)
