@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import secrets
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,4 +187,47 @@ class RankProcesses:
                 dist.destroy_process_group()
 
 
-__all__ = ["RankProcesses", "expert_group", "free_port", "join", "same_pages", "rank_groups", "start_worker"]
+class RanksLost(RuntimeError):
+    """A worker of several ranks whose ranks could not be started again: it has nothing to serve with."""
+
+
+class RankedWorker:
+    """A worker of several ranks as its service holds it: how it was started (``layout``, ``accelerator``, the
+    build arguments ``build`` of ``start_worker``) and its follower processes (``procs``)."""
+
+    def __init__(self, layout: Layout, accelerator: str, build: dict[str, Any], procs: RankProcesses) -> None:
+        self.layout, self.accelerator, self.build, self.procs = layout, accelerator, dict(build), procs
+
+    def reload(self, take: Callable[[], Any], build: dict[str, Any]) -> tuple[EngineParts, Exception | None]:
+        """Another model: every rank stopped and started afresh with ``build``. ``take()`` gives the group's runner
+        (which tells the followers to stop) and drops the caller's hold on it, so that rank 0's model is freed
+        before the new one loads, as the followers' are by their exit. Returns the new worker and None, or, where
+        the new model failed to load, the worker started again with the arguments it ran with and the failure. A
+        model that cannot be found fails before anything stops; ``RanksLost`` where the worker cannot be started
+        again."""
+        resolve_model_dir(build.get("model"))  # (ModelUnavailable, ValueError: the ranks keep running)
+        self.procs.close(take())
+        gc.collect()
+        try:
+            parts, self.procs = start_worker(self.layout, self.accelerator, **build)
+        except Exception as e:  # noqa: BLE001 - any failure to load brings the old model back, then is reported
+            try:
+                parts, self.procs = start_worker(self.layout, self.accelerator, **self.build)
+            except Exception as again:
+                raise RanksLost(f"the worker's ranks could not start again after {e!r}: {again!r}") from again
+            return parts, e
+        self.build = dict(build)
+        return parts, None
+
+
+__all__ = [
+    "RankProcesses",
+    "RankedWorker",
+    "RanksLost",
+    "expert_group",
+    "free_port",
+    "join",
+    "same_pages",
+    "rank_groups",
+    "start_worker",
+]

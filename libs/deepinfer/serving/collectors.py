@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -90,6 +91,37 @@ class PrefixCacheCollector:
         yield from (q, h, miss, rps)
 
 
+class CurrentBalancer:
+    """The EPLB balancer (``parallel.expert_balancer.ExpertBalancer``) of the model a worker of several ranks runs
+    now (``servicer``: its ``serving.worker.WorkerService``), for its reporters and its metrics: the counts start
+    again with each model (LoadModel), none while one loads."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+
+    def _now(self) -> Any:
+        parts = self.servicer.parts
+        return None if parts is None else getattr(parts.runner, "balancer", None)
+
+    @property
+    def world(self) -> int:
+        return self.servicer.processes
+
+    @property
+    def rebalances(self) -> int:
+        b = self._now()
+        return 0 if b is None else b.rebalances
+
+    @property
+    def layers_moved(self) -> int:
+        b = self._now()
+        return 0 if b is None else b.layers_moved
+
+    def take(self, rank: int) -> dict[int, list[int]]:
+        b = self._now()
+        return {} if b is None else b.take(rank)
+
+
 class ExpertBalanceCollector:
     """EPLB in a worker of several ranks (``parallel.expert_balancer.ExpertBalancer``), read at scrape time."""
 
@@ -108,4 +140,4 @@ class ExpertBalanceCollector:
             yield c
 
 
-__all__ = ["ExpertBalanceCollector", "PrefixCacheCollector", "SpeculationCollector"]
+__all__ = ["CurrentBalancer", "ExpertBalanceCollector", "PrefixCacheCollector", "SpeculationCollector"]

@@ -29,13 +29,12 @@ from deepinfer.engine.multimodal import MultiModalInput, prepare_images
 from deepinfer.events import EventBus, Registration
 from deepinfer.events.experts import ExpertLoadReporter
 from deepinfer.image_inputs import MAX_IMAGE_BYTES
-from deepinfer.parallel.expert_balancer import ExpertBalancer
-from deepinfer.parallel.launch import start_worker
+from deepinfer.parallel.launch import RankedWorker, RanksLost, start_worker
 from deepinfer.parallel.layout import add_arguments as add_layout_arguments
 from deepinfer.parallel.layout import from_args as layout_from_args
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.serving.collectors import ExpertBalanceCollector
+from deepinfer.serving.collectors import CurrentBalancer, ExpertBalanceCollector
 from deepinfer.serving.errors import Overloaded
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
@@ -59,10 +58,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(
         self, parts: EngineParts, worker_id: str, metrics: WorkerMetrics | None = None, world: int = 1,
-        processes: int | None = None,
+        processes: int | None = None, ranked: RankedWorker | None = None,
     ) -> None:  # fmt: skip
-        self.parts, self.worker_id, self.world = parts, worker_id, world
+        self.parts: EngineParts | None = parts  # None while a worker of several ranks loads another model
+        self.worker_id, self.world = worker_id, world
         self.processes = world if processes is None else processes  # its ranks' processes (tensor parallel: more)
+        self.ranked = ranked  # a worker of several ranks: how to start its ranks again (LoadModel)
+        self._loading = False  # a model load runs: no Step stream opens
         self.metrics = metrics if metrics is not None else WorkerMetrics(str(parts.path))
         self._lock = asyncio.Lock()  # one image preparation or model load at a time
         self._device = threading.Lock()  # the runner runs one thing at a time: a step's launch or collection, ...
@@ -86,6 +88,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "images: not served by a worker of "
                                     "tensor- or context-parallel groups (--tp, --cp)")  # fmt: skip
             async with self._lock:  # one preparation at a time; the encoder runs between steps (the device lock)
+                p = self.parts  # (another model may have been loaded meanwhile)
+                if p is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker has no model: it is restarting")
                 self.budget.check_room()
                 if self._encoder is None:
                     cache_bytes = envs.DEEPINFER_IMAGE_FEATURE_CACHE_BYTES
@@ -114,6 +119,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Steps in order, pipelined (``serving.step_pipeline``): a plan that arrives while the previous step runs on
         the device is launched before that step's result is collected, so the device never waits for the host's work
         between steps (placeholders read the previous step's samples on the device: ``ModelRunner.launch``)."""
+        if self._loading or self.parts is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is loading a model: try again")
         known: dict[str, SamplingParams] = {}
         traces = StepTraces(_tracer)  # each request's trace: linked from the steps that serve it, and their parent
         pipeline = StepPipeline(self.parts.runner, self._device, self.metrics, traces, MAX_IN_FLIGHT)
@@ -177,49 +184,67 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def LoadModel(  # noqa: N802
         self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        """Load another model in place of the current one (weights and a fresh KV cache)."""
+        """Load another model in place of the current one (weights and a fresh KV cache); a worker of several ranks
+        starts its ranks afresh with it (``parallel.launch.RankedWorker``)."""
         from deepinfer.checkpoint.hub import ModelUnavailable
 
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: required")
-        if self.processes > 1:
+        if self.processes > 1 and self.ranked is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"a worker of {self.processes} ranks loads its model when it starts only")  # fmt: skip
+                                f"a worker of {self.processes} ranks started without its ranks' launcher")  # fmt: skip
+        build = dict(model=request.model, dtype=request.dtype or "auto", max_model_len=request.max_model_len or None,
+                     num_pages=request.num_pages or None, page_size=request.page_size or None)  # fmt: skip
         async with self._lock:
             if self._streams:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{self._streams} step stream(s) open: drain the scheduler first",
                 )
-            p, frozen = self.parts, envs.DEEPINFER_GC_FREEZE
+            self._loading, frozen = True, envs.DEEPINFER_GC_FREEZE
             if frozen:
                 thaw_heap()  # the replaced model's reference cycles must be collectible (engine/heap.py)
             try:
-                self.parts = await asyncio.to_thread(
-                    self._on_device,
-                    build_worker,
-                    request.model,
-                    request.dtype or "auto",
-                    p.accelerator,
-                    request.max_model_len or None,
-                    request.num_pages or None,
-                    request.page_size or None,
-                )
-                self._encoder, self.images = None, {}
-                self.budget.clear()
+                failed = await asyncio.to_thread(self._on_device, self._load, build)
+                if failed is not None:  # (a worker of several ranks: it runs the model it ran before)
+                    raise failed if isinstance(failed, (ValueError, ModelUnavailable)) else ValueError(repr(failed))
             except (ValueError, ModelUnavailable) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {e}")
+            except RanksLost as e:  # nothing to serve with: the worker ends, its supervisor starts it afresh
+                log.error("worker_lost", reason=str(e))
+                os.kill(os.getpid(), signal.SIGTERM)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             finally:
-                del p
+                self._loading = False
                 if frozen:  # collects the replaced model, then freezes the new one's start-up objects
                     log.info("heap_frozen", **freeze_heap())
         log.info("model_replaced", model=str(self.parts.path))
         return await self.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), context)
 
+    def _load(self, build: dict[str, Any]) -> Exception | None:
+        """(In a worker thread, the runner's lock held.) The model of ``build`` in place of the current one; a worker
+        of several ranks gives back the failure of a model its ranks could not load (they run the old one again)."""
+        if self.ranked is None:  # the new model loads beside the old one, which stays where the new one fails
+            self.parts, failed = build_worker(accelerator=self.parts.accelerator, **build), None
+        else:
+            self._encoder = None  # (it holds rank 0's model)
+            self.parts, failed = self.ranked.reload(self._take_runner, build)
+        if failed is None:  # the prepared images' features are the old model's
+            self._encoder, self.images = None, {}
+            self.budget.clear()
+        return failed
+
+    def _take_runner(self) -> Any:
+        """The runner, this service's last hold on the model dropped (``RankedWorker.reload``)."""
+        parts, self.parts = self.parts, None
+        return parts.runner
+
     async def GetWorkerInfo(  # noqa: N802
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         p = self.parts
+        if p is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is loading a model: try again")
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             accelerator=p.accelerator,
@@ -277,9 +302,9 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
         accelerator = args.accelerator or env_acc or default_accelerator
         layout = layout_from_args(args)
-        parts, procs = start_worker(layout, accelerator, model=args.model, dtype=args.dtype,
-                                    max_model_len=args.max_model_len, num_pages=args.num_pages,
-                                    page_size=args.page_size)  # fmt: skip
+        build = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_pages=args.num_pages,
+                     page_size=args.page_size)  # fmt: skip
+        parts, procs = start_worker(layout, accelerator, **build)
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
@@ -288,7 +313,8 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
         threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
-    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), layout.dp, layout.ranks)
+    ranked = None if procs is None else RankedWorker(layout, accelerator, build, procs)
+    servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), layout.dp, layout.ranks, ranked)
     service = Service("deepinfer.v1.Worker", servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
     registration = Registration(
         worker_id,
@@ -299,26 +325,27 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
                   "ranks": layout.ranks, "tp": layout.tp, "cp": layout.cp},
     )  # fmt: skip
     presence = Presence(registration)
-    balancer = getattr(parts.runner, "balancer", None)
-    if balancer is not None:  # each rank's expert loads on NATS, and what EPLB did in the metrics
+    if getattr(parts.runner, "balancer", None) is not None:  # each rank's expert loads on NATS, EPLB in the metrics
+        balancer = CurrentBalancer(servicer)  # (the running model's: LoadModel makes another)
         presence.on_connected.append(functools.partial(_expert_reports, balancer, worker_id))
         servicer.metrics.registry.register(ExpertBalanceCollector(balancer, servicer.metrics.model))
     stop_metrics = None
     if args.metrics_port > 0:
         stop_metrics = start_metrics_server(servicer.metrics.registry, args.host, args.metrics_port)
+    del parts  # the servicer's hold on the model is the only one (LoadModel frees it)
     try:
         unix = args.unix_socket or envs.DEEPINFER_WORKER_UNIX_SOCKET
         asyncio.run(_serve_with_presence([service], args.host, args.port, presence, unix))
     finally:
-        if procs is not None:
-            procs.close(servicer.parts.runner)
+        if ranked is not None and servicer.parts is not None:
+            ranked.procs.close(servicer.parts.runner)
         if stop_metrics is not None:
             stop_metrics()
         provider.shutdown()  # flushes the spans still batched
     return 0
 
 
-async def _expert_reports(balancer: ExpertBalancer, replica: str, bus: EventBus) -> None:
+async def _expert_reports(balancer: CurrentBalancer, replica: str, bus: EventBus) -> None:
     """Publish each rank's expert loads (``ExpertBalancer.take``) on NATS until the process ends."""
     for r in range(balancer.world):
         supplier = functools.partial(balancer.take, r)
