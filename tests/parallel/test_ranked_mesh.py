@@ -1,6 +1,6 @@
-"""A worker of two ranks served (``DEEPINFER_EP=2`` on ``services.worker_nvidia``, the cpu backend): the worker,
-its follower rank, the scheduler and the balancer as real processes on loopback, driven by grpcio and the
-``openai`` client.
+"""A worker of two ranks served (``DEEPINFER_EP=2`` on ``services.worker_nvidia``, the cpu backend; speculative
+decoding with 2 MTP drafts, the MoE exchanges of small steps through fixed buffers): the worker, its follower rank,
+the scheduler and the balancer as real processes on loopback, driven by grpcio and the ``openai`` client.
 
 The scheduler learns the worker's ranks from ``WorkerInfo.world_size`` and plans each rank's step
 (``engine.data_parallel``, on the wire ``StepPlan.ranks``). With the batch-invariant ops every request's tokens and
@@ -50,9 +50,10 @@ def nats():
 @pytest.fixture(scope="module")
 def mesh(model_dir, nats, tmp_path_factory: pytest.TempPathFactory):
     env = {"DEEPINFER_BATCH_INVARIANT": "1", "DEEPINFER_MAX_NUM_BATCHED_TOKENS": str(BUDGET)}
-    worker = {"DEEPINFER_EP": "2", "DEEPINFER_EPLB_INTERVAL_STEPS": "4", "DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S": "0.2"}
+    worker = {"DEEPINFER_EP": "2", "DEEPINFER_EPLB_INTERVAL_STEPS": "4", "DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S": "0.2",
+              "DEEPINFER_USE_NEXTN_DECODE": "2", "DEEPINFER_EP_FIXED_BUFFER_TOKENS": "8"}  # fmt: skip
     m = Mesh(model_dir, tmp_path_factory.mktemp("ranked_logs"), nats_url=nats.url, extra_env=env,
-             service_env={"worker": worker})  # fmt: skip
+             service_env={"worker": worker, "scheduler": {"DEEPINFER_SPEC_DECODE_EXPLORE_STEPS": "0"}})  # fmt: skip
     try:
         yield m.up(num_pages=PAGES)
     finally:
@@ -118,6 +119,7 @@ def test_two_ranks_serve_what_one_process_computes(mesh: Mesh, nats, model_dir) 
     scheduler, worker = (urllib.request.urlopen(mesh.metrics_url(n)).read().decode() for n in ("scheduler", "worker"))
     assert counter(scheduler, "vllm:prefix_cache_hits") > 0 and counter(scheduler, "vllm:num_preemptions") > 0
     assert counter(worker, "deepinfer_eplb_layers_moved") > 0
+    assert counter(scheduler, "vllm:spec_decode_num_draft_tokens") > 0  # the MTP block's drafts, verified on the ranks
     (replica,) = view.replicas()  # the worker's reports, on deepinfer.experts.<its instance id>
     assert replica.startswith("worker-") and view.loads(replica)
     assert all(v.sum() > 0 for v in view.loads(replica).values())
