@@ -13,7 +13,9 @@ services.kvstore``, host tier; ``--disk`` adds the disk tier, which a put also w
 * **stream**: 1 MiB chunks with their CRC-32 through the gRPC stream (``KVStoreClient(same_host=False)``), the path
   between hosts;
 * **same host**: the bytes through a file of the kvstore's shared directory (``DEEPINFER_KVSTORE_SHARED_DIR``, here
-  ``auto``: under /dev/shm), only the header over gRPC; the CRC-32 checked all the same.
+  ``auto``: under /dev/shm), only the header over gRPC; the CRC-32 checked all the same. A get of
+  ``MAP_MIN_BYTES`` (4 MiB) or more maps the file (no copy); the column **same-host get, read** times every get
+  reading its file into ``bytes`` instead (the client's path for smaller blobs, and all of them before 2026-12-05).
 
 Beside it, in the same run:
 
@@ -39,10 +41,12 @@ import time
 from pathlib import Path
 
 from bench.harness import ROOT, add_common_args, git_commit, result_header, write_result
+from deepinfer.kvstore import client as kv_client
 from deepinfer.kvstore.client import KVStoreClient
 from deepinfer.serving.healthcheck import free_port, wait_serving
 
 MIB = 1 << 20
+MAP_MIN_BYTES = kv_client.MAP_MIN_BYTES
 
 
 def loopback_gbps(data: bytes, repeats: int) -> float:
@@ -92,9 +96,11 @@ def copy_gbps(data: bytes, repeats: int) -> float:
     return len(data) / statistics.median(times) / 1e9
 
 
-async def kvstore_gbps(address: str, data: bytes, repeats: int, same_host: bool) -> tuple[float, float]:
+async def kvstore_gbps(address: str, data: bytes, repeats: int, same_host: bool, read: bool = False
+                       ) -> tuple[float, float]:  # fmt: skip
     """Median GB/s of ``put`` and of ``get`` of ``data`` (a fresh key per put, each got back and checked), through
-    the kvstore's shared directory (``same_host``) or its stream."""
+    the kvstore's shared directory (``same_host``; ``read``: gets read the file, never map it) or its stream."""
+    kv_client.MAP_MIN_BYTES = 1 << 62 if read else MAP_MIN_BYTES
     puts, gets = [], []
     async with KVStoreClient(address, timeout_s=300, same_host=same_host) as kv:
         if same_host and not await kv.shared_dir():
@@ -142,8 +148,8 @@ def main() -> int:
     rows: list[dict] = []
     table = [
         "| blob MiB | stream put GB/s | stream get GB/s | same-host put GB/s | same-host get GB/s "
-        "| loopback TCP GB/s (peer) | memory copy GB/s (roof) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| same-host get, read GB/s | loopback TCP GB/s (peer) | memory copy GB/s (roof) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as d:
         proc, address = start_kvstore(Path(d), args.disk, 2 * max(sizes) * MIB)
@@ -152,12 +158,14 @@ def main() -> int:
                 data = os.urandom(size * MIB)
                 put, get = asyncio.run(kvstore_gbps(address, data, repeats, same_host=False))
                 shared_put, shared_get = asyncio.run(kvstore_gbps(address, data, repeats, same_host=True))
+                _, read_get = asyncio.run(kvstore_gbps(address, data, repeats, same_host=True, read=True))
                 row = {"mib": size, "put_gbps": put, "get_gbps": get, "shared_put_gbps": shared_put,
-                       "shared_get_gbps": shared_get, "loopback_gbps": loopback_gbps(data, repeats),
+                       "shared_get_gbps": shared_get, "shared_get_read_gbps": read_get,
+                       "loopback_gbps": loopback_gbps(data, repeats),
                        "copy_gbps": copy_gbps(data, repeats)}  # fmt: skip
                 rows.append(row)
-                table.append(f"| {size} | {put:.2f} | {get:.2f} | {shared_put:.2f} | {shared_get:.2f} | "
-                             f"{row['loopback_gbps']:.2f} | {row['copy_gbps']:.2f} |")  # fmt: skip
+                table.append(f"| {size} | {put:.2f} | {get:.2f} | {shared_put:.2f} | {shared_get:.2f} | {read_get:.2f} "
+                             f"| {row['loopback_gbps']:.2f} | {row['copy_gbps']:.2f} |")  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(30)

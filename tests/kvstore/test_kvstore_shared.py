@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deepinfer.kvstore import client as client_module
 from deepinfer.kvstore.blob import Blob, BlobKey
 from deepinfer.kvstore.client import KVStoreClient, KVStoreRefused
 from deepinfer.kvstore.shared import PROBE, new_name, write_new
@@ -52,7 +53,10 @@ def transfers(kv, op: str, path: str) -> float:
 
 
 @pytest.mark.timeout(90)
-def test_same_host_transfers_go_through_files_and_leave_none(kvstore_factory):
+def test_same_host_transfers_go_through_files_and_leave_none(kvstore_factory, monkeypatch):
+    """(A get of ``MAP_MIN_BYTES`` or more maps its file: here 1 MiB, so the 3 MiB blob is mapped, the 1-byte one
+    read.)"""
+    monkeypatch.setattr(client_module, "MAP_MIN_BYTES", MiB)
     kv = kvstore_factory(DEEPINFER_KVSTORE_MAX_BLOB_BYTES=str(4 * MiB))
     blobs = [
         Blob.build(BlobKey(FP, key(40 + i), True), os.urandom(n), "v1", meta(40 + i))
@@ -67,8 +71,9 @@ def test_same_host_transfers_go_through_files_and_leave_none(kvstore_factory):
             result = await c.put_many(blobs)
             assert result.stored == 2 and len(result.refused) == 1
             assert result.refused[0].startswith("blob 1 ") and "total_bytes" in result.refused[0]
-            for b in (blobs[0], blobs[2]):
-                assert await c.get(FP, b.key.hash) == (b.data, b.meta)
+            for b, kind in ((blobs[0], memoryview), (blobs[2], bytes)):
+                got = await c.get(FP, b.key.hash)
+                assert got == (b.data, b.meta) and type(got[0]) is kind
             assert await c.get(FP, key(49)) is None
             with pytest.raises(KVStoreRefused, match="crc32|total_bytes"):
                 await c.put(FP, key(48), bytes(5 * MiB), meta(48))

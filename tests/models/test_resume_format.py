@@ -1,8 +1,15 @@
 """Resume points as bytes (``models/deepseek_v4/resume_format.py``): a sequence's state encoded, decoded into another
-cache at other page ids, continues exactly as the original (bit-identical logits)."""
+cache at other page ids, continues exactly as the original (bit-identical logits), from ``bytes`` and from a
+read-only mapped file (the kvstore client's same-host path), whose pages are then views over the file's memory and
+the state's tensors copies the worker may write. Malformed headers are refused entry by entry."""
 
 from __future__ import annotations
 
+import json
+import mmap
+import struct
+
+import numpy as np
 import pytest
 import torch
 
@@ -30,8 +37,19 @@ def step(model, cache, state, table, tokens) -> torch.Tensor:
     return model.logits(model(batch, cache))
 
 
+def mapped(data: bytes, tmp_path) -> tuple[memoryview, int, int]:
+    """``data`` through a file mapped read-only, as the kvstore client reads it; the map's address range."""
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    with open(f, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), len(data), access=mmap.ACCESS_READ)
+    lo = np.frombuffer(m, dtype=np.uint8).__array_interface__["data"][0]
+    return memoryview(m), lo, lo + len(data)
+
+
+@pytest.mark.parametrize("source", ["bytes", "mapped"])
 @pytest.mark.parametrize("position", [37, 48])  # a partial last page, and a page boundary
-def test_a_resume_point_survives_bytes_and_other_pages(model, position):
+def test_a_resume_point_survives_bytes_and_other_pages(model, position, source, tmp_path):
     c = model.config
     ids = torch.randint(2, c.vocab_size, (position + 5,), generator=torch.Generator().manual_seed(position)).tolist()
     a = PagedKVCache(c, 8, PS)
@@ -43,7 +61,14 @@ def test_a_resume_point_survives_bytes_and_other_pages(model, position):
     assert resume_format.metadata(data)["position"] == str(position)
     ref = [step(model, a, st, table_a, [t]) for t in ids[position:]]
 
-    snap, pages = resume_format.decode(data)
+    if source == "mapped":
+        view, lo, hi = mapped(data, tmp_path)
+        snap, pages = resume_format.decode(view)
+        assert pages and all(lo <= t.data_ptr() < hi for t in pages.values())  # views: no copy
+        state = [*snap.state.windows.values(), *(x for b in snap.state.buffers.values() for x in (b.kv, b.score))]
+        assert state and not any(lo <= t.data_ptr() < hi for t in state)  # copies: the worker writes into them
+    else:
+        snap, pages = resume_format.decode(data)
     b = PagedKVCache(c, 8, PS)
     table_b = torch.tensor([3, 0, 5, 4])
     b.write_pages(table_b[:full], pages)
@@ -60,3 +85,32 @@ def test_bad_bytes_are_refused():
         from safetensors.torch import save
 
         resume_format.decode(save({"x": torch.zeros(1)}, metadata={"layout": "other"}))
+
+
+def forged(header: dict, data: bytes = b"\0" * 16) -> bytes:
+    text = json.dumps({"__metadata__": {"layout": resume_format.LAYOUT, "position": "0", "mtp_tokens": "0",
+                                        "buffer_starts": "{}"}, **header}).encode()  # fmt: skip
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]},  # no such dtype
+        {"dtype": "F32", "shape": [4], "data_offsets": [0, 32]},  # past the data
+        {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]},  # bytes that are not its shape's
+        {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]},  # a negative dimension
+        {"dtype": "F32", "shape": [4], "data_offsets": [8, 4]},  # offsets backwards
+        {"dtype": "F32", "shape": [4], "data_offsets": ["0", 16]},  # not an offset
+        {"dtype": "F32", "shape": [4]},  # no offsets
+    ],
+)
+def test_a_forged_header_is_refused(entry: dict) -> None:
+    with pytest.raises(ValueError, match="pages.rows.1"):
+        resume_format.decode(forged({"pages.rows.1": entry}))
+
+
+def test_a_header_that_is_not_an_object_is_refused() -> None:
+    text = b"[1, 2]"
+    with pytest.raises(ValueError, match="JSON object"):
+        resume_format.decode(struct.pack("<Q", len(text)) + text)

@@ -35,7 +35,7 @@ declare("DEEPINFER_KVSTORE_MAX_BLOB_BYTES", "int", _KV, """
 declare("DEEPINFER_KVSTORE_SHARED_DIR", "str", _KV, """
     The kvstore's directory for the same-host path: a client on the kvstore's host puts and gets a blob's
     bytes through a file there instead of the gRPC stream (only the header and the file's name cross gRPC):
-    1.5-3× the stream's rate on a 2-core host (docs/routing.md, "The transfer"). `auto`: a private directory
+    1.7-2.3× the stream's rate on a 2-core host (docs/routing.md, "The transfer"). `auto`: a private directory
     under `/dev/shm`, made at start and removed at exit. `off`: none, every transfer streams. A path: that
     directory (made with mode 0700 if missing), e.g. a tmpfs volume mounted into the kvstore's and the
     workers' containers. A client uses it only where it reads the kvstore's probe file there (same host, same

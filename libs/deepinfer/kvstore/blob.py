@@ -61,7 +61,7 @@ class Blob:
     """One stored payload with what the writer said about it (``crc32`` is ``zlib.crc32`` of ``data``)."""
 
     key: BlobKey
-    data: bytes
+    data: bytes | memoryview  # (a client's get on the same-host path: a read-only view of the mapped file)
     layout: str = ""
     meta: dict[str, str] = field(default_factory=dict)
     crc32: int = 0

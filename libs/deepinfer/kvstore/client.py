@@ -34,7 +34,7 @@ import grpc
 
 from deepinfer.kvstore.assembly import CHUNK_BYTES, blob_chunks
 from deepinfer.kvstore.blob import Blob, BlobKey, Tier
-from deepinfer.kvstore.shared import SharedFileError, new_name, probe_matches, read_taken, write_new
+from deepinfer.kvstore.shared import SharedFileError, map_taken, new_name, probe_matches, read_taken, write_new
 from deepinfer.rpc.channel import open_channel
 from deepinfer.telemetry import get_logger
 from deepinfer.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -162,7 +162,9 @@ class KVStoreClient:
                 os.unlink(os.path.join(directory, name))
 
     async def get(self, fingerprint: str, key: bytes, resume_point: bool = True) -> tuple[bytes, dict[str, str]] | None:
-        """``(payload, meta)``, or ``None`` if the blob is not stored; :class:`KVStoreDataLoss` if it is damaged."""
+        """``(payload, meta)``, or ``None`` if the blob is not stored; :class:`KVStoreDataLoss` if it is damaged. The
+        payload is ``bytes``, or, for a blob of ``MAP_MIN_BYTES`` or more through the shared directory, a read-only
+        ``memoryview`` of the mapped file (no copy; the memory is freed with its last reference)."""
         blob = await self.get_blob(fingerprint, key, resume_point)
         return None if blob is None else (blob.data, blob.meta)
 
@@ -255,8 +257,16 @@ class KVStoreClient:
         await self.close()
 
 
-def _read_file(directory: str, name: str, size: int) -> tuple[bytes, int]:
-    data = read_taken(directory, name, "get", size)
+MAP_MIN_BYTES = 4 << 20  # a blob's file this large or larger is mapped, not read (below, the map costs more)
+
+
+def _read_file(directory: str, name: str, size: int) -> tuple[bytes | memoryview, int]:
+    """A blob's file of the shared directory and its CRC-32: a large one mapped (a read-only view: no copy, freed with
+    its last reference), a small one read."""
+    if size < MAP_MIN_BYTES:
+        data: bytes | memoryview = read_taken(directory, name, "get", size)
+    else:
+        data = memoryview(map_taken(directory, name, "get", size))
     return data, zlib.crc32(data)
 
 

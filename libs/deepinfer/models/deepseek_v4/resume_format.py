@@ -12,15 +12,22 @@ partial page's rows). It is written as one safetensors file (tensors + string me
 
 Metadata: ``layout`` (:data:`LAYOUT`), ``position``, ``mtp_tokens``, ``buffer_starts`` and ``history`` (JSON),
 ``decoder_start``.
+
+``decode`` reads any buffer (``bytes``, or the kvstore client's ``memoryview`` of a mapped file): the pages, the
+bulk of it, are views over the buffer (the cache copies them in when it installs them; no copy before), the state's
+own tensors are copies (the worker writes into them). The header is checked entry by entry: a known dtype, offsets
+inside the data, sizes that match the shapes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
+import warnings
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, StateSnapshot
 
@@ -47,22 +54,63 @@ def encode(snapshot: StateSnapshot, pages: Pages) -> bytes:
     return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
-def metadata(data: bytes) -> dict[str, str]:
-    """The string metadata of an encoded resume point, read from the safetensors header alone."""
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _header(data: bytes | memoryview) -> tuple[dict, int]:
+    """The safetensors header of ``data`` and where its tensor data starts."""
     if len(data) < 8:
         raise ValueError("resume point: truncated header")
-    (n,) = struct.unpack("<Q", data[:8])
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > len(data) - 8:
         raise ValueError("resume point: header longer than the data")
-    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
+    header = json.loads(bytes(data[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("resume point: the header is not a JSON object")
+    return header, 8 + n
 
 
-def decode(data: bytes) -> tuple[StateSnapshot, Pages]:
-    """The snapshot and the full pages of an encoded resume point (on the CPU)."""
-    meta = metadata(data)
+def metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The string metadata of an encoded resume point, read from the safetensors header alone."""
+    return _header(data)[0].get("__metadata__", {})
+
+
+def _tensors(data: bytes | memoryview, header: dict, base: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors buffer, as a view over ``data`` (read only: no copy); ValueError for an entry
+    that does not describe bytes of ``data``."""
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"resume point: tensor {name!r}: {exc!r}") from None
+        numel = math.prod(shape)
+        if min(shape, default=0) < 0 or not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise ValueError(f"resume point: tensor {name!r}: bad shape or offsets")
+        if end - begin != numel * dtype.itemsize or base + end > len(data):
+            raise ValueError(f"resume point: tensor {name!r}: its bytes do not match its shape or the data")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # (a read-only buffer: nothing writes into these views)
+            warnings.simplefilter("ignore", UserWarning)
+            out[name] = torch.frombuffer(data, dtype=dtype, count=numel, offset=base + begin).view(shape)
+    return out
+
+
+def decode(data: bytes | memoryview) -> tuple[StateSnapshot, Pages]:
+    """The snapshot and the full pages of an encoded resume point (on the CPU; the pages are views over ``data``)."""
+    header, base = _header(data)
+    meta = header.get("__metadata__", {})
     if meta.get("layout") != LAYOUT:
         raise ValueError(f"resume point: layout {meta.get('layout')!r}, expected {LAYOUT!r}")
-    tensors = load(data)
+    tensors = {k: t if k.startswith("pages.") else t.clone() for k, t in _tensors(data, header, base).items()}
     starts = json.loads(meta["buffer_starts"])
     history = tuple(int(t) for t in json.loads(meta.get("history", "[]")))
     st = SequenceState(num_tokens=int(meta["position"]), mtp_tokens=int(meta["mtp_tokens"]), history=history,
