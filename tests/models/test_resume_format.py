@@ -110,7 +110,7 @@ def test_a_forged_header_is_refused(entry: dict) -> None:
         resume_format.decode(forged({"pages.rows.1": entry}))
 
 
-def test_a_header_that_is_not_an_object_is_refused() -> None:
-    text = b"[1, 2]"
+@pytest.mark.parametrize("text", [b"[1, 2]", b'{"__metadata__": [1]}'])
+def test_a_header_that_is_not_an_object_is_refused(text: bytes) -> None:
     with pytest.raises(ValueError, match="JSON object"):
         resume_format.decode(struct.pack("<Q", len(text)) + text)

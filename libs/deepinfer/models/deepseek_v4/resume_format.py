@@ -76,7 +76,14 @@ def _header(data: bytes | memoryview) -> tuple[dict, int]:
 
 def metadata(data: bytes | memoryview) -> dict[str, str]:
     """The string metadata of an encoded resume point, read from the safetensors header alone."""
-    return _header(data)[0].get("__metadata__", {})
+    return _metadata(_header(data)[0])
+
+
+def _metadata(header: dict) -> dict[str, str]:
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("resume point: the metadata is not a JSON object")
+    return meta
 
 
 def _tensors(data: bytes | memoryview, header: dict, base: int) -> dict[str, torch.Tensor]:
@@ -107,7 +114,7 @@ def _tensors(data: bytes | memoryview, header: dict, base: int) -> dict[str, tor
 def decode(data: bytes | memoryview) -> tuple[StateSnapshot, Pages]:
     """The snapshot and the full pages of an encoded resume point (on the CPU; the pages are views over ``data``)."""
     header, base = _header(data)
-    meta = header.get("__metadata__", {})
+    meta = _metadata(header)
     if meta.get("layout") != LAYOUT:
         raise ValueError(f"resume point: layout {meta.get('layout')!r}, expected {LAYOUT!r}")
     tensors = {k: t if k.startswith("pages.") else t.clone() for k, t in _tensors(data, header, base).items()}
