@@ -114,15 +114,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     async def Get(
         self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.PageChunk]:
-        (key,) = await _keys(request.model_fingerprint, [request.key], context)
-        try:
-            blob, tier = await self._call(context, self.store.get, key)
-        except BlobNotFound as exc:
-            self.metrics.hit("get", None)
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except CorruptBlob as exc:
-            self.metrics.hit("get", None)
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        _, blob, tier = await self._lookup(request, context)
         self.metrics.hit("get", tier)
         self.metrics.transferred("get", "stream", len(blob.data))
         for chunk in blob_chunks(blob):
@@ -164,15 +156,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     ) -> kvstore_pb2.SharedBlob:
         """One blob written to a new file of the shared directory for the client, who removes it once read."""
         d = await self._shared(context)
-        (key,) = await _keys(request.model_fingerprint, [request.key], context)
-        try:
-            blob, tier = await self._call(context, self.store.get, key)
-        except BlobNotFound as exc:
-            self.metrics.hit("get", None)
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except CorruptBlob as exc:
-            self.metrics.hit("get", None)
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        key, blob, tier = await self._lookup(request, context)
         try:
             name = await asyncio.to_thread(d.give, blob.data)
         except (SharedFull, OSError) as exc:  # (a full tmpfs too): the client streams
@@ -190,6 +174,20 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     ) -> kvstore_pb2.RemoveResponse:
         keys = await _keys(request.model_fingerprint, request.keys, context)
         return kvstore_pb2.RemoveResponse(removed=await self._call(context, self.store.remove, keys))
+
+    async def _lookup(self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+                      ) -> tuple[BlobKey, Blob, Tier]:  # fmt: skip
+        """The requested blob and its tier; a miss counted and answered NOT_FOUND (DATA_LOSS: a damaged copy)."""
+        (key,) = await _keys(request.model_fingerprint, [request.key], context)
+        try:
+            blob, tier = await self._call(context, self.store.get, key)
+        except BlobNotFound as exc:
+            self.metrics.hit("get", None)
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except CorruptBlob as exc:
+            self.metrics.hit("get", None)
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        return key, blob, tier
 
     async def _shared(self, context: grpc.aio.ServicerContext) -> SharedDir:
         if self.shared is None:

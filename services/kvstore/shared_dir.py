@@ -8,8 +8,9 @@ that reads the same content there shares the directory (same host, same mount), 
 
 Files a client wrote (``.put``) are taken by ``PutShared``; files written for a client (``.get``) are its to remove
 once read. Either kind left behind (a client that died between writing and asking, or between asking and reading)
-is removed once older than ``ttl_s`` (:meth:`SharedDir.sweep`, run with the store's sweep and before each
-``give``). Files waiting to be read hold at most ``cap_bytes``; past it ``give`` refuses and the client streams.
+is removed once older than ``ttl_s`` (:meth:`SharedDir.sweep`, run with the store's sweep, and by a ``give``
+that would pass the cap). Files waiting to be read hold at most ``cap_bytes``; past it ``give`` refuses and the
+client streams.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class SharedDir:
     def give(self, data: object) -> str:
         """Write ``data`` to a new ``.get`` file for a client; its name. ``SharedFull`` past ``cap_bytes``."""
         size = len(data)  # type: ignore[arg-type]
-        self.sweep()
+        if self.waiting_bytes + size > self.cap_bytes:  # (files their clients removed count until a sweep)
+            self.sweep()
         with self._lock:
             waiting = sum(n for n, _ in self._waiting.values())
             if waiting + size > self.cap_bytes:
