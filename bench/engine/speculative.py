@@ -7,7 +7,8 @@ values), at each depth of ``--depths``. ``B`` requests with distinct random ``--
 prefilled through the engine (async scheduling, CUDA graphs for plain decode steps); once every request decodes,
 the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per request. In the same run, per batch size:
 
-* **off** (the peer): plain decoding, one token per step.
+* **off** (the peer): plain decoding, one token per step, without logprobs as every other run (the top-2 logprobs
+  that ``divergence`` reads come from an untimed run before it: computing them slows a step).
 * **oracle e**: ``--drafts`` drafts per sequence and step from ``engine.speculative.oracle``, which replays the
   target's greedy continuation (below) with a draft error rate ``e`` (random weights make the MTP block useless, so
   this sets the acceptance); the tokens emitted per verify step (kept drafts + 1) and the TPOT.
@@ -89,12 +90,13 @@ class Setup:
 
 def run(
     s: Setup, b: int, drafter: str | float | None, cont: dict | None = None, limit: int = 1 << 30,
-    profile: bool = False, explore: int = 0, kernels: bool = False,
+    profile: bool = False, explore: int = 0, kernels: bool = False, logprobs: bool = False,
 ) -> dict:  # fmt: skip
-    """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off: with the top-2
-    logprobs, for ``divergence``), "mtp", or the oracle's error rate (``cont``: its continuations); ``profile``: a
-    cProfile of the timed steps; ``explore``: the scheduler's cost policy (0: every step under ``limit`` drafts);
-    ``kernels``: ``torch.profiler`` over the timed steps (``kernel_profile``: its times are not the run's)."""
+    """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off; ``logprobs``: with
+    the top-2 logprobs, for ``divergence``: not for timing, they slow a step), "mtp", or the oracle's error rate
+    (``cont``: its continuations); ``profile``: a cProfile of the timed steps; ``explore``: the scheduler's cost
+    policy (0: every step under ``limit`` drafts); ``kernels``: ``torch.profiler`` over the timed steps
+    (``kernel_profile``: its times are not the run's)."""
     args, n = s.args, s.args.drafts
     total = args.tokens + 2
     sched = build_scheduler(
@@ -113,7 +115,7 @@ def run(
     engine = LLMEngine(sched, runner, s.tok, s.config.vocab_size, async_scheduling=True)
     rng = random.Random(args.seed)
     prompts = {f"r{i}": [rng.randrange(2, s.config.vocab_size) for _ in range(args.context)] for i in range(b)}
-    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True, logprobs=2 if drafter is None else None)
+    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True, logprobs=2 if logprobs else None)
     for rid, p in prompts.items():
         engine.add_request(rid, p, params)
     while min(len(r.output_token_ids) for r in sched.requests.values()) < 1:
@@ -343,19 +345,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warm_graphs(s, args)
         work = sweep_v41.Work(s.config) if args.model == "v41" else sweep.Work.of(s.config)
         for b in args.batches:
-            if dev.type == "cuda":  # warm: graphs at this batch, kernels of the verify shapes, the drafter's graphs
-                warm = run(s, b, None)
+            # the plain run with its top-2 logprobs (for ``divergence``; on a GPU also the warm-up: graphs at this
+            # batch), then the timed plain run without them, as the speculative runs (a vLLM user's default)
+            lp = run(s, b, None, logprobs=True)
+            if dev.type == "cuda":  # warm: kernels of the verify shapes, the drafter's graphs
                 try:
-                    run(s, b, 0.5, warm["continuations"])
+                    run(s, b, 0.5, lp["continuations"])
                     run(s, b, "mtp")
                 except Exception:
                     pass  # measure() records it
             off = run(s, b, None)
+            off["logprobs"] = lp["logprobs"]
+            same = off["continuations"] == lp["continuations"]  # (greedy: logprobs change no token)
             # every step a verify step, every draft wrong: the target's greedy tokens under the verify step's numbers,
             # which the oracle replays (rounding differs from a plain step's: near-ties may go the other way)
             ref = run(s, b, 1.0, off["continuations"])
             cont = ref["continuations"]
-            row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": ref}
+            row: dict[str, Any] = {"depth": depth, "batch": b, "off": off, "_off": ref, "logprobs_same_tokens": same}
             row["verify_vs_plain"] = divergence(off, ref)
             if b in args.kernel_profile and depth == max(args.depths):  # a plain and a verify step's device time
                 for key, drafter in (("off", None), ("verify", 1.0)):

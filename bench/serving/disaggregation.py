@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation against co-location: decode streams' TPOT while long prompts arrive.
 
-    PYTHONPATH=libs:. python bench/serving/disaggregation.py --out bench/results/serving   # tiny model, CPU (≈ 4 min)
+    PYTHONPATH=libs:. python bench/serving/disaggregation.py --out bench/results/serving   # tiny model, CPU (≈ 8 min)
     PYTHONPATH=libs:. python bench/serving/disaggregation.py --tiny --device cpu           # smoke mode
     PYTHONPATH=libs:. python bench/serving/disaggregation.py --device cuda --width flash --depth 4 \
         --prefill-input 8192 --streams 16 --stream-output 256 --out bench/results/serving      # both workers on one GPU
@@ -82,10 +82,10 @@ def flash_overrides(depth: int) -> dict:
     }  # fmt: skip
 
 
-async def _both(url: str, args: argparse.Namespace) -> tuple:
+async def _both(url: str, args: argparse.Namespace, seed: int = 0) -> tuple:
     params = {"temperature": 0, "ignore_eos": True}
-    streams = workload.build(args.streams, args.stream_input, args.stream_output, seed=1)
-    prefills = workload.build(args.prefills, args.prefill_input, args.prefill_output, seed=2)
+    streams = workload.build(args.streams, args.stream_input, args.stream_output, seed=seed + 1)
+    prefills = workload.build(args.prefills, args.prefill_input, args.prefill_output, seed=seed + 2)
 
     async def later() -> tuple:
         await asyncio.sleep(args.prefill_delay_s)  # the streams are decoding by then
@@ -96,23 +96,36 @@ async def _both(url: str, args: argparse.Namespace) -> tuple:
     return await asyncio.gather(runner.run(client, streams, params=params), later())
 
 
+def keep_metrics(mesh: Mesh, where: Path) -> None:
+    """Every service's ``/metrics`` text (step times by phase, queue lengths, ...) into ``where``, for a reader who
+    asks where a figure's time went."""
+    where.mkdir(parents=True, exist_ok=True)
+    urls = {k: u for k, u in mesh.endpoints.items() if k.endswith(" metrics")}
+    urls["balancer metrics"] = mesh.endpoints["http"].removesuffix("/v1") + "/metrics"
+    for key, url in urls.items():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        (where / f"{key.removesuffix(' metrics')}.txt").write_text(text)
+
+
 def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict:
-    (tmp / name).mkdir()
+    logs = (args.keep / name) if args.keep else (tmp / name)
+    logs.mkdir(parents=True)
     gpu = args.device == "cuda"  # both workers on the one GPU the host shows first (CUDA_VISIBLE_DEVICES)
     env = {"DEEPINFER_NUM_PAGES": str(args.pages)} if gpu else {"DEEPINFER_TORCH_THREADS": "1"}
-    mesh = Mesh(model, grpc_port=0, http_port=free_port(), replicas=2, roles=CONFIGS[name], log_dir=tmp / name,
+    mesh = Mesh(model, grpc_port=0, http_port=free_port(), replicas=2, roles=CONFIGS[name], log_dir=logs,
                 accelerator="nvidia" if gpu else "cpu", extra_env=env)  # fmt: skip
     try:
         mesh.start()
         url = mesh.endpoints["http"]
-        if not args.tiny:  # each replica's first requests, untimed
-            warm = workload.build(4, 16, 2, seed=9)
-            client = OpenAIClient(url, "model", chat=False, timeout_s=600)
-            asyncio.run(runner.run(client, warm, max_concurrency=1))
+        if not args.tiny:  # untimed: the same workload with other prompts (no cache hits), so the timed run meets no
+            # first-use costs (kernels compiled for a step's shapes, graphs captured for its batch)
+            asyncio.run(_both(url, args, seed=100))
         before, moved = handoffs(url), transfers(mesh.endpoints["kvstore metrics"])
         (s_out, s_dur), (p_out, p_dur) = asyncio.run(_both(url, args))
         streams, prefills = (summarize(o, t, percentiles=(50, 99)) for o, t in ((s_out, s_dur), (p_out, p_dur)))
         moved = {k: v - moved.get(k, 0.0) for k, v in transfers(mesh.endpoints["kvstore metrics"]).items()}
+        if args.keep:
+            keep_metrics(mesh, logs / "metrics")
         first = sorted(o.itl[0] * 1e3 for o in p_out if o.ok and o.itl)  # a long prompt's second token: its handoff
         return {
             "streams": streams,
@@ -144,6 +157,8 @@ def main() -> int:
     )
     ap.add_argument("--depth", type=int, default=4, help="--width flash: layers")
     ap.add_argument("--pages", type=int, default=2048, help="--device cuda: each worker's KV pages")
+    ap.add_argument("--keep", type=Path, default=None, help="a new directory: each configuration's service logs and "
+                    "its services' /metrics after the timed run")  # fmt: skip
     args = ap.parse_args()
     if args.device is None:
         import torch
@@ -165,7 +180,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         path = os.pathsep.join([str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH", "")])
-        os.environ |= {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": "warning", "DEEPINFER_CACHE_DIR": str(tmp / "cache")}
+        os.environ |= {
+            "PYTHONPATH": path,
+            "DEEPINFER_LOG_LEVEL": os.environ.get("DEEPINFER_LOG_LEVEL", "warning"),
+            "DEEPINFER_CACHE_DIR": str(tmp / "cache"),
+        }
         overrides = flash_overrides(args.depth) if args.width == "flash" else None
         model = make_tiny_model(tmp / "model", seed=0, overrides=overrides)
         for c in configs:

@@ -229,6 +229,24 @@ def test_drafts_are_kept_and_rejected(model: DeepseekV4Model) -> None:
     assert spec[0][0] == oracle[: len(spec[0][0])] and proposed > 10 and kept < proposed / 2 and completed > 0
 
 
+def test_the_mtp_block_computes_only_each_chunks_last_logits(model: DeepseekV4Model) -> None:
+    """``mtp_forward`` over a prefill returns one row of logits per chunk, its last row's (those of the head over
+    every row, there): a prefill chunk of T tokens would otherwise hold T x vocab fp32 logits (31 GiB at 64 prompts
+    of 1024 tokens), where a drafter reads only the last."""
+    cfg, prompts = model.config, [[3, 4, 5, 6, 7], [8, 9]]
+    cache = PagedKVCache(cfg, PAGES * 2, PAGE)
+    tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(2)]
+    states = [SequenceState() for _ in prompts]
+    batch = ForwardBatch.build([SeqChunk(s, 0, len(x), t) for s, x, t in zip(states, prompts, tables)], prompts)
+    h = model(batch, cache)
+    nxt = torch.tensor([t for x in prompts for t in [*x[1:], 2]])
+    x, logits = model.mtp_forward(h, nxt, batch)
+    last = [b - 1 for _, b in batch.offsets()]
+    blk = model.mtp[0]
+    assert logits.shape == (2, cfg.vocab_size) and x.shape[0] == sum(map(len, prompts))
+    assert torch.equal(logits, model._head(x, blk, blk.norm)[last])
+
+
 @pytest.mark.parametrize(
     "mutation",
     ["no window restore", "buffers without the saved rows", "no rollback but the counter", "no MTP window restore"],

@@ -222,7 +222,9 @@ class DeepseekV4Model(nn.Module):
         self, h: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, depth: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP block ``depth`` on trunk streams ``h`` (positions of ``batch``) and the ids of the tokens
-        that follow them; returns (its streams, fp32 logits for the token after ``next_ids``).
+        that follow them; returns (its streams, fp32 logits ``[chunks, vocab]`` of each chunk's last row: the token
+        after its last id; a drafter needs no other row's, and a prefill chunk's every row would take
+        ``rows x vocab x 4`` bytes).
 
         The block keeps its own window in each sequence's state (layer id ``num_hidden_layers+depth``)."""
         ops, blk = self.ops, self.mtp[depth]
@@ -238,4 +240,5 @@ class DeepseekV4Model(nn.Module):
             c.state.mtp_tokens = c.end
         if self.state_pool is not None:
             self.state_pool.end_step()
-        return x, self._head(x, blk, blk.norm)
+        last = torch.tensor([b - 1 for _, b in mbatch.offsets()], dtype=torch.long, device=x.device)
+        return x, self._head(x.index_select(0, last), blk, blk.norm)

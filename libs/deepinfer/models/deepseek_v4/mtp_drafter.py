@@ -71,7 +71,7 @@ class MTPDrafter:
         if self._on_pool() and max(counts) <= draft_graphs.OBSERVE_ROWS:
             return self._observe_on_device(h, next_ids, counts, states)
         x, logits, offs = self._run(h, next_ids, counts, states, tables)
-        return [MTPHead(x[b - 1], logits[b - 1]) for _, b in offs]
+        return [MTPHead(x[b - 1], logits[i]) for i, (_, b) in enumerate(offs)]
 
     def _on_pool(self) -> bool:
         """Whether the block runs on the model's ``StatePool`` (its decode path: not the batch-invariant ops)."""
