@@ -51,6 +51,7 @@ import argparse
 import cProfile
 import dataclasses
 import io
+import os
 import pstats
 import random
 import time
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--profile", type=ints, default=[], help="batch sizes to cProfile (2nd-rate oracle, drafter)")
     ap.add_argument("--kernel-profile", type=ints, default=[], help="batch sizes to torch.profile (off, verify)")
+    ap.add_argument("--early-ab", action="store_true", help="also time the drafter with DEEPINFER_SPEC_EARLY_DRAFTS=0")
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -417,6 +419,15 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
         mtp.pop("continuations"), mtp.pop("logprobs")
         policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)
         policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
+        if args.early_ab:  # the same drafter run with each step drafting at its launch (the A/B of early drafts)
+            os.environ["DEEPINFER_SPEC_EARLY_DRAFTS"] = "0"
+            try:
+                late = run(s, b, "mtp")
+            finally:
+                os.environ.pop("DEEPINFER_SPEC_EARLY_DRAFTS")
+            row["mtp_drafts_at_launch"] = {k: late[k] for k in ("tpot_ms", "step_ms")}
+            sweep.log(f"L={depth} B={b}: drafter, early drafts {mtp['tpot_ms']:.3f} ms/token, drafts at launch "
+                      f"{late['tpot_ms']:.3f}")  # fmt: skip
     except Exception:
         row["drafter_error"] = traceback.format_exc()[-4000:]
         print(row["drafter_error"], flush=True)

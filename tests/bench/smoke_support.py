@@ -58,7 +58,7 @@ TRIM: dict[str, list[str]] = {
     ],
     "engine/speculative.py": [
         *("--errors", "0,1", "--tokens", "4", "--depths", "2,3", "--batches", "2"),
-        *("--kernel-profile", "2"),  # (the profiled runs too)
+        *("--kernel-profile", "2", "--early-ab"),  # (the profiled runs, and the drafter drafting at launch, too)
     ],
     "engine/sweep.py": ["--batches", "1,4", "--prefill-tokens", "128,256", "--repeats", "2", "--budget-s", "5"],
     "engine/sweep_v41.py": ["--batches", "1,4", "--prefill-tokens", "128", "--repeats", "2", "--budget-s", "5"],

@@ -106,6 +106,33 @@ def test_mtp_drafts_change_no_token(base: LLM, spec: LLM, params: SamplingParams
     assert all("draft_tokens" not in o.usage for o in plain)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_early_drafts_are_the_next_steps_drafts(spec: LLM, params: SamplingParams,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The MTP drafts queued as a verify step settles (``DEEPINFER_SPEC_EARLY_DRAFTS``) are those the next step
+    would draft when launched: every step proposes the same drafts either way, so the outputs and the kept counts
+    are the same; with it on, the verify steps after the first take theirs from the early drafts."""
+    got = {}
+    for on in (False, True):
+        monkeypatch.setenv("DEEPINFER_SPEC_EARLY_DRAFTS", "1" if on else "0")
+        sp = spec.family.speculator(spec.model, DRAFTS)
+        proposed, propose = [], sp.propose
+
+        def recorded(*a, propose=propose, proposed=proposed):
+            out = propose(*a)
+            proposed.append(out)
+            return out
+
+        sp.propose = recorded
+        spec.engine.runner.spec = sp
+        outs = run(spec, params)
+        got[on] = outs, proposed, sp.early_used
+    (off, drafts_off, used_off), (on, drafts_on, used_on) = got[False], got[True]
+    assert_same(off, on, logprob_tol=0.0)
+    assert drafts_on == drafts_off and drafted(on) == drafted(off) and drafted(on)[0] > 0
+    assert used_off == 0 and used_on > len(drafts_on)  # (most steps verify all four requests)
+
+
 def test_batch_invariant_mode_is_bit_identical(model_dir: Path) -> None:
     """With batch-invariant ops a verify row computes exactly what a plain decode row does: logprobs bit-identical."""
     plain = run(engine(model_dir, 0, batch_invariant=True), SEEDED)

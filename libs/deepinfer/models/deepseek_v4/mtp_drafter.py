@@ -25,6 +25,8 @@ from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.speculative import restore_windows, save_windows
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.verify_step import V4VerifyPlan
+from deepinfer.runtime.host_copy import to_host
+from deepinfer.runtime.platform import Event
 
 
 @dataclass
@@ -163,9 +165,32 @@ class MTPDrafter:
                          ) -> list[list[int]]:  # fmt: skip
         """``draft`` by ``draft_graphs.draft_loop``: one host read of every draft."""
         out: list[list[int]] = [[] for _ in counts]
+        live, got = self._launch(heads, counts, states)
+        if got is None:
+            return out
+        rows = got.tolist()
+        for i, b in enumerate(live):
+            out[b] = rows[i][: counts[b]]
+        return out
+
+    @torch.no_grad()
+    def draft_early(self, heads: list[MTPHead], k: int, states: list[SequenceState]) -> EarlyDrafts | None:
+        """``k`` drafts for every sequence, queued on the device with their copy to the host, read later
+        (``EarlyDrafts.rows``): a verify step's host work that follows (the scheduler's update and next plan) runs
+        while the device drafts. The same drafts as ``draft`` from the same heads and states; None off the decode
+        path (the host's drafting loop reads each draft as it goes)."""
+        if not self._on_pool() or k <= 0 or not heads:
+            return None
+        _, got = self._launch(heads, [k] * len(heads), states)
+        return EarlyDrafts(*to_host(got))
+
+    def _launch(self, heads: list[MTPHead], counts: list[int], states: list[SequenceState]
+                ) -> tuple[list[int], torch.Tensor | None]:  # fmt: skip
+        """The drafting loop of the sequences with ``counts[b] > 0`` queued on the device: (those, their drafts
+        ``[live, max(counts)]`` on the device, or None without any)."""
         live = [b for b, n in enumerate(counts) if n > 0]
         if not live:
-            return out
+            return live, None
         k, window = max(counts), self.model.config.sliding_window
         if k - 1 > window:
             raise ValueError(f"{k - 1} drafting rows overrun the MTP window of {window}")
@@ -182,10 +207,25 @@ class MTPDrafter:
             if got is None:
                 plan = draft_graphs.eager_plan(self.model.state_pool, window, sts, k - 1)
                 got = draft_graphs.draft_loop(self.model, self.depth, plan, streams, first)
-        rows = got.tolist()
-        for i, b in enumerate(live):
-            out[b] = rows[i][: counts[b]]
-        return out
+        return live, got
 
 
-__all__ = ["MTPDrafter", "MTPHead"]
+@dataclass
+class EarlyDrafts:
+    """Drafts queued on the device (``MTPDrafter.draft_early``): ``host`` their copy in host memory, complete once
+    ``event`` has passed (None: no asynchronous copy, ``host`` is the drafts)."""
+
+    host: torch.Tensor
+    event: Event | None
+    _rows: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        """Every sequence's drafts (waits for the device's copy the first time)."""
+        if self._rows is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._rows = self.host.tolist()
+        return self._rows
+
+
+__all__ = ["EarlyDrafts", "MTPDrafter", "MTPHead"]

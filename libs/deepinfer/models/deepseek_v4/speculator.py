@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer import envs
 from deepinfer.models.deepseek_v4.draft_graphs import OBSERVE_ROWS
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
-from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter, MTPHead
+from deepinfer.models.deepseek_v4.mtp_drafter import EarlyDrafts, MTPDrafter, MTPHead
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.verify_step import PooledVerify
@@ -55,11 +56,16 @@ class MTPSpeculator:
         self.drafter = MTPDrafter(model) if proposer is None else None
         self.carry: dict[str, torch.Tensor] = {}  # rid -> the trunk's streams at its last consumed position
         self.heads: dict[str, MTPHead] = {}  # rid -> the block's last row (its block holds every position)
+        # rid -> (its num_tokens then, drafts queued right after its verify step settled, its row in them)
+        self.early: dict[str, tuple[int, EarlyDrafts, int]] = {}
+        self.draft_early = envs.DEEPINFER_SPEC_EARLY_DRAFTS
+        self.early_used = 0  # sequences whose drafts came from ``early`` (tests, benchmarks)
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.carry.pop(rid, None)
             self.heads.pop(rid, None)
+            self.early.pop(rid, None)
 
     def warm_graphs(self, states: list[SequenceState]) -> None:
         """Capture the drafter's graphs at this batch before serving (the worker's warm-up, on its own sequences,
@@ -91,6 +97,14 @@ class MTPSpeculator:
         its block cannot catch up)."""
         if self.proposer is not None:
             return self.proposer.propose(rids, [st.num_tokens for st in states], counts)
+        out: list[list[int]] = [[] for _ in rids]
+        done = set()
+        for b, rid in enumerate(rids):  # drafted while the host planned this step: valid where nothing moved since
+            at, got, row = self.early.pop(rid, (-1, None, 0))
+            if got is not None and counts[b] > 0 and at == states[b].num_tokens and rid in self.heads:
+                out[b] = got.rows()[row][: counts[b]]
+                done.add(b)
+        self.early_used += len(done)
         need = [b for b, rid in enumerate(rids) if rid not in self.heads and counts[b] > 0]
         ready = [b for b in need if self._catch_up(rids[b], states[b]) == states[b].num_tokens - 1]
         if ready:
@@ -99,8 +113,7 @@ class MTPSpeculator:
                                          [states[b] for b in ready], [tables[b] for b in ready])  # fmt: skip
             for b, hd in zip(ready, heads):
                 self.heads[rids[b]] = hd
-        live = [b for b, rid in enumerate(rids) if counts[b] > 0 and rid in self.heads]
-        out: list[list[int]] = [[] for _ in rids]
+        live = [b for b, rid in enumerate(rids) if counts[b] > 0 and rid in self.heads and b not in done]
         if live:
             drafts = self.drafter.draft([self.heads[rids[b]] for b in live], [counts[b] for b in live],
                                         [states[b] for b in live], [tables[b] for b in live])  # fmt: skip
@@ -151,11 +164,18 @@ class MTPSpeculator:
         for rid in pending.rids:
             self.heads.pop(rid, None)
             self.carry.pop(rid, None)
+            self.early.pop(rid, None)
         # each block stands at p (it drafted from there): it consumes p .. p + a, whose next tokens are the emitted
         heads = self.drafter.observe(hidden, pending.step.offsets, emitted, states,
                                      [batch.chunks[i].block_table for i in pending.chunks])  # fmt: skip
         for rid, hd in zip(pending.rids, heads):
             self.heads[rid] = hd
+        # their next drafts now, so that the device drafts while the host plans the next step (a sequence that
+        # verifies next, the common case, then reads them; one that does not leaves them unread)
+        got = self.drafter.draft_early(heads, self.max_drafts, states) if self.draft_early else None
+        if got is not None:
+            for row, (rid, st) in enumerate(zip(pending.rids, states)):
+                self.early[rid] = (st.num_tokens, got, row)
 
     # -- the block after a plain step ---------------------------------------------------------------
     def follow(self, batch: ForwardBatch, hidden: torch.Tensor, chunks: list[int], rids: list[str]) -> None:
@@ -174,6 +194,7 @@ class MTPSpeculator:
             a, b = offsets[i]
             st = c.state
             self.heads.pop(rid, None)
+            self.early.pop(rid, None)
             carry = self.carry.pop(rid, None)
             with_carry = carry is not None and st.mtp_tokens == c.start - 1
             if not with_carry:
