@@ -9,6 +9,8 @@ with INVALID_ARGUMENT. The device's busy time is simulated on the CPU by a slowe
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 
 import grpc
@@ -45,9 +47,11 @@ def plans(bad_at: int | None = None) -> list[WorkerStepPlan]:
     return out
 
 
-async def stream(parts, steps: list[WorkerStepPlan]) -> tuple[list, grpc.StatusCode | None, str]:
+async def stream(parts, steps: list[WorkerStepPlan], service: WorkerService | None = None
+                 ) -> tuple[list, grpc.StatusCode | None, str]:  # fmt: skip
+    service = service if service is not None else WorkerService(parts, "w")
     running = await start_server(
-        [Service("deepinfer.v1.Worker", WorkerService(parts, "w"), worker_pb2_grpc.add_WorkerServicer_to_server)],
+        [Service("deepinfer.v1.Worker", service, worker_pb2_grpc.add_WorkerServicer_to_server)],
         "127.0.0.1",
         0,
     )
@@ -115,3 +119,28 @@ def test_a_bad_plan_behind_launched_steps_ends_the_stream_after_their_results(mo
     assert all(s.token_id is not None for r in results for s in r.results)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "chunks.token_ids: request 'ghost'" in details
     assert parts.runner.states == {}  # the stream's requests were dropped
+
+
+def test_the_worker_records_the_steps_asked_for(model_dir, tmp_path, monkeypatch) -> None:
+    """``DEEPINFER_TORCH_PROFILER_DIR``: steps 1 and 2 of a stream of 4 recorded (``torch.profiler``), then written
+    as a Chrome trace and a table of the operators; the steps' tokens are those of a stream without it, and a second
+    stream records nothing more (once in a worker's life)."""
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16, batch_invariant=True)
+    plain, _, _ = asyncio.run(stream(parts, plans()))
+    monkeypatch.setenv("DEEPINFER_TORCH_PROFILER_DIR", str(tmp_path / "prof"))
+    monkeypatch.setenv("DEEPINFER_PROFILE_SKIP_STEPS", "1")
+    monkeypatch.setenv("DEEPINFER_PROFILE_STEPS", "2")
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16, batch_invariant=True)
+    service = WorkerService(parts, "w/0")
+    results, code, _ = asyncio.run(stream(parts, plans(), service))
+    assert code is None and [[s.token_id for s in r.results] for r in results] == [
+        [s.token_id for s in r.results] for r in plain
+    ]
+    files = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    stem = f"w_0-{os.getpid()}-steps-1-2"  # (steps counted from 0, both ends)
+    assert files == [f"{stem}.json", f"{stem}.txt"], files
+    trace = json.loads((tmp_path / "prof" / f"{stem}.json").read_text())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert "aten::" in (tmp_path / "prof" / f"{stem}.txt").read_text()
+    asyncio.run(stream(parts, plans(), service))
+    assert len(list((tmp_path / "prof").iterdir())) == 2

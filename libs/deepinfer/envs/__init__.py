@@ -93,6 +93,9 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_TORCH_THREADS: int | None
     DEEPINFER_LOG_LEVEL: str
     DEEPINFER_LOG_FORMAT: str
+    DEEPINFER_TORCH_PROFILER_DIR: Path | None
+    DEEPINFER_PROFILE_SKIP_STEPS: int
+    DEEPINFER_PROFILE_STEPS: int
     DEEPINFER_OTEL_ENDPOINT: str | None
     DEEPINFER_NATS_URL: str | None
     DEEPINFER_KVSTORE_URL: str | None

@@ -307,6 +307,18 @@ declare("DEEPINFER_LOG_LEVEL", "enum", _OBS, """
 declare("DEEPINFER_LOG_FORMAT", "enum", _OBS, """
     `json` writes one JSON object per line (for log collectors); `console` writes human-readable, coloured
     lines for development.""", choices=("json", "console"), default="json")
+declare("DEEPINFER_TORCH_PROFILER_DIR", "path", _OBS, """
+    A worker records some of its steps with `torch.profiler` (the host's operators; the GPU's kernels on CUDA) and
+    writes, into this directory, a Chrome trace (`<name>-<pid>-steps-<a>-<b>.json`) and a table of the operators by
+    total time (`.txt`), once the steps are done: which steps, `DEEPINFER_PROFILE_SKIP_STEPS` and
+    `DEEPINFER_PROFILE_STEPS`. Unset: nothing is recorded. For finding where a served step's time goes (the record
+    slows the steps it covers), as vLLM's `VLLM_TORCH_PROFILER_DIR`.""", default=None)
+declare("DEEPINFER_PROFILE_SKIP_STEPS", "int", _OBS, """
+    With `DEEPINFER_TORCH_PROFILER_DIR`: the steps with tokens a worker runs before it starts recording.""",
+        default=0, minimum=0)
+declare("DEEPINFER_PROFILE_STEPS", "int", _OBS, """
+    With `DEEPINFER_TORCH_PROFILER_DIR`: how many steps with tokens a worker records (once in its life).""",
+        default=32, minimum=1)
 declare("DEEPINFER_OTEL_ENDPOINT", "str", _OBS, """
     OTLP/gRPC endpoint (for example `http://localhost:4317`) to which `deepinfer.telemetry.configure_tracing`
     exports spans. When unset, the standard `OTEL_EXPORTER_OTLP_ENDPOINT` is used; when both are unset no

@@ -15,6 +15,8 @@ the host (``Runner.waits_for_tokens``) is launched once the steps before it are 
 Phase timings (``WorkerMetrics.phase``): ``launch`` (the host's time to launch a step), ``finish`` (to collect it
 and build its result message, after its tokens are on the host), ``starved`` (the time with no step on the device
 and no plan to launch: the pipeline ran dry, waiting for the scheduler; a second or more counts as ``idle``).
+``profiler``: the worker's ``serving.step_profiler.StepProfiler`` (``DEEPINFER_TORCH_PROFILER_DIR``), told of each
+launch in the launcher thread.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from deepinfer.engine.interfaces import WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import result_to_proto
 from deepinfer.serving.metrics import WorkerMetrics
+from deepinfer.serving.step_profiler import StepProfiler
 from deepinfer.serving.tracing import StepSpans, StepTraces
 from deepinfer.v1 import worker_pb2
 
@@ -49,9 +52,10 @@ class _Launched:
 class StepPipeline:
     def __init__(
         self, runner: Any, device_lock: threading.Lock, metrics: WorkerMetrics, traces: StepTraces,
-        max_in_flight: int = 3,
+        max_in_flight: int = 3, profiler: StepProfiler | None = None,
     ) -> None:  # fmt: skip
         self.runner, self.device_lock, self.metrics, self.traces = runner, device_lock, metrics, traces
+        self.profiler = profiler if profiler is not None else StepProfiler(None, 0, 0, "")
         self.max_in_flight = max_in_flight
         self._loop = asyncio.get_running_loop()
         self._plans: queue.SimpleQueue[WorkerStepPlan | BaseException | None] = queue.SimpleQueue()
@@ -103,6 +107,7 @@ class StepPipeline:
         while True:
             plan = self._plans.get()
             if plan is _END or isinstance(plan, BaseException):
+                self.profiler.stop()  # (a record this stream began: what it has, from the thread that began it)
                 self._launched.put(plan)
                 return
             with self._room:
@@ -116,14 +121,17 @@ class StepPipeline:
             self.traces.note(plan)
             spans = self.traces.start(plan)  # the batch's step span and, when exported, one per traced request
             t0 = time.perf_counter()
+            self.profiler.before(plan.num_tokens)
             try:
                 with self.device_lock:
                     step = self.runner.launch(plan)
             except Exception as e:  # noqa: BLE001 - a bad plan: the steps launched before it still report
                 spans.end()
+                self.profiler.stop()
                 self._launched.put(e)
                 return
             self.metrics.phase("launch", time.perf_counter() - t0)
+            self.profiler.after(plan.num_tokens)
             self._launched.put(_Launched(step, plan.num_tokens, spans, t0))
 
     def _finisher(self) -> None:

@@ -40,6 +40,7 @@ from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
 from deepinfer.serving.presence import Presence, advertised, instance_id
 from deepinfer.serving.server import Service, serve, status_for, tune_interpreter
 from deepinfer.serving.step_pipeline import StepPipeline
+from deepinfer.serving.step_profiler import StepProfiler
 from deepinfer.serving.tracing import StepTraces, tracer
 from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 from deepinfer.v1 import worker_pb2, worker_pb2_grpc
@@ -72,6 +73,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.images: dict[str, MultiModalInput] = {}  # prepared images by request id (PrepareImages)
         self._encoder: FeatureCache | None = None  # the model's image encoder behind a cache, made on the first image
         self.budget = FeatureBudget(envs.DEEPINFER_IMAGE_FEATURE_BUDGET_BYTES)  # the features requests hold here
+        self.profiler = StepProfiler(envs.DEEPINFER_TORCH_PROFILER_DIR, envs.DEEPINFER_PROFILE_SKIP_STEPS,
+                                     envs.DEEPINFER_PROFILE_STEPS, worker_id)  # fmt: skip
 
     async def PrepareImages(  # noqa: N802
         self, request: worker_pb2.PrepareImagesRequest, context: grpc.aio.ServicerContext
@@ -123,7 +126,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is loading a model: try again")
         known: dict[str, SamplingParams] = {}
         traces = StepTraces(_tracer)  # each request's trace: linked from the steps that serve it, and their parent
-        pipeline = StepPipeline(self.parts.runner, self._device, self.metrics, traces, MAX_IN_FLIGHT)
+        pipeline = StepPipeline(self.parts.runner, self._device, self.metrics, traces, MAX_IN_FLIGHT, self.profiler)
         reader = asyncio.create_task(self._read(request_iterator, known, pipeline))
         error: Exception | None = None
         self._streams += 1
