@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
@@ -23,6 +24,7 @@ from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto
 from deepinfer.serving.server import Service, start_server
+from deepinfer.serving.step_profiler import StepProfiler
 from deepinfer.serving.worker import MAX_IN_FLIGHT, WorkerService
 from deepinfer.v1 import worker_pb2_grpc
 
@@ -144,3 +146,17 @@ def test_the_worker_records_the_steps_asked_for(model_dir, tmp_path, monkeypatch
     assert "aten::" in (tmp_path / "prof" / f"{stem}.txt").read_text()
     asyncio.run(stream(parts, plans(), service))
     assert len(list((tmp_path / "prof").iterdir())) == 2
+
+
+def test_a_record_that_cannot_be_written_leaves_the_steps_alone(tmp_path) -> None:
+    """The directory cannot be made (a file stands in its way): the record is given up and logged, the launcher
+    thread gets no exception, and nothing more is recorded."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    prof = StepProfiler(blocker / "prof", 0, 1, "w")
+    prof.before(3)
+    torch.ones(4).sum()
+    prof.after(3)  # the record ends here and cannot be written
+    assert prof.done and prof.prof is None and prof.written == []
+    prof.before(3)
+    assert prof.prof is None

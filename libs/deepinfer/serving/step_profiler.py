@@ -6,8 +6,10 @@ The worker's launcher thread counts the steps it launches that run tokens; after
 the accelerator's kernels where the profiler sees them: CUDA), then waits for the device to finish them and writes
 two files into the directory, named after the worker, its process and the steps (first and last, counted from 0):
 ``<name>-<pid>-steps-<a>-<b>.json``, a Chrome trace (Perfetto, ``chrome://tracing``), and ``.txt``, the operators
-by total time. A worker records once in its life; a stream that ends before the count is reached writes what it recorded. The records cost host time while
-they run (figures from those steps are not the service's): for benchmarks of the mesh, not for production.
+by total time. A worker records once in its life; a stream that ends before the count is reached writes what it
+recorded. The records cost host time while they run (figures from those steps are not the service's): for
+benchmarks of the mesh, not for production. A record that cannot start or be written is logged and given up: the
+steps go on.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
-        self.prof.__enter__()
-        self.first = self.seen
+        try:
+            prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            prof.__enter__()
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot start: the steps go on unrecorded
+            log.warning("profile_failed", error=f"{type(e).__name__}: {e}")
+            self.done = True
+            return
+        self.prof, self.first = prof, self.seen
 
     def after(self, num_tokens: int) -> None:
         """That step was launched."""
@@ -61,14 +68,18 @@ class StepProfiler:
         if self.prof is None:
             return
         prof, self.prof, self.done = self.prof, None, True
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the steps' kernels are in the record
-        prof.__exit__(None, None, None)
-        self.dir.mkdir(parents=True, exist_ok=True)
         base = self.dir / f"{self.name}-{os.getpid()}-steps-{self.first}-{self.seen - 1}"
-        prof.export_chrome_trace(str(base.with_suffix(".json")))
-        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        base.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the steps' kernels are in the record
+            prof.__exit__(None, None, None)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(base.with_suffix(".json")))
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            base.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
+        except Exception as e:  # noqa: BLE001 - an unwritable directory, a full disk: the steps go on
+            log.warning("profile_failed", error=f"{type(e).__name__}: {e}", path=str(base))
+            return
         self.written = [base.with_suffix(".json"), base.with_suffix(".txt")]
         log.info("steps_profiled", first=self.first, last=self.seen - 1, files=[str(p) for p in self.written])
 
