@@ -112,21 +112,30 @@ def test_window_ring_and_pages_hold_the_state(model: DeepseekV4Model) -> None:
 
 
 def test_mtp_block_runs_incrementally(model: DeepseekV4Model) -> None:
-    c = model.config
+    """The MTP block over a prompt in one chunk and in five: the same streams at every position, and each chunk's
+    logits (its last row's: ``mtp_forward``) those of the one-chunk run's streams there."""
+    c, blk = model.config, model.mtp[0]
     seq = random_seq(30, 4, c.vocab_size)
 
-    def mtp(plan: list[int]) -> torch.Tensor:
-        cache, state, outs, pos = PagedKVCache(c, 8, PAGE), SequenceState(), [], 0
+    def mtp(plan: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, state, xs, logits, pos = PagedKVCache(c, 8, PAGE), SequenceState(), [], [], 0
         for n in plan:
             batch = ForwardBatch.build([SeqChunk(state, pos, n, torch.arange(8))], [seq[pos : pos + n]])
             h = model(batch, cache)
-            outs.append(model.mtp_forward(h, torch.tensor(seq[pos + 1 : pos + n + 1]), batch)[1])
+            x, lg = model.mtp_forward(h, torch.tensor(seq[pos + 1 : pos + n + 1]), batch)
+            assert lg.shape == (1, c.vocab_size)
+            xs.append(x)
+            logits.append(lg)
             pos += n
-        return torch.cat(outs)
+        return torch.cat(xs), torch.cat(logits)
 
-    full, inc = mtp([29]), mtp([10, 1, 1, 5, 12])
-    assert full.shape == (29, c.vocab_size) and torch.isfinite(full).all()
+    plan = [10, 1, 1, 5, 12]
+    (full, full_logits), (inc, inc_logits) = mtp([29]), mtp(plan)
+    assert full.shape[0] == 29 and torch.isfinite(full).all()
     assert (full - inc).abs().max().item() < TOL
+    ends = torch.tensor(plan).cumsum(0) - 1
+    assert (model._head(full[ends], blk, blk.norm) - inc_logits).abs().max().item() < TOL
+    assert (full_logits - inc_logits[-1:]).abs().max().item() < TOL
 
 
 def test_quant_sim_rounds_kv_to_fp8_and_changes_logits(model: DeepseekV4Model) -> None:

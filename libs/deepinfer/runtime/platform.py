@@ -85,6 +85,11 @@ class Platform:
     def synchronize(self, device: torch.device) -> None:
         """Wait until the device has run everything queued on it (the host: nothing is queued)."""
 
+    def profiler_activities(self) -> list[Any]:
+        """What ``torch.profiler`` records of a step here: the host's operators, and the device's kernels where
+        the profiler sees them."""
+        return [torch.profiler.ProfilerActivity.CPU]
+
     # -- graphs ---------------------------------------------------------------------------------------------------
     def graph(self) -> Any:
         """A graph to capture work into (``capture_begin(pool=, capture_error_mode=)``, ``capture_end``,

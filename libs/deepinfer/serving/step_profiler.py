@@ -22,6 +22,8 @@ from typing import Any
 import structlog
 import torch
 
+from deepinfer.runtime.platform import platform_of
+
 log = structlog.get_logger(__name__)
 
 
@@ -29,8 +31,11 @@ class StepProfiler:
     """Records steps ``skip .. skip + count`` (counted from 0, steps with tokens only) into ``directory`` (None:
     never)."""
 
-    def __init__(self, directory: str | os.PathLike | None, skip: int, count: int, name: str) -> None:
+    def __init__(self, directory: str | os.PathLike | None, skip: int, count: int, name: str,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.dir = Path(directory) if directory else None
+        self.device = torch.device(device)
+        self.platform = platform_of(self.device)
         self.skip, self.count = skip, count
         self.name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "worker"
         self.seen = 0  # steps with tokens launched
@@ -43,9 +48,7 @@ class StepProfiler:
         """A step with ``num_tokens`` tokens is about to launch (the launcher thread)."""
         if self.done or num_tokens <= 0 or self.prof is not None or self.seen < self.skip:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        activities = self.platform.profiler_activities()
         try:
             prof = torch.profiler.profile(activities=activities, record_shapes=True)
             prof.__enter__()
@@ -70,12 +73,12 @@ class StepProfiler:
         prof, self.prof, self.done = self.prof, None, True
         base = self.dir / f"{self.name}-{os.getpid()}-steps-{self.first}-{self.seen - 1}"
         try:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the steps' kernels are in the record
+            self.platform.synchronize(self.device)  # the steps' kernels are in the record
             prof.__exit__(None, None, None)
             self.dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(base.with_suffix(".json")))
-            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            device = len(self.platform.profiler_activities()) > 1  # (the device's kernels recorded)
+            key = "self_device_time_total" if device else "self_cpu_time_total"
             base.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=60) + "\n")
         except Exception as e:  # noqa: BLE001 - an unwritable directory, a full disk: the steps go on
             log.warning("profile_failed", error=f"{type(e).__name__}: {e}", path=str(base))

@@ -74,7 +74,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._encoder: FeatureCache | None = None  # the model's image encoder behind a cache, made on the first image
         self.budget = FeatureBudget(envs.DEEPINFER_IMAGE_FEATURE_BUDGET_BYTES)  # the features requests hold here
         self.profiler = StepProfiler(envs.DEEPINFER_TORCH_PROFILER_DIR, envs.DEEPINFER_PROFILE_SKIP_STEPS,
-                                     envs.DEEPINFER_PROFILE_STEPS, worker_id)  # fmt: skip
+                                     envs.DEEPINFER_PROFILE_STEPS, worker_id, parts.runner.device)  # fmt: skip
 
     async def PrepareImages(  # noqa: N802
         self, request: worker_pb2.PrepareImagesRequest, context: grpc.aio.ServicerContext

@@ -35,6 +35,9 @@ class CudaPlatform(Platform):
     def available(self) -> bool:
         return torch.cuda.is_available()
 
+    def profiler_activities(self) -> list[Any]:
+        return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
     def device_name(self) -> str:
         return torch.cuda.get_device_name() if torch.cuda.is_available() else super().device_name()
 
