@@ -124,7 +124,7 @@ def run_config(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
         (s_out, s_dur), (p_out, p_dur) = asyncio.run(_both(url, args))
         streams, prefills = (summarize(o, t, percentiles=(50, 99)) for o, t in ((s_out, s_dur), (p_out, p_dur)))
         moved = {k: v - moved.get(k, 0.0) for k, v in transfers(mesh.endpoints["kvstore metrics"]).items()}
-        if args.keep:
+        if args.keep or args.tiny:  # (the smoke mode too, into its temporary directory: the code does not rot)
             keep_metrics(mesh, logs / "metrics")
         first = sorted(o.itl[0] * 1e3 for o in p_out if o.ok and o.itl)  # a long prompt's second token: its handoff
         return {
