@@ -23,6 +23,7 @@ from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.ops import Ops, get_ops
 from deepinfer.parallel.context_parallel import ContextParallel, splits
+from deepinfer.runtime.host_copy import tensor
 
 if TYPE_CHECKING:
     from deepinfer.runtime.step_graphs import StepGraphs
@@ -240,5 +241,7 @@ class DeepseekV4Model(nn.Module):
             c.state.mtp_tokens = c.end
         if self.state_pool is not None:
             self.state_pool.end_step()
-        last = torch.tensor([b - 1 for _, b in mbatch.offsets()], dtype=torch.long, device=x.device)
+        if x.shape[0] == len(chunks):  # a row per chunk (a drafting step): every row is a last one
+            return x, self._head(x, blk, blk.norm)
+        last = tensor([b - 1 for _, b in mbatch.offsets()], x.device, torch.long)  # (no wait for the device)
         return x, self._head(x.index_select(0, last), blk, blk.norm)
