@@ -40,6 +40,11 @@ starts in two halves). ``verify_vs_plain`` says where that run's tokens first di
     PYTHONPATH=libs:. python bench/engine/speculative.py --model v41 --depths 4,5 --batches 1,16 --out <dir>
     PYTHONPATH=libs:. python bench/engine/speculative.py --tiny --device cpu [--model v41]
 
+Each run's JSON also says what one-time work fell in its timed window: ``graph_captures`` (the CUDA graph buckets
+captured, by kind: a batch bucket or context span met first there, e.g. the smaller batches of a run whose requests
+finish at different steps), ``launches_capturing`` and ``tpot_ms_less_captures`` (the TPOT without those launches'
+intervals); ``slowest_launch_gaps_ms`` lists ``[ms, step, drafted, captures]``.
+
 ``--kernel-profile B`` adds, at batch ``B`` and the largest depth, a plain run and a verify run (every draft wrong)
 under ``torch.profiler``: per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels
 by device time, and the host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
@@ -73,6 +78,7 @@ from deepinfer.engine.worker import ModelRunner
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.ops import get_ops
 from deepinfer.quant.native import prepare_native
+from deepinfer.runtime.decode_graphs import captures_so_far
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
 
@@ -87,6 +93,9 @@ class Setup:
     dev: torch.device
     tok: Any
     args: argparse.Namespace
+
+
+GRAPH_KINDS = ("decode", "prefill", "verify", "draft", "observe")  # the model's graphs (``runtime.step_graphs``)
 
 
 def run(
@@ -124,14 +133,19 @@ def run(
     harness.sync(s.dev)
     start = {rid: len(r.output_token_ids) for rid, r in sched.requests.items()}
     stats0 = dataclasses.replace(sched.spec)
-    launch, steps, marks = runner.launch, [0], []
-    graphs_before = [getattr(s.model, "decode_graphs", None), getattr(s.model, "prefill_graphs", None)]
-    captures0 = [getattr(g, "captures", 0) for g in graphs_before]
+    launch, steps, marks, captured = runner.launch, [0], [], []
+    graphs_before = {k: getattr(s.model, f"{k}_graphs", None) for k in GRAPH_KINDS}
+    captures0 = {k: getattr(g, "captures", 0) for k, g in graphs_before.items()}
+    total0 = captures_so_far()
 
     def timed_launch(plan: Any) -> Any:
         steps[0] += 1
         marks.append((time.perf_counter(), any(c.num_drafts for c in plan.chunks)))
-        return launch(plan)
+        before = captures_so_far()
+        try:
+            return launch(plan)
+        finally:
+            captured.append(captures_so_far() - before)  # graph buckets this launch captured
 
     runner.launch = timed_launch
     outs: dict[str, list[int]] = {}
@@ -157,10 +171,13 @@ def run(
     elapsed = time.perf_counter() - t
     tokens = sum(len(outs[rid]) - start[rid] for rid in prompts) / b
     # where the time went: the launches' spacing (a step's host work and the wait for the one before it), the
-    # slowest intervals with whether the step drafted, and the CUDA graph buckets captured during the timed run
-    gaps = [(1e3 * (b_[0] - a_[0]), i, a_[1]) for i, (a_, b_) in enumerate(zip(marks, marks[1:]))]
-    after = [getattr(s.model, "decode_graphs", None), getattr(s.model, "prefill_graphs", None)]
-    captured = [getattr(g, "captures", 0) - (c if g is g0 else 0) for g, g0, c in zip(after, graphs_before, captures0)]
+    # slowest intervals with whether the step drafted and how many graph buckets its launch captured, and the CUDA
+    # graph buckets captured during the timed run, by kind
+    gaps = [(1e3 * (b_[0] - a_[0]), i, a_[1], captured[i]) for i, (a_, b_) in enumerate(zip(marks, marks[1:]))]
+    kinds = {}
+    for k, g0 in graphs_before.items():
+        g = getattr(s.model, f"{k}_graphs", None)
+        kinds[k] = getattr(g, "captures", 0) - (captures0[k] if g is g0 else 0)
     st = sched.spec
     verifies, kept = st.verifies - stats0.verifies, st.accepted_tokens - stats0.accepted_tokens
     drafted = st.draft_tokens - stats0.draft_tokens
@@ -173,12 +190,15 @@ def run(
         "emitted_per_verify": (verifies + kept) / verifies if verifies else None,
         "acceptance": kept / drafted if drafted else None,
         "steps_off": st.steps_off - stats0.steps_off,
-        "slowest_launch_gaps_ms": [[round(g, 3), i, d] for g, i, d in sorted(gaps, reverse=True)[:8]],
+        "slowest_launch_gaps_ms": [[round(g, 3), i, d, c] for g, i, d, c in sorted(gaps, reverse=True)[:8]],
         "median_launch_gap_ms": {
-            "drafts": median([g for g, _, d in gaps if d]),
-            "plain": median([g for g, _, d in gaps if not d]),
+            "drafts": median([g for g, _, d, _ in gaps if d]),
+            "plain": median([g for g, _, d, _ in gaps if not d]),
         },  # fmt: skip
-        "graph_captures": {"decode": captured[0], "prefill": captured[1]},
+        # the timed run's steps whose launch captured graphs, and its time less those launches' gaps (one-time)
+        "launches_capturing": sum(1 for c in captured if c),
+        "tpot_ms_less_captures": 1e3 * (elapsed - 1e-3 * sum(g for g, _, _, c in gaps if c)) / tokens,
+        "graph_captures": {**kinds, "total": captures_so_far() - total0},
         "policy_estimates": {
             f"{b}/{'on' if d else 'off'}": [e.seconds_per_token, e.samples]
             for (b, d), e in sched.spec_policy.estimates.items()

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.engine import warmup
+from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.warmup import decode_sizes, warm_up
 from deepinfer.llm import LLM
 from deepinfer.runtime.decode_graphs import BUCKETS
@@ -167,3 +168,22 @@ def test_gpu_warm_up_captures_the_verify_steps(model_dir, tiny_v41_dir, monkeypa
         assert (pieces and pieces.captures) == held, (pieces, held)
         assert {k: g.captures for k, g in spec.items()} == before
         assert all(g.replays > 0 for g in spec.values())
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA (the graphs)"
+)
+def test_gpu_a_result_reports_the_graphs_captured_before_it(model_dir, monkeypatch):
+    """Without the warm-up the first decode step of a batch captures its bucket: its result says so
+    (``graph_captures``, which the scheduler's speculation policy does not count as a step's cost); the next
+    replays and reports none."""
+    monkeypatch.setenv("DEEPINFER_WARMUP", "0")
+    llm = LLM(model_dir, accelerator="nvidia", num_pages=64, page_size=64, max_model_len=512)
+    runner, params = llm.engine.runner, SamplingParams(temperature=0, max_tokens=8)
+    got = runner.execute(WorkerStepPlan(1, [ChunkPlan("a", [5, 17, 99], 0, [0], True, params)]))
+    captured = [got.graph_captures]
+    for k in range(2):
+        got = runner.execute(WorkerStepPlan(2 + k, [ChunkPlan("a", [got.results[0].token_id], 3 + k, [0], True,
+                                                              params)]))  # fmt: skip
+        captured.append(got.graph_captures)
+    assert captured[1] >= 1 and captured[2] == 0, captured

@@ -134,9 +134,10 @@ def test_step_result_round_trip() -> None:
             SeqResult("b", prompt_logprobs=[{5: -1.5, 2: -0.5}, {7: -3.0}]),
             SeqResult("c", token_id=1, logprob=0.0, error="constraint.grammar: the grammar matcher failed: x"),
         ],
+        graph_captures=2,
     )
     back = result_from_proto(worker_pb2.StepResult.FromString(result_to_proto(res).SerializeToString()))
-    assert back.step_id == 9
+    assert back.step_id == 9 and back.graph_captures == 2
     a, b, c = back.results
     assert a.error is None and b.error is None  # no error: the field stays empty on the wire
     assert c.error == "constraint.grammar: the grammar matcher failed: x" and c.token_id == 1

@@ -197,7 +197,7 @@ class DataParallelScheduler:
         return RankedPlan.of(plans)
 
     def update(self, result: StepResult) -> list[Request]:
-        parts = [StepResult(result.step_id) for _ in self.ranks]
+        parts = [StepResult(result.step_id, graph_captures=result.graph_captures) for _ in self.ranks]
         for res in result.results:
             r = self.rank_of.get(res.request_id)
             if r is not None:

@@ -167,6 +167,9 @@ class StepResult:
     results: list[SeqResult] = field(default_factory=list)
     fetched: list[FetchResult] = field(default_factory=list)  # kvstore fetches completed since the last step
     exported: list[ExportResult] = field(default_factory=list)  # exports (``OffloadOrder.export``) put since then
+    # graph buckets the worker captured since its last result (this step's launch or a later one's, queued while
+    # this step ran): the interval up to this result holds one-time work, not a step's cost (``SpecPolicy``)
+    graph_captures: int = 0
 
 
 class StateTransport(Protocol):

@@ -280,7 +280,8 @@ class Scheduler(PrefixCaching, Handoffs):
                     break
         if self.config.num_speculative_tokens:
             tokens = sum(len(r.token_ids) for r in result.results)
-            self.spec_policy.observed(result.step_id, tokens, bool(self.running or self.waiting))
+            self.spec_policy.observed(result.step_id, tokens, bool(self.running or self.waiting),
+                                      one_time=result.graph_captures > 0)  # fmt: skip
         return done
 
     # -- internals ---------------------------------------------------------------------------

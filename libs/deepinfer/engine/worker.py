@@ -28,6 +28,7 @@ from deepinfer.engine.model_api import ModelFamily, PagedCache, SequenceState, S
 from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.engine.speculative.grammar import row_masks
 from deepinfer.engine.speculative.steps import Speculator, propose, settle, spec_forward
+from deepinfer.runtime.decode_graphs import captures_so_far
 from deepinfer.runtime.host_copy import tensor, to_host
 from deepinfer.runtime.platform import Event
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.launched: collections.deque[InFlight] = collections.deque()  # sent, not received (``send``)
         # speculative decoding (``family.speculator``, ``engine.speculative.steps``): None: off
         self.spec: Speculator | None = None
+        self._captures = captures_so_far()  # the process's graph captures at the last result returned
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -159,6 +161,8 @@ class ModelRunner:
             result.exported += [ExportResult(*e) for e in self.remote.exported()]
         result.exported += self._lost_exports
         self._lost_exports = []
+        now = captures_so_far()
+        result.graph_captures, self._captures = now - self._captures, now
         return result
 
     def _run(self, plan: WorkerStepPlan) -> InFlight:

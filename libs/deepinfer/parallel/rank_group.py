@@ -156,6 +156,7 @@ class RankGroupRunner:
                 part = result_from_proto(worker_pb2.StepResult.FromString(data))
                 if part.step_id != out.step_id:
                     raise RuntimeError(f"rank {r} answered step {part.step_id} where step {out.step_id} was due")
+                out.graph_captures = max(out.graph_captures, part.graph_captures)  # (every rank captures alike)
                 if r % self.layout.group:
                     continue
                 out.results += part.results

@@ -221,7 +221,7 @@ def _prepared(images: Mapping[str, Any] | None, request_id: str) -> Any:
 
 
 def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
-    msg = worker_pb2.StepResult(step_id=result.step_id)
+    msg = worker_pb2.StepResult(step_id=result.step_id, graph_captures=result.graph_captures)
     for f in result.fetched:
         msg.fetched.add(fetch_id=f.fetch_id, ok=f.ok, reason=f.reason)
     for e in result.exported:
@@ -272,7 +272,8 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
         )
     fetched = [FetchResult(f.fetch_id, f.ok, f.reason) for f in msg.fetched]
     exported = [ExportResult(e.snapshot_id, e.ok, e.reason) for e in msg.exported]
-    return StepResult(step_id=msg.step_id, results=results, fetched=fetched, exported=exported)
+    return StepResult(step_id=msg.step_id, results=results, fetched=fetched, exported=exported,
+                      graph_captures=msg.graph_captures)  # fmt: skip
 
 
 def determinism_to_proto(d: Determinism) -> common_pb2.Determinism:

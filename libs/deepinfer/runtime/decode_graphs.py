@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_captured = [0]  # buckets captured in this process, by every model's graphs of every kind (``captures_so_far``)
+
+
+def captures_so_far() -> int:
+    """How many buckets this process has captured (tried to), every kind of graphs together: a step that raised it
+    paid a one-time cost (a worker reports it with the step's result: ``StepResult.graph_captures``)."""
+    return _captured[0]
 
 
 def bucket_for(n: int, max_batch: int) -> int | None:
@@ -130,6 +137,7 @@ class SegmentGraphs:
         self, size: int, device: torch.device, extra: tuple = (), before: Callable[[Any], None] | None = None
     ) -> Any | None:
         self.captures += 1
+        _captured[0] += 1
         bk = self._bucket(size, device, *extra)
         segs = self._segments(bk)
         platform = platform_of(device)
@@ -169,4 +177,4 @@ class SegmentGraphs:
         return bk
 
 
-__all__ = ["BUCKETS", "SegmentGraphs", "bucket_for"]
+__all__ = ["BUCKETS", "SegmentGraphs", "bucket_for", "captures_so_far"]

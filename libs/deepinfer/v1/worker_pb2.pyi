@@ -162,18 +162,20 @@ class ChunkPlan(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprob_targets: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., resume_from: _Optional[str] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_history: _Optional[_Iterable[int]] = ..., decoder_from: _Optional[int] = ..., images: _Optional[bool] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "forward_ms", "fetched", "exported")
+    __slots__ = ("step_id", "results", "forward_ms", "fetched", "exported", "graph_captures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     forward_ms: float
     fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
     exported: _containers.RepeatedCompositeFieldContainer[ExportResult]
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., exported: _Optional[_Iterable[_Union[ExportResult, _Mapping]]] = ...) -> None: ...
+    graph_captures: int
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., exported: _Optional[_Iterable[_Union[ExportResult, _Mapping]]] = ..., graph_captures: _Optional[int] = ...) -> None: ...
 
 class SeqResult(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob", "prompt_logprobs", "error", "extra_token_ids", "extra_logprobs", "num_drafts")

@@ -6,12 +6,14 @@ scheduler measures it instead of assuming it. Per decode-batch bucket (a power o
 median of each mode's last samples of seconds per token (one slow step, e.g. a CUDA graph captured for a new shape,
 does not move it): the time between two consecutive step results (the rate at which the worker delivers steps while
 there is work; an interval that began with no request to run is not counted) over the tokens the step emitted per
-sequence. A step takes the cheaper mode; every ``explore`` steps of a bucket, times the ratio of the two modes' costs
-(a far dearer mode then takes about the same share of the time; at most ``MAX_RATIO``), it runs a short burst of
-the other, whose first result (the pipeline changing shape) is not counted either, so a change of acceptance or load
-is seen. Until both modes are measured it drafts (speculation is on because it was asked for), then tries the plain
-steps. Only steps of decode rows alone are measured (a prefill chunk's cost is not
-a token's).
+sequence; an interval in which the worker captured CUDA graphs (``StepResult.graph_captures``: a new batch bucket or
+context span, met once) is not counted either, since the capture's seconds are no step's cost and a few of them
+among a mode's first samples would decide it. A step takes the cheaper mode; every ``explore`` steps of a bucket,
+times the ratio of the two modes' costs (a far dearer mode then takes about the same share of the time; at most
+``MAX_RATIO``), it runs a short burst of the other, whose first result (the pipeline changing shape) is not counted
+either, so a change of acceptance or load is seen. Until both modes are measured it drafts (speculation is on
+because it was asked for), then tries the plain steps. Only steps of decode rows alone are measured (a prefill
+chunk's cost is not a token's).
 
 ``explore`` 0 turns the measuring off: every step under the batch limit drafts. ``clock``: injectable for tests.
 """
@@ -113,9 +115,10 @@ class SpecPolicy:
         else:
             del self._burst[b]
 
-    def observed(self, step_id: int, tokens: int, busy: bool = True) -> None:
+    def observed(self, step_id: int, tokens: int, busy: bool = True, one_time: bool = False) -> None:
         """A step's result arrived: ``tokens`` output tokens emitted by its decode rows; ``busy``: requests are left
-        to run (else the time until the next step is idle, not a step's cost)."""
+        to run (else the time until the next step is idle, not a step's cost); ``one_time``: the interval up to it
+        holds one-time work (graph captures), not counted."""
         now = self.clock()
         self._in_flight, self._busy = max(0, self._in_flight - 1), busy
         interval, counted = now - self._mark, self._counted
@@ -125,7 +128,7 @@ class SpecPolicy:
             return
         rows, drafted, b = info
         switched, self._last_mode = self._last_mode is not None and drafted != self._last_mode, drafted
-        if not counted or switched or tokens <= 0:
+        if not counted or switched or one_time or tokens <= 0:
             return
         sample = interval * rows / tokens  # seconds per token of one sequence
         key = (b, drafted)
