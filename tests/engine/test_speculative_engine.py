@@ -322,3 +322,36 @@ def test_checkpoints_without_a_drafter_refuse(model_dir: Path, tmp_path: Path) -
     bare = make_tiny_model(tmp_path / "no_mtp", seed=1, overrides={"num_nextn_predict_layers": 0})
     with pytest.raises(ValueError, match="no MTP block"):
         engine(bare, 2)
+
+
+def test_a_prompt_joining_drafting_rows_runs_beside_their_verify_step(
+    base: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt longer than the model's rings arrives while two requests draft: the steps that hold one of its
+    chunks beside their verify rows run the chunk as a plain step and the verify rows on the decode path
+    (``deepseek_v4.verify_split``: taken), and every request's tokens and logprobs are the plain run's."""
+    from deepinfer.models.deepseek_v4 import verify_split
+
+    taken: list[bool] = []
+    real = verify_split.split
+    monkeypatch.setattr(verify_split, "split", lambda *a: (lambda m: taken.append(m is not None) or m)(real(*a)))
+    late = [(31 * j) % 3000 + 50 for j in range(3 * spec.config.sliding_window + 7)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+
+    def staggered(llm: LLM) -> list[RequestOutput]:
+        eng, outs = llm.engine, {}
+        for k in range(2):
+            eng.add_request(f"r{k}", PROMPTS[k], params)
+        steps = 0
+        while eng.has_unfinished_requests():
+            steps += 1
+            if steps == 4:
+                eng.add_request("r2", late, params)
+            for o in eng.step():
+                outs[o.request_id] = o
+        return [outs[f"r{k}"] for k in range(3)]
+
+    want = staggered(base)
+    assert not any(taken)
+    assert_same(want, staggered(spec))
+    assert any(taken), taken

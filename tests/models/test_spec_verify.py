@@ -360,3 +360,55 @@ def test_a_chunk_not_verified_keeps_all_its_tokens(tiny_dirs: dict) -> None:
     mtp = ("mtp_tokens",) + tuple(f"window of layer {i}" for i in model.config.mtp_layer_ids)  # (not fed here)
     bad = [d for d in differences(states[1], cache, tables[1], plain, 1e-4) if not d.startswith(mtp)]
     assert states[1].num_tokens == 8 and bad == []
+
+
+@pytest.mark.parametrize("name", ["base", "odd"])
+def test_a_step_mixing_a_prompt_with_verify_rows_runs_in_two_parts(
+    tiny_dirs: dict, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a verify chunk, a plain decode row and a prompt chunk longer than any ring (``verify_split``):
+    the prompt runs as a plain step, the rest on the decode path (taken: counted); the streams are the ragged path's
+    within rounding, row for row in the step's order, and after the rollback every sequence's state is a plain
+    run's. With the split turned off the same step takes the ragged path (the reference)."""
+    from deepinfer.models.deepseek_v4 import verify_split
+    from deepinfer.models.deepseek_v4.speculator import MTPSpeculator
+
+    model = load(tiny_dirs, name, ReferenceOps())
+    long = 3 * max(model.config.sliding_window, verify_rings.ring_rows(model)) + 5
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (6, 5, long)]
+
+    def step(split: bool) -> tuple[torch.Tensor, list[SequenceState], PagedKVCache, list[torch.Tensor]]:
+        cache = PagedKVCache(model.config, 3 * PAGES, PAGE)
+        tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(3)]
+        states = [SequenceState() for _ in range(3)]
+        model(ForwardBatch.build([SeqChunk(states[i], 0, len(prompts[i]), tables[i]) for i in range(2)],
+                                 prompts[:2]), cache)  # fmt: skip
+        chunks = [SeqChunk(states[2], 0, long, tables[2]), SeqChunk(states[0], 6, 3, tables[0]),
+                  SeqChunk(states[1], 5, 1, tables[1])]  # fmt: skip
+        batch = ForwardBatch.build(chunks, [prompts[2], [9, 40, 41], [33]])
+        with monkeypatch.context() as mp:
+            if not split:
+                mp.setattr(verify_split, "split", lambda *a: None)
+            spec = MTPSpeculator(model, 3, proposer=object())
+            h, pending = spec.forward(batch, cache, [1], ["a"], [2])
+        assert isinstance(pending.step, verify_step.PooledVerify) == split
+        assert pending.step.offsets == [(long, long + 3)]  # the step's rows
+        pending.step.rollback([1])
+        return h, states, cache, tables
+
+    taken = []
+    real = verify_step.pooled_forward
+    monkeypatch.setattr(verify_step, "pooled_forward", lambda *a: taken.append(len(a[1].chunks)) or real(*a))
+    h, states, cache, tables = step(True)
+    assert taken == [2]  # the verify chunk and the decode row; the prompt ran as a plain step
+    ragged, *_ = step(False)
+    assert h.shape == ragged.shape and (h - ragged).abs().max() <= 1e-4
+    consumed = [prompts[0] + [9, 40], prompts[1] + [33], prompts[2]]
+    mtp = ("mtp_tokens",) + tuple(f"window of layer {i}" for i in model.config.mtp_layer_ids)  # (not fed here)
+    for b in range(3):
+        plain = Plain(model, consumed[b], PARAMS[0])
+        for i in model.config.mtp_layer_ids:  # (the MTP block's window: not fed here)
+            plain.state.windows.pop(i, None), states[b].windows.pop(i, None)
+        bad = [d for d in differences(states[b], cache, tables[b], plain, 1e-4) if not d.startswith(mtp)]
+        assert states[b].num_tokens == len(consumed[b]) and bad == [], (b, bad)

@@ -424,3 +424,41 @@ def test_a_chunk_not_verified_keeps_all_its_tokens(tokenizer) -> None:
     # (a pooled state lists its ratio-2 rings' pending pair even when empty; the prefill's state drops it)
     assert all(b.kv.shape[0] == 0 for k, b in states[1].buffers.items() if k not in plain.state.buffers)
     assert [d for d in differences(states[1], cache, tables[1], plain, 1e-4) if not d.startswith("buffers [")] == []
+
+
+def test_a_step_mixing_a_prompt_with_verify_rows_runs_in_two_parts(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """V4.1's step with a prompt chunk longer than any ring before a verified chunk (``deepseek_v4.verify_split``):
+    the prompt runs as a plain step, the verified chunk on the decode path; the trunk output and DSpark's features are
+    the ragged path's within rounding, row for row, the rollback's offsets the step's, and after it both sequences'
+    states (Engram history too) are a plain run's."""
+    from deepinfer.models.deepseek_v4 import verify_split
+    from deepinfer.models.deepseek_v4.verify_step import PooledVerify
+
+    model = rounding_model(tokenizer, "mixed")
+    long = 3 * max(model.text.sliding_window, verify_rings.ring_rows(model)) + 5
+    prompts = [list(range(5, 11)), [(7 * j) % (model.text.vocab_size - 5) + 5 for j in range(long)]]
+
+    def step(split: bool) -> tuple:
+        cache = PagedKVCache(model.config, 2 * PAGES, PAGE)
+        tables, states = [torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)], [SequenceState(), SequenceState()]
+        model(ForwardBatch.build([SeqChunk(states[0], 0, 6, tables[0])], [prompts[0]]), cache)
+        chunks = [SeqChunk(states[1], 0, long, tables[1]), SeqChunk(states[0], 6, 3, tables[0])]
+        batch = ForwardBatch.build(chunks, [prompts[1], [9, 40, 41]])
+        with monkeypatch.context() as mp:
+            if not split:
+                mp.setattr(verify_split, "split", lambda *a: None)
+            spec = DSparkSpeculator(model, 3)
+            h, pending = spec.forward(batch, cache, [1], ["a"], [2])
+        assert isinstance(pending.step, PooledVerify) == split and pending.step.offsets == [(long, long + 3)]
+        pending.step.rollback([1])
+        return h, spec.features, states, cache, tables
+
+    h, feats, states, cache, tables = step(True)
+    ragged, ragged_feats, *_ = step(False)
+    assert (h - ragged).abs().max() <= 1e-4 and (feats - ragged_feats).abs().max() <= 1e-4
+    for b, consumed in enumerate([prompts[0] + [9, 40], prompts[1]]):
+        plain = Plain(model, consumed)
+        assert states[b].num_tokens == len(consumed) and states[b].history == plain.state.history
+        assert all(x.kv.shape[0] == 0 for k, x in states[b].buffers.items() if k not in plain.state.buffers)
+        bad = [d for d in differences(states[b], cache, tables[b], plain, 1e-4) if not d.startswith("buffers [")]
+        assert bad == [], (b, bad)

@@ -72,3 +72,38 @@ def test_speculation_over_two_ranks_changes_no_token(tmp_path: Path, monkeypatch
                    and on_rank[o.request_id] == 0]  # fmt: skip
     assert seeded_kept and max(seeded_kept) > 0  # a seeded request's drafts kept
     assert preempted > 0
+
+
+def test_a_prompt_joining_drafting_rows_on_a_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ops (verify steps on the decode path): a prompt longer than the rings joins requests that draft.
+    One process runs such a step as two forwards (``deepseek_v4.verify_split``); a rank of a worker whose experts
+    are spread over ranks must run one forward a step (two would run every MoE exchange twice), so it refuses the
+    split and runs the ragged path; the tokens are one process's."""
+    from deepinfer.models.deepseek_v4 import verify_split
+
+    monkeypatch.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")
+    model = make_tiny_model(tmp_path / "m", seed=5)
+    kw = dict(model=model, dtype="float32", page_size=16, max_num_batched_tokens=40, async_scheduling=True)
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    asked: list[bool] = []
+    real = verify_split.split
+    monkeypatch.setattr(verify_split, "split", lambda *a: (lambda m: asked.append(m is not None) or m)(real(*a)))
+
+    def staggered(llm: LLM) -> list[list[int]]:
+        eng, outs, steps = llm.engine, {}, 0
+        for k in range(4):
+            eng.add_request(f"r{k}", PROMPTS[k], greedy)
+        late = [(31 * j) % 400 + 3 for j in range(3 * llm.config.sliding_window + 7)]
+        while eng.has_unfinished_requests():
+            steps += 1
+            if steps == 6:
+                eng.add_request("r4", late, greedy)
+            for o in eng.step():
+                outs[o.request_id] = o
+        return [outs[f"r{k}"].outputs[0].token_ids for k in range(5)]
+
+    plain = staggered(LLM(num_pages=64, **kw))
+    with LLM(num_pages=64, ep=2, num_speculative_tokens=DRAFTS, **kw) as llm:
+        got = staggered(llm)
+    assert got == plain
+    assert asked and not any(asked)  # rank 0 met mixed steps and ran each as one forward

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deepinfer.models.deepseek_v4 import verify_step
+from deepinfer.models.deepseek_v4 import verify_split, verify_step
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.context_split import split_forward
@@ -127,11 +127,17 @@ class DeepseekV4Model(nn.Module):
                        ) -> tuple[torch.Tensor, None, verify_step.PooledVerify] | None:  # fmt: skip
         """A speculative verify step on the decode path (``verify_step.pooled_forward``: the hidden streams, no
         drafter features, the rollback), or None where that path does not take ``batch`` (``verify_step.eligible``:
-        the caller runs the ragged path, ``speculative``)."""
-        if not verify_step.eligible(self, batch.chunks):
+        the caller runs the ragged path, ``speculative``). A step whose prompt chunks the path cannot hold runs them
+        as a plain step beside it (``verify_split``)."""
+        if verify_step.eligible(self, batch.chunks):
+            h, pending = verify_step.pooled_forward(self, batch, cache, verified, pad)
+            return h, None, pending
+        mixed = verify_split.split(self, batch, verified)
+        if mixed is None or not verify_step.eligible(self, mixed.verify.chunks):
             return None
-        h, pending = verify_step.pooled_forward(self, batch, cache, verified, pad)
-        return h, None, pending
+        rest = self(mixed.rest, cache)
+        h, pending = verify_step.pooled_forward(self, mixed.verify, cache, mixed.verified, pad)
+        return mixed.merge(h, rest), None, mixed.adopt(pending)
 
     def __init__(self, config: DeepseekV4Config, ops: Ops | None = None) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer.models.deepseek_v4 import verify_split
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
@@ -64,10 +65,17 @@ class DeepseekV41Model(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, PooledVerify] | None:
         """A speculative verify step on the decode path (``verify_step.pooled_forward``: the trunk output, with
         ``capture`` DSpark's features, the rollback), or None where that path does not take ``batch``
-        (``verify_step.eligible``: the caller runs the ragged path, ``deepseek_v4.speculative``)."""
-        if not verify_step.eligible(self, batch):
+        (``verify_step.eligible``: the caller runs the ragged path, ``deepseek_v4.speculative``). A step whose prompt
+        chunks the path cannot hold runs them as a plain step beside it (``deepseek_v4.verify_split``)."""
+        if verify_step.eligible(self, batch):
+            return verify_step.pooled_forward(self, batch, cache, verified, pad, capture)
+        mixed = verify_split.split(self, batch, verified)
+        if mixed is None or not verify_step.eligible(self, mixed.verify):
             return None
-        return verify_step.pooled_forward(self, batch, cache, verified, pad, capture)
+        rest = self(mixed.rest, cache, capture=capture)
+        rest_features = self.dspark_features if capture else None
+        y, feats, pending = verify_step.pooled_forward(self, mixed.verify, cache, mixed.verified, pad, capture)
+        return mixed.merge(y, rest), mixed.merge(feats, rest_features), mixed.adopt(pending)
 
     def __init__(
         self, config: DeepseekV41Config, ops: Ops | None = None, engram_token_map: Sequence[int] | None = None
