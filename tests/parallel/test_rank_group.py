@@ -44,7 +44,7 @@ def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypa
     """(Two ranks; the sharded model itself is checked on more ranks and on V4.1 in ``test_expert_parallel.py``.)
     EPLB runs every fifth step (``DEEPINFER_EPLB_INTERVAL_STEPS``): experts move between the ranks mid-request, and
     the outputs stay the single process's; steps of at most 6 tokens a rank exchange through fixed buffers
-    (``DEEPINFER_EP_FIXED_BUFFER_TOKENS``), the others their row counts."""
+    (``DEEPINFER_EP_FIXED_BUFFER_TOKENS``), the others their row counts, as rank 0 decides from every rank's plan."""
     kw = dict(model=model_dir, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
               async_scheduling=True)  # fmt: skip
     want = outputs(LLM(num_pages=64, **kw))
@@ -56,13 +56,14 @@ def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypa
         balancer = llm.engine.runner.balancer
         held = [layer.ffn.ep.placement for layer in llm.model.layers]
         first = llm.model.layers[0].ffn.ep
-        fixed, steps = first.fixed.steps, first.calls
+        fixed, steps, agreed = first.fixed.steps, first.calls, first.fixed.agreements
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert preempted > 0
     assert got[3][2] > 0, "r3 resumed from r0's resume point"
     assert balancer.rebalances >= 3 and balancer.layers_moved > 0
     assert any(sum(map(len, p.slots)) > p.n_experts for p in held)  # redundant copies placed
     assert 0 < fixed < steps  # both forms of the exchanges ran
+    assert agreed == 0  # each step's form came with its plans (``rank_group.step_form``), none agreed in a forward
 
 
 def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:
@@ -142,3 +143,22 @@ def test_a_dead_rank_fails_the_worker_instead_of_stalling_it(model_dir, monkeypa
             llm.generate(prompts, SamplingParams(max_tokens=4))
     finally:
         llm.close()
+
+
+def test_the_step_form_bounds_every_rank_s_tokens() -> None:
+    """``step_form``: the most tokens a rank may send, drafts included, a tensor-parallel rank's share, an idle
+    rank's one; fixed buffers only where every rank fits."""
+    from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
+    from deepinfer.parallel.layout import Layout
+    from deepinfer.parallel.rank_group import step_form
+
+    def plan(*chunks: tuple[int, int]) -> WorkerStepPlan:
+        return WorkerStepPlan(1, [ChunkPlan(f"r{i}", [5] * n, 0, [0], True, SamplingParams(), num_drafts=d)
+                                  for i, (n, d) in enumerate(chunks)])  # fmt: skip
+
+    two = Layout(ranks=2)
+    assert step_form([plan((1, 3), (1, 3)), plan()], two, 8) is True  # 2 x (1 + 3) rows
+    assert step_form([plan((1, 3), (1, 3)), plan()], two, 7) is False
+    assert step_form([plan((5, 0)), plan((9, 0))], two, 8) is False  # the other rank's prompt
+    assert step_form([plan((9, 0))], Layout(ranks=2, tp=2), 5) is True  # each rank sends 5 of the 9
+    assert step_form([plan(), plan()], two, 1) is True and step_form([plan()], two, 0) is None

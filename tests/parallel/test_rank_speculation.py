@@ -47,6 +47,7 @@ def test_speculation_over_two_ranks_changes_no_token(tmp_path: Path, monkeypatch
                                                      arch: str) -> None:  # fmt: skip
     """(DeepSeek-V4.1: rank 1 drafts with DSpark, its lengths chosen by confidence: ``DEEPINFER_ENABLE_MTP_VARLEN``.)"""
     monkeypatch.setenv("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "0")  # every step drafts (no cost measurement)
+    monkeypatch.setenv("DEEPINFER_EP_FIXED_BUFFER_TOKENS", "4")  # one verify row set fits (1 + 3 drafts), two do not
     model = make_tiny_model(tmp_path / "m", arch=arch, seed=5)
     kw = dict(model=model, dtype="float32", page_size=16, batch_invariant=True, max_num_batched_tokens=24,
               async_scheduling=True)  # fmt: skip
@@ -60,6 +61,7 @@ def test_speculation_over_two_ranks_changes_no_token(tmp_path: Path, monkeypatch
         on_rank: dict[str, int] = {}
         got = run(llm, on_rank)
         preempted = llm.engine.scheduler.num_preemptions
+        fixed = llm.model.layers[0].ffn.ep.fixed.steps
     for want, out in zip(plain, got):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert out.outputs[0].logprobs == want.outputs[0].logprobs
@@ -72,6 +74,7 @@ def test_speculation_over_two_ranks_changes_no_token(tmp_path: Path, monkeypatch
                    and on_rank[o.request_id] == 0]  # fmt: skip
     assert seeded_kept and max(seeded_kept) > 0  # a seeded request's drafts kept
     assert preempted > 0
+    assert fixed > 0  # verify steps through the fixed buffers: the plan's bound counts the drafts
 
 
 def test_a_prompt_joining_drafting_rows_on_a_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -286,8 +286,9 @@ declare("DEEPINFER_EP_FIXED_BUFFER_TOKENS", "int", _HW, """
     a MoE layer dispatches and combines them through buffers of a fixed size (this many tokens times the experts per
     token, from each rank to each rank; DeepEP's low-latency mode): no row counts are exchanged and none is read on
     the host, so nothing waits for the device in the layer, at the price of computing the empty rows of the buffers.
-    Larger steps (prefill chunks) exchange their row counts first. The ranks agree on the mode once per step (one
-    small exchange on the control group); every rank must be given the same value (checked at start). Tokens give
+    Larger steps (prefill chunks) exchange their row counts first. Rank 0 decides the mode of each step from every
+    rank's plan (the most tokens and drafts a rank may send) and sends it with the plans; every rank must be given
+    the same value (checked at start). Tokens give
     the same outputs either way: bit for bit with the batch-invariant ops, within fp32 rounding otherwise. 0: off.""",
         default=0, minimum=0)
 declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """

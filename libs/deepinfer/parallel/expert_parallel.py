@@ -39,18 +39,30 @@ _WEIGHTS = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
 
 class FixedBuffers:
     """Whether a step's MoE exchanges go through fixed buffers of ``tokens`` tokens per rank (0: never), shared by a
-    model's MoE layers: the first layer of each step (``agree``) takes the most tokens any rank has in it, over the
-    gloo group ``control`` (the ranks' control channel), so that every rank's layers take the same form."""
+    model's MoE layers, the same for every rank: as the rank group decided it from every rank's plan before the step
+    (``decided``: ``rank_group.RankGroupRunner`` knows the most tokens any rank may have), else agreed by the first
+    layer of the step (``agree``: the most tokens any rank has, over the gloo group ``control``, the ranks' control
+    channel; a collective inside the forward, which a CUDA graph could not hold)."""
 
     def __init__(self, tokens: int, control: dist.ProcessGroup | None = None) -> None:
         self.tokens, self.control = tokens, control
         self.on = False  # this step's form: fixed buffers
+        self.decided: bool | None = None  # this step's form as the rank group decided it (None: agree)
         self.steps = 0  # steps that took it
+        self.agreements = 0  # steps whose form the first layer agreed over ``control``
 
     def agree(self, rows: int) -> None:
-        most = torch.tensor([rows], dtype=torch.long)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.control)
-        self.on = int(most) <= self.tokens
+        """This step's form (the first MoE layer of a forward, with its ``rows`` tokens)."""
+        if self.decided is not None:
+            if self.decided and rows > self.tokens:  # (the group's bound is wrong: the ranks would not meet)
+                raise RuntimeError(f"the step was planned for fixed buffers of {self.tokens} tokens; this rank has "
+                                   f"{rows}")  # fmt: skip
+            self.on = self.decided
+        else:
+            most = torch.tensor([rows], dtype=torch.long)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.control)
+            self.on = int(most) <= self.tokens
+            self.agreements += 1
         self.steps += self.on
 
     def check(self) -> None:

@@ -34,12 +34,29 @@ from deepinfer.engine.interfaces import RankedPlan, StepResult, WorkerStepPlan
 from deepinfer.engine.worker import InFlight, ModelRunner
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.parallel.expert_balancer import ExpertBalancer, follow_rebalance
+from deepinfer.parallel.expert_parallel import FixedBuffers
 from deepinfer.parallel.layout import Layout
 from deepinfer.rpc.convert import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import worker_pb2
 
 PLAN, COLLECT, RESULT, STOP, RELEASE, EXPERTS = 1, 2, 3, 4, 5, 6
+BUSY, FIXED, COUNTS = 1, 2, 4  # a PLAN's flag bits: some rank runs a forward; the exchanges' form (neither: agree)
+
+
+def step_form(plans: list[WorkerStepPlan], layout: Layout, tokens: int) -> bool | None:
+    """Whether every rank's MoE exchanges of a step (``plans``: each data-parallel group's) go through the fixed
+    buffers of ``tokens`` tokens a rank: the most tokens any rank may send, its group's tokens and drafts (a
+    tensor-parallel rank its share of them; a rank with nothing to run one, its idle forward's), within ``tokens``.
+    Decided here, before the step, so that no rank agrees inside its forward (``expert_parallel.FixedBuffers``).
+    None: ``tokens`` 0 (never fixed)."""
+    if tokens <= 0:
+        return None
+    most = 0
+    for p in plans:
+        n = sum(len(c.token_ids) + c.num_drafts for c in p.chunks) or 1
+        most = max(most, -(-n // layout.tp))
+    return most <= tokens
 
 
 class Channel:
@@ -77,18 +94,31 @@ class RankRunner:
         """The exchanges the first MoE layer ran (every layer runs as often)."""
         return self.runner.model.layers[0].ffn.ep.calls
 
-    def launch(self, plan: WorkerStepPlan, busy: bool) -> InFlight:
-        before = self.calls
-        step = self.runner.launch(plan)
-        ran = self.calls - before
-        if ran > 1:
-            raise RuntimeError(f"step {plan.step_id} ran {ran} forwards on this rank; every rank must run one")
-        if busy and not ran:
-            self.idle_forward()
+    @property
+    def fixed(self) -> FixedBuffers | None:
+        """The model's ``FixedBuffers`` (None: the exchanges always send their counts)."""
+        return self.runner.model.layers[0].ffn.ep.fixed
+
+    def launch(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None) -> InFlight:
+        """Run the step (an idle forward where the group is busy and this rank's plan ran none); ``fixed``: its
+        exchanges' form as rank 0 decided it (``step_form``; None: the first MoE layer agrees)."""
+        before, buffers = self.calls, self.fixed
+        if buffers is not None:
+            buffers.decided = fixed
+        try:
+            step = self.runner.launch(plan)
+            ran = self.calls - before
+            if ran > 1:
+                raise RuntimeError(f"step {plan.step_id} ran {ran} forwards on this rank; every rank must run one")
+            if busy and not ran:
+                self.idle_forward()
+        finally:
+            if buffers is not None:
+                buffers.decided = None
         return step
 
-    def send(self, plan: WorkerStepPlan, busy: bool) -> None:
-        self.launched.append(self.launch(plan, busy))
+    def send(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None) -> None:
+        self.launched.append(self.launch(plan, busy, fixed))
 
     def receive(self) -> StepResult:
         return self.runner.finish(self.launched.popleft())
@@ -132,7 +162,10 @@ class RankGroupRunner:
         if not isinstance(plan, RankedPlan) or len(plan.ranks) != dp:
             got = len(plan.ranks) if isinstance(plan, RankedPlan) else 1
             raise ValueError(f"ranks: the plan has {got} ranks' steps, this worker has {dp} data-parallel ranks")
-        busy = int(bool(plan.chunks))
+        busy = bool(plan.chunks)
+        buffers = self.local.fixed
+        fixed = None if buffers is None else step_form(plan.ranks, self.layout, buffers.tokens)
+        flag = int(busy) | (0 if fixed is None else FIXED if fixed else COUNTS)
         with self._group_step():
             if self.balancer is not None and self.balancer.due():  # between two steps, before this one's plans
                 for r in range(1, self.world):
@@ -140,8 +173,8 @@ class RankGroupRunner:
                 self.balancer.rebalance()
             for r in range(1, self.world):
                 msg = plan_to_proto(plan.ranks[self.layout.group_of(r)], self._sent[r]).SerializeToString()
-                self.channel.send(r, PLAN, msg, busy)
-            return self.local.launch(plan.ranks[0], bool(busy))
+                self.channel.send(r, PLAN, msg, flag)
+            return self.local.launch(plan.ranks[0], busy, fixed)
 
     def finish(self, step: InFlight) -> StepResult:
         """Rank 0's result of the step, then each follower's, in rank order, merged: the first rank's of each
@@ -220,7 +253,8 @@ def follow(runner: RankRunner, channel: Channel) -> None:
         if kind == STOP:
             return
         if kind == PLAN:
-            runner.send(plan_from_proto(worker_pb2.StepPlan.FromString(data), known), bool(flag))
+            fixed = True if flag & FIXED else False if flag & COUNTS else None
+            runner.send(plan_from_proto(worker_pb2.StepPlan.FromString(data), known), bool(flag & BUSY), fixed)
         elif kind == COLLECT:
             channel.send(0, RESULT, result_to_proto(runner.receive()).SerializeToString())
         elif kind == EXPERTS:
@@ -235,7 +269,10 @@ def follow(runner: RankRunner, channel: Channel) -> None:
 
 
 __all__ = [
+    "BUSY",
     "COLLECT",
+    "COUNTS",
+    "FIXED",
     "EXPERTS",
     "PLAN",
     "RELEASE",
@@ -245,4 +282,5 @@ __all__ = [
     "RankGroupRunner",
     "RankRunner",
     "follow",
+    "step_form",
 ]
