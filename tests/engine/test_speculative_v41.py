@@ -167,3 +167,33 @@ def test_settings_that_cannot_apply_refuse(tiny_v41_dir: Path, tmp_path: Path, a
             engine(v4, 2)
     finally:
         always_draft.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+
+
+def test_early_drafts_are_the_next_steps_drafts(tiny_v41_dir: Path, always_draft) -> None:
+    """DSpark's draft pass queued as a verify step settles (``DEEPINFER_SPEC_EARLY_DRAFTS``) gives what the next step
+    would draft when launched: every step proposes the same drafts and lengths (confidence-scheduled), from the same
+    confidences, either way, with the same outputs; with it on, most verify steps read it. (The batch-invariant
+    ops: a pass over other rows than the step's gives the same bits.)"""
+    always_draft.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    always_draft.setenv("DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", "0.2")
+    got = {}
+    for on in (False, True):
+        always_draft.setenv("DEEPINFER_SPEC_EARLY_DRAFTS", "1" if on else "0")
+        llm = engine(tiny_v41_dir, DRAFTS, batch_invariant=True)
+        sp = llm.engine.runner.spec
+        proposed, propose = [], sp.propose
+
+        def recorded(*a, propose=propose, proposed=proposed, sp=sp):
+            out = propose(*a)
+            proposed.append((out, [sp.last_confidence.get(r) for r in a[0]]))
+            return out
+
+        sp.propose = recorded
+        got[on] = run(llm, SEEDED), proposed, sp.early_used
+    (off, drafts_off, used_off), (on, drafts_on, used_on) = got[False], got[True]
+    assert_exact(off, on, logprob_tol=0.0)
+    assert drafts_on == drafts_off and drafted(on) == drafted(off) and drafted(on)[0] > 0
+    assert used_off == 0 and used_on > len(drafts_on)  # (most steps verify all four requests)
+    assert len({len(d) for out, _ in drafts_on for d in out}) > 1  # the lengths vary
+    for name in ("DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", "DEEPINFER_SPEC_EARLY_DRAFTS"):
+        always_draft.delenv(name)

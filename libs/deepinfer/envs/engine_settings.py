@@ -102,11 +102,12 @@ declare("DEEPINFER_SPEC_DECODE_EXPLORE_STEPS", "int", _SCHED, """
     `deepinfer_spec_decode_steps_off_total{reason="cost"}`. 0: every step under
     `DEEPINFER_SPEC_DECODE_MAX_BATCH` drafts.""", default=64, minimum=0)
 declare("DEEPINFER_SPEC_EARLY_DRAFTS", "bool", _SCHED, """
-    DeepSeek-V4's MTP drafter on the decode path (not the batch-invariant ops): as soon as a verify step has
-    settled, queue its sequences' next `DEEPINFER_USE_NEXTN_DECODE` drafts on the device, so that the device drafts
-    while the host applies the step and plans the next; the next verify step reads them (the same drafts as made
-    then: the same state and inputs) where the sequence has not moved since. Off: each step drafts when it is
-    launched, the device idle while the host plans.""", default=True)
+    As soon as a verify step has settled, queue its sequences' next drafts on the device (DeepSeek-V4's MTP drafter
+    on the decode path, not the batch-invariant ops: `DEEPINFER_USE_NEXTN_DECODE` drafts; DeepSeek-V4.1's DSpark:
+    its draft pass, drafts and confidences), so that the device drafts while the host applies the step and plans
+    the next; the next verify step reads them (the same drafts as made then: the same state and inputs) where the
+    sequence has not moved since. Off: each step drafts when it is launched, the device idle while the host
+    plans.""", default=True)
 declare("DEEPINFER_PREFIX_CACHE_RESUME_POINTS", "int", _SCHED, """
     How many resume points the device prefix cache keeps at most (least recently used evicted first; they
     are also evicted whenever the KV pages run short, before any running request is preempted).""",

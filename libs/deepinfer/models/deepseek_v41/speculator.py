@@ -17,6 +17,11 @@ Variable length (``DEEPINFER_ENABLE_MTP_VARLEN``): a sequence verifies the leadi
 verified never changes the output: each verify row emits the target's own sample, and a draft is kept only where it
 equals it.
 
+Early drafts (``DEEPINFER_SPEC_EARLY_DRAFTS``): as a verify step settles, the verified sequences' next draft pass is
+queued on the device with its copy to the host, so that the device drafts while the host applies the step and plans
+the next; the next verify step reads it where the sequence has not moved (the same pass on the same rings, anchor
+and position: the same drafts and confidences).
+
 Rollback: on the decode path ``verify_step``'s; otherwise V4's (``deepseek_v4.speculative``: window rings, the
 ratio-2 compressors' pending pair, the Engram history; paged rows past the count are rewritten later).
 """
@@ -27,13 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer import envs
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
+from deepinfer.models.deepseek_v4.mtp_drafter import EarlyDrafts
 from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forward, save_states
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.verify_step import PooledVerify
 from deepinfer.models.deepseek_v41.context_rings import ContextRings
 from deepinfer.models.deepseek_v41.dspark_graphs import draft_pass
-from deepinfer.runtime.host_copy import tensor
+from deepinfer.runtime.host_copy import tensor, to_host
 
 
 @dataclass
@@ -80,11 +87,16 @@ class DSparkSpeculator:
                                   model.embed.weight.dtype, model.embed.weight.device)  # fmt: skip
         self.features: torch.Tensor | None = None  # the last forward's captured target features [T, L·D]
         self.last_confidence: dict[str, list[float]] = {}  # rid -> the confidences its last draft lengths came from
+        # rid -> (its num_tokens then, the draft pass queued right after its verify step settled, its row in it)
+        self.early: dict[str, tuple[int, EarlyDrafts, int]] = {}
+        self.draft_early = envs.DEEPINFER_SPEC_EARLY_DRAFTS
+        self.early_used = 0  # sequences whose drafts came from ``early`` (tests, benchmarks)
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.rings.release(rid)
             self.last_confidence.pop(rid, None)
+            self.early.pop(rid, None)
 
     def warm_graphs(self, states: list[SequenceState]) -> None:
         """Capture the draft pass's graph at this batch before serving (the worker's warm-up, on its own sequences;
@@ -111,18 +123,19 @@ class DSparkSpeculator:
         out: list[list[int]] = [[] for _ in rids]
         if not live:
             return out
-        m, ids = self.model, [rids[b] for b in live]
-        graphs = m.step_graphs.of(m, "draft") if m.step_graphs is not None else None
-        sts, anchors = [states[b] for b in live], [last[b] for b in live]
-        got = None if graphs is None else graphs.run(self.rings, ids, sts, anchors)
-        if got is None:  # eagerly
-            dev = m.embed.weight.device
-            pos = tensor([st.num_tokens for st in sts], dev, torch.long)
-            slots = tensor(self.rings.slots(ids), dev, torch.long)
-            got = draft_pass(m, self.rings, slots, tensor(anchors, dev, torch.long), pos)
-        host = got.cpu()  # drafts and confidences, one read
-        block = host.shape[1] // 2
-        toks, conf = host[:, :block].long().tolist(), host[:, block:].float()
+        rows: dict[int, list[float]] = {}  # b -> its draft pass's row: drafts, then confidences
+        for b in live:  # drafted while the host planned this step: valid where nothing moved since
+            at, got, row = self.early.pop(rids[b], (-1, None, 0))
+            if got is not None and at == states[b].num_tokens:
+                rows[b] = got.rows()[row]
+        self.early_used += len(rows)
+        rest = [b for b in live if b not in rows]
+        if rest:
+            host = self._draft_pass([rids[b] for b in rest], [states[b] for b in rest], [last[b] for b in rest])
+            rows.update(zip(rest, host.tolist()))  # drafts and confidences, one read
+        block = len(rows[live[0]]) // 2
+        toks = [[int(x) for x in rows[b][:block]] for b in live]
+        conf = torch.tensor([rows[b][block:] for b in live], dtype=torch.float64).float()
         want = [counts[b] for b in live]
         lengths = survival_lengths(conf, want, self.min_survival) if self.varlen else want
         conf = conf.tolist()
@@ -130,6 +143,19 @@ class DSparkSpeculator:
             out[b] = toks[k][: lengths[k]]
             self.last_confidence[rids[b]] = conf[k]
         return out
+
+    def _draft_pass(self, rids: list[str], states: list[SequenceState], anchors: list[int]) -> torch.Tensor:
+        """The draft pass of these sequences (each after its last consumed position, whose token is ``anchors[k]``),
+        queued on the device: ``[n, 2·B]`` drafts and confidences (graphed where the model graphs it)."""
+        m = self.model
+        graphs = m.step_graphs.of(m, "draft") if m.step_graphs is not None else None
+        got = None if graphs is None else graphs.run(self.rings, rids, states, anchors)
+        if got is None:  # eagerly
+            dev = m.embed.weight.device
+            pos = tensor([st.num_tokens for st in states], dev, torch.long)
+            slots = tensor(self.rings.slots(rids), dev, torch.long)
+            got = draft_pass(m, self.rings, slots, tensor(anchors, dev, torch.long), pos)
+        return got
 
     # -- the step's forward ---------------------------------------------------------------------------
     def forward(
@@ -168,10 +194,22 @@ class DSparkSpeculator:
             (rid, lo, lo + a + 1, batch.chunks[i].start)
             for i, rid, a, (lo, _) in zip(pending.chunks, pending.rids, accepted, pending.step.offsets)
         ])  # fmt: skip
+        for rid in pending.rids:
+            self.early.pop(rid, None)
+        if not self.draft_early or self.proposer is not None or not pending.rids:
+            return
+        # their next draft pass now, so that the device drafts while the host applies this step and plans the next
+        # (a sequence that verifies next, the common case, then reads it; one that does not leaves it unread)
+        states = [sv.state for sv in pending.step.saves]
+        got = EarlyDrafts(*to_host(self._draft_pass(pending.rids, states, [e[-1] for e in emitted])))
+        for row, (rid, st) in enumerate(zip(pending.rids, states)):
+            self.early[rid] = (st.num_tokens, got, row)
 
     def follow(self, batch: ForwardBatch, hidden: torch.Tensor, chunks: list[int], rids: list[str]) -> None:
         """After the step: each chunk of ``chunks`` (no verify chunk) keeps the context of its positions (the last
         ``W``; a bounded decoder replay's rows before ``decoder_from`` have none)."""
+        for rid in rids:
+            self.early.pop(rid, None)  # (moved: its early drafts are stale)
         if not chunks or self.features is None:
             return
         w, offsets, rows = self.model.text.sliding_window, batch.offsets(), []
