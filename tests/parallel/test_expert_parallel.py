@@ -220,3 +220,15 @@ def test_stored_experts_undoes_the_arrangement() -> None:
     assert stored_experts(m) == 1 and expert_order(m) == "plain" and getattr(m, REFS_ATTR) is None
     assert all(torch.equal(getattr(m, w), t) for w, t in zip(EXPERT_WEIGHTS, stored))
     assert stored_experts(m) == 0
+
+
+def test_the_load_counts_stay_in_one_tensor() -> None:
+    """EPLB's counts (``ExpertParallel.take_load``): each call returns the tokens routed to each expert since the
+    last one and zeroes the same tensor, which a captured step keeps counting into."""
+    ep = ExpertParallel(ExpertPlacement.even(4, 2), _Group(0, 2))
+    assert ep.take_load().tolist() == [0, 0, 0, 0]
+    ep._count(torch.tensor([[0, 2], [2, 3]]))
+    counts = ep.load
+    assert ep.take_load().tolist() == [1, 0, 2, 1] and ep.load is counts and counts.tolist() == [0, 0, 0, 0]
+    ep._count(torch.tensor([[1, 2]]))
+    assert ep.take_load().tolist() == [0, 1, 1, 0] and ep.load is counts

@@ -97,10 +97,15 @@ class ExpertParallel:
         self.agrees = agrees
 
     def take_load(self) -> torch.Tensor:
-        """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over."""
+        """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over.
+        The counts stay in one device tensor, zeroed here, never replaced: a CUDA graph that counts into it keeps
+        counting into the same memory."""
         got = self.load
-        self.load = None
-        return got if got is not None else torch.zeros(self.placement.n_experts, dtype=torch.long)
+        if got is None:
+            return torch.zeros(self.placement.n_experts, dtype=torch.long)
+        out = got.clone()
+        got.zero_()
+        return out
 
     def _count(self, idx: torch.Tensor) -> None:
         if self.load is None:
