@@ -149,6 +149,7 @@ def test_scheduler_worker_and_balancer_metrics_count_grpc_requests(mesh: Mesh) -
     worker = http_get(mesh.metrics_url("worker"))
     assert _sample(worker, f"deepinfer_worker_tokens_total{{{model}}}") >= 8
     assert _sample(worker, "deepinfer_worker_step_seconds_count{") >= 5
+    assert _sample(worker, f"deepinfer_worker_graph_captures_total{{{model}}}") == 0  # (a CPU has no CUDA graphs)
     balancer = http_get(f"{mesh.http_url()}/metrics")
     assert (
         _sample(

@@ -222,6 +222,12 @@ class WorkerMetrics:
         )  # fmt: skip
         self.tokens = Counter("deepinfer_worker_tokens", "Tokens run (prefill and decode).", ["model_name"], registry=r)
         self.tokens.labels(model)
+        self.graph_captures = Counter(
+            "deepinfer_worker_graph_captures",
+            "CUDA graph buckets captured (warm-up included); each one while serving stalled the step that met a new "
+            "batch size, draft count or context span once.", ["model_name"], registry=r,
+        )  # fmt: skip
+        self.graph_captures.labels(model)
         self.image_encodes = Counter(
             "deepinfer_worker_image_encodes", "Images run through the vision encoder.", ["model_name"], registry=r
         )
@@ -239,9 +245,10 @@ class WorkerMetrics:
         for m in (self.image_encodes, self.image_cache_hits, self.image_cache_bytes, self.image_held_bytes):
             m.labels(model)
 
-    def step(self, seconds: float, num_tokens: int) -> None:
+    def step(self, seconds: float, num_tokens: int, graph_captures: int = 0) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
         self.tokens.labels(self.model).inc(num_tokens)
+        self.graph_captures.labels(self.model).inc(graph_captures)
 
     def phase(self, phase: str, seconds: float) -> None:
         """One step's ``phase`` (``serving.step_pipeline``: launch, finish, starved, idle) took ``seconds``."""

@@ -158,7 +158,7 @@ class StepPipeline:
                         self._dry_since = time.perf_counter()
                     self._room.notify_all()
             elapsed = time.perf_counter() - item.t0
-            self.metrics.step(elapsed, item.num_tokens)
+            self.metrics.step(elapsed, item.num_tokens, result.graph_captures)
             self.metrics.phase("finish", time.perf_counter() - t1)
             out.forward_ms = elapsed * 1e3
             self._post(out)
