@@ -45,6 +45,11 @@ captured, by kind: a batch bucket or context span met first there, e.g. the smal
 finish at different steps), ``launches_capturing`` and ``tpot_ms_less_captures`` (the TPOT without those launches'
 intervals); ``slowest_launch_gaps_ms`` lists ``[ms, step, drafted, captures]``.
 
+``--mixed-ab N`` adds, per batch size, the oracle at the policy's error rate with an ``N``-token prompt joining after
+the first timed step (one output token; ``--chunk`` below ``N`` spreads it over several steps), so that steps mix
+its chunks with verify rows: run as two forwards (``models/deepseek_v4/verify_split.py``; ``split_steps`` counts
+them) and on the ragged path, each's TPOT of the drafting requests (the window holds the prompt's steps too).
+
 ``--kernel-profile B`` adds, at batch ``B`` and the largest depth, a plain run and a verify run (every draft wrong)
 under ``torch.profiler``: per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels
 by device time, and the host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
@@ -100,17 +105,18 @@ GRAPH_KINDS = ("decode", "prefill", "verify", "draft", "observe")  # the model's
 
 def run(
     s: Setup, b: int, drafter: str | float | None, cont: dict | None = None, limit: int = 1 << 30,
-    profile: bool = False, explore: int = 0, kernels: bool = False, logprobs: bool = False,
+    profile: bool = False, explore: int = 0, kernels: bool = False, logprobs: bool = False, late: int = 0,
 ) -> dict:  # fmt: skip
     """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off; ``logprobs``: with
     the top-2 logprobs, for ``divergence``: not for timing, they slow a step), "mtp", or the oracle's error rate
     (``cont``: its continuations); ``profile``: a cProfile of the timed steps; ``explore``: the scheduler's cost
     policy (0: every step under ``limit`` drafts); ``kernels``: ``torch.profiler`` over the timed steps
-    (``kernel_profile``: its times are not the run's)."""
+    (``kernel_profile``: its times are not the run's); ``late``: a request of that many prompt tokens (one output
+    token, not in the TPOT) joins after the first timed step, so that steps mix its prompt chunks with verify rows."""
     args, n = s.args, s.args.drafts
     total = args.tokens + 2
     sched = build_scheduler(
-        s.config, s.cache.num_pages, s.cache.page_size, args.context + total + n + 2, max_num_seqs=b,
+        s.config, s.cache.num_pages, s.cache.page_size, max(args.context, late) + total + n + 2, max_num_seqs=b + 1,
         max_num_batched_tokens=max(args.chunk, b * (n + 1)), prefix_caching=False,
         num_speculative_tokens=0 if drafter is None else n,
     )  # fmt: skip
@@ -157,8 +163,12 @@ def run(
         prof.enable()
     if tracer is not None:
         tracer.__enter__()
+    joining = [rng.randrange(2, s.config.vocab_size) for _ in range(late)] if late else None
     try:
         while engine.has_unfinished_requests():
+            if joining is not None and steps[0] >= 1:
+                engine.add_request("late", joining, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                joining = None
             for o in engine.step():
                 outs[o.request_id], lps[o.request_id] = o.outputs[0].token_ids, o.outputs[0].logprobs
         harness.sync(s.dev)
@@ -288,6 +298,7 @@ def build(args: argparse.Namespace, depth: int, dev: torch.device) -> Setup:
         model.ops.prepare_weights(model)
     longest = args.context + args.tokens + 2 * args.drafts + 8
     pages = max(args.batches) * -(-longest // args.page_size) + 2
+    pages += -(-(args.mixed_ab + 2) // args.page_size) if args.mixed_ab else 0  # (the prompt that joins)
     cache = PagedKVCache(config, pages, args.page_size, torch.bfloat16, dev)
     return Setup(model, config, cache, dev, load_tokenizer(), args)
 
@@ -343,6 +354,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--profile", type=ints, default=[], help="batch sizes to cProfile (2nd-rate oracle, drafter)")
     ap.add_argument("--kernel-profile", type=ints, default=[], help="batch sizes to torch.profile (off, verify)")
     ap.add_argument("--early-ab", action="store_true", help="also time the drafter with DEEPINFER_SPEC_EARLY_DRAFTS=0")
+    ap.add_argument(
+        "--mixed-ab",
+        type=int,
+        default=0,
+        help="a prompt of this many tokens joins the timed run: its steps as two forwards and ragged",
+    )
     ap.add_argument("--name", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -429,6 +446,11 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
     policy = run(s, b, nearest, cont, args.limit, explore=args.explore)
     policy.pop("continuations"), policy.pop("logprobs")
     row["policy"] = {"error": nearest, "limit": args.limit, **policy}
+    if args.mixed_ab:
+        row["mixed"] = mixed_ab(s, b, nearest, cont, args.mixed_ab)
+        sweep.log(f"L={depth} B={b}: a {args.mixed_ab}-token prompt joining, e={nearest:g}: split "
+                  f"{row['mixed']['split']['tpot_ms']:.3f} ms/token ({row['mixed']['split_steps']} steps split), "
+                  f"ragged {row['mixed']['ragged']['tpot_ms']:.3f}")  # fmt: skip
     worst = row[f"oracle_{max(args.errors):g}"]
     row["verify_step_ms"] = worst["step_ms"]
     try:  # the model's own drafter (a failure there keeps the oracle's rows)
@@ -493,6 +515,30 @@ def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     return out
 
 
+def mixed_ab(s: Setup, b: int, e: float, cont: dict, late: int) -> dict[str, Any]:
+    """The oracle at error rate ``e`` with a ``late``-token prompt joining the timed run, its prompt chunks beside
+    verify rows: run as two forwards (``verify_split``: ``split_steps`` counts them) and on the ragged path."""
+    from deepinfer.models.deepseek_v4 import verify_split
+
+    real, taken = verify_split.split, [0]
+
+    def counted(*a: Any) -> Any:
+        got = real(*a)
+        taken[0] += got is not None
+        return got
+
+    out: dict[str, Any] = {"prompt": late, "error": e}
+    for key, fn in (("split", counted), ("ragged", lambda *a: None)):
+        verify_split.split = fn
+        try:
+            got = run(s, b, e, cont, late=late)
+        finally:
+            verify_split.split = real
+        out[key] = {k: got[k] for k in ("tpot_ms", "step_ms", "steps", "graph_captures", "tpot_ms_less_captures")}
+    out["split_steps"] = taken[0]
+    return out
+
+
 def table(res: dict, args: argparse.Namespace) -> list[str]:
     head = " | ".join(f"e={e:g} ms (tok/step)" for e in args.errors)
     lines = [
@@ -512,6 +558,15 @@ def table(res: dict, args: argparse.Namespace) -> list[str]:
         lines.append(f"| {r['depth']} | {r['batch']} | {r['off']['tpot_ms']:.3f} | {r['plain_roofline_ms']:.3f} | "
                      f"{r['verify_step_ms']:.3f} | {r['verify_roofline_ms']:.3f} | {r['draft_ms']:.3f} | {cells} | "
                      f"{r['policy']['tpot_ms']:.3f} | {r['policy_mtp']['tpot_ms']:.3f} |")  # fmt: skip
+    mixed = [r for r in res["rows"] if "mixed" in r]
+    if mixed:
+        lines += ["", f"A {args.mixed_ab}-token prompt joining the timed run (its chunks beside verify rows):", "",
+                  "| depth | batch | e | TPOT, two forwards ms | TPOT, ragged ms | steps split |",
+                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in mixed:
+            m = r["mixed"]
+            lines.append(f"| {r['depth']} | {r['batch']} | {m['error']:g} | {m['split']['tpot_ms']:.3f} | "
+                         f"{m['ragged']['tpot_ms']:.3f} | {m['split_steps']} |")  # fmt: skip
     if not res["projection"]:
         return [*lines, "", "No projection to the real depth: it needs two depths or more (--depths)."]
     lines += [
