@@ -116,8 +116,8 @@ def run(
     args, n = s.args, s.args.drafts
     total = args.tokens + 2
     sched = build_scheduler(
-        s.config, s.cache.num_pages, s.cache.page_size, max(args.context, late) + total + n + 2, max_num_seqs=b + 1,
-        max_num_batched_tokens=max(args.chunk, b * (n + 1)), prefix_caching=False,
+        s.config, s.cache.num_pages, s.cache.page_size, max(args.context, late) + total + n + 2,
+        max_num_seqs=b + bool(late), max_num_batched_tokens=max(args.chunk, b * (n + 1)), prefix_caching=False,
         num_speculative_tokens=0 if drafter is None else n,
     )  # fmt: skip
     sched.config = dataclasses.replace(sched.config, spec_max_batch=limit, spec_explore=explore)
