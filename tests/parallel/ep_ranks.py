@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from deepinfer.backends.reference import BatchInvariantOps, ReferenceOps
 from deepinfer.engine.models import family_of, parse_config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.models.deepseek_v4.graphs import DecodeGraphs
 from deepinfer.parallel import rebalancer
 from deepinfer.parallel.all_to_all import TorchAllToAll
 from deepinfer.parallel.eplb import rebalance
@@ -47,6 +48,59 @@ class ArrangingOps(BatchInvariantOps):
                 setattr(m, REFS_ATTR, row_data(m))
 
 
+class HostReplays(DecodeGraphs):
+    """Stands in for CUDA graphs on the host, with their collective traits: a capture runs its segments twice, as
+    ``SegmentGraphs._capture``'s warm-up does (their exchanges with it); a replay runs them once and leaves no Python
+    count behind (a graph runs no Python: ``ExpertParallel.calls`` stays as it was)."""
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        return bool(batch.chunks) and all(c.length == 1 for c in batch.chunks)
+
+    def _capture(self, size: int, device: torch.device, extra: tuple = (), before: Callable | None = None) -> object:
+        self.captures += 1
+        bk = self._bucket(size, device, *extra)
+        if before is not None:
+            before(bk)
+        segs = self._segments(bk)
+        for _ in range(2):
+            for seg in segs:
+                seg()
+        bk.graphs = [_Replay(seg, self.model) for seg in segs]
+        return bk
+
+
+class _Replay:
+    def __init__(self, seg: Callable[[], None], model: torch.nn.Module) -> None:
+        self.seg, self.model = seg, model
+
+    def replay(self) -> None:
+        eps = [layer.ffn.ep for layer in self.model.layers]
+        calls = [ep.calls for ep in eps]
+        self.seg()
+        for ep, n in zip(eps, calls):
+            ep.calls = n
+
+
+def graphs_warm_up(model: torch.nn.Module, cache: object, sizes: tuple[int, ...], page: int) -> None:
+    """What every rank runs alike before serving (``engine.warmup``): a decode step of each size in ``sizes`` on
+    throwaway sequences (pages from ``page`` on), capturing its bucket while the model's ``replay_gate`` lets it."""
+    gate = model.replay_gate
+    gate.capturing = True
+    for n in sizes:
+        chunks = [SeqChunk(family_of(model.config).new_state(), 0, 1, torch.tensor([page + i])) for i in range(n)]
+        model(ForwardBatch.build(chunks, [[5]] * n), cache)
+    gate.capturing = False
+
+
+def decide(model: torch.nn.Module, tokens: int) -> None:
+    """The step's form, as a rank group's rank 0 decides it from every rank's plan (``rank_group.step_form``): the
+    most tokens any rank has, within the fixed buffers (an all-reduce here, before the forward)."""
+    fixed = model.layers[0].ffn.ep.fixed
+    most = torch.tensor([max(tokens, 1)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    fixed.decided = int(most) <= fixed.tokens
+
+
 def row_data(m: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return tuple(getattr(m, f"{w}_scale").amax(-1) for w in EXPERT_WEIGHTS)
 
@@ -71,13 +125,16 @@ def n_experts(ckpt: Path) -> int:
 
 
 @torch.no_grad()
-def drive(model: torch.nn.Module, seqs: list[int], between: Callable[[int], None] | None = None
-          ) -> dict[str, torch.Tensor]:  # fmt: skip
+def drive(model: torch.nn.Module, seqs: list[int], between: Callable[[int], None] | None = None,
+          graphs: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
     """``STEPS`` steps over the sequences ``seqs`` (of ``PROMPTS``): each consumes its prompt ``CHUNK`` tokens a step
     (chunked prefill), then decodes its greedy tokens; a step mixes both. Returns each sequence's last logits of
-    each step it took part in, by ``"seq/step"``. ``between(step)`` runs after each step."""
+    each step it took part in, by ``"seq/step"``. ``between(step)`` runs after each step. ``graphs``: the decode
+    buckets captured first (``graphs_warm_up``; the model's ``decode_graphs`` set), each step's form decided."""
     family = family_of(model.config)
-    cache = family.new_cache(model.config, PAGES * len(PROMPTS), PAGE, torch.float32, "cpu")
+    cache = family.new_cache(model.config, PAGES * len(PROMPTS) + max(graphs, default=0), PAGE, torch.float32, "cpu")
+    if graphs:
+        graphs_warm_up(model, cache, graphs, PAGES * len(PROMPTS))
     states = {i: family.new_state() for i in seqs}
     tables = {i: torch.arange(i * PAGES, (i + 1) * PAGES) for i in seqs}
     toks = {i: list(PROMPTS[i]) for i in seqs}
@@ -93,6 +150,8 @@ def drive(model: torch.nn.Module, seqs: list[int], between: Callable[[int], None
             ids.append(toks[i][st.num_tokens : st.num_tokens + n])
             who.append(i)
         batch = ForwardBatch.build(chunks, ids)
+        if graphs:
+            decide(model, batch.num_tokens)
         h = model(batch, cache)
         logits = model.logits(h)[[b - 1 for _, b in batch.offsets()]]
         for i, c, row in zip(who, chunks, logits):
@@ -139,14 +198,21 @@ def main() -> None:
         layout = Layout(world, n if mode.startswith("tp") else 1, n if mode.startswith("cp") else 1)
         placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
         tp, cp = rank_groups(layout)
-        fixed = FixedBuffers(int(mode[5:])) if mode.startswith("fixed") else None  # "fixed14": 14 tokens a rank
+        graphed = mode.startswith("graphs")  # "graphs4": fixed buffers of 4 tokens, decode graphs of bucket 4
+        tokens = int(mode[5:]) if mode.startswith("fixed") else int(mode[6:]) if graphed else 0  # "fixed14": 14
+        fixed = FixedBuffers(tokens) if tokens else None
         ep = ExpertParallel(placement, TorchAllToAll(), tp, fixed)
         ep.cp = cp
         model = load(Path(ckpt), invariant == "1", ep, arranged=mode == "eplb-arranged")
+        if graphed:
+            model.ops.cuda_graphs, model.decode_graphs = True, HostReplays(model, max_batch=8)
         moved: dict[str, torch.Tensor] = {}
         hook = None if not mode.startswith("eplb") else lambda step: rebalance_after(model, step, 2, moved)
-        got = drive(model, [i for i in range(len(PROMPTS)) if i % layout.dp == layout.group_of(rank)], hook)
+        mine = [i for i in range(len(PROMPTS)) if i % layout.dp == layout.group_of(rank)]
+        got = drive(model, mine, hook, graphs=(4,) if graphed else ())
         got.update(moved)
+        if graphed:  # decode steps replayed, buckets captured (every one in the warm-up)
+            got["graphs"] = torch.tensor([model.decode_graphs.replays, model.decode_graphs.captures])
         if cp is not None:
             got["cp/steps"] = torch.tensor([cp.steps])  # steps split over the group
         if fixed is not None:

@@ -86,9 +86,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool, mode: str = "plain"
+def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool, mode: str = "plain", timeout: float = 600
               ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
-    """``ep_ranks.main`` in ``world`` processes; what each wrote."""
+    """``ep_ranks.main`` in ``world`` processes; what each wrote (``timeout``: ranks out of step wait forever)."""
     port = str(_free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("libs", ".", "tests"))}
     script = str(ROOT / "tests" / "parallel" / "ep_ranks.py")
@@ -100,7 +100,7 @@ def run_ranks(world: int, ckpt: Path, out: Path, invariant: bool, mode: str = "p
     errs = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=600)
+            _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -152,6 +152,75 @@ def test_fixed_buffers_give_the_logits_of_one_process(tiny_dirs: dict, tiny_v41_
             assert torch.equal(got[k], want), k
         else:
             assert (got[k] - want).abs().max() <= 1e-4, k
+
+
+def test_decode_graphs_replay_over_ranks(tiny_dirs: dict, tmp_path: Path) -> None:
+    """Decode graphs on 3 ranks with fixed buffers of 4 tokens (``ep_ranks.HostReplays`` stands in for CUDA graphs:
+    a capture runs its segments twice, a replay leaves no Python count). Every rank captures bucket 4 in a warm-up
+    run alike; then ranks 0 and 1 (3 sequences each, 4 rows with the padding) replay it in the steps taken in the
+    fixed form, while rank 2 (2 sequences, bucket 2, never captured) runs those steps eagerly in the same form: it
+    may not capture on first use (``ReplayGate.capturing``), which would run exchanges that no other rank joins.
+    The one-process logits within rounding (a padded bucket)."""
+    ckpt = tiny_dirs["base"]
+    one = ep_ranks.drive(ep_ranks.load(ckpt, False), list(range(len(ep_ranks.PROMPTS))))
+    parts = run_ranks(3, ckpt, tmp_path, False, "graphs4", timeout=300)  # (a few seconds in step)
+    # (replays, captures) per rank: the warm-up's step replays its capture, then steps 3-5 on ranks 0 and 1
+    assert [p.pop("graphs").tolist() for p in parts] == [[4, 1], [4, 1], [1, 1]]
+    for p in parts:
+        del p["fixed/steps"]
+    got = {k: v for p in parts for k, v in p.items()}
+    assert sorted(got) == sorted(one)
+    for k, want in one.items():
+        assert (got[k] - want).abs().max() <= 1e-4, k
+
+
+def test_the_replay_gate() -> None:
+    """``ReplayGate``: a sharded model's bucket replays only in a step decided for the fixed buffers, its padded
+    rows within them; it is captured only while every rank captures (the warm-up, whose forms are agreed in the
+    forward); with no fixed buffers (the counts form) never. ``SegmentGraphs.bucket`` asks it (a drafter's graphs,
+    ``collective`` False, do not)."""
+    from deepinfer.parallel.expert_parallel import FixedBuffers, ReplayGate
+    from deepinfer.runtime.decode_graphs import SegmentGraphs
+
+    fixed = FixedBuffers(8)
+    gate = ReplayGate(fixed)
+    assert not ReplayGate(None).replays(1)
+    assert not gate.replays(4)  # (not decided: forms agreed in the forward, which a replay skips)
+    fixed.decided = True
+    assert gate.replays(8) and not gate.replays(9)
+    fixed.decided = False
+    assert not gate.replays(1)
+    fixed.decided, gate.capturing = None, True
+    assert gate.replays(8) and not gate.replays(9)
+
+    class Graphs(SegmentGraphs):
+        def _size(self, batch: object) -> int:
+            return 4
+
+        def _capture(self, size: int, device: torch.device, extra: tuple = (), before: object = None) -> object:
+            self.captures += 1
+            return "bucket"
+
+    model = torch.nn.Module()
+    model.ops, model.replay_gate = object(), gate
+    graphs, drafter = Graphs(model, max_batch=8), Graphs(model, max_batch=8)
+    drafter.collective = False
+    batch = type("Batch", (), {"device": torch.device("cpu")})()
+    gate.capturing, fixed.decided = False, True
+    assert graphs.bucket(batch) is None and graphs.captures == 0  # not captured in a warm-up: eager
+    assert drafter.bucket(batch) == "bucket"  # (no exchange in a drafter's pass: captured on first use)
+    gate.capturing, fixed.decided = True, None
+    assert graphs.bucket(batch) == "bucket" and graphs.captures == 1
+    gate.capturing, fixed.decided = False, True
+    assert graphs.bucket(batch) == "bucket"  # replayed in a fixed step
+    fixed.decided = False
+    assert graphs.bucket(batch) is None  # a step in the counts form: eager
+    fixed.decided, fixed.tokens = True, 3
+    assert graphs.bucket(batch) is None and drafter.bucket(batch) == "bucket"  # 4 rows overrun 3 tokens
+    fixed.tokens, model.decode_graphs = 8, graphs
+    assert graphs.bucket(batch) == "bucket"
+    gate.give_up(model)  # (EPLB moved the experts: the graphs hold the old tensors)
+    assert not graphs.buckets and not gate.replays(1) and graphs.bucket(batch) is None
 
 
 def test_ranks_given_other_fixed_buffers_are_refused(tiny_dirs: dict, tmp_path: Path) -> None:

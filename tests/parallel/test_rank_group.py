@@ -57,6 +57,7 @@ def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypa
         held = [layer.ffn.ep.placement for layer in llm.model.layers]
         first = llm.model.layers[0].ffn.ep
         fixed, steps, agreed = first.fixed.steps, first.calls, first.fixed.agreements
+        gate = llm.model.replay_gate
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert preempted > 0
     assert got[3][2] > 0, "r3 resumed from r0's resume point"
@@ -64,6 +65,7 @@ def test_a_worker_of_several_ranks_gives_one_process_outputs(model_dir, monkeypa
     assert any(sum(map(len, p.slots)) > p.n_experts for p in held)  # redundant copies placed
     assert 0 < fixed < steps  # both forms of the exchanges ran
     assert agreed == 0  # each step's form came with its plans (``rank_group.step_form``), none agreed in a forward
+    assert gate.fixed is None  # EPLB moved the experts into new tensors: no graph replays after (``give_up``)
 
 
 def test_layouts_that_cannot_be_built_are_refused(model_dir) -> None:
@@ -143,6 +145,24 @@ def test_a_dead_rank_fails_the_worker_instead_of_stalling_it(model_dir, monkeypa
             llm.generate(prompts, SamplingParams(max_tokens=4))
     finally:
         llm.close()
+
+
+def test_a_rank_counts_the_forwards_its_runner_ran(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RankRunner`` knows that a step ran a forward from its runner's count (``ModelRunner.forwards``), not from
+    the exchanges its MoE layers counted, which a replayed CUDA graph does not count (it runs no Python): a busy step
+    whose plan ran a forward runs no idle one, a busy step with an empty plan runs one."""
+    from deepinfer.engine.factory import build_worker
+    from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
+    from deepinfer.parallel.rank_group import RankRunner
+
+    rank = RankRunner(build_worker(model_dir, "float32", "cpu", num_pages=4, page_size=16).runner)
+    idle: list[int] = []
+    monkeypatch.setattr(rank, "idle_forward", lambda: idle.append(1))
+    plan = WorkerStepPlan(1, [ChunkPlan("a", [5, 6, 7], 0, [0], True, SamplingParams(max_tokens=2))])
+    rank.runner.finish(rank.launch(plan, busy=True))
+    assert idle == [] and rank.calls == 1
+    rank.runner.finish(rank.launch(WorkerStepPlan(2, []), busy=True))
+    assert idle == [1] and rank.calls == 1
 
 
 def test_the_step_form_bounds_every_rank_s_tokens() -> None:

@@ -73,9 +73,9 @@ def build_worker(
     """Load the model on the accelerator and size its paged KV cache. ``batch_invariant`` (default
     ``DEEPINFER_BATCH_INVARIANT``) selects the batch-invariant ops (docs/determinism.md). ``quant_sim``: the
     model's quantisation simulation, None for its family's default (``ModelFamily.build``). ``ep``: this rank's
-    expert-parallel group (``parallel.expert_parallel.ExpertParallel``): the MoE layers hold its experts only, the
-    steps run eagerly and nothing is warmed up (a capture or a warm-up step on one rank alone would not meet the
-    other ranks' exchanges).
+    expert-parallel group (``parallel.expert_parallel.ExpertParallel``): the MoE layers hold its experts only; decode
+    and verify steps replay graphs only with fixed buffers (``DEEPINFER_EP_FIXED_BUFFER_TOKENS``), captured in the
+    warm-up, which every rank of the group runs alike (``expert_parallel.ReplayGate``); prefill steps run eagerly.
     ``num_speculative_tokens`` (default ``DEEPINFER_USE_NEXTN_DECODE``): drafts per sequence and step, 0 for none
     (docs/speculative_decoding.md)."""
     envs.validate_all()
@@ -89,8 +89,9 @@ def build_worker(
     torch_dtype = parse_dtype(dtype, accelerator)
     device = platform_for(accelerator).device()
     family = family_of(config)
-    if ep is not None:  # (the exchanges read their counts on the host: nothing to capture)
-        for flag in ("cuda_graphs", "prefill_graphs"):
+    if ep is not None:  # prefill steps exchange row counts, read on the host: no graph holds them
+        off = ("prefill_graphs",) if ep.fixed is not None else ("cuda_graphs", "prefill_graphs")
+        for flag in off:
             if hasattr(ops, flag):
                 setattr(ops, flag, False)
     net = family.build(path, config, ops, torch_dtype, device, quant_sim, **({} if ep is None else {"ep": ep}))
@@ -133,7 +134,7 @@ def build_worker(
         from deepinfer.kvstore.remote import RemoteResumeStore
 
         runner.remote = RemoteResumeStore(envs.DEEPINFER_KVSTORE_URL, fp, family.decode_resume, family.resume_layout)
-    if accelerator == "nvidia" and envs.DEEPINFER_WARMUP and ep is None:  # compiles and graph captures before serving
+    if accelerator == "nvidia" and envs.DEEPINFER_WARMUP:  # compiles and graph captures before serving
         _warm_up(runner, family, ops, num_pages, page_size, limit, config.vocab_size)
     return EngineParts(
         path, config, torch_dtype, accelerator, net, runner, num_pages, page_size, limit, determinism, fp, family
@@ -143,7 +144,8 @@ def build_worker(
 def _warm_up(runner: ModelRunner, family: Any, ops: Any, num_pages: int, page_size: int, limit: int, vocab: int
              ) -> None:  # fmt: skip
     """The worker's compiles and graph captures before it serves (``engine.warmup``): the decode buckets, the long
-    prefill tiles, and the verify steps of the batches that may draft."""
+    prefill tiles, and the verify steps of the batches that may draft. A rank of a sharded model runs it as every
+    other rank does, step for step, and captures only here (``capturing`` of its ``replay_gate``)."""
     from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
 
     graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
@@ -154,7 +156,14 @@ def _warm_up(runner: ModelRunner, family: Any, ops: Any, num_pages: int, page_si
     if runner.spec is not None:  # the verify steps' shapes too, for the batches that may draft
         verifier = family.speculator(runner.model, runner.spec.max_drafts, FixedDrafts())
         verify = [b for b in batches if b <= envs.DEEPINFER_SPEC_DECODE_MAX_BATCH]
-    warm_up(runner, num_pages, page_size, limit, vocab, batches, prefill, verifier, verify)
+    gate = getattr(runner.model, "replay_gate", None)
+    if gate is not None:
+        gate.capturing = True
+    try:
+        warm_up(runner, num_pages, page_size, limit, vocab, batches, prefill, verifier, verify)
+    finally:
+        if gate is not None:
+            gate.capturing = False
 
 
 def constraint_set(path: Path, config: ModelConfig) -> ConstraintSet:

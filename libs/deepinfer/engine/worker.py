@@ -69,6 +69,7 @@ class ModelRunner:
         # speculative decoding (``family.speculator``, ``engine.speculative.steps``): None: off
         self.spec: Speculator | None = None
         self._captures = captures_so_far()  # the process's graph captures at the last result returned
+        self.forwards = 0  # steps that ran the model's trunk (a rank group keeps its ranks in step by them)
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -198,6 +199,7 @@ class ModelRunner:
         mm = [c.mm for c in plan.chunks]  # images: only chunks that cover part of a span carry them
         batch = self.family.batch(chunks, token_ids, self.device, *([mm] if any(m is not None for m in mm) else []))
         batch.substitute(at, sources)
+        self.forwards += 1
         if drafts is None:
             hidden, pending = self.model(batch, self.cache), None
         else:

@@ -190,7 +190,9 @@ declare("DEEPINFER_WARMUP", "bool", _HW, """
     `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`; with speculative decoding also a verify step of
     each of those batches up to `DEEPINFER_SPEC_DECODE_MAX_BATCH`) compile the Triton kernels and capture the
     decode and verify graphs that the first requests would otherwise wait for (seconds each on a fresh machine).
-    Start-up takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm.""",
+    Start-up takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm. In a
+    worker of several ranks every rank runs it alike, and it is the only time their decode and verify graphs are
+    captured (off: those steps run eagerly).""",
     default=True)
 declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
     On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
@@ -290,7 +292,10 @@ declare("DEEPINFER_EP_FIXED_BUFFER_TOKENS", "int", _HW, """
     Larger steps (prefill chunks) exchange their row counts first. Rank 0 decides the mode of each step from every
     rank's plan (the most tokens and drafts a rank may send) and sends it with the plans; every rank must be given
     the same value (checked at start). Tokens give
-    the same outputs either way: bit for bit with the batch-invariant ops, within fp32 rounding otherwise. 0: off.""",
+    the same outputs either way: bit for bit with the batch-invariant ops, within fp32 rounding otherwise. It is also
+    what lets such a worker replay CUDA graphs: decode and verify steps taken in this form, their padded rows within
+    the buffers, replay the graphs that every rank captured in its warm-up (docs/parallelism.md). 0: off (every step
+    of such a worker runs eagerly).""",
         default=0, minimum=0)
 declare("DEEPINFER_RANK_TIMEOUT_S", "float", _HW, """
     How long a rank of a worker of several devices (`DEEPINFER_EP`) waits on another rank (an exchange of the MoE

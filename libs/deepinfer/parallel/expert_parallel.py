@@ -33,7 +33,9 @@ from deepinfer.parallel.all_to_all import AllToAll
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.tensor_parallel import TensorParallel
 from deepinfer.quant.native import routed_experts
+from deepinfer.telemetry import get_logger
 
+log = get_logger(__name__)
 _WEIGHTS = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
 
 
@@ -75,6 +77,37 @@ class FixedBuffers:
             raise RuntimeError(f"the ranks were given DEEPINFER_EP_FIXED_BUFFER_TOKENS from {int(lo)} to {-int(hi)}")
 
 
+class ReplayGate:
+    """When a sharded model's graphs may replay or capture (``runtime.decode_graphs.ReplayGate``; the model's
+    ``replay_gate``, set by ``shard_model``). A replay runs the exchanges its capture recorded, in the fixed buffers'
+    form (``fixed``; None: the counts form, which reads them on the host and no graph holds): a bucket replays only in
+    a step that every rank takes in that form, as rank 0 decided it (``FixedBuffers.decided``), with its rows padding
+    included within the buffers. Any other step runs eagerly, in the form decided. A capture runs its segments eagerly
+    twice first, exchanges that no other rank would join: buckets are captured only while ``capturing``, in a warm-up
+    that every rank runs alike (the same steps, the same buckets), where the forms are agreed in the forward."""
+
+    def __init__(self, fixed: FixedBuffers | None) -> None:
+        self.fixed = fixed
+        self.capturing = False
+
+    def replays(self, rows: int) -> bool:
+        f = self.fixed
+        if f is None or rows > f.tokens:
+            return False
+        return f.decided is True or (self.capturing and f.decided is None)
+
+    def give_up(self, model: nn.Module) -> None:
+        """Drop ``model``'s graphs that hold its exchanges and replay none from now on (EPLB moved its experts into
+        new tensors: every rank gives up at the same step, ``rebalancer.apply``)."""
+        if self.fixed is not None:
+            log.warning("eplb_graphs_dropped", reason="experts moved: decode and verify steps run eagerly")
+        self.fixed = None
+        for kind in ("decode", "verify", "prefill"):
+            graphs = getattr(model, f"{kind}_graphs", None)
+            if graphs is not None:
+                graphs.reset()
+
+
 class ExpertParallel:
     """One rank's view of an expert-parallel group: the ``placement`` of a layer's experts, this ``rank``'s slots,
     the exchange (``a2a``); ``fixed``: the model's ``FixedBuffers`` (None: counts always), ``agrees``: this layer
@@ -91,7 +124,7 @@ class ExpertParallel:
         self.cp: Any = None  # this rank's context-parallel group (``context_parallel``; the model's, set at launch)
         self.held = placement.slots[self.rank]
         self.load: torch.Tensor | None = None  # tokens this rank routed to each expert since ``take_load`` (EPLB)
-        self.calls = 0  # exchanges run (a rank group keeps its ranks in step by them: ``rank_group``)
+        self.calls = 0  # exchanges run eagerly (a replayed graph's are not counted: ``rank_group`` counts forwards)
         self.host_key: str | None = None  # what the group's ranks share on their host (``launch.expert_group``)
         self.fixed = fixed if fixed is not None and fixed.tokens > 0 else None
         self.agrees = agrees
@@ -160,7 +193,7 @@ class ExpertParallel:
         if rows.shape[0] > size:
             raise RuntimeError(f"{rows.shape[0]} rows overrun the fixed buffers of {size} a rank")
         order = torch.argsort(dest, stable=True)
-        counts = torch.bincount(dest, minlength=n)
+        counts = torch.zeros(n, dtype=dest.dtype, device=dest.device).index_add_(0, dest, torch.ones_like(dest))
         first = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(dest)
         sorted_dest = dest.index_select(0, order)
@@ -211,6 +244,8 @@ def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
     each rank drafts for its own sequences)."""
     for i, layer in enumerate(model.layers):
         shard(layer.ffn, ExpertParallel(ep.placement, ep.a2a, ep.tp, ep.fixed, agrees=i == 0))
+    groups = ep.tp is not None or getattr(ep, "cp", None) is not None  # (graphs of such groups' steps: not yet)
+    model.replay_gate = ReplayGate(None if groups else ep.fixed)
 
 
 def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:

@@ -16,8 +16,9 @@ in, one merged result out):
   rebalance (``expert_balancer``).
 
 Every rank must run each MoE layer's exchange once per step in which any rank runs a forward
-(``expert_parallel``): ``RankRunner`` counts the exchanges of its first MoE layer, and a rank whose plan ran no
-forward in a busy step runs an idle one (one token on a throwaway state and the cache's scratch page).
+(``expert_parallel``): ``RankRunner`` counts the forwards its runner ran (the step's count, not the exchanges': a
+replayed CUDA graph runs no Python), and a rank whose plan ran no forward in a busy step runs an idle one (one token
+on a throwaway state and the cache's scratch page, eagerly).
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ class RankRunner:
 
     @property
     def calls(self) -> int:
-        """The exchanges the first MoE layer ran (every layer runs as often)."""
-        return self.runner.model.layers[0].ffn.ep.calls
+        """The forwards the runner ran (each runs every MoE layer's exchange once)."""
+        return self.runner.forwards
 
     @property
     def fixed(self) -> FixedBuffers | None:
-        """The model's ``FixedBuffers`` (None: the exchanges always send their counts)."""
-        return self.runner.model.layers[0].ffn.ep.fixed
+        """The model's ``FixedBuffers`` (None: the exchanges always send their counts, or no exchanges)."""
+        ep = getattr(self.runner.model.layers[0].ffn, "ep", None)
+        return None if ep is None else ep.fixed
 
     def launch(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None) -> InFlight:
         """Run the step (an idle forward where the group is busy and this rank's plan ran none); ``fixed``: its
@@ -125,11 +127,16 @@ class RankRunner:
 
     @torch.no_grad()
     def idle_forward(self) -> None:
-        """One token through the model on a throwaway state, its pages the cache's scratch page."""
+        """One token through the model on a throwaway state, its pages the cache's scratch page; eagerly (a graph's
+        state pool would adopt the throwaway state; the exchanges are the same)."""
         r = self.runner
         table = torch.tensor([r.cache.scratch_page], dtype=torch.long, device=r.device)
         batch = ForwardBatch.build([SeqChunk(r.family.new_state(), 0, 1, table)], [[0]], device=r.device)
-        r.model(batch, r.cache)
+        graphs, r.model.step_graphs = r.model.step_graphs, None
+        try:
+            r.model(batch, r.cache)
+        finally:
+            r.model.step_graphs = graphs
 
 
 class RankGroupRunner:

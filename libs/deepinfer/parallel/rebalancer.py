@@ -50,7 +50,12 @@ def apply(model: nn.Module, new: Mapping[int, ExpertPlacement]) -> None:
     """Move the experts of the layers in ``new`` (between steps; every rank of the group calls it with the same
     placements, in the same order). What the op set derived from a layer's expert weights for its kernels (the
     NVIDIA op set's code order and W4A8 row references) is undone before the move, so that rows of the stored
-    format travel, and derived again after it (``model.ops.prepare_weights`` of the layer)."""
+    format travel, and derived again after it (``model.ops.prepare_weights`` of the layer). The weights and routing
+    tables are new tensors, which no captured graph holds: the model's decode and verify graphs are given up for
+    eager steps (``ReplayGate.give_up``; captured again only in a warm-up every rank runs)."""
+    gate = getattr(model, "replay_gate", None)
+    if new and gate is not None:
+        gate.give_up(model)
     for i in sorted(new):
         moe = model.layers[i].ffn
         stored_experts(moe)

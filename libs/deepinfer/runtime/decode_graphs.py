@@ -12,13 +12,19 @@ All buckets share one memory pool: no segment output may outlive the step that w
 returns), so graphs replayed in capture order may reuse each other's memory. A bucket whose capture fails (an op that
 cannot be captured) is remembered and runs eagerly (``run`` returns None). ``reset`` drops every graph (after
 replacing weights' storage, say). Used by ``deepseek_v4.graphs`` and ``deepseek_v41.graphs``.
+
+A model whose step holds collective exchanges with other ranks (its experts sharded: ``parallel.expert_parallel``)
+carries a ``replay_gate`` (``ReplayGate``): a replay runs the exchanges its capture recorded, so a bucket replays only
+in a step whose exchanges every rank runs in that form, and a bucket is captured only while every rank captures in
+step (a capture runs its segments eagerly first: exchanges that no other rank would join). Graphs of a pass that holds
+no exchange (a drafter's: ``collective`` False) ignore it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -50,10 +56,21 @@ def bucket_for(n: int, max_batch: int) -> int | None:
     return -(-n // 128) * 128
 
 
+class ReplayGate(Protocol):
+    """What a model's collective exchanges allow its graphs (module docstring)."""
+
+    capturing: bool  # every rank captures in step now (a warm-up all ranks run alike): new buckets may be captured
+
+    def replays(self, rows: int) -> bool:
+        """Whether a bucket of ``rows`` rows (its padding included) may run from graphs in this step."""
+        ...
+
+
 class SegmentGraphs:
     """Per-bucket CUDA graphs of a model's decode-step segments (module docstring). ``model.ops`` is the op set."""
 
     kind = "decode"  # in log lines
+    collective = True  # the segments run the model's trunk, and so its exchanges (``model.replay_gate``)
 
     def __init__(self, model: nn.Module, max_batch: int | None = None) -> None:
         if max_batch is None:
@@ -101,10 +118,19 @@ class SegmentGraphs:
         size = self._size(batch)
         if size is None:
             return None
+        gate: ReplayGate | None = getattr(self.model, "replay_gate", None) if self.collective else None
+        if gate is not None and not gate.replays(self._rows(size, extra)):
+            return None  # (this step's exchanges are not the form the graphs hold, or its padded rows overrun them)
         key = self._key(size) + extra
         if key not in self.buckets:
+            if gate is not None and not gate.capturing:
+                return None  # (a capture on this rank alone would run exchanges no other rank joins)
             self.buckets[key] = self._capture(size, batch.device, extra, before)
         return self.buckets[key]
+
+    def _rows(self, size: int, extra: tuple) -> int:
+        """The rows a bucket of ``size`` sequences runs (``extra``: ``bucket``'s): one each in a decode step."""
+        return size
 
     def _size(self, batch: ForwardBatch) -> int | None:
         """The bucket size of ``batch`` (None: no bucket holds it): its sequence count's ``bucket_for``."""
@@ -177,4 +203,4 @@ class SegmentGraphs:
         return bk
 
 
-__all__ = ["BUCKETS", "SegmentGraphs", "bucket_for", "captures_so_far"]
+__all__ = ["BUCKETS", "ReplayGate", "SegmentGraphs", "bucket_for", "captures_so_far"]

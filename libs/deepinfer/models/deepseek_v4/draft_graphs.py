@@ -105,6 +105,7 @@ class BlockGraphs(SegmentGraphs):
     sequences."""
 
     model: GraphedModel
+    collective = False  # (the drafter keeps every expert on each rank: no exchange)
 
     def __init__(self, model: torch.nn.Module, depth: int = 0, max_batch: int | None = None) -> None:
         super().__init__(model, max_batch)

@@ -80,6 +80,9 @@ class VerifyGraphs(SegmentGraphs):
         self.replays += 1
         return bk.h, bk
 
+    def _rows(self, size: int, extra: tuple) -> int:
+        return size * (extra[0] + 1)  # (each sequence its drafts and one more row)
+
     def restore(self, bk: VerifyBucket, accepted: torch.Tensor) -> None:
         """Roll the bucket's last step back to ``accepted [size]`` drafts kept per row."""
         bk.accepted.copy_(accepted)

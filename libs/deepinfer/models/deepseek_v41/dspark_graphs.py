@@ -46,6 +46,7 @@ class DSparkGraphs(SegmentGraphs):
 
     kind = "draft"
     rings: ContextRings | None = None
+    collective = False  # (the drafter keeps every expert on each rank: no exchange)
 
     def graphable(self, batch: ForwardBatch) -> bool:
         return bool(batch.chunks)
