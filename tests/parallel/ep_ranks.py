@@ -48,10 +48,11 @@ class ArrangingOps(BatchInvariantOps):
                 setattr(m, REFS_ATTR, row_data(m))
 
 
-class HostReplays(DecodeGraphs):
-    """Stands in for CUDA graphs on the host, with their collective traits: a capture runs its segments twice, as
-    ``SegmentGraphs._capture``'s warm-up does (their exchanges with it); a replay runs them once and leaves no Python
-    count behind (a graph runs no Python: ``ExpertParallel.calls`` stays as it was)."""
+class HostReplays:
+    """Stands in for CUDA graphs on the host (mixed into a family's decode graphs: ``host_replays``), with their
+    collective traits: a capture runs its segments twice, as ``SegmentGraphs._capture``'s warm-up does (their
+    exchanges with it); a replay runs them once and leaves no Python count behind (a graph runs no Python:
+    ``ExpertParallel.calls`` stays as it was)."""
 
     def applies(self, batch: ForwardBatch) -> bool:
         return bool(batch.chunks) and all(c.length == 1 for c in batch.chunks)
@@ -67,6 +68,14 @@ class HostReplays(DecodeGraphs):
                 seg()
         bk.graphs = [_Replay(seg, self.model) for seg in segs]
         return bk
+
+
+def host_replays(model: torch.nn.Module) -> DecodeGraphs:
+    """``HostReplays`` over ``model``'s family's decode graphs (V4's or V4.1's)."""
+    from deepinfer.models.deepseek_v41.graphs import DecodeGraphs as V41DecodeGraphs
+
+    base = V41DecodeGraphs if type(model).__module__.startswith("deepinfer.models.deepseek_v41") else DecodeGraphs
+    return type("HostReplays", (HostReplays, base), {})(model, max_batch=8)
 
 
 class _Replay:
@@ -205,7 +214,7 @@ def main() -> None:
         ep.cp = cp
         model = load(Path(ckpt), invariant == "1", ep, arranged=mode == "eplb-arranged")
         if graphed:
-            model.ops.cuda_graphs, model.decode_graphs = True, HostReplays(model, max_batch=8)
+            model.ops.cuda_graphs, model.decode_graphs = True, host_replays(model)
         moved: dict[str, torch.Tensor] = {}
         hook = None if not mode.startswith("eplb") else lambda step: rebalance_after(model, step, 2, moved)
         mine = [i for i in range(len(PROMPTS)) if i % layout.dp == layout.group_of(rank)]

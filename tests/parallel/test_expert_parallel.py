@@ -154,14 +154,15 @@ def test_fixed_buffers_give_the_logits_of_one_process(tiny_dirs: dict, tiny_v41_
             assert (got[k] - want).abs().max() <= 1e-4, k
 
 
-def test_decode_graphs_replay_over_ranks(tiny_dirs: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["base", "v41"])
+def test_decode_graphs_replay_over_ranks(tiny_dirs: dict, tiny_v41_dir: Path, tmp_path: Path, name: str) -> None:
     """Decode graphs on 3 ranks with fixed buffers of 4 tokens (``ep_ranks.HostReplays`` stands in for CUDA graphs:
     a capture runs its segments twice, a replay leaves no Python count). Every rank captures bucket 4 in a warm-up
     run alike; then ranks 0 and 1 (3 sequences each, 4 rows with the padding) replay it in the steps taken in the
     fixed form, while rank 2 (2 sequences, bucket 2, never captured) runs those steps eagerly in the same form: it
     may not capture on first use (``ReplayGate.capturing``), which would run exchanges that no other rank joins.
-    The one-process logits within rounding (a padded bucket)."""
-    ckpt = tiny_dirs["base"]
+    The one-process logits within rounding (a padded bucket). V4 and V4.1 (Engram, DSpark stages)."""
+    ckpt = tiny_v41_dir if name == "v41" else tiny_dirs[name]
     one = ep_ranks.drive(ep_ranks.load(ckpt, False), list(range(len(ep_ranks.PROMPTS))))
     parts = run_ranks(3, ckpt, tmp_path, False, "graphs4", timeout=300)  # (a few seconds in step)
     # (replays, captures) per rank: the warm-up's step replays its capture, then steps 3-5 on ranks 0 and 1
