@@ -90,8 +90,7 @@ def build_worker(
     device = platform_for(accelerator).device()
     family = family_of(config)
     if ep is not None:  # prefill steps exchange row counts, read on the host: no graph holds them
-        off = ("prefill_graphs",) if ep.fixed is not None else ("cuda_graphs", "prefill_graphs")
-        for flag in off:
+        for flag in ("prefill_graphs",) if ep.fixed is not None else ("cuda_graphs", "prefill_graphs"):
             if hasattr(ops, flag):
                 setattr(ops, flag, False)
     net = family.build(path, config, ops, torch_dtype, device, quant_sim, **({} if ep is None else {"ep": ep}))
