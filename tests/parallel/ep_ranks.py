@@ -183,11 +183,20 @@ def rebalance_after(model: torch.nn.Module, step: int, at: int, out: dict[str, t
         dist.all_reduce(load)
         out[f"load/{i}"] = load
         new[i] = rebalance(load.numpy(), world, -(-layer.ffn.ep.placement.n_experts // world) + 1)
+    before = [_storage(layer.ffn) for layer in model.layers]
     rebalancer.apply(model, new)
     for i, layer in enumerate(model.layers):
+        out[f"kept/{i}"] = torch.tensor([_storage(layer.ffn) == before[i]])  # every tensor where it was
         out[f"held/{i}"] = torch.tensor(layer.ffn.ep.held)
         out[f"w1/{i}"], out[f"w2/{i}"] = layer.ffn.w1.clone(), layer.ffn.w2.clone()
         out[f"arranged/{i}"] = torch.tensor([arranged_now(layer.ffn)])
+
+
+def _storage(m: torch.nn.Module) -> list[int]:
+    """Where a sharded MoE layer's expert weights, routing tables and derived row data are (what graphs hold)."""
+    refs = getattr(m, REFS_ATTR, None) or ()
+    tensors = [getattr(m, f"{w}{s}", None) for w in EXPERT_WEIGHTS for s in ("", "_scale")]
+    return [t.data_ptr() for t in [*tensors, *m.ep.tables, *refs] if t is not None]
 
 
 def main() -> None:
@@ -205,7 +214,8 @@ def main() -> None:
             return
         n = int(mode[2:]) if mode[:2] in ("tp", "cp") else 1  # "tp2" / "cp2": tensor- / context-parallel groups
         layout = Layout(world, n if mode.startswith("tp") else 1, n if mode.startswith("cp") else 1)
-        placement = ExpertPlacement.even(n_experts(Path(ckpt)), world)
+        e = n_experts(Path(ckpt))  # "eplb-arranged": EPLB's slot count from the start (its moves keep every tensor)
+        placement = ExpertPlacement.even(e, world, -(-e // world) + 1 if mode == "eplb-arranged" else 0)
         tp, cp = rank_groups(layout)
         graphed = mode.startswith("graphs")  # "graphs4": fixed buffers of 4 tokens, decode graphs of bucket 4
         tokens = int(mode[5:]) if mode.startswith("fixed") else int(mode[6:]) if graphed else 0  # "fixed14": 14

@@ -256,7 +256,10 @@ def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_pat
     rank then holds the whole model's weights of its new experts, the busiest expert has a second copy, and every
     step's logits stay the single-process ones, bit for bit. ``eplb-arranged``: the experts kept in MXFP4 by an op
     set that derives data from them for its kernels (``ep_ranks.ArrangingOps``, as the NVIDIA one does): after the
-    move their codes are rearranged as the single process's and the derived data is that of the rows now held."""
+    move their codes are rearranged as the single process's and the derived data is that of the rows now held; its
+    ranks hold EPLB's slot count from the start (``ExpertPlacement.even``'s ``slots``), so every weight, routing table
+    and derived tensor stays where it was (captured graphs hold them); ``eplb`` starts with one slot per expert, and
+    the move changes its tensors' shapes."""
     ckpt, arranged = tiny_dirs["odd"], mode == "eplb-arranged"
     full = ep_ranks.load(ckpt, True, arranged=arranged)
     assert not arranged or all(ep_ranks.arranged_now(layer.ffn) for layer in full.layers)
@@ -272,6 +275,7 @@ def test_experts_move_between_steps_and_the_logits_stay(tiny_dirs: dict, tmp_pat
         for p, h in zip(parts, held):
             assert torch.equal(p[f"w1/{i}"], layer.ffn.w1[h]) and torch.equal(p[f"w2/{i}"], layer.ffn.w2[h])
             assert bool(p[f"arranged/{i}"]) == arranged
+            assert bool(p[f"kept/{i}"]) == arranged
 
 
 def test_stored_experts_undoes_the_arrangement() -> None:

@@ -33,6 +33,14 @@ def test_v4_flash_fits_two_h200s_and_not_one(capsys: pytest.CaptureFixture) -> N
     assert "does not fit 1 GPU(s)" in capsys.readouterr().err
 
 
+def test_eplb_s_extra_slots_are_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With EPLB on, each rank holds ``DEEPINFER_EPLB_EXTRA_SLOTS`` more experts per layer from the start."""
+    monkeypatch.setenv("DEEPINFER_EPLB_INTERVAL_STEPS", "100")
+    monkeypatch.setenv("DEEPINFER_EPLB_EXTRA_SLOTS", "2")
+    p = plan(CONFIGS / "deepseek-v4-flash", 2, 141 * 10**9)
+    assert p.experts_per_rank == 130 and p.rank_gpu["routed experts"] == p.weights["routed experts"] * 130 // 256
+
+
 def test_v41_flash_needs_its_engram_tables_in_host_memory(capsys: pytest.CaptureFixture) -> None:
     args = ["plan", "--model", str(CONFIGS / "deepseek-v41-flash"), "--gpus", "4", "--gpu-mem", "141GB"]
     assert main([*args, "--engram", "device"]) == 2

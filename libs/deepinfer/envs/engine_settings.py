@@ -280,7 +280,9 @@ declare("DEEPINFER_EPLB_INTERVAL_STEPS", "int", _HW, """
 declare("DEEPINFER_EPLB_EXTRA_SLOTS", "int", _HW, """
     Expert slots per rank beyond an even share (`ceil(experts / ranks)`) in the placements EPLB makes
     (`DEEPINFER_EPLB_INTERVAL_STEPS`): they hold redundant copies of the busiest experts, and cost that many experts'
-    weights per MoE layer and rank.""", default=1, minimum=0)
+    weights per MoE layer and rank. With EPLB on, every rank holds that many slots from the start (copies of the next
+    rank's experts until the first move), so that moves keep every tensor in place, which captured CUDA graphs
+    hold.""", default=1, minimum=0)
 declare("DEEPINFER_EXPERT_LOAD_REPORT_PERIOD_S", "float", _HW, """
     How often a worker of several ranks publishes each rank's expert loads gathered by EPLB
     (`DEEPINFER_EPLB_INTERVAL_STEPS`) on NATS.""", default=10.0, minimum=0.05)

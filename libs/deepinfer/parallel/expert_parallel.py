@@ -97,8 +97,8 @@ class ReplayGate:
         return f.decided is True or (self.capturing and f.decided is None)
 
     def give_up(self, model: nn.Module) -> None:
-        """Drop ``model``'s graphs that hold its exchanges and replay none from now on (EPLB moved its experts into
-        new tensors: every rank gives up at the same step, ``rebalancer.apply``)."""
+        """Drop ``model``'s graphs that hold its exchanges and replay none from now on (EPLB moved experts into new
+        tensors, a placement of other slot counts: every rank gives up at the same step, ``rebalancer.apply``)."""
         if self.fixed is not None:
             log.warning("eplb_graphs_dropped", reason="experts moved: decode and verify steps run eagerly")
         self.fixed = None
@@ -128,6 +128,21 @@ class ExpertParallel:
         self.host_key: str | None = None  # what the group's ranks share on their host (``launch.expert_group``)
         self.fixed = fixed if fixed is not None and fixed.tokens > 0 else None
         self.agrees = agrees
+        self.tables: tuple[torch.Tensor, ...] | None = None  # the routing tables on the device (``place``)
+
+    def place(self, new: ExpertPlacement) -> bool:
+        """Route by ``new`` from the next step on (EPLB); True: its routing tables went into the tensors the old
+        ones were in, which captured graphs hold (the same slots in all: ``ExpertPlacement.most_copies``)."""
+        old, self.placement, self.held = self.tables, new, new.slots[self.rank]
+        if old is None:
+            return True
+        fresh = new.tables(old[0].device, new.most_copies)
+        if any(a.shape != b.shape for a, b in zip(old, fresh)):
+            self.tables = tuple(t.clone() for t in fresh)
+            return False
+        for a, b in zip(old, fresh):
+            a.copy_(b)
+        return True
 
     def take_load(self) -> torch.Tensor:
         """The tokens this rank's tokens routed to each logical expert ``[E]`` since the last call, and start over.
@@ -162,7 +177,9 @@ class ExpertParallel:
         self._count(idx)
         if self.fixed is not None and self.agrees:
             self.fixed.agree(t)
-        dest, slot = self.placement.route(idx, self.rank)
+        if self.tables is None or self.tables[0].device != idx.device:  # (its own: ``place`` writes into them)
+            self.tables = tuple(t.clone() for t in self.placement.tables(idx.device, self.placement.most_copies))
+        dest, slot = self.placement.route(idx, self.rank, self.tables)
         meta = torch.stack([slot.to(torch.float32), w.reshape(-1).float()], 1)  # (slots < 2**24: exact in fp32)
         token = torch.arange(t * k, device=x.device) // k
         if self.fixed is not None and self.fixed.on:
@@ -248,12 +265,13 @@ def shard_model(model: nn.Module, ep: ExpertParallel) -> None:
     model.replay_gate = ReplayGate(None if groups else ep.fixed)
 
 
-def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
+def move_experts(moe: nn.Module, new: ExpertPlacement) -> bool:
     """Re-place a sharded MoE layer's experts (EPLB, between steps, on every rank of the group at once): each new
     slot gets its expert from this rank's old slots when it held it, else from the lowest rank that did, through
-    the group's exchange; the routing follows ``new`` from the next step on."""
+    the group's exchange; the routing follows ``new`` from the next step on. True: the weights and routing tables
+    went into the tensors they were in (as many slots as before), which captured graphs hold."""
     ep: ExpertParallel = moe.ep
-    old, a2a, me = ep.placement, ep.a2a, ep.rank
+    old, a2a, me, kept = ep.placement, ep.a2a, ep.rank, True
     if new.n_experts != old.n_experts or new.ranks != old.ranks:
         raise ValueError(f"a placement of {new.n_experts} experts on {new.ranks} ranks replaces one of "
                          f"{old.n_experts} on {old.ranks}")  # fmt: skip
@@ -287,10 +305,12 @@ def move_experts(moe: nn.Module, new: ExpertPlacement) -> None:
                 out[s] = p.data[local[x]]
         if got_at:
             out[torch.tensor(got_at, device=p.device)] = recv
-        setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
-    calls = ep.calls
-    moe.ep = ExpertParallel(new, a2a, ep.tp, ep.fixed, ep.agrees)
-    moe.ep.calls = calls
+        if out.shape == p.shape:  # into the tensor a captured graph holds
+            p.data.copy_(out)
+        else:
+            setattr(moe, name, nn.Parameter(out, requires_grad=False) if isinstance(p, nn.Parameter) else out)
+            kept = False
+    return ep.place(new) and kept
 
 
 class ExpertSlots:

@@ -81,7 +81,9 @@ def expert_group(n_experts: int, channel: Channel, layout: Layout | None = None)
     tp, cp = rank_groups(layout)
     fixed = FixedBuffers(envs.DEEPINFER_EP_FIXED_BUFFER_TOKENS, channel.group)
     fixed.check()
-    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size), a2a, tp, fixed)
+    # with EPLB, its slots per rank from the start: its moves then keep every tensor (graphs hold them)
+    slots = -(-n_experts // a2a.size) + envs.DEEPINFER_EPLB_EXTRA_SLOTS if envs.DEEPINFER_EPLB_INTERVAL_STEPS > 0 else 0
+    ep = ExpertParallel(ExpertPlacement.even(n_experts, a2a.size, slots), a2a, tp, fixed)
     ep.cp = cp
     key = torch.tensor([secrets.randbits(62) if dist.get_rank() == 0 else 0])
     dist.broadcast(key, src=0, group=channel.group)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import envs
 from deepinfer.engine.models import family_of, parse_config
 from deepinfer.parallel.placement import ExpertPlacement
 
@@ -90,7 +91,9 @@ def plan(path: str | Path, gpus: int, gpu_bytes: int, reserve: int = 8 * GIB, en
     weights, kinds = _weights(net, config)
     if text.n_routed_experts < gpus:
         raise PlanError(f"{text.n_routed_experts} routed experts cannot be spread over {gpus} GPUs")
-    placement = ExpertPlacement.even(text.n_routed_experts, gpus)
+    n = text.n_routed_experts  # with EPLB, its extra slots held from the start (``launch.expert_group``)
+    eplb = envs.DEEPINFER_EPLB_EXTRA_SLOTS if envs.DEEPINFER_EPLB_INTERVAL_STEPS > 0 and gpus > 1 else 0
+    placement = ExpertPlacement.even(n, gpus, -(-n // gpus) + eplb if eplb else 0)
     most = max(len(s) for s in placement.slots)
     rank_gpu = {k: v for k, v in weights.items() if k not in ("routed experts", "Engram tables")}
     rank_gpu["routed experts"] = weights.get("routed experts", 0) * most // text.n_routed_experts

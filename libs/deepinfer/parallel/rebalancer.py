@@ -17,7 +17,7 @@ from torch import nn
 from deepinfer.parallel import eplb
 from deepinfer.parallel.expert_parallel import move_experts
 from deepinfer.parallel.placement import ExpertPlacement
-from deepinfer.quant.native import stored_experts
+from deepinfer.quant.native import REFS_ATTR, stored_experts
 
 
 def propose(loads: Mapping[int, np.ndarray], current: Mapping[int, ExpertPlacement], slots: int, nodes: int = 1,
@@ -50,17 +50,33 @@ def apply(model: nn.Module, new: Mapping[int, ExpertPlacement]) -> None:
     """Move the experts of the layers in ``new`` (between steps; every rank of the group calls it with the same
     placements, in the same order). What the op set derived from a layer's expert weights for its kernels (the
     NVIDIA op set's code order and W4A8 row references) is undone before the move, so that rows of the stored
-    format travel, and derived again after it (``model.ops.prepare_weights`` of the layer). The weights and routing
-    tables are new tensors, which no captured graph holds: the model's decode and verify graphs are given up for
-    eager steps (``ReplayGate.give_up``; captured again only in a warm-up every rank runs)."""
-    gate = getattr(model, "replay_gate", None)
-    if new and gate is not None:
-        gate.give_up(model)
+    format travel, and derived again after it (``model.ops.prepare_weights`` of the layer). Every tensor stays where
+    it was (captured graphs hold them) when the slots per rank do not change (``ExpertPlacement.even``'s ``slots``
+    from the start); otherwise the model's graphs over the exchanges are given up (``ReplayGate.give_up``)."""
+    kept = True
     for i in sorted(new):
         moe = model.layers[i].ffn
+        refs = getattr(moe, REFS_ATTR, None)
         stored_experts(moe)
-        move_experts(moe, new[i])
+        kept &= move_experts(moe, new[i])
         model.ops.prepare_weights(moe)
+        kept &= _keep_refs(moe, refs)
+    gate = getattr(model, "replay_gate", None)
+    if not kept and gate is not None:
+        gate.give_up(model)
+
+
+def _keep_refs(moe: nn.Module, old: tuple | None) -> bool:
+    """The layer's W4A8 row references derived again into the tensors they were in; False: they cannot be."""
+    got = getattr(moe, REFS_ATTR, None)
+    if old is None or got is None:
+        return old is None and got is None
+    if len(old) != len(got) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(old, got)):
+        return False
+    for a, b in zip(old, got):
+        a.copy_(b)
+    setattr(moe, REFS_ATTR, old)
+    return True
 
 
 __all__ = ["apply", "placements", "propose", "taken_loads"]
