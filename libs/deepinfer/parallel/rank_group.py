@@ -18,7 +18,7 @@ in, one merged result out):
 Every rank must run each MoE layer's exchange once per step in which any rank runs a forward
 (``expert_parallel``): ``RankRunner`` counts the forwards its runner ran (the step's count, not the exchanges': a
 replayed CUDA graph runs no Python), and a rank whose plan ran no forward in a busy step runs an idle one (one token
-on a throwaway state and the cache's scratch page, eagerly).
+on a throwaway state and the cache's scratch page).
 """
 
 from __future__ import annotations
@@ -127,16 +127,12 @@ class RankRunner:
 
     @torch.no_grad()
     def idle_forward(self) -> None:
-        """One token through the model on a throwaway state, its pages the cache's scratch page; eagerly (a graph's
-        state pool would adopt the throwaway state; the exchanges are the same)."""
+        """One token through the model on a throwaway state, its pages the cache's scratch page (from a graph where
+        the model's ``replay_gate`` allows it, as any step: the exchanges are the same)."""
         r = self.runner
         table = torch.tensor([r.cache.scratch_page], dtype=torch.long, device=r.device)
         batch = ForwardBatch.build([SeqChunk(r.family.new_state(), 0, 1, table)], [[0]], device=r.device)
-        graphs, r.model.step_graphs = r.model.step_graphs, None
-        try:
-            r.model(batch, r.cache)
-        finally:
-            r.model.step_graphs = graphs
+        r.model(batch, r.cache)
 
 
 class RankGroupRunner:
