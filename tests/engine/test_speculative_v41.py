@@ -197,3 +197,40 @@ def test_early_drafts_are_the_next_steps_drafts(tiny_v41_dir: Path, always_draft
     assert len({len(d) for out, _ in drafts_on for d in out}) > 1  # the lengths vary
     for name in ("DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_SPEC_DECODE_MIN_SURVIVAL", "DEEPINFER_SPEC_EARLY_DRAFTS"):
         always_draft.delenv(name)
+
+
+def test_an_image_prompt_joining_drafting_rows_runs_beside_their_verify_step(
+    base: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image prompt (its span longer than the model's rings) arrives while two requests draft: the steps that
+    hold one of its chunks beside their verify rows run the chunk as a plain step, the image spliced in, and the
+    verify rows on the decode path (``deepseek_v4.verify_split``: taken); every request's tokens and logprobs are
+    the plain run's, and the image changes the image request's tokens."""
+    from deepinfer.models.deepseek_v4 import verify_split
+    from engine.test_v41_images import IMAGE_A, IMAGE_B, image_prompt
+
+    taken: list[bool] = []
+    real = verify_split.split
+    monkeypatch.setattr(verify_split, "split", lambda *a: (lambda m: taken.append(m is not None) or m)(real(*a)))
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+
+    def staggered(llm: LLM, image: bytes) -> list:
+        eng, outs = llm.engine, {}
+        for k in range(2):
+            eng.add_request(f"r{k}", PROMPTS[k], params)
+        ids, _, mm = llm._encode(image_prompt(llm, image), "prompt")
+        steps = 0
+        while eng.has_unfinished_requests():
+            steps += 1
+            if steps == 4:
+                eng.add_request("r2", ids, params, mm=mm)
+            for o in eng.step():
+                outs[o.request_id] = o
+        return [outs[f"r{k}"] for k in range(3)]
+
+    want = staggered(base, IMAGE_A)
+    assert not any(taken)
+    assert_same(want, staggered(spec, IMAGE_A))
+    assert any(taken), taken
+    other = staggered(base, IMAGE_B)
+    assert other[2].outputs[0].token_ids != want[2].outputs[0].token_ids

@@ -412,3 +412,21 @@ def test_a_step_mixing_a_prompt_with_verify_rows_runs_in_two_parts(
             plain.state.windows.pop(i, None), states[b].windows.pop(i, None)
         bad = [d for d in differences(states[b], cache, tables[b], plain, 1e-4) if not d.startswith(mtp)]
         assert states[b].num_tokens == len(consumed[b]) and bad == [], (b, bad)
+
+
+def test_the_forwards_a_step_may_run(tiny_dirs: dict) -> None:
+    """``verify_split.forwards``, what rank 0 of a rank group decides from each rank's plan (tokens, most drafts of
+    each chunk): two exactly where ``split`` may take the step (drafts beside a chunk longer than the rings, on the
+    decode path); one for a step without drafts, with short chunks only (the decode path takes it whole), or with
+    the batch-invariant ops (the ragged path)."""
+    from deepinfer.models.deepseek_v4 import verify_split
+
+    model = load(tiny_dirs, "base", ReferenceOps())
+    ring = verify_rings.ring_rows(model)
+    assert verify_split.forwards(model, [(1, 3), (ring + 1, 0)]) == 2
+    assert verify_split.forwards(model, [(1, 3), (1, 0), (ring, 0)]) == 1
+    assert verify_split.forwards(model, [(ring + 1, 0), (1, 0)]) == 1
+    assert verify_split.forwards(model, [(1, 3), (1, 2)]) == 1
+    model.pooled_decode = False
+    assert verify_split.forwards(model, [(1, 3), (ring + 1, 0)]) == 1
+    assert verify_split.forwards(load(tiny_dirs, "base", BatchInvariantOps()), [(1, 3), (ring + 1, 0)]) == 1

@@ -151,7 +151,9 @@ def test_a_dead_rank_fails_the_worker_instead_of_stalling_it(model_dir, monkeypa
 def test_a_rank_counts_the_forwards_its_runner_ran(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """``RankRunner`` knows that a step ran a forward from its runner's count (``ModelRunner.forwards``), not from
     the exchanges its MoE layers counted, which a replayed CUDA graph does not count (it runs no Python): a busy step
-    whose plan ran a forward runs no idle one, a busy step with an empty plan runs one."""
+    whose plan ran a forward runs no idle one, a busy step with an empty plan runs one; in a step of two forwards
+    (rank 0's decision) it runs idle ones up to two, its model's split steps counted, and one that ran more is
+    refused."""
     from deepinfer.engine.factory import build_worker
     from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
     from deepinfer.parallel.rank_group import RankRunner
@@ -164,6 +166,22 @@ def test_a_rank_counts_the_forwards_its_runner_ran(model_dir, monkeypatch: pytes
     assert idle == [] and rank.calls == 1
     rank.runner.finish(rank.launch(WorkerStepPlan(2, []), busy=True))
     assert idle == [1] and rank.calls == 1
+    more = WorkerStepPlan(3, [ChunkPlan("b", [8, 9], 0, [1], True, SamplingParams(max_tokens=2))])
+    rank.runner.finish(rank.launch(more, busy=True, forwards=2))
+    assert idle == [1, 1] and rank.calls == 2
+    model = rank.runner.model
+    real = model.forward
+
+    def splitting(*a, **kw):  # (a step its model runs as two forwards: verify_split)
+        model.split_steps += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", splitting)
+    rank.runner.finish(rank.launch(WorkerStepPlan(4, [ChunkPlan("c", [3], 0, [2], True, SamplingParams(max_tokens=2))]),
+                                   busy=True, forwards=2))  # fmt: skip
+    assert idle == [1, 1] and rank.calls == 4
+    with pytest.raises(RuntimeError, match="ran 2 forwards"):
+        rank.launch(WorkerStepPlan(5, [ChunkPlan("d", [4], 0, [3], True, SamplingParams(max_tokens=2))]), busy=True)
 
 
 def test_the_step_form_bounds_every_rank_s_tokens() -> None:

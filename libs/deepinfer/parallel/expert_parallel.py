@@ -84,11 +84,15 @@ class ReplayGate:
     a step that every rank takes in that form, as rank 0 decided it (``FixedBuffers.decided``), with its rows padding
     included within the buffers. Any other step runs eagerly, in the form decided. A capture runs its segments eagerly
     twice first, exchanges that no other rank would join: buckets are captured only while ``capturing``, in a warm-up
-    that every rank runs alike (the same steps, the same buckets), where the forms are agreed in the forward."""
+    that every rank runs alike (the same steps, the same buckets), where the forms are agreed in the forward.
+    ``forwards``: the forwards every rank runs in this step, as rank 0 decided it (2 where some rank's step may run
+    its verify rows apart from a prompt chunk: ``models.deepseek_v4.verify_split``; a rank with fewer runs idle
+    ones); a step may run as two forwards only where it is 2."""
 
     def __init__(self, fixed: FixedBuffers | None) -> None:
         self.fixed = fixed
         self.capturing = False
+        self.forwards = 1
 
     def replays(self, rows: int) -> bool:
         f = self.fixed

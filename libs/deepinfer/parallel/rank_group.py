@@ -15,10 +15,12 @@ in, one merged result out):
 * EPLB (``DEEPINFER_EPLB_INTERVAL_STEPS``): an ``EXPERTS`` message ahead of a step's plans, and every rank runs one
   rebalance (``expert_balancer``).
 
-Every rank must run each MoE layer's exchange once per step in which any rank runs a forward
-(``expert_parallel``): ``RankRunner`` counts the forwards its runner ran (the step's count, not the exchanges': a
-replayed CUDA graph runs no Python), and a rank whose plan ran no forward in a busy step runs an idle one (one token
-on a throwaway state and the cache's scratch page).
+Every rank must run each MoE layer's exchange as many times a step as any other rank (``expert_parallel``): rank 0
+decides how many forwards each rank runs in a step, one, or two where some rank's step may run its verify rows apart
+from a prompt chunk (``models.deepseek_v4.verify_split.forwards``; the ``TWO`` flag); ``RankRunner`` counts the
+forwards its runner ran (the steps and their splits, not the exchanges: a replayed CUDA graph runs no Python), and
+a rank whose plan ran fewer in a busy step runs idle ones (one token on a throwaway state and the cache's scratch
+page).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from deepinfer import envs
 from deepinfer.engine.interfaces import RankedPlan, StepResult, WorkerStepPlan
 from deepinfer.engine.worker import InFlight, ModelRunner
+from deepinfer.models.deepseek_v4 import verify_split
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.parallel.expert_balancer import ExpertBalancer, follow_rebalance
 from deepinfer.parallel.expert_parallel import FixedBuffers
@@ -42,7 +45,8 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.v1 import worker_pb2
 
 PLAN, COLLECT, RESULT, STOP, RELEASE, EXPERTS = 1, 2, 3, 4, 5, 6
-BUSY, FIXED, COUNTS = 1, 2, 4  # a PLAN's flag bits: some rank runs a forward; the exchanges' form (neither: agree)
+# a PLAN's flag bits: some rank runs a forward; the exchanges' form (neither: agree); every rank runs two forwards
+BUSY, FIXED, COUNTS, TWO = 1, 2, 4, 8
 
 
 def step_form(plans: list[WorkerStepPlan], layout: Layout, tokens: int) -> bool | None:
@@ -92,8 +96,9 @@ class RankRunner:
 
     @property
     def calls(self) -> int:
-        """The forwards the runner ran (each runs every MoE layer's exchange once)."""
-        return self.runner.forwards
+        """The forwards the runner ran (each runs every MoE layer's exchange once): its steps, and one more for each
+        step its model ran as two (``split_steps``)."""
+        return self.runner.forwards + getattr(self.runner.model, "split_steps", 0)
 
     @property
     def fixed(self) -> FixedBuffers | None:
@@ -101,26 +106,32 @@ class RankRunner:
         ep = getattr(self.runner.model.layers[0].ffn, "ep", None)
         return None if ep is None else ep.fixed
 
-    def launch(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None) -> InFlight:
-        """Run the step (an idle forward where the group is busy and this rank's plan ran none); ``fixed``: its
-        exchanges' form as rank 0 decided it (``step_form``; None: the first MoE layer agrees)."""
+    def launch(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None, forwards: int = 1) -> InFlight:
+        """Run the step, then idle forwards up to ``forwards`` where the group is busy (as many forwards as every
+        rank runs, rank 0's decision: ``verify_split.forwards``); ``fixed``: its exchanges' form as rank 0 decided it
+        (``step_form``; None: the first MoE layer agrees)."""
         before, buffers = self.calls, self.fixed
+        gate = getattr(self.runner.model, "replay_gate", None)
         if buffers is not None:
             buffers.decided = fixed
+        if gate is not None:
+            gate.forwards = forwards
         try:
             step = self.runner.launch(plan)
             ran = self.calls - before
-            if ran > 1:
-                raise RuntimeError(f"step {plan.step_id} ran {ran} forwards on this rank; every rank must run one")
-            if busy and not ran:
+            if ran > forwards:
+                raise RuntimeError(f"step {plan.step_id} ran {ran} forwards on this rank; every rank runs {forwards}")
+            for _ in range(forwards - ran if busy else 0):
                 self.idle_forward()
         finally:
             if buffers is not None:
                 buffers.decided = None
+            if gate is not None:
+                gate.forwards = 1
         return step
 
-    def send(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None) -> None:
-        self.launched.append(self.launch(plan, busy, fixed))
+    def send(self, plan: WorkerStepPlan, busy: bool, fixed: bool | None = None, forwards: int = 1) -> None:
+        self.launched.append(self.launch(plan, busy, fixed, forwards))
 
     def receive(self) -> StepResult:
         return self.runner.finish(self.launched.popleft())
@@ -166,9 +177,11 @@ class RankGroupRunner:
             got = len(plan.ranks) if isinstance(plan, RankedPlan) else 1
             raise ValueError(f"ranks: the plan has {got} ranks' steps, this worker has {dp} data-parallel ranks")
         busy = bool(plan.chunks)
-        buffers = self.local.fixed
+        buffers, model = self.local.fixed, self.local.runner.model
         fixed = None if buffers is None else step_form(plan.ranks, self.layout, buffers.tokens)
-        flag = int(busy) | (0 if fixed is None else FIXED if fixed else COUNTS)
+        forwards = max(verify_split.forwards(model, [(len(c.token_ids), c.num_drafts) for c in p.chunks])
+                       for p in plan.ranks)  # fmt: skip
+        flag = int(busy) | (0 if fixed is None else FIXED if fixed else COUNTS) | (TWO if forwards == 2 else 0)
         with self._group_step():
             if self.balancer is not None and self.balancer.due():  # between two steps, before this one's plans
                 for r in range(1, self.world):
@@ -177,7 +190,7 @@ class RankGroupRunner:
             for r in range(1, self.world):
                 msg = plan_to_proto(plan.ranks[self.layout.group_of(r)], self._sent[r]).SerializeToString()
                 self.channel.send(r, PLAN, msg, flag)
-            return self.local.launch(plan.ranks[0], busy, fixed)
+            return self.local.launch(plan.ranks[0], busy, fixed, forwards)
 
     def finish(self, step: InFlight) -> StepResult:
         """Rank 0's result of the step, then each follower's, in rank order, merged: the first rank's of each
@@ -257,7 +270,8 @@ def follow(runner: RankRunner, channel: Channel) -> None:
             return
         if kind == PLAN:
             fixed = True if flag & FIXED else False if flag & COUNTS else None
-            runner.send(plan_from_proto(worker_pb2.StepPlan.FromString(data), known), bool(flag & BUSY), fixed)
+            plan = plan_from_proto(worker_pb2.StepPlan.FromString(data), known)
+            runner.send(plan, bool(flag & BUSY), fixed, 2 if flag & TWO else 1)
         elif kind == COLLECT:
             channel.send(0, RESULT, result_to_proto(runner.receive()).SerializeToString())
         elif kind == EXPERTS:
@@ -281,6 +295,7 @@ __all__ = [
     "RELEASE",
     "RESULT",
     "STOP",
+    "TWO",
     "Channel",
     "RankGroupRunner",
     "RankRunner",

@@ -136,6 +136,7 @@ class DeepseekV4Model(nn.Module):
         if mixed is None or not verify_step.eligible(self, mixed.verify.chunks):
             return None
         rest = self(mixed.rest, cache)
+        self.split_steps += 1
         h, pending = verify_step.pooled_forward(self, mixed.verify, cache, mixed.verified, pad)
         return mixed.merge(h, rest), None, mixed.adopt(pending)
 
@@ -170,6 +171,7 @@ class DeepseekV4Model(nn.Module):
         self.state_pool: StatePool | None = None
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.cp: ContextParallel | None = None  # this rank's context-parallel group (``parallel.context_parallel``)
+        self.split_steps = 0  # verify steps run as two forwards (``verify_split``; a rank group counts forwards)
 
     def set_quant_sim(self, enabled: bool) -> None:
         """Simulate the official quantisation points (FP8 activations/KV, FP4 indexer)."""

@@ -7,8 +7,12 @@ every step in which a new prompt's chunk joins a batch that drafts.
 The two forwards touch different sequences, so each sequence's state is what one step would leave; the outputs are
 put back in the step's row order, and the rollback's row offsets (and V4.1's host token ids) are the step's, so the
 caller sees one forward. Two forwards read the weights twice: against the ragged path's per-row eager attention
-that is the cheaper side (docs/speculative_decoding.md). A step with image features, or in a worker whose experts are
-spread over ranks (each rank runs one forward a step), runs on the ragged path.
+that is the cheaper side (docs/speculative_decoding.md). An image prompt's chunk keeps its slice of the image spans
+(``images``, rebased to the part's rows: the model splices them in when it runs the part); a step whose embeddings
+were given whole runs on the ragged path. In a worker of several ranks every rank runs as many forwards a step as
+rank 0 decided (``forwards``: two where any rank's step may split; a rank that runs fewer adds idle ones), and a
+step splits only where that is two (the model's ``replay_gate``): each MoE exchange then meets its peers on every
+rank.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.models.deepseek_v4 import verify_rings
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4.verify_step import PooledVerify
 from deepinfer.runtime.host_copy import to_device
@@ -57,35 +62,62 @@ class MixedStep:
 
 def split(model: torch.nn.Module, batch: ForwardBatch, verified: list[int]) -> MixedStep | None:
     """The step's two parts, or None: nothing verified, no chunk longer than one token besides the verified ones
-    (the decode path takes the step whole, or refuses it for other reasons), image features in the step, or a MoE
-    whose experts are spread over ranks (every rank runs one forward a step: two would run its exchanges twice)."""
+    (the decode path takes the step whole, or refuses it for other reasons), embeddings given for the whole step,
+    image spans in a chunk of the verify part, or a step of a rank group whose ranks run one forward in it (the
+    model's ``replay_gate``: two would run each MoE exchange once more than the other ranks)."""
     chunks = batch.chunks
     v_set = set(verified)
     rest = [i for i, c in enumerate(chunks) if i not in v_set and c.length > 1]
     if not verified or not rest or batch.input_embeds is not None or batch.image_mask is not None:
         return None
-    if any(getattr(layer.ffn, "ep", None) is not None for layer in model.layers[:1]):
+    offsets = batch.offsets()
+    firsts = {offsets[i][0]: i for i in rest}
+    images = getattr(batch, "images", ())
+    if any(a not in firsts for a, *_ in images):  # (a one-token chunk of an image span: not split)
+        return None
+    gate = getattr(model, "replay_gate", None)
+    if gate is not None and gate.forwards < 2:
         return None
     r_set = set(rest)
     part_v = [i for i in range(len(chunks)) if i not in r_set]
-    offsets = batch.offsets()
     rows_v = np.concatenate([np.arange(*offsets[i]) for i in part_v])
     rows_r = np.concatenate([np.arange(*offsets[i]) for i in rest])
     idx_v, idx_r = (to_device(torch.from_numpy(r), batch.device) for r in (rows_v, rows_r))
     at = {i: k for k, i in enumerate(part_v)}
-    return MixedStep(batch, _part(batch, part_v, rows_v, idx_v), _part(batch, rest, rows_r, idx_r),
-                     [at[i] for i in verified], part_v, idx_v, idx_r)  # fmt: skip
+    first = dict(zip(rest, np.cumsum([0] + [chunks[i].length for i in rest]).tolist()))
+    part_r = _part(batch, rest, rows_r, idx_r, tuple((first[firsts[a]], *tail) for a, *tail in images))
+    return MixedStep(batch, _part(batch, part_v, rows_v, idx_v), part_r, [at[i] for i in verified], part_v, idx_v,
+                     idx_r)  # fmt: skip
 
 
-def _part(batch: ForwardBatch, chunks: list[int], rows: np.ndarray, idx: torch.Tensor) -> ForwardBatch:
+def forwards(model: torch.nn.Module, chunks: list[tuple[int, int]]) -> int:
+    """The forwards a step of ``chunks`` (each its tokens and the most drafts it may verify) may run: 2 where
+    ``split`` may take it (drafts beside a chunk longer than the model's rings, on a model whose verify steps take
+    the decode path), else 1. What a rank group's rank 0 decides for every rank (``parallel.rank_group``); a rank
+    whose step runs fewer (its drafter proposed none, a sequence's state keeps it off the decode path) adds idle
+    ones."""
+    if not getattr(model, "verify_on_decode_path", False) or model.ops.batch_invariant or not model.pooled_decode:
+        return 1
+    longest = max((n for n, d in chunks if d == 0), default=0)
+    return 2 if any(d > 0 for _, d in chunks) and longest > verify_rings.ring_rows(model) else 1
+
+
+def _part(batch: ForwardBatch, chunks: list[int], rows: np.ndarray, idx: torch.Tensor, images: tuple = ()
+          ) -> ForwardBatch:  # fmt: skip
     """The sub-step of ``chunks`` (their ``rows`` of the step; ``idx`` on the device): its ids and positions taken
-    from the step's (device ids: a placeholder's value may not be on the host yet)."""
+    from the step's (device ids: a placeholder's value may not be on the host yet); with ``images`` (their first
+    rows the part's), a batch of the step's class (the family's image batch) that holds them."""
     part = [batch.chunks[i] for i in chunks]
+    cls = type(batch) if images else ForwardBatch
     if batch.host_token_ids is not None:  # still on the host: the part's copy goes with its own, once
         at = torch.from_numpy(rows)
-        return ForwardBatch(None, None, part, host_token_ids=batch.host_token_ids.index_select(0, at),
-                            host_positions=batch.host_positions.index_select(0, at), device=batch.device)  # fmt: skip
-    return ForwardBatch(batch.token_ids.index_select(0, idx), batch.positions.index_select(0, idx), part)
+        out = cls(None, None, part, host_token_ids=batch.host_token_ids.index_select(0, at),
+                  host_positions=batch.host_positions.index_select(0, at), device=batch.device)  # fmt: skip
+    else:
+        out = cls(batch.token_ids.index_select(0, idx), batch.positions.index_select(0, idx), part)
+    if images:
+        out.images = images
+    return out
 
 
-__all__ = ["MixedStep", "split"]
+__all__ = ["MixedStep", "forwards", "split"]

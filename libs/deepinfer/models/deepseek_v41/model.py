@@ -73,6 +73,7 @@ class DeepseekV41Model(nn.Module):
         if mixed is None or not verify_step.eligible(self, mixed.verify):
             return None
         rest = self(mixed.rest, cache, capture=capture)
+        self.split_steps += 1
         rest_features = self.dspark_features if capture else None
         y, feats, pending = verify_step.pooled_forward(self, mixed.verify, cache, mixed.verified, pad, capture)
         return mixed.merge(y, rest), mixed.merge(feats, rest_features), mixed.adopt(pending)
@@ -118,6 +119,7 @@ class DeepseekV41Model(nn.Module):
         self.pooled_decode = True  # decode steps on a StatePool: decode_step.py (the decode graphs need it)
         self.state_pool: StatePool | None = None
         self.cp: ContextParallel | None = None  # this rank's context-parallel group (``parallel.context_parallel``)
+        self.split_steps = 0  # verify steps run as two forwards (``verify_split``; a rank group counts forwards)
         self._pool_given: StatePool | None = None  # the pool the attention layers hold
         self.vision = self.aligner = None
         if config.vision_config.num_hidden_layers > 0:  # released names: vision.*, aligner.*, image_{start,...}
