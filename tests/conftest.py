@@ -1,13 +1,18 @@
 """Suite-wide settings: one torch thread (the tiny models' ops are too small to gain from more, and CI has 2
-cores shared with subprocess tests); without a GPU, Triton kernels run in Triton's interpreter (set before
-any module imports triton: ``@triton.jit`` reads it when a kernel is defined)."""
+cores shared with subprocess tests), in the subprocesses the tests start too (``OMP_NUM_THREADS``, inherited: a
+benchmark's smoke run or a service beside another test worker's otherwise runs an OpenMP thread per core, and
+oversubscribed threads spin: two such smoke runs side by side took 120 s against 32 s with a thread each); without
+a GPU, Triton kernels run in Triton's interpreter (set before any module imports triton: ``@triton.jit`` reads it
+when a kernel is defined)."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch is imported, here and in every subprocess)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
