@@ -158,7 +158,7 @@ def test_gpu_warm_up_captures_the_verify_steps(model_dir, tiny_v41_dir, monkeypa
         assert llm.engine.runner.spec.proposer is None  # the model's own drafter serves
         held = pieces and pieces.captures
         # captured by the warm-up
-        kinds = ("verify", "draft", "observe") if path == model_dir else ("verify", "decode", "draft")
+        kinds = ("verify", "draft", "observe") if path == model_dir else ("verify", "decode", "draft", "observe")
         spec = {k: getattr(llm.model, f"{k}_graphs") for k in kinds}
         assert all(g is not None and g.captures > 0 and not g.failures for g in spec.values()), spec
         before = {k: g.captures for k, g in spec.items()}

@@ -28,7 +28,7 @@ from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v41 import verify_step as v41_verify
 from deepinfer.models.deepseek_v41.context_rings import ContextRings
 from deepinfer.models.deepseek_v41.dspark import gather_window
-from deepinfer.models.deepseek_v41.dspark_graphs import DSparkGraphs
+from deepinfer.models.deepseek_v41.dspark_graphs import DSparkGraphs, KeepGraphs
 from deepinfer.models.deepseek_v41.family import FAMILY
 from deepinfer.models.deepseek_v41.model import DeepseekV41Model
 from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator, survival_lengths
@@ -404,6 +404,48 @@ def test_the_draft_pass_graph_drafts_as_the_eager_pass_on_cpu(tokenizer) -> None
     model.ops.cuda_graphs = True
     spec.propose(rids, states, tables, last, [3] * 4)
     assert dg.replays == 3 and len(dg.buckets) == 1 and next(iter(dg.buckets.values())) is not before
+
+
+class EagerKeepSegments(EagerCapture, KeepGraphs):
+    """``KeepGraphs`` without CUDA: the "graph" runs the keep pass eagerly from the bucket's static inputs."""
+
+
+def test_the_keep_pass_graph_keeps_as_the_eager_pass_on_cpu(tokenizer) -> None:
+    """DSpark's keep pass from its graph (``dspark_graphs.KeepGraphs``; the segment run eagerly here): after a
+    prefill (a window's rows of each prompt: more than the graphs' rows, eager) and a verify step whose kept rows
+    (2 + 1 + 3) fill no bucket (padding: the last row again), the rings equal the eager passes' within rounding,
+    positions exactly; one graph replayed. The worker's warm-up captures every bucket a batch may keep."""
+    got = []
+    for graphs in (False, True):
+        model = graphed_model(tokenizer, "sketch")
+        model.observe_graphs = EagerKeepSegments(model, max_batch=2)  # (rows up to twice DSpark's block size: 10)
+        model.ops.cuda_graphs = graphs
+        spec = DSparkSpeculator(model, 3, varlen=False)
+        rng = random.Random(4)
+        vocab = model.text.vocab_size
+        cache = PagedKVCache(model.config, PAGES * 3, PAGE)
+        tables = [torch.arange(i * PAGES, (i + 1) * PAGES) for i in range(3)]
+        states, rids = [SequenceState() for _ in range(3)], [f"r{i}" for i in range(3)]
+        prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (9, 14, 5)]
+        batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)], prompts)
+        h, _ = spec.forward(batch, cache, [], [], [])
+        spec.follow(batch, h, [0, 1, 2], rids)
+        assert model.observe_graphs.replays == 0  # (a window's rows a prompt: beyond the bucket limit)
+        ids = [[rng.randrange(5, vocab) for _ in range(4)] for _ in range(3)]
+        chunks = [SeqChunk(s, s.num_tokens, 4, t) for s, t in zip(states, tables)]
+        step = ForwardBatch.build(chunks, ids)
+        h, pending = spec.forward(step, cache, [0, 1, 2], rids, [3, 3, 3])
+        spec.settle(pending, [1, 0, 2], [ids[0][:2], ids[1][:1], ids[2][:3]], h, step)
+        assert model.observe_graphs.replays == int(graphs)
+        got.append((spec.rings.rows.clone(), spec.rings.pos.clone(), [spec.rings.slot[r] for r in rids]))
+    (r0, p0, s0), (r1, p1, s1) = got
+    assert s0 == s1 and torch.equal(p0, p1) and p0[s0].max(1).values.tolist() == [10, 14, 7]  # (kept: 2, 1, 3)
+    assert torch.allclose(r0, r1, rtol=0, atol=1e-5) and r0.abs().sum() > 0
+    # the warm-up captures a keep graph for every row count a step of two sequences may keep (2 .. 2 x 4)
+    model.draft_graphs = EagerDraftSegments(model, max_batch=2)
+    spec.warm_graphs(states[:2])
+    assert sorted(size for size, *_ in model.observe_graphs.buckets) == [2, 4, 8]
+    assert not any(r.startswith("warm-up") for r in spec.rings.slot)
 
 
 def test_a_chunk_not_verified_keeps_all_its_tokens(tokenizer) -> None:

@@ -75,10 +75,14 @@ class ContextRings:
         """Keep ``kv [stages, n, d]`` at ``positions [n]``: the first ``counts[0]`` rows are ``rids[0]``'s, and so on
         (at most ``W`` rows a sequence, ascending)."""
         slots = [s for s, c in zip(self.slots(rids), counts) for _ in range(c)]
-        s = tensor(slots, self.pos.device, torch.long)
+        self.put(tensor(slots, self.pos.device, torch.long), kv, positions)
+
+    def put(self, slots: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """``write`` of rows whose ring ``slots [n]`` are on the device (what a CUDA graph captures; a row repeated,
+        the same slot, position and values, writes the same bytes again)."""
         at = torch.remainder(positions, self.window_size)
-        self.rows[:, s, at] = kv.to(self.rows.dtype)
-        self.pos[s, at] = positions
+        self.rows[:, slots, at] = kv.to(self.rows.dtype)
+        self.pos[slots, at] = positions
 
 
 __all__ = ["ContextRings"]

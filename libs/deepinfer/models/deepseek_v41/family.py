@@ -49,13 +49,14 @@ class DeepseekV41Family(DeepseekV4Family):
 
     def step_graphs(self) -> StepGraphs:
         """V4.1's graphs (``deepseek_v41.graphs.DecodeGraphs``, ``deepseek_v41.prefill_graphs.PrefillGraphs``, the
-        verify steps' ``deepseek_v41.verify_graphs.VerifyGraphs``, DSpark's ``dspark_graphs.DSparkGraphs``)."""
-        from deepinfer.models.deepseek_v41.dspark_graphs import DSparkGraphs
+        verify steps' ``deepseek_v41.verify_graphs.VerifyGraphs``, DSpark's draft and keep passes'
+        ``dspark_graphs.DSparkGraphs`` and ``KeepGraphs``)."""
+        from deepinfer.models.deepseek_v41.dspark_graphs import DSparkGraphs, KeepGraphs
         from deepinfer.models.deepseek_v41.graphs import DecodeGraphs
         from deepinfer.models.deepseek_v41.prefill_graphs import PrefillGraphs
         from deepinfer.models.deepseek_v41.verify_graphs import VerifyGraphs
 
-        return StepGraphs(DecodeGraphs, PrefillGraphs, VerifyGraphs, DSparkGraphs)
+        return StepGraphs(DecodeGraphs, PrefillGraphs, VerifyGraphs, DSparkGraphs, KeepGraphs)
 
     def build(
         self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer import envs
@@ -39,7 +40,8 @@ from deepinfer.models.deepseek_v4.speculative import VerifyStep, capturing_forwa
 from deepinfer.models.deepseek_v4.state import SequenceState
 from deepinfer.models.deepseek_v4.verify_step import PooledVerify
 from deepinfer.models.deepseek_v41.context_rings import ContextRings
-from deepinfer.models.deepseek_v41.dspark_graphs import draft_pass
+from deepinfer.models.deepseek_v41.dspark_graphs import draft_pass, keep_pass
+from deepinfer.runtime.decode_graphs import bucket_for
 from deepinfer.runtime.host_copy import tensor, to_host
 
 
@@ -99,15 +101,28 @@ class DSparkSpeculator:
             self.early.pop(rid, None)
 
     def warm_graphs(self, states: list[SequenceState]) -> None:
-        """Capture the draft pass's graph at this batch before serving (the worker's warm-up, on its own sequences;
-        their rings are released afterwards)."""
+        """Capture the draft pass's graph at this batch before serving, and the keep pass's for every row count a step
+        of this batch may keep (one row a sequence up to ``max_drafts + 1``; the worker's warm-up, on its own
+        sequences; their rings are released afterwards)."""
         m = self.model
         graphs = m.step_graphs.of(m, "draft") if self.proposer is None and m.step_graphs is not None else None
         if graphs is None:
             return
-        rids = [f"warm-up {i}" for i in range(len(states))]
+        n = len(states)
+        rids = [f"warm-up {i}" for i in range(n)]
         try:
-            graphs.run(self.rings, rids, states, [0] * len(states))
+            graphs.run(self.rings, rids, states, [0] * n)
+            keep = m.step_graphs.of(m, "observe")
+            if keep is None:
+                return
+            most = n * (self.max_drafts + 1)
+            features = torch.zeros(most, m.dspark.feature_dim, device=m.embed.weight.device)
+            sizes = {bucket_for(r, keep.max_rows): r for r in range(most, n - 1, -1)}  # (each bucket's fewest rows)
+            for size, r in sizes.items():
+                if size is not None:  # r rows, spread over the sequences
+                    counts = [r // n + (i < r % n) for i in range(n)]
+                    ends = np.cumsum(counts).tolist()
+                    keep.run(self.rings, features, [(rid, e - c, e, 0) for rid, c, e in zip(rids, counts, ends)])
         finally:
             self.release(rids)
 
@@ -222,16 +237,19 @@ class DSparkSpeculator:
 
     def _keep(self, rows: list[tuple[str, int, int, int]]) -> None:
         """``rows``: (request, first batch row, end row, the first row's position): their context KV into the rings,
-        computed for all of them at once."""
+        computed for all of them at once (``dspark_graphs.keep_pass``), from a graph where the model graphs its steps
+        (``dspark_graphs.KeepGraphs``)."""
         if not rows or self.features is None:
             return
         m = self.model
+        graphs = m.step_graphs.of(m, "observe") if m.step_graphs is not None else None
+        if graphs is not None and graphs.run(self.rings, self.features, rows):
+            return
         dev = self.features.device
         idx = tensor([r for _, a, b, _ in rows for r in range(a, b)], dev, torch.long)
         pos = tensor([p + k for _, a, b, p in rows for k in range(b - a)], dev, torch.long)
-        main_x = m.dspark.project(self.features.index_select(0, idx).to(m.embed.weight.dtype), m.ops)
-        kv = torch.stack(m.dspark.context_kv(main_x, pos, m.ops))  # [stages, n, d]
-        self.rings.write([rid for rid, *_ in rows], [b - a for _, a, b, _ in rows], kv, pos)
+        slots = [s for s, (_, a, b, _) in zip(self.rings.slots([rid for rid, *_ in rows]), rows) for _ in range(b - a)]
+        keep_pass(m, self.rings, self.features.index_select(0, idx), pos, tensor(slots, dev, torch.long))
 
 
 __all__ = ["DSparkSpeculator", "PendingVerify", "survival_lengths"]
