@@ -333,6 +333,41 @@ def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
 
 
 @gpu_only
+def test_v41_keep_pass_replays_its_graph_bit_for_bit() -> None:
+    """DSpark's keep pass (``dspark_graphs.KeepGraphs``) captured and replayed: a decode step's kept rows (four, a
+    bucket's size) written to the context rings bit for bit as the eager pass writes them."""
+    from deepinfer.backends.nvidia import NvidiaOps
+    from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
+    from models.tiny_v41 import build_tokenizer, random_model
+
+    got = []
+    for graphs in (False, True):
+        model = random_model(build_tokenizer(), NvidiaOps(cuda_graphs=True), "sketch", dev=DEVICE)
+        model.ops.cuda_graphs, model.piecewise_prefill = False, False
+        spec = DSparkSpeculator(model, 3, varlen=False)
+        g = torch.Generator().manual_seed(6)
+        vocab = model.text.vocab_size
+        prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
+        cache = PagedKVCache(model.config, PAGES * 4, PAGE, torch.float32, DEVICE)
+        tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(4)]
+        states, rids = [SequenceState() for _ in prompts], [f"r{i}" for i in range(4)]
+        with torch.no_grad():
+            batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)],
+                                       prompts, device=DEVICE)  # fmt: skip
+            h, _ = spec.forward(batch, cache, [], [], [])
+            spec.follow(batch, h, [0, 1, 2, 3], rids)
+            step = ForwardBatch.build([SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)],
+                                      [[5], [6], [7], [8]], device=DEVICE)  # fmt: skip
+            h, _ = spec.forward(step, cache, [], [], [])
+            model.ops.cuda_graphs = graphs  # (the keep pass only)
+            spec.follow(step, h, [0, 1, 2, 3], rids)
+        kg = model.observe_graphs
+        assert (kg is not None and not kg.failures and kg.replays == 1) == graphs
+        got.append((spec.rings.rows.clone(), spec.rings.pos.clone()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@gpu_only
 def test_one_attention_call_attends_as_the_sub_steps_on_the_gpu() -> None:
     """``verify_attention`` on the nvidia ops (eager, V4 and V4.1): what the verify steps return and leave equals
     the sub-steps' within fp32 rounding."""
