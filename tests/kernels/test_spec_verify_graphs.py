@@ -361,7 +361,7 @@ def test_v41_keep_pass_replays_its_graph_bit_for_bit() -> None:
             h, _ = spec.forward(step, cache, [], [], [])
             model.ops.cuda_graphs = graphs  # (the keep pass only)
             spec.follow(step, h, [0, 1, 2, 3], rids)
-        kg = model.observe_graphs
+        kg = getattr(model, "observe_graphs", None)  # (made on the first pass that may replay)
         assert (kg is not None and not kg.failures and kg.replays == 1) == graphs
         got.append((spec.rings.rows.clone(), spec.rings.pos.clone()))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
