@@ -2,18 +2,20 @@
 
 A verify step emits more tokens per sequence than a plain decode step and takes longer; which one gives the lower
 time per output token depends on the batch, the model, the hardware and how often the drafts are right, so the
-scheduler measures it instead of assuming it. Per decode-batch bucket (a power of two of decode rows) it keeps the
-median of each mode's last samples of seconds per token (one slow step, e.g. a CUDA graph captured for a new shape,
-does not move it): the time between two consecutive step results (the rate at which the worker delivers steps while
-there is work; an interval that began with no request to run is not counted) over the tokens the step emitted per
-sequence; an interval in which the worker captured CUDA graphs (``StepResult.graph_captures``: a new batch bucket or
-context span, met once) is not counted either, since the capture's seconds are no step's cost and a few of them
-among a mode's first samples would decide it. A step takes the cheaper mode; every ``explore`` steps of a bucket,
-times the ratio of the two modes' costs (a far dearer mode then takes about the same share of the time; at most
-``MAX_RATIO``), it runs a short burst of the other, whose first result (the pipeline changing shape) is not counted
-either, so a change of acceptance or load is seen. Until both modes are measured it drafts (speculation is on
-because it was asked for), then tries the plain steps. Only steps of decode rows alone are measured (a prefill
-chunk's cost is not a token's).
+scheduler measures it instead of assuming it. Per decode-batch bucket (a power of two of decode rows) it keeps each
+mode's last samples: the time between two consecutive step results (the rate at which the worker delivers steps
+while there is work; an interval that began with no request to run is not counted) and the tokens the step emitted
+per sequence. A mode's cost is their seconds over their tokens (``Estimate``), leaving out a step far slower than
+the others (a compile, a hiccup of the host): not the median of per-step ratios, which at batch 1 sits on the steps
+whose drafts were all rejected (40% of them with 40% of the drafts wrong) and called drafting dearer than plain
+steps where it was 20% cheaper (H100, 2026-12-06). An interval in which the worker captured CUDA graphs
+(``StepResult.graph_captures``: a new batch bucket or context span, met once) is not counted either, since the
+capture's seconds are no step's cost and a few of them among a mode's first samples would decide it. A step takes
+the cheaper mode; every ``explore`` steps of a bucket, times the ratio of the two modes' costs (a far dearer mode
+then takes about the same share of the time; at most ``MAX_RATIO``), it runs a short burst of the other, whose
+first result (the pipeline changing shape) is not counted either, so a change of acceptance or load is seen.
+Until both modes are measured it drafts (speculation is on because it was asked for), then tries the plain steps.
+Only steps of decode rows alone are measured (a prefill chunk's cost is not a token's).
 
 ``explore`` 0 turns the measuring off: every step under the batch limit drafts. ``clock``: injectable for tests.
 """
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 
 BURST = 4  # steps of the other mode per exploration (the first is not counted)
 MIN_SAMPLES = 3  # samples of a mode before it is compared
-WINDOW = 8  # the recent samples a mode's estimate is the median of
+WINDOW = 8  # the recent samples a mode's estimate is made of
+SLOW = 4.0  # a sample whose interval is over this many times the window's median is left out of the estimate
 MAX_RATIO = 16.0  # a far dearer mode is measured again at least every ``explore`` x this many steps
 
 
@@ -37,22 +40,32 @@ def bucket(rows: int) -> int:
 
 @dataclass
 class Estimate:
-    """A mode's seconds per token: the median of its last ``WINDOW`` samples, so that a rare slow step (a CUDA graph
-    captured for a new batch shape, a compile, a hiccup of the host) does not move it; ``samples``: all taken."""
+    """A mode's seconds per token of one sequence over its last ``WINDOW`` samples (``recent``: each step's seconds,
+    its interval times its rows, and the tokens it emitted): their seconds over their tokens, a step weighing as many
+    tokens as it emitted, less the samples whose seconds are over ``SLOW`` times the window's median (a rare slow
+    step: a compile, a hiccup of the host; CUDA graph captures are not sampled at all); ``samples``: all taken."""
 
-    seconds_per_token: float
+    seconds: float  # the first sample's
+    tokens: int
     samples: int = 1
-    recent: list[float] = field(default_factory=list)
+    recent: list[tuple[float, int]] = field(default_factory=list)
+    seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
-        self.recent = self.recent or [self.seconds_per_token]
+        self.recent = self.recent or [(self.seconds, self.tokens)]
+        self._estimate()
 
-    def add(self, x: float) -> None:
-        self.recent = [*self.recent[-(WINDOW - 1) :], x]
-        ordered = sorted(self.recent)
-        n = len(ordered)
-        self.seconds_per_token = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    def add(self, seconds: float, tokens: int) -> None:
+        self.recent = [*self.recent[-(WINDOW - 1) :], (seconds, tokens)]
         self.samples += 1
+        self._estimate()
+
+    def _estimate(self) -> None:
+        times = sorted(t for t, _ in self.recent)
+        n = len(times)
+        median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+        kept = [(t, k) for t, k in self.recent if t <= SLOW * median]
+        self.seconds_per_token = sum(t for t, _ in kept) / max(sum(k for _, k in kept), 1)
 
 
 @dataclass
@@ -130,13 +143,12 @@ class SpecPolicy:
         switched, self._last_mode = self._last_mode is not None and drafted != self._last_mode, drafted
         if not counted or switched or one_time or tokens <= 0:
             return
-        sample = interval * rows / tokens  # seconds per token of one sequence
-        key = (b, drafted)
+        key = (b, drafted)  # (seconds per token of one sequence: the interval times the rows, over the tokens)
         est = self.estimates.get(key)
         if est is None:
-            self.estimates[key] = Estimate(sample)
+            self.estimates[key] = Estimate(interval * rows, tokens)
         else:
-            est.add(sample)
+            est.add(interval * rows, tokens)
 
 
-__all__ = ["BURST", "MAX_RATIO", "MIN_SAMPLES", "WINDOW", "Estimate", "SpecPolicy", "bucket"]
+__all__ = ["BURST", "MAX_RATIO", "MIN_SAMPLES", "SLOW", "WINDOW", "Estimate", "SpecPolicy", "bucket"]
