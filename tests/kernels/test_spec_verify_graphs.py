@@ -300,10 +300,9 @@ def test_v41_verify_on_the_decode_path_replays_its_graphs_bit_for_bit(fused: boo
         assert torch.equal(a, b), i
 
 
-@gpu_only
-def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
-    """DSpark's draft pass (``deepseek_v41.dspark_graphs``) captured and replayed: the drafts and confidences of
-    four sequences, from their context rings after a prefill, bit for bit the eager pass's."""
+def _dspark_after_prefill() -> tuple:
+    """A tiny V4.1 model on the nvidia ops (graphs off) and its DSpark speculator after four prompts' prefill, which
+    DSpark followed: ``(model, spec, cache, tables, states, rids)``."""
     from deepinfer.backends.nvidia import NvidiaOps
     from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
     from models.tiny_v41 import build_tokenizer, random_model
@@ -322,6 +321,15 @@ def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
                                    device=DEVICE)  # fmt: skip
         h, _ = spec.forward(batch, cache, [], [], [])
         spec.follow(batch, h, [0, 1, 2, 3], rids)
+    return model, spec, cache, tables, states, rids
+
+
+@gpu_only
+def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
+    """DSpark's draft pass (``deepseek_v41.dspark_graphs``) captured and replayed: the drafts and confidences of
+    four sequences, from their context rings after a prefill, bit for bit the eager pass's."""
+    model, spec, _, tables, states, rids = _dspark_after_prefill()
+    with torch.no_grad():
         got = []
         for graphs in (False, True):
             model.ops.cuda_graphs = graphs
@@ -336,26 +344,10 @@ def test_v41_draft_pass_replays_its_graph_bit_for_bit() -> None:
 def test_v41_keep_pass_replays_its_graph_bit_for_bit() -> None:
     """DSpark's keep pass (``dspark_graphs.KeepGraphs``) captured and replayed: a decode step's kept rows (four, a
     bucket's size) written to the context rings bit for bit as the eager pass writes them."""
-    from deepinfer.backends.nvidia import NvidiaOps
-    from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator
-    from models.tiny_v41 import build_tokenizer, random_model
-
     got = []
     for graphs in (False, True):
-        model = random_model(build_tokenizer(), NvidiaOps(cuda_graphs=True), "sketch", dev=DEVICE)
-        model.ops.cuda_graphs, model.piecewise_prefill = False, False
-        spec = DSparkSpeculator(model, 3, varlen=False)
-        g = torch.Generator().manual_seed(6)
-        vocab = model.text.vocab_size
-        prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 9, 50)]
-        cache = PagedKVCache(model.config, PAGES * 4, PAGE, torch.float32, DEVICE)
-        tables = [torch.arange(i * PAGES, (i + 1) * PAGES, device=DEVICE) for i in range(4)]
-        states, rids = [SequenceState() for _ in prompts], [f"r{i}" for i in range(4)]
+        model, spec, cache, tables, states, rids = _dspark_after_prefill()
         with torch.no_grad():
-            batch = ForwardBatch.build([SeqChunk(s, 0, len(p), t) for s, p, t in zip(states, prompts, tables)],
-                                       prompts, device=DEVICE)  # fmt: skip
-            h, _ = spec.forward(batch, cache, [], [], [])
-            spec.follow(batch, h, [0, 1, 2, 3], rids)
             step = ForwardBatch.build([SeqChunk(s, s.num_tokens, 1, t) for s, t in zip(states, tables)],
                                       [[5], [6], [7], [8]], device=DEVICE)  # fmt: skip
             h, _ = spec.forward(step, cache, [], [], [])
