@@ -17,8 +17,12 @@ the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per r
   less the oracle's at ``e = 1`` (same verify shape, nothing kept) is the drafter's cost per step.
 * **policy**: the oracle at the error rate closest to 3 tokens per verify step under the scheduler's default batch
   limit (``DEEPINFER_SPEC_DECODE_MAX_BATCH``: above it the steps run without drafts) and its cost policy
-  (``--explore``: it measures both modes and keeps the cheaper; ``steps_off`` counts both reasons); **policy_mtp**:
-  the same with the MTP block drafting. The other runs draft at every step.
+  (``--explore``, the server's default 64: it measures both modes and keeps the cheaper; ``steps_off`` counts both
+  reasons), timed after an untimed run of the same whose estimates it starts from (a server's policy has measured
+  both modes long before); its oracle judges the drafts itself (``OracleProposer(judged=True)``: a run mixing plain
+  and verify steps leaves the replayed continuation at the first near-tie that a plain step's rounding decides the
+  other way, and the oracle would be wrong from there on); **policy_mtp**: the same with the MTP block drafting.
+  The other runs draft at every step.
 
 The verify step's time is set beside its roofline (``sweep.Work.decode`` with ``rows = drafts + 1``: the weights read
 once, every row's experts and FLOPs, each sequence's KV once). A reduced-depth target makes drafting look dearer than
@@ -58,6 +62,7 @@ by device time, and the host's launches and syncs (``kernel_profile_off`` / ``ke
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import dataclasses
 import io
@@ -106,13 +111,18 @@ GRAPH_KINDS = ("decode", "prefill", "verify", "draft", "observe")  # the model's
 def run(
     s: Setup, b: int, drafter: str | float | None, cont: dict | None = None, limit: int = 1 << 30,
     profile: bool = False, explore: int = 0, kernels: bool = False, logprobs: bool = False, late: int = 0,
+    judged: bool = False, learned: dict | None = None, learn: dict | None = None,
 ) -> dict:  # fmt: skip
     """Prefill ``b`` requests, then time ``--tokens`` more tokens each. ``drafter``: None (off; ``logprobs``: with
     the top-2 logprobs, for ``divergence``: not for timing, they slow a step), "mtp", or the oracle's error rate
     (``cont``: its continuations); ``profile``: a cProfile of the timed steps; ``explore``: the scheduler's cost
     policy (0: every step under ``limit`` drafts); ``kernels``: ``torch.profiler`` over the timed steps
     (``kernel_profile``: its times are not the run's); ``late``: a request of that many prompt tokens (one output
-    token, not in the TPOT) joins after the first timed step, so that steps mix its prompt chunks with verify rows."""
+    token, not in the TPOT) joins after the first timed step, so that steps mix its prompt chunks with verify rows;
+    ``judged``: the oracle decides which drafts are kept (``OracleProposer``: the set acceptance in a run mixing plain
+    and verify steps, whose tokens then are not the target's); ``learned``: the cost policy starts from these
+    estimates (``learn`` of an earlier run, which this dict receives: a server's policy has measured both modes
+    long before)."""
     args, n = s.args, s.args.drafts
     total = args.tokens + 2
     sched = build_scheduler(
@@ -122,12 +132,15 @@ def run(
     )  # fmt: skip
     sched.config = dataclasses.replace(sched.config, spec_max_batch=limit, spec_explore=explore)
     sched.spec_policy.explore = explore
+    if learned:
+        sched.spec_policy.estimates.update(copy.deepcopy(learned))
     runner = ModelRunner(s.model, s.cache, s.dev, family=family_of(s.config))
     family = family_of(s.config)
     if drafter == "mtp":
         runner.spec = family.speculator(s.model, n)
     elif drafter is not None:
-        runner.spec = family.speculator(s.model, n, OracleProposer(cont or {}, float(drafter), s.config.vocab_size))
+        oracle = OracleProposer(cont or {}, float(drafter), s.config.vocab_size, judged=judged)
+        runner.spec = family.speculator(s.model, n, oracle)
     engine = LLMEngine(sched, runner, s.tok, s.config.vocab_size, async_scheduling=True)
     rng = random.Random(args.seed)
     prompts = {f"r{i}": [rng.randrange(2, s.config.vocab_size) for _ in range(args.context)] for i in range(b)}
@@ -179,6 +192,8 @@ def run(
         if tracer is not None:
             tracer.__exit__(None, None, None)
     elapsed = time.perf_counter() - t
+    if learn is not None:
+        learn.update(sched.spec_policy.estimates)
     tokens = sum(len(outs[rid]) - start[rid] for rid in prompts) / b
     # where the time went: the launches' spacing (a step's host work and the wait for the one before it), the
     # slowest intervals with whether the step drafted and how many graph buckets its launch captured, and the CUDA
@@ -342,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--limit", type=int, default=32, help="the scheduler's default DEEPINFER_SPEC_DECODE_MAX_BATCH")
-    ap.add_argument("--explore", type=int, default=16, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
+    ap.add_argument("--explore", type=int, default=64, help="the policy run's DEEPINFER_SPEC_DECODE_EXPLORE_STEPS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant", action="store_true", help="the batch-invariant op set (a correctness run)")
     ap.add_argument(
@@ -443,9 +458,13 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
         if "host_profile" in r:
             print(f"-- L={depth} B={b} e={e:g}: cProfile of the timed steps\n{r['host_profile']}", flush=True)
     nearest = min(args.errors, key=lambda e: abs((row[f"oracle_{e:g}"]["emitted_per_verify"] or 0) - 3))
-    policy = run(s, b, nearest, cont, args.limit, explore=args.explore)
+    # the policy's run: its oracle judged (a plain step's rounding would send the sequences off the continuation),
+    # its estimates from an untimed run before it (a server's policy has measured both modes long before)
+    learned: dict = {}
+    run(s, b, nearest, cont, args.limit, explore=args.explore, judged=True, learn=learned)
+    policy = run(s, b, nearest, cont, args.limit, explore=args.explore, judged=True, learned=learned)
     policy.pop("continuations"), policy.pop("logprobs")
-    row["policy"] = {"error": nearest, "limit": args.limit, **policy}
+    row["policy"] = {"error": nearest, "limit": args.limit, "judged": True, **policy}
     if args.mixed_ab:
         row["mixed"] = mixed_ab(s, b, nearest, cont, args.mixed_ab)
         sweep.log(f"L={depth} B={b}: a {args.mixed_ab}-token prompt joining, e={nearest:g}: split "

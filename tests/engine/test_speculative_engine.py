@@ -143,6 +143,36 @@ def test_batch_invariant_mode_is_bit_identical(model_dir: Path) -> None:
     assert drafted(fast)[1] > 0
 
 
+def test_a_judged_oracle_keeps_the_drafts_it_draws_right(spec: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's judged oracle (``OracleProposer(judged=True)``): in a run that mixes plain and verify steps
+    (here every third step plain), each verify step keeps exactly the leading drafts the oracle drew right, whatever
+    the target samples, and emits them: replayed from the outputs, every request's kept count and every kept
+    token is the oracle's (a draft at position ``q`` is ``(q - 1) % vocab``, the continuation being empty)."""
+    vocab, plain_every = spec.config.vocab_size, 3
+    proposer = OracleProposer({}, 0.4, vocab, judged=True)
+    spec.engine.runner.spec = spec.family.speculator(spec.model, DRAFTS, proposer)
+    policy, calls = spec.engine.scheduler.spec_policy, [0]
+    monkeypatch.setattr(policy, "explore", 1)
+
+    def choose(rows: int) -> bool:
+        calls[0] += 1
+        return calls[0] % plain_every != 0
+
+    monkeypatch.setattr(policy, "choose", choose)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = spec.engine.scheduler.spec.steps_off_cost
+    outs = run(spec, params)
+    assert spec.engine.scheduler.spec.steps_off_cost > before  # (plain steps among the verify steps)
+    for k, o in enumerate(outs):
+        toks, n0, got_kept, drawn_wrong = o.outputs[0].token_ids, len(PROMPTS[k]), 0, 0
+        for i in range(1, len(toks)):  # token i sits at position n0 + i: a kept draft or a sample
+            if toks[i] == (n0 + i - 1) % vocab and not proposer._wrong(f"r{k}", n0 + i):
+                got_kept += 1
+            drawn_wrong += proposer._wrong(f"r{k}", n0 + i)
+        assert got_kept == o.usage["accepted_draft_tokens"] > 0
+        assert 0 < drawn_wrong < len(toks)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -> None:
     """Drafts that are right are kept, wrong ones are not; the output never changes."""

