@@ -9,8 +9,9 @@ Dequantised weights, quantised activations and their products are exact, so only
 The path is picked from the shapes alone (``fp8_gemm_config.pick_config``; no host sync: CUDA-graph capturable,
 deterministic):
 
-* **W8A16** (weight-only, decode): e4m3 tiles converted in registers. One row (``_gemv_kernel``): FMAs on CUDA
-  cores with the weight scale folded into ``x``; more rows (``_w8a16_kernel``): the tile is dequantised into the
+* **W8A16** (weight-only, decode): e4m3 tiles converted in registers. Up to ``GEMV_MAX_M`` rows (``_gemv_kernel``:
+  one row, or two below 16384 output columns): FMAs on CUDA cores with the weight scale folded into ``x``, each
+  weight tile loaded once for every row; more rows (``_w8a16_kernel``): the tile is dequantised into the
   activation dtype and fed to ``tl.dot`` (fp32 accumulation), computed as ``yᵀ = W · xᵀ`` so the weight is the MMA's
   wide operand. ``act_quant`` quantises ``x`` inside the kernel (small M) or in a pre-pass kernel. Few output tiles
   use split-K: fp32 partials ``[S, M, N]`` summed in a fixed order, bit-reproducible eager and in graph replay alike,
@@ -52,6 +53,7 @@ from deepinfer.kernels.formats import dequantize_fp8_blocks
 from deepinfer.kernels.fp8_gemm_config import (
     ACT_BLOCK,
     DEQUANT_MIN_M,
+    GEMV_MAX_M,
     SCALED_MM_MIN_M,
     W8A8_MIN_M,
     GemmConfig,
@@ -143,41 +145,46 @@ def _w8a16_kernel(
         _split_finish(out_ptr, y_ptr, cnt_ptr, tile, offs, mask, stride_split, tl.num_programs(2))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
-    B0: tl.constexpr, B1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_ws, k_chunk, stride_split, group_rows, y_ptr, cnt_ptr,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT_QUANT: tl.constexpr, EVEN_K: tl.constexpr, GROUPED: tl.constexpr, TICKETS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One row: ``y[n] = Σ_k w[n, k] · (x[k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides B0). ``GROUPED``:
-    weight rows ``[g·R, (g+1)·R)`` (``R = group_rows``, a multiple of BLOCK_N) read ``x[g·K:(g+1)·K]``."""
+    """Up to ``BLOCK_M`` rows: ``y[m, n] = Σ_k w[n, k] · (x[m, k] · s[n // B0, k // B1])`` with FMAs (BLOCK_N divides
+    B0), each weight tile loaded once for every row. ``GROUPED``: weight rows ``[g·R, (g+1)·R)`` (``R =
+    group_rows``, a multiple of BLOCK_N) read ``x[:, g·K:(g+1)·K]``."""
     pdl_wait(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if GROUPED:
         x_ptr += (pid_n * BLOCK_N // group_rows).to(tl.int64) * K
+    rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    xrow = (rm % M).to(tl.int64) * stride_xm  # rows past the end re-read valid ones (stores are masked)
     wrow = (rn % N).to(tl.int64) * K
     stile = ws_ptr + pid_n * BLOCK_N // B0 * stride_ws
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = pid_k * k_chunk
     for k0 in range(k_lo, tl.minimum(k_lo + k_chunk, K), BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
-            x = tl.load(x_ptr + kk).to(tl.float32)
+            x = tl.load(x_ptr + xrow[:, None] + kk[None, :]).to(tl.float32)
             w = tl.load(w_ptr + wrow[:, None] + kk[None, :])
         else:
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + xrow[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + wrow[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
         if ACT_QUANT:
-            q, s = quant_sim(tl.reshape(x, (BLOCK_K // 128, 128)), 1)
-            x = tl.reshape(q * s[:, None], (BLOCK_K,))
-        xs = x * tl.load(stile + tl.minimum(kk, K - 1) // B1)
-        acc += w.to(tl.float32) * xs[None, :]
-    tl.store(out_ptr + pid_k * stride_split + rn, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rn < N)
+            q, s = quant_sim(tl.reshape(x, (BLOCK_M * BLOCK_K // 128, 128)), 1)
+            x = tl.reshape(q * s[:, None], (BLOCK_M, BLOCK_K))
+        xs = x * tl.load(stile + tl.minimum(kk, K - 1) // B1)[None, :]
+        acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(out_ptr + pid_k * stride_split + offs, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=mask)
     if TICKETS:
-        _split_finish(out_ptr, y_ptr, cnt_ptr, pid_n, rn, rn < N, stride_split, tl.num_programs(1))
+        _split_finish(out_ptr, y_ptr, cnt_ptr, pid_n, offs, mask, stride_split, tl.num_programs(1))
 
 
 @triton.jit
@@ -307,8 +314,9 @@ def _weight_only(
     rows = max(group_rows, 1)
     if cfg.path == "gemv":
         _gemv_kernel[grid](
-            x2, w, scale, out, n, k, scale.stride(0), chunk * cfg.block_k, n, rows, y, cnt, **common, **pdl.launch()
-        )
+            x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows, y, cnt,
+            BLOCK_M=cfg.block_m, **common, **pdl.launch(),
+        )  # fmt: skip
     else:
         _w8a16_kernel[grid](
             x2, w, scale, out, m, n, k, x2.stride(0), scale.stride(0), chunk * cfg.block_k, m * n, rows, y, cnt,
@@ -361,6 +369,7 @@ def fp8_grouped_linear(
 __all__ = [
     "ACT_BLOCK",
     "DEQUANT_MIN_M",
+    "GEMV_MAX_M",
     "SCALED_MM_MIN_M",
     "W8A8_MIN_M",
     "GemmConfig",

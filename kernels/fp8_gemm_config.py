@@ -18,15 +18,19 @@ W8A8_MIN_M = 256  # from this many rows (act_quant, 128-wide K blocks): FP8 tens
 SCALED_MM_MIN_M = 1024  # from this many rows on the W8A8 path: torch._scaled_mm (H200: 1.3-1.6x the Triton W8A8)
 SWAP_W8A8_MIN_M = 16  # from this many rows up to W8A8_MIN_M (act_quant, 128-wide K blocks): w8a8 with swap_ab
 DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuBLAS (H200: 2.2x W8A16 at 1024)
+# up to this many rows below 16384 output columns: the gemv, each weight tile read once for every row (H100, V4-Flash
+# shapes: 2 rows 0.7-0.95x the W8A16 tiles' time; 3-4 rows 1.0-1.9x, the FMAs on CUDA cores outgrow the bytes)
+GEMV_MAX_M = 2
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles and path of one call. ``path``: ``"gemv"`` (one row, CUDA cores), ``"w8a16"`` (bf16/fp32 tensor
-    cores), ``"w8a8"`` (FP8 tensor cores: act_quant, a 128-wide weight K block, block_k 128) or ``"dequant"`` (the
-    weight dequantised to ``x.dtype`` by a kernel, then ``F.linear``). ``scale_x`` (w8a16): multiply the weight
-    scale into the activation tile instead of the weight tile (block_n dividing the row block; gemv always does)."""
+    """Tiles and path of one call. ``path``: ``"gemv"`` (up to ``block_m`` rows, CUDA cores), ``"w8a16"``
+    (bf16/fp32 tensor cores), ``"w8a8"`` (FP8 tensor cores: act_quant, a 128-wide weight K block, block_k 128) or
+    ``"dequant"`` (the weight dequantised to ``x.dtype`` by a kernel, then ``F.linear``). ``scale_x`` (w8a16):
+    multiply the weight scale into the activation tile instead of the weight tile (block_n dividing the row block;
+    gemv always does)."""
 
     block_m: int
     block_n: int
@@ -58,7 +62,9 @@ def pick_config(
     activations (fp32 ones take fewer w8a16 stages: the tiles are sized for bf16)."""
     w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
     if interpreted():
-        cfg = GemmConfig(16, 32, 128, num_stages=1, path="w8a8" if w8a8 else "gemv" if m == 1 else "w8a16")
+        gemv = not w8a8 and (m == 1 or m <= GEMV_MAX_M and n < 16384)
+        cfg = GemmConfig(triton.next_power_of_2(m) if gemv else 16, 32, 128, num_stages=1,
+                         path="w8a8" if w8a8 else "gemv" if gemv else "w8a16")  # fmt: skip
         return replace(cfg, split_k=2 if n <= 64 and k >= 512 else 1)
     if w8a8:
         return GemmConfig(64, 64 if m <= 512 else 128, 128, num_warps=4, num_stages=4, path="w8a8")
@@ -70,14 +76,15 @@ def pick_config(
         return GemmConfig(bm, 128, 128, split_k=split, num_warps=4, num_stages=4, path="w8a8", swap_ab=True)
     if m >= DEQUANT_MIN_M and not act_quant:
         return GemmConfig(64, 128, 128, path="dequant")
-    if m == 1 and block[0] % 16 == 0:  # CUDA cores; ~1.5 waves of programs, several K tiles each when possible
+    if block[0] % 16 == 0 and (m == 1 or m <= GEMV_MAX_M and n < 16384):  # CUDA cores; ~1.5 waves of programs
         bn, bk, warps = (32, 256, 4) if n >= 16384 and block[0] % 32 == 0 else (16, 512, 4)
-        if bn == 16 and k >= 2048 and n >= 16 * sms:
+        if bn == 16 and k >= 2048 and n >= 16 * sms and m == 1:
             bk, warps = 1024, 8
+        bm = triton.next_power_of_2(m)
         tiles, steps, split = triton.cdiv(n, bn), triton.cdiv(k, bk), 1
         while 2 * tiles * split < 3 * sms and 2 * split <= steps:
             split *= 2
-        return GemmConfig(1, bn, bk, split_k=split, num_warps=warps, num_stages=1, path="gemv")
+        return GemmConfig(bm, bn, bk, split_k=split, num_warps=warps, num_stages=1, path="gemv")
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bn = 64 if m <= 16 else 128
     tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, 128), 1
@@ -98,8 +105,8 @@ def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: boo
         bad = f"a fused act_quant needs block_k a multiple of {ACT_BLOCK}"
     elif cfg.path == "w8a16" and act_quant and cfg.fuse_quant and cfg.block_k != ACT_BLOCK:
         bad = f"w8a16 with a fused act_quant needs block_k {ACT_BLOCK}"
-    elif cfg.path == "gemv" and (m != 1 or block[0] % cfg.block_n):
-        bad = "gemv needs one row and block_n dividing the weight's row block"
+    elif cfg.path == "gemv" and (m > cfg.block_m or block[0] % cfg.block_n):
+        bad = "gemv needs at most block_m rows and block_n dividing the weight's row block"
     elif cfg.path == "w8a16" and cfg.scale_x and (block[0] % cfg.block_n or dt == torch.float16):
         bad = "scale_x needs block_n dividing the weight's row block and bf16 / fp32 activations"
     elif cfg.path not in _PATHS:
@@ -111,6 +118,7 @@ def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: boo
 __all__ = [
     "ACT_BLOCK",
     "DEQUANT_MIN_M",
+    "GEMV_MAX_M",
     "SCALED_MM_MIN_M",
     "SWAP_W8A8_MIN_M",
     "W8A8_MIN_M",

@@ -167,12 +167,17 @@ def scaled_mm_block(x, n):
     return act_quant_fp8(x)
 
 
-def candidates(m):
-    """W8A16 / gemv configs worth timing for ``m`` rows (the tensor-core tiles as in ``pick_config``'s range)."""
+def candidates(m, gemv_only=False):
+    """W8A16 / gemv configs worth timing for ``m`` rows (the tensor-core tiles as in ``pick_config``'s range; the
+    gemv's up to ``GEMV_MAX_M`` rows, its rows x tile at most 128 fp32 accumulators a thread)."""
     out = []
-    if m == 1:
-        for bn, bk, nw, sk in itertools.product([16, 32], [256, 512, 1024], [4, 8], [1, 2, 4, 8, 16]):
-            out.append(GemmConfig(1, bn, bk, split_k=sk, num_warps=nw, num_stages=1, path="gemv"))
+    if m <= fc.GEMV_MAX_M:
+        bm = 1 << max(m - 1, 0).bit_length()
+        for bn, bk, nw, sk in itertools.product([16, 32], [128, 256, 512, 1024], [4, 8], [1, 2, 4, 8, 16]):
+            if bm * bn * bk <= 128 * 32 * nw and (bm > 1 or bk >= 256):
+                out.append(GemmConfig(bm, bn, bk, split_k=sk, num_warps=nw, num_stages=1, path="gemv"))
+    if gemv_only:
+        return out
     top = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
     splits = [1, 2, 4, 8, 16] if m <= 64 else [1, 2, 4] if m <= 256 else [1]
     for bm, bn, sk, nw, st, sc in itertools.product(
@@ -246,6 +251,11 @@ def tune_shape(name, args, results):
                 return sorted(res, key=lambda t: t[0])
 
             default = timed([None])
+            if args.gemv_only:  # the tensor-core tiles pick_config gives without the gemv's rows
+                old, fc.GEMV_MAX_M = fc.GEMV_MAX_M, 1
+                base = pick_config(m, n, k, (128, 128), aq)
+                fc.GEMV_MAX_M = old
+                default += timed([base])
             if args.swap_only:  # the W8A16 tiles pick_config gives without the swap path
                 old, fc.SWAP_W8A8_MIN_M = fc.SWAP_W8A8_MIN_M, 1 << 30
                 base = pick_config(m, n, k, (128, 128), aq)
@@ -253,15 +263,17 @@ def tune_shape(name, args, results):
                 default += timed([base])
             swaps = swap_candidates(m) if aq and 16 <= m < 256 else []
             best = timed(
-                swaps if args.swap_only else candidates(m) + swaps + (W8A8_CANDIDATES if aq and m >= 128 else [])
-            )
-            if aq and not args.swap_only:  # the best fused tiles again with an act-quant pre-pass
+                swaps if args.swap_only else candidates(m, True) if args.gemv_only
+                else candidates(m) + swaps + (W8A8_CANDIDATES if aq and m >= 128 else [])
+            )  # fmt: skip
+            if aq and not (args.swap_only or args.gemv_only):  # the best fused tiles again with an act-quant pre-pass
                 pre = timed([replace(c, fuse_quant=False) for _, c in best[:4] if c.path != "w8a8"])
                 best = sorted(best + pre, key=lambda t: t[0])
             top = [(round(us, 2), short(c)) for us, c in best[:4]]
             d = default[0][0] if default else math.nan
             dflt = short(pick_config(m, n, k, (128, 128), aq))
-            was = f", without swap {default[1][0]:.2f} us ({short(default[1][1])})" if len(default) > 1 else ""
+            other = "without gemv" if args.gemv_only else "without swap"
+            was = f", {other} {default[1][0]:.2f} us ({short(default[1][1])})" if len(default) > 1 else ""
             print(f"{name} N={n} K={k} M={m} aq={aq}: default {d:.2f} us ({dflt}){was}, best {top}", flush=True)
             results.append(dict(shape=name, M=m, act_quant=aq, default_us=d, top=top, baseline=was))
 
@@ -297,6 +309,7 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep tile configs instead")
     p.add_argument("--aq", choices=["both", "off", "on"], default="both", help="--tune: act_quant values")
     p.add_argument("--swap-only", action="store_true", help="--tune: only the W8A8 swap_ab tiles (16 <= M < 256)")
+    p.add_argument("--gemv-only", action="store_true", help="--tune: only the gemv tiles (M <= GEMV_MAX_M)")
     p.add_argument("--grouped", action="store_true", help="time the grouped wo_a (fp8_grouped_linear) instead")
     add_common_args(p, out_help="directory for gemm_fp8.json and gemm_fp8.md")
     args = p.parse_args()

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 from deepinfer.kernels.fp8_gemm import (  # noqa: E402
+    GEMV_MAX_M,
     GemmConfig,
     act_quant_fp8,
     fp8_grouped_linear,
@@ -70,7 +71,7 @@ def _rel(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-CPU_CONFIGS = {  # every W8A16 variant at interpreter-sized tiles (None: pick_config's choice, gemv for one row)
+CPU_CONFIGS = {  # every W8A16 variant at interpreter-sized tiles (None: pick_config's choice, gemv up to 4 rows)
     "auto": None,
     "weight": GemmConfig(16, 32, 128, num_stages=1),  # 128 > a 32 K block: scales expanded per column
     "k32": GemmConfig(16, 32, 32, num_stages=1, fuse_quant=False),
@@ -78,16 +79,19 @@ CPU_CONFIGS = {  # every W8A16 variant at interpreter-sized tiles (None: pick_co
     "dequant": GemmConfig(16, 32, 128, path="dequant"),
     "prepass": GemmConfig(16, 32, 128, num_stages=1, fuse_quant=False),
     "gemv": GemmConfig(1, 16, 256, num_stages=1, path="gemv"),
+    "gemv4": GemmConfig(4, 16, 128, num_stages=1, path="gemv"),
 }
 
 
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("variant", list(CPU_CONFIGS))
-@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 200, 256, 128), (5, 160, 384, 32), (33, 160, 256, 128)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block"), [(1, 200, 256, 128), (3, 96, 384, 128), (5, 160, 384, 32), (33, 160, 256, 128)]
+)
 def test_w8a16_matches_reference_fp32(m, n, k, block, act_quant, variant):
     cfg = CPU_CONFIGS[variant]
-    if cfg is not None and cfg.path == "gemv" and m != 1:
-        pytest.skip("gemv is for one row")
+    if cfg is not None and cfg.path == "gemv" and m > cfg.block_m:
+        pytest.skip("gemv is for at most block_m rows")
     w, s = _weight(n, k, (block, block), seed=m + n)
     x = _x(m, k, seed=m)
     out = fp8_linear(x, w, s, act_quant=act_quant, config=cfg)
@@ -124,14 +128,33 @@ def test_split_k_and_leading_dims():
             assert _rel(out, _reference(x, w, s, act_quant)) < 1e-5
 
 
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_gemv_rows_are_computed_as_one_row(act_quant):
+    """The gemv takes several rows (``pick_config``: up to ``GEMV_MAX_M``), each weight tile loaded once for all of
+    them, and a row's sums run in the order of the one-row gemv: with the tiles ``pick_config`` gives one row, each
+    of 2-4 rows is bit for bit what it is alone (no row reads another's values)."""
+    w, s = _weight(96, 1024, (128, 128), seed=41)
+    x = _x(4, 1024, seed=42)
+    one = pick_config(1, 96, 1024, (128, 128), act_quant)
+    assert one.path == "gemv" and pick_config(GEMV_MAX_M, 96, 1024, (128, 128), act_quant).path == "gemv"
+    alone = torch.cat([fp8_linear(x[i : i + 1], w, s, act_quant, config=one) for i in range(4)])
+    for m in range(2, 5):
+        cfg = replace(one, block_m=1 << (m - 1).bit_length())
+        assert torch.equal(fp8_linear(x[:m], w, s, act_quant, config=cfg), alone[:m])
+    assert _rel(alone, _reference(x, w, s, act_quant)) < 1e-5
+    assert pick_config(GEMV_MAX_M + 1, 96, 1024, (128, 128), act_quant).path != "gemv"
+    assert pick_config(2, 16384, 1024, (128, 128), act_quant).path != "gemv"  # (wide outputs: the tensor cores)
+
+
 @pytest.mark.parametrize("cfg", [GemmConfig(1, 16, 128, split_k=3, num_stages=1, path="gemv"),
+                                 GemmConfig(4, 16, 128, split_k=3, num_stages=1, path="gemv"),
                                  GemmConfig(16, 32, 128, split_k=3, num_stages=1)])  # fmt: skip
 def test_split_k_tickets_match_the_sum_kernel(cfg, monkeypatch):
     """Split-K summed by each tile's last program (tickets, ``SPLIT_TICKETS``) is the sum kernel's result bit for bit
     (the same order), and leaves the shared ticket counters at zero."""
     from deepinfer.kernels import fp8_gemm, small_gemm
 
-    m = 1 if cfg.path == "gemv" else 5
+    m = 3 if cfg.path == "gemv" and cfg.block_m > 1 else 1 if cfg.path == "gemv" else 5
     w, s = _weight(96, 1024, (128, 128), seed=31)
     x = _x(m, 1024, seed=32)
     fused = fp8_linear(x, w, s, config=cfg)
@@ -215,7 +238,7 @@ def test_bad_inputs_raise():
         GemmConfig(16, 256, 128, scale_x=True),
     ):
         with pytest.raises(ValueError, match="config"):
-            fp8_linear(x, w, s, config=cfg)  # no act_quant / two rows / 256 rows across a 128-row block
+            fp8_linear(x, w, s, config=cfg)  # no act_quant / more rows than block_m / 256 rows across a 128-row block
 
 
 @gpu_only
@@ -313,13 +336,14 @@ def _grouped_reference(x, w, s):
 @pytest.mark.parametrize(
     "cfg",
     [None, GemmConfig(1, 16, 128, split_k=2, num_stages=1, path="gemv"), GemmConfig(16, 32, 128, num_stages=1),
+     GemmConfig(4, 16, 128, split_k=2, num_stages=1, path="gemv"),
      GemmConfig(16, 32, 128, split_k=2, num_stages=1), GemmConfig(16, 32, 128, path="dequant")],
 )  # fmt: skip
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 3, 5])
 def test_grouped_linear_matches_einsum(t, cfg):
     """``wo_a``: each group of 64 weight rows meets its own 256 columns of x (4 groups, 32-row scale blocks)."""
-    if cfg is not None and cfg.path == "gemv" and t != 1:
-        pytest.skip("gemv is for one row")
+    if cfg is not None and cfg.path == "gemv" and t > cfg.block_m:
+        pytest.skip("gemv is for at most block_m rows")
     w, s = _weight(4 * 64, 256, (32, 32), seed=21)
     x = _x(t, 4 * 256, seed=22).view(t, 4, 256)
     out = fp8_grouped_linear(x, w, s, config=cfg)
