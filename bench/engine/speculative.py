@@ -21,8 +21,8 @@ the run is timed until each has ``--tokens`` more: TPOT = elapsed / tokens per r
   reasons), timed after an untimed run of the same whose estimates it starts from (a server's policy has measured
   both modes long before); its oracle judges the drafts itself (``OracleProposer(judged=True)``: a run mixing plain
   and verify steps leaves the replayed continuation at the first near-tie that a plain step's rounding decides the
-  other way, and the oracle would be wrong from there on); **policy_mtp**: the same with the MTP block drafting.
-  The other runs draft at every step.
+  other way, and the oracle would be wrong from there on); **policy_mtp**: the same with the model's drafter
+  (timed after an untimed run too). The other runs draft at every step.
 
 The verify step's time is set beside its roofline (``sweep.Work.decode`` with ``rows = drafts + 1``: the weights read
 once, every row's experts and FLOPs, each sequence's KV once). A reduced-depth target makes drafting look dearer than
@@ -478,7 +478,9 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
             print(f"-- L={depth} B={b} drafter: cProfile of the timed steps\n{mtp['host_profile']}", flush=True)
         mtp["divergence"] = divergence(row["_off"], mtp)
         mtp.pop("continuations"), mtp.pop("logprobs")
-        policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore)
+        learned_mtp: dict = {}  # (as the oracle's policy run: timed after an untimed run whose estimates it keeps)
+        run(s, b, "mtp", cont, args.limit, explore=args.explore, learn=learned_mtp)
+        policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore, learned=learned_mtp)
         policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
         if args.early_ab:  # the same drafter run with each step drafting at its launch (the A/B of early drafts)
             os.environ["DEEPINFER_SPEC_EARLY_DRAFTS"] = "0"
