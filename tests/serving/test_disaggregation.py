@@ -23,6 +23,7 @@ import pytest
 from deepinfer import SamplingParams
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.cli import replica_roles
+from deepinfer.engine.interfaces import ExportResult, SeqResult, StepResult
 from deepinfer.engine.pages import PagePool
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import SchedulerConfig
@@ -67,6 +68,27 @@ def test_a_replica_without_a_kvstore_refuses_a_handoff() -> None:
         with pytest.raises(ValueError, match=field):
             s.add("r", [5, 6, 7, 8], SamplingParams(max_tokens=4), **kw)
     assert not s.requests and not s.waiting
+
+
+def test_a_handoffs_export_goes_in_a_step_of_its_own() -> None:
+    """A prefill replica's scheduler (a kvstore behind it): once a handing-off request has its first token, the next
+    plan holds its export and no chunks, although another prompt waits, so the worker can answer that step as soon
+    as the put is done instead of after the next prompt's prefill; the step after it plans the prompt. The request
+    ends (``handoff``) only when the export is reported."""
+    config = SchedulerConfig(page_size=16, max_model_len=256, eos_token_id=1, fingerprint="fp", remote_store=True,
+                             max_num_batched_tokens=64)  # fmt: skip
+    s = Scheduler(config, PagePool(32))
+    s.add("h", list(range(10, 42)), SamplingParams(max_tokens=8, ignore_eos=True), hand_off=True)
+    first = s.schedule()
+    assert [c.request_id for c in first.chunks] == ["h"]
+    s.add("next", list(range(50, 90)), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert not s.update(StepResult(first.step_id, [SeqResult("h", token_id=7)]))
+    export = s.schedule()
+    assert not export.chunks and [o.export for o in export.offloads] == [True]
+    after = s.schedule()
+    assert [c.request_id for c in after.chunks] == ["next"] and not after.offloads
+    done = s.update(StepResult(export.step_id, exported=[ExportResult(export.offloads[0].snapshot_id, True, "")]))
+    assert [r.request_id for r in done] == ["h"] and done[0].finish_reason == "handoff"
 
 
 @pytest.fixture(scope="module")

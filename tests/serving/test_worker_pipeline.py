@@ -3,7 +3,9 @@
 Plans that arrive while a step is still running are launched before that step's tokens are collected (the
 placeholders of step N+1 read step N's samples on the device); results come back in order and carry the tokens of
 the synchronous engine. A bad plan behind launched steps still lets those steps report before the stream ends
-with INVALID_ARGUMENT. The device's busy time is simulated on the CPU by a slower ``InFlight.wait``.
+with INVALID_ARGUMENT. An accelerator is simulated on the CPU by a slower ``InFlight.wait`` and the platform saying
+a launch queues the step; on the host itself, whose launch runs the step, a step is collected before the next
+launch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from deepinfer.engine.factory import build_worker
 from deepinfer.engine.interfaces import PLACEHOLDER, ChunkPlan, WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import plan_to_proto, result_from_proto
+from deepinfer.runtime.platform import Platform
 from deepinfer.serving.server import Service, start_server
 from deepinfer.serving.step_profiler import StepProfiler
 from deepinfer.serving.worker import MAX_IN_FLIGHT, WorkerService
@@ -83,7 +86,7 @@ async def stream(parts, steps: list[WorkerStepPlan], service: WorkerService | No
     return results, code, details
 
 
-def traced(parts, monkeypatch) -> list[tuple[str, int]]:
+def traced(parts, monkeypatch, busy: bool = True) -> list[tuple[str, int]]:
     calls: list[tuple[str, int]] = []
     runner = parts.runner
     launch, finish, wait = runner.launch, runner.finish, InFlight.wait
@@ -94,7 +97,9 @@ def traced(parts, monkeypatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(runner, "launch", lambda plan: calls.append(("launch", plan.step_id)) or launch(plan))
     monkeypatch.setattr(runner, "finish", lambda s: calls.append(("finish", s.result.step_id)) or finish(s))
-    monkeypatch.setattr(InFlight, "wait", slow_wait)
+    if busy:  # an accelerator's: a launch queues the step (else the host's: the launch runs it)
+        monkeypatch.setattr(InFlight, "wait", slow_wait)
+        monkeypatch.setattr(Platform, "queues_steps", True)
     return calls
 
 
@@ -111,6 +116,16 @@ def test_steps_are_launched_ahead_and_give_the_engines_tokens(model_dir, monkeyp
     assert sorted(calls) == sorted([(k, s) for s in range(1, STEPS + 1) for k in ("launch", "finish")])
     in_flight = [sum(+1 if k == "launch" else -1 for k, _ in calls[: i + 1]) for i in range(len(calls))]
     assert max(in_flight) == MAX_IN_FLIGHT  # plan 4 waits for room although it arrived at once
+
+
+def test_a_step_done_at_its_launch_is_collected_before_the_next_launch(model_dir, monkeypatch) -> None:
+    """On the CPU a launch runs the step: its tokens are collected before the next step (a long prefill, say) takes
+    the runner, instead of waiting behind it."""
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16)
+    calls = traced(parts, monkeypatch, busy=False)
+    results, code, _ = asyncio.run(stream(parts, plans()))
+    assert code is None and [r.step_id for r in results] == list(range(1, STEPS + 1))
+    assert calls == [(k, s) for s in range(1, STEPS + 1) for k in ("launch", "finish")]
 
 
 def test_a_bad_plan_behind_launched_steps_ends_the_stream_after_their_results(model_dir, monkeypatch) -> None:

@@ -7,8 +7,10 @@ where its state ends: the prompt plus the tokens it was given, not the token it 
 through the model). That resume point is exported to the kvstore (``OffloadOrder.export``: the worker keeps the
 snapshot, so this replica's own cache still serves the prefix), and the request is reported done only once the worker
 says the put completed (``StepResult.exported``), so the decode replica's fetch cannot run ahead of the put. Its
-``handoff_position`` is then that position, or 0 when the export failed (the decode replica recomputes). A request
-that ends at its first token for another reason (EOS, a stop token, ``max_tokens``) ends as usual.
+``handoff_position`` is then that position, or 0 when the export failed (the decode replica recomputes). The export
+goes in a step of its own, which the worker answers once the put is done (up to ``engine.worker.EXPORT_WAIT_S``):
+in a step with chunks, its completion would reach the scheduler only with that step's result, after the next prompt's
+prefill. A request that ends at its first token for another reason (EOS, a stop token, ``max_tokens``) ends as usual.
 
 **On a decode replica** (``resume_position``): the kvstore holds the state of the request's first ``P`` tokens.
 The scheduler files that entry in its index of the kvstore, derived from the request's own tokens as a KV event's

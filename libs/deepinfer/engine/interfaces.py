@@ -195,6 +195,9 @@ class StateTransport(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Block until a transfer completes or ``timeout_s`` passes (an idle step waiting for one)."""
 
+    def wait_exported(self, export_ids: list[str], timeout_s: float) -> bool:
+        """Block until these exports are put or failed, or ``timeout_s`` passes; whether they all were."""
+
     def close(self) -> None: ...
 
 

@@ -180,6 +180,8 @@ class Scheduler(PrefixCaching, Handoffs):
             rp.visible = True
             self._kv_event("stored", rp, "snapshot")
         self._pending = []
+        if any(o.export for o in self._offloads):  # handoffs' exports go in a step of their own (engine.handoff)
+            return self._orders(plan)
         budget = self.config.max_num_batched_tokens
         spec = speculating(self.config, self.running, self.spec, self.spec_policy)
         # while a verify step is in flight, decode rows that would draft wait for it and verify with its requests in
@@ -230,6 +232,10 @@ class Scheduler(PrefixCaching, Handoffs):
                 req.prompt_logprobs.append(None)
             plan.chunks.append(self._chunk(req, n))
             budget -= n
+        return self._orders(plan)
+
+    def _orders(self, plan: WorkerStepPlan) -> WorkerStepPlan:
+        """The plan with the orders that wait for the next step: releases, dropped snapshots, offloads, fetches."""
         plan.released, self._released = self._released, []
         plan.dropped_snapshots, self._dropped = self._dropped, []
         plan.offloads, self._offloads = self._offloads, []

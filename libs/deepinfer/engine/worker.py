@@ -33,6 +33,9 @@ from deepinfer.runtime.host_copy import tensor, to_host
 from deepinfer.runtime.platform import Event
 
 _MASK64 = (1 << 64) - 1
+# the longest a step that only exports handoffs' states waits for their puts, so that their requests are reported
+# handed off with it (engine.handoff); a put still running then is reported with a later step
+EXPORT_WAIT_S = 0.1
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -81,7 +84,9 @@ class ModelRunner:
         if self.constraints is not None:
             self.constraints.release(request_ids)
 
-    def _snapshots(self, plan: WorkerStepPlan) -> None:
+    def _snapshots(self, plan: WorkerStepPlan) -> list[str]:
+        """Take the ordered snapshots, start the offloads and fetches; the ids of the exports put."""
+        exports = []
         for order in plan.snapshots:
             st = self.states.get(order.request_id)
             if st is None or st.num_tokens != order.position:
@@ -97,6 +102,7 @@ class ModelRunner:
                 pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
                 export_id = o.snapshot_id if o.export else None
                 self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta, export_id)
+                exports += [export_id] if export_id is not None else []
             elif o.export:  # nothing to export (no kvstore here, or the snapshot is gone): the handoff recomputes
                 why = "no_snapshot" if self.remote is not None else "no_kvstore"
                 self._lost_exports.append(ExportResult(o.snapshot_id, False, why))
@@ -104,6 +110,7 @@ class ModelRunner:
             if self.remote is None:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
             self.remote.fetch(f.fetch_id, f.key)
+        return exports
 
     def execute(self, plan: WorkerStepPlan) -> StepResult:
         """Run a step and wait for its result: ``finish(launch(plan))``."""
@@ -123,11 +130,11 @@ class ModelRunner:
         (a chunk of this step may still start from one). A chunk token ``PLACEHOLDER`` is the token its request
         sampled last, taken on the device when that step is still in flight, so step N+1 can be queued before step
         N's tokens reach the host (steps launched in order, finished in order)."""
-        self._snapshots(plan)
+        exports = self._snapshots(plan)
         self.release(plan.released)
         try:
             step = self._run(plan)
-            step.idle = not plan.chunks and not plan.fetches
+            step.idle, step.exports = not plan.chunks and not plan.fetches, exports
             return step
         finally:
             for sid in plan.dropped_snapshots:
@@ -153,7 +160,9 @@ class ModelRunner:
             for r in result.results:  # a request whose grammar failed ends with the reason (never a silent stop)
                 r.error = self.constraints.failure(r.request_id)
         if self.remote is not None:
-            if step.idle:
+            if step.idle and step.exports:  # a handoff's export (a step of its own): reported once put
+                self.remote.wait_exported(step.exports, EXPORT_WAIT_S)
+            elif step.idle:
                 self.remote.wait(0.005)  # an idle step waiting for fetches: do not spin
             for f in self.remote.completed():
                 if f.payload is not None:
@@ -347,6 +356,7 @@ class InFlight:
     idle: bool = False  # no chunks and no fetches
     host: torch.Tensor | None = None
     event: Event | None = None  # the platform's (deepinfer.runtime.platform)
+    exports: list[str] = field(default_factory=list)  # the handoffs' exports this step put (their snapshot ids)
 
     def wait(self) -> None:
         if self.event is not None:

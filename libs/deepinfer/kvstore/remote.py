@@ -39,6 +39,8 @@ class RemoteResumeStore:
         self._done: list[Fetched] = []
         self._exported: list[tuple[str, bool, str]] = []  # exports put (or failed): (snapshot id, ok, reason)
         self._lock = threading.Lock()
+        self._put_done = threading.Condition(self._lock)  # an export was put (or failed)
+        self._exporting: set[str] = set()  # exports whose put runs
         self._arrived = threading.Event()
         self.puts_failed = 0
         self._pending: set[Future] = set()
@@ -69,6 +71,8 @@ class RemoteResumeStore:
             if export_id is not None:
                 with self._lock:
                     self._exported.append((export_id, ok, reason))
+                    self._exporting.discard(export_id)
+                    self._put_done.notify_all()
                 self._arrived.set()
 
         async def go() -> None:
@@ -79,6 +83,9 @@ class RemoteResumeStore:
                 if self._puts.get(key) is task:
                     del self._puts[key]
 
+        if export_id is not None:
+            with self._lock:
+                self._exporting.add(export_id)
         return self._run(go())
 
     def fetch(self, fetch_id: str, key: bytes) -> Future:
@@ -122,6 +129,12 @@ class RemoteResumeStore:
         """Block until a fetch or an export completes or ``timeout_s`` passes (an idle step with transfers in
         flight)."""
         self._arrived.wait(timeout_s)
+
+    def wait_exported(self, export_ids: list[str], timeout_s: float) -> bool:
+        """Block until these exports are put (or failed), or ``timeout_s`` passes; whether they all were."""
+        want = set(export_ids)
+        with self._put_done:
+            return self._put_done.wait_for(lambda: not want & self._exporting, timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for every transfer in flight (tests, shutdown)."""

@@ -33,6 +33,7 @@ class Platform:
     graphs = False  # whether a step can be captured once and replayed (decode / piecewise graphs)
     pinned_copies = False  # whether host tensors bound for the device go through pinned memory, asynchronously
     triton = False  # whether the Triton kernels (``deepinfer.kernels``) run on the device
+    queues_steps = False  # whether a step's launch queues its work on the device and returns (the host runs it)
     collectives = "gloo"  # the torch.distributed backend of a rank group on this platform (``parallel.launch``)
 
     def use_device(self, rank: int) -> None:

@@ -3,7 +3,9 @@
 The event loop only moves messages: it converts each arriving plan and hands it to the launcher (:meth:`submit`),
 and sends each result the finisher hands back (:meth:`results`). The launcher launches a plan on the device as soon
 as it arrives (up to ``max_in_flight`` steps whose results are not collected), so the next step is queued on the
-device while the previous one runs; the finisher waits for the oldest step's tokens (no lock held while it waits),
+device while the previous one runs (on the host, whose launch runs the step, one: a step is collected before the
+next launch takes the runner, or a long next step, a prefill, would hold back tokens the step already has); the
+finisher waits for the oldest step's tokens (no lock held while it waits),
 collects them and converts the result. A step thus crosses two thread hand-offs (plan in, result out) instead of a
 hop to a pool thread and back for each of its launch, wait and collection, and neither thread waits for the event
 loop to be scheduled before touching the device.
@@ -32,6 +34,7 @@ from typing import Any
 from deepinfer.engine.interfaces import WorkerStepPlan
 from deepinfer.engine.worker import InFlight
 from deepinfer.rpc.convert import result_to_proto
+from deepinfer.runtime.platform import platform_of
 from deepinfer.serving.metrics import WorkerMetrics
 from deepinfer.serving.step_profiler import StepProfiler
 from deepinfer.serving.tracing import StepSpans, StepTraces
@@ -56,7 +59,7 @@ class StepPipeline:
     ) -> None:  # fmt: skip
         self.runner, self.device_lock, self.metrics, self.traces = runner, device_lock, metrics, traces
         self.profiler = profiler if profiler is not None else StepProfiler(None, 0, 0, "")
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = max_in_flight if platform_of(runner.device).queues_steps else 1
         self._loop = asyncio.get_running_loop()
         self._plans: queue.SimpleQueue[WorkerStepPlan | BaseException | None] = queue.SimpleQueue()
         self._launched: queue.SimpleQueue[_Launched | BaseException | None] = queue.SimpleQueue()

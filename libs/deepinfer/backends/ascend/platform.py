@@ -23,6 +23,7 @@ class NpuPlatform(Platform):
     name = "ascend"
     device_type = "npu"
     collectives = "hccl"
+    queues_steps = True
 
     def use_device(self, rank: int) -> None:
         _npu().set_device(rank % _npu().device_count())

@@ -17,6 +17,7 @@ class CudaPlatform(Platform):
     graphs = True
     pinned_copies = True
     triton = True
+    queues_steps = True
     collectives = "nccl"
 
     def use_device(self, rank: int) -> None:
