@@ -180,10 +180,9 @@ class Scheduler(PrefixCaching, Handoffs):
             rp.visible = True
             self._kv_event("stored", rp, "snapshot")
         self._pending = []
-        if any(o.export for o in self._offloads):  # handoffs' exports go in a step of their own (engine.handoff)
-            return self._orders(plan)
-        budget = self.config.max_num_batched_tokens
-        spec = speculating(self.config, self.running, self.spec, self.spec_policy)
+        exports = any(o.export for o in self._offloads)  # handoffs' exports go in a step of their own (engine.handoff)
+        budget = 0 if exports else self.config.max_num_batched_tokens
+        spec = not exports and speculating(self.config, self.running, self.spec, self.spec_policy)
         # while a verify step is in flight, decode rows that would draft wait for it and verify with its requests in
         # the next step: a batch split once (a prefill in two chunks) would otherwise verify in two halves forever
         held = spec and any(r.verifying and r.in_flight for r in self.running)
@@ -232,10 +231,6 @@ class Scheduler(PrefixCaching, Handoffs):
                 req.prompt_logprobs.append(None)
             plan.chunks.append(self._chunk(req, n))
             budget -= n
-        return self._orders(plan)
-
-    def _orders(self, plan: WorkerStepPlan) -> WorkerStepPlan:
-        """The plan with the orders that wait for the next step: releases, dropped snapshots, offloads, fetches."""
         plan.released, self._released = self._released, []
         plan.dropped_snapshots, self._dropped = self._dropped, []
         plan.offloads, self._offloads = self._offloads, []
