@@ -19,7 +19,7 @@ SCALED_MM_MIN_M = 1024  # from this many rows on the W8A8 path: torch._scaled_mm
 SWAP_W8A8_MIN_M = 16  # from this many rows up to W8A8_MIN_M (act_quant, 128-wide K blocks): w8a8 with swap_ab
 DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuBLAS (H200: 2.2x W8A16 at 1024)
 # up to this many rows below 16384 output columns: the gemv, each weight tile read once for every row (H100, V4-Flash
-# shapes: 2 rows 0.7-0.95x the W8A16 tiles' time; 3-4 rows 1.0-1.9x, the FMAs on CUDA cores outgrow the bytes)
+# shapes: 2 rows 0.70-0.95x the W8A16 tiles' time; 3-4 rows 0.92-2.2x, the FMAs on CUDA cores outgrow the bytes)
 GEMV_MAX_M = 2
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 
