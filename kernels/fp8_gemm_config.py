@@ -54,6 +54,11 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _gemv_rows(m: int, n: int) -> bool:
+    """Whether ``m`` rows of ``n`` output columns take the gemv (one row always; up to ``GEMV_MAX_M`` below 16384)."""
+    return m == 1 or (m <= GEMV_MAX_M and n < 16384)
+
+
 def pick_config(
     m: int, n: int, k: int, block: tuple[int, int], act_quant: bool, sms: int = 132, elem_bytes: int = 2
 ) -> GemmConfig:
@@ -62,7 +67,7 @@ def pick_config(
     activations (fp32 ones take fewer w8a16 stages: the tiles are sized for bf16)."""
     w8a8 = act_quant and block[1] == ACT_BLOCK and m >= W8A8_MIN_M
     if interpreted():
-        gemv = not w8a8 and (m == 1 or m <= GEMV_MAX_M and n < 16384)
+        gemv = not w8a8 and _gemv_rows(m, n)
         cfg = GemmConfig(triton.next_power_of_2(m) if gemv else 16, 32, 128, num_stages=1,
                          path="w8a8" if w8a8 else "gemv" if gemv else "w8a16")  # fmt: skip
         return replace(cfg, split_k=2 if n <= 64 and k >= 512 else 1)
@@ -76,7 +81,7 @@ def pick_config(
         return GemmConfig(bm, 128, 128, split_k=split, num_warps=4, num_stages=4, path="w8a8", swap_ab=True)
     if m >= DEQUANT_MIN_M and not act_quant:
         return GemmConfig(64, 128, 128, path="dequant")
-    if block[0] % 16 == 0 and (m == 1 or m <= GEMV_MAX_M and n < 16384):  # CUDA cores; ~1.5 waves of programs
+    if block[0] % 16 == 0 and _gemv_rows(m, n):  # CUDA cores; ~1.5 waves of programs
         bn, bk, warps = (32, 256, 4) if n >= 16384 and block[0] % 32 == 0 else (16, 512, 4)
         if bn == 16 and k >= 2048 and n >= 16 * sms and m == 1:
             bk, warps = 1024, 8

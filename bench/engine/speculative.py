@@ -441,6 +441,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return res
 
 
+def policy_run(
+    s: Setup, b: int, drafter: str | float, cont: dict, args: argparse.Namespace, judged: bool = False
+) -> dict:
+    """The cost policy's run, timed after an untimed one whose estimates it starts from (a server's policy has
+    measured both modes long before)."""
+    learned: dict = {}
+    run(s, b, drafter, cont, args.limit, explore=args.explore, judged=judged, learn=learned)
+    return run(s, b, drafter, cont, args.limit, explore=args.explore, judged=judged, learned=learned)
+
+
 def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Namespace) -> None:
     """The speculative runs of one batch size (``row`` has the plain one)."""
     off, depth = row["off"], row["depth"]
@@ -458,11 +468,8 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
         if "host_profile" in r:
             print(f"-- L={depth} B={b} e={e:g}: cProfile of the timed steps\n{r['host_profile']}", flush=True)
     nearest = min(args.errors, key=lambda e: abs((row[f"oracle_{e:g}"]["emitted_per_verify"] or 0) - 3))
-    # the policy's run: its oracle judged (a plain step's rounding would send the sequences off the continuation),
-    # its estimates from an untimed run before it (a server's policy has measured both modes long before)
-    learned: dict = {}
-    run(s, b, nearest, cont, args.limit, explore=args.explore, judged=True, learn=learned)
-    policy = run(s, b, nearest, cont, args.limit, explore=args.explore, judged=True, learned=learned)
+    # the policy's run: its oracle judged (a plain step's rounding would send the sequences off the continuation)
+    policy = policy_run(s, b, nearest, cont, args, judged=True)
     policy.pop("continuations"), policy.pop("logprobs")
     row["policy"] = {"error": nearest, "limit": args.limit, "judged": True, **policy}
     if args.mixed_ab:
@@ -478,9 +485,7 @@ def measure(s: Setup, b: int, row: dict[str, Any], cont: dict, args: argparse.Na
             print(f"-- L={depth} B={b} drafter: cProfile of the timed steps\n{mtp['host_profile']}", flush=True)
         mtp["divergence"] = divergence(row["_off"], mtp)
         mtp.pop("continuations"), mtp.pop("logprobs")
-        learned_mtp: dict = {}  # (as the oracle's policy run: timed after an untimed run whose estimates it keeps)
-        run(s, b, "mtp", cont, args.limit, explore=args.explore, learn=learned_mtp)
-        policy_mtp = run(s, b, "mtp", cont, args.limit, explore=args.explore, learned=learned_mtp)
+        policy_mtp = policy_run(s, b, "mtp", cont, args)
         policy_mtp.pop("continuations"), policy_mtp.pop("logprobs")
         if args.early_ab:  # the same drafter run with each step drafting at its launch (the A/B of early drafts)
             os.environ["DEEPINFER_SPEC_EARLY_DRAFTS"] = "0"

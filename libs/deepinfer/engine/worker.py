@@ -102,7 +102,8 @@ class ModelRunner:
                 pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
                 export_id = o.snapshot_id if o.export else None
                 self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta, export_id)
-                exports += [export_id] if export_id is not None else []
+                if o.export:
+                    exports.append(o.snapshot_id)
             elif o.export:  # nothing to export (no kvstore here, or the snapshot is gone): the handoff recomputes
                 why = "no_snapshot" if self.remote is not None else "no_kvstore"
                 self._lost_exports.append(ExportResult(o.snapshot_id, False, why))
@@ -134,7 +135,10 @@ class ModelRunner:
         self.release(plan.released)
         try:
             step = self._run(plan)
-            step.idle, step.exports = not plan.chunks and not plan.fetches, exports
+            step.idle = not plan.chunks and not plan.fetches
+            if step.idle and exports:  # a handoff's export step: its result waits for the puts (``InFlight.wait``)
+                remote = self.remote
+                step.puts = lambda: remote.wait_exported(exports, EXPORT_WAIT_S)
             return step
         finally:
             for sid in plan.dropped_snapshots:
@@ -160,8 +164,8 @@ class ModelRunner:
             for r in result.results:  # a request whose grammar failed ends with the reason (never a silent stop)
                 r.error = self.constraints.failure(r.request_id)
         if self.remote is not None:
-            if step.idle and step.exports:  # a handoff's export (a step of its own): reported once put
-                self.remote.wait_exported(step.exports, EXPORT_WAIT_S)
+            if step.puts is not None:  # a handoff's export step: reported once put
+                step.wait()
             elif step.idle:
                 self.remote.wait(0.005)  # an idle step waiting for fetches: do not spin
             for f in self.remote.completed():
@@ -356,11 +360,16 @@ class InFlight:
     idle: bool = False  # no chunks and no fetches
     host: torch.Tensor | None = None
     event: Event | None = None  # the platform's (deepinfer.runtime.platform)
-    exports: list[str] = field(default_factory=list)  # the handoffs' exports this step put (their snapshot ids)
+    # a handoff's export step (engine.handoff): waits for its puts, up to ``EXPORT_WAIT_S``, where a step waits for
+    # the device (``wait``: the worker's pipeline calls it without the device lock, so launches go on meanwhile)
+    puts: Callable[[], object] | None = None
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+        if self.puts is not None:
+            self.puts()
+            self.puts = None
 
     def host_rows(self) -> tuple[list[float], list[float], list[list[tuple[int, float]] | None]]:
         """The sampled rows on the host (waits for the copy): token ids, logprobs, top logprobs (None: not asked)."""

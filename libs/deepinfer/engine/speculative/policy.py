@@ -22,6 +22,7 @@ Only steps of decode rows alone are measured (a prefill chunk's cost is not a to
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,10 +62,8 @@ class Estimate:
         self._estimate()
 
     def _estimate(self) -> None:
-        times = sorted(t for t, _ in self.recent)
-        n = len(times)
-        median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
-        kept = [(t, k) for t, k in self.recent if t <= SLOW * median]
+        slow = SLOW * statistics.median(t for t, _ in self.recent)
+        kept = [(t, k) for t, k in self.recent if t <= slow]
         self.seconds_per_token = sum(t for t, _ in kept) / max(sum(k for _, k in kept), 1)
 
 
