@@ -57,6 +57,9 @@ them) and on the ragged path, each's TPOT of the drafting requests (the window h
 ``--kernel-profile B`` adds, at batch ``B`` and the largest depth, a plain run and a verify run (every draft wrong)
 under ``torch.profiler``: per step, the device's busy time and idle gaps (``bench/host/device_gaps.py``), the kernels
 by device time, and the host's launches and syncs (``kernel_profile_off`` / ``kernel_profile_verify`` in the JSON).
+With programmatic dependent launch on (``pdl`` in the JSON; Hopper's default), a kernel starts while the one before
+it drains and waits there, and the profiler counts that wait as the kernel's time: a short kernel after a long one
+looks long. For each kernel's own time profile with ``DEEPINFER_PDL=0``.
 """
 
 from __future__ import annotations
@@ -244,9 +247,13 @@ def kernel_profile(tracer: Any, steps: int) -> dict[str, Any]:
     gaps = device_gaps(tracer) if on_device(ka) else {}
     counts = {tag: round(sum(e.count for e in ka if tag in e.key) / max(steps, 1), 1)
               for tag in ("LaunchKernel", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaMemcpyAsync")}  # fmt: skip
-    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka) / 1e3
+    # the union of the kernels' intervals where the trace has them (the table's sum counts an op and its kernel twice)
+    busy = gaps["busy_ms"] if gaps else sum(getattr(e, "self_device_time_total", 0.0) for e in ka) / 1e3
+    from deepinfer.kernels import pdl  # (Triton: only where a run is profiled)
+
     return {
         "steps": steps,
+        "pdl": bool(pdl.launch()),  # True: a kernel's time includes its wait for the kernel before it
         "device_busy_ms_per_step": round(busy / max(steps, 1), 3),
         "gaps": gaps,
         "counts_per_step": counts,

@@ -187,7 +187,8 @@ def test_verify_replays_piecewise_graphs_bit_for_bit() -> None:
 @gpu_only
 def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
     """The MTP drafter's loop (``draft_graphs.DraftGraphs``) replayed against the same loop run eagerly: the same
-    drafts, twice (a capture, then a replay), and the block's window left as it was."""
+    drafts, twice (a capture, then a replay), and the block's window left as it was; fewer drafts from a drafter
+    padded to the full count replay the same graph and give the first drafts of the full run."""
     from deepinfer.models.deepseek_v4.mtp_drafter import MTPDrafter
 
     model = _model(mtp=True, seed=1)
@@ -210,6 +211,12 @@ def test_the_draft_loop_replays_its_graphs_bit_for_bit() -> None:
     torch.cuda.synchronize()
     assert model.draft_graphs is not None and model.draft_graphs.replays == 2 and model.draft_graphs.captures == 1
     assert eager == first == again and [len(d) for d in eager] == counts
+    assert all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))
+    short = [2, 1, 2, 1]  # near max_tokens: a drafter padded to 4 replays the 4-draft graph, no capture of its own
+    padded = MTPDrafter(model, pad=4).draft(heads, short, states, tables)
+    torch.cuda.synchronize()
+    assert model.draft_graphs.replays == 3 and model.draft_graphs.captures == 1
+    assert padded == [d[:n] for d, n in zip(eager, short)]
     assert all(torch.equal(st.windows[layer], b) for st, b in zip(states, before))
 
 

@@ -41,10 +41,13 @@ class MTPHead:
 class MTPDrafter:
     """Drafts with MTP block ``depth`` of ``model`` (argmax), keeping its state a plain run's (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, depth: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, depth: int = 0, pad: int = 0) -> None:
+        """``pad``: a graphed drafting loop runs at least this many drafts (the speculator's most; fewer drafts, near
+        a request's ``max_tokens``, replay the full count's graph and drop the rest instead of capturing their
+        own)."""
         if depth >= len(model.mtp):
             raise ValueError(f"the model has {len(model.mtp)} MTP blocks, not {depth + 1}")
-        self.model, self.depth = model, depth
+        self.model, self.depth, self.pad = model, depth, pad
         self.layer = model.config.num_hidden_layers + depth
 
     def _run(
@@ -203,7 +206,9 @@ class MTPDrafter:
         if k > 1:
             streams = torch.stack([heads[b].streams for b in live])
             graphs = self._graphs("draft")
-            got = None if graphs is None else graphs.run(sts, streams, first, k - 1)
+            steps = max(k, min(self.pad, window + 1)) - 1  # (the drafts past k are dropped)
+            got = None if graphs is None else graphs.run(sts, streams, first, steps)
+            got = None if got is None else got[:, :k]
             if got is None:
                 plan = draft_graphs.eager_plan(self.model.state_pool, window, sts, k - 1)
                 got = draft_graphs.draft_loop(self.model, self.depth, plan, streams, first)

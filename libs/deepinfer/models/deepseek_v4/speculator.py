@@ -53,7 +53,7 @@ class MTPSpeculator:
         if max_drafts + 1 > window:
             raise ValueError(f"{max_drafts} drafts need {max_drafts + 1} window rows; the window holds {window}")
         self.model, self.max_drafts = model, max_drafts
-        self.drafter = MTPDrafter(model) if proposer is None else None
+        self.drafter = MTPDrafter(model, pad=max_drafts) if proposer is None else None
         self.carry: dict[str, torch.Tensor] = {}  # rid -> the trunk's streams at its last consumed position
         self.heads: dict[str, MTPHead] = {}  # rid -> the block's last row (its block holds every position)
         # rid -> (its num_tokens then, drafts queued right after its verify step settled, its row in them)
