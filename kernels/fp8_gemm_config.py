@@ -21,6 +21,20 @@ DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuB
 # up to this many rows below 16384 output columns: the gemv, each weight tile read once for every row (H100, V4-Flash
 # shapes: 2 rows 0.70-0.95x the W8A16 tiles' time; 3-4 rows 0.92-2.2x, the FMAs on CUDA cores outgrow the bytes)
 GEMV_MAX_M = 2
+# from GEMV_MAX_M + 1 to this many rows (a batch-1 verify step, a few decode rows), at V4-Flash's dense shapes (N, K):
+# the W8A16 tiles' (block_n, split_k) measured best or within 7% of it at 4, 6 and 8 rows on an H100 (bf16
+# activations; 0.76-1.0x the rule's time, wo_b 0.76x; bench/results/kernels/2026-12-06-gemm-fp8-m4-h100.md); other
+# shapes and more rows take the rule below
+SMALL_M_MAX = 8
+SMALL_M_TILES = {
+    (4096, 8192): (128, 8),  # wo_b
+    (2048, 4096): (64, 16),  # shared experts' w1/w3
+    (4096, 2048): (64, 8),  # shared experts' w2
+    (1024, 4096): (64, 8),  # wq_a
+    (512, 4096): (64, 16),  # wkv
+    (8192, 1024): (128, 4),  # the indexer's wq_b
+    (32768, 1024): (64, 2),  # wq_b
+}
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 
 
@@ -90,6 +104,11 @@ def pick_config(
         while 2 * tiles * split < 3 * sms and 2 * split <= steps:
             split *= 2
         return GemmConfig(bm, bn, bk, split_k=split, num_warps=warps, num_stages=1, path="gemv")
+    small = SMALL_M_TILES.get((n, k)) if m <= SMALL_M_MAX else None
+    if small is not None:
+        bn, split = small
+        stages = fit_stages(3, (16 * elem_bytes + bn) * 128)
+        return GemmConfig(16, bn, 128, split_k=split, num_warps=4, num_stages=stages, fuse_quant=True)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     bn = 64 if m <= 16 else 128
     tiles, steps, split = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, 128), 1
@@ -125,6 +144,8 @@ __all__ = [
     "DEQUANT_MIN_M",
     "GEMV_MAX_M",
     "SCALED_MM_MIN_M",
+    "SMALL_M_MAX",
+    "SMALL_M_TILES",
     "SWAP_W8A8_MIN_M",
     "W8A8_MIN_M",
     "GemmConfig",

@@ -23,6 +23,7 @@ from deepinfer.kernels.fp8_gemm import (  # noqa: E402
     fp8_linear,
     pick_config,
 )
+from deepinfer.kernels.fp8_gemm_config import SMALL_M_MAX, SMALL_M_TILES  # noqa: E402
 from deepinfer.kernels.shared_memory import SHARED_MEMORY  # noqa: E402
 from deepinfer.quant.formats import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
@@ -114,6 +115,21 @@ def test_fp32_activations_take_the_stages_that_fit(monkeypatch):
         assert fp32.num_stages * (fp32.block_m * 4 + fp32.block_n) * fp32.block_k <= SHARED_MEMORY
     small = pick_config(48, 1024, 4096, (128, 128), False, 132, 4)
     assert small.block_m == 64 and small.num_stages == 3  # 144 KiB fit
+
+
+def test_a_few_rows_take_the_tiles_measured_for_their_shape(monkeypatch):
+    """From ``GEMV_MAX_M + 1`` to ``SMALL_M_MAX`` rows a V4-Flash shape takes its measured W8A16 tiles (block_n,
+    split_k); more rows, and shapes not measured, take the rule."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for (n, k), (bn, split) in SMALL_M_TILES.items():
+        for m in range(GEMV_MAX_M + 1, SMALL_M_MAX + 1):
+            for act_quant in (False, True):
+                cfg = pick_config(m, n, k, (128, 128), act_quant)
+                assert (cfg.path, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k) == ("w8a16", 16, bn, 128, split)
+        assert pick_config(SMALL_M_MAX + 1, n, k, (128, 128), False) == pick_config(16, n, k, (128, 128), False)
+    assert (1536, 4096) not in SMALL_M_TILES and pick_config(4, 1536, 4096, (128, 128), False) == pick_config(
+        16, 1536, 4096, (128, 128), False
+    )
 
 
 def test_split_k_and_leading_dims():
@@ -243,7 +259,7 @@ def test_bad_inputs_raise():
 
 @gpu_only
 @pytest.mark.parametrize("name", list(V4_SHAPES))
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("m", [1, 4, 7, 16, 64, 256, 1024])
 def test_gpu_bf16_v4_flash_shapes(name, m):
     n, k = V4_SHAPES[name]
     w, s = _weight(n, k, (128, 128), seed=n + k)
