@@ -80,7 +80,7 @@ def test_a_full_queue_refuses_at_once(model_dir: Path, tmp_path: Path) -> None:
 def test_sigterm_drains_running_streams_and_exits_cleanly(model_dir: Path, tmp_path: Path) -> None:
     # a grace long enough for the stream to finish here (its last 5 s would hand what still runs off elsewhere)
     m = Mesh(model_dir, tmp_path).up(http=False, grace_s=40)
-    sched = m.procs["scheduler"]
+    sched, worker = m.procs["scheduler"], m.procs["worker"]
     try:
 
         async def run():
@@ -90,22 +90,28 @@ def test_sigterm_drains_running_streams_and_exits_cleanly(model_dir: Path, tmp_p
             async for msg in call:
                 msgs.append(msg)
                 break
-            sched.send_signal(signal.SIGTERM)
-            health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(m.address("scheduler")))
-            deadline = time.monotonic() + 5
-            while (
-                await health.Check(health_pb2.HealthCheckRequest())
-            ).status != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.monotonic() < deadline, "health never turned NOT_SERVING"
-                await asyncio.sleep(0.02)
-            with pytest.raises(grpc.aio.AioRpcError) as direct:
-                async for _ in submit(m.address("scheduler"), "late-1", [0, 7, 8], max_tokens=4):
-                    pass
-            with pytest.raises(grpc.aio.AioRpcError) as via_balancer:
-                await collect(s, gen_request([0, 7, 8], max_tokens=4))
-            sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(m.address("scheduler")))
-            load = await sched_stub.GetLoad(scheduler_pb2.GetLoadRequest())
-            still_running = sched.poll() is None
+            # the worker held while the checks run: the stream is certainly still running then, however fast the
+            # host (the checks need the scheduler and the balancer only)
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                sched.send_signal(signal.SIGTERM)
+                health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(m.address("scheduler")))
+                deadline = time.monotonic() + 30
+                while (
+                    await health.Check(health_pb2.HealthCheckRequest())
+                ).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() < deadline, "health never turned NOT_SERVING"
+                    await asyncio.sleep(0.02)
+                with pytest.raises(grpc.aio.AioRpcError) as direct:
+                    async for _ in submit(m.address("scheduler"), "late-1", [0, 7, 8], max_tokens=4):
+                        pass
+                with pytest.raises(grpc.aio.AioRpcError) as via_balancer:
+                    await collect(s, gen_request([0, 7, 8], max_tokens=4))
+                sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(m.address("scheduler")))
+                load = await sched_stub.GetLoad(scheduler_pb2.GetLoadRequest())
+                still_running = sched.poll() is None
+            finally:
+                worker.send_signal(signal.SIGCONT)
             msgs += [msg async for msg in call]
             return msgs, direct.value, via_balancer.value, still_running, load
 
