@@ -21,10 +21,10 @@ DEQUANT_MIN_M = 512  # from this many rows (no act_quant): dequantise once + cuB
 # up to this many rows below 16384 output columns: the gemv, each weight tile read once for every row (H100, V4-Flash
 # shapes: 2 rows 0.70-0.95x the W8A16 tiles' time; 3-4 rows 0.92-2.2x, the FMAs on CUDA cores outgrow the bytes)
 GEMV_MAX_M = 2
-# from GEMV_MAX_M + 1 to this many rows (a batch-1 verify step, a few decode rows), at V4-Flash's dense shapes (N, K):
-# the W8A16 tiles' (block_n, split_k) measured best or within 7% of it at 4, 6 and 8 rows on an H100 (bf16
-# activations; 0.76-1.0x the rule's time, wo_b 0.76x; bench/results/kernels/2026-12-06-gemm-fp8-m4-h100.md); other
-# shapes and more rows take the rule below
+# up to this many rows the gemv does not take (a batch-1 verify step, a few decode rows; wq_b's from 2), at
+# V4-Flash's dense shapes (N, K): the W8A16 tiles' (block_n, split_k) measured best or within 7% of it at 4, 6 and 8
+# rows on an H100 (bf16 activations; 0.76-1.0x the rule's time, wo_b 0.76x;
+# bench/results/kernels/2026-12-06-gemm-fp8-m4-h100.md); other shapes and more rows take the rule below
 SMALL_M_MAX = 8
 SMALL_M_TILES = {
     (4096, 8192): (128, 8),  # wo_b
