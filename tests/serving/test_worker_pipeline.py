@@ -138,6 +138,37 @@ def test_a_bad_plan_behind_launched_steps_ends_the_stream_after_their_results(mo
     assert parts.runner.states == {}  # the stream's requests were dropped
 
 
+@pytest.mark.parametrize("where", ["finish", "wait"])
+def test_a_failed_collection_ends_the_stream_and_no_later_step_is_collected(model_dir, monkeypatch, where) -> None:
+    """Collecting step 2 fails (its result, or the wait for its tokens): step 1 reports, the stream ends with
+    INTERNAL at once, steps 3 and 4 (launched behind it) are never collected, and the runner is left free."""
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16)
+    calls = traced(parts, monkeypatch)
+    if where == "finish":
+        finish = parts.runner.finish
+
+        def failing(step):
+            if step.result.step_id == 2:
+                raise RuntimeError("collection failed")
+            return finish(step)
+
+        monkeypatch.setattr(parts.runner, "finish", failing)
+    else:
+        wait = InFlight.wait
+
+        def failing_wait(self):
+            if self.result.step_id == 2:
+                raise RuntimeError("collection failed")
+            return wait(self)
+
+        monkeypatch.setattr(InFlight, "wait", failing_wait)
+    results, code, details = asyncio.run(stream(parts, plans()))
+    assert [r.step_id for r in results] == [1]
+    assert code == grpc.StatusCode.INTERNAL
+    assert ("launch", 3) in calls and not any(k == "finish" and s > 2 for k, s in calls)
+    assert parts.runner.states == {}  # the stream's requests were dropped: the runner was free again
+
+
 def test_the_worker_records_the_steps_asked_for(model_dir, tmp_path, monkeypatch) -> None:
     """``DEEPINFER_TORCH_PROFILER_DIR``: steps 1 and 2 of a stream of 4 recorded (``torch.profiler``), then written
     as a Chrome trace and a table of the operators; the steps' tokens are those of a stream without it, and a second
@@ -164,7 +195,7 @@ def test_the_worker_records_the_steps_asked_for(model_dir, tmp_path, monkeypatch
 
 
 def test_a_record_that_cannot_be_written_leaves_the_steps_alone(tmp_path) -> None:
-    """The directory cannot be made (a file stands in its way): the record is given up and logged, the launcher
+    """The directory cannot be made (a file stands in its way): the record is given up and logged, the step
     thread gets no exception, and nothing more is recorded."""
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -1,29 +1,36 @@
-"""One ``Worker.Step`` stream's steps on the runner: a launcher thread and a finisher thread.
+"""One ``Worker.Step`` stream's steps on the runner: one thread runs them, another waits for the device.
 
-The event loop only moves messages: it converts each arriving plan and hands it to the launcher (:meth:`submit`),
-and sends each result the finisher hands back (:meth:`results`). The launcher launches a plan on the device as soon
-as it arrives (up to ``max_in_flight`` steps whose results are not collected), so the next step is queued on the
-device while the previous one runs (on the host, whose launch runs the step, one: a step is collected before the
-next launch takes the runner, or a long next step, a prefill, would hold back tokens the step already has); the
-finisher waits for the oldest step's tokens (no lock held while it waits),
-collects them and converts the result. A step thus crosses two thread hand-offs (plan in, result out) instead of a
-hop to a pool thread and back for each of its launch, wait and collection, and neither thread waits for the event
-loop to be scheduled before touching the device.
+The event loop only moves messages: it converts each arriving plan and hands it to the step thread (:meth:`submit`),
+and sends each result the step thread hands back (:meth:`results`). The step thread does all of the runner's host
+work, in order, as the in-process engine's loop does: it launches a plan as soon as one is there (up to
+``max_in_flight`` steps whose results are not collected), so the next step is queued on the device while the
+previous one runs, and collects the oldest step once the waiter thread says its tokens are on the host (the waiter
+only waits for the device, holding no lock and running no Python meanwhile). Plans go first: a step whose tokens
+arrived is collected after the plans that are there are launched. On the host (whose launch runs the step) one step
+is in flight: a step is collected before the next launch, or a long next step, a prefill, would hold back tokens
+the step already has.
 
-Both threads take ``device_lock`` around the runner (the service's other users of the runner take it too), so a
-launch and a collection never interleave. A structured-output plan whose rows need the previous step's tokens on
-the host (``Runner.waits_for_tokens``) is launched once the steps before it are collected.
+Why one thread for the runner: a launcher and a finisher thread working it at once (as before) took turns at the
+device lock and at the interpreter's lock, which every torch call gives up and takes back. On one H100, the same
+lease, the mesh's TPOT at concurrency 64 went from 11.6 to 9.8 ms with one thread, at 1 from 3.00 to 2.87 ms
+(``bench/results/serving/2026-12-06-mesh-step-thread-h100.md``); a batch-1 launch still takes about 2 ms of host
+time against a device step of about 1 ms, which is what holds the mesh's TPOT there.
+
+The step thread takes ``device_lock`` around the runner (the service's other users of the runner take it too). A
+structured-output plan whose rows need the previous step's tokens on the host (``Runner.waits_for_tokens``) is
+launched once the steps before it are collected.
 
 Phase timings (``WorkerMetrics.phase``): ``launch`` (the host's time to launch a step), ``finish`` (to collect it
 and build its result message, after its tokens are on the host), ``starved`` (the time with no step on the device
 and no plan to launch: the pipeline ran dry, waiting for the scheduler; a second or more counts as ``idle``).
 ``profiler``: the worker's ``serving.step_profiler.StepProfiler`` (``DEEPINFER_TORCH_PROFILER_DIR``), told of each
-launch in the launcher thread.
+launch in the step thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import time
@@ -50,6 +57,8 @@ class _Launched:
     num_tokens: int
     spans: StepSpans
     t0: float
+    ready: bool = False  # its tokens are on the host (the waiter said so)
+    error: Exception | None = None  # waiting for them failed
 
 
 class StepPipeline:
@@ -61,15 +70,13 @@ class StepPipeline:
         self.profiler = profiler if profiler is not None else StepProfiler(None, 0, 0, "")
         self.max_in_flight = max_in_flight if platform_of(runner.device).queues_steps else 1
         self._loop = asyncio.get_running_loop()
-        self._plans: queue.SimpleQueue[WorkerStepPlan | BaseException | None] = queue.SimpleQueue()
-        self._launched: queue.SimpleQueue[_Launched | BaseException | None] = queue.SimpleQueue()
+        # the step thread's one inbox: plans (and the stream's end or error) from the event loop, the waiter's news
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waits: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()  # launched steps, for the waiter
         self._out: asyncio.Queue[worker_pb2.StepResult | BaseException | None] = asyncio.Queue()
-        self._room = threading.Condition()
-        self._in_flight = 0  # launched, not collected
-        self._dry_since: float | None = time.perf_counter()  # no step on the device since then (None: one is)
         self._threads = [
-            threading.Thread(target=self._launcher, name="step-launch", daemon=True),
-            threading.Thread(target=self._finisher, name="step-finish", daemon=True),
+            threading.Thread(target=self._run, name="step-run", daemon=True),
+            threading.Thread(target=self._waiter, name="step-wait", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -78,7 +85,7 @@ class StepPipeline:
     def submit(self, plan: WorkerStepPlan | BaseException | None) -> None:
         """A plan to launch after those before it; an exception: the stream broke (reported after the steps
         launched before it); None: the stream ended."""
-        self._plans.put(plan)
+        self._inbox.put(plan)
 
     async def results(self) -> AsyncIterator[worker_pb2.StepResult]:
         """The steps' results in order, until the stream ends; raises the error that ended it, if one did."""
@@ -92,7 +99,7 @@ class StepPipeline:
 
     async def close(self) -> None:
         """Stop taking plans and wait until the steps launched are collected (the runner is then free)."""
-        self._plans.put(_END)
+        self._inbox.put(_END)
         await asyncio.to_thread(self._join)
 
     def _join(self) -> None:
@@ -106,76 +113,104 @@ class StepPipeline:
         except RuntimeError:  # the event loop is closed: nobody reads the results any more
             pass
 
-    def _launcher(self) -> None:
-        while True:
-            plan = self._plans.get()
-            if plan is _END or isinstance(plan, BaseException):
-                self.profiler.stop()  # (a record this stream began: what it has, from the thread that began it)
-                self._launched.put(plan)
-                return
-            with self._room:
-                while self._in_flight >= self.max_in_flight or (self._in_flight and self.runner.waits_for_tokens(plan)):
-                    self._room.wait()
-                if self._dry_since is not None:  # (a second or more without a plan: idle, not starved)
-                    dry = time.perf_counter() - self._dry_since
-                    self.metrics.phase("starved" if dry < IDLE_S else "idle", dry)
-                    self._dry_since = None
-                self._in_flight += 1
-            self.traces.note(plan)
-            spans = self.traces.start(plan)  # the batch's step span and, when exported, one per traced request
-            t0 = time.perf_counter()
-            self.profiler.before(plan.num_tokens)
+    def _waiter(self) -> None:
+        """Wait for each launched step's tokens in order (no lock held) and hand it back to the step thread."""
+        while (item := self._waits.get()) is not None:
             try:
-                with self.device_lock:
-                    step = self.runner.launch(plan)
-            except Exception as e:  # noqa: BLE001 - a bad plan: the steps launched before it still report
-                spans.end()
-                self.profiler.stop()
-                self._launched.put(e)
-                return
-            self.metrics.phase("launch", time.perf_counter() - t0)
-            self.profiler.after(plan.num_tokens)
-            self._launched.put(_Launched(step, plan.num_tokens, spans, t0))
+                item.step.wait()
+            except Exception as e:  # noqa: BLE001 - the step thread reports it as the step's failure
+                item.error = e
+            self._inbox.put(item)
 
-    def _finisher(self) -> None:
-        while True:
-            item = self._launched.get()
-            if item is _END or isinstance(item, BaseException):
-                self._post(item)
-                return
-            try:
-                item.step.wait()  # the step's tokens on the host; the launcher may launch meanwhile
-                t1 = time.perf_counter()
-                with self.device_lock:
-                    result = self.runner.finish(item.step)
-                out = result_to_proto(result)
-            except Exception as e:  # noqa: BLE001 - ends the stream with its status (``Step`` maps it)
-                self._post(e)
-                self._drain()
-                return
-            finally:
-                item.spans.end()
-                with self._room:
-                    self._in_flight -= 1
-                    if self._in_flight == 0:
-                        self._dry_since = time.perf_counter()
-                    self._room.notify_all()
-            elapsed = time.perf_counter() - item.t0
-            self.metrics.step(elapsed, item.num_tokens, result.graph_captures)
-            self.metrics.phase("finish", time.perf_counter() - t1)
-            out.forward_ms = elapsed * 1e3
-            self._post(out)
+    def _run(self) -> None:
+        plans: collections.deque[WorkerStepPlan] = collections.deque()  # arrived, not launched
+        launched: collections.deque[_Launched] = collections.deque()  # in flight, oldest first
+        end: BaseException | bool = False  # the stream's end (True) or the error that ends it
+        broken = False  # a collection failed and was posted: the steps after it are not collected
+        dry_since: float | None = time.perf_counter()  # no step on the device since then (None: one is)
+        try:
+            while True:
+                item = self._inbox.get()
+                while True:  # take everything there is
+                    if isinstance(item, _Launched):
+                        item.ready = True
+                    elif item is _END or isinstance(item, BaseException):
+                        end = end or (True if item is _END else item)
+                    elif not end:
+                        plans.append(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                while True:  # the plans there are launch first; then the oldest step, if ready, is collected
+                    while plans and len(launched) < self.max_in_flight:  # (those before the stream's end, too)
+                        if launched and self.runner.waits_for_tokens(plans[0]):
+                            break  # (launched once the steps before it are collected)
+                        if dry_since is not None:  # (a second or more without a plan: idle, not starved)
+                            dry = time.perf_counter() - dry_since
+                            self.metrics.phase("starved" if dry < IDLE_S else "idle", dry)
+                            dry_since = None
+                        step = self._launch(plans.popleft())
+                        if isinstance(step, BaseException):  # a bad plan: reported after the steps before it
+                            end = step
+                            plans.clear()
+                            break
+                        launched.append(step)
+                        self._waits.put(step)
+                    if not launched or not launched[0].ready:
+                        break
+                    item = launched.popleft()
+                    if broken:  # (the device is done with it; its result is not wanted any more)
+                        item.spans.end()
+                    elif (failed := self._finish(item)) is not None:
+                        self._post(failed)
+                        end, broken = failed, True
+                        plans.clear()
+                if not launched:
+                    dry_since = dry_since or time.perf_counter()
+                    if end:
+                        if not broken:
+                            self._post(_END if end is True else end)
+                        return
+        finally:
+            self._waits.put(None)
+            self.profiler.stop()  # (a record this stream began: what it has, from the thread that began it)
 
-    def _drain(self) -> None:
-        """After a failed collection: let the launcher run out (it stops at the stream's end or an error)."""
-        while True:
-            item = self._launched.get()
-            if item is _END or isinstance(item, BaseException):
-                return
+    def _launch(self, plan: WorkerStepPlan) -> _Launched | BaseException:
+        self.traces.note(plan)
+        spans = self.traces.start(plan)  # the batch's step span and, when exported, one per traced request
+        t0 = time.perf_counter()
+        self.profiler.before(plan.num_tokens)
+        try:
+            with self.device_lock:
+                step = self.runner.launch(plan)
+        except Exception as e:  # noqa: BLE001 - a bad plan: the steps launched before it still report
+            spans.end()
+            return e
+        self.metrics.phase("launch", time.perf_counter() - t0)
+        self.profiler.after(plan.num_tokens)
+        return _Launched(step, plan.num_tokens, spans, t0)
+
+    def _finish(self, item: _Launched) -> BaseException | None:
+        """Collect a step whose tokens are on the host and post its result; a failure is returned (it ends the
+        stream)."""
+        t1 = time.perf_counter()
+        try:
+            if item.error is not None:
+                raise item.error
+            with self.device_lock:
+                result = self.runner.finish(item.step)
+            out = result_to_proto(result)
+        except Exception as e:  # noqa: BLE001 - ends the stream with its status (``Step`` maps it)
+            return e
+        finally:
             item.spans.end()
-            with self._room:
-                self._in_flight -= 1
-                self._room.notify_all()
+        elapsed = time.perf_counter() - item.t0
+        self.metrics.step(elapsed, item.num_tokens, result.graph_captures)
+        self.metrics.phase("finish", time.perf_counter() - t1)
+        out.forward_ms = elapsed * 1e3
+        self._post(out)
+        return None
 
 
 __all__ = ["StepPipeline"]

@@ -1,7 +1,7 @@
 """A ``torch.profiler`` record of some of a worker's steps, for a reader who asks where a step's time goes in the
 service (``DEEPINFER_TORCH_PROFILER_DIR``; vLLM's ``VLLM_TORCH_PROFILER_DIR`` serves the same purpose).
 
-The worker's launcher thread counts the steps it launches that run tokens; after the first
+The worker's step thread counts the steps it launches that run tokens; after the first
 ``DEEPINFER_PROFILE_SKIP_STEPS`` of them it records the next ``DEEPINFER_PROFILE_STEPS`` (the host's operators, and
 the accelerator's kernels where the profiler sees them: CUDA), then waits for the device to finish them and writes
 two files into the directory, named after the worker, its process and the steps (first and last, counted from 0):
@@ -45,7 +45,7 @@ class StepProfiler:
         self.done = self.dir is None or count <= 0
 
     def before(self, num_tokens: int) -> None:
-        """A step with ``num_tokens`` tokens is about to launch (the launcher thread)."""
+        """A step with ``num_tokens`` tokens is about to launch (the step thread)."""
         if self.done or num_tokens <= 0 or self.prof is not None or self.seen < self.skip:
             return
         activities = self.platform.profiler_activities()
