@@ -78,7 +78,7 @@ from bench.engine.weight_sets import OrderSets, WeightSets
 from bench.harness import device_name as gpu_name
 from bench.harness import sync, timed, versions
 from bench.host.device_gaps import device_gaps
-from bench.host.host_ops import decode_spans, host_op_times, issue_timeline
+from bench.host.host_ops import chunk_issue, decode_spans, host_op_times, issue_timeline
 from deepinfer.engine.heap import freeze_heap, thaw_heap  # noqa: E402
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer.models.deepseek_v4.family import FAMILY as V4_FAMILY  # noqa: E402
@@ -667,6 +667,8 @@ def profile_prefill(run, dev: torch.device, shapes: bool = False, model: Any = N
             host[name] = view()
         except Exception as e:  # noqa: BLE001 - the profile is informative only: one view failing loses none else
             host[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    if "timeline" in host:  # per chunk: the host's time beside how far ahead of the device it ran
+        host["chunks"] = chunk_issue(host["timeline"])
     try:
         with profile(activities=acts, record_shapes=shapes) as prof:
             run()

@@ -239,4 +239,19 @@ def issue_timeline(model: Any, run: Callable[[], object]) -> list[dict[str, Any]
     ]  # fmt: skip
 
 
-__all__ = ["decode_spans", "host_op_times", "host_spans", "issue_timeline"]
+def chunk_issue(timeline: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """``issue_timeline``'s marks per prefill chunk (a chunk begins at each "batch built"): the host's time from the
+    chunk's first mark to its next chunk's (``host_ms``) and the least and most ``lag_ms`` in it. A host time that
+    jumps while the lag stays at its most is the host waiting for room in the device's launch queue (the device sets
+    the pace), not host work that grew: compare chunks at the same lag."""
+    starts = [i for i, m in enumerate(timeline) if m["at"] == "batch built"]
+    out = []
+    for k, i in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(timeline) - 1
+        lags = [m["lag_ms"] for m in timeline[i : end + 1]]
+        out.append({"chunk": k, "host_ms": round(timeline[end]["host_ms"] - timeline[i]["host_ms"], 3),
+                    "lag_min_ms": min(lags), "lag_max_ms": max(lags)})  # fmt: skip
+    return out
+
+
+__all__ = ["chunk_issue", "decode_spans", "host_op_times", "host_spans", "issue_timeline"]

@@ -166,3 +166,16 @@ def test_host_spans_time_nested_targets_per_run_and_restore():
     assert _Owner.__dict__["double"] is raw_double
     assert inst.__dict__["extra"] is extra and not hasattr(_Owner, "extra")
     assert isinstance(_Owner.make(), _Owner)
+
+
+def test_chunk_issue_splits_the_timeline_at_each_batch_and_keeps_the_lag_range():
+    from bench.host.host_ops import chunk_issue
+
+    marks = [("start", 0.0, 0.0), ("batch built", 1.0, 0.5), ("layer 0", 3.0, 9.0), ("batch built", 10.0, 20.0),
+             ("layer 0", 40.0, 200.0), ("issued", 41.0, 199.0)]  # fmt: skip
+    timeline = [{"at": a, "host_ms": h, "lag_ms": lag} for a, h, lag in marks]
+    assert chunk_issue(timeline) == [
+        {"chunk": 0, "host_ms": 9.0, "lag_min_ms": 0.5, "lag_max_ms": 20.0},
+        {"chunk": 1, "host_ms": 31.0, "lag_min_ms": 20.0, "lag_max_ms": 200.0},
+    ]
+    assert chunk_issue([{"at": "start", "host_ms": 0.0, "lag_ms": 0.0}]) == []
