@@ -229,6 +229,14 @@ def test_the_worker_freezes_its_start_up_heap(mesh: Mesh) -> None:
     assert len(frozen) == 1 and frozen[0]["frozen"] > 100_000, frozen
 
 
+def test_the_worker_builds_its_grammar_view_before_it_serves(mesh: Mesh) -> None:
+    """The tokenizer's grammar view (about a second of Python) is ready before the worker listens: no step of the
+    first requests shares the interpreter with it (``serving/grammar_view.py``)."""
+    events = [json.loads(line)["event"] for line in mesh.log("worker").splitlines() if line.startswith("{")]
+    assert "grammar_view_ready" in events and "listening" in events, events
+    assert events.index("grammar_view_ready") < events.index("heap_frozen") < events.index("listening")
+
+
 def test_the_balancer_and_the_scheduler_run_without_torch(mesh: Mesh) -> None:
     """Only the worker computes: the balancer and the scheduler, having served this module's requests, never loaded
     torch (a process start of about 2 s of CPU and 200 MB each, paid at every restart, for nothing)."""

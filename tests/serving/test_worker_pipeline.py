@@ -169,6 +169,18 @@ def test_a_failed_collection_ends_the_stream_and_no_later_step_is_collected(mode
     assert parts.runner.states == {}  # the stream's requests were dropped: the runner was free again
 
 
+def test_a_fault_of_the_step_loop_ends_the_stream_instead_of_hanging(model_dir, monkeypatch) -> None:
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16)
+    traced(parts, monkeypatch)
+
+    def broken(plan):
+        raise RuntimeError("loop fault")
+
+    monkeypatch.setattr(parts.runner, "waits_for_tokens", broken)
+    results, code, _ = asyncio.run(asyncio.wait_for(stream(parts, plans()), 60))
+    assert code == grpc.StatusCode.INTERNAL and len(results) <= 1
+
+
 def test_the_worker_records_the_steps_asked_for(model_dir, tmp_path, monkeypatch) -> None:
     """``DEEPINFER_TORCH_PROFILER_DIR``: steps 1 and 2 of a stream of 4 recorded (``torch.profiler``), then written
     as a Chrome trace and a table of the operators; the steps' tokens are those of a stream without it, and a second

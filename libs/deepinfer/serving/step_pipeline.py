@@ -172,6 +172,8 @@ class StepPipeline:
                         if not broken:
                             self._post(_END if end is True else end)
                         return
+        except Exception as e:  # noqa: BLE001 - a fault of the loop itself: the stream ends with it, never hangs
+            self._post(e)
         finally:
             self._waits.put(None)
             self.profiler.stop()  # (a record this stream began: what it has, from the thread that began it)

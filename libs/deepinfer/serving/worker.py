@@ -34,6 +34,7 @@ from deepinfer.parallel.layout import add_arguments as add_layout_arguments
 from deepinfer.parallel.layout import from_args as layout_from_args
 from deepinfer.rpc.convert import determinism_to_proto, plan_from_proto
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving import grammar_view
 from deepinfer.serving.collectors import CurrentBalancer, ExpertBalanceCollector
 from deepinfer.serving.errors import Overloaded
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
@@ -307,14 +308,15 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         layout = layout_from_args(args)
         build = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_pages=args.num_pages,
                      page_size=args.page_size)  # fmt: skip
+        ahead = grammar_view.start_ahead(args.model)  # the tokenizer's grammar view, built while the model loads
         parts, procs = start_worker(layout, accelerator, **build)
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
         return 2
+    if parts.runner.constraints is not None:  # ready before the worker serves: no step waits for it
+        grammar_view.ready(parts.runner.constraints, ahead)
     if envs.DEEPINFER_GC_FREEZE:  # the start-up's objects out of every later full collection (engine/heap.py)
         log.info("heap_frozen", **freeze_heap())
-    if parts.runner.constraints is not None:  # the grammar view of the tokenizer, before the first constrained step
-        threading.Thread(target=parts.runner.constraints.warm, name="grammar-warm", daemon=True).start()
     worker_id = instance_id("worker")
     ranked = None if procs is None else RankedWorker(layout, accelerator, build, procs)
     servicer = WorkerService(parts, worker_id, WorkerMetrics(str(parts.path)), layout.dp, layout.ranks, ranked)

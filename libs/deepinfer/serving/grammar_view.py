@@ -1,0 +1,60 @@
+"""The worker's grammar view of the tokenizer (xgrammar's ``TokenizerInfo`` over its 129k tokens), built before the
+worker serves.
+
+Building it takes about a second of Python (importing xgrammar, reading the vocabulary), holding the interpreter's
+lock most of that time. Built in a thread while the worker already served, it took that lock from the step thread
+of the first steps; built at the first constrained request, it would delay that request instead. So the worker
+builds it in a thread while the model loads (:func:`start_ahead`: the loading mostly waits for files and the
+device) and waits for it before it serves (:func:`ready`). The view is cached per tokenizer file
+(``grammar.vocab.build_tokenizer_info``), where the worker's ``ConstraintSet`` finds it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from deepinfer import envs
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+def start_ahead(model: str | Path | None) -> threading.Thread | None:
+    """Build the grammar view of ``model``'s tokenizer in a thread, when ``model`` (or the settings' default) is a
+    local directory; None otherwise (a hub id is resolved, and downloaded, by the model's loading only)."""
+    local = model or envs.DEEPINFER_HF_MODEL_DIR or envs.DEEPINFER_MODEL
+    if not Path(local).is_dir():
+        return None
+
+    def build() -> None:
+        from deepinfer.grammar import build_tokenizer_info
+
+        try:
+            build_tokenizer_info(Path(local))
+        except Exception as e:  # noqa: BLE001 - ``ready`` builds it again and says why it cannot
+            log.debug("grammar_view_ahead_failed", error=repr(e)[:300])
+
+    thread = threading.Thread(target=build, name="grammar-view", daemon=True)
+    thread.start()
+    return thread
+
+
+def ready(constraints: Any, ahead: threading.Thread | None) -> None:
+    """Wait for the view started ahead, then make sure ``constraints`` holds it (building it here if it was not
+    started ahead or was for another tokenizer); a view that cannot be built is logged, and refused at the first
+    constrained request (the worker serves the rest)."""
+    t0 = time.perf_counter()
+    if ahead is not None:
+        ahead.join()
+    try:
+        constraints.warm()
+    except Exception as e:  # noqa: BLE001 - structured outputs only: reported to the requests that ask for them
+        log.warning("grammar_view_unavailable", error=repr(e)[:300])
+        return
+    log.info("grammar_view_ready", waited_s=round(time.perf_counter() - t0, 3))
+
+
+__all__ = ["ready", "start_ahead"]
