@@ -245,7 +245,7 @@ def main() -> None:
               page_size=page_size, max_num_seqs=max(args.levels))  # fmt: skip
     llm.generate([{"prompt_token_ids": [0, 5, 6]}], SamplingParams(max_tokens=2))  # warm-up
     print(f"[{time.perf_counter() - t0:.0f} s] in-process engine ready", flush=True)
-    path = os.pathsep.join([str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH", "")])  # (and what ran this)
+    path = os.pathsep.join(p for p in (str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH")) if p)  # (+ ours)
     env = {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": "warning"}
     http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
     mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator, extra_env=env | settings)
