@@ -178,11 +178,15 @@ def pack_params(
     return torch.from_numpy(out)
 
 
-def _parts(rows: int, vocab: int, device: torch.device) -> int:
-    """Programs a row for the first pass: about two waves of the GPU, whole noise blocks each."""
+def _parts(rows: int, vocab: int, device: torch.device, invariant: bool = False) -> int:
+    """Programs a row for the first pass: about two waves of the GPU, whole noise blocks each; ``invariant``: one
+    noise block each whatever the batch (a row's logprob sums its parts' partials, so another split rounds it
+    differently: the batch-invariant mode keeps one split for every batch)."""
     blocks = -(-vocab // NOISE_BLOCK)
     if device.type != "cuda":
         return 1
+    if invariant:
+        return min(blocks, _MAX_PARTS)
     sms = _SMS.get(device.index)
     if sms is None:
         sms = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -190,10 +194,12 @@ def _parts(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def sample(
-    logits: torch.Tensor, raw: torch.Tensor, params: torch.Tensor, parts: int | None = None
+    logits: torch.Tensor, raw: torch.Tensor, params: torch.Tensor, parts: int | None = None, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's tokens and their raw logprobs (module docstring); ``params`` from ``pack_params``, on the device.
-    ``parts``: programs a row for the first pass (default: by the batch and the GPU's size; 1 on the host)."""
+    ``parts``: programs a row for the first pass (default: by the batch and the GPU's size, or with ``invariant``
+    the same for every batch, so a row's logprob is bit-identical in any batch; 1 on the host). The tokens never
+    depend on the split."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or raw.shape != logits.shape or raw.dtype != torch.float32:
         raise ValueError(f"expected fp32 logits and raw [B, V], got {logits.shape} {logits.dtype} / {raw.shape}")
     b, v = logits.shape
@@ -209,7 +215,7 @@ def sample(
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     r = raw if raw.stride(-1) == 1 else raw.contiguous()
     blocks = -(-v // NOISE_BLOCK)
-    p = min(parts or _parts(b, v, logits.device), blocks)
+    p = min(parts or _parts(b, v, logits.device, invariant), blocks)
     ch = -(-blocks // p) * NOISE_BLOCK
     p = -(-v // ch)
     pf = torch.empty((b, p, 4), dtype=torch.float32, device=logits.device)

@@ -115,6 +115,34 @@ def test_the_first_pass_split_over_programs():
     torch.testing.assert_close(lp, _run(logits, params, seeds, raw, parts=1)[1], atol=1e-6, rtol=0)
 
 
+def test_the_invariant_mode_splits_every_batch_as_it_splits_one_row(monkeypatch):
+    """By default the first pass gives a row fewer programs in a larger batch (about two waves of the GPU), and its
+    logprob sums another set of partials; the batch-invariant mode splits every batch the same way."""
+    from deepinfer.kernels import sampling
+
+    monkeypatch.setitem(sampling._SMS, 0, 132)  # (an H100's or H200's SMs: no GPU needed to pick the split)
+    cuda, vocab = torch.device("cuda", 0), 129280  # DeepSeek-V4's vocabulary: 32 noise blocks
+    assert [sampling._parts(b, vocab, cuda) for b in (1, 16, 64)] == [32, 17, 5]
+    assert {sampling._parts(b, vocab, cuda, invariant=True) for b in (1, 16, 64, 256)} == {32}
+    assert sampling._parts(64, vocab, torch.device("cpu"), invariant=True) == 1
+
+
+@host
+def test_a_rows_logprob_is_bit_identical_alone_and_in_a_batch_with_one_split():
+    """A row sampled alone and among 15 others: the same token always; the same logprob bit for bit when the split
+    is the same (what the invariant mode keeps), not always with another split (as the default picks by batch)."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 4 * 4096
+    batch = torch.randn(16, vocab, generator=gen) * 3
+    params, seeds = [CASES[3]] * 16, list(range(100, 116))
+    alone = _run(batch[:1], params[:1], seeds[:1], parts=4)
+    together = _run(batch, params, seeds, parts=4)
+    assert torch.equal(alone[0], together[0][:1]) and torch.equal(alone[1], together[1][:1])
+    split = _run(batch, params, seeds, parts=2)
+    assert torch.equal(split[0], together[0])
+    assert not torch.equal(split[1], together[1])  # another split rounds some logprobs differently
+
+
 @host
 def test_tied_logits_top_k_cuts_a_tie_by_id():
     """Integer logits (large tie groups): top-k keeps the lower ids of the group it cuts, as the stable sort does."""

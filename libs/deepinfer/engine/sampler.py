@@ -113,10 +113,11 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 class Sampler:
     """Stateless; see the module docstring for the exact semantics. ``kernel``: ``None`` uses the Triton kernel for
     CUDA logits with a sampling row and torch ops otherwise; ``True`` / ``False`` force either (the kernel on host
-    tensors needs Triton's interpreter)."""
+    tensors needs Triton's interpreter). ``invariant`` (the batch-invariant ops): the kernel splits a row the same
+    way in every batch, so its logprob is bit-identical whatever else is sampled beside it."""
 
-    def __init__(self, kernel: bool | None = None) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel: bool | None = None, invariant: bool = False) -> None:
+        self.kernel, self.invariant = kernel, invariant
 
     def __call__(
         self,
@@ -139,7 +140,7 @@ class Sampler:
         triton = platform_of(device).triton  # the sampling kernel is Triton's
         use_kernel = self.kernel if self.kernel is not None else triton and not all(p.greedy for p in params)
         if use_kernel:  # (an all-greedy step stays on torch: the same tokens, fewer host launches)
-            token_ids, chosen_lp = self._kernel(logits, raw, params, seeds)
+            token_ids, chosen_lp = self._kernel(logits, raw, params, seeds, self.invariant)
             raw_lp = None
         else:
             raw_lp = torch.log_softmax(raw, dim=-1)
@@ -158,7 +159,7 @@ class Sampler:
 
     @staticmethod
     def _kernel(
-        logits: torch.Tensor, raw: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+        logits: torch.Tensor, raw: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], invariant: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from deepinfer.kernels.sampling import pack_params, sample
 
@@ -171,7 +172,7 @@ class Sampler:
             [int(s) if s is not None else next(fresh) for s in seeds],
             logits.shape[1],
         )
-        return sample(logits.contiguous(), raw.contiguous(), to_device(packed, logits.device))
+        return sample(logits.contiguous(), raw.contiguous(), to_device(packed, logits.device), invariant=invariant)
 
     def _torch_tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
