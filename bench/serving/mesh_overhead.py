@@ -181,6 +181,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     ap.add_argument("--protocols", default="grpc,http", help="grpc and/or http")
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
+    ap.add_argument("--log-level", default="warning", help="the services' DEEPINFER_LOG_LEVEL (their logs stay in the "
+                    "run's temporary directory, beside the checkpoint)")  # fmt: skip
     args = ap.parse_args()
     if args.device is None:
         import torch
@@ -246,7 +248,7 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": [0, 5, 6]}], SamplingParams(max_tokens=2))  # warm-up
     print(f"[{time.perf_counter() - t0:.0f} s] in-process engine ready", flush=True)
     path = os.pathsep.join(p for p in (str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH")) if p)  # (+ ours)
-    env = {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": "warning"}
+    env = {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": args.log_level}
     http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
     mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator, extra_env=env | settings)
     rows: list[dict[str, Any]] = []
