@@ -215,3 +215,24 @@ def test_compute_logprobs_prompt_shape():
 def test_mismatched_lengths_rejected():
     with pytest.raises(ValueError):
         sampler(torch.randn(2, 5), [SamplingParams()], [None, None])
+
+
+def test_the_invariant_mode_samples_greedy_steps_with_the_kernel_too(monkeypatch):
+    """Where the Triton kernel runs, an all-greedy step stays on torch by default; in the invariant mode it takes the
+    kernel too, so a greedy row's logprob does not depend on whether a sampling row shares its step."""
+    from deepinfer.runtime.platform import platform_of
+
+    monkeypatch.setattr(platform_of("cpu"), "triton", True)  # (as on a GPU; the kernel itself is recorded, not run)
+    calls = []
+
+    def kernel(logits, raw, params, seeds, invariant):
+        calls.append(invariant)
+        return torch.argmax(logits, dim=-1), torch.zeros(logits.shape[0])
+
+    monkeypatch.setattr(Sampler, "_kernel", staticmethod(kernel))
+    logits, greedy = torch.randn(3, 50), [SamplingParams(temperature=0)] * 3
+    Sampler()(logits, greedy, [None] * 3)
+    assert calls == []  # the default: torch
+    Sampler(invariant=True)(logits, greedy, [None] * 3)
+    Sampler(invariant=True)(logits, [SamplingParams(temperature=1.0)] * 3, [1, 2, 3])
+    assert calls == [True, True]

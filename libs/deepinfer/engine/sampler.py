@@ -113,8 +113,9 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 class Sampler:
     """Stateless; see the module docstring for the exact semantics. ``kernel``: ``None`` uses the Triton kernel for
     CUDA logits with a sampling row and torch ops otherwise; ``True`` / ``False`` force either (the kernel on host
-    tensors needs Triton's interpreter). ``invariant`` (the batch-invariant ops): the kernel splits a row the same
-    way in every batch, so its logprob is bit-identical whatever else is sampled beside it."""
+    tensors needs Triton's interpreter). ``invariant`` (the batch-invariant ops): the kernel runs every step (greedy
+    ones too) and splits a row the same way in every batch, so its logprob is bit-identical whatever else is sampled
+    beside it."""
 
     def __init__(self, kernel: bool | None = None, invariant: bool = False) -> None:
         self.kernel, self.invariant = kernel, invariant
@@ -138,8 +139,12 @@ class Sampler:
             logits = logits.clone()
             constrain(logits)
         triton = platform_of(device).triton  # the sampling kernel is Triton's
-        use_kernel = self.kernel if self.kernel is not None else triton and not all(p.greedy for p in params)
-        if use_kernel:  # (an all-greedy step stays on torch: the same tokens, fewer host launches)
+        # an all-greedy step stays on torch (the same tokens, fewer host launches), but not in the invariant mode: a
+        # greedy row's logprob must not depend on whether a sampling row shares its step
+        use_kernel = (
+            self.kernel if self.kernel is not None else triton and (self.invariant or not all(p.greedy for p in params))
+        )
+        if use_kernel:
             token_ids, chosen_lp = self._kernel(logits, raw, params, seeds, self.invariant)
             raw_lp = None
         else:
