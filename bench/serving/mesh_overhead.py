@@ -103,11 +103,12 @@ def cpu_use(before: dict[str, float], after: dict[str, float], wall_s: float) ->
 
 
 PHASES = {"worker": "deepinfer_worker_step_phase_seconds", "scheduler": "deepinfer_scheduler_step_phase_seconds"}
+CAPTURES = "deepinfer_worker_graph_captures"  # graphs captured while serving: a step that stalled on a new shape
 
 
 def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
     """``"worker-0 launch": [seconds, count]``, ...: the step-phase histograms' sums and counts so far, read from each
-    worker's and scheduler's /metrics."""
+    worker's and scheduler's /metrics, and ``"worker-0 graph captures": [0, count]``."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -121,6 +122,9 @@ def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
         with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the mesh's own loopback endpoint
             text = r.read().decode()
         for family in text_string_to_metric_families(text):
+            if family.name == CAPTURES:  # (a counter: its count, no time)
+                total = sum(x.value for x in family.samples if x.name.endswith("_total"))
+                out[f"{service} graph captures"] = [0.0, total]
             if family.name != PHASES[kind]:
                 continue
             for sample in family.samples:
@@ -139,6 +143,8 @@ def phase_use(before: dict[str, list[float]], after: dict[str, list[float]]) -> 
         t0, c0 = before.get(key, [0.0, 0.0])
         if count > c0:
             use[key] = {"n": int(count - c0), "mean_ms": round(1e3 * (total - t0) / (count - c0), 3)}
+            if key.endswith("graph captures"):  # (a count only: any in a timed run is a stall the warm-up missed)
+                use[key] = {"n": int(count - c0)}
     return use
 
 
@@ -221,7 +227,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         for proto in args.protocol_list:
             ph = r[proto].get("phases", {})
-            print(f"  c={r['c']} {proto}: " + ", ".join(f"{k} {v['mean_ms']:.3f} ({v['n']})" for k, v in ph.items()))
+            print(f"  c={r['c']} {proto}: " + ", ".join(
+                f"{k} {v['mean_ms']:.3f} ({v['n']})" if "mean_ms" in v else f"{k} {v['n']}" for k, v in ph.items()
+            ))  # fmt: skip
 
 
 def main() -> None:
