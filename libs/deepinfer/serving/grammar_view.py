@@ -25,15 +25,15 @@ log = get_logger(__name__)
 def start_ahead(model: str | Path | None) -> threading.Thread | None:
     """Build the grammar view of ``model``'s tokenizer in a thread, when ``model`` (or the settings' default) is a
     local directory; None otherwise (a hub id is resolved, and downloaded, by the model's loading only)."""
-    local = model or envs.DEEPINFER_HF_MODEL_DIR or envs.DEEPINFER_MODEL
-    if not Path(local).is_dir():
+    local = Path(model or envs.DEEPINFER_HF_MODEL_DIR or envs.DEEPINFER_MODEL).expanduser()
+    if not local.is_dir():
         return None
 
     def build() -> None:
         from deepinfer.grammar import build_tokenizer_info
 
         try:
-            build_tokenizer_info(Path(local))
+            build_tokenizer_info(local)
         except Exception as e:  # noqa: BLE001 - ``ready`` builds it again and says why it cannot
             log.debug("grammar_view_ahead_failed", error=repr(e)[:300])
 
