@@ -236,3 +236,13 @@ def test_the_invariant_mode_samples_greedy_steps_with_the_kernel_too(monkeypatch
     Sampler(invariant=True)(logits, greedy, [None] * 3)
     Sampler(invariant=True)(logits, [SamplingParams(temperature=1.0)] * 3, [1, 2, 3])
     assert calls == [True, True]
+
+
+def test_the_factory_gives_the_invariant_ops_the_invariant_sampler(tmp_path):
+    from deepinfer.checkpoint.tiny import make_tiny_model
+    from deepinfer.engine.factory import build_worker
+
+    model = make_tiny_model(tmp_path / "m", seed=0)
+    for invariant in (False, True):
+        parts = build_worker(model, "float32", "cpu", None, 8, 16, batch_invariant=invariant)
+        assert parts.runner.sampler.invariant is invariant

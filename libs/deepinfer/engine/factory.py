@@ -20,6 +20,7 @@ from deepinfer.engine.model_api import ModelConfig, ModelFamily, ServedModel
 from deepinfer.engine.model_dir import resolve_model_dir
 from deepinfer.engine.models import family_of, model_type_of
 from deepinfer.engine.pages import PagePool
+from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.scheduler_config import config_from_env
 from deepinfer.engine.worker import ModelRunner, min_replay
@@ -107,7 +108,7 @@ def build_worker(
         page_size=page_size, batch_invariant=ops.batch_invariant,
     )  # fmt: skip
     runner = ModelRunner(net, cache, device, family=family)
-    runner.constraints = constraint_set(path, config)
+    runner.sampler, runner.constraints = Sampler(invariant=ops.batch_invariant), constraint_set(path, config)
     if num_speculative_tokens is None:
         num_speculative_tokens = envs.DEEPINFER_USE_NEXTN_DECODE
     if envs.DEEPINFER_ENABLE_MTP_VARLEN and not num_speculative_tokens:

@@ -57,8 +57,7 @@ class ModelRunner:
     ) -> None:
         # the model and the family that made it and ``cache`` (states, resume points, batches: ``model_api``)
         self.model, self.cache, self.device, self.family = model, cache, torch.device(device), family
-        # (its logprobs too, in the invariant mode; a family's model without an op set samples as the default's)
-        self.sampler = Sampler(invariant=getattr(getattr(model, "ops", None), "batch_invariant", False))
+        self.sampler = Sampler()  # (the factory's: Sampler(invariant=) with the batch-invariant ops)
         self.states: dict[str, SequenceState] = {}
         self.tables: dict[str, torch.Tensor] = {}  # each running request's last block table
         self.snapshots: dict[str, Snapshot] = {}  # prefix-cache resume points, in host memory

@@ -16,17 +16,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepinfer import envs
+from deepinfer.engine.model_dir import local_model_dir
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
 
 def start_ahead(model: str | Path | None) -> threading.Thread | None:
-    """Build the grammar view of ``model``'s tokenizer in a thread, when ``model`` (or the settings' default) is a
-    local directory; None otherwise (a hub id is resolved, and downloaded, by the model's loading only)."""
-    local = Path(model or envs.DEEPINFER_HF_MODEL_DIR or envs.DEEPINFER_MODEL).expanduser()
-    if not local.is_dir():
+    """Build the grammar view of ``model``'s tokenizer in a thread, when the model is on this host already (the
+    directory the loading takes it from); None otherwise (a hub id is resolved, and downloaded, by the loading)."""
+    local = local_model_dir(model)
+    if local is None:
         return None
 
     def build() -> None:
