@@ -15,7 +15,9 @@ start together:
   its scheduler, the balancer, each its own process; the scheduler reaches its worker through a Unix socket) through
   each of ``--protocols`` (gRPC ``Generate`` and OpenAI HTTP completions, streamed; the load generator of
   ``deepinfer bench serve``): output tokens/s, TPOT and ITL percentiles, and stalls (gaps between tokens more than
-  1 ms above the request's median gap).
+  1 ms above the request's median gap). ``--replica-streams``: how the balancer sends its requests to the scheduler,
+  one mesh each: ``session`` (one stream for all of them, each step's tokens in one message: the default) and / or
+  ``submit`` (a call per request, ``DEEPINFER_REPLICA_SESSIONS=0``).
 
 The roofline is the peer: the mesh cannot beat the engine running the same batches (ratio 1.0). The two paths
 alternate per concurrency so that a noisy minute hits both, and each runs the level once untimed first (8 output
@@ -177,6 +179,29 @@ async def through_mesh(mesh: Mesh, protocol: str, ss: list[workload.Session], mo
     return {k: summary[k] for k in keep if k in summary} | {"stalls_over_1ms": stalls(outcomes)}
 
 
+def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: float, streams: str) -> list[dict]:
+    """Each concurrency level through the in-process engine and through ``mesh``, alternating."""
+    rows = []
+    asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model))  # warm-up
+    for c in args.levels:
+        warm = sessions(c, args, seed=10_000 + c)
+        for s in warm:
+            s.turns[0].output_len = min(8, s.turns[0].output_len)
+        offline(llm, warm)
+        before, t = cpu_seconds(None), time.perf_counter()
+        row: dict[str, Any] = {"c": c, "streams": streams, "offline": offline(llm, sessions(c, args, seed=c))}
+        row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
+        for proto in args.protocol_list:
+            asyncio.run(through_mesh(mesh, proto, warm, model))
+            before, phases, t = cpu_seconds(mesh), phase_totals(mesh), time.perf_counter()
+            row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model))
+            row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
+            row[proto]["phases"] = phase_use(phases, phase_totals(mesh))
+        rows.append(row)
+        print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done ({streams})", flush=True)
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -184,8 +209,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4, help="layers of the V4-Flash-width model (GPU)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated")
+    ap.add_argument("--concurrency", default=None, help="comma-separated (default 1,16,64; --tiny: 1,2)")
     ap.add_argument("--protocols", default="grpc,http", help="grpc and/or http")
+    ap.add_argument("--replica-streams", default="session", help="session and/or submit: how the balancer sends its "
+                    "requests to the scheduler (DEEPINFER_REPLICA_SESSIONS on / off), one mesh each")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
     ap.add_argument("--log-level", default="warning", help="the services' DEEPINFER_LOG_LEVEL (their logs stay in the "
                     "run's temporary directory, beside the checkpoint)")  # fmt: skip
@@ -195,11 +222,15 @@ def parse_args() -> argparse.Namespace:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
-        args.prompt_len, args.max_tokens, args.concurrency = 16, 4, "1,2"
+        args.prompt_len, args.max_tokens = 16, 4
+    args.concurrency = args.concurrency or ("1,2" if args.tiny else "1,16,64")
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.protocol_list = [p for p in args.protocols.split(",") if p]
     if not set(args.protocol_list) <= {"grpc", "http"}:
         ap.error(f"--protocols: grpc and/or http, got {args.protocols!r}")
+    args.stream_list = [p for p in args.replica_streams.split(",") if p]
+    if not args.stream_list or not set(args.stream_list) <= {"session", "submit"}:
+        ap.error(f"--replica-streams: session and/or submit, got {args.replica_streams!r}")
     return args
 
 
@@ -216,18 +247,19 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             m = r[proto]
             ratio = m["output_throughput"] / off["output_throughput"]
             lat = f"{m.get('median_tpot_ms', 0):.2f} | {m.get('p99_itl_ms', 0):.2f} | {m.get('median_ttft_ms', 0):.1f}"
-            print(f"| {r['c']} | mesh, {proto} | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
+            print(f"| {r['c']} | mesh, {proto} ({r['streams']}) | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
                   f"{m['stalls_over_1ms']} |")  # fmt: skip
     print("\nCPU per process over each timed run (1.0: one core busy throughout)")
     for r in rows:
         for path in ["offline", *args.protocol_list]:
-            print(f"  c={r['c']} {path}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[path].get("cpu", {}).items()))
+            cpu = r[path].get("cpu", {})
+            print(f"  c={r['c']} {path} ({r['streams']}): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print("\nStep phases over each timed run (mean ms, times run): the worker's launch / finish / starved (no step on "
           "the device, no plan), the scheduler's plan / deliver")  # fmt: skip
     for r in rows:
         for proto in args.protocol_list:
             ph = r[proto].get("phases", {})
-            print(f"  c={r['c']} {proto}: " + ", ".join(
+            print(f"  c={r['c']} {proto} ({r['streams']}): " + ", ".join(
                 f"{k} {v['mean_ms']:.3f} ({v['n']})" if "mean_ms" in v else f"{k} {v['n']}" for k, v in ph.items()
             ))  # fmt: skip
 
@@ -257,37 +289,25 @@ def main() -> None:
     print(f"[{time.perf_counter() - t0:.0f} s] in-process engine ready", flush=True)
     path = os.pathsep.join(p for p in (str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH")) if p)  # (+ ours)
     env = {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": args.log_level}
-    http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
-    mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator, extra_env=env | settings)
     rows: list[dict[str, Any]] = []
-    try:
-        mesh.start()
-        print(f"[{time.perf_counter() - t0:.0f} s] mesh serving", flush=True)
-        asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model.name))  # warm-up
-        for c in args.levels:
-            warm = sessions(c, args, seed=10_000 + c)
-            for s in warm:
-                s.turns[0].output_len = min(8, s.turns[0].output_len)
-            offline(llm, warm)
-            before, t = cpu_seconds(None), time.perf_counter()
-            row: dict[str, Any] = {"c": c, "offline": offline(llm, sessions(c, args, seed=c))}
-            row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
-            for proto in args.protocol_list:
-                asyncio.run(through_mesh(mesh, proto, warm, model.name))
-                before, phases, t = cpu_seconds(mesh), phase_totals(mesh), time.perf_counter()
-                row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model.name))
-                row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
-                row[proto]["phases"] = phase_use(phases, phase_totals(mesh))
-            rows.append(row)
-            print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done", flush=True)
-    finally:
-        mesh.stop()
+    for streams in args.stream_list:  # one mesh each: the balancer's DEEPINFER_REPLICA_SESSIONS is read at its start
+        sessions_on = "1" if streams == "session" else "0"
+        http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
+        mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator,
+                    extra_env=env | settings | {"DEEPINFER_REPLICA_SESSIONS": sessions_on})  # fmt: skip
+        try:
+            mesh.start()
+            print(f"[{time.perf_counter() - t0:.0f} s] mesh serving ({streams})", flush=True)
+            rows += measure(mesh, llm, args, model.name, t0, streams)
+        finally:
+            mesh.stop()
     report(args, rows)
     if args.out:
         res = {"date": time.strftime("%Y-%m-%d"), "command": command_line(), "git": git_commit(),
                "device": args.device, "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
                "mesh_over_inprocess": {str(r["c"]): r[args.protocol_list[0]]["output_throughput"]
-                                       / r["offline"]["output_throughput"] for r in rows}}  # fmt: skip
+                                       / r["offline"]["output_throughput"]
+                                       for r in rows if r["streams"] == args.stream_list[0]}}  # fmt: skip
         write_json(args.out / f"{res['date']}-mesh-overhead-{args.device}.json", res)
 
 

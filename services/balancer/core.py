@@ -236,7 +236,7 @@ class Balancer:
             self._where[rid] = replica
             submit = relay.submit(request, constraint, attempt, shared, hop.hand_off, hop.resume_position)
             self._live[rid] = (relay, submit.request_id, request.sampling.max_tokens)
-            call = replica.stub.Submit(submit, timeout=left, metadata=metadata)
+            call = replica.submit(submit, left, metadata)
             error, handoff = None, None
             try:
                 async for ev in call:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +22,7 @@ from deepinfer.rpc.channel import open_channel
 from deepinfer.serving.errors import Unavailable
 from deepinfer.telemetry import get_logger
 from deepinfer.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.balancer.session_client import SessionClient
 
 log = get_logger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,12 +49,30 @@ class Replica:
     late_probes: int = 0  # health probes in a row that timed out
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
     role: str | None = None  # mixed, prefill or decode (GetReplicaInfo, asked once it serves); None: not known yet
+    session: SessionClient | None = field(default=None, repr=False)  # its Session stream (GetReplicaInfo.sessions)
 
     @classmethod
     def connect(cls, address: str) -> Replica:
         channel = open_channel(address)
         return cls(address, scheduler_pb2_grpc.SchedulerStub(channel), channel,
                    health=health_pb2_grpc.HealthStub(channel))  # fmt: skip
+
+    def submit(
+        self, request: scheduler_pb2.SubmitRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterable[scheduler_pb2.TokenEvent]:
+        """The request's stream from this replica, used as a ``Submit`` call (iterate it, ``cancel()`` it): one
+        request of the replica's session stream where it takes one (and ``DEEPINFER_REPLICA_SESSIONS`` is on), else
+        a ``Submit`` call of its own."""
+        s = self.session
+        if s is not None and not s.unsupported and envs.DEEPINFER_REPLICA_SESSIONS:
+            return s.submit(request, timeout, metadata)
+        return self.stub.Submit(request, timeout=timeout, metadata=metadata)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self.channel is not None:
+            await self.channel.close()
 
     async def probe(self, timeout: float, patience: int = 3) -> bool:
         """Ask the replica's gRPC health service: routable when it says SERVING. An answer of NOT_SERVING or a
@@ -73,6 +92,8 @@ class Replica:
             try:
                 info = await self.stub.GetReplicaInfo(scheduler_pb2.GetReplicaInfoRequest(), timeout=timeout)
                 self.role = info.role or "mixed"
+                if info.sessions and self.session is None:
+                    self.session = SessionClient(self.stub, self.address)
             except grpc.aio.AioRpcError:
                 pass  # asked again with the next probe; routed as mixed meanwhile
         return res.status == SERVING
@@ -176,8 +197,7 @@ class ReplicaSet:
         if self._task is not None:
             self._task.cancel()
         for r in self.replicas:
-            if r.channel is not None:
-                await r.channel.close()
+            await r.close()
 
 
 def _has_loop() -> bool:
@@ -191,4 +211,4 @@ def _has_loop() -> bool:
 async def _close_when_idle(replica: Replica, poll_s: float = 1.0) -> None:
     while replica.in_flight:
         await asyncio.sleep(poll_s)
-    await replica.channel.close()
+    await replica.close()

@@ -1,10 +1,11 @@
 """The scheduler service: one engine replica over gRPC.
 
 ``SchedulerService`` wraps the engine core's :class:`Scheduler` and drives a remote worker through
-one ``Worker.Step`` stream (:class:`RemoteWorker`). Callers ``Submit`` tokenized requests and read
-their tokens as a stream. A caller that goes away (cancel, deadline) aborts its request at once:
-its pages are freed before the next step and the worker drops its state with that step. More
-waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
+one ``Worker.Step`` stream (:class:`RemoteWorker`; the loop: ``engine_loop``). Callers ``Submit`` tokenized requests
+and read their tokens as a stream, or hold one ``Session`` stream for many requests (the balancer does:
+``session``), whose requests behave as their own ``Submit`` calls would. A caller that goes away (cancel,
+deadline) aborts its request at once: its pages are freed before the next step and the worker drops its state with
+that step. More waiting requests than ``max_queued`` → RESOURCE_EXHAUSTED immediately. If the worker fails, every
 open stream ends with UNAVAILABLE (the balancer moves those requests elsewhere), health turns NOT_SERVING, and the
 worker is dialled again until it is back (a restarted worker included); then the replica serves again. A request the
 worker cannot go on with (``SeqResult.error``: its grammar failed) ends with INTERNAL and the worker's reason.
@@ -16,33 +17,30 @@ queued with the expanded prompt, and when it ends the worker drops its features 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from deepinfer import envs
-from deepinfer.engine.interfaces import StepResult, WorkerStepPlan
 from deepinfer.engine.multimodal import MultiModalInput
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.step_loop import StepLoop, Turn
-from deepinfer.rpc.channel import Backoff
+from deepinfer.engine.step_loop import StepLoop
 from deepinfer.rpc.convert import constraint_from_proto, sampling_from_proto
 from deepinfer.serving.errors import Overloaded, Precondition, RequestFailed, Unavailable
 from deepinfer.serving.metrics import SchedulerMetrics
 from deepinfer.serving.server import status_for
-from deepinfer.serving.tracing import RequestTrace, extract_metadata
+from deepinfer.serving.tracing import Context, RequestTrace, extract_metadata
 from deepinfer.telemetry import get_logger, request_context
 from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from services.scheduler.delivery import output_lengths, token_events
-from services.scheduler.remote_worker import RemoteWorker, WorkerLost
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.remote_worker import RemoteWorker
+from services.scheduler.session import SchedulerSession, Sink
 
 log = get_logger(__name__)
 
 
-class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
         scheduler: Scheduler,
@@ -64,7 +62,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics.bind_scheduler(scheduler)
         self._preemptions_seen = 0
         self._traces: dict[str, RequestTrace] = {}
-        self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent | BaseException]] = {}
+        self.sessions: set[SchedulerSession] = set()  # the open Session streams
+        self.streams: dict[str, Sink] = {}  # each open request's events: its Submit call's queue, or its session
         self.wakeup = asyncio.Event()
         self.draining = False
         self.dead: str | None = None  # why the replica cannot serve now (its worker is lost), or None
@@ -72,136 +71,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []  # health follows the worker
         self.on_fatal: list[Callable[[], Awaitable[None]]] = []  # the replica cannot go on: stop the process
         self.loop = StepLoop(scheduler, depth=envs.DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT)  # plan ahead of the worker
-
-    # -- the engine loop -----------------------------------------------------------------------
-    async def run(self) -> None:
-        """The engine loop, for good: steps while the worker answers; when its stream breaks, every open request
-        fails with UNAVAILABLE (the balancer moves it to a replica that serves), health turns NOT_SERVING, and the
-        worker is dialled again with backoff until it answers as the same worker (a restarted one included)."""
-        backoff = Backoff()
-        while True:
-            try:
-                await self._steps()
-            except WorkerLost as e:
-                await self._lose_worker(str(e))
-                if not await self._reconnect(backoff):
-                    return
-
-    async def _steps(self) -> None:
-        """The engine loop (``engine.step_loop``, the offline engine's too) over the worker's step stream: while
-        the worker runs step N, step N+1 is planned and sent; then step N's result is applied and delivered.
-        Raises :class:`WorkerLost` when the step stream breaks."""
-        clock = asyncio.get_running_loop().time
-        sent: collections.deque[tuple[int, float]] = collections.deque()  # each step in flight: tokens, sent at
-        while True:
-            t_plan = time.perf_counter()
-            turn = self.loop.turn(self.worker.waits_for_tokens)
-            if turn is Turn.IDLE and self.worker.has_image_drops:  # an empty step frees the features on the worker
-                turn = self.loop.idle_step()
-            if turn is Turn.SEND:
-                plan = self.loop.plan
-                self._attach_trace_context(plan)
-                await self.worker.send(plan)
-                self.metrics.phase("plan", time.perf_counter() - t_plan)
-                sent.append((plan.num_tokens, clock()))
-                if self._traces:
-                    self._mark_scheduled(plan)
-            elif turn is Turn.RECEIVE:
-                result = await self.worker.receive()
-                t_deliver = time.perf_counter()
-                tokens, t0 = sent.popleft()
-                elapsed = clock() - t0
-                self.step_ms = elapsed * 1e3
-                preemptions = self.scheduler.num_preemptions
-                self.metrics.step(elapsed, tokens, preemptions - self._preemptions_seen)
-                self._preemptions_seen = preemptions
-                before = output_lengths(self.scheduler, result)
-                self._deliver(result, before, self.loop.received(result))
-                self.metrics.phase("deliver", time.perf_counter() - t_deliver)
-            elif turn is Turn.WAIT:
-                await asyncio.sleep(0.001)  # a kvstore fetch outstanding: idle steps collect it
-            else:
-                self.wakeup.clear()
-                await self._idle()
-
-    async def _idle(self) -> None:
-        """Wait for work, or for the idle step stream to break (a worker that died while idle is noticed now)."""
-        waits = [asyncio.ensure_future(self.wakeup.wait()), asyncio.ensure_future(self.worker.lost.wait())]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        if self.worker.lost.is_set():
-            raise WorkerLost(f"worker {self.worker.address}: the step stream ended")
-
-    async def _lose_worker(self, reason: str) -> None:
-        self.dead = reason
-        self.loop.forget()
-        log.error("worker_lost", error=reason)
-        self.metrics.worker_lost()
-        for rid in self.scheduler.worker_lost():
-            self._traces.pop(rid, None)
-        for q in self.streams.values():
-            q.put_nowait(Unavailable(f"the replica lost its worker ({reason})"))
-        await self._serving(False)
-
-    async def _reconnect(self, backoff: Backoff) -> bool:
-        """Dial the worker until it answers; False (and the replica stays down) if it is another model now."""
-        self.worker.reset()
-        want = self.worker_info
-        while True:
-            try:
-                info = await self.worker.info(timeout=max(1.0, backoff.max_s))
-                break
-            except grpc.aio.AioRpcError as e:
-                log.info("worker_reconnecting", error=e.code().name)
-                await backoff.wait()
-        backoff.reset()
-        same = want is None or (info.fingerprint, info.num_pages, info.page_size) == (
-            want.fingerprint, want.num_pages, want.page_size)  # fmt: skip
-        if not same:
-            self.dead = f"worker {self.worker.address} came back with another model or cache geometry"
-            log.error("worker_changed", model=info.model, num_pages=info.num_pages)
-            for cb in self.on_fatal:
-                await cb()
-            return False
-        self.dead = None
-        log.info("worker_reconnected", address=self.worker.address)
-        await self._serving(True)
-        return True
-
-    async def _serving(self, serving: bool) -> None:
-        for cb in self.on_serving:
-            await cb(serving)
-
-    def _attach_trace_context(self, plan: WorkerStepPlan) -> None:
-        """Give each chunk its request's trace carrier (the wire sends it with the first chunk only)."""
-        for c in plan.chunks:
-            t = self._traces.get(c.request_id)
-            if t is not None:
-                c.trace_context = t.carrier
-
-    def _mark_scheduled(self, plan: WorkerStepPlan) -> None:
-        now = time.time_ns()
-        for c in plan.chunks:
-            t = self._traces.get(c.request_id)
-            if t is not None and t.scheduled is None:
-                t.scheduled = now
-
-    def _deliver(self, result: StepResult, before: dict[str, int], finished: list[Request]) -> None:
-        """Hand each request its event: the tokens the scheduler kept (``delivery.token_events``)."""
-        events, done = token_events(self.scheduler, result, before, finished, self._traces)
-        for rid, ev in events.items():
-            q, failed = self.streams.get(rid), done.get(rid)
-            if q is not None and failed is not None and failed.finish_reason == "error":  # tokens, then the failure
-                log.warning("request_failed", request_id=rid, error=failed.error)
-                ev.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-                if ev.token_ids or ev.prompt_logprobs:
-                    q.put_nowait(ev)
-                q.put_nowait(RequestFailed(failed.error or "the engine failed the request"))
-            elif q is not None:
-                q.put_nowait(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def _prepare_images(self, request: scheduler_pb2.SubmitRequest) -> tuple[list[int], MultiModalInput | None]:
@@ -257,61 +126,108 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(  # noqa: N802
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        q: asyncio.Queue[scheduler_pb2.TokenEvent | BaseException] = asyncio.Queue()
+        try:
+            trace_, mm = await self.open(request, extract_metadata(context.invocation_metadata()), q)
+        except Exception as e:  # noqa: BLE001
+            await context.abort(*status_for(e))
+            return
+        finished, outcome = False, "aborted"
+        try:
+            while True:
+                ev = await q.get()
+                last = self.last(ev, trace_)
+                if last is not None:
+                    finished, outcome = last
+                if isinstance(ev, BaseException):
+                    await context.abort(*status_for(ev))
+                    return
+                yield ev
+                if last is not None:
+                    return
+        finally:
+            self.close(request.request_id, len(request.prompt_token_ids), trace_, mm, finished, outcome)
+
+    async def Session(  # noqa: N802
+        self, requests: AsyncIterator[scheduler_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SessionEvents]:
+        session = SchedulerSession(self)
+        if self.draining:  # its submits would be refused: the caller sends them elsewhere
+            session.end()
+        self.sessions.add(session)
+        reader = asyncio.ensure_future(session.read(requests))
+        self.metrics.session_stream(+1)
+        try:
+            async for msg in session.batches():
+                yield msg
+        finally:
+            self.metrics.session_stream(-1)
+            self.sessions.discard(session)
+            reader.cancel()
+            session.close()
+
+    # -- a request's stream, either way (a Submit call, or one request of a Session) --------------
+    async def open(
+        self, request: scheduler_pb2.SubmitRequest, parent: Context, sink: Sink
+    ) -> tuple[RequestTrace, MultiModalInput | None]:
+        """Admit ``request``, its events to go to ``sink``; raises what refused it (its status: ``status_for``)."""
         rid = request.request_id
         try:
             if request.images and rid in self.streams:
                 raise ValueError(f"request_id: {rid!r} is already running")
             ids, mm = await self._prepare_images(request)
-        except Exception as e:  # noqa: BLE001
+        except Exception:
             self.metrics.outcome("rejected")
-            await context.abort(*status_for(e))
-            return
+            raise
         try:
             self._admit(request, ids, mm)
-        except Exception as e:  # noqa: BLE001
+        except Exception:
             if mm is not None:
                 self.worker.drop_images(rid)
                 self.wakeup.set()
             self.metrics.outcome("rejected")
-            await context.abort(*status_for(e))
-            return
-        q: asyncio.Queue[scheduler_pb2.TokenEvent | BaseException] = asyncio.Queue()
-        self.streams[rid] = q
-        trace_ = self._traces[rid] = RequestTrace(extract_metadata(context.invocation_metadata()), time.time_ns())
+            raise
+        self.streams[rid] = sink
+        trace_ = self._traces[rid] = RequestTrace(parent, time.time_ns())
         self.wakeup.set()
-        done, outcome = False, "aborted"
-        try:
-            while not done:
-                ev = await q.get()
-                if isinstance(ev, BaseException):
-                    if isinstance(ev, RequestFailed):  # finished, with an error: counted, nothing to abort
-                        done, outcome = True, "failed"
-                        trace_.finished = time.time_ns()
-                        self.metrics.outcome(outcome)
-                    await context.abort(*status_for(ev))
-                    return
-                done = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or ev.HasField("handoff")
-                if done:
-                    outcome = "aborted" if ev.finish_reason == common_pb2.FINISH_REASON_ABORT else "finished"
-                    outcome = "handed_off" if ev.HasField("handoff") else outcome
-                    trace_.finished = time.time_ns()
-                    self.metrics.outcome(outcome)
-                yield ev
-        finally:
-            self.streams.pop(rid, None)
-            self._traces.pop(rid, None)
-            if mm is not None:  # the worker drops the request's image features with the next step (an empty one
-                self.worker.drop_images(rid)  # when nothing else runs)
-                self.wakeup.set()
-            trace_.record(rid, len(request.prompt_token_ids), outcome)
-            if not done:  # client gone, deadline or server abort: free the pages now
-                self.metrics.outcome("aborted")
-                with request_context(rid):
-                    log.info("request_cancelled")
-                self.scheduler.abort([rid])
-                if rid in self.scheduler.requests and self.scheduler.requests[rid].finished:
-                    self.scheduler.pop_finished(rid)
-                self.wakeup.set()
+        return trace_, mm
+
+    def last(self, ev: scheduler_pb2.TokenEvent | BaseException, trace_: RequestTrace) -> tuple[bool, str] | None:
+        """None while more of the request's stream follows ``ev``; else whether it finished (a finish reason, a
+        handoff or a failed request, counted here; an error status otherwise) and its outcome."""
+        if isinstance(ev, BaseException):
+            if not isinstance(ev, RequestFailed):
+                return False, "aborted"
+            outcome = "failed"
+        elif ev.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and not ev.HasField("handoff"):
+            return None
+        elif ev.HasField("handoff"):
+            outcome = "handed_off"
+        else:
+            outcome = "aborted" if ev.finish_reason == common_pb2.FINISH_REASON_ABORT else "finished"
+        trace_.finished = time.time_ns()
+        self.metrics.outcome(outcome)
+        return True, outcome
+
+    def close(
+        self, rid: str, prompt_len: int, trace_: RequestTrace, mm: MultiModalInput | None, finished: bool, outcome: str
+    ) -> None:
+        """The request's stream is over; one that did not finish (caller gone, deadline, an error status) is aborted
+        and its pages freed before the next step."""
+        self.streams.pop(rid, None)
+        self._traces.pop(rid, None)
+        if mm is not None:  # the worker drops the request's image features with the next step (an empty one
+            self.worker.drop_images(rid)  # when nothing else runs)
+            self.wakeup.set()
+        trace_.record(rid, prompt_len, outcome)
+        if not finished:
+            self.metrics.outcome("aborted")
+            with request_context(rid):
+                log.info("request_cancelled")
+            self.scheduler.abort([rid])
+            if rid in self.scheduler.requests and self.scheduler.requests[rid].finished:
+                self.scheduler.pop_finished(rid)
+            self.wakeup.set()
 
     async def Abort(  # noqa: N802
         self, request: scheduler_pb2.SchedulerAbortRequest, context: grpc.aio.ServicerContext
@@ -360,6 +276,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.scheduler.abort(list(self.scheduler.requests))
         for rid, q in list(self.streams.items()):
             q.put_nowait(scheduler_pb2.TokenEvent(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT))
+        for session in list(self.sessions):  # each ends once it sent those: the server stops with no stream open
+            session.end()
 
     def load_report(self) -> dict:
         """This replica's load as published on the event bus."""
@@ -389,5 +307,5 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's worker has not reported yet")
         return scheduler_pb2.ReplicaInfo(
             model=w.model, accelerator=w.accelerator, dtype=w.dtype, world_size=w.world_size,
-            determinism=w.determinism, role=self.role,
+            determinism=w.determinism, role=self.role, sessions=True,
         )  # fmt: skip

@@ -32,6 +32,7 @@ def _name(p: Path) -> str:
 TRIM: dict[str, list[str]] = {
     "serving/routing.py": ["--policies", "cache", "--replicas", "1"],
     "serving/disaggregation.py": ["--configs", "disaggregated"],
+    "serving/mesh_overhead.py": ["--concurrency", "2", "--replica-streams", "session,submit"],
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
     "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2"],
     "engine/engine_decode.py": [
@@ -124,10 +125,12 @@ def _schema_conformance(out: Path, stdout: str) -> None:
 
 
 def _mesh_overhead(out: Path, stdout: str) -> None:
-    """Both paths at every level; the mesh's services report each step's phases (launch and finish on the worker,
-    plan and deliver on the scheduler, once per step) and their CPU."""
+    """Both paths at every level, over each way the balancer reaches its replica (a session stream, a call per
+    request); the mesh's services report each step's phases (launch and finish on the worker, plan and deliver on the
+    scheduler, once per step) and their CPU."""
     result = json.loads(next(out.glob("*.json")).read_text())
-    assert [r["c"] for r in result["rows"]] == [1, 2]
+    assert [(r["c"], r["streams"]) for r in result["rows"]] == [(2, "session"), (2, "submit")]
+    assert list(result["mesh_over_inprocess"]) == ["2"]
     for r in result["rows"]:
         assert r["offline"]["output_throughput"] > 0 and r["offline"]["cpu"]["bench"] > 0
         for proto in ("grpc", "http"):
@@ -143,7 +146,19 @@ def _mesh_overhead(out: Path, stdout: str) -> None:
     assert "Step phases over each timed run" in stdout
 
 
+def _fanout(out: Path, stdout: str) -> None:
+    """Both paths deliver every step to every request (a step that never arrived would fail the run)."""
+    result = json.loads(next(out.glob("*-fanout.json")).read_text())
+    assert [r["n"] for r in result["rows"]] == [1, 8]
+    for r in result["rows"]:
+        assert r["roofline_ms"] > 0
+        for path in ("submit", "session"):
+            assert r[path]["server_cpu_ms_per_step"] > 0 and r[path]["lag_p50_ms"] >= 0, r
+    assert "| 8 |" in stdout
+
+
 CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "serving/fanout.py": _fanout,
     "serving/mesh_overhead.py": _mesh_overhead,
     "serving/chaos.py": _chaos,
     "serving/admission.py": _admission,

@@ -220,3 +220,18 @@ def test_image_chunks_carry_a_flag_and_take_the_workers_prepared_images() -> Non
     assert back.chunks[0].mm is worker_side and back.chunks[1].mm is None
     with pytest.raises(ValueError, match=r"chunks.images: no images were prepared for request 'r'"):
         plan_from_proto(wire, {}, {})
+
+
+def test_plain_decode_rows_come_back_whole() -> None:
+    """A decode chunk and a result row with nothing but their token (most of them: converted by a shorter path)
+    come back equal to what was sent, field for field, beside rows that carry more."""
+    p = SamplingParams(temperature=0)
+    plain = ChunkPlan("p", [-1], 40, [1, 2, 3], True, p, num_drafts=2)
+    fuller = ChunkPlan("f", [5], 9, [4], True, p, logprob_targets=[1], decoder_from=3, resume_from="s1")
+    wire = worker_pb2.StepPlan.FromString(plan_to_proto(WorkerStepPlan(1, [plain, fuller]), set()).SerializeToString())
+    back = plan_from_proto(wire, {})
+    assert back.chunks[0] == plain
+    assert (back.chunks[1].logprob_targets, back.chunks[1].decoder_from, back.chunks[1].resume_from) == ([1], 3, "s1")
+    rows = [SeqResult("p", 5, -0.5, num_drafts=1), SeqResult("q", 6, 0.0), SeqResult("t", 7, -1.0, [(7, -1.0)])]
+    res = result_from_proto(worker_pb2.StepResult.FromString(result_to_proto(StepResult(2, rows)).SerializeToString()))
+    assert res.results == rows

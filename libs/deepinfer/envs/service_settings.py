@@ -209,6 +209,11 @@ declare("DEEPINFER_REPLICA_PROBE_S", "float", _SRV, """
     Period of the balancer's health probes of its scheduler replicas. A replica whose probe or stream
     fails leaves routing at once and comes back when a probe finds it SERVING again.""",
     default=0.5, minimum=0.01)
+declare("DEEPINFER_REPLICA_SESSIONS", "bool", _SRV, """
+    Whether the balancer sends its requests to a replica over one `Session` stream (each engine step's
+    tokens of all of them in one message) instead of one `Submit` call per request, where the replica takes
+    session streams. Off: a call per request, which costs the replica and the balancer a message and a
+    task switch per running request per step.""", default=True)
 declare("DEEPINFER_ROUTER_LOAD_TOKENS", "int", _SRV, """
     Cache-aware routing (docs/routing.md): what one request in flight on a replica weighs against the prompt tokens
     a replica would not have to prefill. The balancer sends a request to the replica with the least

@@ -187,6 +187,14 @@ def plan_from_proto(
             known[c.request_id] = sampling_from_proto(c.params)
         if c.request_id not in known:
             raise ValueError(f"chunks.params: first chunk of request {c.request_id!r} carries no parameters")
+        if (
+            not (c.logprob_targets or c.trace_context or c.resume_from or c.images)
+            and not c.HasField("constraint")
+            and not c.HasField("decoder_from")
+        ):  # (a decode row, as most are: the fields it has)
+            chunks.append(ChunkPlan(c.request_id, list(c.token_ids), c.start, list(c.block_table), c.sample,
+                                    known[c.request_id], num_drafts=c.num_drafts))  # fmt: skip
+            continue
         chunks.append(
             ChunkPlan(
                 request_id=c.request_id,
@@ -256,6 +264,9 @@ def result_from_proto(msg: worker_pb2.StepResult) -> StepResult:
     results = []
     for r in msg.results:
         has_token = r.HasField("token_id")
+        if has_token and not (r.extra_token_ids or r.prompt_logprobs or r.error or r.logprob.top):  # a plain row
+            results.append(SeqResult(r.request_id, r.token_id, r.logprob.logprob, num_drafts=r.num_drafts))
+            continue
         results.append(
             SeqResult(
                 request_id=r.request_id,

@@ -169,8 +169,13 @@ class SchedulerMetrics:
             "deepinfer_scheduler_worker_lost", "Times the worker's step stream broke (its requests moved away).",
             labels, registry=r,
         )  # fmt: skip
+        self.session_streams = Gauge(
+            "deepinfer_scheduler_session_streams", "Session streams open (each carries many requests: a balancer's).",
+            labels, registry=r,
+        )  # fmt: skip
         for outcome in self.OUTCOMES:  # exported at 0 from the start
             self.requests.labels(model, outcome)
+        self.session_streams.labels(model)
         self.preemptions.labels(model)
         self.workers_lost.labels(model)
 
@@ -186,6 +191,9 @@ class SchedulerMetrics:
 
         self.registry.register(PrefixCacheCollector(scheduler, self.model))
         self.registry.register(SpeculationCollector(scheduler, self.model))
+
+    def session_stream(self, delta: int) -> None:
+        self.session_streams.labels(self.model).inc(delta)
 
     def step(self, seconds: float, num_tokens: int, new_preemptions: int) -> None:
         self.step_seconds.labels(self.model).observe(seconds)

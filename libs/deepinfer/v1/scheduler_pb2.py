@@ -25,39 +25,53 @@ _sym_db = _symbol_database.Default()
 from deepinfer.v1 import common_pb2 as deepinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x65\x65pinfer/v1/scheduler.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\xae\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0cresume_hints\x18\x05 \x03(\x05\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08hand_off\x18\t \x01(\x08\x12\x17\n\x0fresume_position\x18\n \x01(\x05\x42\r\n\x0b_cache_salt\"\x1b\n\x07Handoff\x12\x10\n\x08position\x18\x01 \x01(\x05\"\x86\x03\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32 .deepinfer.v1.PromptLogprobEntry\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x63\x61\x63hed_tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\x05\x12&\n\x07handoff\x18\x0c \x01(\x0b\x32\x15.deepinfer.v1.Handoff\"Q\n\x12PromptLogprobEntry\x12\x10\n\x08position\x18\x01 \x01(\x05\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x05\"%\n\x0eHandOffRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x0fHandOffResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\x17\n\x15GetReplicaInfoRequest\"\x92\x01\n\x0bReplicaInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x0c\n\x04role\x18\x06 \x01(\t2\xc2\x03\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.deepinfer.v1.SubmitRequest\x1a\x18.deepinfer.v1.TokenEvent0\x01\x12R\n\x05\x41\x62ort\x12#.deepinfer.v1.SchedulerAbortRequest\x1a$.deepinfer.v1.SchedulerAbortResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponse\x12\x46\n\x07HandOff\x12\x1c.deepinfer.v1.HandOffRequest\x1a\x1d.deepinfer.v1.HandOffResponse\x12\x42\n\x07GetLoad\x12\x1c.deepinfer.v1.GetLoadRequest\x1a\x19.deepinfer.v1.ReplicaLoad\x12P\n\x0eGetReplicaInfo\x12#.deepinfer.v1.GetReplicaInfoRequest\x1a\x19.deepinfer.v1.ReplicaInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x65\x65pinfer/v1/scheduler.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x19\x64\x65\x65pinfer/v1/common.proto\"\xae\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0cresume_hints\x18\x05 \x03(\x05\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.deepinfer.v1.Constraint\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08hand_off\x18\t \x01(\x08\x12\x17\n\x0fresume_position\x18\n \x01(\x05\x42\r\n\x0b_cache_salt\"\x1b\n\x07Handoff\x12\x10\n\x08position\x18\x01 \x01(\x05\"\x86\x03\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.deepinfer.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32 .deepinfer.v1.PromptLogprobEntry\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x63\x61\x63hed_tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0b \x01(\x05\x12&\n\x07handoff\x18\x0c \x01(\x0b\x32\x15.deepinfer.v1.Handoff\"Y\n\x0eSessionRequest\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.deepinfer.v1.SessionSubmitH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\xb8\x01\n\rSessionSubmit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.deepinfer.v1.SubmitRequest\x12\x44\n\rtrace_context\x18\x02 \x03(\x0b\x32-.deepinfer.v1.SessionSubmit.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"9\n\rSessionEvents\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.SessionItem\"o\n\x0bSessionItem\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x18.deepinfer.v1.TokenEventH\x00\x12-\n\x06status\x18\x02 \x01(\x0b\x32\x1b.deepinfer.v1.RequestStatusH\x00\x42\x06\n\x04kind\"B\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"Q\n\x12PromptLogprobEntry\x12\x10\n\x08position\x18\x01 \x01(\x05\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.deepinfer.v1.TopLogprob\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x05\"%\n\x0eHandOffRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x0fHandOffResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x10\n\x0eGetLoadRequest\"\x17\n\x15GetReplicaInfoRequest\"\xa4\x01\n\x0bReplicaInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x19.deepinfer.v1.Determinism\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x10\n\x08sessions\x18\x07 \x01(\x08\x32\x8c\x04\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.deepinfer.v1.SubmitRequest\x1a\x18.deepinfer.v1.TokenEvent0\x01\x12H\n\x07Session\x12\x1c.deepinfer.v1.SessionRequest\x1a\x1b.deepinfer.v1.SessionEvents(\x01\x30\x01\x12R\n\x05\x41\x62ort\x12#.deepinfer.v1.SchedulerAbortRequest\x1a$.deepinfer.v1.SchedulerAbortResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponse\x12\x46\n\x07HandOff\x12\x1c.deepinfer.v1.HandOffRequest\x1a\x1d.deepinfer.v1.HandOffResponse\x12\x42\n\x07GetLoad\x12\x1c.deepinfer.v1.GetLoadRequest\x1a\x19.deepinfer.v1.ReplicaLoad\x12P\n\x0eGetReplicaInfo\x12#.deepinfer.v1.GetReplicaInfoRequest\x1a\x19.deepinfer.v1.ReplicaInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepinfer.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SESSIONSUBMIT_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_SESSIONSUBMIT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUEST']._serialized_start=74
   _globals['_SUBMITREQUEST']._serialized_end=376
   _globals['_HANDOFF']._serialized_start=378
   _globals['_HANDOFF']._serialized_end=405
   _globals['_TOKENEVENT']._serialized_start=408
   _globals['_TOKENEVENT']._serialized_end=798
-  _globals['_PROMPTLOGPROBENTRY']._serialized_start=800
-  _globals['_PROMPTLOGPROBENTRY']._serialized_end=881
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=883
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=927
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=929
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=970
-  _globals['_DRAINREQUEST']._serialized_start=972
-  _globals['_DRAINREQUEST']._serialized_end=1010
-  _globals['_DRAINRESPONSE']._serialized_start=1012
-  _globals['_DRAINRESPONSE']._serialized_end=1055
-  _globals['_HANDOFFREQUEST']._serialized_start=1057
-  _globals['_HANDOFFREQUEST']._serialized_end=1094
-  _globals['_HANDOFFRESPONSE']._serialized_start=1096
-  _globals['_HANDOFFRESPONSE']._serialized_end=1134
-  _globals['_GETLOADREQUEST']._serialized_start=1136
-  _globals['_GETLOADREQUEST']._serialized_end=1152
-  _globals['_GETREPLICAINFOREQUEST']._serialized_start=1154
-  _globals['_GETREPLICAINFOREQUEST']._serialized_end=1177
-  _globals['_REPLICAINFO']._serialized_start=1180
-  _globals['_REPLICAINFO']._serialized_end=1326
-  _globals['_SCHEDULER']._serialized_start=1329
-  _globals['_SCHEDULER']._serialized_end=1779
+  _globals['_SESSIONREQUEST']._serialized_start=800
+  _globals['_SESSIONREQUEST']._serialized_end=889
+  _globals['_SESSIONSUBMIT']._serialized_start=892
+  _globals['_SESSIONSUBMIT']._serialized_end=1076
+  _globals['_SESSIONSUBMIT_TRACECONTEXTENTRY']._serialized_start=1025
+  _globals['_SESSIONSUBMIT_TRACECONTEXTENTRY']._serialized_end=1076
+  _globals['_SESSIONEVENTS']._serialized_start=1078
+  _globals['_SESSIONEVENTS']._serialized_end=1135
+  _globals['_SESSIONITEM']._serialized_start=1137
+  _globals['_SESSIONITEM']._serialized_end=1248
+  _globals['_REQUESTSTATUS']._serialized_start=1250
+  _globals['_REQUESTSTATUS']._serialized_end=1316
+  _globals['_PROMPTLOGPROBENTRY']._serialized_start=1318
+  _globals['_PROMPTLOGPROBENTRY']._serialized_end=1399
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=1401
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=1445
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=1447
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=1488
+  _globals['_DRAINREQUEST']._serialized_start=1490
+  _globals['_DRAINREQUEST']._serialized_end=1528
+  _globals['_DRAINRESPONSE']._serialized_start=1530
+  _globals['_DRAINRESPONSE']._serialized_end=1573
+  _globals['_HANDOFFREQUEST']._serialized_start=1575
+  _globals['_HANDOFFREQUEST']._serialized_end=1612
+  _globals['_HANDOFFRESPONSE']._serialized_start=1614
+  _globals['_HANDOFFRESPONSE']._serialized_end=1652
+  _globals['_GETLOADREQUEST']._serialized_start=1654
+  _globals['_GETLOADREQUEST']._serialized_end=1670
+  _globals['_GETREPLICAINFOREQUEST']._serialized_start=1672
+  _globals['_GETREPLICAINFOREQUEST']._serialized_end=1695
+  _globals['_REPLICAINFO']._serialized_start=1698
+  _globals['_REPLICAINFO']._serialized_end=1862
+  _globals['_SCHEDULER']._serialized_start=1865
+  _globals['_SCHEDULER']._serialized_end=2389
 # @@protoc_insertion_point(module_scope)

@@ -65,6 +65,53 @@ class TokenEvent(_message.Message):
     handoff: Handoff
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobEntry, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: SessionSubmit
+    cancel: str
+    def __init__(self, submit: _Optional[_Union[SessionSubmit, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class SessionSubmit(_message.Message):
+    __slots__ = ("request", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request: SubmitRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[SubmitRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SessionItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[SessionItem, _Mapping]]] = ...) -> None: ...
+
+class SessionItem(_message.Message):
+    __slots__ = ("event", "status")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    event: TokenEvent
+    status: RequestStatus
+    def __init__(self, event: _Optional[_Union[TokenEvent, _Mapping]] = ..., status: _Optional[_Union[RequestStatus, _Mapping]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PromptLogprobEntry(_message.Message):
     __slots__ = ("position", "entries")
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -118,17 +165,19 @@ class GetReplicaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("model", "accelerator", "dtype", "world_size", "determinism", "role")
+    __slots__ = ("model", "accelerator", "dtype", "world_size", "determinism", "role", "sessions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     accelerator: str
     dtype: str
     world_size: int
     determinism: _common_pb2.Determinism
     role: str
-    def __init__(self, model: _Optional[str] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., role: _Optional[str] = ...) -> None: ...
+    sessions: bool
+    def __init__(self, model: _Optional[str] = ..., accelerator: _Optional[str] = ..., dtype: _Optional[str] = ..., world_size: _Optional[int] = ..., determinism: _Optional[_Union[_common_pb2.Determinism, _Mapping]] = ..., role: _Optional[str] = ..., sessions: _Optional[bool] = ...) -> None: ...

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/deepinfer.v1.Scheduler/Session',
+                request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Scheduler/Abort',
                 request_serializer=deepinfer_dot_v1_dot_scheduler__pb2.SchedulerAbortRequest.SerializeToString,
@@ -72,6 +77,16 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one stream (the balancer holds one per replica): submits and cancels go in; out come, in one
+        message per engine step, the events of every request of the stream that step. Each request behaves as it would
+        as its own Submit call (its events in order, the same finish, the same errors, as a SessionItem's status), and
+        a cancel is a Submit call cancelled. When the stream ends, every request still open on it is aborted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -118,6 +133,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=deepinfer_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=deepinfer_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=deepinfer_dot_v1_dot_scheduler__pb2.SessionEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -172,6 +192,33 @@ class Scheduler:
             '/deepinfer.v1.Scheduler/Submit',
             deepinfer_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             deepinfer_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/deepinfer.v1.Scheduler/Session',
+            deepinfer_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            deepinfer_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,
