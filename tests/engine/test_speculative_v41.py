@@ -230,7 +230,10 @@ def test_an_image_prompt_joining_drafting_rows_runs_beside_their_verify_step(
 
     want = staggered(base, IMAGE_A)
     assert not any(taken)
-    assert_same(want, staggered(spec, IMAGE_A))
+    # tokens exact; logprobs within 1e-2: once a verify row's FP8 window rounding differs from the decode row's (see
+    # assert_same), the request's cached state differs by that step and its later logprobs drift (3.8e-3 by the 16th
+    # token of r0 on one 2-core host, under 1e-3 on the CI host before; bit for bit with the batch-invariant ops)
+    assert_exact(want, staggered(spec, IMAGE_A), logprob_tol=1e-2)
     assert any(taken), taken
     other = staggered(base, IMAGE_B)
     assert other[2].outputs[0].token_ids != want[2].outputs[0].token_ids
