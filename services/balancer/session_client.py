@@ -7,6 +7,10 @@ iterate its events; it raises the ``grpc.aio.AioRpcError`` the call would have (
 request; DEADLINE_EXCEEDED past its timeout; UNAVAILABLE when the session stream breaks, so the request moves to
 another replica as after a failed call); ``cancel()`` when its caller is gone. A broken stream is forgotten: the next
 submit opens a new one.
+
+A caller that falls behind its request's events (the balancer's event loop busy with other streams) takes what
+waits as one event (:func:`merge`): one message to its client instead of one per step, with no delay when it keeps
+up — so the balancer's work per step shrinks as it falls behind instead of growing into a backlog.
 """
 
 from __future__ import annotations
@@ -30,6 +34,24 @@ def is_last(ev: scheduler_pb2.TokenEvent) -> bool:
     return ev.finish_reason != UNSPECIFIED or ev.HasField("handoff")
 
 
+def merge(ev: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+    """``ev`` followed by ``later`` as one event (``ev`` updated): tokens, logprobs and prompt rows in order; the
+    finish, the cache report, the prompt's count and the draft totals as the later one says them."""
+    ev.token_ids.extend(later.token_ids)
+    ev.logprobs.extend(later.logprobs)
+    ev.prompt_logprobs.extend(later.prompt_logprobs)
+    ev.finish_reason, ev.stop_token_id = later.finish_reason, later.stop_token_id
+    if later.cached_tokens or later.cached_tier:
+        ev.cached_tokens, ev.cached_tier = later.cached_tokens, later.cached_tier
+    if later.prompt_tokens:
+        ev.prompt_tokens = later.prompt_tokens
+    if later.draft_tokens:
+        ev.draft_tokens, ev.accepted_draft_tokens = later.draft_tokens, later.accepted_draft_tokens
+    if later.HasField("handoff"):
+        ev.handoff.CopyFrom(later.handoff)
+    return ev
+
+
 class SessionCall:
     """One request on a session stream (see the module's docstring)."""
 
@@ -37,6 +59,7 @@ class SessionCall:
         self.client, self.request_id = client, rid
         self.items: asyncio.Queue[scheduler_pb2.TokenEvent | grpc.aio.AioRpcError] = asyncio.Queue()
         self.over = False  # its last event or its error was taken, or it was cancelled
+        self._held: grpc.aio.AioRpcError | None = None  # an error taken while merging, raised next
         self._timer = None
         if timeout is not None:
             self._timer = asyncio.get_running_loop().call_later(max(0.0, timeout), self._expire)
@@ -53,10 +76,16 @@ class SessionCall:
     async def __anext__(self) -> scheduler_pb2.TokenEvent:
         if self.over:
             raise StopAsyncIteration
-        item = await self.items.get()
+        item, self._held = (self._held, None) if self._held is not None else (await self.items.get(), None)
         if isinstance(item, grpc.aio.AioRpcError):
             self._end()
             raise item
+        while not is_last(item) and not self.items.empty():  # the caller is behind: what waits goes as one event
+            nxt = self.items.get_nowait()
+            if isinstance(nxt, grpc.aio.AioRpcError):
+                self._held = nxt  # (raised by the next call, after the events before it)
+                break
+            item = merge(item, nxt)
         if is_last(item):
             self._end()
         return item

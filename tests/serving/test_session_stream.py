@@ -256,3 +256,46 @@ def test_a_replica_without_sessions_gets_submit_calls() -> None:
     first, unsupported, later = asyncio.run(run())
     assert first.code() == grpc.StatusCode.UNAVAILABLE and unsupported
     assert [ev.token_ids for ev in later] == [[1]]
+
+
+def test_a_caller_behind_takes_the_waiting_events_as_one(mesh: Mesh) -> None:
+    """Events that wait for a slow caller come as one: the same tokens, logprobs and finish as the Submit call's."""
+
+    async def run():
+        stub = scheduler(mesh)
+        req = dict(temperature=0, max_tokens=10, logprobs=1)
+        ref = await submit_call(stub, request("ref", [0, 8, 6, 4], **req))
+        client = SessionClient(stub, mesh.address("scheduler"))
+        call = client.submit(request("slow", [0, 8, 6, 4], **req))
+        for _ in range(600):  # every event read off the stream before the caller reads any
+            if call.items.qsize() == 10:  # (one event a token, the last one finishing)
+                break
+            await asyncio.sleep(0.05)
+        got = [ev async for ev in call]
+        await client.close()
+        return ref, got
+
+    ref, got = asyncio.run(run())
+    assert len(ref) > 1 and len(got) == 1
+    assert tokens(got) == tokens(ref) and got[0].finish_reason == ref[-1].finish_reason
+    assert [lp.token_id for lp in got[0].logprobs] == tokens(ref)
+    assert [lp.logprob for lp in got[0].logprobs] == [lp.logprob for ev in ref for lp in ev.logprobs]
+
+
+def test_merge_keeps_every_field_of_both_events() -> None:
+    from services.balancer.session_client import merge
+
+    handled = {"request_id", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id",
+               "cached_tokens", "cached_tier", "prompt_tokens", "draft_tokens", "accepted_draft_tokens",
+               "handoff"}  # fmt: skip
+    assert {f.name for f in scheduler_pb2.TokenEvent.DESCRIPTOR.fields} == handled  # a new field: teach merge it
+    a = scheduler_pb2.TokenEvent(request_id="r", prompt_logprobs=[scheduler_pb2.PromptLogprobEntry(position=1)],
+                                 prompt_tokens=5, token_ids=[3], draft_tokens=2, accepted_draft_tokens=1)  # fmt: skip
+    b = scheduler_pb2.TokenEvent(request_id="r", token_ids=[4, 5], draft_tokens=4, accepted_draft_tokens=3,
+                                 finish_reason=common_pb2.FINISH_REASON_STOP, stop_token_id=5, cached_tokens=2,
+                                 cached_tier="device")  # fmt: skip
+    m = merge(a, b)
+    assert list(m.token_ids) == [3, 4, 5] and [r.position for r in m.prompt_logprobs] == [1]
+    assert (m.prompt_tokens, m.draft_tokens, m.accepted_draft_tokens) == (5, 4, 3)
+    assert (m.finish_reason, m.stop_token_id, m.cached_tokens, m.cached_tier) == (common_pb2.FINISH_REASON_STOP, 5,
+                                                                                 2, "device")  # fmt: skip
