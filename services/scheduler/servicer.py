@@ -160,6 +160,8 @@ class SchedulerService(EngineLoop, scheduler_pb2_grpc.SchedulerServicer):
         try:
             async for msg in session.batches():
                 yield msg
+            if session.refused is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, session.refused)
         finally:
             self.metrics.session_stream(-1)
             self.sessions.discard(session)

@@ -75,6 +75,7 @@ class SchedulerSession:
         self.ready = asyncio.Event()
         self.reading = True
         self.closing = False
+        self.refused: str | None = None  # the caller broke the protocol: the stream ends with INVALID_ARGUMENT
         self._tasks: set[asyncio.Task] = set()
 
     async def read(self, requests: AsyncIterator[scheduler_pb2.SessionRequest]) -> None:
@@ -90,6 +91,9 @@ class SchedulerSession:
                     await self.submit(msg.submit)
                 elif kind == "cancel":
                     self.cancel(msg.cancel)
+                else:  # a caller that speaks another protocol: its requests cannot be trusted to mean anything
+                    self.refused = "SessionRequest: neither submit nor cancel"
+                    break
         finally:
             self.reading = False
             self.ready.set()
@@ -145,6 +149,8 @@ class SchedulerSession:
         """The stream's messages: what was delivered since the last one, until no request of the stream is open and
         the caller ended its side or the service is closing (:meth:`end`)."""
         while True:
+            if self.refused is not None:
+                return
             if self.items:
                 items, self.items = self.items, []
                 yield scheduler_pb2.SessionEvents(items=items)

@@ -299,3 +299,25 @@ def test_merge_keeps_every_field_of_both_events() -> None:
     assert (m.prompt_tokens, m.draft_tokens, m.accepted_draft_tokens) == (5, 4, 3)
     assert (m.finish_reason, m.stop_token_id, m.cached_tokens, m.cached_tier) == (common_pb2.FINISH_REASON_STOP, 5,
                                                                                  2, "device")  # fmt: skip
+
+
+def test_a_message_that_is_neither_submit_nor_cancel_ends_the_stream(mesh: Mesh) -> None:
+    """A caller that breaks the protocol gets INVALID_ARGUMENT for its stream (its requests aborted); the replica
+    serves on."""
+
+    async def run():
+        stub = scheduler(mesh)
+        s = Stream(stub)
+        s.submit(request("doomed", [0, 50], **LONG))
+        await s.until(lambda s: s.events("doomed"))
+        s.outbox.put_nowait(scheduler_pb2.SessionRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await s.until(lambda s: False)
+        load = await wait_idle(stub)
+        after = await submit_call(stub, request("after-bad", [0, 3], temperature=0, max_tokens=3))
+        return e.value, load, after
+
+    err, load, after = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "SessionRequest" in err.details()
+    assert load.running_requests == 0 and load.free_kv_pages == load.total_kv_pages
+    assert len(tokens(after)) == 3
