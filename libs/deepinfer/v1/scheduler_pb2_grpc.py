@@ -85,7 +85,8 @@ class SchedulerServicer:
         """Many requests over one stream (the balancer holds one per replica): submits and cancels go in; out come, in one
         message per engine step, the events of every request of the stream that step. Each request behaves as it would
         as its own Submit call (its events in order, the same finish, the same errors, as a SessionItem's status), and
-        a cancel is a Submit call cancelled. When the stream ends, every request still open on it is aborted.
+        a cancel is a Submit call cancelled. When the stream ends, every request still open on it is aborted; a message
+        that is neither a submit nor a cancel ends it with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
