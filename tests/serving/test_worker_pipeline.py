@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import grpc
@@ -52,8 +53,10 @@ def plans(bad_at: int | None = None) -> list[WorkerStepPlan]:
     return out
 
 
-async def stream(parts, steps: list[WorkerStepPlan], service: WorkerService | None = None
-                 ) -> tuple[list, grpc.StatusCode | None, str]:  # fmt: skip
+async def stream(
+    parts, steps: list[WorkerStepPlan], service: WorkerService | None = None,
+    hold: tuple[int, threading.Event] | None = None,
+) -> tuple[list, grpc.StatusCode | None, str]:  # fmt: skip
     service = service if service is not None else WorkerService(parts, "w")
     running = await start_server(
         [Service("deepinfer.v1.Worker", service, worker_pb2_grpc.add_WorkerServicer_to_server)],
@@ -67,7 +70,10 @@ async def stream(parts, steps: list[WorkerStepPlan], service: WorkerService | No
             done = asyncio.Event()
 
             async def send():
-                for p in steps:  # all at once, as fast as the client can: the worker decides how far it runs ahead
+                for k, p in enumerate(steps):  # all at once, as fast as the client can: the worker decides how far
+                    if hold is not None and k == hold[0]:  # it runs ahead (``hold``: the rest once the event is set)
+                        while not hold[1].is_set():
+                            await asyncio.sleep(0.01)
                     yield plan_to_proto(p, sent)
                 await done.wait()
 
@@ -116,6 +122,25 @@ def test_steps_are_launched_ahead_and_give_the_engines_tokens(model_dir, monkeyp
     assert sorted(calls) == sorted([(k, s) for s in range(1, STEPS + 1) for k in ("launch", "finish")])
     in_flight = [sum(+1 if k == "launch" else -1 for k, _ in calls[: i + 1]) for i in range(len(calls))]
     assert max(in_flight) == MAX_IN_FLIGHT  # plan 4 waits for room although it arrived at once
+
+
+def test_a_ready_step_is_collected_before_the_next_launch_while_the_device_is_busy(model_dir, monkeypatch) -> None:
+    """Step 1's tokens arrive and plans 3 and 4 come in while step 2's launch runs (a slow one); with step 2 still on
+    the device, step 1 goes out first and the plans launch after it, instead of the tokens waiting behind them."""
+    parts = build_worker(model_dir, "float32", "cpu", None, 16, 16, batch_invariant=True)
+    calls = traced(parts, monkeypatch)
+    traced_launch, launching_2 = parts.runner.launch, threading.Event()
+
+    def launch(plan):
+        if plan.step_id == 2:
+            launching_2.set()
+            time.sleep(1.0)  # meanwhile step 1's wait (0.15 s) ends and plans 3 and 4 arrive
+        return traced_launch(plan)
+
+    monkeypatch.setattr(parts.runner, "launch", launch)
+    results, code, _ = asyncio.run(stream(parts, plans(), hold=(2, launching_2)))
+    assert code is None and [r.step_id for r in results] == list(range(1, STEPS + 1))
+    assert calls[:4] == [("launch", 1), ("launch", 2), ("finish", 1), ("launch", 3)], calls
 
 
 def test_a_step_done_at_its_launch_is_collected_before_the_next_launch(model_dir, monkeypatch) -> None:

@@ -5,10 +5,12 @@ and sends each result the step thread hands back (:meth:`results`). The step thr
 work, in order, as the in-process engine's loop does: it launches a plan as soon as one is there (up to
 ``max_in_flight`` steps whose results are not collected), so the next step is queued on the device while the
 previous one runs, and collects the oldest step once the waiter thread says its tokens are on the host (the waiter
-only waits for the device, holding no lock and running no Python meanwhile). Plans go first: a step whose tokens
-arrived is collected after the plans that are there are launched. On the host (whose launch runs the step) one step
-is in flight: a step is collected before the next launch, or a long next step, a prefill, would hold back tokens
-the step already has.
+only waits for the device, holding no lock and running no Python meanwhile). A step whose tokens arrived is
+collected before the plans that are there are launched while a later step still runs on the device: the device
+stays busy, and the tokens do not wait behind launches (with launches slower than the device, as at batch 1, plans
+first sent results out in pairs, a launch or two late). With the device idle the plans launch first. On the host
+(whose launch runs the step) one step is in flight: a step is collected before the next launch, or a long next
+step, a prefill, would hold back tokens the step already has.
 
 Why one thread for the runner: a launcher and a finisher thread working it at once (as before) took turns at the
 device lock and at the interpreter's lock, which every torch call gives up and takes back. On one H100, the same
@@ -142,8 +144,11 @@ class StepPipeline:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         break
-                while True:  # the plans there are launch first; then the oldest step, if ready, is collected
-                    while plans and len(launched) < self.max_in_flight:  # (those before the stream's end, too)
+                while True:  # launches and collections, in the order that keeps the device busy soonest
+                    # a ready step goes out before more launches while a later step still runs on the device (it
+                    # stays busy meanwhile, and the tokens leave a launch sooner); with the device idle, plans first
+                    collect_first = len(launched) > 1 and launched[0].ready and not launched[-1].ready
+                    while not collect_first and plans and len(launched) < self.max_in_flight:  # (before the end, too)
                         if launched and self.runner.waits_for_tokens(plans[0]):
                             break  # (launched once the steps before it are collected)
                         if dry_since is not None:  # (a second or more without a plan: idle, not starved)
