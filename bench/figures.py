@@ -33,17 +33,18 @@ _STEP = re.compile(r"^(\w+)(?:\[(\w+)=([^\]]+)\])?$")
 
 # the README's sentences, each over the figures of one result file ({figure/key} placeholders, Python formats)
 SENTENCES = [
-    "{date} at {commit}, {machine}, 4 layers of V4-Flash width, native FP8 / MXFP4 weights: one decode step of the model at "
-    "{model_decode_x_roofline/1:.2f}x the HBM roofline at batch 1 and {model_decode_x_roofline/64:.2f}x at batch 64; "
-    "prefill at {prefill_fraction_fp8/4096:.1%} of the FP8 peak at 4096 tokens, {prefill_fraction_fp8/16384:.1%} at "
-    "16384; transformers' `DeepseekV4ForCausalLM` in the same run {peer_decode_ms/1:.1f} ms per decode step at "
-    "batch 1 against our {model_decode_ms/1:.1f} ms ([result]({file})).",
-    "{date} at {commit}, {machine}, the same 4-layer model served by `deepinfer up` (the NVIDIA worker, a scheduler, the balancer; "
-    "gRPC, 512-token prompts, 128 greedy tokens each, all sent at once): {mesh_over_inprocess/1:.2f}x the output "
-    "throughput of the in-process engine on the same GPU at concurrency 1, {mesh_over_inprocess/64:.2f}x at 64 "
-    "([result]({file})).",
-    "{date} at {commit}, {machine}: a full balancer refuses a 2000-request HTTP burst at p50 {admission_http_p50_ms/2000:.0f} ms, "
-    "the bare uvicorn stack in the same run at {admission_bare_http_p50_ms/2000:.0f} ms ([result]({file})).",
+    "{date} at {commit}, {machine}, 4 layers of V4-Flash width, native FP8 / MXFP4 weights: one decode step of the "
+    "model at {model_decode_x_roofline/1:.2f}x the HBM roofline at batch 1 and {model_decode_x_roofline/64:.2f}x at "
+    "batch 64; prefill at {prefill_fraction_fp8/4096:.1%} of the FP8 peak at 4096 tokens, "
+    "{prefill_fraction_fp8/16384:.1%} at 16384; transformers' `DeepseekV4ForCausalLM` in the same run "
+    "{peer_decode_ms/1:.1f} ms per decode step at batch 1 against our {model_decode_ms/1:.1f} ms ([result]({file})).",
+    "{date} at {commit}, {machine}, the same 4-layer model served by `deepinfer up` (the NVIDIA worker, a scheduler, "
+    "the balancer; gRPC, 512-token prompts, 128 greedy tokens each, all sent at once): "
+    "{mesh_over_inprocess/1:.2f}x the output throughput of the in-process engine on the same GPU at concurrency 1, "
+    "{mesh_over_inprocess/64:.2f}x at 64 ([result]({file})).",
+    "{date} at {commit}, {machine}: a full balancer refuses a 2000-request HTTP burst at p50 "
+    "{admission_http_p50_ms/2000:.0f} ms, the bare uvicorn stack in the same run at "
+    "{admission_bare_http_p50_ms/2000:.0f} ms ([result]({file})).",
     "{date} at {commit}, {machine}: 180 s of load at concurrency 32 while services are SIGKILLed: "
     "{chaos_completed/32:.0f} requests completed, {chaos_failed/32:.0f} failed, {chaos_exact/32:.0f} token-exact "
     "([result]({file})).",
@@ -99,8 +100,9 @@ def render(latest: dict) -> str:
         if any(e["file"] != first["file"] for e in entries):
             raise ValueError(f"a sentence mixes result files: {sorted({e['file'] for e in entries})}")
         text = _FIELD.sub(lambda m: format(latest[m[1]][m[2]]["value"], (m[3] or ":")[1:]), sentence)
-        text = text.format(date=first["date"], commit=first["commit"], machine=first["machine"],
-                           file=f"bench/results/{first['file']}")
+        text = text.format(
+            date=first["date"], commit=first["commit"], machine=first["machine"], file=f"bench/results/{first['file']}"
+        )
         bullets.append(
             "\n".join(textwrap.wrap(text, 118, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False))
         )
