@@ -142,20 +142,20 @@ def plan_to_proto(plan: WorkerStepPlan, sent_params: set[str]) -> worker_pb2.Ste
         msg.fetches.add(fetch_id=f.fetch_id, key=f.key)
     for rid in plan.released:
         sent_params.discard(rid)
-    for c in plan.chunks:
+    for c in plan.chunks:  # (the optional fields only where set: a decode row has none of them)
         chunk = msg.chunks.add(
-            request_id=c.request_id,
-            token_ids=c.token_ids,
-            start=c.start,
-            block_table=c.block_table,
-            sample=c.sample,
-            logprob_targets=c.logprob_targets or [],
-            resume_from=c.resume_from or "",
-            num_drafts=c.num_drafts,
+            request_id=c.request_id, token_ids=c.token_ids, start=c.start, block_table=c.block_table, sample=c.sample
         )
+        if c.logprob_targets:
+            chunk.logprob_targets.extend(c.logprob_targets)
+        if c.resume_from:
+            chunk.resume_from = c.resume_from
+        if c.num_drafts:
+            chunk.num_drafts = c.num_drafts
         if c.decoder_from is not None:
             chunk.decoder_from = c.decoder_from
-        chunk.images = c.mm is not None  # the features stay on the worker (Worker.PrepareImages)
+        if c.mm is not None:
+            chunk.images = True  # the features stay on the worker (Worker.PrepareImages)
         if c.constraint is not None:
             chunk.constraint.CopyFrom(constraint_to_proto(c.constraint))
             chunk.constraint_history.extend(c.constraint_history or [])
