@@ -13,7 +13,8 @@ events go through ``services.scheduler.session.SchedulerSession`` and come out o
 did before. Per ``n`` and path: the CPU both processes spend per step (ms; at 1.0 ms a step the host time a 1 ms
 device step leaves for planning is gone), and how long a step's last event takes to reach the client (p50 / p99, ms:
 it grows without bound once delivery cannot keep up with the steps). The roofline: encoding and decoding one step's
-events as one protobuf message in this process, the least any transport does.
+events as one protobuf message in this process, the least any transport does. Each cell runs ``--repeats`` times
+(3), the two paths alternating so that a noisy minute hits both; the tables give medians, the JSON every run.
 
 A second table times the scheduler <-> worker step exchange's own conversions per step (``deepinfer.rpc.convert``:
 the plan to and from the wire, the result to and from it) at ``n`` decode rows, beside the encoding and decoding of
@@ -27,6 +28,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import secrets
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -217,20 +219,30 @@ def main() -> None:
     ap.add_argument("--requests", default="1,16,64,256", help="comma-separated")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--interval-ms", type=float, default=5.0, help="one step every this many ms")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each cell, paths alternating; medians reported")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.tiny:
-        args.requests, args.steps = "1,8", 20
+        args.requests, args.steps, args.repeats = "1,8", 20, 1
     os.environ.setdefault("DEEPINFER_INTERNAL_TOKEN", secrets.token_hex(16))  # both ends: as in the mesh
     os.environ.setdefault("DEEPINFER_LOG_LEVEL", "warning")
     rows = []
     for n in [int(x) for x in args.requests.split(",")]:
-        row: dict[str, Any] = {"n": n, "roofline_ms": roofline_ms(n), "conversions_us": conversions_us(n)}
-        for path in ("submit", "session"):
-            row[path] = measure(n, path, args.steps, args.interval_ms / 1e3)
+        row: dict[str, Any] = {"n": n, "roofline_ms": roofline_ms(n)}
+        runs: dict[str, list[dict[str, float]]] = {"submit": [], "session": []}
+        convs = []
+        for _ in range(args.repeats):  # the two paths alternate, so that a noisy minute hits both
+            for path in runs:
+                runs[path].append(measure(n, path, args.steps, args.interval_ms / 1e3))
+            convs.append(conversions_us(n))
+        for path, rs in runs.items():
+            row[path] = {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"runs": rs}
+        row["conversions_us"] = {k: statistics.median(c[k] for c in convs) for k in convs[0]}
         rows.append(row)
-    print(f"one step every {args.interval_ms} ms, {args.steps} steps; CPU ms per step (scheduler side + balancer "
-          "side); lag: a step's last event from handed over to received")  # fmt: skip
+    print(
+        f"one step every {args.interval_ms} ms, {args.steps} steps, medians of {args.repeats} runs; CPU ms per step "
+        "(scheduler side + balancer side); lag: a step's last event from handed over to received"
+    )
     print("| requests | roofline ms | Submit calls: CPU ms | lag p50 / p99 ms | Session: CPU ms | lag p50 / p99 ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
