@@ -24,23 +24,25 @@ def _advice(what: str) -> str:
     )
 
 
+def _named(model: str | Path | None, local_dir_env: str | None) -> tuple[str | Path, Path]:
+    """The model named (``model``, else ``local_dir_env``, else the default) and its path on this host."""
+    if model is None:
+        model = local_dir_env or DEFAULT_MODEL
+    return model, Path(model).expanduser()
+
+
 def local_model(model: str | Path | None, local_dir_env: str | None) -> Path | None:
     """The directory ``resolve_model`` takes ``model`` from when it is on this host; None for a repo id (or a path
     that is not a directory). Nothing is downloaded."""
-    if model is None:
-        model = local_dir_env or DEFAULT_MODEL
-    p = Path(model).expanduser()
+    _, p = _named(model, local_dir_env)
     return consolidated_dir(p) if p.is_dir() else None
 
 
 def resolve_model(model: str | Path | None, local_dir_env: str | None, cache_dir: Path | None = None) -> Path:
     """A local directory holding the model's files, downloading from the hub when ``model`` is a repo id."""
-    local = local_model(model, local_dir_env)
-    if local is not None:
-        return local
-    if model is None:
-        model = local_dir_env or DEFAULT_MODEL
-    p = Path(model).expanduser()
+    model, p = _named(model, local_dir_env)
+    if p.is_dir():
+        return consolidated_dir(p)
     if p.exists() or str(model).startswith((".", "/")):
         raise ModelUnavailable(_advice(f"The model path {model} is not a directory."))
     from huggingface_hub import hf_hub_download, snapshot_download
