@@ -179,6 +179,34 @@ async def through_mesh(mesh: Mesh, protocol: str, ss: list[workload.Session], mo
     return {k: summary[k] for k in keep if k in summary} | {"stalls_over_1ms": stalls(outcomes)}
 
 
+PROFILED = ("worker", "scheduler", "balancer")
+
+
+def profilers(mesh: Mesh, args: argparse.Namespace, name: str) -> list[Any]:
+    """``--py-spy DIR``: a sampling profile of each worker, scheduler and balancer over a timed run (py-spy's folded
+    stacks, all threads, DIR/<name>-<service>.txt); stopped by :func:`stop_profilers`."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy") if args.py_spy else None
+    if exe is None:
+        return []
+    args.py_spy.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([exe, "record", "--pid", str(proc.pid), "--threads", "--nonblocking", "--rate", "200",
+                              "--format", "raw", "--output", str(args.py_spy / f"{name}-{service}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for service, proc in mesh.procs if service.split("-")[0] in PROFILED]  # fmt: skip
+
+
+def stop_profilers(procs: list[Any]) -> None:
+    import signal
+
+    for p in procs:
+        p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for p in procs:
+        p.wait(timeout=60)
+
+
 def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: float, streams: str) -> list[dict]:
     """Each concurrency level through the in-process engine and through ``mesh``, alternating."""
     rows = []
@@ -193,8 +221,10 @@ def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: floa
         row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
         for proto in args.protocol_list:
             asyncio.run(through_mesh(mesh, proto, warm, model))
+            spies = profilers(mesh, args, f"pyspy-{streams}-{proto}-c{c}")
             before, phases, t = cpu_seconds(mesh), phase_totals(mesh), time.perf_counter()
             row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model))
+            stop_profilers(spies)
             row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
             row[proto]["phases"] = phase_use(phases, phase_totals(mesh))
         rows.append(row)
@@ -216,6 +246,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
     ap.add_argument("--log-level", default="warning", help="the services' DEEPINFER_LOG_LEVEL (their logs stay in the "
                     "run's temporary directory, beside the checkpoint)")  # fmt: skip
+    ap.add_argument("--py-spy", type=Path, default=None, help="profile each worker and scheduler over every timed "
+                    "mesh run with py-spy (when on PATH) into DIR (it perturbs those runs: profile apart from "
+                    "the figures)")  # fmt: skip
     args = ap.parse_args()
     if args.device is None:
         import torch
