@@ -40,6 +40,7 @@ import triton.language as tl
 from deepinfer.kernels import attention_split, attention_wgmma, pdl
 from deepinfer.kernels.paged_keys import check_paged, key_rows
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import is_pinned, row_slices
 
 ATTN_BLOCK_H = 16  # heads per program (the smallest tl.dot M)
 ATTN_BLOCK_N = 32  # keys per step: a [32, 512] bf16 gathered tile is 32 KB of shared memory
@@ -219,9 +220,17 @@ def sparse_attention_gather(
         )
     if n == 0 or H == 0 or d == 0 or W == 0 or (keys.shape[0] == 0 and not is_paged):
         return torch.zeros((n, H, d), dtype=q.dtype, device=q.device) if out is None else out.zero_()
+    auto = split is None
+    if auto and is_pinned():  # kernels.pinning: one mode for any number of queries, the split scratch bounded
+        auto, split = False, True
+        if len(slices := row_slices(n)) > 1:
+            out = torch.empty((n, H, d), dtype=q.dtype, device=q.device) if out is None else out
+            for a, b in slices:
+                sparse_attention_gather(q[a:b], keys, idx[a:b], count[a:b], sink, scale, split=True, paged=paged,
+                                        out=out[a:b])  # fmt: skip
+            return out
     q, keys, idx, count, sink = (t.contiguous() for t in (q, keys, idx, count, sink))
     pool = (keys, store, pages, keys.shape[0], rows_per_page, is_paged)
-    auto = split is None
     if use_split(n, H) if auto else split:
         return attention_split.sparse_attention_split(
             q,

@@ -66,6 +66,7 @@ from deepinfer.kernels.fp8_quant import act_quant_fp8, act_quant_sim, act_quant_
 from deepinfer.kernels.fp8_scaled_mm import block_scaled_mm
 from deepinfer.kernels.fp8_w8a8 import splitk_sum_kernel, w8a8
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import is_pinned, plan_rows, row_slices
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPLIT_TICKETS = True  # gemv / W8A16 split-K summed in the GEMM's launch (False: by splitk_sum_kernel; benchmarks)
@@ -253,14 +254,17 @@ def fp8_linear(
             q, s = act_quant_torch(x2, ACT_BLOCK)
             xq = (q.float().unflatten(-1, (-1, ACT_BLOCK)) * s[..., None]).flatten(-2)
         return (xq @ dequantize_fp8_blocks(w, scale, torch.float32, block).t()).to(dt).view(*lead, n)
+    if config is None and len(slices := row_slices(m)) > 1:  # pinned (kernels.pinning): each slice one pinned launch
+        parts = [fp8_linear(x2[a:b], w, scale, act_quant, block=block) for a, b in slices]
+        return torch.cat(parts).view(*lead, n)
     sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-    cfg = config or pick_config(m, n, k, block, act_quant, sms, x2.element_size())
+    cfg = config or pick_config(plan_rows(m), n, k, block, act_quant, sms, x2.element_size())
     check_config(cfg, m, block, act_quant, dt)
     w = w.contiguous()
     y = torch.empty((m, n), dtype=dt, device=x.device)
     if cfg.path == "w8a8":
         a, sa = act_quant_fp8(x2, ACT_BLOCK)
-        if config is None and m >= SCALED_MM_MIN_M and block == (128, 128) and not interpreted():
+        if config is None and m >= SCALED_MM_MIN_M and block == (128, 128) and not interpreted() and not is_pinned():
             out = block_scaled_mm(a, sa, w, scale, dt)  # the vendor library's FP8 GEMM, where it runs
             if out is not None:
                 return out.view(*lead, n)
@@ -345,12 +349,20 @@ def fp8_grouped_linear(
     r = n // g
     if t == 0 or n == 0:
         return torch.zeros((t, g, r), dtype=x.dtype, device=x.device)
+    if config is None and len(slices := row_slices(t)) > 1:  # pinned (kernels.pinning): each slice one pinned launch
+        return torch.cat([fp8_grouped_linear(x[a:b], w, scale) for a, b in slices])
     scale = scale.float().contiguous()
     cfg = None
     if x.is_cuda or interpreted():
         sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-        cfg = config or pick_config(t, n, k, block, False, sms, x.element_size())
+        cfg = config or pick_config(plan_rows(t), n, k, block, False, sms, x.element_size())
         check_config(cfg, t, block, False, x.dtype)
+    if cfg is not None and is_pinned() and (cfg.path not in ("gemv", "w8a16") or r % cfg.block_n):
+        # the groups' products on the fixed-tile GEMM (torch.bmm picks its kernels by the row count)
+        from deepinfer.kernels.invariant import matmul_fixed
+
+        wd = _dequantized(w.contiguous(), scale, block, x.dtype).view(g, r, k)
+        return torch.stack([matmul_fixed(x[:, i], wd[i]) for i in range(g)], dim=1)
     if cfg is None or cfg.path not in ("gemv", "w8a16") or r % cfg.block_n:
         if cfg is None:
             wd = dequantize_fp8_blocks(w, scale, x.dtype, block)

@@ -31,6 +31,7 @@ import triton.language as tl
 from deepinfer.kernels import pdl, small_gemm
 from deepinfer.kernels.hc_mixes import mixes_gemm
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import is_pinned, plan_rows
 
 HC_BLOCK_D = 1024  # elements per row and step of the row loops (one token per program on a GPU)
 # decode sizes (at most SMALL_T tokens: fewer programs than SMs): wider steps on more warps, so that a token's two
@@ -234,6 +235,8 @@ def _mixes(
         mixes = mixes_gemm(h, fn)
     elif SPLIT_MIXES and h.is_cuda and h.dtype == torch.bfloat16:
         mixes, parts = split_mixes_parts(h.view(t, n * d), fn), 3
+    elif is_pinned() and (h.is_cuda or _interpret()):  # one plan for any token count (torch.mm's varies with it)
+        mixes = mixes_gemm(h, fn)
     else:
         mixes = torch.mm(h.view(t, n * d).float(), fn.float().t()).contiguous()
     return _from_mixes(h, mixes, parts, m, scale, base, iters, eps, norm_eps, collapse)
@@ -259,8 +262,8 @@ def _from_mixes(
     post = pre if head else torch.empty((t, n), dtype=torch.float32, device=h.device)
     comb = pre if head else torch.empty((t, n, n), dtype=torch.float32, device=h.device)
     if t:
-        bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
-        small = t <= SMALL_T and not _interpret()
+        bt = min(INTERPRET_ROWS, triton.next_power_of_2(plan_rows(t))) if _interpret() else 1
+        small = plan_rows(t) <= SMALL_T and not _interpret()  # (kernels.pinning: pinned, as for PLAN_ROWS tokens)
         block, warps = (SMALL_BLOCK_D, SMALL_WARPS) if small else (HC_BLOCK_D, HC_WARPS)
         _hc_pre_kernel[(triton.cdiv(t, bt),)](
             h, mixes, scale.float().contiguous(), base.float().contiguous(), x, pre, post, comb,
@@ -306,8 +309,8 @@ def hc_expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torc
     t, n, d = res.shape
     out = torch.empty((t, n, d), dtype=y.dtype, device=y.device)
     if t:
-        block = min(EXPAND_BLOCK_D if t <= SMALL_T else EXPAND_WIDE_BLOCK_D, triton.next_power_of_2(d))
-        bt = min(INTERPRET_ROWS, triton.next_power_of_2(t)) if _interpret() else 1
+        block = min(EXPAND_BLOCK_D if plan_rows(t) <= SMALL_T else EXPAND_WIDE_BLOCK_D, triton.next_power_of_2(d))
+        bt = min(INTERPRET_ROWS, triton.next_power_of_2(plan_rows(t))) if _interpret() else 1
         _hc_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block))](
             y.contiguous(), res.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, t, d,
             N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_D=block, num_warps=EXPAND_WARPS, **pdl.launch(),

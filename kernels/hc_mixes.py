@@ -31,6 +31,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import plan_rows
 
 BLOCK_T_MAX = 64  # tokens per program (``fn`` is re-read from L2 once per block of tokens)
 BLOCK_T_MIN = 16
@@ -119,8 +120,8 @@ def mixes_gemm(h: torch.Tensor, fn: torch.Tensor, split: int | None = None) -> t
         return out
     if k == 0:
         return out.zero_()
-    bt = block_t_for(t)
-    s = split_for(t, k) if split is None else max(1, int(split))
+    bt = block_t_for(plan_rows(t))  # (kernels.pinning: a pinned call plans for PLAN_ROWS tokens)
+    s = split_for(plan_rows(t), k) if split is None else max(1, int(split))
     chunk = triton.cdiv(triton.cdiv(k, s), BLOCK_K) * BLOCK_K
     s = triton.cdiv(k, chunk)  # no empty split
     dst = out if s == 1 else torch.empty((s, t, m), dtype=torch.float32, device=h.device)

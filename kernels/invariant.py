@@ -12,7 +12,8 @@ The invariance holds by construction, not by tuning:
   only on K and the tile constants, never on M nor on which row of the tile ``m`` falls in (every lane of a
   ``tl.dot`` reduces the same way), and rows past M are masked to zero without touching the others. The kernel is
   also compiled with ``do_not_specialize=["M"]``, so every M runs the same binary.
-* ``rowsum``: one program per row, a ``ROWSUM_BLOCK``-lane fp32 accumulator that takes the row in chunks from 0
+* ``rowsum``: one program per row (``INTERPRET_ROWS`` rows in Triton's interpreter, each with its own lanes), a
+  ``ROWSUM_BLOCK``-lane fp32 accumulator that takes the row in chunks from 0
   upward, then one fixed-shape ``tl.sum`` over the lanes. The result depends only on the row's values. Appending
   zeros does not change it bit-for-bit either: the extra chunks add +0.0 to each lane, which is exact (a lane
   starts at +0.0 and never becomes -0.0, since an IEEE sum is -0.0 only when both terms are), and the final
@@ -22,6 +23,7 @@ The invariance holds by construction, not by tuning:
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -35,6 +37,10 @@ MATMUL_BLOCK_N = 64
 MATMUL_BLOCK_K = 32
 MATMUL_NUM_WARPS = 4
 MATMUL_NUM_STAGES = 3
+# Triton's interpreter runs a program at a time in Python (numpy vectorises a program, not a grid): wider tiles there
+# (the order of a row's sums is set by BLOCK_K alone, which stays; the tests' fp32 heads have 129280 columns)
+INTERPRET_BLOCK_N = 4096
+INTERPRET_ROWS = 256  # rowsum's rows per program there (on a GPU one row a program: one lane accumulator set each)
 ROWSUM_BLOCK = 128
 ROWSUM_NUM_WARPS = 4
 
@@ -81,17 +87,19 @@ def _matmul_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["L", "stride_row"])
-def _rowsum_kernel(x_ptr, y_ptr, L, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["L", "stride_row", "R"])
+def _rowsum_kernel(x_ptr, y_ptr, L, stride_row, R, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PDL: tl.constexpr = False):  # fmt: skip
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_row
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mr = row < R
+    base = x_ptr + row[:, None] * stride_row
     offs = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
     for start in range(0, L, BLOCK):
         idx = start + offs
-        acc += tl.load(base + idx, mask=idx < L, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row, tl.sum(acc, axis=0))
+        acc += tl.load(base + idx[None, :], mask=mr[:, None] & (idx < L)[None, :], other=0.0).to(tl.float32)
+    tl.store(y_ptr + row, tl.sum(acc, axis=1), mask=mr)
 
 
 def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -124,7 +132,8 @@ def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
         return y.reshape(*lead, N)
     if K == 0:
         return y.zero_().reshape(*lead, N)
-    grid = (triton.cdiv(M, MATMUL_BLOCK_M), triton.cdiv(N, MATMUL_BLOCK_N))
+    block_n = INTERPRET_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else MATMUL_BLOCK_N
+    grid = (triton.cdiv(M, MATMUL_BLOCK_M), triton.cdiv(N, block_n))
     _matmul_kernel[grid](
         x2,
         w,
@@ -136,7 +145,7 @@ def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
         w.stride(0),
         y.stride(0),
         BLOCK_M=MATMUL_BLOCK_M,
-        BLOCK_N=MATMUL_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=MATMUL_BLOCK_K,
         IEEE=x.dtype == torch.float32,
         num_warps=MATMUL_NUM_WARPS,
@@ -164,7 +173,9 @@ def rowsum(x: torch.Tensor) -> torch.Tensor:
     y = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or L == 0:
         return y.reshape(lead)
-    _rowsum_kernel[(rows,)](x2, y, L, x2.stride(0), BLOCK=ROWSUM_BLOCK, num_warps=ROWSUM_NUM_WARPS, **pdl.launch())
+    br = INTERPRET_ROWS if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    _rowsum_kernel[(triton.cdiv(rows, br),)](x2, y, L, x2.stride(0), rows, BLOCK=ROWSUM_BLOCK, BLOCK_R=br,
+                                             num_warps=ROWSUM_NUM_WARPS, **pdl.launch())  # fmt: skip
     return y.reshape(lead)
 
 

@@ -35,6 +35,7 @@ from deepinfer.kernels.fp8_gemm_config import interpreted
 from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_slots import moe_layout
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import plan_rows
 from deepinfer.kernels.shared_memory import fit_stages
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -312,7 +313,8 @@ def moe_triton(
     if t == 0:
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
-    cfg = config or pick_config(tk, e, interpreted(), max(x.element_size(), w1.element_size()))
+    plan = plan_rows(t) * k  # (kernels.pinning: a pinned call plans for PLAN_ROWS tokens)
+    cfg = config or pick_config(plan, e, interpreted(), max(x.element_size(), w1.element_size()))
     slots, bexp = padded_slots(idx, e, cfg.block_m)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()

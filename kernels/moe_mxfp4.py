@@ -72,6 +72,7 @@ from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import gemm, swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,8 @@ def moe_mxfp4(
         return torch.zeros(0, d, dtype=torch.float32, device=x.device)
     tk = t * k
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    cfg = config or pick_config_mxfp4(tk, e, interpret)
+    plan = plan_rows(t) * k  # (kernels.pinning: a pinned call plans for PLAN_ROWS tokens, on the W4A16 tiles)
+    cfg = config or pick_config_mxfp4(plan, e, interpret)
     if act_quant and refs is not None and config is None and _w4a8(cfg, x, order, inter, d, interpret, s1, s2, s3):
         try:
             return _moe_w4a8(x, idx, weights, w1, s1, w2, s2, w3, s3, refs, limit)
@@ -295,7 +297,7 @@ def moe_mxfp4(
         w1, w3, w2 = (_descriptor(w, cfg) for w in (w1, w3, w2))
     meta["DT"] = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
     launch = cfg.launch()
-    (split_gu, piece_gu), (split_dn, piece_dn) = splits_mxfp4(tk, e, inter, d, cfg, x.is_cuda and not interpret)
+    (split_gu, piece_gu), (split_dn, piece_dn) = splits_mxfp4(plan, e, inter, d, cfg, x.is_cuda and not interpret)
     h = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
     if split_gu > 1:
         gate_up_split(xa, w1, s1, w3, s3, rw, slots, bexp, h, k, float(limit), split_gu, piece_gu, sw1e, sw1n, meta,

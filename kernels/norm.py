@@ -23,14 +23,16 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import plan_rows
 
 ROW_ELEMS = 4096  # a program takes rows of up to this many elements together (one row when wider)
 INTERPRET_ELEMS = 1 << 16  # in Triton's interpreter (numpy vectorises a program, not a grid)
 
 
 def _rows_per_program(width: int, rows: int) -> int:
+    """Rows a program takes (a pinned call, ``kernels.pinning``: as for ``PLAN_ROWS`` rows)."""
     budget = INTERPRET_ELEMS if os.environ.get("TRITON_INTERPRET") == "1" else ROW_ELEMS
-    return max(1, min(budget // triton.next_power_of_2(max(width, 1)), triton.next_power_of_2(rows)))
+    return max(1, min(budget // triton.next_power_of_2(max(width, 1)), triton.next_power_of_2(plan_rows(rows))))
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.pdl import pdl_wait
+from deepinfer.kernels.pinning import is_pinned, plan_rows, row_slices
 
 ENABLED = True  # the callers (``NvidiaOps.linear_fp32``, ``hc.split_mixes_parts``) use the kernel (False: torch.mm)
 # the callers take it for at most MAX_M rows and MAX_MN outputs: on an H200 at decode's shapes within them 4.0-7.5 µs
@@ -153,11 +154,12 @@ def counters(device: torch.device) -> torch.Tensor:
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a caller should take ``small_mm_fp32`` for ``x [.., K] · w [N, K]ᵀ``: ``ENABLED``, CUDA tensors of one
-    half dtype, at most ``MAX_M`` rows and ``MAX_MN`` outputs, and ``ready``."""
+    half dtype, at most ``MAX_M`` rows and ``MAX_MN`` outputs (any number when pinned, ``kernels.pinning``: one
+    GEMM for every row count), and ``ready``."""
     if not (ENABLED and x.is_cuda and w.is_cuda and x.dtype == w.dtype and x.dtype in _HALF and w.dim() == 2):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows <= MAX_M and rows * w.shape[0] <= MAX_MN and ready(x.device)
+    return (is_pinned() or (rows <= MAX_M and rows * w.shape[0] <= MAX_MN)) and ready(x.device)
 
 
 def block_m_for(m: int) -> int:
@@ -183,7 +185,7 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     """``x [M, K] · w [N, K]ᵀ`` → ``[M, N]`` fp32 (module docstring): ``x`` and ``w`` bf16 or fp16, of one dtype,
     on one device (CUDA, or any under ``TRITON_INTERPRET=1``), unit stride along K (else copied). Meant for
     ``M ≤ MAX_M``; any ``M`` works. ``split`` overrides ``plan``'s target split (results differ between splits only
-    by fp32 summation order)."""
+    by fp32 summation order). Pinned (``kernels.pinning``): planned for ``PLAN_ROWS`` rows, in slices of as many."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_mm_fp32 takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.dtype not in _HALF:
@@ -194,6 +196,8 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
         raise RuntimeError("small_mm_fp32 needs CUDA tensors or TRITON_INTERPRET=1")
     m, k = x.shape
     n = w.shape[0]
+    if len(slices := row_slices(m)) > 1:
+        return torch.cat([small_mm_fp32(x[a:b], w, split) for a, b in slices])
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -202,7 +206,7 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     sms = _sm_count(x.device.index or 0) if x.is_cuda and not _interpret() else DEFAULT_SMS
-    bm, s, chunk = plan(m, n, k, sms, split)
+    bm, s, chunk = plan(plan_rows(m), n, k, sms, split)
     if s == 1:
         part, cnt = out, out  # unused
     else:

@@ -59,6 +59,13 @@ def check(model, args, dev) -> dict:
     return {"compositions": args.compositions, "bit_identical": same, "max_abs_diff": worst}
 
 
+def use(model, ops) -> None:
+    """Run ``model`` on ``ops`` from now on: the CUDA graphs captured on the other op set are dropped (a graph replays
+    the kernels, and their plans, of the op set it was captured with)."""
+    model.ops = ops
+    model.decode_graphs = model.prefill_graphs = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
@@ -74,6 +81,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=90.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--weights",
+        choices=["auto", "bf16", "native"],
+        default="auto",
+        help="auto: as served (the checkpoint's FP8 / MXFP4 weights where the op set keeps them)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -87,18 +100,22 @@ def main() -> None:
     ops = {"default": get_ops(accel), "invariant": get_ops(accel, batch_invariant=True)}
     config = sweep.build_config(args)
     model = sweep.build_ours(config, dev, args.seed)
+    if args.weights == "native" or (args.weights == "auto" and getattr(model.ops, "native_weights", False)):
+        sweep.prepare_native(model, tuple(config.weight_block_size), quantize=True)  # as served: FP8 / MXFP4 stored
+    model.ops.prepare_weights(model)
+    args.weights_used = "native" if getattr(model.ops, "native_weights", False) else "bf16"
     ceil = sweep.probe_ceilings(dev)
     work = sweep.Work.of(config)
-    result = {"device": harness.device_name(dev),
+    result = {"device": harness.device_name(dev), "weights": args.weights_used,
               "torch": torch.__version__, "layers": config.num_hidden_layers, "context": args.context,
               "ceilings": ceil, "command": " ".join(sys.argv), "check": {}, "decode": []}  # fmt: skip
     for name, o in ops.items():
-        model.ops = o
+        use(model, o)
         result["check"][name] = check(model, args, dev)
         sweep.log(f"check {name}: {result['check'][name]}")
     rows = {}
     for name, o in ops.items():
-        model.ops = o
+        use(model, o)
         ours = sweep.Ours(model, args, dev, args.batches)
         budget = sweep.Budget(args.budget_s, float("inf"))
         rows[name], _ = ours.decode(args.batches, budget)
@@ -111,7 +128,8 @@ def main() -> None:
         if d.get("ms") and i.get("ms"):
             row["invariant_throughput_fraction"] = d["ms"] / i["ms"]
         result["decode"].append(row)
-    title = f"# batch invariance on {result['device']} ({result['layers']} layers, bf16, context {args.context})"
+    title = (f"# batch invariance on {result['device']} ({result['layers']} layers, {args.weights_used} weights, "
+             f"bf16 activations, context {args.context})")  # fmt: skip
     lines = [title, "",
              "| check | bit-identical compositions | max abs diff |", "|---|---|---|"]  # fmt: skip
     for name, c in result["check"].items():

@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.backends.ascend import AscendOps
-from deepinfer.backends.nvidia import NvidiaInvariantOps, NvidiaOps
+from deepinfer.backends.nvidia import NvidiaOps
 from deepinfer.ops import LAYERS, Ops, op_names
 
 # every op set of a backend other than the reference, with the package its own code lives in
 BACKEND_OPS = [
     (NvidiaOps, "deepinfer.backends.nvidia"),
-    (NvidiaInvariantOps, "deepinfer.backends.nvidia"),
     (AscendOps, "deepinfer.backends.ascend"),
 ]
 

@@ -10,19 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from deepinfer.backends.nvidia.invariant import _KernelAttention, visible_keys  # noqa: E402
-from deepinfer.backends.reference import (
-    BatchInvariantOps,  # noqa: E402
-    ReferenceOps,  # noqa: E402
-)
-
-
-class KernelInvariantOps(_KernelAttention, BatchInvariantOps):
-    """NvidiaInvariantOps' attention on whatever device the kernels run (the interpreter on CPU)."""
-
-    def __init__(self) -> None:
-        BatchInvariantOps.__init__(self, "cpu")
-        self._load_kernels()
+from deepinfer.backends.nvidia import NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.invariant import visible_keys  # noqa: E402
+from deepinfer.backends.reference import ReferenceOps  # noqa: E402
 
 
 def test_visible_keys_are_in_list_order_first():
@@ -32,52 +22,65 @@ def test_visible_keys_are_in_list_order_first():
     assert idx[0, :2].tolist() == [1, 3] and idx[2, :3].tolist() == [0, 1, 2]
 
 
-def test_kernel_attention_and_indexer_match_the_reference():
+def test_invariant_attention_indexer_and_pooling_match_the_reference():
+    """The batch-invariant mode's own ops (``backends.nvidia.invariant``) compute the reference's functions."""
     g = torch.Generator().manual_seed(0)
     q, keys = torch.randn(5, 3, 48, generator=g), torch.randn(40, 48, generator=g)
     mask, sink, w = torch.rand(5, 40, generator=g) < 0.5, torch.randn(3, generator=g), torch.rand(5, 3, generator=g)
+    kv, score, h, pre = (torch.randn(*s, generator=g) for s in ((6, 4, 48), (6, 4, 48), (5, 4, 48), (5, 4)))
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        q, keys, mask, sink, w = (t.cuda() for t in (q, keys, mask, sink, w))
+        q, keys, mask, sink, w, kv, score, h, pre = (t.cuda() for t in (q, keys, mask, sink, w, kv, score, h, pre))
     mask[2] = False  # a query that sees nothing but the sink
-    k, r = KernelInvariantOps(), ReferenceOps()
+    k, r = NvidiaOps(invariant=True), ReferenceOps()
     got, ref = k.sparse_attention(q, keys, mask, sink, 0.1), r.sparse_attention(q, keys, mask, sink, 0.1)
     assert (got - ref).abs().max().item() < 1e-5 and not got[2].any()
     assert (k.indexer_scores(q, keys, w) - r.indexer_scores(q, keys, w)).abs().max().item() < 1e-5
+    assert (k.softmax_pool(kv, score) - r.softmax_pool(kv, score)).abs().max().item() < 1e-5
+    assert (k.hc_collapse(h, pre) - r.hc_collapse(h, pre)).abs().max().item() < 1e-5
+    x, wt = torch.randn(7, 48, generator=g).to(h.device), torch.randn(24, 48, generator=g).to(h.device)
+    assert (k.linear(x, wt) - r.linear(x, wt)).abs().max().item() < 1e-4
+    assert (k.logits_linear(x, wt) - r.logits_linear(x, wt)).abs().max().item() < 1e-4
+    xg, wg = torch.randn(7, 2, 48, generator=g).to(h.device), torch.randn(2, 12, 48, generator=g).to(h.device)
+    assert (k.grouped_linear(xg, wg) - r.grouped_linear(xg, wg)).abs().max().item() < 1e-4
 
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="CPU tensors through the interpreter; on a GPU bench/engine/batch_invariance.py checks",
 )
-def test_a_model_on_the_kernel_ops_is_batch_invariant(tiny_dirs):
+def test_the_fast_kernels_pinned_are_batch_invariant():
+    """``NvidiaOps(invariant=True)``: the default set's kernels and batched paths (pooled decode state, the list
+    attention), each launch planned for ``kernels.pinning.PLAN_ROWS`` rows: the target's logits are bit-identical
+    alone and among other sequences (prefilling in chunks and decoding) with its own prefill chunked and a position
+    decoded that was prefilled alone; with the default set they are not (so the check can fail); both compute the
+    reference's function."""
     from bench.engine.compositions import target_logits
-    from deepinfer.checkpoint.loader import load_checkpoint
-    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from models.test_batch_invariance import PAGE, tokens
 
-    def run(model, seqs, plans, rng):
-        return [target_logits(model, seqs, plans, rng, PAGE)]
-
-    path = tiny_dirs["odd"]
-    model = DeepseekV4Model(DeepseekV4Config.from_file(path / "config.json"), KernelInvariantOps())
-    load_checkpoint(model, path, dtype=torch.float32, progress=False)
+    # odd shapes, three layers (CSA, sliding window, HCA of ratio 16), a hash MoE layer, 3 mHC streams
+    model = _model("odd", NvidiaOps(invariant=True), num_hidden_layers=3, compress_ratios=[4, 0, 16, 0])
+    assert model.pooled_decode and model.ops.batch_invariant and not model.ops.invariant_by_sequence
     vocab = model.config.vocab_size
-    target, a, b = tokens(40, 1, vocab), tokens(13, 2, vocab), tokens(9, 3, vocab)
-    alone = run(model, [target], [[36, 1, 1, 1, 1]], None)[0]
-    mixed = run(model, [target, a, b], [[0, 5, 31, 1, 1, 1, 1], [4, 9], [1] * 9], None)[0]
-    assert torch.equal(alone, mixed)
+    target, a, b = tokens(20, 1, vocab), tokens(7, 2, vocab), tokens(5, 3, vocab)
+    # positions 16-19: prefilled then decoded alone; among others, its prefill in two chunks, position 16 decoded
+    alone, mixed = ([target], [[17, 1, 1, 1]]), ([target, a, b], [[0, 4, 12, 1, 1, 1, 1], [3, 4], [1] * 5])
+    got = [target_logits(model, seqs, p, None, PAGE)[-4:] for seqs, p in (alone, mixed)]
+    assert torch.equal(got[0], got[1])
+    model.ops = NvidiaOps()
+    default = [target_logits(model, seqs, p, None, PAGE)[-4:] for seqs, p in (alone, mixed)]
+    assert not torch.equal(default[0], default[1])
     model.ops = ReferenceOps()
-    assert (run(model, [target], [[40]], None)[0] - alone).abs().max().item() < 1e-4
+    assert (target_logits(model, [target], [[20]], None, PAGE)[-1:] - got[0][-1:]).abs().max().item() < 1e-4
 
 
 # -- the default nvidia op set (NvidiaOps) and the model's batched attention path ------------------------------------
 
 
 class PerSequenceOps(ReferenceOps):
-    """The reference numerics through the model's per-sequence attention loop (taken for batch-invariant op sets)."""
+    """The reference numerics through the model's per-sequence attention loop (taken for the reference's
+    batch-invariant op set)."""
 
-    batch_invariant = True
+    invariant_by_sequence = True
 
 
 def _device():
@@ -127,16 +130,16 @@ def test_attention_lists_and_index_ranges_match_the_per_sequence_ops():
             assert (got_i[rows, :k] - want_i[rows, :k]).abs().max().item() < 1e-5
 
 
-def _model(name, ops):
-    """A tiny model of ``models.tiny_configs`` with random fp32 weights, built in memory (no checkpoint, no tokenizer:
-    the GPU image lacks the tokenizer package that ``tiny_dirs`` needs)."""
+def _model(name, ops, **overrides):
+    """A tiny model of ``models.tiny_configs`` (and ``overrides``) with random fp32 weights, built in memory (no
+    checkpoint, no tokenizer: the GPU image lacks the tokenizer package that ``tiny_dirs`` needs)."""
     from deepinfer.checkpoint.tiny import TINY_V4, random_weights
     from deepinfer.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer.models.deepseek_v4.family import FAMILY
     from deepinfer.models.deepseek_v4.model import DeepseekV4Model
     from models.tiny_configs import CONFIGS
 
-    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name]})
+    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], **overrides})
     model = DeepseekV4Model(config, ops)
     model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
     model.load_state_dict(random_weights(config, seed=list(CONFIGS).index(name)))

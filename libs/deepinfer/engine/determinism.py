@@ -54,8 +54,6 @@ def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1
     attention's heads split over ``tp`` of them)."""
     import torch
 
-    from deepinfer.backends.reference.invariant import BLOCK, TILE_M
-
     requires = {
         "accelerator": accelerator,
         "device": _device_name(accelerator),
@@ -65,7 +63,7 @@ def describe(ops: Ops, accelerator: str, dtype: torch.dtype, world_size: int = 1
         "tensor_parallel_size": str(tp),
     }
     if ops.batch_invariant:
-        requires["ops"] = f"batch-invariant v1 (tile_m={TILE_M}, block={BLOCK})"
+        requires["ops"] = ops.invariance  # the op set's reduction orders, by name and the constants that fix them
         if accelerator == "cpu":
             requires["intra_op_threads"] = str(torch.get_num_threads())
         else:

@@ -149,7 +149,7 @@ def _warm_up(runner: ModelRunner, family: Any, ops: Any, num_pages: int, page_si
     from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
 
     graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
-    graphs = getattr(ops, "cuda_graphs", False) and not ops.batch_invariant and family.decode_buckets
+    graphs = getattr(ops, "cuda_graphs", False) and not ops.invariant_by_sequence and family.decode_buckets
     batches = graphed if graphs else [1]
     prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
     verifier, verify = None, []

@@ -22,6 +22,11 @@ class CoreOps(Protocol):
 
     name: str
     batch_invariant: bool  # results of a row never depend on the other rows of the call (docs/determinism.md)
+    # the invariance holds only for attention computed a sequence at a time (the reference's batch-invariant set); the
+    # model then leaves its batched paths (pooled decode state, CUDA graphs). False where every batched kernel is
+    # invariant per row (the nvidia set's batch-invariant mode) or the set is not batch-invariant
+    invariant_by_sequence: bool
+    invariance: str  # "default", or the batch-invariant set's name and the constants that fix its reduction orders
     native_weights: bool  # keep FP8 / MXFP4 weights as stored (quant.native) and run fp8_linear / moe_mxfp4
 
     def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

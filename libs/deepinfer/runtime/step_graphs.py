@@ -13,7 +13,7 @@ The graphs are the model family's classes (e.g. ``deepseek_v4.graphs.DecodeGraph
 benchmarks do). A family may also graph speculative decoding's steps, which its speculation code asks for itself
 (``of``): verify steps run as decode sub-steps (``verify``: ``deepseek_v4.verify_graphs.VerifyGraphs``) and the
 drafter's loop and observe pass (``draft`` and ``observe``: ``deepseek_v4.draft_graphs``). The op set decides
-whether graphs may run at all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and not ``ops.batch_invariant`` for
+whether graphs may run at all: ``ops.cuda_graphs`` (``DEEPINFER_CUDA_GRAPHS``) and not ``ops.invariant_by_sequence`` for
 any of them, ``ops.prefill_graphs`` (``DEEPINFER_PREFILL_GRAPHS``) for the piecewise ones, and the model's own
 ``piecewise_prefill`` (True where the model has no such flag). A step asked to ``capture`` (a speculative verify
 step on the ragged path: its attention layers keep their compressor projections for the rollback) never replays
@@ -58,7 +58,7 @@ class StepGraphs:
         ``model.<kind>_graphs`` and made on first use, or None: none for this family, or graphs off (as for
         ``run``)."""
         factory, ops = getattr(self, kind), model.ops
-        if factory is None or not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
+        if factory is None or not getattr(ops, "cuda_graphs", False) or ops.invariant_by_sequence:
             return None
         if getattr(model, f"{kind}_graphs", None) is None:
             setattr(model, f"{kind}_graphs", factory(model))
@@ -68,7 +68,7 @@ class StepGraphs:
         """``model``'s step on ``batch`` replayed from its graphs, made on the first step that may use them; None: run
         it eagerly (graphs off, a batch-invariant op set, or no graph takes this step; ``capture``: piecewise only)."""
         ops = model.ops
-        if not getattr(ops, "cuda_graphs", False) or ops.batch_invariant:
+        if not getattr(ops, "cuda_graphs", False) or ops.invariant_by_sequence:
             return None
         out = None
         if not capture:

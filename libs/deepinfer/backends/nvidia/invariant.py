@@ -1,23 +1,31 @@
-"""``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1`` on nvidia): the reference backend's batch-invariant set
-(``deepinfer.backends.reference.invariant``) on its Triton primitives, with sparse attention over each query's visible
-keys gathered into a canonical order (window rows by position, then compressed rows by index) and the lightning
-indexer over fixed key tiles; both kernels are batch-invariant by construction."""
+"""Batch-invariant mode of the nvidia op set (``NvidiaOps(invariant=True)``, ``DEEPINFER_BATCH_INVARIANT=1``): the
+default op set's own kernels, CUDA graphs and pooled decode state, made batch-invariant.
+
+* Every op runs inside ``kernels.pinning.pinned()`` (:func:`pin`): each kernel plans its launch (path, tiles,
+  split-K) for ``PLAN_ROWS`` rows whatever the call has, so a row meets the same code and the same order of sums
+  alone, in a batch of 256, in a decode step and in a prefill chunk.
+* The products that would go to cuBLAS (which picks its kernel by the row count) run on the fixed-plan kernels
+  (``fixed``); so do the ops the default set takes from the reference's torch code (:class:`InvariantOps`):
+  attention over each query's visible keys gathered into a canonical order (window rows by position, then compressed
+  rows by index) on ``kernels.attention``, the lightning indexer's scores on fixed key tiles
+  (``kernels.indexer.indexer_scores_fixed``), the compressor's softmax pooling on padded row sums
+  (``kernels.invariant.rowsum``) and mHC's collapse as an explicit fold over the streams; each falls back to the
+  default (the next class of the MRO) when the mode is off. The MoE takes the Triton kernels at every size
+  (CUTLASS's grouped GEMM picks its tiles by the slots).
+
+The model runs its batched paths, not a sequence at a time (``invariant_by_sequence`` is False, unlike the reference
+backend's batch-invariant set): every kernel of those paths is invariant per row.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from deepinfer.backends.nvidia.streams import StreamOps
-from deepinfer.backends.reference.invariant import BatchInvariantOps
-
-
-def _kernels() -> tuple:
-    try:
-        from deepinfer.kernels.attention import sparse_attention_gather
-        from deepinfer.kernels.indexer import indexer_scores_fixed
-    except ImportError as e:  # pragma: no cover - a CUDA host without triton
-        raise RuntimeError(f"the nvidia backend needs Triton (pip install 'deepinfer[nvidia]'): {e}") from e
-    return sparse_attention_gather, indexer_scores_fixed
+from deepinfer.backends.nvidia.fixed import fixed_grouped, fixed_mm
 
 
 def visible_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,33 +34,85 @@ def visible_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, mask.sum(1)
 
 
-class _KernelAttention:
-    def _load_kernels(self) -> None:
-        self._attend, self._index = _kernels()
+def _pinned(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from deepinfer.kernels.pinning import pinned
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with pinned():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def pin(ops: object) -> None:
+    """Run every op of ``ops`` (the interface's, ``deepinfer.ops.op_names``) inside ``kernels.pinning.pinned()``."""
+    from deepinfer.ops import op_names
+
+    for name in sorted(op_names()):
+        setattr(ops, name, _pinned(getattr(ops, name)))
+
+
+class InvariantOps:
+    """``pointwise``, ``linear``, ``grouped_linear``, ``hc_collapse``, ``sparse_attention``, ``indexer_scores`` and
+    ``softmax_pool`` of the nvidia op set: batch-invariant where ``batch_invariant`` is set (module docstring), else
+    the next class's (the reference's torch code). A mixin: it reads the op set's ``batch_invariant``."""
+
+    batch_invariant: bool
+
+    def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant or x.is_cuda:  # a CUDA element-wise kernel runs one code for every element
+            return super().pointwise(fn, x)  # type: ignore[misc]
+        from deepinfer.backends.reference.invariant import scalar_loop
+
+        return scalar_loop(fn, x)  # host tensors (the tests, in Triton's interpreter): torch's CPU SIMD body and tail
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().linear(x, w)  # type: ignore[misc]
+        if x.dtype != w.dtype:
+            raise ValueError(f"linear: input {x.dtype} and weight {w.dtype} differ")
+        return fixed_mm(x, w, x.dtype)
+
+    def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().grouped_linear(x, w)  # type: ignore[misc]
+        return fixed_grouped(x, w)
 
     def sparse_attention(
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().sparse_attention(q, keys, mask, sink, scale)  # type: ignore[misc]
+        from deepinfer.kernels.attention import sparse_attention_gather
+
         idx, count = visible_keys(mask)
-        return self._attend(q, keys.to(q.dtype), idx, count, sink.float(), scale, split=False)
+        return sparse_attention_gather(q, keys.to(q.dtype), idx, count, sink.float(), scale)
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._index(q, keys.to(q.dtype), weights.float())
+        if not self.batch_invariant:
+            return super().indexer_scores(q, keys, weights)  # type: ignore[misc]
+        from deepinfer.kernels.indexer import indexer_scores_fixed
+
+        return indexer_scores_fixed(q, keys.to(q.dtype), weights.float())
+
+    def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().hc_collapse(h, pre)  # type: ignore[misc]
+        hf = h.float()  # Σ_j pre_j · h_j as an explicit left fold (a torch sum's order follows the tensor's size)
+        acc = pre[:, 0:1] * hf[:, 0]
+        for j in range(1, h.shape[1]):
+            acc = acc + pre[:, j : j + 1] * hf[:, j]
+        return acc.to(h.dtype)
+
+    def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().softmax_pool(kv, score)  # type: ignore[misc]
+        from deepinfer.kernels.invariant import rowsum
+
+        s = score.float().transpose(1, 2)  # [k, d, m]: pool over the last dim, as the reference's batch-invariant set
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return rowsum(kv.float().transpose(1, 2) * (e / rowsum(e).unsqueeze(-1)))
 
 
-class NvidiaInvariantOps(StreamOps, _KernelAttention, BatchInvariantOps):
-    # the ops taken from the reference backend's batch-invariant set (BatchInvariantOps, and through it ReferenceOps) as
-    # they are; its own: sparse_attention, indexer_scores (_KernelAttention) and parallel (StreamOps)
-    FROM_REFERENCE = frozenset({
-        "act_quant_sim", "fp4_quant_sim", "fp8_grouped_linear", "fp8_linear", "grouped_linear", "linear",
-        "linear_fp32", "logits_linear", "moe", "moe_combine", "moe_mxfp4", "pointwise", "prepare_weights",
-        "rms_norm", "rope", "route", "swiglu", "topk_indices",  # core
-        "hc_collapse", "hc_expand", "hc_mixes", "hc_pre",  # mHC
-        "cache_round", "compress_score", "group_pool", "indexer_scores_ranges", "select_rows", "softmax_pool",
-        "sparse_attention_lists",  # hybrid attention
-        "append_rows", "key_lists", "step_indices", "store_rows",  # decode step
-    })  # fmt: skip
-
-    def __init__(self) -> None:
-        BatchInvariantOps.__init__(self, "nvidia")
-        self._load_kernels()
+__all__ = ["InvariantOps", "pin", "visible_keys"]

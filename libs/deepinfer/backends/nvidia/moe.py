@@ -15,7 +15,8 @@ MOE_BACKENDS = ("auto", "grouped_mm", "triton")
 class NvidiaMoEOps:
     """``moe``, ``moe_mxfp4``, ``fp8_linear``, ``fp8_grouped_linear`` and ``prepare_weights`` of :class:`NvidiaOps
     <deepinfer.backends.nvidia.ops.NvidiaOps>` (a mixin: it reads the op set's ``moe_backend`` and ``_moe``, and falls
-    back to the reference, the next class in the op set's MRO)."""
+    back to the reference, the next class in the op set's MRO). Batch-invariant (``batch_invariant``): the Triton
+    MoE at every size."""
 
     def moe(
         self,
@@ -35,7 +36,7 @@ class NvidiaMoEOps:
         backend = self.moe_backend
         if backend == "auto":
             backend = "triton"
-            if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and not self.batch_invariant:
                 slots, experts = idx.numel(), w1.shape[0]
                 # H200, V4-Flash width (bench/results/engine/2026-11-29-sweep-2.md): CUTLASS wins with one token (fewer
                 # launches) and from ~24 slots per expert on; the Triton kernels in between

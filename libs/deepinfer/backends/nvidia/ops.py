@@ -14,7 +14,7 @@ Its mixins: ``StreamOps`` (``streams``: ``parallel`` on a side stream), ``StepGl
 step's glue), ``NvidiaMoEOps`` (``moe``: the experts and the stored FP8 / MXFP4 weights); the ops it runs as the
 reference does, it takes from ``ReferenceOps`` (``deepinfer.backends.reference``) and lists in ``FROM_REFERENCE``
 (``tests/backends/test_fallbacks.py``: every op of ``deepinfer.ops.Ops`` is either its own or listed there).
-``NvidiaInvariantOps`` (``DEEPINFER_BATCH_INVARIANT=1``) is in ``invariant``.
+``invariant=True`` (``DEEPINFER_BATCH_INVARIANT=1``): the batch-invariant mode (``invariant``, ``fixed``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends.nvidia.bf16_parts import linear_by_parts
+from deepinfer.backends.nvidia.fixed import fixed_logits, fixed_mm
+from deepinfer.backends.nvidia.invariant import InvariantOps, pin
 from deepinfer.backends.nvidia.moe import MOE_BACKENDS, NvidiaMoEOps
 from deepinfer.backends.nvidia.step_glue import StepGlueOps
 from deepinfer.backends.nvidia.streams import StreamOps
@@ -32,7 +34,7 @@ SELECT_BACKENDS = ("auto", "kernel", "packed", "reference")  # NvidiaOps.select_
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
+class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, InvariantOps, ReferenceOps):
     """The default nvidia op set (module docstring). ``moe_backend``: ``grouped_mm`` (``torch._grouped_mm``, bf16 on
     CUDA; torch's fallback elsewhere), ``triton`` (``kernels.moe.moe_triton``) or ``auto`` (by measured speed: bf16 on
     CUDA takes grouped_mm for one token and for many slots per expert, triton otherwise). ``fused``: mHC, RMSNorm and
@@ -47,9 +49,7 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
     # the ops taken from ReferenceOps as they are (every other op of deepinfer.ops.Ops is overridden here or in a mixin,
     # many falling back to the reference for the inputs their kernels do not take)
     FROM_REFERENCE = frozenset({
-        "act_quant_sim", "fp4_quant_sim", "grouped_linear", "linear", "pointwise",  # core
-        "hc_collapse",  # mHC
-        "indexer_scores", "softmax_pool", "sparse_attention",  # hybrid attention
+        "act_quant_sim", "fp4_quant_sim",  # core
     })  # fmt: skip
 
     # rows up to this width keep the reference's sorts: torch.sort on CUDA sorts a row of at most 4096 in one kernel,
@@ -69,9 +69,10 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
         cuda_graphs: bool | None = None,
         native_weights: bool | None = None,
         packed_topk: bool | None = None,
+        invariant: bool = False,
     ) -> None:
         super().__init__("nvidia")
-        self.packed_topk = packed_topk
+        self.packed_topk, self.batch_invariant = packed_topk, invariant
         if moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe_backend!r}")
         try:
@@ -92,6 +93,11 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
         from deepinfer.kernels.indexer import indexer_scores_ranges
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
+        if invariant:
+            from deepinfer.kernels.pinning import PLAN_ROWS
+
+            self.invariance = f"batch-invariant v2 (pinned plans, plan_rows={PLAN_ROWS})"
+            pin(self)  # every op's kernels planned as for kernels.pinning.PLAN_ROWS rows (backends.nvidia.invariant)
 
     def _packs(self, scores: torch.Tensor) -> bool:
         """Whether ``topk_indices`` / ``select_rows`` of ``scores`` take the packed-key path (``packed_topk``); decided
@@ -203,7 +209,10 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
     def logits_linear(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """bf16 / fp16 on CUDA: one half-precision GEMM with fp32 accumulation and fp32 output (no fp32 copy of the
         ~1 GB head weight each step); fp32 ``y`` with a bf16 head (V4.1, ``prepare_weights``): the same GEMM on
-        ``y``'s three exact bf16 parts (``bf16_parts``); the reference's cast-then-fp32-GEMM elsewhere."""
+        ``y``'s three exact bf16 parts (``bf16_parts``); the reference's cast-then-fp32-GEMM elsewhere. Batch-invariant:
+        the same products on the fixed-plan kernels (``fixed``)."""
+        if self.batch_invariant:
+            return fixed_logits(y, w)
         if y.is_cuda and w.dtype == torch.bfloat16 and y.dtype == torch.float32:
             try:
                 return linear_by_parts(y, w)
@@ -221,7 +230,9 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, ReferenceOps):
         products of half-precision values are exact in fp32: the reference's fp32 GEMM up to the order of the sums,
         on the tensor cores and without an fp32 copy of the weight); up to ``small_gemm.MAX_M`` rows (decode) one
         Triton launch with a deterministic in-kernel split-K (``kernels.small_gemm``) instead of cuBLAS's split-K GEMM
-        and its reduction kernel; the reference elsewhere."""
+        and its reduction kernel; the reference elsewhere. Batch-invariant: the fixed-plan kernels (``fixed``)."""
+        if self.batch_invariant:
+            return fixed_mm(x, w, torch.float32)
         if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
             from deepinfer.kernels import small_gemm
 

@@ -60,7 +60,7 @@ def _cpu_rowsum(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _scalar_loop(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def scalar_loop(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` through torch's scalar loop for every element: a stride-2 view is never vectorised."""
     buf = x.new_empty(*x.shape, 2)
     buf[..., 0] = x
@@ -81,6 +81,8 @@ class BatchInvariantOps(ReferenceOps):
     """The reference semantics with batch-invariant reductions (module docstring)."""
 
     batch_invariant = True
+    invariant_by_sequence = True  # its attention gathers one sequence's keys at a time (the model's per-sequence path)
+    invariance = f"batch-invariant v1 (tile_m={TILE_M}, block={BLOCK})"
 
     def __init__(self, device_name: str = "cpu") -> None:
         super().__init__(device_name)
@@ -93,7 +95,7 @@ class BatchInvariantOps(ReferenceOps):
 
     def pointwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         # CUDA element-wise kernels run the same code for every element; the CPU ones do not
-        return _scalar_loop(fn, x) if self.name == "cpu" else fn(x)
+        return scalar_loop(fn, x) if self.name == "cpu" else fn(x)
 
     # -- products ------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ class ReferenceOps(ReferenceNormOps, ReferenceAttentionOps, ReferenceMoEOps, Ref
     """The reference op set (module docstring): the products and ``parallel`` here, the other ops from the mixins."""
 
     batch_invariant = False
+    invariant_by_sequence = False
+    invariance = "default"
     native_weights = False  # weights are dequantised at load time; fp8_linear / moe_mxfp4 decode per call
 
     def __init__(self, device_name: str = "cpu") -> None:

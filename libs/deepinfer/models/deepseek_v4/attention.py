@@ -119,7 +119,7 @@ class Attention(nn.Module):
         outs = rows_fp32(x, [lin for _, c in comps for lin in (c.wkv, c.wgate)], ops) if comps else []
         for i, (name, c) in enumerate(comps):
             t[f"{name}_kv"], t[f"{name}_score"] = outs[2 * i], c.score(outs[2 * i + 1], positions, ops)
-        if self.indexer is not None and not ops.batch_invariant:
+        if self.indexer is not None and not ops.invariant_by_sequence:
             t["iq"], t["iw"] = self.indexer.queries(x, qr, positions, rope, ops)
         return t
 
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         proj = {k: (t[f"{k}_kv"], t[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in t}
         if self.capture is not None:  # copies: a piecewise graph's buffers are reused by its later pieces
             self.capture.update({k: (kv_.clone(), score.clone()) for k, (kv_, score) in proj.items()})
-        if ops.batch_invariant:
+        if ops.invariant_by_sequence:
             out = torch.empty_like(q) if out is None else out
             for chunk, (a, b) in zip(chunks, offsets):
                 part = {k: (v[0][a:b], v[1][a:b]) for k, v in proj.items()}

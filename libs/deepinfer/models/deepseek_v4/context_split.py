@@ -23,7 +23,7 @@ def split_forward(model: nn.Module, batch: object, cache: object, cp: ContextPar
         t, post, comb = layer.attn_in(h, pos, rope, ops)
         full = cp.gather_many({k: t[k] for k in STATE_KEYS if k in t}, rows)
         proj = {k: (full[f"{k}_kv"], full[f"{k}_score"]) for k in ("main", "index") if f"{k}_kv" in full}
-        if ops.batch_invariant:
+        if ops.invariant_by_sequence:
             out = _attend_each(layer.attn, t, full, proj, rows.mine, pos, batch.chunks, offsets, cache, rope, ops)
         else:
             iq = (t["iq"], t["iw"]) if "iq" in t else None

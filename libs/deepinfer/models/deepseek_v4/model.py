@@ -193,7 +193,7 @@ class DeepseekV4Model(nn.Module):
         attached the step may replay CUDA graphs, as the runtime decides (``runtime.step_graphs``: a decode step
         ``graphs.DecodeGraphs``, other steps piecewise ``prefill_graphs.PrefillGraphs``), with eager results."""
         ops = self.ops
-        self._use_pool(not ops.batch_invariant and self.pooled_decode)
+        self._use_pool(not ops.invariant_by_sequence and self.pooled_decode)
         if self.state_pool is not None:
             self.state_pool.begin_step()
         graphs = self.step_graphs

@@ -146,7 +146,7 @@ class Attention(SharedKVAttention):
             raise ValueError(f"layer {self.layer_id} is compressed and needs a PagedKVCache")
         q, kv, iq, iw = t["q"], t["kv"], t.get("iq"), t.get("iw")
         pool = self.state_pool
-        if pool is not None and not ops.batch_invariant and decode_step.pooled_decode(ctx.chunks):
+        if pool is not None and not ops.invariant_by_sequence and decode_step.pooled_decode(ctx.chunks):
             if ctx.plan is None:
                 ctx.plan = decode_step.V41DecodePlan.of(pool, ctx.cache, self.window, ctx.chunks)
             res = decode_step.attend(self, t, ctx.plan, rope, ops)
@@ -155,7 +155,7 @@ class Attention(SharedKVAttention):
             if self.capture is not None and "cgate" in t:  # (copies: piecewise graphs reuse their buffers)
                 self.capture["main"] = (t["ckv"].clone(), t["cgate"].clone())
             self._publish((t["ckv"], t.get("cgate")), ctx, rope, ops, kv.dtype)
-        if ops.batch_invariant:
+        if ops.invariant_by_sequence:
             res = self._attend_each(q, kv, iq, iw, ctx, ops)
             return res if out is None else out.copy_(res)
         return attend_batched(self, q, kv, iq, iw, ctx, ops, out)

@@ -248,7 +248,7 @@ class DeepseekV41Model(nn.Module):
         ops, c = self.ops, self.text
         if isinstance(batch, ImageBatch) and batch.images and batch.input_embeds is None:  # an image prompt's chunks
             batch.input_embeds, batch.image_mask = chunk_embeddings(self, batch)
-        self._use_pool(not ops.batch_invariant and self.pooled_decode)
+        self._use_pool(not ops.invariant_by_sequence and self.pooled_decode)
         y = None if self.step_graphs is None else self._replay(batch, cache, capture)
         if y is not None:  # replayed from graphs (None: run eagerly)
             for chunk in batch.chunks:
