@@ -42,6 +42,9 @@ SENTENCES = [
     "the balancer; gRPC, 512-token prompts, 128 greedy tokens each, all sent at once): "
     "{mesh_over_inprocess/1:.2f}x the output throughput of the in-process engine on the same GPU at concurrency 1, "
     "{mesh_over_inprocess/64:.2f}x at 64 ([result]({file})).",
+    "{date} at {commit}, {machine}, the same 4-layer model: batch-invariant mode (a sequence's logits bit-identical "
+    "in any batch, however its prefill is chunked) at {batch_invariant_over_default/1:.2f}x the default mode's decode "
+    "throughput at batch 1 and {batch_invariant_over_default/64:.2f}x at 64 ([result]({file})).",
     "{date} at {commit}, {machine}: a full balancer refuses a 2000-request HTTP burst at p50 "
     "{admission_http_p50_ms/2000:.0f} ms, the bare uvicorn stack in the same run at "
     "{admission_bare_http_p50_ms/2000:.0f} ms ([result]({file})).",

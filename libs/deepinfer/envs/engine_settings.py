@@ -136,11 +136,12 @@ declare("DEEPINFER_DECODER_REPLAY_TOKENS", "int", _SCHED, """
     default_doc="`0`; `140` when `DEEPINFER_COMPACT_REPLAY_TOKENS` > 0", minimum=0)
 declare("DEEPINFER_BATCH_INVARIANT", "bool", _NUM, """
     Batch-invariant ops: a sequence's logits are bit-identical whatever else shares its steps, wherever it
-    sits in the batch and however its prefill is chunked (fixed GEMM tiles, fixed reduction orders; cpu and
-    nvidia). Costs throughput (docs/determinism.md, "Cost", has the measured figures and the command that
-    measures them); reported by GetModelInfo.""", default=False)
+    sits in the batch and however its prefill is chunked (cpu: fixed GEMM tiles and reduction orders; nvidia:
+    the default kernels, CUDA graphs included, each launch planned for one row count). Costs throughput
+    (docs/determinism.md, "Cost", has the measured figures and the command that measures them); reported by
+    GetModelInfo.""", default=False)
 declare("DEEPINFER_CUDA_GRAPHS", "bool", _HW, """
-    On the `nvidia` backend (not batch-invariant), replay decode steps (one new token per sequence) from CUDA
+    On the `nvidia` backend, replay decode steps (one new token per sequence) from CUDA
     graphs captured per batch-size bucket on first use: everything between the attention layers' state
     bookkeeping (mHC, norms, projections, RoPE, router, MoE) runs as one graph per layer boundary, with the
     results of eager execution at the same bucket size. Batches above `DEEPINFER_CUDA_GRAPH_MAX_BATCH` and
