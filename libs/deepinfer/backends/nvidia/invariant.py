@@ -47,7 +47,7 @@ def _pinned(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def pin(ops: object) -> None:
     """Run every op of ``ops`` (the interface's, ``deepinfer.ops.op_names``) inside ``kernels.pinning.pinned()``."""
-    from deepinfer.ops import op_names
+    from deepinfer.ops.base import op_names
 
     for name in sorted(op_names()):
         setattr(ops, name, _pinned(getattr(ops, name)))
