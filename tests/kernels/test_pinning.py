@@ -5,6 +5,7 @@ On CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -40,6 +41,8 @@ def test_pinned_kernels_give_a_row_the_same_bits_in_any_batch():
     x = torch.randn(150, 256, generator=g)
     w = torch.randn(96, 256, generator=g) / 16
     wq, scale = quantize_fp8_blocks(w, (128, 128))
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        x, w, wq, scale = (t.cuda() for t in (x, w, wq, scale))
     fns = {
         "small_mm_fp32": lambda a: small_gemm.small_mm_fp32(a.bfloat16(), w.bfloat16()),
         "mixes_gemm": lambda a: hc_mixes.mixes_gemm(a.view(-1, 4, 64), w[:24]),

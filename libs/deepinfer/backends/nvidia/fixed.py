@@ -5,7 +5,8 @@ The default op set runs its bf16 / fp32 linears, the head and the grouped produc
 alone and in a batch. In batch-invariant mode they run on the kernels whose plans ``kernels.pinning`` pins instead:
 
 * half-precision operands: ``kernels.small_gemm.small_mm_fp32`` (fp32 accumulation and output, the weight on the
-  MMA's wide side, a split-K summed in a fixed order, planned for ``PLAN_ROWS`` rows whatever the call has);
+  MMA's wide side, a split-K summed in a fixed order, planned for ``PLAN_ROWS`` rows whatever the call has); from
+  ``WIDE`` output columns (the head) ``kernels.invariant.matmul_fixed`` (64-row tiles, no split-K);
 * fp32 operands (the tests' fp32 models): ``kernels.invariant.matmul_fixed`` (fixed tiles, IEEE fp32 products, no
   split-K);
 * an fp32 input against a bf16 head (V4.1): the same products as ``bf16_parts.linear_by_parts`` (three exact bf16
@@ -22,6 +23,9 @@ import torch
 from deepinfer.backends.nvidia.bf16_parts import bf16_parts
 
 _HALF = (torch.bfloat16, torch.float16)
+# from this many output columns (the output head) a half-precision product takes matmul_fixed's 64-row tiles, which
+# read the weight once for up to 64 rows, in place of small_mm_fp32's 16-row ones (4 reads of a 1 GB head at 64 rows)
+WIDE = 16384
 
 
 def fixed_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -30,8 +34,11 @@ def fixed_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.
     from deepinfer.kernels.small_gemm import small_mm_fp32
 
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype == w.dtype and x2.dtype in _HALF:
+    wide = w.shape[0] >= WIDE and w.dtype == torch.bfloat16
+    if x2.dtype == w.dtype and x2.dtype in _HALF and not wide:
         y = small_mm_fp32(x2, w)
+    elif x2.dtype == w.dtype and wide:  # the head: one 64-row tile reads the weight once for a batch
+        y = matmul_fixed(x2, w, torch.float32)
     else:
         y = matmul_fixed(x2.float(), w.float())  # fp32 (or mixed) operands: IEEE fp32 products
     return y.to(out_dtype).view(*x.shape[:-1], w.shape[0])
