@@ -20,6 +20,7 @@ backend's batch-invariant set): every kernel of those paths is invariant per row
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +50,8 @@ def pin(ops: object) -> None:
     """Run every op of ``ops`` (the interface's, ``deepinfer.ops.op_names``) inside ``kernels.pinning.pinned()``."""
     from deepinfer.ops.base import op_names
 
-    for name in sorted(op_names()):
-        setattr(ops, name, _pinned(getattr(ops, name)))
+    for name in sorted(op_names()):  # bound to ``ops`` as methods: a copy of the op set rebinds them to the copy
+        setattr(ops, name, types.MethodType(_pinned(getattr(type(ops), name)), ops))
 
 
 class InvariantOps:

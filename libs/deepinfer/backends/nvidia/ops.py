@@ -44,7 +44,8 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, InvariantOps, ReferenceOps
     weights as stored and calls ``fp8_linear`` / ``moe_mxfp4`` (default ``DEEPINFER_NATIVE_WEIGHTS``).
     ``packed_topk``: ``topk_indices`` / ``select_rows`` through ``packed_keys`` and one ``torch.topk`` (same results
     as the reference's stable sorts): ``None`` (default) for float rows on CUDA wider than ``packed_above``, ``True``
-    for float rows on any device (the tests), ``False`` never."""
+    for float rows on any device (the tests), ``False`` never. ``invariant``: the batch-invariant mode
+    (``DEEPINFER_BATCH_INVARIANT``; ``invariant``: every op run with the kernels' plans pinned)."""
 
     # the ops taken from ReferenceOps as they are (every other op of deepinfer.ops.Ops is overridden here or in a mixin,
     # many falling back to the reference for the inputs their kernels do not take)
