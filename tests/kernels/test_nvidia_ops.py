@@ -44,35 +44,6 @@ def test_invariant_attention_indexer_and_pooling_match_the_reference():
     assert (k.grouped_linear(xg, wg) - r.grouped_linear(xg, wg)).abs().max().item() < 1e-4
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="CPU tensors through the interpreter; on a GPU bench/engine/batch_invariance.py checks",
-)
-def test_the_fast_kernels_pinned_are_batch_invariant():
-    """``NvidiaOps(invariant=True)``: the default set's kernels and batched paths (pooled decode state, the list
-    attention), each launch planned for ``kernels.pinning.PLAN_ROWS`` rows: the target's logits are bit-identical
-    alone and among other sequences (prefilling in chunks and decoding) with its own prefill chunked and a position
-    decoded that was prefilled alone; with the default set they are not (so the check can fail); both compute the
-    reference's function."""
-    from bench.engine.compositions import target_logits
-    from models.test_batch_invariance import PAGE, tokens
-
-    # odd shapes, three layers (CSA, sliding window, HCA of ratio 16), a hash MoE layer, 3 mHC streams
-    model = _model("odd", NvidiaOps(invariant=True), num_hidden_layers=3, compress_ratios=[4, 0, 16, 0])
-    assert model.pooled_decode and model.ops.batch_invariant and not model.ops.invariant_by_sequence
-    vocab = model.config.vocab_size
-    target, a, b = tokens(20, 1, vocab), tokens(7, 2, vocab), tokens(5, 3, vocab)
-    # positions 16-19: prefilled then decoded alone; among others, its prefill in two chunks, position 16 decoded
-    alone, mixed = ([target], [[17, 1, 1, 1]]), ([target, a, b], [[0, 4, 12, 1, 1, 1, 1], [3, 4], [1] * 5])
-    got = [target_logits(model, seqs, p, None, PAGE)[-4:] for seqs, p in (alone, mixed)]
-    assert torch.equal(got[0], got[1])
-    model.ops = NvidiaOps()
-    default = [target_logits(model, seqs, p, None, PAGE)[-4:] for seqs, p in (alone, mixed)]
-    assert not torch.equal(default[0], default[1])
-    model.ops = ReferenceOps()
-    assert (target_logits(model, [target], [[20]], None, PAGE)[-1:] - got[0][-1:]).abs().max().item() < 1e-4
-
-
 # -- the default nvidia op set (NvidiaOps) and the model's batched attention path ------------------------------------
 
 
@@ -131,19 +102,9 @@ def test_attention_lists_and_index_ranges_match_the_per_sequence_ops():
 
 
 def _model(name, ops, **overrides):
-    """A tiny model of ``models.tiny_configs`` (and ``overrides``) with random fp32 weights, built in memory (no
-    checkpoint, no tokenizer: the GPU image lacks the tokenizer package that ``tiny_dirs`` needs)."""
-    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
-    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer.models.deepseek_v4.family import FAMILY
-    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
-    from models.tiny_configs import CONFIGS
+    from models.tiny_configs import in_memory
 
-    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], **overrides})
-    model = DeepseekV4Model(config, ops)
-    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
-    model.load_state_dict(random_weights(config, seed=list(CONFIGS).index(name)))
-    return model
+    return in_memory(name, ops, **overrides)
 
 
 @pytest.mark.parametrize("name", ["base", "odd"])

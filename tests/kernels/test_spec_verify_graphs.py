@@ -48,7 +48,8 @@ class _Graphs:
 
 class _Model:
     def __init__(self) -> None:
-        self.ops = type("Ops", (), {"cuda_graphs": True, "prefill_graphs": True, "batch_invariant": False})()
+        flags = {"cuda_graphs": True, "prefill_graphs": True, "batch_invariant": False, "invariant_by_sequence": False}
+        self.ops = type("Ops", (), flags)()
         self.decode_graphs = self.prefill_graphs = None
 
 

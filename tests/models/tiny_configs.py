@@ -54,3 +54,18 @@ CONFIGS = {
         "rope_scaling": None,
     },
 }
+
+
+def in_memory(name: str, ops: object, **overrides: object) -> object:
+    """A tiny model of ``CONFIGS[name]`` (and ``overrides``) on ``ops`` with random fp32 weights, built in memory (no
+    checkpoint, no tokenizer: the GPU image lacks the tokenizer package that the ``tiny_dirs`` fixture needs)."""
+    from deepinfer.checkpoint.tiny import TINY_V4, random_weights
+    from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer.models.deepseek_v4.family import FAMILY
+    from deepinfer.models.deepseek_v4.model import DeepseekV4Model
+
+    config = DeepseekV4Config.from_dict({**TINY_V4, **CONFIGS[name], **overrides})
+    model = DeepseekV4Model(config, ops)
+    model.step_graphs = FAMILY.step_graphs()  # the runtime's choice of graphs, as the engine's build attaches it
+    model.load_state_dict(random_weights(config, seed=list(CONFIGS).index(name)))
+    return model
