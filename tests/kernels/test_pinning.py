@@ -74,8 +74,8 @@ def test_the_fast_kernels_pinned_are_batch_invariant():
     from models.test_batch_invariance import PAGE, tokens
     from models.tiny_configs import in_memory
 
-    # odd shapes, three layers (CSA, sliding window, HCA of ratio 16), a hash MoE layer, 3 mHC streams
-    model = in_memory("odd", NvidiaOps(invariant=True), num_hidden_layers=3, compress_ratios=[4, 0, 16, 0])
+    # odd shapes, two layers (CSA with its indexer, HCA of ratio 16), a hash MoE layer, 3 mHC streams
+    model = in_memory("odd", NvidiaOps(invariant=True), num_hidden_layers=2, compress_ratios=[4, 16, 0])
     assert model.pooled_decode and model.ops.batch_invariant and not model.ops.invariant_by_sequence
     vocab = model.config.vocab_size
     target, a, b = tokens(20, 1, vocab), tokens(7, 2, vocab), tokens(5, 3, vocab)
