@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deepinfer.events import subjects
-from deepinfer.events.bus import EventBus
+from deepinfer.events.bus import EventBus, barrier
 from deepinfer.events.experts import ExpertLoadReporter, ExpertLoadView
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.parallel.rebalancer import propose
@@ -23,7 +23,7 @@ def test_ranks_report_and_the_view_sums_them(nats_server, wait_until):
             await other.connect(nats_server.url)
             view = ExpertLoadView(other, window_s=30.0)
             await view.start()
-            await other.nc.flush()  # the server has the subscription before the other connection publishes
+            await barrier(other.nc)  # the server has the subscription before the other connection publishes
             counts = {0: {3: [5, 0, 1, 0], 4: [0, 0, 0, 9]}, 1: {3: [7, 2, 0, 0], 4: [1, 1, 1, 1]}}
             taken = []
 

@@ -11,7 +11,7 @@ import pytest
 
 from deepinfer.events import subjects
 from deepinfer.events.auth import ADMIN, inbox_prefix, permissions, redact, url_user, with_credentials
-from deepinfer.events.bus import EventBus
+from deepinfer.events.bus import EventBus, barrier
 from deepinfer.events.registry import Registration, Registry, RegistryView
 
 
@@ -103,9 +103,9 @@ def test_kv_events_are_published_by_their_kind_and_read_by_schedulers(nats_serve
 
             wildcard = subjects.kv_wildcard("scheduler") if reader == "balancer" else subjects.kv_wildcard()
             await buses[reader].subscribe(wildcard, on_kv)
-            await buses[reader].nc.flush()  # the server has the subscription (or has refused it)
+            await barrier(buses[reader].nc)  # the server has the subscription (or has refused it)
         await buses["balancer"].subscribe(subjects.kv_wildcard("kvstore"), lambda *a: got["balancer"].append("?"))
-        await buses["balancer"].nc.flush()  # (refused: the server has answered it)
+        await barrier(buses["balancer"].nc)  # (refused: the server has answered it)
         await buses["balancer"].publish(subjects.kv_subject("kvstore", "kv0"), {"from": "balancer"})  # refused
         await buses["kvstore"].publish(subjects.kv_subject("scheduler", "s0"), {"from": "kvstore-as-scheduler"})
         await buses["kvstore"].publish(subjects.kv_subject("kvstore", "kv0"), {"from": "kvstore"})

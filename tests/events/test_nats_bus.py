@@ -9,7 +9,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from deepinfer.events import subjects
-from deepinfer.events.bus import EventBus
+from deepinfer.events.bus import EventBus, barrier
 
 
 @pytest.mark.timeout(60)
@@ -36,6 +36,31 @@ def test_json_pub_sub_with_wildcards_survives_bad_messages(nats_server, wait_unt
             assert [p for _, p in got] == sent
             assert [s for s, _ in got] == [subjects.kv_subject("kvstore", f"r{i % 2}") for i in range(5)]
             assert bus.published == 7 and bus.dropped == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_barrier_orders_a_subscription_before_another_connections_publish(nats_server, wait_until):
+    """Subscribe, ``barrier``, then publish once from another connection: every such first message arrives (after
+    ``nc.flush()`` alone about one in twenty did not: nats-py's PING overtakes the SUB still in its buffer)."""
+
+    async def main():
+        got: list[int] = []
+
+        async def handler(subject, payload):
+            got.append(payload["i"])
+
+        for i in range(100):  # two new connections each time (the race shows most there)
+            async with EventBus(name="pub") as pub, EventBus(name="sub") as sub:
+                await pub.connect(nats_server.url)
+                await sub.connect(nats_server.url)
+                await sub.subscribe(subjects.experts_subject("r0"), handler)
+                await barrier(sub.nc)
+                assert await pub.publish(subjects.experts_subject("r0"), {"i": i})
+                await barrier(pub.nc)  # the server has routed it: it is on its way to the subscriber
+                await wait_until(lambda n=i + 1: len(got) == n, 10)
+        assert got == list(range(100))
 
     asyncio.run(main())
 

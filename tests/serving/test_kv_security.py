@@ -16,6 +16,7 @@ import pytest
 
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.events import EventBus, Registration, Registry, RegistryView
+from deepinfer.events.bus import barrier
 from deepinfer.rpc.channel import open_channel
 from deepinfer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from serving.launched import launched_mesh
@@ -76,7 +77,7 @@ def test_nats_traffic_carries_no_token_ids_and_kvstore_hits_still_happen(mesh) -
             seen.append((msg.subject, bytes(msg.data)))
 
         await nc.subscribe(">", cb=on_msg)
-        await nc.flush()
+        await barrier(nc)  # the server has the subscription before the mesh publishes
         hits = []
         for i, prompt in enumerate(prompts):
             await submit(a, f"a{i}", prompt)  # its prompt-end resume point moves to the kvstore
@@ -130,7 +131,7 @@ def test_other_credentials_cannot_register_a_scheduler_or_read_kv_events(mesh) -
 
         await worker.subscribe("deepinfer.kv.>", on_kv)  # refused by the server
         await worker.publish("deepinfer.kv.kvstore.forged", {"events": []})  # refused too
-        await worker.nc.flush()
+        await barrier(worker.nc)  # the server has answered the subscription and the publish
         await worker.close()
         assert got == []
 
