@@ -6,8 +6,9 @@ generated credentials: each service gets its own kind's user in its ``DEEPINFER_
 
 Every service is its own process (``python -m services.<name>``), exactly as on many machines; this
 module only picks ports (and, per replica, a Unix socket in a private directory through which the scheduler
-reaches its worker), starts them in dependency order, waits for each to report SERVING through
-gRPC health checking and prints the endpoints (every service's metrics too). While it runs, a service that
+reaches its worker), starts them in dependency order (the kvstore, the grammar service and the workers side by
+side, then the schedulers, then the balancer), waits for each to report SERVING through gRPC health checking and
+prints the endpoints (every service's metrics too). While it runs, a service that
 exits is started again with backoff (same command and ports: its peers reconnect to it); on Ctrl-C or SIGTERM
 the mesh drains in order (balancer, schedulers, workers, then the rest). Internal calls carry a generated
 internal token unless ``DEEPINFER_INTERNAL_TOKEN`` names one.
@@ -61,6 +62,7 @@ class Mesh:
     _sockets: Path | None = field(default=None, init=False, repr=False)  # their private directory
     _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
     _held: dict[int, Any] = field(default_factory=dict, init=False, repr=False)  # port -> its reserving socket
+    _starting: dict[str, tuple[str, Any, float]] = field(default_factory=dict, init=False, repr=False)  # not yet ready
     _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
     endpoints: dict[str, str] = field(default_factory=dict)
@@ -98,7 +100,9 @@ class Mesh:
         return {var: ",".join(ids[(first + i) % len(ids)] for i in range(min(self.ranks, len(ids))))}
 
     def _spawn(self, name: str, args: list[str], ready: str | None, env_: dict[str, str] | None = None,
-               timeout: float = 600.0) -> None:  # fmt: skip
+               timeout: float = 600.0, wait: bool = True) -> None:  # fmt: skip
+        """Start ``name``; with ``ready`` (its gRPC address) wait until it serves, or with ``wait=False`` leave that
+        to :meth:`_await` (services that do not need each other start side by side)."""
         env = {**os.environ, **self.extra_env, "DEEPINFER_ACCELERATOR": self.accelerator, "PYTHONUNBUFFERED": "1"}
         env.update(env_ or {})
         if self.nats is not None:  # the NATS server started here: each service its own kind's credentials
@@ -114,7 +118,16 @@ class Mesh:
         self.specs[name] = (args, env)
         proc = self._popen(name, "w")
         self.procs.append((name, proc))
-        if ready is not None:  # a service that exits first: its log's last lines are in the error
+        if ready is not None:
+            self._starting[name] = (ready, proc, timeout)
+            if wait:
+                self._await(name)
+
+    def _await(self, *names: str) -> None:
+        """Wait until the services ``names`` (default: every one started without waiting) serve; one that exits
+        first raises with its log's last lines."""
+        for name in names or list(self._starting):
+            ready, proc, timeout = self._starting.pop(name)
             try:
                 wait_serving(ready, timeout, proc, self.log_dir / f"{name}.log" if self.log_dir else None)
             finally:  # serving (or gone): the port needs holding no longer
@@ -176,30 +189,38 @@ class Mesh:
         kaddr = f"{self.host}:{kport}"
         data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
         kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
-        self._spawn("kvstore", kv_args, kaddr)
+        # the kvstore, the grammar service and the workers need none of each other: they start side by side (the
+        # workers load their models while the grammar service builds its tokenizer view); the schedulers dial
+        # their workers, the balancer its schedulers
+        self._spawn("kvstore", kv_args, kaddr, wait=False)
         self.endpoints["kvstore"] = kaddr
         self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
         gport = self._grpc_port()
         gaddr = f"{self.host}:{gport}"
         grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
-        self._spawn("grammar", grammar_args, gaddr)
+        self._spawn("grammar", grammar_args, gaddr, wait=False)
         self.endpoints["grammar"] = gaddr
         self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
-        schedulers = []
+        schedulers, dials = [], []
         sockets = self._socket_dir()
         for r in range(self.replicas):
-            wport, sport = self._grpc_port(), self._grpc_port()
-            waddr, saddr = f"{self.host}:{wport}", f"{self.host}:{sport}"
-            worker_args, dial = self.worker_args(r, wport, sockets)
-            self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r))
+            waddr = f"{self.host}:{self._grpc_port()}"
+            worker_args, dial = self.worker_args(r, int(waddr.rpartition(":")[2]), sockets)
+            self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r), wait=False)
+            dials.append(dial)
+        self._await()
+        for r, dial in enumerate(dials):
+            saddr = f"{self.host}:{self._grpc_port()}"
             role = self.roles[r] if r < len(self.roles) else "mixed"
             self._spawn(
                 f"scheduler-{r}",
-                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport), "--role", role],
-                saddr,
-            )
+                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", saddr.rpartition(":")[2],
+                 "--role", role],
+                saddr, wait=False,
+            )  # fmt: skip
             schedulers += ["--scheduler", saddr]
             self.endpoints[f"scheduler-{r}"] = saddr
+        self._await()
         if self.grpc_port == 0:
             self.grpc_port = self._grpc_port()
         args = [
@@ -291,6 +312,7 @@ class Mesh:
                     p.kill()
                     p.wait()
         self.procs.clear()
+        self._starting.clear()
         for held in self._held.values():  # a start that failed part-way
             held.close()
         self._held.clear()

@@ -100,20 +100,17 @@ class InvariantOps:
     def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return super().hc_collapse(h, pre)  # type: ignore[misc]
-        hf = h.float()  # Σ_j pre_j · h_j as an explicit left fold (a torch sum's order follows the tensor's size)
-        acc = pre[:, 0:1] * hf[:, 0]
-        for j in range(1, h.shape[1]):
-            acc = acc + pre[:, j : j + 1] * hf[:, j]
-        return acc.to(h.dtype)
+        from deepinfer.backends.reference.invariant import collapse_fold
+
+        return collapse_fold(h, pre)
 
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return super().softmax_pool(kv, score)  # type: ignore[misc]
+        from deepinfer.backends.reference.invariant import pool_softmax
         from deepinfer.kernels.invariant import rowsum
 
-        s = score.float().transpose(1, 2)  # [k, d, m]: pool over the last dim, as the reference's batch-invariant set
-        e = torch.exp(s - s.amax(-1, keepdim=True))
-        return rowsum(kv.float().transpose(1, 2) * (e / rowsum(e).unsqueeze(-1)))
+        return pool_softmax(kv, score, torch.exp, rowsum)  # (a device's exp is elementwise: row-invariant)
 
 
 __all__ = ["InvariantOps", "pin", "visible_keys"]

@@ -23,6 +23,7 @@ their padding depend only on the query. Maxima, sorts (stable) and element-wise 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -129,11 +130,7 @@ class BatchInvariantOps(ReferenceOps):
         return e / _fold(e, -1)
 
     def hc_collapse(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        hf = h.float()
-        acc = pre[:, 0:1] * hf[:, 0]
-        for j in range(1, h.shape[1]):
-            acc = acc + pre[:, j : j + 1] * hf[:, j]
-        return acc.to(h.dtype)
+        return collapse_fold(h, pre)
 
     def hc_expand(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         rf = res.float()
@@ -144,10 +141,7 @@ class BatchInvariantOps(ReferenceOps):
 
     # -- attention and its compressed branches --------------------------------------------------
     def softmax_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        s = score.float().transpose(1, 2)  # [k, d, m]: pool over the last dim
-        e = self.pointwise(torch.exp, s - s.amax(-1, keepdim=True))
-        p = e / self._rowsum(e).unsqueeze(-1)
-        return self._rowsum(kv.float().transpose(1, 2) * p)
+        return pool_softmax(kv, score, functools.partial(self.pointwise, torch.exp), self._rowsum)
 
     def sparse_attention(
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
@@ -176,6 +170,26 @@ class BatchInvariantOps(ReferenceOps):
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         s = self._dot(q.float().unsqueeze(1), keys.float().view(1, keys.shape[0], 1, -1)).relu()  # [n, R, h]
         return self._dot(s, weights.float().unsqueeze(1))
+
+
+def collapse_fold(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """mHC's collapse ``Σ_j pre_j · h_j`` as an explicit left fold (a torch sum's order follows the tensor's size)."""
+    hf = h.float()
+    acc = pre[:, 0:1] * hf[:, 0]
+    for j in range(1, h.shape[1]):
+        acc = acc + pre[:, j : j + 1] * hf[:, j]
+    return acc.to(h.dtype)
+
+
+def pool_softmax(
+    kv: torch.Tensor, score: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor],
+    rowsum: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """The compressors' softmax pooling over the last dim of ``[k, d, m]``, with a backend's row-invariant ``exp``
+    and ``rowsum``."""
+    s = score.float().transpose(1, 2)
+    e = exp(s - s.amax(-1, keepdim=True))
+    return rowsum(kv.float().transpose(1, 2) * (e / rowsum(e).unsqueeze(-1)))
 
 
 def _fold(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -22,6 +22,13 @@ from deepinfer.ops import Ops
 from deepinfer.runtime.platform import platform_of
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """A frozen ``nn.Embedding`` whose weight is allocated, not initialised, as :class:`Linear`'s: the checkpoint
+    fills it (a random ``normal_`` on the meta device, where models are built, goes through torch's reference ops
+    and imports TorchDynamo: 1.7 s of every worker's start)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim), _freeze=True)
+
+
 class Linear(nn.Module):
     """Bias-free linear. ``fp8`` marks weights the official checkpoint stores in FP8/FP4: with the
     quantisation simulation on, or ``w8a8`` (``DEEPINFER_W8A8``), their input is FP8-rounded per 1×128 block first

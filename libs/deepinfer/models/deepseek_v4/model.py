@@ -17,7 +17,7 @@ from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.context_split import split_forward
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
-from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, embedding
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
@@ -148,8 +148,7 @@ class DeepseekV4Model(nn.Module):
         for i in c.mtp_layer_ids:
             if c.ratio(i) != 0:
                 raise ValueError(f"MTP layer {i} has compress ratio {c.ratio(i)}; only sliding-window MTP is supported")
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed.weight.requires_grad_(False)
+        self.embed = embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList([Block(c, i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = Linear(c.hidden_size, c.vocab_size)

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from deepinfer.models.deepseek_v4.layers import Linear
+from deepinfer.models.deepseek_v4.layers import Linear, embedding
 from deepinfer.ops import Ops
 
 ConfidenceInput = Literal["pre_norm", "normed"]
@@ -38,8 +38,7 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, rank)
-        self.embed.weight.requires_grad_(False)
+        self.embed = embedding(vocab_size, rank)
         self.head = Linear(rank, vocab_size)
 
     def forward(self, prev: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:

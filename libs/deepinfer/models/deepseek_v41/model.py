@@ -22,7 +22,7 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4 import verify_split
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
-from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable
+from deepinfer.models.deepseek_v4.layers import Linear, RMSNorm, RotaryTable, embedding
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
 from deepinfer.models.deepseek_v4.state_pool import StatePool, use_pool
 from deepinfer.models.deepseek_v4.verify_step import PooledVerify
@@ -87,8 +87,7 @@ class DeepseekV41Model(nn.Module):
         self.ops = ops or get_ops("cpu")
         self.specs = layer_specs(c)
         n = c.num_hidden_layers
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed.weight.requires_grad_(False)
+        self.embed = embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList([Block(c, s) for s in self.specs[:n]])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = Linear(c.hidden_size, c.vocab_size)
