@@ -38,6 +38,11 @@ SENTENCES = [
     "batch 64; prefill at {prefill_fraction_fp8/4096:.1%} of the FP8 peak at 4096 tokens, "
     "{prefill_fraction_fp8/16384:.1%} at 16384; transformers' `DeepseekV4ForCausalLM` in the same run "
     "{peer_decode_ms/1:.1f} ms per decode step at batch 1 against our {model_decode_ms/1:.1f} ms ([result]({file})).",
+    "{date} at {commit}, {machine}, the same 4-layer model: the engine's served decode step (`LLMEngine.step()` with "
+    "async scheduling: the scheduler, the sampler, detokenisation; 4096-token contexts) {served_decode_ms/1:.2f} ms at "
+    "batch 1, {decode_x_roofline/1:.2f}x the HBM roofline, and {served_decode_ms/64:.2f} ms at batch 64, "
+    "{decode_x_roofline/64:.2f}x; the synchronous loop in the same run {served_sync_decode_ms/1:.2f} / "
+    "{served_sync_decode_ms/64:.2f} ms ([result]({file})).",
     "{date} at {commit}, {machine}, the same 4-layer model served by `deepinfer up` (the NVIDIA worker, a scheduler, "
     "the balancer; gRPC, 512-token prompts, 128 greedy tokens each, all sent at once): "
     "{mesh_over_inprocess/1:.2f}x the output throughput of the in-process engine on the same GPU at concurrency 1, "
