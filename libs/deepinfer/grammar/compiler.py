@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer import envs
+from deepinfer.grammar.bounded_strings import compile_bounded, has_length_bounds
 from deepinfer.grammar.cache import GrammarCache
 from deepinfer.grammar.limits import Inspection, Limits, inspect_spec
 from deepinfer.grammar.llg import (
@@ -240,6 +241,8 @@ class Compiler:
             return self._xgr
 
     def _xgrammar_compile(self, spec: GrammarSpec, found: Inspection) -> str:
+        import xgrammar
+
         compiler, kind, ws = self._compiler(), spec.kind, self.json_whitespace
         json_options = json_layout(ws, self.json_indent)
         try:
@@ -249,12 +252,19 @@ class Compiler:
                 grammar = compiler.compile_grammar(spec.text)
             elif kind == "json_schema":
                 text = found.compile_text if found.compile_text is not None else spec.text
-                grammar = compiler.compile_json_schema(text, strict_mode=True, **json_options)
+                if has_length_bounds(text):  # (bounded_strings.py: xgrammar's own bounded strings, made valid JSON)
+                    schema_grammar = xgrammar.Grammar.from_json_schema(text, strict_mode=True, **json_options)
+                    grammar = compile_bounded(compiler, schema_grammar)
+                else:
+                    grammar = compiler.compile_json_schema(text, strict_mode=True, **json_options)
             elif kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **json_options)
             else:
-                tag = _cap_tag_whitespace(found.document, max(ws, 1))
-                grammar = compiler.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
+                tag = json.dumps(_cap_tag_whitespace(found.document, max(ws, 1)), ensure_ascii=False)
+                if has_length_bounds(tag):
+                    grammar = compile_bounded(compiler, xgrammar.Grammar.from_structural_tag(tag))
+                else:
+                    grammar = compiler.compile_structural_tag(tag)
             return grammar.serialize_json()
         except MemoryError:
             raise GrammarError(f"{kind}: the compile ran out of memory", "crash") from None

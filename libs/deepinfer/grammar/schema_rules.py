@@ -3,10 +3,10 @@ enforces, is rewritten into one it enforces, or is refused naming the keyword an
 
 Rewrites (each accepts only values the original accepts):
 
-* ``minLength`` / ``maxLength`` without ``pattern`` → the pattern ``^[^"\\\\\\x00-\\x1f]{m,n}$`` (xgrammar's own
-  length-bounded strings let raw control characters through: invalid JSON); a bound above
-  ``MAX_COUNTED_LENGTH`` (1024) is lowered to it (xgrammar's compile time grows steeply with a counted
-  repetition), a minimum above it is refused;
+* ``minLength`` / ``maxLength`` without ``pattern`` stay xgrammar's own (a counted repetition of one character
+  rule, fast to compile), whose characters the compiler narrows to those JSON allows unescaped (xgrammar's let
+  raw control characters through: ``bounded_strings.py``); a bound above ``MAX_COUNTED_LENGTH`` (1024) is
+  lowered to it, a minimum above it is refused;
 * ``pattern`` that is one character class (or ``.``, ``\\d``, ``\\w`` ...) with a quantifier, plus
   ``minLength`` / ``maxLength`` → the same class with the bounds intersected (xgrammar ignores the lengths
   beside a pattern); any other pattern with a length bound is refused;
@@ -193,8 +193,11 @@ def _check_string(node: dict, path: str) -> dict:
     if not lengths:
         return node
     rest = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
-    if "pattern" not in node:
-        return {**rest, "pattern": f"^{SAFE_CHAR}{_bounds(lo, hi, path)}$"}
+    if "pattern" not in node:  # xgrammar's own bounds (the compiler narrows their characters: bounded_strings.py)
+        _bounds(lo, hi, path)
+        hi = None if hi is None else min(int(hi), MAX_COUNTED_LENGTH)
+        return {**rest, "type": "string"} | ({"minLength": int(lo)} if lo else {}) | (
+            {} if hi is None else {"maxLength": hi})  # fmt: skip
     m = _SIMPLE_PATTERN.fullmatch(node["pattern"])
     if m is None:
         raise _refuse(
