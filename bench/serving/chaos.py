@@ -151,18 +151,20 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration-s", type=float, default=180.0)
-    p.add_argument("--kill-every-s", type=float, default=15.0)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--duration-s", type=float, default=None, help="default 180 (--tiny: 12)")
+    p.add_argument("--kill-every-s", type=float, default=None, help="default 15 (--tiny: 5)")
+    p.add_argument("--concurrency", type=int, default=None, help="default 32 (--tiny: 4)")
+    p.add_argument("--prompts", type=int, default=None, help="default 16 (--tiny: 6)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 32 (--tiny: 12)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "nvidia"])
     p.add_argument("--tiny", action="store_true", help="smoke mode: 12 s, a kill every 5 s, 4 streams")
     p.add_argument("--out", type=Path, help="write the result as DIR/<date>-chaos-<device>.json")
     args = p.parse_args()
-    if args.tiny:
-        args.duration_s, args.kill_every_s, args.concurrency, args.prompts, args.max_tokens = 12.0, 5.0, 4, 6, 12
+    defaults = (12.0, 5.0, 4, 6, 12) if args.tiny else (180.0, 15.0, 32, 16, 32)  # an option given wins
+    for name, value in zip(("duration_s", "kill_every_s", "concurrency", "prompts", "max_tokens"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     result = run(args)
     c = result["chaos"]
     print(f"chaos: {args.duration_s:.0f} s, {args.concurrency} streams, a SIGKILL every {args.kill_every_s:.0f} s "

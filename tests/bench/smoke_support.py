@@ -31,6 +31,7 @@ def _name(p: Path) -> str:
 # flags that trim a smoke run further (the script's --tiny alone is what a person runs on a CPU)
 TRIM: dict[str, list[str]] = {
     "serving/routing.py": ["--policies", "cache", "--replicas", "1"],
+    "serving/chaos.py": ["--duration-s", "8", "--kill-every-s", "3"],  # (still two kills, each restarted)
     "serving/disaggregation.py": ["--configs", "disaggregated"],
     "serving/mesh_overhead.py": ["--concurrency", "2", "--replica-streams", "session,submit"],
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
@@ -61,8 +62,8 @@ TRIM: dict[str, list[str]] = {
         *("--errors", "0,1", "--tokens", "4", "--depths", "2,3", "--batches", "2"),
         *("--kernel-profile", "2", "--early-ab"),  # (the profiled runs, and the drafter drafting at launch, too)
     ],
-    "engine/sweep.py": ["--batches", "1,4", "--prefill-tokens", "128,256", "--repeats", "2", "--budget-s", "5"],
-    "engine/sweep_v41.py": ["--batches", "1,4", "--prefill-tokens", "128", "--repeats", "2", "--budget-s", "5"],
+    "engine/sweep.py": ["--batches", "1,4", "--prefill-tokens", "128,256", "--repeats", "2", "--budget-s", "2"],
+    "engine/sweep_v41.py": ["--batches", "1,4", "--prefill-tokens", "128", "--repeats", "2", "--budget-s", "2"],
     "engine/batch_invariance.py": [
         "--compositions",
         "1",

@@ -57,13 +57,16 @@ def test_prefill_and_cpu_steps_run_eagerly():
     assert not DecodeGraphs.applies(g, ForwardBatch(torch.zeros(0, dtype=torch.long), torch.zeros(0), []))
 
 
-def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
+def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE, prefill_ops=None):
+    """``n_seq`` sequences prefilled (with ``prefill_ops`` when given: the states the steps start from, whichever
+    ops made them), and 6 decode steps' token ids."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     pages = -(-(context + 16) // 16)
     cache = PagedKVCache(model.config, pages * n_seq, 16, dtype=model.embed.weight.dtype, device=dev)
     states, tables = [], []
     ops, model.ops.cuda_graphs = model.ops, False
+    model.ops = prefill_ops or ops
     for i in range(n_seq):
         st, table = SequenceState(), torch.arange(i * pages, (i + 1) * pages, device=dev)
         n = context - i  # different lengths: different window and compressor phases
@@ -71,7 +74,7 @@ def _setup(model, n_seq: int, context: int, seed: int, dev: str = DEVICE):
         model(ForwardBatch.build([SeqChunk(st, 0, n, table)], [ids], dev), cache)
         states.append(st)
         tables.append(table)
-    ops.cuda_graphs = True
+    model.ops, ops.cuda_graphs = ops, True
     steps = [torch.randint(2, vocab, (n_seq,), generator=gen).tolist() for _ in range(6)]
     return cache, states, tables, steps
 
@@ -192,7 +195,8 @@ def test_the_graphed_step_equals_the_eager_step_on_cpu(name, kernels):
     model.load_state_dict(random_weights(config, seed=1), strict=False)
     model.decode_graphs = EagerSegments(model, max_batch=8)
     for n_seq, exact in ((4, True), (3, False))[: 1 if kernels else 2]:  # the interpreter is slow: one bucket
-        cache, states, tables, steps = _setup(model, n_seq, 30, seed=n_seq, dev="cpu")
+        # (the prefill on the reference ops: in the interpreter it took most of the test's time)
+        cache, states, tables, steps = _setup(model, n_seq, 30, seed=n_seq, dev="cpu", prefill_ops=ReferenceOps())
         steps = steps[:4] if kernels else steps  # every sequence completes a group of 4 (positions 27 .. 33)
         exact = exact and kernels
         eager, *a = _decode(model, cache, states, tables, steps, graphs=False, dev="cpu", keep=True)
