@@ -204,20 +204,21 @@ class Mesh:
         schedulers, dials = [], []
         sockets = self._socket_dir()
         for r in range(self.replicas):
-            waddr = f"{self.host}:{self._grpc_port()}"
-            worker_args, dial = self.worker_args(r, int(waddr.rpartition(":")[2]), sockets)
-            self._spawn(f"worker-{r}", worker_args, waddr, self._devices(r), wait=False)
+            wport = self._grpc_port()
+            worker_args, dial = self.worker_args(r, wport, sockets)
+            self._spawn(f"worker-{r}", worker_args, f"{self.host}:{wport}", self._devices(r), wait=False)
             dials.append(dial)
         self._await()
         for r, dial in enumerate(dials):
-            saddr = f"{self.host}:{self._grpc_port()}"
+            sport = self._grpc_port()
+            saddr = f"{self.host}:{sport}"
             role = self.roles[r] if r < len(self.roles) else "mixed"
             self._spawn(
                 f"scheduler-{r}",
-                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", saddr.rpartition(":")[2],
-                 "--role", role],
-                saddr, wait=False,
-            )  # fmt: skip
+                ["services.scheduler", "--worker", dial, "--host", self.host, "--port", str(sport), "--role", role],
+                saddr,
+                wait=False,
+            )
             schedulers += ["--scheduler", saddr]
             self.endpoints[f"scheduler-{r}"] = saddr
         self._await()

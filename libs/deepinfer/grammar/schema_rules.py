@@ -194,10 +194,9 @@ def _check_string(node: dict, path: str) -> dict:
         return node
     rest = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
     if "pattern" not in node:  # xgrammar's own bounds (the compiler narrows their characters: bounded_strings.py)
-        _bounds(lo, hi, path)
-        hi = None if hi is None else min(int(hi), MAX_COUNTED_LENGTH)
-        return {**rest, "type": "string"} | ({"minLength": int(lo)} if lo else {}) | (
-            {} if hi is None else {"maxLength": hi})  # fmt: skip
+        lo, hi = _clamped(lo, hi, path)
+        bounds = ({"minLength": lo} if lo else {}) | ({} if hi is None else {"maxLength": hi})
+        return {**rest, "type": "string", **bounds}
     m = _SIMPLE_PATTERN.fullmatch(node["pattern"])
     if m is None:
         raise _refuse(
@@ -220,10 +219,16 @@ def _check_string(node: dict, path: str) -> dict:
     return {**rest, "pattern": f"^{atom}{_bounds(lo, hi, path)}$"}
 
 
-def _bounds(lo: int, hi: int | None, path: str = "") -> str:
+def _clamped(lo: int, hi: int | None, path: str = "") -> tuple[int, int | None]:
+    """The length bounds enforced: a maximum above ``MAX_COUNTED_LENGTH`` lowered to it, a minimum above it refused."""
     lo, hi = int(lo), None if hi is None else min(int(hi), MAX_COUNTED_LENGTH)
     if lo > MAX_COUNTED_LENGTH:
         raise _refuse(path, "minLength", f"minLength {lo} is above {MAX_COUNTED_LENGTH}, the longest bound enforced")
+    return lo, hi
+
+
+def _bounds(lo: int, hi: int | None, path: str = "") -> str:
+    lo, hi = _clamped(lo, hi, path)
     return f"{{{lo}}}" if hi == lo else f"{{{lo},{'' if hi is None else hi}}}"
 
 

@@ -37,7 +37,9 @@ def start_ahead(model: str | Path | None) -> threading.Thread | None:
         except Exception as e:  # noqa: BLE001 - ``ready`` builds it again and says why it cannot
             log.debug("grammar_view_ahead_failed", error=repr(e)[:300])
 
-    thread = threading.Thread(target=build, name="grammar-view", daemon=True)
+    # not a daemon: the interpreter waits for it at exit, whichever way the process ends (xgrammar's native threads
+    # still running when it finalises abort the process: SIGABRT instead of the exit status)
+    thread = threading.Thread(target=build, name="grammar-view", daemon=False)
     thread.start()
     return thread
 

@@ -301,7 +301,6 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
     # interval the loop waits up to 5 ms per wake-up while a step computes
     tune_interpreter()
     configure_logging()
-    ahead = None
     try:  # a missing extra (MissingExtra) or a model that cannot load: one line, status 2
         provider = configure_tracing("deepinfer-worker")
         env_acc = envs.DEEPINFER_ACCELERATOR if envs.is_set("DEEPINFER_ACCELERATOR") else None
@@ -313,8 +312,6 @@ def main(default_accelerator: str, argv: list[str] | None = None) -> int:
         parts, procs = start_worker(layout, accelerator, **build)
     except (RuntimeError, ValueError) as e:
         print(f"deepinfer worker: cannot start: {e}", flush=True)
-        if ahead is not None:  # the view's native threads must end before the interpreter does (else SIGABRT)
-            ahead.join()
         return 2
     if parts.runner.constraints is not None:  # ready before the worker serves: no step waits for it
         grammar_view.ready(parts.runner.constraints, ahead)
