@@ -6,7 +6,9 @@ write and a task switch per request per step on both ends: ``bench/serving/fanou
 iterate its events; it raises the ``grpc.aio.AioRpcError`` the call would have (the replica's status for the
 request; DEADLINE_EXCEEDED past its timeout; UNAVAILABLE when the session stream breaks, so the request moves to
 another replica as after a failed call); ``cancel()`` when its caller is gone. A broken stream is forgotten: the next
-submit opens a new one.
+submit opens a new one. The replica never ends the stream itself with INTERNAL: that status is grpc's own, given
+when the stream ended while a message was being written to it ("Internal error from Core": e.g. a draining replica
+ends a new session stream at once, and a submit written then loses the race), so it counts as the stream breaking.
 
 A caller that falls behind its request's events (the balancer's event loop busy with other streams) takes what
 waits as one event (:func:`merge`): one message to its client instead of one per step, with no delay when it keeps
@@ -148,9 +150,11 @@ class SessionClient:
         outbox: asyncio.Queue[scheduler_pb2.SessionRequest | None] = asyncio.Queue()
         self._calls = {}
         self._outbox, self._stream = outbox, self.stub.Session(_drain(outbox))
-        self._reader = asyncio.ensure_future(self._read(self._stream, self._calls))
+        self._reader = asyncio.ensure_future(self._read(self._stream, self._calls, outbox))
 
-    async def _read(self, stream: grpc.aio.StreamStreamCall, calls: dict[str, SessionCall]) -> None:
+    async def _read(
+        self, stream: grpc.aio.StreamStreamCall, calls: dict[str, SessionCall], outbox: asyncio.Queue
+    ) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"replica {self.address} ended its session stream")
         try:
             async for msg in stream:
@@ -161,7 +165,11 @@ class SessionClient:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # the requests move, and go as Submit calls from now on
                 self.unsupported = True
                 error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"replica {self.address} takes no session stream")
+            elif e.code() == grpc.StatusCode.INTERNAL:  # (the module's docstring) the stream broke: its requests move
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"replica {self.address}'s session stream broke "
+                                  f"({e.details()})")  # fmt: skip
         finally:
+            outbox.put_nowait(None)  # grpc's task that writes the stream's messages ends (else it waits for good)
             if self._stream is stream:  # the next submit opens a new stream
                 self._outbox, self._stream, self._reader = None, None, None
             for call in calls.values():

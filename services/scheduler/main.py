@@ -108,6 +108,7 @@ async def run_scheduler(
         await presence.close()
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the engine loop is over before its channel closes
         await worker.close()
         if stop_metrics is not None:
             stop_metrics()

@@ -85,7 +85,10 @@ class RemoteWorker:
         except grpc.aio.AioRpcError as e:
             raise WorkerLost(f"worker {self.address}: {e.code().name}: {e.details()}") from e
         except asyncio.CancelledError:
-            if self.lost.is_set():
+            # the call was cancelled under us (``reset``, a closed channel): the stream is lost; but when this task
+            # itself is being cancelled (the service stopping), that cancellation goes on, whatever else happened
+            task = asyncio.current_task()
+            if self.lost.is_set() and (task is None or not task.cancelling()):
                 raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from None
             raise
         if msg is grpc.aio.EOF:
