@@ -26,7 +26,9 @@ Each timed run also records the CPU each process used over its wall time (``cpu`
 in-process engine or the load generator's client, and each mesh service): a value near 1.0 is a saturated
 interpreter, the first suspect when the mesh is slower than the engine. ``phases``: the mean host time per step
 of the worker's launch, finish and starved phases and the scheduler's plan and deliver phases over the run (their
-``*_step_phase_seconds`` metrics, read from the running services).
+``*_step_phase_seconds`` metrics, read from the running services), the graphs captured in the run and the resume
+points offloaded to the kvstore in it (``kvstore puts``: the mesh's work that the peer, with no kvstore, never does —
+resume points left by earlier runs are evicted to make room).
 """
 
 from __future__ import annotations
@@ -105,12 +107,16 @@ def cpu_use(before: dict[str, float], after: dict[str, float], wall_s: float) ->
 
 
 PHASES = {"worker": "deepinfer_worker_step_phase_seconds", "scheduler": "deepinfer_scheduler_step_phase_seconds"}
-CAPTURES = "deepinfer_worker_graph_captures"  # graphs captured while serving: a step that stalled on a new shape
+# counters read beside the phases: graphs captured while serving (a step that stalled on a new shape) and resume
+# points offloaded to the kvstore (the worker reads each one's pages and state: work the in-process peer never does)
+COUNTS = {"worker": ("deepinfer_worker_graph_captures", "graph captures", {}),
+          "kvstore": ("deepinfer_kvstore_transfers", "puts", {"op": "put"})}  # fmt: skip
 
 
 def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
     """``"worker-0 launch": [seconds, count]``, ...: the step-phase histograms' sums and counts so far, read from each
-    worker's and scheduler's /metrics, and ``"worker-0 graph captures": [0, count]``."""
+    worker's and scheduler's /metrics, and the counts of :data:`COUNTS` (``"worker-0 graph captures": [0, n]``,
+    ``"kvstore puts": [0, n]``)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -119,15 +125,17 @@ def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
     for name, url in mesh.endpoints.items():
         service = name.removesuffix(" metrics")
         kind = service.split("-")[0]
-        if not name.endswith(" metrics") or kind not in PHASES:
+        if not name.endswith(" metrics") or (kind not in PHASES and kind not in COUNTS):
             continue
         with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the mesh's own loopback endpoint
             text = r.read().decode()
         for family in text_string_to_metric_families(text):
-            if family.name == CAPTURES:  # (a counter: its count, no time)
-                total = sum(x.value for x in family.samples if x.name.endswith("_total"))
-                out[f"{service} graph captures"] = [0.0, total]
-            if family.name != PHASES[kind]:
+            counter, label, where = COUNTS.get(kind, ("", "", {}))
+            if family.name == counter:  # (a counter: its count, no time)
+                total = sum(x.value for x in family.samples if x.name.endswith("_total")
+                            and all(x.labels.get(k) == v for k, v in where.items()))  # fmt: skip
+                out[f"{service} {label}"] = [0.0, total]
+            if family.name != PHASES.get(kind):
                 continue
             for sample in family.samples:
                 key = f"{service} {sample.labels.get('phase')}"
@@ -145,7 +153,7 @@ def phase_use(before: dict[str, list[float]], after: dict[str, list[float]]) -> 
         t0, c0 = before.get(key, [0.0, 0.0])
         if count > c0:
             use[key] = {"n": int(count - c0), "mean_ms": round(1e3 * (total - t0) / (count - c0), 3)}
-            if key.endswith("graph captures"):  # (a count only: any in a timed run is a stall the warm-up missed)
+            if key.endswith(tuple(label for _, label, _ in COUNTS.values())):  # (counts only)
                 use[key] = {"n": int(count - c0)}
     return use
 

@@ -6,7 +6,7 @@ import torch
 
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.state import SequenceState
-from deepinfer.runtime.host_copy import StagedCopy
+from deepinfer.runtime.host_copy import HostCopies, StagedCopy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,6 +30,34 @@ def test_staged_copy_on_the_host_is_a_plain_copy():
     st = StagedCopy(dst)
     st.copy(torch.arange(8).view(2, 4))
     assert dst.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 0, 0, 0]]
+
+
+def test_host_copies_on_the_host_are_plain_copies():
+    src = torch.arange(6.0)
+    copy = HostCopies("cpu")
+    out = copy(src)
+    src.zero_()
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and copy.done() is None  # nothing queued to wait for
+
+
+@cuda
+def test_host_copies_from_the_gpu_never_wait_and_hold_the_values_they_were_queued_at():
+    src = torch.arange(4096.0, device="cuda")
+    torch.cuda._sleep(200_000_000)  # GPU time queued ahead of the copies
+    queued = torch.cuda.Event()
+    queued.record()
+    copy = HostCopies("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [copy(src), copy(src[::2] * 2)]  # (a strided source too)
+        ready = copy.done()
+        src.fill_(-1.0)  # later work on the stream: the copies read before it
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not queued.query(), "the host waited for the GPU"
+    assert ready is not None and all(o.is_pinned() for o in outs)
+    ready.synchronize()
+    assert torch.equal(outs[0], torch.arange(4096.0)) and torch.equal(outs[1], torch.arange(0.0, 4096.0, 2) * 2)
 
 
 @cuda

@@ -19,9 +19,11 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.models.deepseek_v4.state import SequenceState, StateSnapshot
+from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState, StateSnapshot
+from deepinfer.runtime.host_copy import HostCopies
 
 PS = 16
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module", params=["base", "odd"])
@@ -76,6 +78,43 @@ def test_a_resume_point_survives_bytes_and_other_pages(model, position, source, 
     got = [step(model, b, st_b, table_b, [t]) for t in ids[position:]]
     for x, y in zip(ref, got):
         assert torch.equal(x, y)
+
+
+@cuda
+def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_taken(tiny_dirs):
+    """The worker's snapshot and its offload's pages: their host copies are queued (no wait for the steps ahead of
+    them on the GPU) and, once complete, encode to the bytes of the state as it was when they were queued."""
+    c = DeepseekV4Config.from_file(tiny_dirs["base"] / "config.json")
+    gpu = PagedKVCache(c, 8, PS, device="cuda")
+    for t in [*gpu.rows.values(), *gpu.index_keys.values()]:
+        t.normal_()
+    table = torch.tensor([6, 2, 7, 1])
+    st = SequenceState(num_tokens=37, mtp_tokens=37, history=(5, 6))
+    st.windows = {0: torch.randn(8, 4, device="cuda"), 2: torch.randn(8, 4, device="cuda")}
+    st.buffers = {(1, "kv"): CompressorBuffer(torch.randn(3, 4, device="cuda"), torch.randn(3, 4, device="cuda"), 32)}
+    host = PagedKVCache(c, 8, PS)  # the same values on the host: what the bytes must hold
+    for src, dst in ((gpu.rows, host.rows), (gpu.index_keys, host.index_keys)):
+        for layer, t in src.items():
+            dst[layer].copy_(t.cpu())
+    expected = resume_format.encode(StateSnapshot.take(st.clone("cpu"), host, table), host.read_pages(table[:2]))
+
+    torch.cuda._sleep(200_000_000)
+    queued = torch.cuda.Event()
+    queued.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        snap = StateSnapshot.take(st, gpu, table.cuda())
+        copy = HostCopies("cuda")
+        pages = {key: copy(t) for key, t in gpu.read_pages(table[:2].cuda()).items()}
+        ready = copy.done()
+        for t in [*gpu.rows.values(), *gpu.index_keys.values(), *st.windows.values()]:
+            t.zero_()  # the steps after: they must not reach the copies
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not queued.query(), "the host waited for the GPU"
+    assert snap.ready is not None and ready is not None
+    ready.synchronize()
+    assert resume_format.encode(snap, pages) == expected  # (encode waits for the snapshot's own copies)
 
 
 def test_bad_bytes_are_refused():

@@ -29,7 +29,7 @@ from deepinfer.engine.sampler import Sampler, SamplerOutput, compute_logprobs
 from deepinfer.engine.speculative.grammar import row_masks
 from deepinfer.engine.speculative.steps import Speculator, propose, settle, spec_forward
 from deepinfer.runtime.decode_graphs import captures_so_far
-from deepinfer.runtime.host_copy import tensor, to_host
+from deepinfer.runtime.host_copy import HostCopies, tensor, to_host
 from deepinfer.runtime.platform import Event
 
 _MASK64 = (1 << 64) - 1
@@ -96,12 +96,11 @@ class ModelRunner:
             self.snapshots[order.snapshot_id] = self.family.take_snapshot(
                 st, self.cache, self.tables[order.request_id], self.compact_replay > 0
             )
-        for o in plan.offloads:  # read the pages now: this step's chunks may reuse them
+        for o in plan.offloads:  # read the pages now (queued before this step's chunks, which may reuse them)
             snap = self.snapshots.get(o.snapshot_id) if o.export else self.snapshots.pop(o.snapshot_id, None)
             if snap is not None and self.remote is not None:
-                pages = self.cache.read_pages(tensor(o.pages, self.device, torch.long))
                 export_id = o.snapshot_id if o.export else None
-                self.remote.put(o.key, self.family.encode_resume(snap, pages), o.meta, export_id)
+                self.remote.put(o.key, self._encoder(snap, o.pages), o.meta, export_id)
                 if o.export:
                     exports.append(o.snapshot_id)
             elif o.export:  # nothing to export (no kvstore here, or the snapshot is gone): the handoff recomputes
@@ -112,6 +111,20 @@ class ModelRunner:
                 raise RuntimeError(f"fetch {f.fetch_id}: this worker has no kvstore")
             self.remote.fetch(f.fetch_id, f.key)
         return exports
+
+    def _encoder(self, snap: Snapshot, page_ids: list[int]) -> Callable[[], bytes]:
+        """The resume point's bytes, made later: its pages' copies to the host are queued now (no wait for the
+        device), the encoding runs off the step's thread once they are complete (``RemoteResumeStore.put``)."""
+        copy = HostCopies(self.device)
+        pages = {key: copy(t) for key, t in self.cache.read_pages(tensor(page_ids, self.device, torch.long)).items()}
+        ready, family = copy.done(), self.family
+
+        def encode() -> bytes:
+            if ready is not None:
+                ready.synchronize()
+            return family.encode_resume(snap, pages)
+
+        return encode
 
     def execute(self, plan: WorkerStepPlan) -> StepResult:
         """Run a step and wait for its result: ``finish(launch(plan))``."""

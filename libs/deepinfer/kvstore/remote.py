@@ -1,10 +1,11 @@
 """The worker's bridge to the kvstore: resume points offloaded and fetched in the background.
 
 The model runner is synchronous; this class runs the asyncio :class:`KVStoreClient` on its own event loop
-in a daemon thread. ``put`` returns at once (the blob is already encoded; its transfer overlaps the next
-steps); ``fetch`` starts a transfer whose decoded result (:func:`resume_format.decode`) is collected with
-``completed``. A failed put is logged and counted, never raised: the resume point is simply not there
-later. A failed fetch is reported with its reason, so the scheduler recomputes the request instead.
+in a daemon thread. ``put`` returns at once (the blob is encoded, or its encoding runs, off the caller's
+thread; its transfer overlaps the next steps); ``fetch`` starts a transfer whose decoded result
+(:func:`resume_format.decode`) is collected with ``completed``. A failed put is logged and counted, never raised:
+the resume point is simply not there later. A failed fetch is reported with its reason, so the scheduler
+recomputes the request instead.
 """
 
 from __future__ import annotations
@@ -56,14 +57,18 @@ class RemoteResumeStore:
         fut.add_done_callback(self._pending.discard)
         return fut
 
-    def put(self, key: bytes, data: bytes, meta: dict[str, str], export_id: str | None = None) -> Future:
-        """Store a blob in the background. ``export_id`` (a handoff's export): its completion is reported by
-        :meth:`exported`."""
+    def put(
+        self, key: bytes, data: bytes | Callable[[], bytes], meta: dict[str, str], export_id: str | None = None
+    ) -> Future:
+        """Store a blob in the background; ``data`` may be the function that makes it (run on a thread of this
+        store's own: an encoding that waits for the device's copies never holds up the caller). ``export_id`` (a
+        handoff's export): its completion is reported by :meth:`exported`."""
 
         async def send() -> None:
             ok, reason = True, ""
             try:
-                await self._client.put(self.fingerprint, key, data, meta, self.layout)
+                blob = await asyncio.to_thread(data) if callable(data) else data
+                await self._client.put(self.fingerprint, key, blob, meta, self.layout)
             except Exception as e:  # noqa: BLE001 - a lost offload only costs a future recompute
                 self.puts_failed += 1
                 ok, reason = False, type(e).__name__

@@ -109,4 +109,35 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
     return host, event
 
 
-__all__ = ["StagedCopy", "tensor", "to_device", "to_host"]
+class HostCopies:
+    """Copies of a device's tensors in host memory, queued without waiting for the device: each call returns a
+    pinned host tensor its copy is queued into (``to_host``'s path), and :meth:`done` the one event that marks them
+    all complete (None: nothing was queued; on the host, or on a platform without pinned copies, each call copies
+    at once, as ``t.to("cpu", copy=True)`` does). What reads the copies on the host waits for that event first; a
+    copy back to the device on the same stream needs no wait (stream order). Used for what the worker keeps of a
+    sequence in host memory (prefix-cache snapshots, pages bound for the kvstore): a synchronous copy would stall the
+    host until the device has run every step queued before it, the pipelined loop's lead lost."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.platform = platform_of(self.device)
+        self.queued = False
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" or BLOCKING or not self.platform.pinned_copies:
+            return t.to("cpu", copy=True)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self.queued = True
+        return host
+
+    def done(self) -> Event | None:
+        """The event after every copy queued so far (None when none was)."""
+        if not self.queued:
+            return None
+        event = self.platform.event()
+        event.record(self.platform.current_stream(self.device))
+        return event
+
+
+__all__ = ["HostCopies", "StagedCopy", "tensor", "to_device", "to_host"]

@@ -137,10 +137,12 @@ class PagedKVCache:
         return [("rows", layer) for layer in self.rows] + [("index", layer) for layer in self.index_keys]
 
     def read_pages(
-        self, pages: torch.Tensor, device: torch.device | str = "cpu"
+        self, pages: torch.Tensor, device: torch.device | str | None = None
     ) -> dict[tuple[str, int], torch.Tensor]:
-        """Copies of whole pages: ``{(kind, layer): [len(pages), rows per page, dim]}``."""
-        return {(k, layer): self._store(k, layer)[pages].to(device, copy=True) for k, layer in self.stores()}
+        """Copies of whole pages: ``{(kind, layer): [len(pages), rows per page, dim]}``, on the cache's device (a
+        gather queued like any other work) unless ``device`` says otherwise."""
+        out = {(k, layer): self._store(k, layer)[pages] for k, layer in self.stores()}  # (indexing copies)
+        return out if device is None else {key: t.to(device) for key, t in out.items()}
 
     def write_pages(self, pages: torch.Tensor, data: dict[tuple[str, int], torch.Tensor]) -> None:
         """Fill whole ``pages`` from :meth:`read_pages` output (the layouts must match)."""

@@ -36,6 +36,7 @@ Pages = dict[tuple[str, int], torch.Tensor]
 
 
 def encode(snapshot: StateSnapshot, pages: Pages) -> bytes:
+    snapshot.wait()  # (its host copies may still be queued)
     st = snapshot.state
     tensors: dict[str, torch.Tensor] = {}
     for (kind, layer), t in pages.items():

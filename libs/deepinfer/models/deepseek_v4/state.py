@@ -9,11 +9,14 @@ full pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
+from deepinfer.runtime.host_copy import HostCopies
+from deepinfer.runtime.platform import Event
 
 
 @dataclass
@@ -55,10 +58,14 @@ class SequenceState:
             w = self.windows[layer] = torch.zeros(size, dim, dtype=dtype, device=device)
         return w
 
-    def clone(self, device: torch.device | str | None = None) -> SequenceState:
-        """A deep copy (on ``device`` if given)."""
+    def clone(
+        self, device: torch.device | str | None = None, copy: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> SequenceState:
+        """A deep copy (on ``device`` if given; ``copy``: how each tensor is copied, e.g. ``HostCopies``)."""
 
         def cp(t: torch.Tensor) -> torch.Tensor:
+            if copy is not None:
+                return copy(t)
             return t.to(device, copy=True) if device is not None else t.clone()
 
         out = SequenceState(self.windows, self.buffers, self.num_tokens, self.mtp_tokens, self.window_start,
@@ -94,10 +101,19 @@ class StateSnapshot:
     state: SequenceState
     tail: dict[tuple[str, int], torch.Tensor]
     compact: bool = False  # no windows or buffers: resuming replays the last tokens (bounded replay)
+    # the copies into host memory are queued, not done, until this event has completed (``HostCopies``): the host
+    # reads them after :meth:`wait`; a restore copies them back on the same stream, after them
+    ready: Event | None = field(default=None, compare=False, repr=False)
 
     @property
     def position(self) -> int:
         return self.state.num_tokens
+
+    def wait(self) -> None:
+        """Until the snapshot's host copies are complete (before the host reads them: ``resume_format.encode``)."""
+        ready = self.ready
+        if ready is not None:
+            ready.synchronize()
 
     @classmethod
     def take(
@@ -108,6 +124,9 @@ class StateSnapshot:
         device: torch.device | str = "cpu",
         compact: bool = False,
     ) -> StateSnapshot:
+        """A snapshot of ``state`` on ``device``; in host memory (the default) its copies are queued without waiting
+        for the device (``HostCopies``; ``ready``)."""
+        copy = HostCopies(block_table.device) if torch.device(device).type == "cpu" else None
         tail = {}
         p, ps = state.num_tokens, cache.page_size
         for kind, stores in (("rows", cache.rows), ("index", cache.index_keys)):
@@ -116,10 +135,14 @@ class StateSnapshot:
                 first, count = (p // ps) * ps // m, p // m - (p // ps) * ps // m
                 if count:
                     pages, slots = cache.slots(layer, block_table, first, count)
-                    tail[(kind, layer)] = stores[layer][pages, slots].to(device, copy=True)
+                    rows = stores[layer][pages, slots]
+                    tail[(kind, layer)] = copy(rows) if copy is not None else rows.to(device, copy=True)
         if compact:
-            return cls(SequenceState(num_tokens=p, mtp_tokens=p), tail, compact=True)
-        return cls(state.clone(device), tail)
+            snap = cls(SequenceState(num_tokens=p, mtp_tokens=p), tail, compact=True)
+        else:
+            snap = cls(state.clone(device, copy), tail)
+        snap.ready = copy.done() if copy is not None else None
+        return snap
 
     def restore(self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str) -> SequenceState:
         """A fresh state at ``position``; writes the partial page's rows into ``block_table``'s page."""
