@@ -241,6 +241,18 @@ def result_header(dev: Any, args: argparse.Namespace | None = None) -> dict[str,
     return head
 
 
+def served_checkpoint(tmp: Path, device: str, layers: int) -> Path:
+    """A random checkpoint for the served benchmarks, written under ``tmp/model``: on the CPU the tiny model, else
+    ``layers`` layers of V4-Flash's width in the official format (FP8 / MXFP4 as stored)."""
+    if device == "cpu":
+        from deepinfer.checkpoint.tiny import make_tiny_model
+
+        return make_tiny_model(tmp / "model", seed=0)
+    from deepinfer.checkpoint.synthetic import flash_config, write_random_checkpoint
+
+    return write_random_checkpoint(tmp / "model", flash_config(layers), seed=0)
+
+
 def write_json(path: Path, res: dict[str, Any]) -> Path:
     """``res`` as indented JSON at ``path`` (its folder made); returns the path."""
     path.parent.mkdir(parents=True, exist_ok=True)

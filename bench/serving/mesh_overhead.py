@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import ROOT, command_line, git_commit, pct, write_json
+from bench.harness import ROOT, command_line, git_commit, pct, served_checkpoint, write_json
 from deepinfer import LLM, SamplingParams
 from deepinfer.launcher import Mesh
 from deepinfer.loadgen import runner, workload
@@ -52,16 +52,6 @@ from deepinfer.loadgen.metrics import summarize
 from deepinfer.serving.healthcheck import free_port
 
 PAGE_SIZE = {"cpu": 64, "cuda": 128}  # a multiple of the lcm of the compression ratios (128 at V4-Flash width)
-
-
-def make_model(tmp: Path, device: str, layers: int) -> Path:
-    if device == "cpu":
-        from deepinfer.checkpoint.tiny import make_tiny_model
-
-        return make_tiny_model(tmp / "model", seed=0)
-    from deepinfer.checkpoint.synthetic import flash_config, write_random_checkpoint
-
-    return write_random_checkpoint(tmp / "model", flash_config(layers), seed=0)
 
 
 def sessions(c: int, args: argparse.Namespace, seed: int) -> list[workload.Session]:
@@ -309,7 +299,7 @@ def main() -> None:
     args = parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mesh-overhead-"))
     t0 = time.perf_counter()
-    model = make_model(tmp, args.device, args.layers)
+    model = served_checkpoint(tmp, args.device, args.layers)
     print(f"[{time.perf_counter() - t0:.0f} s] checkpoint written: {model}", flush=True)
     accelerator = "cpu" if args.device == "cpu" else "nvidia"
     tokens = args.prompt_len + args.max_tokens

@@ -158,7 +158,19 @@ def _fanout(out: Path, stdout: str) -> None:
     assert "| 8 |" in stdout
 
 
+def _prefix_turns(out: Path, stdout: str) -> None:
+    """Each turn after the first resumes from the previous turn's sequence end (all of it cached but its last token,
+    whose state the reply's last step did not compute); the salted peer never finds anything (the script checks)."""
+    turns = json.loads(next(out.glob("*.json")).read_text())["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["cached_tokens"] == 0
+    for before, t in zip(turns, turns[1:]):
+        assert t["cached_tokens"] == before["prompt_tokens"] + 4 - 1, (before, t)  # (--tiny: 4-token replies)
+        assert t["ttft_ms"] > 0 and t["ttft_no_cache_ms"] > 0 and t["roofline_new_tokens_ms"] > 0
+    assert "TTFT(turn 3) / TTFT(turn 1)" in stdout
+
+
 CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "serving/prefix_turns.py": _prefix_turns,
     "serving/fanout.py": _fanout,
     "serving/mesh_overhead.py": _mesh_overhead,
     "serving/chaos.py": _chaos,
