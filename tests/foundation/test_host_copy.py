@@ -6,7 +6,7 @@ import torch
 
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.models.deepseek_v4.state import SequenceState
-from deepinfer.runtime.host_copy import HostCopies, StagedCopy
+from deepinfer.runtime.host_copy import HostCopies, StagedCopy, copy_to
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,6 +38,13 @@ def test_host_copies_on_the_host_are_plain_copies():
     out = copy(src)
     src.zero_()
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and copy.done() is None  # nothing queued to wait for
+
+
+def test_copy_to_is_always_a_copy():
+    src = torch.arange(4)
+    out = copy_to(src, "cpu")
+    src.zero_()
+    assert out.tolist() == [0, 1, 2, 3]
 
 
 @cuda

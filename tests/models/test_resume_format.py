@@ -83,7 +83,8 @@ def test_a_resume_point_survives_bytes_and_other_pages(model, position, source, 
 @cuda
 def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_taken(tiny_dirs):
     """The worker's snapshot and its offload's pages: their host copies are queued (no wait for the steps ahead of
-    them on the GPU) and, once complete, encode to the bytes of the state as it was when they were queued."""
+    them on the GPU) and, once complete, encode to the bytes of the state as it was when they were queued; a restore
+    queued right behind them (its copies back to the GPU) does not wait either, and gets the same state."""
     c = DeepseekV4Config.from_file(tiny_dirs["base"] / "config.json")
     gpu = PagedKVCache(c, 8, PS, device="cuda")
     for t in [*gpu.rows.values(), *gpu.index_keys.values()]:
@@ -109,12 +110,27 @@ def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_t
         ready = copy.done()
         for t in [*gpu.rows.values(), *gpu.index_keys.values(), *st.windows.values()]:
             t.zero_()  # the steps after: they must not reach the copies
+        other = PagedKVCache(c, 8, PS, device="cuda")
+        other_table = torch.tensor([3, 0, 5, 4], device="cuda")
+        other.write_pages(other_table[:2], pages)
+        restored = snap.restore(other, other_table, "cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not queued.query(), "the host waited for the GPU"
     assert snap.ready is not None and ready is not None
     ready.synchronize()
-    assert resume_format.encode(snap, pages) == expected  # (encode waits for the snapshot's own copies)
+    assert same_blob(resume_format.encode(snap, pages), expected)  # (encode waits for the snapshot's own copies)
+    again = StateSnapshot.take(restored, other, other_table)  # what the restore put on the GPU, read back
+    assert same_blob(resume_format.encode(again, other.read_pages(other_table[:2], "cpu")), expected)
+
+
+def same_blob(a: bytes, b: bytes) -> bool:
+    """The same tensors and metadata (the bytes may differ: safetensors writes the metadata in no fixed order)."""
+    from safetensors.torch import load
+
+    ta, tb = load(a), load(b)
+    same_tensors = ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    return same_tensors and resume_format.metadata(a) == resume_format.metadata(b)
 
 
 def test_bad_bytes_are_refused():

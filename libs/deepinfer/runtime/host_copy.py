@@ -90,6 +90,15 @@ class StagedCopy:
         ev.record(self.platform.current_stream(self.dst.device))
 
 
+def copy_to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` (never ``t`` itself): from host memory to an accelerator through ``to_device``,
+    without waiting for the device (a snapshot restored, a fetched resume point's pages written)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type != "cpu":
+        return to_device(t, device)
+    return t.to(device, copy=True)
+
+
 def tensor(data: Sequence | float | int, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.tensor(data, dtype=dtype, device=device)`` without waiting for the GPU (``to_device``)."""
     return to_device(torch.tensor(data, dtype=dtype), device)
@@ -140,4 +149,4 @@ class HostCopies:
         return event
 
 
-__all__ = ["HostCopies", "StagedCopy", "tensor", "to_device", "to_host"]
+__all__ = ["HostCopies", "StagedCopy", "copy_to", "tensor", "to_device", "to_host"]

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.models.deepseek_v4.config import CacheStore
-from deepinfer.runtime.host_copy import to_device
+from deepinfer.runtime.host_copy import copy_to, to_device
 
 
 class CacheConfig(Protocol):
@@ -152,4 +152,4 @@ class PagedKVCache:
                 raise ValueError(
                     f"pages of {k} layer {layer}: got {tuple(t.shape)}, the cache holds {tuple(store.shape[1:])}"
                 )
-            store[pages] = t.to(store.device, store.dtype)
+            store[pages] = copy_to(t, store.device).to(store.dtype)  # (from the host: no wait for the device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.models.deepseek_v4.paged_cache import PagedKVCache
-from deepinfer.runtime.host_copy import HostCopies
+from deepinfer.runtime.host_copy import HostCopies, copy_to
 from deepinfer.runtime.platform import Event
 
 
@@ -145,11 +145,12 @@ class StateSnapshot:
         return snap
 
     def restore(self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str) -> SequenceState:
-        """A fresh state at ``position``; writes the partial page's rows into ``block_table``'s page."""
+        """A fresh state at ``position``; writes the partial page's rows into ``block_table``'s page. The copies to
+        the device are queued without waiting for it (``copy_to``), after the snapshot's own copies (same stream)."""
         p, ps = self.position, cache.page_size
         for (kind, layer), rows in self.tail.items():
-            cache.write(kind, layer, block_table, (p // ps) * ps // cache.ratios[layer], rows.to(device))
-        return self.state.clone(device)
+            cache.write(kind, layer, block_table, (p // ps) * ps // cache.ratios[layer], copy_to(rows, device))
+        return self.state.clone(copy=lambda t: copy_to(t, device))
 
     def restore_replay(
         self, cache: PagedKVCache, block_table: torch.Tensor, device: torch.device | str, start: int
