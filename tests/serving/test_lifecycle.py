@@ -84,7 +84,8 @@ async def fresh_sessions(address: str, n: int) -> dict[str, int]:
     before = asyncio.all_tasks()
     codes: dict[str, int] = {}
     for i in range(n):
-        client = SessionClient(scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(address)), address)
+        channel = grpc.aio.insecure_channel(address)
+        client = SessionClient(scheduler_pb2_grpc.SchedulerStub(channel), address)
         req = scheduler_pb2.SubmitRequest(request_id=f"fresh-{i}", prompt_token_ids=[0, 7, 8],
                                           sampling=common_pb2.SamplingParams(max_tokens=4))  # fmt: skip
         try:
@@ -95,7 +96,8 @@ async def fresh_sessions(address: str, n: int) -> dict[str, int]:
             code = e.code().name
         codes[code] = codes.get(code, 0) + 1
         await client.close()
-    for _ in range(100):  # (a task of grpc's ends a few turns of the loop after its call)
+        await channel.close()
+    for _ in range(300):  # (a task of grpc's ends a few turns of the loop after its call)
         left = [t for t in asyncio.all_tasks() - before if not t.done()]
         if not left:
             break
