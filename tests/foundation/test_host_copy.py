@@ -50,6 +50,10 @@ def test_copy_to_is_always_a_copy():
 @cuda
 def test_host_copies_from_the_gpu_never_wait_and_hold_the_values_they_were_queued_at():
     src = torch.arange(4096.0, device="cuda")
+    warm = HostCopies("cuda")
+    for t in (src, src[::2] * 2):  # the same shapes once: the allocators' blocks
+        warm(t)
+    warm.done().synchronize()
     torch.cuda._sleep(200_000_000)  # GPU time queued ahead of the copies
     queued = torch.cuda.Event()
     queued.record()

@@ -86,34 +86,45 @@ def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_t
     them on the GPU) and, once complete, encode to the bytes of the state as it was when they were queued; a restore
     queued right behind them (its copies back to the GPU) does not wait either, and gets the same state."""
     c = DeepseekV4Config.from_file(tiny_dirs["base"] / "config.json")
-    gpu = PagedKVCache(c, 8, PS, device="cuda")
-    for t in [*gpu.rows.values(), *gpu.index_keys.values()]:
-        t.normal_()
     table = torch.tensor([6, 2, 7, 1])
-    st = SequenceState(num_tokens=37, mtp_tokens=37, history=(5, 6))
-    st.windows = {0: torch.randn(8, 4, device="cuda"), 2: torch.randn(8, 4, device="cuda")}
-    st.buffers = {(1, "kv"): CompressorBuffer(torch.randn(3, 4, device="cuda"), torch.randn(3, 4, device="cuda"), 32)}
-    host = PagedKVCache(c, 8, PS)  # the same values on the host: what the bytes must hold
-    for src, dst in ((gpu.rows, host.rows), (gpu.index_keys, host.index_keys)):
-        for layer, t in src.items():
-            dst[layer].copy_(t.cpu())
-    expected = resume_format.encode(StateSnapshot.take(st.clone("cpu"), host, table), host.read_pages(table[:2]))
 
-    torch.cuda._sleep(200_000_000)
-    queued = torch.cuda.Event()
-    queued.record()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    def sequence() -> tuple[PagedKVCache, SequenceState, PagedKVCache]:
+        """A cache and a state of random values on the GPU, and an empty cache to restore into."""
+        gpu = PagedKVCache(c, 8, PS, device="cuda")
+        for t in [*gpu.rows.values(), *gpu.index_keys.values()]:
+            t.normal_()
+        st = SequenceState(num_tokens=37, mtp_tokens=37, history=(5, 6))
+        st.windows = {0: torch.randn(8, 4, device="cuda"), 2: torch.randn(8, 4, device="cuda")}
+        kv, score = torch.randn(3, 4, device="cuda"), torch.randn(3, 4, device="cuda")
+        st.buffers = {(1, "kv"): CompressorBuffer(kv, score, 32)}
+        return gpu, st, PagedKVCache(c, 8, PS, device="cuda")
+
+    def cycle(gpu: PagedKVCache, st: SequenceState, other: PagedKVCache) -> tuple:
+        """Take, read the pages for an offload, let later work overwrite the sources, restore elsewhere."""
         snap = StateSnapshot.take(st, gpu, table.cuda())
         copy = HostCopies("cuda")
         pages = {key: copy(t) for key, t in gpu.read_pages(table[:2].cuda()).items()}
         ready = copy.done()
         for t in [*gpu.rows.values(), *gpu.index_keys.values(), *st.windows.values()]:
             t.zero_()  # the steps after: they must not reach the copies
-        other = PagedKVCache(c, 8, PS, device="cuda")
-        other_table = torch.tensor([3, 0, 5, 4], device="cuda")
         other.write_pages(other_table[:2], pages)
-        restored = snap.restore(other, other_table, "cuda")
+        return snap, pages, ready, snap.restore(other, other_table, "cuda")
+
+    other_table = torch.tensor([3, 0, 5, 4], device="cuda")
+    cycle(*sequence())  # once untimed: the device and pinned-memory allocators' blocks
+    gpu, st, other = sequence()
+    host = PagedKVCache(c, 8, PS)  # the same values on the host: what the bytes must hold
+    for src, dst in ((gpu.rows, host.rows), (gpu.index_keys, host.index_keys)):
+        for layer, t in src.items():
+            dst[layer].copy_(t.cpu())
+    expected = resume_format.encode(StateSnapshot.take(st.clone("cpu"), host, table), host.read_pages(table[:2]))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    queued = torch.cuda.Event()
+    queued.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        snap, pages, ready, restored = cycle(gpu, st, other)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not queued.query(), "the host waited for the GPU"
