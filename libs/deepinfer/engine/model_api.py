@@ -142,8 +142,9 @@ class ModelFamily(Protocol):
         ...
 
     def take_snapshot(self, state: Any, cache: Any, block_table: torch.Tensor, compact: bool) -> Any:
-        """A resume point of ``state`` (its partial page read from ``block_table``'s pages), in host memory.
-        ``compact``: no short-term state, resumed by a bounded replay."""
+        """A resume point of ``state`` (its partial page read from ``block_table``'s pages), in host memory; taken
+        without waiting for the device (its copies may still be queued: ``encode_resume`` waits for them, a restore
+        copies back behind them on the same stream). ``compact``: no short-term state, resumed by a bounded replay."""
         ...
 
     def encode_resume(self, snapshot: Any, pages: Pages) -> bytes: ...
