@@ -2,9 +2,10 @@
 
 1. Whether a ``non_blocking`` host-to-device copy from pageable memory returns before queued GPU work is done
    (``torch.cuda._sleep`` keeps the stream busy): host µs of the copy from pageable and from pinned memory.
-2. One decode step of ``bench/engine/sweep.py``'s model (V4-Flash width, ``--layers``) at each ``--batches`` size,
-warmed
-   up, then run under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising call is printed with the
+2. A prefix-cache snapshot of the prefilled ``--context``-token sequence and its restore (``snapshot_probe``): host
+   ms with the GPU kept busy before each, the copies queued (ours) against synchronous copies (the peer).
+3. One decode step of ``bench/engine/sweep.py``'s model (V4-Flash width, ``--layers``) at each ``--batches`` size,
+   warmed up, then run under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising call is printed with the
    frames of this repository that led to it, and the step's host time with the GPU kept busy before it (a step
    that never waits returns long before the GPU work queued ahead of it is done: the median of ``--repeats``).
 
@@ -41,6 +42,41 @@ def copy_probe(dev: torch.device) -> dict[str, float]:
         src.to(dev, non_blocking=True)
         out[f"{name}_host_us"] = 1e6 * (time.perf_counter() - t)
         torch.cuda.synchronize(dev)
+    return out
+
+
+def snapshot_probe(dev: torch.device, state: SequenceState, cache, table: torch.Tensor, repeats: int) -> dict:
+    """Host ms of a prefix-cache snapshot (``StateSnapshot.take``, what the worker does for every resume point the
+    scheduler orders) and of its restore, with about 50 ms of GPU work queued ahead of each: the copies queued
+    (``host_copy.HostCopies``, ours) against synchronous copies (``host_copy.BLOCKING``: the code before, the peer).
+    A take that never waits costs its launches only; a synchronous one waits for the queue to drain."""
+    from deepinfer.models.deepseek_v4.state import StateSnapshot
+    from deepinfer.runtime import host_copy
+
+    out: dict = {"snapshot_MB": 0.0}
+    before = host_copy.BLOCKING
+    try:
+        for name, blocking in (("synchronous", True), ("queued", False)):
+            host_copy.BLOCKING = blocking
+            takes, restores = [], []
+            for _ in range(repeats + 1):  # (the first: allocators' blocks)
+                sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda._sleep(100_000_000)
+                t = time.perf_counter()
+                snap = StateSnapshot.take(state, cache, table)
+                takes.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                snap.restore(cache, table, dev)  # (the same rows back where they were)
+                restores.append(time.perf_counter() - t)
+            sync(dev)
+            tensors = [*snap.tail.values(), *snap.state.windows.values()]
+            tensors += [x for b in snap.state.buffers.values() for x in (b.kv, b.score)]
+            out["snapshot_MB"] = sum(x.numel() * x.element_size() for x in tensors) / 1e6
+            out[name] = {"take_host_ms": 1e3 * statistics.median(takes[1:]),
+                         "restore_host_ms": 1e3 * statistics.median(restores[1:])}  # fmt: skip
+    finally:
+        host_copy.BLOCKING = before
     return out
 
 
@@ -82,6 +118,12 @@ def main() -> None:
         st = SequenceState()
         ours._prefill(st, ours.tables[0], ours._ids(a.context))
         ours.templates = [st]
+        res["snapshot_probe"] = probe = snapshot_probe(dev, st, ours.cache, ours.tables[0], a.repeats)
+        print(f"a {a.context}-token sequence's snapshot ({probe['snapshot_MB']:.2f} MB), host ms with GPU work queued "
+              f"ahead: take {probe['queued']['take_host_ms']:.3f} (queued copies) against "
+              f"{probe['synchronous']['take_host_ms']:.3f} (synchronous, the peer); restore "
+              f"{probe['queued']['restore_host_ms']:.3f} against {probe['synchronous']['restore_host_ms']:.3f}",
+              flush=True)  # fmt: skip
         for b in batches:
             step = ours.make_step(b, 12)
             for _ in range(1 if a.tiny else 4):  # warm-up
