@@ -48,7 +48,10 @@ class EngineLoop:
     async def run(self) -> None:
         """The engine loop, for good: steps while the worker answers; when its stream breaks, every open request
         fails with UNAVAILABLE (the balancer moves it to a replica that serves), health turns NOT_SERVING, and the
-        worker is dialled again with backoff until it answers as the same worker (a restarted one included)."""
+        worker is dialled again with backoff until it answers as the same worker (a restarted one included). Any other
+        failure of the loop (a worker answering out of protocol, a fault of the loop's own) fails the open requests
+        the same way, then ends the process (``on_fatal``), for its supervisor to start a fresh one: a replica whose
+        loop is gone must not stay registered and serving."""
         backoff = Backoff()
         while True:
             try:
@@ -57,6 +60,12 @@ class EngineLoop:
                 await self._lose_worker(str(e))
                 if not await self._reconnect(backoff):
                     return
+            except Exception as e:  # noqa: BLE001 - whatever it was, the loop cannot go on
+                log.exception("engine_loop_failed", error=repr(e))
+                await self._lose_worker(f"the engine loop failed: {e!r}")
+                for cb in self.on_fatal:
+                    await cb()
+                return
 
     async def _steps(self) -> None:
         """The engine loop (``engine.step_loop``, the offline engine's too) over the worker's step stream: while
