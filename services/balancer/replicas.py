@@ -190,7 +190,10 @@ class ReplicaSet:
 
     async def _probe_forever(self, period: float) -> None:
         while True:
-            await self.probe_all(timeout=max(1.0, 2 * period))
+            try:
+                await self.probe_all(timeout=max(1.0, 2 * period))
+            except Exception as e:  # noqa: BLE001 - a round that failed must not end probing: no replica would return
+                log.warning("replica_probe_failed", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(period)
 
     async def close(self) -> None:

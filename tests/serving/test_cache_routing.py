@@ -149,3 +149,28 @@ def test_a_session_stays_on_one_replica(mesh) -> None:
     assert sorted(a - b for a, b in zip(after, before)) == [0, 4]
     with pytest.raises(openai.BadRequestError, match="session_id"):
         client.completions.create(model=model, prompt=[5, 6], max_tokens=1, user="u" * 300)
+
+
+def test_a_probing_round_that_fails_does_not_end_probing() -> None:
+    """Whatever a round of health probes raises, the next rounds run (else a replica marked down never returns)."""
+    rounds: list[int] = []
+
+    def after_round() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise RuntimeError("the first round fails")
+
+    async def run() -> None:
+        pool = replicas(0)
+        pool.on_probed.append(after_round)
+        pool.start(period_s=0.01)
+        try:
+            for _ in range(500):
+                if len(rounds) >= 3:
+                    return
+                await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+    assert len(rounds) >= 3
