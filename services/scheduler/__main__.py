@@ -36,12 +36,11 @@ def main() -> int:
         return 2
     try:
         grace = envs.DEEPINFER_DRAIN_GRACE_S if args.grace is None else args.grace
-        asyncio.run(
+        return asyncio.run(
             run_scheduler(args.worker, args.host, args.port, args.max_queued, grace, args.metrics_port, args.role)
         )
     finally:
         provider.shutdown()  # flushes the spans still batched
-    return 0
 
 
 if __name__ == "__main__":

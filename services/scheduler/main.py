@@ -35,9 +35,11 @@ async def _first_info(worker: RemoteWorker) -> worker_pb2.WorkerInfo:
 async def run_scheduler(
     worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0,
     role: str = "mixed",
-) -> None:  # fmt: skip
+) -> int:  # fmt: skip
     """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
-    ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``)."""
+    ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``). The exit code: 0 after a
+    stop, 1 when the replica ended itself for a fault (its engine loop failed, its worker came back as another
+    model): its supervisor starts a fresh one either way, and the code says which it was."""
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.scheduler_config import config_from_env
     from deepinfer.events import Registration
@@ -76,8 +78,11 @@ async def run_scheduler(
     )
     presence = Presence(registration, load=service.load_report)
 
+    faulted: list[bool] = []
+
     async def started(running: RunningServer) -> None:
         async def fatal() -> None:  # the process ends; its supervisor starts a fresh one
+            faulted.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
 
         service.on_serving.append(running.set_serving)
@@ -112,3 +117,4 @@ async def run_scheduler(
         await worker.close()
         if stop_metrics is not None:
             stop_metrics()
+    return 1 if faulted else 0

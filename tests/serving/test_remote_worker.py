@@ -128,5 +128,5 @@ def test_a_worker_out_of_protocol_fails_the_requests_and_ends_the_scheduler(tmp_
 
     code, details, exit_code, log = asyncio.run(run())
     assert code == grpc.StatusCode.UNAVAILABLE and "engine loop failed" in details, (code, details)
-    assert exit_code == 0, log[-3000:]  # (a drain with nothing left to run)
+    assert exit_code == 1, log[-3000:]  # (ended for a fault, after a drain with nothing left to run)
     assert "engine_loop_failed" in log and "answered where step" in log
