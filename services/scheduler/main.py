@@ -32,23 +32,11 @@ async def _first_info(worker: RemoteWorker) -> worker_pb2.WorkerInfo:
             await backoff.wait()
 
 
-async def run_scheduler(
-    worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0,
-    role: str = "mixed",
-) -> int:  # fmt: skip
-    """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
-    ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``). The exit code: 0 after a
-    stop, 1 when the replica ended itself for a fault (its engine loop failed, its worker came back as another
-    model): its supervisor starts a fresh one either way, and the code says which it was."""
+def _service(worker: RemoteWorker, info: worker_pb2.WorkerInfo, role: str, max_queued: int) -> SchedulerService:
+    """The scheduler sized from the worker's info (one per rank of a worker of several), in its service."""
     from deepinfer.engine.pages import PagePool
     from deepinfer.engine.scheduler_config import config_from_env
-    from deepinfer.events import Registration
-    from deepinfer.serving.metrics import start_metrics_server
-    from deepinfer.serving.presence import Presence, advertised, instance_id
-    from deepinfer.serving.server import RunningServer, Service, serve
 
-    worker = RemoteWorker(worker_address)
-    info = await _first_info(worker)
     config = config_from_env(
         info.page_size,
         info.max_model_len,
@@ -57,15 +45,34 @@ async def run_scheduler(
         remote_store=info.kvstore,
         num_speculative_tokens=info.num_speculative_tokens,
     )
-    metrics = SchedulerMetrics(info.model)
     if info.world_size > 1:  # a worker of several ranks: one scheduler per rank, each of num_pages pages
         scheduler = DataParallelScheduler(config, info.num_pages, info.world_size)
     else:
         scheduler = Scheduler(config, PagePool(info.num_pages))
     if role != "mixed" and scheduler.remote is None:  # the handoff's state moves through the kvstore
         raise SystemExit(f"scheduler --role {role}: the worker has no kvstore (DEEPINFER_KVSTORE_URL) or prefix cache")
-    service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, metrics)
+    service = SchedulerService(scheduler, worker, info.vocab_size, max_queued, SchedulerMetrics(info.model))
     service.worker_info, service.role = info, role
+    return service
+
+
+async def run_scheduler(
+    worker_address: str, host: str, port: int, max_queued: int, grace_s: float = 30.0, metrics_port: int = 0,
+    role: str = "mixed",
+) -> int:  # fmt: skip
+    """Connect to the worker, size the scheduler from its info, serve ``deepinfer.v1.Scheduler`` (and, with
+    ``metrics_port`` > 0, Prometheus metrics at ``http://host:metrics_port/metrics``). The exit code: 0 after a
+    stop, 1 when the replica ended itself for a fault (its engine loop failed, its worker came back as another
+    model): its supervisor starts a fresh one either way, and the code says which it was."""
+    from deepinfer.events import Registration
+    from deepinfer.serving.metrics import start_metrics_server
+    from deepinfer.serving.presence import Presence, advertised, instance_id
+    from deepinfer.serving.server import RunningServer, Service, serve
+
+    worker = RemoteWorker(worker_address)
+    info = await _first_info(worker)
+    service = _service(worker, info, role, max_queued)
+    scheduler, config, metrics = service.scheduler, service.scheduler.config, service.metrics
     stop_metrics = start_metrics_server(metrics.registry, host, metrics_port) if metrics_port > 0 else None
     tasks: list[asyncio.Task] = []
     registration = Registration(
