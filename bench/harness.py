@@ -241,6 +241,10 @@ def result_header(dev: Any, args: argparse.Namespace | None = None) -> dict[str,
     return head
 
 
+# the served benchmarks' page size: a multiple of the lcm of the compression ratios (128 at V4-Flash width)
+SERVED_PAGE_SIZE = {"cpu": 64, "cuda": 128}
+
+
 def served_checkpoint(tmp: Path, device: str, layers: int) -> Path:
     """A random checkpoint for the served benchmarks, written under ``tmp/model``: on the CPU the tiny model, else
     ``layers`` layers of V4-Flash's width in the official format (FP8 / MXFP4 as stored)."""

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import ROOT, command_line, git_commit, pct, served_checkpoint, write_json
+from bench.harness import ROOT, SERVED_PAGE_SIZE, command_line, git_commit, pct, served_checkpoint, write_json
 from deepinfer import LLM, SamplingParams
 from deepinfer.launcher import Mesh
 from deepinfer.loadgen import runner, workload
@@ -50,8 +50,6 @@ from deepinfer.loadgen.grpc_client import GrpcClient
 from deepinfer.loadgen.http_client import OpenAIClient
 from deepinfer.loadgen.metrics import summarize
 from deepinfer.serving.healthcheck import free_port
-
-PAGE_SIZE = {"cpu": 64, "cuda": 128}  # a multiple of the lcm of the compression ratios (128 at V4-Flash width)
 
 
 def sessions(c: int, args: argparse.Namespace, seed: int) -> list[workload.Session]:
@@ -303,7 +301,7 @@ def main() -> None:
     print(f"[{time.perf_counter() - t0:.0f} s] checkpoint written: {model}", flush=True)
     accelerator = "cpu" if args.device == "cpu" else "nvidia"
     tokens = args.prompt_len + args.max_tokens
-    page_size = PAGE_SIZE[args.device]
+    page_size = SERVED_PAGE_SIZE[args.device]
     pages = max(args.levels) * -(-tokens // page_size) + 64
     settings = {"DEEPINFER_PAGE_SIZE": str(page_size), "DEEPINFER_NUM_PAGES": str(pages),
                 "DEEPINFER_MAX_NUM_SEQS": str(max(args.levels))}  # fmt: skip

@@ -35,11 +35,9 @@ from typing import Any
 
 import grpc
 
-from bench.harness import ROOT, command_line, git_commit, served_checkpoint, write_result
+from bench.harness import ROOT, SERVED_PAGE_SIZE, command_line, git_commit, served_checkpoint, write_result
 from deepinfer.launcher import Mesh
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-PAGE_SIZE = {"cpu": 64, "cuda": 128}  # a multiple of the lcm of the compression ratios (128 at V4-Flash width)
 
 
 async def one_request(stub: Any, ids: list[int], reply: int, salt: str | None) -> tuple[float, list[int], int]:
@@ -148,7 +146,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = served_checkpoint(tmp, args.device, args.layers)
     total = args.turns * (args.user + args.reply)
-    ps = PAGE_SIZE[args.device]
+    ps = SERVED_PAGE_SIZE[args.device]
     # the conversation's resume points and the peer's salted ones (each repeat's prompt and sequence end) all fit
     pages = (2 * args.repeats + 2) * args.turns * -(-total // ps) + 64
     settings = {"DEEPINFER_PAGE_SIZE": str(ps), "DEEPINFER_NUM_PAGES": str(pages),
