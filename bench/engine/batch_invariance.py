@@ -66,6 +66,29 @@ def use(model, ops) -> None:
     model.decode_graphs = model.prefill_graphs = None
 
 
+def kernel_account(profiles: dict[str, dict[int, dict]], rows: int = 25) -> list[str]:
+    """Markdown: per profiled batch size, the kernels' device µs in one step of each mode side by side, the
+    largest differences first (``sweep.profile_step``'s ``kernels_us``; on the CPU the ops' own CPU µs): where the
+    invariant mode's time goes."""
+    lines: list[str] = []
+    for b in sorted(profiles.get("default", {})):
+        d = profiles["default"][b].get("kernels_us", {})
+        i = profiles.get("invariant", {}).get(b, {}).get("kernels_us", {})
+        if not d or not i:
+            continue
+        head = (
+            f"Batch {b}, one step profiled: own µs by kernel (the device's; on the CPU the ops'), the largest "
+            f"differences first; total {sum(d.values()):.0f} default, {sum(i.values()):.0f} invariant"
+        )
+        lines += ["", head, "", "| kernel | default µs | invariant µs | Δ µs |", "|---|---:|---:|---:|"]
+        keys = sorted(set(d) | set(i), key=lambda k: -abs(i.get(k, 0.0) - d.get(k, 0.0)))[:rows]
+        for k in keys:
+            name = k if len(k) <= 70 else k[:67] + "..."
+            dk, ik = d.get(k, 0.0), i.get(k, 0.0)
+            lines.append(f"| `{name}` | {dk:.1f} | {ik:.1f} | {ik - dk:+.1f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
@@ -86,6 +109,12 @@ def main() -> None:
         choices=["auto", "bf16", "native"],
         default="auto",
         help="auto: as served (the checkpoint's FP8 / MXFP4 weights where the op set keeps them)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="batch sizes whose step is profiled in both modes: the kernels' device time side by side",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -113,12 +142,13 @@ def main() -> None:
         use(model, o)
         result["check"][name] = check(model, args, dev)
         sweep.log(f"check {name}: {result['check'][name]}")
-    rows = {}
+    rows, profiles = {}, {}
     for name, o in ops.items():
         use(model, o)
         ours = sweep.Ours(model, args, dev, args.batches)
         budget = sweep.Budget(args.budget_s, float("inf"))
         rows[name], _ = ours.decode(args.batches, budget)
+        profiles[name] = ours.profiles
         del ours
         sweep.free(dev)
     for d, i in zip(rows["default"], rows["invariant"]):
@@ -140,6 +170,9 @@ def main() -> None:
         frac = r.get("invariant_throughput_fraction")
         lines.append(f"| {r['batch']} | {r['default_ms'] or float('nan'):.2f} | {r['invariant_ms'] or float('nan'):.2f}"
                      f" | {frac if frac else float('nan'):.2f} | {r['roofline_ms']:.3f} |")  # fmt: skip
+    if args.profile:
+        result["profiles"] = profiles
+        lines += kernel_account(profiles)
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

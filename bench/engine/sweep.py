@@ -616,6 +616,7 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
                 if tag in e.key:
                     counts[tag] = counts.get(tag, 0) + e.count
         out["counts"] = counts
+        out["kernels_us"] = kernel_times(ka, key)
         dev_total = sum(getattr(e, "self_device_time_total", 0.0) for e in ka)
         out["device_busy_ms"] = round(dev_total / 1e3, 3)
     except Exception as e:  # noqa: BLE001 - the profile is informative only
@@ -631,6 +632,15 @@ def profile_step(model: DeepseekV4Model, step, dev: torch.device) -> dict[str, A
         out["host_spans_error"] = f"{type(e).__name__}: {e}"[:300]
     out["host_python"] = host_profile(step, dev)
     return out
+
+
+def kernel_times(ka, key: str = "self_device_time_total", limit: int = 60) -> dict[str, float]:
+    """The profiled ops by their own ``key`` time (on a GPU the device's: the kernels, those replayed by CUDA graphs
+    included; on the CPU the ops' own CPU time), µs each summed over its calls, longest first: the per-kernel account
+    that two runs compare."""
+    times = {e.key: float(getattr(e, key, 0.0)) for e in ka}
+    top = sorted(((k, v) for k, v in times.items() if v > 0), key=lambda kv: -kv[1])[:limit]
+    return {k: round(v, 1) for k, v in top}
 
 
 def issue_time(run, dev: torch.device) -> dict[str, float]:

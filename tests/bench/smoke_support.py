@@ -79,6 +79,8 @@ TRIM: dict[str, list[str]] = {
         "12",
         "--context",
         "256",
+        "--profile",
+        "1",
     ],
 }
 TIMEOUT_S = {"serving/chaos.py": 300}
@@ -158,6 +160,15 @@ def _fanout(out: Path, stdout: str) -> None:
     assert "| 8 |" in stdout
 
 
+def _batch_invariance(out: Path, stdout: str) -> None:
+    """Both modes checked and timed; the profiled step's per-kernel account of both modes side by side."""
+    result = json.loads(next(out.glob("*.json")).read_text())
+    assert result["check"]["invariant"]["bit_identical"] == result["check"]["invariant"]["compositions"] == 1
+    for mode in ("default", "invariant"):
+        assert result["profiles"][mode]["1"]["kernels_us"], mode  # (JSON keys: the batch size as text)
+    assert "Batch 1, one step profiled" in stdout and "| kernel | default µs | invariant µs | Δ µs |" in stdout
+
+
 def _prefix_turns(out: Path, stdout: str) -> None:
     """Each turn after the first resumes from the previous turn's sequence end (all of it cached but its last token,
     whose state the reply's last step did not compute); the salted peer never finds anything (the script checks)."""
@@ -170,6 +181,7 @@ def _prefix_turns(out: Path, stdout: str) -> None:
 
 
 CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "engine/batch_invariance.py": _batch_invariance,
     "serving/prefix_turns.py": _prefix_turns,
     "serving/fanout.py": _fanout,
     "serving/mesh_overhead.py": _mesh_overhead,
