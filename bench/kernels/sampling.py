@@ -11,6 +11,10 @@ For each batch size and parameter mix, at DeepSeek-V4's vocabulary (129280), in 
 - ``graphed``: the same, 10 calls captured in a CUDA graph (the kernels' device time, no launch cost);
 - the roofline: ``B · V · 4`` bytes over 4.8 TB/s.
 
+Then the top logprobs a request asks for (``logprobs`` / ``prompt_logprobs``, up to 20 a row): ``sampler._top_sorted``
+(ours: ``topk`` of an order-preserving integer key per token, exact ties by id) against the stable sort of the whole
+vocabulary it replaced (the peer), wall time per call at each batch size, ``--top-k`` a row, same roofline.
+
 Both sampler columns are wall time per call including the host's work and the wait for the tokens (the worker reads
 them right after). Logits: ``zipf`` (a peaked distribution, as a language model's: ``-1.1 · log(rank)`` over a random
 permutation, plus noise) or ``flat`` (``randn``, where top-p needs several rejection rounds).
@@ -35,7 +39,7 @@ from bench.harness import add_common_args, device_name, interpret_if_cpu, note_s
 
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
-from deepinfer.engine.sampler import Sampler  # noqa: E402
+from deepinfer.engine.sampler import Sampler, _top_sorted  # noqa: E402
 from deepinfer.kernels.sampling import pack_params, sample  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
@@ -95,6 +99,34 @@ def graphed_ms(fn, calls: int = 10, replays: int = 10) -> float:
     return device_ms(graph.replay, replays) / calls
 
 
+def top_logprobs(args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """Ours (``_top_sorted``) against the full stable sort per batch size, the same selection asserted."""
+    rows = []
+    print(f"\n| batch | top {args.top_k}: ours ms | full sort ms (peer) | × peer | roofline ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for b in (int(x) for x in args.batches.split(",")):
+        lp = torch.log_softmax(make_logits("zipf", b, args.vocab, dev), dim=-1)
+        k = min(args.top_k, args.vocab)
+        peer = lambda lp=lp, k=k: torch.sort(lp, dim=-1, descending=True, stable=True)[1][:, :k].tolist()  # noqa: E731
+        ours = lambda lp=lp, k=k: _top_sorted(lp, k)[1].tolist()  # noqa: E731
+        assert ours() == peer(), "the top-k selection must be the stable sort's head"
+        t_ours, t_peer = [], []
+        for _ in range(2):  # interleaved
+            t_ours.append(wall(ours, args.reps, dev))
+            t_peer.append(wall(peer, args.reps, dev))
+        r = {
+            "batch": b,
+            "k": k,
+            "ours_ms": min(t_ours),
+            "sort_ms": min(t_peer),
+            "roofline_ms": b * args.vocab * 4 / HBM_BPS * 1e3,
+        }
+        rows.append(r)
+        print(f"| {b} | {r['ours_ms']:.3f} | {r['sort_ms']:.3f} | {r['sort_ms'] / r['ours_ms']:.1f} | "
+              f"{r['roofline_ms']:.4f} |", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64,256")
@@ -103,6 +135,7 @@ def main() -> None:
     ap.add_argument("--logits", default="zipf,flat")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--top-k", type=int, default=20, help="top logprobs a row (OpenAI's most: 20)")
     add_common_args(ap)
     ap.add_argument("--name", default=time.strftime("%Y-%m-%d") + "-sampling")
     args = ap.parse_args()
@@ -144,13 +177,16 @@ def main() -> None:
                 g = ("—", "—") if graphed is None else (f"{graphed:.3f}", f"{graphed / roof:.1f}")
                 print(f"| {kind} | {mix} | {b} | {r['torch_ms']:.3f} | {r['kernel_ms']:.3f} | {only:.3f} | "
                       f"{g[0]} | {roof:.4f} | {g[1]} |", flush=True)  # fmt: skip
+    top = top_logprobs(args, dev)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu = torch.cuda.get_device_name() if dev.type == "cuda" else device_name(dev)
         meta = {"gpu": gpu, "torch": torch.__version__, "vocab": args.vocab}
         if skipped:
             meta["skipped"] = skipped
-        (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (args.out / f"{args.name}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows, "top_logprobs": top}, indent=1)
+        )
 
 
 if __name__ == "__main__":

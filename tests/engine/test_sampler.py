@@ -197,6 +197,30 @@ def test_top_logprobs_mixed_counts():
     assert [t for t, _ in out.top_logprobs[1]] == ref
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 7, 4096, 129280])
+def test_the_top_k_selection_is_a_stable_sort_s_head(vocab: int):
+    """``_top_sorted`` (topk of order-preserving integer keys, no full-row sort) gives exactly what a stable
+    descending sort gives first: ties (many, coarse values), -inf runs, -0.0 beside +0.0, k past the vocabulary."""
+    from deepinfer.engine.sampler import _top_sorted
+
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        x = torch.randn(3, vocab, generator=g)
+        if trial % 3 == 0:
+            x = torch.round(x * 2) / 2  # many ties
+        if trial % 4 == 1:
+            x[:, ::3] = float("-inf")
+        if trial % 4 == 2:
+            x[:, 0], x[:, -1] = -0.0, 0.0
+        lp = torch.log_softmax(x, dim=-1) if trial % 2 else x
+        for k in (1, 5, 20, vocab + 3):
+            want_v, want_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+            got_v, got_i = _top_sorted(lp, k)
+            n = min(k, vocab)
+            assert torch.equal(got_i, want_i[:, :n]), (trial, k)
+            torch.testing.assert_close(got_v, want_v[:, :n], rtol=0, atol=0, equal_nan=True)  # (a lone -inf: nan)
+
+
 def test_compute_logprobs_prompt_shape():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
     tokens = torch.tensor([0, 0])

@@ -78,10 +78,19 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 def _top_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k values/ids per row, by value descending then id ascending (deterministic ties)."""
-    k = min(k, logprobs.shape[-1])
-    vals, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    return vals[..., :k], ids[..., :k]
+    """Top-k values/ids per row, by value descending then id ascending (deterministic ties): what a stable sort of
+    the whole row, descending, gives first, without sorting the row. Each float32 value becomes an integer of the
+    same order (its bits, the negative ones' magnitude bits flipped; -0.0 counted as +0.0, as the sort does) and the
+    key ``(that integer, V - 1 - id)`` is unique, so ``topk`` of the keys is exact and needs no host sync."""
+    v = logprobs.shape[-1]
+    k = min(k, v)
+    lp = logprobs.float() + 0.0  # (-0.0 + 0.0 is +0.0)
+    bits = lp.view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    shift = max(1, (v - 1).bit_length())
+    rev = (v - 1) - torch.arange(v, device=lp.device, dtype=torch.int64)
+    ids = (v - 1) - (torch.topk((order << shift) | rev, k, dim=-1).values & ((1 << shift) - 1))
+    return logprobs.gather(-1, ids), ids
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[dict[int, float]]:
