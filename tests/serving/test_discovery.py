@@ -52,7 +52,8 @@ async def generate(address: str, n: int, tag: int) -> list[tuple[int, int]]:
 def test_balancer_discovers_schedulers_and_survives_a_nats_outage(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model", seed=2)
     nats = NatsServer().start()
-    mesh = Mesh(model, tmp_path, nats=nats, discover=True)  # each service with its own kind's credentials
+    # each service with its own kind's credentials; registry entries of a 2 s TTL (the outage below outlasts four)
+    mesh = Mesh(model, tmp_path, nats=nats, discover=True, extra_env={"DEEPINFER_PRESENCE_TTL_S": "2"})
     try:
         mesh.up(http=False)
         kinds = asyncio.run(registered(nats.url, {"worker", "scheduler"}))
@@ -67,11 +68,11 @@ def test_balancer_discovers_schedulers_and_survives_a_nats_outage(tmp_path: Path
                 assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
                 time.sleep(0.3)
         assert ok == [(common_pb2.FINISH_REASON_LENGTH, 6)] * 4
-        # NATS goes away for 15 s (two registry TTLs of 6 s, three failed resyncs of the balancer's view): generation
+        # NATS goes away for 8 s (four registry TTLs, a failed resync of the balancer's view every 5 s): generation
         # goes on with the last known registry, 0 failed
         nats.stop()
         down_at, k = time.monotonic(), 0
-        while time.monotonic() - down_at < 15:
+        while time.monotonic() - down_at < 8:
             assert (
                 asyncio.run(generate(mesh.address("balancer"), 4, 20 + k)) == [(common_pb2.FINISH_REASON_LENGTH, 6)] * 4
             )

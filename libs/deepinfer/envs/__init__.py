@@ -98,6 +98,7 @@ if TYPE_CHECKING:  # attribute access is served by __getattr__; these only infor
     DEEPINFER_PROFILE_STEPS: int
     DEEPINFER_OTEL_ENDPOINT: str | None
     DEEPINFER_NATS_URL: str | None
+    DEEPINFER_PRESENCE_TTL_S: int
     DEEPINFER_KVSTORE_URL: str | None
     DEEPINFER_KVSTORE_HOST_BYTES: int
     DEEPINFER_KVSTORE_DIR: Path | None

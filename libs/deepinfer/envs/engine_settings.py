@@ -342,4 +342,9 @@ declare("DEEPINFER_NATS_URL", "str", "Events and discovery", """
     URL (`nats://scheduler:PASSWORD@host:4222`): the server deepinfer starts refuses clients without them and
     gives each service kind its own user and subject permissions; `deepinfer up` passes every service its
     own.""")
+declare("DEEPINFER_PRESENCE_TTL_S", "int", "Events and discovery", """
+    How long a service's entry in the NATS registry lives unless refreshed (it is refreshed every third of
+    this): a service that dies without deregistering leaves discovery after at most this long. While NATS itself is
+    away, the balancer keeps routing with the registry as last seen, whatever the TTL.""",
+    default=6, minimum=1, maximum=60)
 # fmt: on

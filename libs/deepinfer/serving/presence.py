@@ -36,9 +36,11 @@ class Presence:
         self,
         registration: Registration,
         load: Callable[[], Mapping[str, Any]] | None = None,
-        ttl_s: int = 6,
+        ttl_s: int | None = None,
         load_period_s: float = 1.0,
     ) -> None:
+        """``ttl_s``: the registry entry's TTL (default ``DEEPINFER_PRESENCE_TTL_S``)."""
+        ttl_s = envs.DEEPINFER_PRESENCE_TTL_S if ttl_s is None else ttl_s
         self.registration, self.load, self.ttl_s, self.load_period_s = registration, load, ttl_s, load_period_s
         self.bus: EventBus | None = None
         self.registry: Registry | None = None
