@@ -19,7 +19,7 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4Model
 
 PAGE = 16
 TARGET_LEN = 150  # past the window (128 in the base config) and many compressed rows
-COMPOSITIONS = 12
+COMPOSITIONS = 8
 
 
 @pytest.fixture(scope="module", params=["base", "odd"])
@@ -70,14 +70,14 @@ def differing(model: DeepseekV4Model, seeds: range) -> list[tuple[int, float]]:
 
 
 def test_logits_are_bit_identical_in_any_batch(model: DeepseekV4Model) -> None:
-    n = COMPOSITIONS if model.config.hidden_size == 64 else 6  # all 12 on the base config
+    n = COMPOSITIONS if model.config.hidden_size == 64 else 4  # all 8 on the base config
     assert differing(model, range(n)) == []
 
 
 def test_bit_identical_with_two_threads(model: DeepseekV4Model) -> None:
     torch.set_num_threads(2)  # the worker runs several intra-op threads; BLAS splits work by them
     try:
-        assert differing(model, range(100, 103)) == []
+        assert differing(model, range(100, 102)) == []
     finally:
         torch.set_num_threads(1)
 
@@ -85,7 +85,7 @@ def test_bit_identical_with_two_threads(model: DeepseekV4Model) -> None:
 def test_bit_identical_with_the_quantisation_simulation(model: DeepseekV4Model) -> None:
     model.set_quant_sim(True)
     try:
-        assert differing(model, range(200, 203)) == []
+        assert differing(model, range(200, 202)) == []
     finally:
         model.set_quant_sim(False)
 

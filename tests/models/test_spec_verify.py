@@ -207,9 +207,10 @@ def check(model: DeepseekV4Model, seed: int, right: float, tol: float = 0.0) -> 
     return bad
 
 
-# every acceptance regime (2 seeds) on the base configuration; the mixed one (drafts kept and rejected in one run) on
-# the other shapes: what a regime exercises, the rollback, is the same code for every shape
-REGIMES = [("base", 0, 0.0), ("base", 1, 0.5), ("base", 0, 0.9)] + [(n, 1, 0.5) for n in CONFIGS if n != "base"]
+# the two extreme acceptance regimes (drafts mostly rejected, mostly kept) on the base configuration; the mixed one
+# (drafts kept and rejected in one run) on the other shapes: what a regime exercises, the rollback, is the same code
+# for every shape
+REGIMES = [("base", 0, 0.0), ("base", 0, 0.9)] + [(n, 1, 0.5) for n in CONFIGS if n != "base"]
 
 
 @pytest.mark.parametrize(("model", "seed", "right"), REGIMES, indirect=["model"])
@@ -218,9 +219,10 @@ def test_verify_steps_emit_plain_tokens_and_leave_the_plain_state(model: Deepsee
     assert check(model, seed * 10 + int(right * 10), right) == []
 
 
+@pytest.mark.parametrize("model", ["base"], indirect=True)
 def test_drafts_are_kept_and_rejected(model: DeepseekV4Model) -> None:
     """The harness exercises both outcomes: right drafts are all kept (greedy), the MTP's random-weight drafts
-    and random tokens mostly not."""
+    and random tokens mostly not (the harness is the same for every shape)."""
     x, p = [3, 4, 5], PARAMS[0]
     oracle = Plain(model, x, p).run_to(len(x) + NEW + 8).tokens
     spec, _, _, (proposed, kept, _) = speculative_run(model, [x], [p], [oracle], random.Random(5), 1.0)

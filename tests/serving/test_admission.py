@@ -163,7 +163,7 @@ def test_a_burst_is_refused_at_once_with_429(mesh: Mesh) -> None:
     every other one gets 429 + Retry-After (no 500, no 503) from the balancer's gate, long before that, without
     reaching the replica. (The gate knows the replica's capacity: the test above saw it refuse.)"""
     rejected_before = scheduler_rejections(mesh)
-    body = json.dumps({"prompt": "Hello there", "max_tokens": 250, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": "Hello there", "max_tokens": 150, "ignore_eos": True}).encode()
 
     async def run():
         await wait_idle(mesh)

@@ -87,8 +87,8 @@ def test_a_request_moved_off_a_dead_replica_resumes_from_the_kvstore(mesh) -> No
     prompt, push = [rng.randrange(2, VOCAB) for _ in range(45)], [rng.randrange(2, VOCAB) for _ in range(45)]
 
     def gen(salt: str | None = None) -> generation_pb2.GenerateRequest:
-        # long enough to outlast the push and the kill (a second or two; a token takes ~45 ms on 2 cores)
-        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+        # long enough to outlast the push and the kill (a second or two; a token takes ~45 ms on 2 cores: ~7 s)
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
         return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling,
                                               cache_salt=salt)  # fmt: skip
 

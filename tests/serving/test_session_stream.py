@@ -238,30 +238,42 @@ class _SubmitOnly(scheduler_pb2_grpc.SchedulerServicer):
                                        finish_reason=common_pb2.FINISH_REASON_LENGTH)  # fmt: skip
 
 
+async def _submit_only_replica(calls: int) -> tuple[list, bool]:
+    """``calls`` one-token requests through a ``Replica`` (with a session client) of a Submit-only scheduler: each
+    call's events or its error, and whether the client marked the replica as taking no Session stream."""
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(_SubmitOnly(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    replica = Replica.connect(f"127.0.0.1:{port}")
+    replica.session = SessionClient(replica.stub, replica.address)
+    out = []
+    try:
+        for i in range(calls):
+            try:
+                events = replica.submit(request(f"r{i}", [0, 1], max_tokens=1), 10, [])
+                out.append([ev.token_ids async for ev in events])
+            except grpc.aio.AioRpcError as e:
+                out.append(e.code())
+        return out, replica.session.unsupported
+    finally:
+        await replica.close()
+        await server.stop(None)
+
+
 def test_a_replica_without_sessions_gets_submit_calls() -> None:
     """The requests sent while the client learns that the replica takes no Session stream move (UNAVAILABLE); later
     ones go to it as Submit calls."""
+    out, unsupported = asyncio.run(_submit_only_replica(2))
+    assert out == [grpc.StatusCode.UNAVAILABLE, [[1]]] and unsupported
 
-    async def run():
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(_SubmitOnly(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        replica = Replica.connect(f"127.0.0.1:{port}")
-        replica.session = SessionClient(replica.stub, replica.address)
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as first:
-                async for _ in replica.submit(request("x", [0, 1], max_tokens=1), 10, []):
-                    pass
-            later = [ev async for ev in replica.submit(request("y", [0, 1], max_tokens=1), 10, [])]
-            return first.value, replica.session.unsupported, later
-        finally:
-            await replica.close()
-            await server.stop(None)
 
-    first, unsupported, later = asyncio.run(run())
-    assert first.code() == grpc.StatusCode.UNAVAILABLE and unsupported
-    assert [ev.token_ids for ev in later] == [[1]]
+def test_replica_sessions_off_sends_submit_calls_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DEEPINFER_REPLICA_SESSIONS=0``: the balancer sends each request as a Submit call of its own, so even the
+    first request reaches a Submit-only replica (the client never tries, nor learns about, a Session stream)."""
+    monkeypatch.setenv("DEEPINFER_REPLICA_SESSIONS", "0")
+    out, unsupported = asyncio.run(_submit_only_replica(2))
+    assert out == [[[1]], [[1]]] and not unsupported
 
 
 def test_a_caller_behind_takes_the_waiting_events_as_one(mesh: Mesh) -> None:
