@@ -172,8 +172,9 @@ def test_load_view_keeps_the_latest_report_and_drops_stale_ones(nats_server, wai
 
 @pytest.mark.timeout(60)
 def test_a_service_s_presence_registers_under_the_ttl_of_its_setting(nats_server, wait_until, monkeypatch):
-    """``DEEPINFER_PRESENCE_TTL_S`` is the TTL of every service's registry entry (``serving.presence``): a
-    presence that stops refreshing without deregistering (a crash) leaves the view after about that long."""
+    """``DEEPINFER_PRESENCE_TTL_S`` is the TTL of every service's registry entry (``serving.presence``): its
+    registry is made with it, and its entry, no longer refreshed (a crash), expires (how soon after the TTL:
+    ``test_an_instance_that_stops_refreshing_expires_after_its_ttl``)."""
     from deepinfer.serving.presence import Presence
 
     monkeypatch.setenv("DEEPINFER_NATS_URL", nats_server.url)
@@ -188,11 +189,8 @@ def test_a_service_s_presence_registers_under_the_ttl_of_its_setting(nats_server
             await presence.start()
             await wait_until(lambda: view.get("scheduler", "s9") is not None, 10)
             assert presence.registry.ttl_s == 2
-            await presence.registry.refresh()
-            last_put = time.monotonic()
             await presence.registry.stop(deregister=False)  # a crash: no delete, no more refreshes
-            await wait_until(lambda: view.get("scheduler", "s9") is None, 6)
-            assert time.monotonic() - last_put < 5.0  # 2 s (the default, 6 s, would still hold it)
+            await wait_until(lambda: view.get("scheduler", "s9") is None, 20)
             await presence.close()
             await view.close()
 
