@@ -13,7 +13,8 @@ For each batch size and parameter mix, at DeepSeek-V4's vocabulary (129280), in 
 
 Then the top logprobs a request asks for (``logprobs`` / ``prompt_logprobs``, up to 20 a row): ``sampler._top_sorted``
 (ours: ``topk`` of an order-preserving integer key per token, exact ties by id) against the stable sort of the whole
-vocabulary it replaced (the peer), wall time per call at each batch size, ``--top-k`` a row, same roofline.
+vocabulary it replaced (the peer), wall time per call at each batch size, ``--top-k`` a row, same roofline
+(``--top-only``: this section alone).
 
 Both sampler columns are wall time per call including the host's work and the wait for the tokens (the worker reads
 them right after). Logits: ``zipf`` (a peaked distribution, as a language model's: ``-1.1 · log(rank)`` over a random
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top-k", type=int, default=20, help="top logprobs a row (OpenAI's most: 20)")
+    ap.add_argument("--top-only", action="store_true", help="only the top-logprobs section")
     add_common_args(ap)
     ap.add_argument("--name", default=time.strftime("%Y-%m-%d") + "-sampling")
     args = ap.parse_args()
@@ -149,7 +151,7 @@ def main() -> None:
     rows = []
     print("| logits | mix | batch | torch ms | kernel ms | launches ms | graphed ms | roofline ms | graphed × roof |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in args.logits.split(","):
+    for kind in [] if args.top_only else args.logits.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             logits = make_logits(kind, b, args.vocab, dev)
             for mix in args.mixes.split(","):
