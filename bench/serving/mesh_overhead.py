@@ -97,8 +97,10 @@ def cpu_use(before: dict[str, float], after: dict[str, float], wall_s: float) ->
 PHASES = {"worker": "deepinfer_worker_step_phase_seconds", "scheduler": "deepinfer_scheduler_step_phase_seconds"}
 # counters read beside the phases: graphs captured while serving (a step that stalled on a new shape) and resume
 # points offloaded to the kvstore (the worker reads each one's pages and state: work the in-process peer never does)
-COUNTS = {"worker": ("deepinfer_worker_graph_captures", "graph captures", {}),
-          "kvstore": ("deepinfer_kvstore_transfers", "puts", {"op": "put"})}  # fmt: skip
+# and host copies the worker's pinned pool had no room for (each a pinned block from PyTorch's allocator)
+COUNTS = {"worker": [("deepinfer_worker_graph_captures", "graph captures", {}),
+                     ("deepinfer_worker_pinned_pool_fallbacks", "pinned fallbacks", {})],
+          "kvstore": [("deepinfer_kvstore_transfers", "puts", {"op": "put"})]}  # fmt: skip
 
 
 def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
@@ -118,11 +120,11 @@ def phase_totals(mesh: Mesh) -> dict[str, list[float]]:
         with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the mesh's own loopback endpoint
             text = r.read().decode()
         for family in text_string_to_metric_families(text):
-            counter, label, where = COUNTS.get(kind, ("", "", {}))
-            if family.name == counter:  # (a counter: its count, no time)
-                total = sum(x.value for x in family.samples if x.name.endswith("_total")
-                            and all(x.labels.get(k) == v for k, v in where.items()))  # fmt: skip
-                out[f"{service} {label}"] = [0.0, total]
+            for counter, label, where in COUNTS.get(kind, []):
+                if family.name == counter:  # (a counter: its count, no time)
+                    total = sum(x.value for x in family.samples if x.name.endswith("_total")
+                                and all(x.labels.get(k) == v for k, v in where.items()))  # fmt: skip
+                    out[f"{service} {label}"] = [0.0, total]
             if family.name != PHASES.get(kind):
                 continue
             for sample in family.samples:
@@ -141,7 +143,7 @@ def phase_use(before: dict[str, list[float]], after: dict[str, list[float]]) -> 
         t0, c0 = before.get(key, [0.0, 0.0])
         if count > c0:
             use[key] = {"n": int(count - c0), "mean_ms": round(1e3 * (total - t0) / (count - c0), 3)}
-            if key.endswith(tuple(label for _, label, _ in COUNTS.values())):  # (counts only)
+            if key.endswith(tuple(label for counts in COUNTS.values() for _, label, _ in counts)):  # (counts only)
                 use[key] = {"n": int(count - c0)}
     return use
 

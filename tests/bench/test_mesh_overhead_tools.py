@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 from bench.serving.mesh_overhead import phase_totals, phase_use
 from deepinfer.serving.healthcheck import free_port
 from deepinfer.serving.metrics import WorkerMetrics, start_metrics_server
@@ -48,3 +51,28 @@ def test_a_run_reports_the_resume_points_offloaded_to_the_kvstore_in_it() -> Non
     finally:
         stop()
     assert use == {"kvstore puts": {"n": 3}}
+
+
+def test_a_run_reports_the_host_copies_the_pinned_pool_had_no_room_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's metrics read the process's pool at each step: its bytes and the fallbacks since the last step."""
+    from deepinfer.runtime import pinned_pool
+
+    pool = pinned_pool.PinnedPool(2 * pinned_pool.ALIGN, pinned=False)
+    monkeypatch.setattr(pinned_pool, "_POOL", pool)
+    metrics, port = WorkerMetrics("m"), free_port("127.0.0.1")
+    stop = start_metrics_server(metrics.registry, "127.0.0.1", port)
+    try:
+        mesh = SimpleNamespace(endpoints={"worker-0 metrics": f"http://127.0.0.1:{port}/metrics"})
+        assert pool.empty((3 * pinned_pool.ALIGN,), torch.uint8) is None  # (before the run)
+        metrics.step(0.01, 5)
+        before = phase_totals(mesh)
+        held = pool.empty((10,), torch.float32)
+        assert held is not None and pool.empty((2 * pinned_pool.ALIGN,), torch.uint8) is None
+        assert pool.empty((pinned_pool.ALIGN + 1,), torch.uint8) is None
+        metrics.step(0.01, 5)
+        use = phase_use(before, phase_totals(mesh))
+        text = metrics.registry.get_sample_value
+        in_use = text("deepinfer_worker_pinned_pool_bytes", {"model_name": "m", "state": "in_use"})
+    finally:
+        stop()
+    assert use == {"worker-0 pinned fallbacks": {"n": 2}} and in_use == pinned_pool.ALIGN

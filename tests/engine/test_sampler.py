@@ -197,12 +197,16 @@ def test_top_logprobs_mixed_counts():
     assert [t for t, _ in out.top_logprobs[1]] == ref
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("vocab", [1, 2, 7, 4096, 129280])
-def test_the_top_k_selection_is_a_stable_sort_s_head(vocab: int):
-    """``_top_sorted`` (topk of order-preserving integer keys, no full-row sort) gives exactly what a stable
-    descending sort gives first: ties (many, coarse values), -inf runs, -0.0 beside +0.0, k past the vocabulary."""
+def test_the_top_k_selection_is_a_stable_sort_s_head(vocab: int, device: str):
+    """``_top_sorted`` (on the host topk of order-preserving integer keys, no full-row sort; on a GPU the sort)
+    gives exactly what a stable descending sort gives first: ties (many, coarse values), -inf runs, -0.0 beside
+    +0.0, k past the vocabulary."""
     from deepinfer.engine.sampler import _top_sorted
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     g = torch.Generator().manual_seed(vocab)
     for trial in range(12):
         x = torch.randn(3, vocab, generator=g)
@@ -215,7 +219,7 @@ def test_the_top_k_selection_is_a_stable_sort_s_head(vocab: int):
         lp = torch.log_softmax(x, dim=-1) if trial % 2 else x
         for k in (1, 5, 20, vocab + 3):
             want_v, want_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-            got_v, got_i = _top_sorted(lp, k)
+            got_v, got_i = (t.cpu() for t in _top_sorted(lp.to(device), k))
             n = min(k, vocab)
             assert torch.equal(got_i, want_i[:, :n]), (trial, k)
             torch.testing.assert_close(got_v, want_v[:, :n], rtol=0, atol=0, equal_nan=True)  # (a lone -inf: nan)

@@ -101,9 +101,9 @@ def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_t
 
     def cycle(gpu: PagedKVCache, st: SequenceState, other: PagedKVCache) -> tuple:
         """Take, read the pages for an offload, let later work overwrite the sources, restore elsewhere."""
-        snap = StateSnapshot.take(st, gpu, table.cuda())
+        snap = StateSnapshot.take(st, gpu, gpu_table)
         copy = HostCopies("cuda")
-        pages = {key: copy(t) for key, t in gpu.read_pages(table[:2].cuda()).items()}
+        pages = {key: copy(t) for key, t in gpu.read_pages(gpu_table[:2]).items()}
         ready = copy.done()
         for t in [*gpu.rows.values(), *gpu.index_keys.values(), *st.windows.values()]:
             t.zero_()  # the steps after: they must not reach the copies
@@ -111,6 +111,7 @@ def test_a_resume_point_taken_while_the_gpu_is_busy_never_waits_and_encodes_as_t
         return snap, pages, ready, snap.restore(other, other_table, "cuda")
 
     other_table = torch.tensor([3, 0, 5, 4], device="cuda")
+    gpu_table = table.cuda()  # the worker's block tables live on the device (a copy from here would wait)
     cycle(*sequence())  # once untimed: the device and pinned-memory allocators' blocks
     gpu, st, other = sequence()
     host = PagedKVCache(c, 8, PS)  # the same values on the host: what the bytes must hold

@@ -81,9 +81,15 @@ def _top_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """Top-k values/ids per row, by value descending then id ascending (deterministic ties): what a stable sort of
     the whole row, descending, gives first, without sorting the row. Each float32 value becomes an integer of the
     same order (its bits, the negative ones' magnitude bits flipped; -0.0 counted as +0.0, as the sort does) and the
-    key ``(that integer, V - 1 - id)`` is unique, so ``topk`` of the keys is exact and needs no host sync."""
+    key ``(that integer, V - 1 - id)`` is unique, so ``topk`` of the keys is exact and needs no host sync. That is
+    the host's path (5-8x faster than the sort there); on an accelerator the sort itself is faster at small batches
+    (an H100: 0.11 against 0.32 ms for one 129280-token row, even at 64 rows; ``bench/kernels/sampling.py``), so it
+    sorts there."""
     v = logprobs.shape[-1]
     k = min(k, v)
+    if logprobs.device.type != "cpu":
+        ids = torch.sort(logprobs.float() + 0.0, dim=-1, descending=True, stable=True)[1][..., :k]
+        return logprobs.gather(-1, ids), ids
     lp = logprobs.float() + 0.0  # (-0.0 + 0.0 is +0.0)
     bits = lp.view(torch.int32)
     order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)

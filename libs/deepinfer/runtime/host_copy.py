@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from deepinfer.runtime import pinned_pool
 from deepinfer.runtime.platform import Event, platform_of
 
 # True: synchronous copies, as before (the A/B of bench/engine/sweep.py --ab-h2d; a planted bug in tests)
@@ -125,7 +126,9 @@ class HostCopies:
     at once, as ``t.to("cpu", copy=True)`` does). What reads the copies on the host waits for that event first; a
     copy back to the device on the same stream needs no wait (stream order). Used for what the worker keeps of a
     sequence in host memory (prefix-cache snapshots, pages bound for the kvstore): a synchronous copy would stall the
-    host until the device has run every step queued before it, the pipelined loop's lead lost."""
+    host until the device has run every step queued before it, the pipelined loop's lead lost. The host tensors come
+    from the process's pinned pool where it has room (``deepinfer.runtime.pinned_pool``: a burst of fresh pinned
+    blocks costs milliseconds each)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -135,7 +138,10 @@ class HostCopies:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" or BLOCKING or not self.platform.pinned_copies:
             return t.to("cpu", copy=True)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        slab = pinned_pool.pool()
+        host = slab.empty(t.shape, t.dtype) if slab is not None else None
+        if host is None:  # no pool, or no free range in it: the caching host allocator's block
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         self.queued = True
         return host

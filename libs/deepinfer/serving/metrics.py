@@ -17,6 +17,7 @@ name (``ok``, ``invalid_argument``, ``not_found``, ``resource_exhausted``, ``una
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -252,11 +253,30 @@ class WorkerMetrics:
         )  # fmt: skip
         for m in (self.image_encodes, self.image_cache_hits, self.image_cache_bytes, self.image_held_bytes):
             m.labels(model)
+        self.pinned_bytes = Gauge(
+            "deepinfer_worker_pinned_pool_bytes", "The pinned pool's bytes (DEEPINFER_PINNED_POOL_BYTES): reserved, "
+            "in_use (snapshots and pages held in host memory), peak.", ["model_name", "state"], registry=r,
+        )  # fmt: skip
+        self.pinned_fallbacks = Counter(
+            "deepinfer_worker_pinned_pool_fallbacks", "Host copies the pinned pool had no room for (each took a block "
+            "of PyTorch's caching host allocator: a fresh pinned allocation when none of its size was cached).",
+            ["model_name"], registry=r,
+        )  # fmt: skip
+        self.pinned_fallbacks.labels(model)
+        self._fallbacks_seen = 0
 
     def step(self, seconds: float, num_tokens: int, graph_captures: int = 0) -> None:
         self.step_seconds.labels(self.model).observe(seconds)
         self.tokens.labels(self.model).inc(num_tokens)
         self.graph_captures.labels(self.model).inc(graph_captures)
+        module = sys.modules.get("deepinfer.runtime.pinned_pool")  # (never imported here: no torch in this module)
+        pool = module.current() if module is not None else None
+        if pool is not None:
+            for state, value in (("reserved", pool.nbytes), ("in_use", pool.in_use), ("peak", pool.peak)):
+                self.pinned_bytes.labels(self.model, state).set(value)
+            if pool.fallbacks > self._fallbacks_seen:
+                self.pinned_fallbacks.labels(self.model).inc(pool.fallbacks - self._fallbacks_seen)
+                self._fallbacks_seen = pool.fallbacks
 
     def phase(self, phase: str, seconds: float) -> None:
         """One step's ``phase`` (``serving.step_pipeline``: launch, finish, starved, idle) took ``seconds``."""
