@@ -132,6 +132,8 @@ def main() -> None:
             seen: list[str] = []
 
             def show(message, category, filename, lineno, file=None, line=None, seen=seen):
+                if str(message).startswith("Synchronization debug mode is a prototype"):  # (its own notice)
+                    return
                 frames = [f for f in traceback.extract_stack() if "/deepinfer/" in f.filename or "bench/" in f.filename]
                 where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}({f.name})" for f in reversed(frames[-6:]))
                 seen.append(f"{str(message)[:80]} at {where}")

@@ -17,10 +17,10 @@ reads behind their events) are queued on the same stream, after it. The slab is 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import weakref
 
-import numpy as np
 import torch
 
 ALIGN = 512  # bytes: every range starts at a multiple (any dtype's alignment; copies of aligned rows)
@@ -41,12 +41,17 @@ class PinnedPool:
         self.fallbacks = 0  # requests no free range could hold
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialised tensor of ``shape`` and ``dtype`` in the slab, or None when no free range holds it."""
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        size = max(ALIGN, -(-n // ALIGN) * ALIGN)
+        """An uninitialised tensor of ``shape`` and ``dtype`` in the slab, or None when no free range holds it (an
+        empty ``shape``: a plain empty tensor, no range)."""
+        count = math.prod(shape)
+        if not count:  # (nothing to copy: no range)
+            return torch.empty(shape, dtype=dtype)
+        size = -(-count * dtype.itemsize // ALIGN) * ALIGN
         with self._lock:
-            i = next((j for j, s in enumerate(self._sizes) if s >= size), None)
-            if i is None:
+            sizes, i = self._sizes, 0
+            while i < len(sizes) and sizes[i] < size:  # first fit
+                i += 1
+            if i == len(sizes):
                 self.fallbacks += 1
                 return None
             start = self._starts[i]
@@ -59,7 +64,7 @@ class PinnedPool:
             self.peak = max(self.peak, self.in_use)
         view = self._bytes[start : start + size]
         weakref.finalize(view, self._release, start, size)
-        return torch.frombuffer(view, dtype=torch.uint8)[:n].view(dtype).view(shape)
+        return torch.frombuffer(view, dtype=dtype, count=count).view(shape)
 
     def _release(self, start: int, size: int) -> None:
         """The range back into the free list, merged with its free neighbours."""
