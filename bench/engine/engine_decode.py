@@ -53,20 +53,29 @@ from deepinfer.tokenizer import load_tokenizer  # noqa: E402
 MIXES = {
     "greedy": dict(temperature=0),
     "topk50_topp0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "t1_seeded": dict(temperature=1.0),  # (seeded: every request's seed is --seed)
 }
 
 
-def run_engine(model, cache, dev, config, tok, b: int, args, async_scheduling: bool, steps: int) -> dict[str, Any]:
-    """Prefill ``b`` requests through the engine, then time ``steps`` decode steps of all ``b``."""
+def run_engine(
+    model, cache, dev, config, tok, b: int, args, async_scheduling: bool, steps: int, constraint: Any = None
+) -> dict[str, Any]:
+    """Prefill ``b`` requests through the engine, then time ``steps`` decode steps of all ``b`` (each request under
+    ``constraint``, an ``engine.constraint.Constraint``, where given: ``bench/engine/structured_outputs.py``)."""
     total = args.warmup + steps + 3 + prefill_steps(b, args)  # the first requests decode while the last prefill
     sched = build_scheduler(config, cache.num_pages, cache.page_size, args.context + total + 1, max_num_seqs=b,
                             max_num_batched_tokens=max(args.chunk, b), prefix_caching=False)  # fmt: skip
     runner = ModelRunner(model, cache, dev, family=family_of(model.config))
+    if constraint is not None:
+        from deepinfer.engine.factory import constraint_set
+
+        runner.constraints = constraint_set(None, config)
     engine = LLMEngine(sched, runner, tok, config.vocab_size, async_scheduling=async_scheduling)
     rng = random.Random(args.seed)
     params = SamplingParams(**MIXES[args.mix], max_tokens=total, ignore_eos=True, seed=args.seed)
     for i in range(b):
-        engine.add_request(f"r{i}", [rng.randrange(2, config.vocab_size) for _ in range(args.context)], params)
+        prompt = [rng.randrange(2, config.vocab_size) for _ in range(args.context)]
+        engine.add_request(f"r{i}", prompt, params, constraint=constraint)
     t = time.perf_counter()
     before = 0
     while min(len(r.output_token_ids) for r in sched.requests.values()) < args.warmup:  # prefill, then warm up

@@ -197,6 +197,8 @@ class LLM:
                 if out.request_id in order:
                     results[order[out.request_id]] = out
                     bar.update(1)
+        while self.engine.has_unfinished_requests() and not self.engine.scheduler.has_unfinished():
+            self.engine.step()  # a step launched ahead of the last tokens (async scheduling): collected, pages back
         bar.close()
         return [r for r in results if r is not None]
 

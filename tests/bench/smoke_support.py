@@ -35,7 +35,7 @@ TRIM: dict[str, list[str]] = {
     "serving/disaggregation.py": ["--configs", "disaggregated"],
     "serving/mesh_overhead.py": ["--concurrency", "2"],  # (the session stream; submit is the same loop, one mesh more)
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
-    "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2"],
+    "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2", "--steps", "3"],
     "engine/engine_decode.py": [
         "--batches",
         "1,2",

@@ -9,6 +9,8 @@ taken on the device).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -123,16 +125,35 @@ def test_gpu_async_engine_gives_the_synchronous_outputs(model_dir, monkeypatch) 
                             page_size=16)  # fmt: skip
 
 
-def test_structured_rows_wait_for_their_tokens(model_dir) -> None:
-    llm = LLM(model=model_dir, dtype="float32", num_pages=64, page_size=16, async_scheduling=True)
+def test_structured_rows_launch_ahead_and_accept_each_token_once(model_dir, monkeypatch) -> None:
+    """A constrained request's next step is launched before the previous step's tokens are collected (the masks wait
+    for them at sampling: ``engine.pending_tokens``), each sampled token is accepted by its matcher exactly once, and
+    the outputs are the synchronous engine's."""
+    from deepinfer.engine.constraints import ConstraintSet
+
+    kw = dict(dtype="float32", num_pages=64, page_size=16, batch_invariant=True)
+    ps = [SamplingParams(temperature=0.8, seed=5, max_tokens=12, so_args={"schema_type": "regex", "schema": s})
+          for s in ("(ab)+c?", "[a-c]{4,8}")] + [SamplingParams(temperature=0, max_tokens=10)]  # fmt: skip
+    prompts = ["Hi", "Once upon a time", "The quick brown fox"]
+    sync = [o.outputs[0] for o in LLM(model=model_dir, async_scheduling=False, **kw).generate(prompts, ps)]
+    llm = LLM(model=model_dir, async_scheduling=True, **kw)
+    trace, accepted = Trace(llm, monkeypatch), []
+    accept = ConstraintSet.accept
+    monkeypatch.setattr(ConstraintSet, "accept",
+                        lambda cs, rid, t: (rid in cs and accepted.append((rid, t))) or accept(cs, rid, t))  # fmt: skip
+    got = [o.outputs[0] for o in llm.generate(prompts, ps)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
+                                                                      for o in sync]  # fmt: skip
+    assert re.fullmatch("(ab)+c?", got[0].text) and re.fullmatch("[a-c]{4,8}", got[1].text), [o.text for o in got]
+    launches = sum(k == "launch" for k, _ in trace.calls)
+    assert trace.ahead() >= launches // 2, trace.calls  # the constrained rows did not hold the pipeline
     runner = llm.engine.runner
-    waits = []
-    check = runner.waits_for_tokens
-    runner.waits_for_tokens = lambda plan: waits.append(check(plan)) or waits[-1]
-    p = SamplingParams(temperature=0.8, seed=5, max_tokens=8, so_args={"schema_type": "regex", "schema": "(ab)+c?"})
-    text = llm.generate(["Hi"], p)[0].outputs[0].text
-    assert any(waits)
-    assert text.startswith("ab")
+    assert not runner.pending.steps and all(isinstance(t, int) for t in runner.sampled.values())
+    assert len({r for r, _ in accepted}) == 2
+    for rid in {r for r, _ in accepted}:  # every token its request kept, accepted once and in order
+        tokens = [t for r, t in accepted if r == rid]
+        # (plus at most one: a step launched before the request's last token was known, as for any decode row)
+        assert any(tokens[: len(o.token_ids)] == o.token_ids and len(tokens) <= len(o.token_ids) + 1 for o in got)
 
 
 def test_substitute_reads_device_samples_of_several_steps() -> None:

@@ -10,9 +10,9 @@ received in order.
 Pipelining: with ``depth`` 2 the next step is planned and sent while one is in flight (requests decoding in it
 continue on placeholder tokens that the runner fills in), so the runner never waits for the planner. With ``depth``
 3 (the scheduler service's default, ``DEEPINFER_SCHEDULER_STEPS_IN_FLIGHT``) a step's result may take two device
-steps to come back over the network and be planned on before the runner runs dry. A step whose structured-output
-rows need the previous tokens on the host (``Runner.waits_for_tokens``) is held until the steps in flight are
-collected.
+steps to come back over the network and be planned on before the runner runs dry. A step whose rows need the
+previous tokens on the host before its launch (``Runner.waits_for_tokens``: a grammar installed, speculative drafting
+under one) is held until the steps in flight are collected.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine import pending_tokens
 from deepinfer.engine.constraints import ConstraintSet
 from deepinfer.engine.interfaces import (
     PLACEHOLDER,
@@ -68,6 +69,7 @@ class ModelRunner:
         self.constraints: ConstraintSet | None = None  # structured-output matchers (set by the factory)
         # each request's last sampled token: its value, or (the device samples of a step in flight, row)
         self.sampled: dict[str, int | tuple[torch.Tensor, int]] = {}
+        self.pending = pending_tokens.PendingTokens()  # constrained requests' tokens not accepted yet
         self.launched: collections.deque[InFlight] = collections.deque()  # sent, not received (``send``)
         # speculative decoding (``family.speculator``, ``engine.speculative.steps``): None: off
         self.spec: Speculator | None = None
@@ -79,6 +81,7 @@ class ModelRunner:
             self.states.pop(rid, None)
             self.tables.pop(rid, None)
             self.sampled.pop(rid, None)
+        self.pending.forget(request_ids)
         if self.spec is not None:
             self.spec.release(request_ids)
         if self.constraints is not None:
@@ -160,13 +163,9 @@ class ModelRunner:
 
     def waits_for_tokens(self, plan: WorkerStepPlan) -> bool:
         """Whether ``plan`` must not be launched before the steps in flight are finished: a structured-output
-        request's next mask needs its last token accepted on the host first."""
-        cs = self.constraints
-        return any(
-            isinstance(self.sampled.get(c.request_id), tuple)
-            and (c.constraint is not None or (cs is not None and c.request_id in cs))
-            for c in plan.chunks
-        )
+        request's next mask needs its last token accepted on the host first, and only a plain decode row can have it
+        accepted when its sampler asks for the mask (``engine.pending_tokens``)."""
+        return pending_tokens.waits_for_tokens(self, plan)
 
     def finish(self, step: InFlight) -> StepResult:
         """Wait for a launched step's tokens (one host copy, queued at its launch) and return its result."""
@@ -221,7 +220,7 @@ class ModelRunner:
             self.tables[c.request_id] = table
             chunks.append((st, c.start, len(c.token_ids), table, c.decoder_from))
         drafts, pre = propose(self.spec, plan, chunks, token_ids, self.constraints) if self.spec else (None, {})
-        masks = self._start_masks(plan, pre)  # filled on the CPU while the device runs the forward
+        masks = pending_tokens.start_masks(self, plan, pre)  # filled on the CPU while the device runs the forward
         mm = [c.mm for c in plan.chunks]  # images: only chunks that cover part of a span carry them
         batch = self.family.batch(chunks, token_ids, self.device, *([mm] if any(m is not None for m in mm) else []))
         batch.substitute(at, sources)
@@ -299,19 +298,6 @@ class ModelRunner:
             targets = tensor([owners[k][1] for k in sel], logits.device, torch.long)
             out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
 
-    def _start_masks(self, plan: WorkerStepPlan, pre: dict[str, torch.Tensor]) -> tuple | None:
-        """Install the constraints that arrive with this step; start filling the masks of its constrained rows
-        (``pre``: the verify rows' masks, filled already: ``engine.speculative.grammar``)."""
-        cs = self.constraints
-        for c in plan.chunks:
-            if c.constraint is not None:
-                if cs is None:
-                    raise RuntimeError(f"request {c.request_id}: this worker applies no structured-output constraints")
-                cs.install(c.request_id, c.constraint, c.constraint_history or ())
-        rids = [c.request_id for c in plan.chunks if c.sample and cs is not None and c.request_id in cs]
-        rids = [rid for rid in rids if rid not in pre]
-        return (rids, cs.fill_async(rids) if rids else None, pre) if rids or pre else None
-
     def _constrain(self, masks: tuple | None, rids: list[str]) -> Callable | None:
         """The sampler's in-place masking of the constrained rows among the sampled rows ``rids`` (a verify chunk's
         request once per row; the masks are read when it runs)."""
@@ -338,6 +324,8 @@ class ModelRunner:
         for j, rid in enumerate(rids):
             self.sampled[rid] = (s.token_ids, j)  # a later step's placeholder reads it on the device
         step.sample, step.seqs, step.rids, step.constrained = s, seqs, rids, masks is not None
+        if step.constrained and self.spec is None:  # (a verify step's tokens are accepted when it settles)
+            self.pending.sampled(step, rids, self.constraints)
         # one device-to-host copy for the step's tokens, logprobs and top logprobs, queued now and waited for in
         # ``finish`` (an element read per row would wait for the device twice a row); all exact in float64
         parts = [s.token_ids.to(torch.float64), s.logprobs.to(torch.float64)]
@@ -354,7 +342,7 @@ class ModelRunner:
             if isinstance(last, tuple) and last[0] is step.sample.token_ids:  # no later step sampled for it yet
                 self.sampled[rid] = token
             out[i].token_id = token
-            if step.constrained:
+            if step.constrained and self.pending.collected(step, rid):  # (not accepted early)
                 self.constraints.accept(rid, token)
             out[i].logprob = lps[j]
             out[i].top_logprobs = top[j]
@@ -370,6 +358,7 @@ class InFlight:
     seqs: list[int] = field(default_factory=list)  # the chunk of each sampled row
     rids: list[str] = field(default_factory=list)
     constrained: bool = False
+    early: set[str] = field(default_factory=set)  # requests whose token was accepted before collection
     idle: bool = False  # no chunks and no fetches
     host: torch.Tensor | None = None
     event: Event | None = None  # the platform's (deepinfer.runtime.platform)

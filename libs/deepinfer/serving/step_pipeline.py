@@ -19,8 +19,9 @@ lease, the mesh's TPOT at concurrency 64 went from 11.6 to 9.8 ms with one threa
 time against a device step of about 1 ms, which is what holds the mesh's TPOT there.
 
 The step thread takes ``device_lock`` around the runner (the service's other users of the runner take it too). A
-structured-output plan whose rows need the previous step's tokens on the host (``Runner.waits_for_tokens``) is
-launched once the steps before it are collected.
+plan whose rows need the previous step's tokens on the host before it is launched (``Runner.waits_for_tokens``: one
+that installs a request's grammar, or drafts speculatively under one) is launched once the steps before it are
+collected; a plain structured-output decode row is not held (``engine.pending_tokens``).
 
 Phase timings (``WorkerMetrics.phase``): ``launch`` (the host's time to launch a step), ``finish`` (to collect it
 and build its result message, after its tokens are on the host), ``starved`` (the time with no step on the device
