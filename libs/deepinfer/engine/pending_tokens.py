@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 
+# False: every constrained row with a token in flight holds its step, as before (the A/B of
+# bench/engine/structured_outputs.py; a planted regression in tests)
+EARLY = True
+
 
 class PendingTokens:
     """Per constrained request, the launched step holding the token its matcher is still to accept."""
@@ -106,7 +110,8 @@ def waits_for_tokens(runner: Any, plan: Any) -> bool:
             continue
         if c.constraint is not None:
             return True
-        if cs is not None and c.request_id in cs and (runner.spec is not None or c.request_id not in runner.pending):
+        held = runner.spec is not None or not EARLY or c.request_id not in runner.pending
+        if cs is not None and c.request_id in cs and held:
             return True
     return False
 
