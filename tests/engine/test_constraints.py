@@ -191,3 +191,37 @@ def test_sampler_chooses_among_allowed_tokens_and_reports_raw_logprobs() -> None
     assert int(out.token_ids[0]) == [7, 9, 11][int(logits[0, [7, 9, 11]].argmax())]
     raw = torch.log_softmax(logits, -1)
     assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+
+
+@pytest.mark.parametrize("batch_fails", [False, True])
+def test_a_batch_fills_the_rows_each_request_fills_alone(compiler: Compiler, controls, monkeypatch, batch_fails):
+    """xgrammar's matchers of a batch fill in one threaded call (``_fill_rows``); the rows are those each request
+    gets alone, whatever its state (advanced, terminated, thinking, unconstrained), and the same if that call fails
+    (then row by row)."""
+    import xgrammar as xgr
+
+    calls = []
+    real = xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
+
+    def spy(self, matchers, bitmask, indices=None, debug_print=False):
+        calls.append(list(indices))
+        if batch_fails:
+            raise RuntimeError("planted")
+        return real(self, matchers, bitmask, indices, debug_print)
+
+    monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask", spy)
+    cs, rng = make_set(controls), random.Random(3)
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    grammars = [compiler.compile(GrammarSpec("regex", "(ab)+c?")), compiler.compile(GrammarSpec("json_schema", schema))]
+    rids = [f"r{i}" for i in range(7)]
+    for i, rid in enumerate(rids[:5]):
+        cs.install(rid, Constraint(grammars[i % 2]))
+    cs.install("r5", Constraint(grammars[0], after_think=True))  # thinking: no grammar yet
+    for i in range(4):  # r0..r3 advanced by different numbers of tokens
+        for _ in range(i):
+            cs.accept(rids[i], rng.choice(allowed_ids(cs, rids[i]).tolist()))
+    walk(cs, "r4", rng)  # to EOS: terminated
+    alone = torch.stack([cs.fill([rid])[0] for rid in rids])  # (r6 unconstrained: everything)
+    together = cs.fill(rids)
+    assert torch.equal(together, alone)
+    assert calls and calls[-1] == [0, 1, 2, 3]  # the grammars' rows in one call (r4 terminated, r5 thinking)

@@ -24,6 +24,7 @@ result (``SeqResult.error``) and the request ends with finish reason ``error``, 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ log = get_logger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 # per accepted token: before "</think>"; accepted by the grammar; the "</think>" that opened it; refused
 _UNSEEN, _SEEN, _OPENED, _REFUSED = 0, 1, 2, 3
+FILL_THREADS = 8  # the most threads xgrammar's batch fill uses (and at most half the host's cores)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class ConstraintSet:
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # deserialized grammars (llguidance: templates)
         self._cache_size = cache_size
         self._pool: ThreadPoolExecutor | None = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (its thread pool), made on first use
         self._lock, self._info_lock = threading.Lock(), threading.Lock()
         self._eos_only = pack([eos_token_id], vocab_size)
 
@@ -166,6 +169,7 @@ class ConstraintSet:
         row per request id (a request without a constraint allows everything)."""
         words = -(-self.vocab_size // 32)
         bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32)
+        grammar_rows = []  # (row, request id, matcher) whose grammar fills the row
         for i, rid in enumerate(request_ids):
             m = self.matchers.get(rid)
             if m is None:
@@ -174,11 +178,36 @@ class ConstraintSet:
                 bitmask[i] = self._eos_only
             elif not m.active:
                 bitmask[i] &= ~m.before
+            elif m.matcher is not None:
+                grammar_rows.append((i, rid, m))
             else:
-                if m.matcher is not None:
-                    self._fill(m, rid, bitmask, i)
+                bitmask[i] &= ~m.forbidden
+        self._fill_rows(grammar_rows, bitmask)
+        for i, _, m in grammar_rows:
+            if not m.broken:
                 bitmask[i] &= ~m.forbidden
         return bitmask
+
+    def _fill_rows(self, rows: list[tuple[int, str, _Matcher]], bitmask: torch.Tensor) -> None:
+        """The grammars' rows: xgrammar's matchers, two or more, in one call on its thread pool (at batch 64 one
+        request after another took 2.4 ms of the step on an H100 host, on the critical path of a constrained
+        step); the rest, and all of them if that call fails, one by one (``_fill``)."""
+        import xgrammar as xgr
+
+        batch = [(i, rid, m) for i, rid, m in rows if isinstance(m.matcher, xgr.GrammarMatcher)]
+        done: set[int] = set()
+        if len(batch) >= 2:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, (os.cpu_count() or 2) // 2)))
+            try:
+                self._batch.batch_fill_next_token_bitmask([m.matcher for _, _, m in batch], bitmask,
+                                                          [i for i, _, _ in batch])  # fmt: skip
+                done = {i for i, _, _ in batch}
+            except Exception as e:  # noqa: BLE001 - one by one instead: each matcher's failure is its own request's
+                log.warning("grammar_batch_fill_failed", error=f"{type(e).__name__}: {e}")
+        for i, rid, m in rows:
+            if i not in done:
+                self._fill(m, rid, bitmask, i)
 
     def _fill(self, m: _Matcher, rid: str, bitmask: torch.Tensor, i: int) -> None:
         """The matcher's row; a matcher that fails (llguidance past its parser limits) fails its request."""
