@@ -2,8 +2,9 @@
 
 ``HostCopies`` queues the copies of what the worker keeps of a sequence in host memory (prefix-cache snapshots, pages
 bound for the kvstore) into pinned memory. From PyTorch's caching host allocator, every block of a size it has not
-cached yet is a fresh ``cudaHostAlloc``: on an H100 machine 1000 such blocks of 16 KiB - 4 MiB took 878 ms of host
-time (p99 4.2 ms, up to 23 ms one call; 21 ms once cached), and a burst of 64 prompts finishing together, each
+cached yet is a fresh ``cudaHostAlloc``: on an H100 machine 1000 such blocks of 16 KiB - 4 MiB took 696 ms of host
+time (p99 3.1 ms a block; 21 ms once cached, 24 ms from this pool: ``bench/host/pinned_alloc.py``,
+``bench/results/host/2026-12-07-pinned-alloc-h100.md``), and a burst of 64 prompts finishing together, each
 snapshot a few dozen tensors, stalled the pipelined loop for hundreds of milliseconds. The pool allocates its slab
 once (at warm-up: ``reserve``) and hands out byte ranges of it, first fit; a range returns to the pool when the last
 tensor or array viewing it is freed (``torch.frombuffer`` holds the range's numpy view; a finalizer on that view
