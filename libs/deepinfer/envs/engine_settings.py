@@ -200,7 +200,9 @@ declare("DEEPINFER_PINNED_POOL_BYTES", "int", _HW, """
     snapshots, pages bound for the kvstore): they are carved from it instead of PyTorch's caching host allocator,
     whose first block of each size is a fresh pinned allocation (on an H100 machine 1000 of them took 0.7 s of host
     time, a burst of finishing prompts stalling the decode loop). A copy that finds no room takes the caching
-    allocator's block as before. `0`: no pool. Used only where the platform copies through pinned memory.""",
+    allocator's block as before (`deepinfer_worker_pinned_pool_fallbacks` counts them): the prefix cache keeps up
+    to `DEEPINFER_PREFIX_CACHE_RESUME_POINTS` snapshots here, so size it to hold them and a burst's offloads. `0`: no
+    pool. Used only where the platform copies through pinned memory.""",
     default=512 << 20, minimum=0)
 declare("DEEPINFER_STREAM_OVERLAP", "bool", _HW, """
     On the `nvidia` backend, let independent work of a layer run at once on two CUDA streams (the MoE's shared
