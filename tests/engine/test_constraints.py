@@ -225,3 +225,28 @@ def test_a_batch_fills_the_rows_each_request_fills_alone(compiler: Compiler, con
     together = cs.fill(rids)
     assert torch.equal(together, alone)
     assert calls and calls[-1] == [0, 1, 2, 3]  # the grammars' rows in one call (r4 terminated, r5 thinking)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apply_on_a_gpu_never_waits_for_it(compiler: Compiler, controls) -> None:
+    """The masks and row indices go to the device without the host waiting for the work queued ahead (a served
+    constrained step keeps its overlap), and mask exactly the constrained row."""
+    cs = make_set(controls)
+    cs.install("r", Constraint(compiler.compile(GrammarSpec("regex", "x"))))
+    packed = cs.fill(["r"])
+    logits = torch.randn(3, V, device="cuda")
+    want = logits.clone()
+    cs.apply(logits.clone(), packed, [1])  # (xgrammar's kernel compiled)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # GPU work queued ahead
+    queued = torch.cuda.Event()
+    queued.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cs.apply(logits, packed, [1])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not queued.query(), "the host waited for the GPU"
+    allowed = ConstraintSet.allowed(packed, V, "cuda")[0]
+    assert torch.equal(logits[1][allowed], want[1][allowed]) and bool(torch.isinf(logits[1][~allowed]).all())
+    assert torch.equal(logits[0], want[0]) and torch.equal(logits[2], want[2])

@@ -246,11 +246,15 @@ class ConstraintSet:
         host, triton = logits.device.type == "cpu", platform_of(logits.device).triton
         backend = "cpu" if host else "auto" if triton else "torch_native"  # xgrammar's kernels: Triton's or torch's
         vocab = min(self.vocab_size, logits.shape[-1])
+        # the masks and the row indices reach the device without the host waiting for it (``to_device``): a plain
+        # ``.to(device)`` (and xgrammar's copy of an index list) waits for the forward queued ahead, which would
+        # cost a served step its overlap with the host (``engine.pending_tokens``)
+        index = list(rows) if host else to_device(torch.tensor(list(rows), dtype=torch.int32), logits.device)
         xgr.apply_token_bitmask_inplace(
-            logits, full.to(logits.device), vocab_size=vocab, indices=list(rows), backend=backend
+            logits, to_device(full, logits.device), vocab_size=vocab, indices=index, backend=backend
         )
         if logits.shape[-1] > vocab:
-            logits[list(rows), vocab:] = float("-inf")
+            logits[index if host else index.long(), vocab:] = float("-inf")
 
     # -- internals --------------------------------------------------------------------------
     def warm(self) -> None:
