@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import pdl, small_gemm
+from deepinfer.kernels import fp8_gemm_config, pdl, small_gemm
 from deepinfer.kernels.formats import dequantize_fp8_blocks
 from deepinfer.kernels.fp8_gemm_config import (
     ACT_BLOCK,
@@ -66,7 +66,7 @@ from deepinfer.kernels.fp8_quant import act_quant_fp8, act_quant_sim, act_quant_
 from deepinfer.kernels.fp8_scaled_mm import block_scaled_mm
 from deepinfer.kernels.fp8_w8a8 import splitk_sum_kernel, w8a8
 from deepinfer.kernels.pdl import pdl_wait
-from deepinfer.kernels.pinning import is_pinned, plan_rows, row_slices
+from deepinfer.kernels.pinning import is_pinned, row_slices
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPLIT_TICKETS = True  # gemv / W8A16 split-K summed in the GEMM's launch (False: by splitk_sum_kernel; benchmarks)
@@ -258,7 +258,8 @@ def fp8_linear(
         parts = [fp8_linear(x2[a:b], w, scale, act_quant, block=block) for a, b in slices]
         return torch.cat(parts).view(*lead, n)
     sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-    cfg = config or pick_config(plan_rows(m), n, k, block, act_quant, sms, x2.element_size())
+    rows = fp8_gemm_config.pinned_rows() if is_pinned() else m  # (kernels.pinning)
+    cfg = config or pick_config(rows, n, k, block, act_quant, sms, x2.element_size())
     check_config(cfg, m, block, act_quant, dt)
     w = w.contiguous()
     y = torch.empty((m, n), dtype=dt, device=x.device)
@@ -355,7 +356,8 @@ def fp8_grouped_linear(
     cfg = None
     if x.is_cuda or interpreted():
         sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-        cfg = config or pick_config(plan_rows(t), n, k, block, False, sms, x.element_size())
+        rows = fp8_gemm_config.pinned_rows() if is_pinned() else t  # (kernels.pinning)
+        cfg = config or pick_config(rows, n, k, block, False, sms, x.element_size())
         check_config(cfg, t, block, False, x.dtype)
     if cfg is not None and is_pinned() and (cfg.path not in ("gemv", "w8a16") or r % cfg.block_n):
         # the groups' products on the fixed-tile GEMM (torch.bmm picks its kernels by the row count)

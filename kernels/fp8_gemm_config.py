@@ -36,6 +36,10 @@ SMALL_M_TILES = {
     (32768, 1024): (64, 2),  # wq_b
 }
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
+# pinned calls (kernels.pinning, batch-invariant mode) plan their tiles as for this many rows whatever they have (more
+# than GEMV_MAX_M: a plan whose programs tile the rows, any count up to PLAN_ROWS in one launch); the value defines
+# pinned results (bench/kernels/pinned_plans.py times the candidates at 1 and 64 rows)
+PINNED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,15 @@ def pick_config(
     return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=stages, fuse_quant=bm <= 16)
 
 
+def pinned_rows() -> int:
+    """``PINNED_ROWS``, checked: a tensor-core plan (more than ``GEMV_MAX_M`` rows) of at most ``PLAN_ROWS``."""
+    from deepinfer.kernels.pinning import PLAN_ROWS
+
+    if not GEMV_MAX_M < PINNED_ROWS <= PLAN_ROWS:
+        raise ValueError(f"fp8_gemm_config.PINNED_ROWS must be in ({GEMV_MAX_M}, {PLAN_ROWS}], got {PINNED_ROWS}")
+    return PINNED_ROWS
+
+
 def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bool, dt: torch.dtype) -> None:
     bad = None
     if cfg.path == "w8a8" and (not act_quant or block[1] != ACT_BLOCK or cfg.block_k != ACT_BLOCK):
@@ -143,6 +156,7 @@ __all__ = [
     "ACT_BLOCK",
     "DEQUANT_MIN_M",
     "GEMV_MAX_M",
+    "PINNED_ROWS",
     "SCALED_MM_MIN_M",
     "SMALL_M_MAX",
     "SMALL_M_TILES",
@@ -150,4 +164,5 @@ __all__ = [
     "W8A8_MIN_M",
     "GemmConfig",
     "pick_config",
+    "pinned_rows",
 ]

@@ -72,7 +72,7 @@ from deepinfer.kernels.moe_align import padded_slots
 from deepinfer.kernels.moe_mxfp4_gemm import gemm, swiglu_rows
 from deepinfer.kernels.moe_mxfp4_split import down_split, gate_up_split, pick_split, scale_align, split_steps
 from deepinfer.kernels.pdl import pdl_wait
-from deepinfer.kernels.pinning import plan_rows
+from deepinfer.kernels.pinning import is_pinned, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ FAST_DECODE = True  # bf16 on CUDA: decode with moe_mxfp4_gemm's PTX (False: the
 TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (False: pointer loads; benchmarks)
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
+# K pieces of each GEMM in a pinned call (kernels.pinning: the plan of PLAN_ROWS tokens takes no split, so one token
+# ran 6 slot blocks unsplit on a GPU of 132 SMs); on every device, for every token count (a split is the same for a
+# row in any batch); the value defines pinned results (bench/kernels/pinned_plans.py times the candidates)
+PINNED_SPLIT = 1
 WGMMA_PREFILL: bool | None = None  # rotate-order prefill tiles on sm_90 in Gluon (None: moe_mxfp4_wgmma.PREFILL)
 WGMMA_FAILED: str | None = None  # why the Gluon kernels failed in this process (a Triton whose Gluon API differs)
 
@@ -115,13 +119,17 @@ def splits_mxfp4(
     slots: int, experts: int, inter: int, hidden: int, cfg: MoEConfig, auto: bool = True
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(pieces, steps a piece)`` (``moe_mxfp4_split.split_steps``) of the gate/up GEMM (K = ``hidden``) and of the
-    down GEMM (K = ``inter``) under ``SPLIT_K``: ``n`` forces at most ``n`` pieces, ``None`` takes ``pick_split``'s
-    when ``auto`` and 1 otherwise. One piece: the unsplit kernels. Host arithmetic on sizes only."""
+    down GEMM (K = ``inter``) under ``SPLIT_K``: ``n`` forces at most ``n`` pieces, ``None`` takes ``PINNED_SPLIT``
+    in a pinned call (``kernels.pinning``), else ``pick_split``'s when ``auto`` and 1 otherwise. One piece: the
+    unsplit kernels. Host arithmetic on sizes only."""
     if SPLIT_K is not None and SPLIT_K < 1:
         raise ValueError(f"moe_mxfp4: SPLIT_K must be None or at least 1, got {SPLIT_K}")
+    if PINNED_SPLIT < 1:
+        raise ValueError(f"moe_mxfp4: PINNED_SPLIT must be at least 1, got {PINNED_SPLIT}")
+    forced = SPLIT_K if SPLIT_K is not None else PINNED_SPLIT if is_pinned() else None
     out = []
     for n, k in ((inter, hidden), (hidden, inter)):
-        want = SPLIT_K if SPLIT_K is not None else pick_split(slots, experts, n, k, cfg) if auto else 1
+        want = forced if forced is not None else pick_split(slots, experts, n, k, cfg) if auto else 1
         out.append(split_steps(k, cfg.block_k, want))
     return out[0], out[1]
 

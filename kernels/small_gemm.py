@@ -44,7 +44,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.pdl import pdl_wait
-from deepinfer.kernels.pinning import is_pinned, plan_rows, row_slices
+from deepinfer.kernels.pinning import PLAN_ROWS, is_pinned, row_slices
 
 ENABLED = True  # the callers (``NvidiaOps.linear_fp32``, ``hc.split_mixes_parts``) use the kernel (False: torch.mm)
 # the callers take it for at most MAX_M rows and MAX_MN outputs: on an H200 at decode's shapes within them 4.0-7.5 µs
@@ -60,6 +60,9 @@ PROGRAMS_PER_SM = 2  # split K until there are about this many programs per SM �
 MAX_SPLIT = 32  # … into at most this many parts (the last program of a tile sums them, unrolled) …
 REDUCE_BYTES = 32768  # … of which it reads at most about this many bytes
 COUNTERS = 4096  # int32 tickets per device: a split call has at most this many tiles (else it takes S = 1)
+# pinned calls (kernels.pinning) take the plan made for this many rows whatever they have (any count up to PLAN_ROWS
+# in one launch: more tiles of BLOCK_M rows); the value defines pinned results (bench/kernels/pinned_plans.py)
+PINNED_ROWS = 64
 DEFAULT_SMS = 132  # an H200's; used without a GPU (the interpreter)
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -167,16 +170,20 @@ def block_m_for(m: int) -> int:
     return max(16, min(BLOCK_M_MAX, triton.next_power_of_2(max(m, 1))))
 
 
-def plan(m: int, n: int, k: int, sms: int = DEFAULT_SMS, split: int | None = None) -> tuple[int, int, int]:
+def plan(
+    m: int, n: int, k: int, sms: int = DEFAULT_SMS, split: int | None = None, rows_at_most: int = 0
+) -> tuple[int, int, int]:
     """``(BLOCK_M, S, CHUNK)`` for ``[m, k] × [n, k]ᵀ`` on ``sms`` SMs, from the shapes alone: ``S`` splits of
     ``CHUNK`` (a multiple of ``BLOCK_K``) elements of K, none empty; about ``PROGRAMS_PER_SM · sms`` programs,
-    ``S ≤ MAX_SPLIT``. ``split`` overrides the target (still capped, and 1 when the tiles outnumber ``COUNTERS``)."""
+    ``S ≤ MAX_SPLIT``. ``split`` overrides the target (still capped, and 1 when the tiles outnumber ``COUNTERS``:
+    the tiles of ``rows_at_most`` rows where a call under this plan may have that many, a pinned one)."""
     bm = block_m_for(m)
     tiles = triton.cdiv(max(m, 1), bm) * triton.cdiv(max(n, 1), BLOCK_N)
     steps = triton.cdiv(max(k, 1), BLOCK_K)
     s = max(1, PROGRAMS_PER_SM * sms // tiles) if split is None else max(1, int(split))
     reduce = max(1, REDUCE_BYTES // (min(m, bm) * BLOCK_N * 4))  # partials the tile's last program reads
-    s = 1 if tiles > COUNTERS else min(s, MAX_SPLIT, reduce, steps)
+    most = triton.cdiv(max(m, rows_at_most, 1), bm) * triton.cdiv(max(n, 1), BLOCK_N)
+    s = 1 if most > COUNTERS else min(s, MAX_SPLIT, reduce, steps)
     chunk = triton.cdiv(steps, s)
     return bm, triton.cdiv(steps, chunk), chunk * BLOCK_K
 
@@ -185,7 +192,8 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     """``x [M, K] · w [N, K]ᵀ`` → ``[M, N]`` fp32 (module docstring): ``x`` and ``w`` bf16 or fp16, of one dtype,
     on one device (CUDA, or any under ``TRITON_INTERPRET=1``), unit stride along K (else copied). Meant for
     ``M ≤ MAX_M``; any ``M`` works. ``split`` overrides ``plan``'s target split (results differ between splits only
-    by fp32 summation order). Pinned (``kernels.pinning``): planned for ``PLAN_ROWS`` rows, in slices of as many."""
+    by fp32 summation order). Pinned (``kernels.pinning``): planned for ``PINNED_ROWS`` rows, in slices of
+    ``PLAN_ROWS``."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_mm_fp32 takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.dtype not in _HALF:
@@ -206,7 +214,12 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     sms = _sm_count(x.device.index or 0) if x.is_cuda and not _interpret() else DEFAULT_SMS
-    bm, s, chunk = plan(plan_rows(m), n, k, sms, split)
+    if is_pinned():  # (kernels.pinning) one plan for every row count up to PLAN_ROWS
+        if not 1 <= PINNED_ROWS <= PLAN_ROWS:
+            raise ValueError(f"small_gemm.PINNED_ROWS must be in [1, {PLAN_ROWS}], got {PINNED_ROWS}")
+        bm, s, chunk = plan(PINNED_ROWS, n, k, sms, split, rows_at_most=PLAN_ROWS)
+    else:
+        bm, s, chunk = plan(m, n, k, sms, split)
     if s == 1:
         part, cnt = out, out  # unused
     else:
@@ -220,4 +233,4 @@ def small_mm_fp32(x: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     return out
 
 
-__all__ = ["ENABLED", "MAX_M", "applies", "block_m_for", "counters", "plan", "ready", "small_mm_fp32"]
+__all__ = ["ENABLED", "MAX_M", "PINNED_ROWS", "applies", "block_m_for", "counters", "plan", "ready", "small_mm_fp32"]

@@ -36,6 +36,7 @@ TRIM: dict[str, list[str]] = {
     "serving/mesh_overhead.py": ["--concurrency", "2"],  # (the session stream; submit is the same loop, one mesh more)
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
     "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2", "--steps", "3"],
+    "kernels/pinned_plans.py": ["--rows", "1,5"],
     "engine/engine_decode.py": [
         "--batches",
         "1,2",
@@ -187,7 +188,30 @@ def _sampling(out: Path, stdout: str) -> None:
     assert "full sort ms (peer)" in stdout
 
 
+def _structured_outputs(out: Path, stdout: str) -> None:
+    """The served rows: the async engine plain, with the schema and with the schema held (the peer), per batch."""
+    rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2], rows
+    for r in rows:
+        assert min(r["served_ms"], r["served_schema_ms"], r["served_schema_held_ms"], r["roofline_ms"]) > 0, r
+        assert r["served_schema_compiles"] == 0
+        assert abs(r["served_overhead"] - (r["served_schema_ms"] / r["served_ms"] - 1)) < 1e-9, r
+
+
+def _pinned_plans(out: Path, stdout: str) -> None:
+    """Every family timed at both row counts, the peer and each candidate; each candidate invariant in the
+    interpreter (row 0 of the widest call equal to the one-row call); a pick per family."""
+    result = json.loads(next(out.glob("*.json")).read_text())
+    assert set(result["picks"]) == {"fp8", "small", "moe"} and all(p["pick"] for p in result["picks"].values())
+    for r in result["rows"]:
+        assert r["us"] > 0 and r["roofline_us"] > 0 and r["rows"] in (1, 5), r
+        assert r["invariant"] or r["candidate"] == "default", r
+    assert "| default (peer) |" in stdout
+
+
 CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "engine/structured_outputs.py": _structured_outputs,
+    "kernels/pinned_plans.py": _pinned_plans,
     "kernels/sampling.py": _sampling,
     "engine/batch_invariance.py": _batch_invariance,
     "serving/prefix_turns.py": _prefix_turns,

@@ -88,3 +88,55 @@ def test_the_fast_kernels_pinned_are_batch_invariant():
     assert not torch.equal(default[0], default[1])
     model.ops = ReferenceOps()
     assert (target_logits(model, [target], [[20]], None, PAGE)[-1:] - got[0][-1:]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "knob, value",
+    [("fp8_gemm_config.PINNED_ROWS", 8), ("fp8_gemm_config.PINNED_ROWS", 16), ("small_gemm.PINNED_ROWS", 16),
+     ("moe_mxfp4.PINNED_SPLIT", 2)],
+)  # fmt: skip
+def test_each_pinned_plan_candidate_keeps_a_row_s_bits(monkeypatch, knob, value):
+    """The plans a kernel may pin in place of ``PLAN_ROWS``' (``bench/kernels/pinned_plans.py`` picks among them):
+    with each, a row alone, among 9 rows and among 40 (past the plan's own rows: more tiles, the same tiles' sums) is
+    the same, bit for bit; the MXFP4 experts under a pinned split too, and that split differs from the unsplit
+    call's order (so the check can fail)."""
+    from deepinfer.kernels import fp8_gemm, fp8_gemm_config, moe_mxfp4, small_gemm
+    from deepinfer.quant.formats import quantize_fp8_blocks
+
+    mod, name = knob.split(".")
+    monkeypatch.setattr({"fp8_gemm_config": fp8_gemm_config, "small_gemm": small_gemm, "moe_mxfp4": moe_mxfp4}[mod],
+                        name, value)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    if mod == "moe_mxfp4":
+        from bench.harness import mxfp4_experts
+
+        mx = mxfp4_experts(8, 64, 256, g, "cpu")  # K = 256 of both GEMMs: 4 steps of the interpreter's tiles
+        x, idx = torch.randn(9, 256, generator=g), torch.rand(9, 8, generator=g).topk(2, dim=1).indices.int()
+        w = torch.rand(9, 2, generator=g).softmax(-1)
+        fn = lambda r: moe_mxfp4.moe_mxfp4(x[:r], idx[:r], w[:r], *mx, 10.0)  # noqa: E731
+        rows = (1, 5, 9)
+    else:
+        x, w = torch.randn(40, 256, generator=g), torch.randn(96, 256, generator=g) / 16
+        wq, scale = quantize_fp8_blocks(w, (128, 128))
+        fn = (lambda r: fp8_gemm.fp8_linear(x[:r], wq, scale)) if mod != "small_gemm" else (
+            lambda r: small_gemm.small_mm_fp32(x[:r].bfloat16(), w.bfloat16()))  # fmt: skip
+        rows = (1, 9, 40)
+    with pinning.pinned():
+        alone, some, many = (fn(r) for r in rows)
+        assert torch.equal(alone[0], some[0]) and torch.equal(alone[0], many[0])
+        assert torch.equal(some[rows[1] - 1], many[rows[1] - 1])
+    if mod == "moe_mxfp4":
+        assert not torch.equal(fn(1)[0], alone[0])  # unpinned on the CPU: one piece
+
+
+def test_a_pinned_plan_out_of_range_is_refused(monkeypatch):
+    from deepinfer.kernels import fp8_gemm, fp8_gemm_config, moe_mxfp4
+    from deepinfer.quant.formats import quantize_fp8_blocks
+
+    wq, scale = quantize_fp8_blocks(torch.randn(64, 128), (128, 128))
+    monkeypatch.setattr(fp8_gemm_config, "PINNED_ROWS", fp8_gemm_config.GEMV_MAX_M)  # the gemv: one launch per row
+    with pinning.pinned(), pytest.raises(ValueError, match="PINNED_ROWS"):
+        fp8_gemm.fp8_linear(torch.randn(3, 128), wq, scale)
+    monkeypatch.setattr(moe_mxfp4, "PINNED_SPLIT", 0)
+    with pinning.pinned(), pytest.raises(ValueError, match="PINNED_SPLIT"):
+        moe_mxfp4.splits_mxfp4(6, 8, 64, 64, moe_mxfp4.MX_INTERPRET)

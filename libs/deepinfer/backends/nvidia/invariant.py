@@ -54,6 +54,16 @@ def pin(ops: object) -> None:
         setattr(ops, name, types.MethodType(_pinned(getattr(type(ops), name)), ops))
 
 
+def invariance_name() -> str:
+    """The mode's version and the pinned plans' constants by name (``requires["ops"]`` of a batch-invariant
+    response, docs/determinism.md): together they fix every pinned kernel's order of sums."""
+    from deepinfer.kernels import fp8_gemm_config, moe_mxfp4, small_gemm
+    from deepinfer.kernels.pinning import PLAN_ROWS
+
+    return (f"batch-invariant v3 (pinned plans, plan_rows={PLAN_ROWS}, fp8_rows={fp8_gemm_config.PINNED_ROWS}, "
+            f"small_rows={small_gemm.PINNED_ROWS}, moe_split={moe_mxfp4.PINNED_SPLIT})")  # fmt: skip
+
+
 class InvariantOps:
     """``pointwise``, ``linear``, ``grouped_linear``, ``hc_collapse``, ``sparse_attention``, ``indexer_scores`` and
     ``softmax_pool`` of the nvidia op set: batch-invariant where ``batch_invariant`` is set (module docstring), else
@@ -113,4 +123,4 @@ class InvariantOps:
         return pool_softmax(kv, score, torch.exp, rowsum)  # (a device's exp is elementwise: row-invariant)
 
 
-__all__ = ["InvariantOps", "pin", "visible_keys"]
+__all__ = ["InvariantOps", "invariance_name", "pin", "visible_keys"]

@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.backends.nvidia.bf16_parts import linear_by_parts
 from deepinfer.backends.nvidia.fixed import fixed_logits, fixed_mm
-from deepinfer.backends.nvidia.invariant import InvariantOps, pin
+from deepinfer.backends.nvidia.invariant import InvariantOps, invariance_name, pin
 from deepinfer.backends.nvidia.moe import MOE_BACKENDS, NvidiaMoEOps
 from deepinfer.backends.nvidia.step_glue import StepGlueOps
 from deepinfer.backends.nvidia.streams import StreamOps
@@ -95,9 +95,7 @@ class NvidiaOps(StreamOps, StepGlueOps, NvidiaMoEOps, InvariantOps, ReferenceOps
 
         self._attend_lists, self._index_ranges = sparse_attention_gather, indexer_scores_ranges
         if invariant:
-            from deepinfer.kernels.pinning import PLAN_ROWS
-
-            self.invariance = f"batch-invariant v2 (pinned plans, plan_rows={PLAN_ROWS})"
+            self.invariance = invariance_name()
             pin(self)  # every op's kernels planned as for kernels.pinning.PLAN_ROWS rows (backends.nvidia.invariant)
 
     def _packs(self, scores: torch.Tensor) -> bool:
