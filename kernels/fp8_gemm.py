@@ -258,7 +258,7 @@ def fp8_linear(
         parts = [fp8_linear(x2[a:b], w, scale, act_quant, block=block) for a, b in slices]
         return torch.cat(parts).view(*lead, n)
     sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-    rows = fp8_gemm_config.pinned_rows() if is_pinned() else m  # (kernels.pinning)
+    rows = fp8_gemm_config.pinned_rows(n, k) if is_pinned() else m  # (kernels.pinning)
     cfg = config or pick_config(rows, n, k, block, act_quant, sms, x2.element_size())
     check_config(cfg, m, block, act_quant, dt)
     w = w.contiguous()
@@ -356,7 +356,7 @@ def fp8_grouped_linear(
     cfg = None
     if x.is_cuda or interpreted():
         sms = sm_count(x.device.index or 0) if x.is_cuda else 4
-        rows = fp8_gemm_config.pinned_rows() if is_pinned() else t  # (kernels.pinning)
+        rows = fp8_gemm_config.pinned_rows(n, k) if is_pinned() else t  # (kernels.pinning)
         cfg = config or pick_config(rows, n, k, block, False, sms, x.element_size())
         check_config(cfg, t, block, False, x.dtype)
     if cfg is not None and is_pinned() and (cfg.path not in ("gemv", "w8a16") or r % cfg.block_n):

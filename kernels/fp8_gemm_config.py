@@ -37,9 +37,13 @@ SMALL_M_TILES = {
 }
 _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 # pinned calls (kernels.pinning, batch-invariant mode) plan their tiles as for this many rows whatever they have (more
-# than GEMV_MAX_M: a plan whose programs tile the rows, any count up to PLAN_ROWS in one launch); the value defines
-# pinned results (bench/kernels/pinned_plans.py times the candidates at 1 and 64 rows)
-PINNED_ROWS = 64
+# than GEMV_MAX_M: a plan whose programs tile the rows, any count up to PLAN_ROWS in one launch), or as for the rows
+# PINNED_ROWS_BY_SHAPE gives their (N, K); these values define pinned results. On an H100 at V4-Flash's eight dense
+# shapes (bench/kernels/pinned_plans.py, bench/results/kernels/2026-12-07-pinned-plans-h100.md) the 32-row plan took
+# 162 µs at one row and 172 at 64 against the 64-row plan's 191 / 192 (the unpinned peer 91 / 194); the 8-row plan
+# is faster at one row for some shapes and slower at 64 (the result file weighs them; none is in the table yet)
+PINNED_ROWS = 32
+PINNED_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {}
 
 
 @dataclass(frozen=True)
@@ -125,13 +129,15 @@ def pick_config(
     return GemmConfig(bm, bn, 128, split_k=split, num_warps=warps, num_stages=stages, fuse_quant=bm <= 16)
 
 
-def pinned_rows() -> int:
-    """``PINNED_ROWS``, checked: a tensor-core plan (more than ``GEMV_MAX_M`` rows) of at most ``PLAN_ROWS``."""
+def pinned_rows(n: int, k: int) -> int:
+    """The rows a pinned ``[·, k] × [n, k]ᵀ`` plans for (``PINNED_ROWS_BY_SHAPE``, else ``PINNED_ROWS``), checked:
+    a tensor-core plan (more than ``GEMV_MAX_M`` rows) of at most ``PLAN_ROWS``."""
     from deepinfer.kernels.pinning import PLAN_ROWS
 
-    if not GEMV_MAX_M < PINNED_ROWS <= PLAN_ROWS:
-        raise ValueError(f"fp8_gemm_config.PINNED_ROWS must be in ({GEMV_MAX_M}, {PLAN_ROWS}], got {PINNED_ROWS}")
-    return PINNED_ROWS
+    rows = PINNED_ROWS_BY_SHAPE.get((n, k), PINNED_ROWS)
+    if not GEMV_MAX_M < rows <= PLAN_ROWS:
+        raise ValueError(f"fp8_gemm_config: pinned rows of ({n}, {k}) must be in ({GEMV_MAX_M}, {PLAN_ROWS}]: {rows}")
+    return rows
 
 
 def check_config(cfg: GemmConfig, m: int, block: tuple[int, int], act_quant: bool, dt: torch.dtype) -> None:
@@ -157,6 +163,7 @@ __all__ = [
     "DEQUANT_MIN_M",
     "GEMV_MAX_M",
     "PINNED_ROWS",
+    "PINNED_ROWS_BY_SHAPE",
     "SCALED_MM_MIN_M",
     "SMALL_M_MAX",
     "SMALL_M_TILES",

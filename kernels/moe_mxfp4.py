@@ -98,9 +98,10 @@ TMA_WEIGHTS = True  # bf16 on CUDA: the weight tiles come through the TMA unit (
 SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; None: when block_m >= 64 (benchmarks)
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
 # K pieces of each GEMM in a pinned call (kernels.pinning: the plan of PLAN_ROWS tokens takes no split, so one token
-# ran 6 slot blocks unsplit on a GPU of 132 SMs); on every device, for every token count (a split is the same for a
-# row in any batch); the value defines pinned results (bench/kernels/pinned_plans.py times the candidates)
-PINNED_SPLIT = 1
+# ran 6 slot blocks unsplit); on every device, for every token count (a split is the same for a row in any batch); the
+# value defines pinned results. H100, V4-Flash's experts (bench/kernels/pinned_plans.py): 1 / 2 / 4 pieces 81 / 61 /
+# 52 µs at one token, 1044 / 1075 / 1152 µs at 64
+PINNED_SPLIT = 2
 WGMMA_PREFILL: bool | None = None  # rotate-order prefill tiles on sm_90 in Gluon (None: moe_mxfp4_wgmma.PREFILL)
 WGMMA_FAILED: str | None = None  # why the Gluon kernels failed in this process (a Triton whose Gluon API differs)
 

@@ -61,8 +61,9 @@ MAX_SPLIT = 32  # … into at most this many parts (the last program of a tile s
 REDUCE_BYTES = 32768  # … of which it reads at most about this many bytes
 COUNTERS = 4096  # int32 tickets per device: a split call has at most this many tiles (else it takes S = 1)
 # pinned calls (kernels.pinning) take the plan made for this many rows whatever they have (any count up to PLAN_ROWS
-# in one launch: more tiles of BLOCK_M rows); the value defines pinned results (bench/kernels/pinned_plans.py)
-PINNED_ROWS = 64
+# in one launch: more tiles of BLOCK_M rows); the value defines pinned results. On an H100 at decode's shapes 16, 32
+# and 64 are within 2 µs of each other at 1 and 64 rows; 32 the least at 64 (bench/kernels/pinned_plans.py)
+PINNED_ROWS = 32
 DEFAULT_SMS = 132  # an H200's; used without a GPU (the interpreter)
 _HALF = (torch.bfloat16, torch.float16)
 

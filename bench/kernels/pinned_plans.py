@@ -6,7 +6,7 @@ the call has, so a row's sums run in one order in any batch. The plan made for 6
 families take another pinned plan where one is better at both; this script times their candidates:
 
 - ``fp8``: the FP8 dense linears (``kernels.fp8_gemm``, V4-Flash's shapes, bf16 activations): tiles planned as for
-  ``fp8_gemm_config.PINNED_ROWS`` rows, each of ``--gemm-rows``;
+  ``fp8_gemm_config.PINNED_ROWS`` rows, each of ``--gemm-rows`` (for every shape: no ``PINNED_ROWS_BY_SHAPE``);
 - ``small``: the fp32 small GEMMs (``kernels.small_gemm``: the router, the compressors' projections, the mHC mixes):
   ``small_gemm.PINNED_ROWS`` ∈ ``--small-rows``;
 - ``moe``: the MXFP4 routed experts (``kernels.moe_mxfp4``, top-6 of 256, the rotate nibble order the model runs):
@@ -14,10 +14,13 @@ families take another pinned plan where one is better at both; this script times
 
 At each row count of ``--rows``, per candidate: µs per call (a CUDA graph of ``--calls`` calls cycling through
 weight copies / routings, so the weights come from HBM; best of ``--reps`` replays), whether it is batch-invariant on
-this device (row 0 of the widest call bit-identical to the one-row call, and to a middle-sized one), beside the peer
+this device (row 0 of the widest call bit-identical to the one-row call, and to a middle-sized one), and the same for
+the constants as shipped (``shipped``: per shape where the code says so), beside the peer
 (the default, unpinned op at that row count: what the default op set runs) and the roofline (the bytes of weights
-the call reads over the copy bandwidth measured in the same run). Per family the sum over its shapes, and the pick:
-the fastest candidate at one row among those within ``--slack`` of the best at the widest.
+the call reads over the copy bandwidth measured in the same run). Per family the sum over its shapes, and a pick:
+the fastest candidate at one row among those within ``--slack`` of the best at the widest. The shipped constants
+weigh each family's cost against the whole step's (a batch of 64 spends most of its step in the experts, so a
+dense-GEMM plan may cost more there than the slack allows and still pay at one row); docs/determinism.md.
 
     PYTHONPATH=libs:. python bench/kernels/pinned_plans.py --out bench/results/kernels
     PYTHONPATH=libs:. python bench/kernels/pinned_plans.py --tiny --device cpu --out /tmp/x   # smoke: interpreter
@@ -91,19 +94,23 @@ def time_us(fn, copies: int, calls: int, reps: int, dev: torch.device) -> float:
 
 
 def with_knob(family: str, value, fn):
-    """``fn`` run pinned with the family's knob at ``value`` (``None``: unpinned, the knob as it is)."""
+    """``fn`` run pinned with the family's knob at ``value`` (for ``fp8`` with no per-shape entry either), pinned as
+    shipped (``"shipped"``: the constants as the code has them), or unpinned (``None``: the peer)."""
     mod, name = KNOBS[family]
+    knobs = {name: value, **({"PINNED_ROWS_BY_SHAPE": {}} if family == "fp8" else {})}
 
     def run(*a):
         if value is None:
             return fn(*a)
-        old = getattr(mod, name)
-        setattr(mod, name, value)
+        old = {k: getattr(mod, k) for k in knobs} if value != "shipped" else {}
+        for k in old:
+            setattr(mod, k, knobs[k])
         try:
             with pinning.pinned():
                 return fn(*a)
         finally:
-            setattr(mod, name, old)
+            for k, v in old.items():
+                setattr(mod, k, v)
 
     return run
 
@@ -145,7 +152,7 @@ def small_cases(dev, shapes, rows, cycle_bytes):
 
 def moe_cases(dev, shape, rows, copies):
     """One case: the experts in the rotate order, ``copies`` routings (top-k of E, uniform) of ``max(rows)`` tokens;
-    bytes: the distinct experts a one-row call touches (its roofline at one row; the table scales it per row count)."""
+    bytes: of one expert (``moe_bytes`` counts the distinct experts of each row count)."""
     e, d, inter, k = shape
     g = torch.Generator(device=dev).manual_seed(0)
     w1, s1, w2, s2, w3, s3 = mxfp4_experts(e, inter, d, g, dev)
@@ -173,7 +180,7 @@ def measure(family, cases, values, rows, a, dev, gbps):
     out = []
     for case in cases:
         name, copies, call = case[:3]
-        for value in [None, *values]:
+        for value in [None, "shipped", *values]:
             run = with_knob(family, value, call)
             inv = invariant(lambda r, run=run: run(0, r), rows)
             for r in rows:
@@ -190,7 +197,7 @@ def measure(family, cases, values, rows, a, dev, gbps):
 def pick(rows_out, values, rows, slack):
     """Per candidate the family's total µs at each row count; the pick (module docstring)."""
     tot = {v: {r: sum(o["us"] for o in rows_out if o["candidate"] == v and o["rows"] == r) for r in rows}
-           for v in ["default", *values]}  # fmt: skip
+           for v in ["default", "shipped", *values]}  # fmt: skip
     ok = [v for v in values if all(o["invariant"] for o in rows_out if o["candidate"] == v)]
     wide = max(rows)
     best_wide = min((tot[v][wide] for v in ok), default=math.inf)
