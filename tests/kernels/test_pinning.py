@@ -141,3 +141,17 @@ def test_a_pinned_plan_out_of_range_is_refused(monkeypatch):
     monkeypatch.setattr(moe_mxfp4, "PINNED_SPLIT", 0)
     with pinning.pinned(), pytest.raises(ValueError, match="PINNED_SPLIT"):
         moe_mxfp4.splits_mxfp4(6, 8, 64, 64, moe_mxfp4.MX_INTERPRET)
+
+
+def test_the_op_set_names_every_pinned_plan_constant(monkeypatch):
+    """``requires["ops"]`` of a batch-invariant response changes with each constant that changes pinned results."""
+    from deepinfer.backends.nvidia.invariant import invariance_name
+    from deepinfer.kernels import fp8_gemm_config, moe_mxfp4, small_gemm
+
+    names = {invariance_name()}
+    changes = [(fp8_gemm_config, "PINNED_ROWS", 16), (fp8_gemm_config, "PINNED_ROWS_BY_SHAPE", {(512, 4096): 8}),
+               (small_gemm, "PINNED_ROWS", 16), (moe_mxfp4, "PINNED_SPLIT", 3)]  # fmt: skip
+    for mod, name, value in changes:
+        monkeypatch.setattr(mod, name, value)
+        names.add(invariance_name())
+    assert len(names) == 5 and "fp8_rows512x4096=8" in invariance_name()

@@ -60,7 +60,8 @@ def invariance_name() -> str:
     from deepinfer.kernels import fp8_gemm_config, moe_mxfp4, small_gemm
     from deepinfer.kernels.pinning import PLAN_ROWS
 
-    return (f"batch-invariant v3 (pinned plans, plan_rows={PLAN_ROWS}, fp8_rows={fp8_gemm_config.PINNED_ROWS}, "
+    shapes = "".join(f", fp8_rows{n}x{k}={r}" for (n, k), r in sorted(fp8_gemm_config.PINNED_ROWS_BY_SHAPE.items()))
+    return (f"batch-invariant v3 (pinned plans, plan_rows={PLAN_ROWS}, fp8_rows={fp8_gemm_config.PINNED_ROWS}{shapes}, "
             f"small_rows={small_gemm.PINNED_ROWS}, moe_split={moe_mxfp4.PINNED_SPLIT})")  # fmt: skip
 
 
