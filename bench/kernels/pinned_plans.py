@@ -220,7 +220,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = pick_device(a)
     if a.tiny:
-        a.gemm_rows, a.small_rows, a.moe_splits, a.calls, a.reps = "8,16", "8,16", "1,2", 2, 1
+        a.gemm_rows, a.small_rows, a.moe_splits, a.calls, a.reps = "8,16", "8,16", "1,2", 1, 1
     a.rows = a.rows or ("1,8" if a.tiny else "1,64")
     if dev.type != "cuda":
         note_skipped({"CUDA graphs, HBM-sized weight cycles": "need a GPU (eager calls in the interpreter here)"})
