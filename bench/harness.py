@@ -24,6 +24,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -148,6 +149,38 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls * 1e3
+
+
+def cycled_graph_us(fn: Callable[[int], object], copies: int, calls: int, reps: int, dev: Any) -> float:
+    """µs per call of ``fn(i)``: on a GPU a CUDA graph of ``calls`` calls (call ``i`` on copy ``i % copies``: weights
+    or inputs cycled so that they come from HBM, not L2), the best of ``reps`` replays, launch gaps amortised; on the
+    CPU (the smoke modes) the same calls eagerly, the median of ``reps`` rounds on the host's clock."""
+    import torch
+
+    if torch.device(dev).type != "cuda":
+        return median_ms(lambda: [fn(i % copies) for i in range(calls)], dev, repeats=reps) * 1e3 / calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles, caches) off the capture
+        for i in range(min(copies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return best
 
 
 def copy_gbps(dev: Any, numel: int = 1 << 29) -> float:

@@ -41,7 +41,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from bench.harness import add_common_args, interpret_if_cpu, median_ms, note_skipped, pick_device, rel_diff
+from bench.harness import add_common_args, cycled_graph_us, interpret_if_cpu, note_skipped, pick_device, rel_diff
 
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
@@ -80,32 +80,8 @@ def make_weights(n, k, copies, block=(128, 128)):
 
 
 def time_graph(fn, copies, calls, reps):
-    """µs per call: a CUDA graph of ``calls`` calls (call i uses weight copy i % copies), best of ``reps`` replays;
-    on the CPU (the smoke mode) the same calls eagerly, the median of ``reps`` rounds on the host's clock."""
-    if DEV != "cuda":
-        return median_ms(lambda: [fn(i % copies) for i in range(calls)], DEV, repeats=reps) * 1e3 / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return best
+    """µs per call (``harness.cycled_graph_us`` on ``DEV``: a CUDA graph of calls cycling weight copies)."""
+    return cycled_graph_us(fn, copies, calls, reps, DEV)
 
 
 def bench_shape(name, n, k, ms, args, rows):

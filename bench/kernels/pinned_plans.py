@@ -39,8 +39,8 @@ import torch
 from bench.harness import (
     add_common_args,
     copy_gbps,
+    cycled_graph_us,
     interpret_if_cpu,
-    median_ms,
     mxfp4_experts,
     note_skipped,
     pick_device,
@@ -63,34 +63,6 @@ SMALL_SHAPES = {"router": (256, 4096), "compressor": (1024, 4096), "idx_compress
 MOE_SHAPE = (256, 4096, 2048, 6)  # E, D, I, top-k
 TINY = {"fp8": {"tiny": (64, 256)}, "small": {"tiny": (32, 512)}, "moe": (8, 64, 64, 2)}
 KNOBS = {"fp8": (fc, "PINNED_ROWS"), "small": (small_gemm, "PINNED_ROWS"), "moe": (mx, "PINNED_SPLIT")}
-
-
-def time_us(fn, copies: int, calls: int, reps: int, dev: torch.device) -> float:
-    """µs per call: a CUDA graph of ``calls`` calls (call i on copy i % copies), best of ``reps`` replays; on the
-    CPU the calls eagerly, the median of ``reps`` rounds on the host's clock."""
-    if dev.type != "cuda":
-        return median_ms(lambda: [fn(i % copies) for i in range(calls)], dev, repeats=reps) * 1e3 / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 2)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
 
 
 def with_knob(family: str, value, fn):
@@ -184,7 +156,7 @@ def measure(family, cases, values, rows, a, dev, gbps):
             run = with_knob(family, value, call)
             inv = invariant(lambda r, run=run: run(0, r), rows)
             for r in rows:
-                us = time_us(lambda i, r=r, run=run: run(i, r), copies, a.calls, a.reps, dev)
+                us = cycled_graph_us(lambda i, r=r, run=run: run(i, r), copies, a.calls, a.reps, dev)
                 nbytes = moe_bytes(case, r) if family == "moe" else case[3]
                 out.append(dict(family=family, case=name, rows=r, candidate="default" if value is None else value,
                                 us=us, invariant=inv, roofline_us=nbytes / (gbps * 1e3)))  # fmt: skip
