@@ -39,11 +39,18 @@ _PATHS = ("gemv", "w8a16", "w8a8", "dequant")
 # pinned calls (kernels.pinning, batch-invariant mode) plan their tiles as for this many rows whatever they have (more
 # than GEMV_MAX_M: a plan whose programs tile the rows, any count up to PLAN_ROWS in one launch), or as for the rows
 # PINNED_ROWS_BY_SHAPE gives their (N, K); these values define pinned results. On an H100 at V4-Flash's eight dense
-# shapes (bench/kernels/pinned_plans.py, bench/results/kernels/2026-12-07-pinned-plans-h100.md) the 32-row plan took
-# 162 µs at one row and 172 at 64 against the 64-row plan's 191 / 192 (the unpinned peer 91 / 194); the 8-row plan
-# is faster at one row for some shapes and slower at 64 (the result file weighs them; none is in the table yet)
+# shapes (bench/kernels/pinned_plans.py, bench/results/kernels/2026-12-07-pinned-plans-head-h100.md) the 32-row plan
+# took 160 µs at one row and 171 at 64 against the 64-row plan's 193 / 192 (the unpinned peer 92 / 192); the 8-row
+# plan for the five shapes where it saves the most at one row, as shipped: 127 / 235 (the step's trade: docs/
+# determinism.md)
 PINNED_ROWS = 32
-PINNED_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {}
+PINNED_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {
+    (512, 4096): 8,  # wkv (faster at 64 rows too)
+    (1024, 4096): 8,  # wq_a
+    (4096, 8192): 8,  # wo_b
+    (32768, 1024): 8,  # wq_b
+    (8192, 1024): 8,  # the indexer's wq_b
+}
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ the same sequence can round differently in a batch of 1 and in a batch of 37.
 
 The invariance holds by construction, not by tuning:
 
-* ``matmul_fixed``: one fixed tile config (``MATMUL_BLOCK_M/N/K``, warps, stages), no autotuning and no split-K.
-  Output element ``(m, n)`` is computed by the program owning its tile, which walks K from 0 upward in
-  ``MATMUL_BLOCK_K`` steps, each step one ``tl.dot`` of a fixed shape accumulated into fp32. That order depends
-  only on K and the tile constants, never on M nor on which row of the tile ``m`` falls in (every lane of a
-  ``tl.dot`` reduces the same way), and rows past M are masked to zero without touching the others. The kernel is
-  also compiled with ``do_not_specialize=["M"]``, so every M runs the same binary.
+* ``matmul_fixed``: one fixed tile config per operand dtype (``MATMUL_PLAN``, ``MATMUL_PLAN_FP32``: block M / N / K,
+  warps, stages), no autotuning and no split-K. Output element ``(m, n)`` is computed by the program owning its
+  tile, which walks K from 0 upward in block-K steps, each step one ``tl.dot`` of a fixed shape accumulated into
+  fp32. That order depends only on K and the tile constants, never on M nor on which row of the tile ``m`` falls
+  in (every lane of a ``tl.dot`` reduces the same way), and rows past M are masked to zero without touching the
+  others. The kernel is also compiled with ``do_not_specialize=["M"]``, so every M runs the same binary.
 * ``rowsum``: one program per row (``INTERPRET_ROWS`` rows in Triton's interpreter, each with its own lanes), a
   ``ROWSUM_BLOCK``-lane fp32 accumulator that takes the row in chunks from 0
   upward, then one fixed-shape ``tl.sum`` over the lanes. The result depends only on the row's values. Appending
@@ -32,11 +32,12 @@ import triton.language as tl
 from deepinfer.kernels import pdl
 from deepinfer.kernels.pdl import pdl_wait
 
-MATMUL_BLOCK_M = 64
-MATMUL_BLOCK_N = 64
-MATMUL_BLOCK_K = 32
-MATMUL_NUM_WARPS = 4
-MATMUL_NUM_STAGES = 3
+# matmul_fixed's one plan: block M, block N, block K, warps, stages. The block K sets the order of a row's sums, so the
+# value defines its results (batch-invariant mode's name carries it); candidates: bench/kernels/pinned_plans.py's
+# ``head`` family (V4's output head, 129280 x 4096 bf16 weights). On an H100 this plan took 350 µs at one row and 372
+# at 64, cuBLAS 380 / 423, the earlier 64x64x32x4x3 464 / 568 (the weight over the copy bandwidth: 361)
+MATMUL_PLAN = (64, 128, 128, 8, 3)
+MATMUL_PLAN_FP32 = (64, 64, 32, 4, 3)  # fp32 operands (IEEE products): twice the bytes a tile, in 3 stages of SMEM
 # Triton's interpreter runs a program at a time in Python (numpy vectorises a program, not a grid): wider tiles there
 # (the order of a row's sums is set by BLOCK_K alone, which stays; the tests' fp32 heads have 129280 columns)
 INTERPRET_BLOCK_N = 4096
@@ -132,8 +133,9 @@ def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
         return y.reshape(*lead, N)
     if K == 0:
         return y.zero_().reshape(*lead, N)
-    block_n = INTERPRET_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else MATMUL_BLOCK_N
-    grid = (triton.cdiv(M, MATMUL_BLOCK_M), triton.cdiv(N, block_n))
+    block_m, block_n, block_k, warps, stages = MATMUL_PLAN_FP32 if x.dtype == torch.float32 else MATMUL_PLAN
+    block_n = INTERPRET_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else block_n
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _matmul_kernel[grid](
         x2,
         w,
@@ -144,12 +146,12 @@ def matmul_fixed(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None
         x2.stride(0),
         w.stride(0),
         y.stride(0),
-        BLOCK_M=MATMUL_BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=MATMUL_BLOCK_K,
+        BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32,
-        num_warps=MATMUL_NUM_WARPS,
-        num_stages=MATMUL_NUM_STAGES,
+        num_warps=warps,
+        num_stages=stages,
         **pdl.launch(),
     )
     return y.reshape(*lead, N)

@@ -99,9 +99,10 @@ SWAP_AB: bool | None = None  # tl.dot with the weights as its first operand; Non
 SPLIT_K: int | None = None  # K pieces of each GEMM: None: ``pick_split`` on a GPU (1 in the interpreter); n: forced
 # K pieces of each GEMM in a pinned call (kernels.pinning: the plan of PLAN_ROWS tokens takes no split, so one token
 # ran 6 slot blocks unsplit); on every device, for every token count (a split is the same for a row in any batch); the
-# value defines pinned results. H100, V4-Flash's experts (bench/kernels/pinned_plans.py): 1 / 2 / 4 pieces 81 / 61 /
-# 52 µs at one token, 1044 / 1075 / 1152 µs at 64
-PINNED_SPLIT = 2
+# value defines pinned results. H100, V4-Flash's experts (bench/kernels/pinned_plans.py): 1 / 2 / 3 / 4 / 6 pieces 79 /
+# 61 / 53 / 51 / 57 µs at one token, 1037 / 1070 / 1161 / 1147 / 1347 µs at 64 (4: the one-token step's gain; the
+# 64-token step's cost is weighed in docs/determinism.md)
+PINNED_SPLIT = 4
 WGMMA_PREFILL: bool | None = None  # rotate-order prefill tiles on sm_90 in Gluon (None: moe_mxfp4_wgmma.PREFILL)
 WGMMA_FAILED: str | None = None  # why the Gluon kernels failed in this process (a Triton whose Gluon API differs)
 

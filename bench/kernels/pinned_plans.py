@@ -10,7 +10,9 @@ families take another pinned plan where one is better at both; this script times
 - ``small``: the fp32 small GEMMs (``kernels.small_gemm``: the router, the compressors' projections, the mHC mixes):
   ``small_gemm.PINNED_ROWS`` ∈ ``--small-rows``;
 - ``moe``: the MXFP4 routed experts (``kernels.moe_mxfp4``, top-6 of 256, the rotate nibble order the model runs):
-  ``moe_mxfp4.PINNED_SPLIT`` ∈ ``--moe-splits`` K pieces.
+  ``moe_mxfp4.PINNED_SPLIT`` ∈ ``--moe-splits`` K pieces;
+- ``head``: the output head (``kernels.invariant.matmul_fixed``, 129280 x 4096 bf16 weights, fp32 logits), whose
+  one plan serves every row count: ``invariant.MATMUL_PLAN`` ∈ ``--head-plans`` (block M x N x K x warps x stages).
 
 At each row count of ``--rows``, per candidate: µs per call (a CUDA graph of ``--calls`` calls cycling through
 weight copies / routings, so the weights come from HBM; best of ``--reps`` replays), whether it is batch-invariant on
@@ -51,6 +53,7 @@ from bench.harness import (
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
 import deepinfer.kernels.fp8_gemm_config as fc  # noqa: E402
+from deepinfer.kernels import invariant as inv  # noqa: E402
 from deepinfer.kernels import moe_mxfp4 as mx  # noqa: E402
 from deepinfer.kernels import pinning, small_gemm  # noqa: E402
 from deepinfer.kernels.fp8_gemm import fp8_grouped_linear, fp8_linear  # noqa: E402
@@ -61,8 +64,15 @@ FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "
 SMALL_SHAPES = {"router": (256, 4096), "compressor": (1024, 4096), "idx_compressor": (256, 4096),
                 "hc_mixes": (24, 16384)}  # fmt: skip
 MOE_SHAPE = (256, 4096, 2048, 6)  # E, D, I, top-k
-TINY = {"fp8": {"tiny": (64, 256)}, "small": {"tiny": (32, 512)}, "moe": (8, 64, 64, 2)}
-KNOBS = {"fp8": (fc, "PINNED_ROWS"), "small": (small_gemm, "PINNED_ROWS"), "moe": (mx, "PINNED_SPLIT")}
+HEAD_SHAPES = {"head": (129280, 4096)}
+TINY = {"fp8": {"tiny": (64, 256)}, "small": {"tiny": (32, 512)}, "moe": (8, 64, 64, 2), "head": {"tiny": (96, 256)}}
+HEAD_PLANS = ["64x64x32x4x3", "64x64x64x4x4", "64x128x64x4x4", "64x64x128x4x4", "64x128x128x8x3", "64x256x64x8x3"]
+DEFAULTS = {"rows": "1,64", "gemm_rows": "8,16,32,64", "small_rows": "16,32,64", "moe_splits": "1,2,3,4,6",
+            "head_plans": ",".join(HEAD_PLANS), "calls": 20, "reps": 5}  # fmt: skip
+DEFAULTS_TINY = {"rows": "1,8", "gemm_rows": "8,16", "small_rows": "8,16", "moe_splits": "1,2",
+                 "head_plans": "64x64x32x4x3,64x64x64x4x4", "calls": 1, "reps": 1}  # fmt: skip
+KNOBS = {"fp8": (fc, "PINNED_ROWS"), "small": (small_gemm, "PINNED_ROWS"), "moe": (mx, "PINNED_SPLIT"),
+         "head": (inv, "MATMUL_PLAN")}  # fmt: skip
 
 
 def with_knob(family: str, value, fn):
@@ -85,6 +95,11 @@ def with_knob(family: str, value, fn):
                 setattr(mod, k, v)
 
     return run
+
+
+def label(value) -> str:
+    """A candidate as the tables and the result name it (a head plan ``64x64x32x4x3``)."""
+    return "default" if value is None else "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def invariant(fn, rows: list[int]) -> bool:
@@ -119,6 +134,24 @@ def small_cases(dev, shapes, rows, cycle_bytes):
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         x = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
         out.append((name, copies, lambda i, r, ws=ws, x=x: small_gemm.small_mm_fp32(x[:r], ws[i]), 2 * n * k))
+    return out
+
+
+def head_cases(dev, shapes, rows, cycle_bytes):
+    """The head's bf16 product with fp32 logits: pinned on ``matmul_fixed``, unpinned (the peer) cuBLAS's."""
+    out = []
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    for name, (n, k) in shapes.items():
+        copies = max(2, math.ceil(cycle_bytes / (2 * n * k)))
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * k**-0.5 for _ in range(copies)]
+        x = torch.randn(max(rows), k, device=dev, dtype=dt)
+
+        def call(i, r, ws=ws, x=x):
+            if pinning.is_pinned():
+                return inv.matmul_fixed(x[:r], ws[i], torch.float32)
+            return torch.nn.functional.linear(x[:r], ws[i]).float()
+
+        out.append((name, copies, call, 2 * n * k))
     return out
 
 
@@ -158,9 +191,9 @@ def measure(family, cases, values, rows, a, dev, gbps):
             for r in rows:
                 us = cycled_graph_us(lambda i, r=r, run=run: run(i, r), copies, a.calls, a.reps, dev)
                 nbytes = moe_bytes(case, r) if family == "moe" else case[3]
-                out.append(dict(family=family, case=name, rows=r, candidate="default" if value is None else value,
+                out.append(dict(family=family, case=name, rows=r, candidate=label(value),
                                 us=us, invariant=inv, roofline_us=nbytes / (gbps * 1e3)))  # fmt: skip
-            print(f"{family} {name} {'default' if value is None else value}: "
+            print(f"{family} {name} {label(value)}: "
                   + ", ".join(f"{o['rows']} rows {o['us']:.1f} µs" for o in out[-len(rows):])
                   + f", invariant {inv}", flush=True)  # fmt: skip
     return out
@@ -169,7 +202,8 @@ def measure(family, cases, values, rows, a, dev, gbps):
 def pick(rows_out, values, rows, slack):
     """Per candidate the family's total µs at each row count; the pick (module docstring)."""
     tot = {v: {r: sum(o["us"] for o in rows_out if o["candidate"] == v and o["rows"] == r) for r in rows}
-           for v in ["default", "shipped", *values]}  # fmt: skip
+           for v in ["default", "shipped", *map(label, values)]}  # fmt: skip
+    values = [label(v) for v in values]
     ok = [v for v in values if all(o["invariant"] for o in rows_out if o["candidate"] == v)]
     wide = max(rows)
     best_wide = min((tot[v][wide] for v in ok), default=math.inf)
@@ -180,33 +214,40 @@ def pick(rows_out, values, rows, slack):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=None, help="row counts to time (tokens; 1,64, --tiny 1,8)")
-    ap.add_argument("--gemm-rows", default="8,16,32,64", help="fp8_gemm_config.PINNED_ROWS candidates")
-    ap.add_argument("--small-rows", default="16,32,64", help="small_gemm.PINNED_ROWS candidates")
-    ap.add_argument("--moe-splits", default="1,2,3,4,6", help="moe_mxfp4.PINNED_SPLIT candidates")
-    ap.add_argument("--families", default="fp8,small,moe")
-    ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gemm-rows", default=None, help="fp8_gemm_config.PINNED_ROWS candidates (8,16,32,64)")
+    ap.add_argument("--small-rows", default=None, help="small_gemm.PINNED_ROWS candidates (16,32,64)")
+    ap.add_argument("--moe-splits", default=None, help="moe_mxfp4.PINNED_SPLIT candidates (1,2,3,4,6)")
+    ap.add_argument(
+        "--head-plans",
+        default=None,
+        help="invariant.MATMUL_PLAN candidates (block M x N x K x warps x stages; " + ",".join(HEAD_PLANS) + ")",
+    )
+    ap.add_argument("--families", default="fp8,small,moe,head")
+    ap.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (20; --tiny 1)")
+    ap.add_argument("--reps", type=int, default=None, help="replays, the best taken (5; --tiny 1)")
     ap.add_argument("--cycle-mb", type=float, default=200.0, help="weight copies cycled per shape (MB)")
     ap.add_argument("--slack", type=float, default=0.05, help="the pick's allowance at the widest row count")
     add_common_args(ap)
     a = ap.parse_args()
     dev = pick_device(a)
-    if a.tiny:
-        a.gemm_rows, a.small_rows, a.moe_splits, a.calls, a.reps = "8,16", "8,16", "1,2", 1, 1
-    a.rows = a.rows or ("1,8" if a.tiny else "1,64")
-    if dev.type != "cuda":
+    for k, v in (DEFAULTS_TINY if a.tiny else DEFAULTS).items():  # what the command line leaves unset
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if dev.type != "cuda":  # the interpreter's products are fp32 (its bf16 math is wrong): the head's fp32 plan
+        KNOBS["head"] = (inv, "MATMUL_PLAN_FP32")
         note_skipped({"CUDA graphs, HBM-sized weight cycles": "need a GPU (eager calls in the interpreter here)"})
     rows = [int(r) for r in a.rows.split(",")]
-    cands = {"fp8": a.gemm_rows, "small": a.small_rows, "moe": a.moe_splits}
+    cands = {"fp8": a.gemm_rows, "small": a.small_rows, "moe": a.moe_splits, "head": a.head_plans}
     gbps = copy_gbps(dev, 1 << 28 if dev.type == "cuda" else 1 << 20)
     results, picks, table = [], {}, []
     for fam in a.families.split(","):
-        values = [int(v) for v in cands[fam].split(",")]
+        values = [tuple(int(p) for p in v.split("x")) if fam == "head" else int(v) for v in cands[fam].split(",")]
         if fam == "moe":
             cases = moe_cases(dev, TINY["moe"] if a.tiny else MOE_SHAPE, rows, 2 if a.tiny else a.calls)
         else:
-            shapes = TINY[fam] if a.tiny else FP8_SHAPES if fam == "fp8" else SMALL_SHAPES
-            cases = (fp8_cases if fam == "fp8" else small_cases)(dev, shapes, rows, a.cycle_mb * 1e6)
+            shapes = TINY[fam] if a.tiny else {"fp8": FP8_SHAPES, "small": SMALL_SHAPES, "head": HEAD_SHAPES}[fam]
+            make = {"fp8": fp8_cases, "small": small_cases, "head": head_cases}[fam]
+            cases = make(dev, shapes, rows, a.cycle_mb * 1e6)
         out = measure(fam, cases, values, rows, a, dev, gbps)
         tot, best = pick(out, values, rows, a.slack)
         results += out
@@ -217,9 +258,9 @@ def main() -> None:
                   "| candidate | " + " | ".join(f"{r} rows µs" for r in rows) + " | invariant |",
                   "|---|" + "---:|" * len(rows) + "---|"]  # fmt: skip
         for v, d in tot.items():
-            inv = all(o["invariant"] for o in out if o["candidate"] == v)
+            same = all(o["invariant"] for o in out if o["candidate"] == v)
             table.append(f"| {v}{' (peer)' if v == 'default' else ''} | " + " | ".join(f"{d[r]:.1f}" for r in rows)
-                         + f" | {'yes' if inv else 'no'} |")  # fmt: skip
+                         + f" | {'yes' if same else 'no'} |")  # fmt: skip
         table += ["| roofline | " + " | ".join(f"{roof[r]:.1f}" for r in rows) + " | |", ""]
     res = {**result_header(dev, a), "copy_GBps": gbps, "picks": picks, "rows": results}
     head = [f"# Pinned plans at {', '.join(map(str, rows))} rows ({res['gpu']}; copy {gbps:.0f} GB/s)", ""]

@@ -36,7 +36,18 @@ TRIM: dict[str, list[str]] = {
     "serving/mesh_overhead.py": ["--concurrency", "2"],  # (the session stream; submit is the same loop, one mesh more)
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
     "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2", "--steps", "3"],
-    "kernels/pinned_plans.py": ["--rows", "1,3", "--gemm-rows", "16", "--small-rows", "16", "--moe-splits", "2"],
+    "kernels/pinned_plans.py": [
+        "--rows",
+        "1,3",
+        "--gemm-rows",
+        "16",
+        "--small-rows",
+        "16",
+        "--moe-splits",
+        "2",
+        "--head-plans",
+        "64x64x64x4x4",
+    ],
     "engine/engine_decode.py": [
         "--batches",
         "1,2",
@@ -202,10 +213,11 @@ def _pinned_plans(out: Path, stdout: str) -> None:
     """Every family timed at both row counts, the peer and each candidate; each candidate invariant in the
     interpreter (row 0 of the widest call equal to the one-row call); a pick per family."""
     result = json.loads(next(out.glob("*.json")).read_text())
-    assert set(result["picks"]) == {"fp8", "small", "moe"} and all(p["pick"] for p in result["picks"].values())
+    assert set(result["picks"]) == {"fp8", "small", "moe", "head"} and all(p["pick"] for p in result["picks"].values())
     for r in result["rows"]:
         assert r["us"] > 0 and r["roofline_us"] > 0 and r["rows"] in (1, 3), r
         assert r["invariant"] or r["candidate"] == "default", r
+    assert {r["candidate"] for r in result["rows"] if r["family"] == "head"} == {"default", "shipped", "64x64x64x4x4"}
     assert "| default (peer) |" in stdout
 
 

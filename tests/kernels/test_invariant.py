@@ -14,6 +14,7 @@ import torch  # does not import triton
 
 pytest.importorskip("triton")
 
+from deepinfer.kernels import invariant  # noqa: E402
 from deepinfer.kernels.invariant import matmul_fixed, rowsum  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -75,7 +76,14 @@ def _check_matmul_invariance(dtype):
         assert torch.equal(out[pos : pos + 1], alone), (M, pos)
 
 
-def test_matmul_batch_invariant_fp32():
+# the plans bench/kernels/pinned_plans.py's head family weighs besides the shipped one (None)
+PLANS = [None, (64, 64, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3)]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_matmul_batch_invariant_fp32(monkeypatch, plan):
+    if plan is not None:
+        monkeypatch.setattr(invariant, "MATMUL_PLAN_FP32", plan)
     _check_matmul_invariance(torch.float32)
 
 
@@ -129,7 +137,10 @@ def test_bad_inputs_raise():
 
 
 @gpu_only
-def test_gpu_bf16_matmul_and_invariance():
+@pytest.mark.parametrize("plan", PLANS)
+def test_gpu_bf16_matmul_and_invariance(monkeypatch, plan):
+    if plan is not None:
+        monkeypatch.setattr(invariant, "MATMUL_PLAN", plan)
     x = _randn(130, 96, seed=40, dtype=torch.bfloat16)
     w = _randn(130, 96, seed=41, dtype=torch.bfloat16)
     y = matmul_fixed(x, w, out_dtype=torch.float32)

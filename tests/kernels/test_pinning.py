@@ -146,12 +146,15 @@ def test_a_pinned_plan_out_of_range_is_refused(monkeypatch):
 def test_the_op_set_names_every_pinned_plan_constant(monkeypatch):
     """``requires["ops"]`` of a batch-invariant response changes with each constant that changes pinned results."""
     from deepinfer.backends.nvidia.invariant import invariance_name
-    from deepinfer.kernels import fp8_gemm_config, moe_mxfp4, small_gemm
+    from deepinfer.kernels import fp8_gemm_config, invariant, moe_mxfp4, small_gemm
 
     names = {invariance_name()}
-    changes = [(fp8_gemm_config, "PINNED_ROWS", 16), (fp8_gemm_config, "PINNED_ROWS_BY_SHAPE", {(512, 4096): 8}),
-               (small_gemm, "PINNED_ROWS", 16), (moe_mxfp4, "PINNED_SPLIT", 3)]  # fmt: skip
+    changes = [(fp8_gemm_config, "PINNED_ROWS", 16), (fp8_gemm_config, "PINNED_ROWS_BY_SHAPE", {(512, 4096): 16}),
+               (small_gemm, "PINNED_ROWS", 16), (moe_mxfp4, "PINNED_SPLIT", 3),
+               (invariant, "MATMUL_PLAN", (64, 32, 16, 4, 3)),
+               (invariant, "MATMUL_PLAN_FP32", (64, 32, 16, 4, 3))]  # fmt: skip
     for mod, name, value in changes:
         monkeypatch.setattr(mod, name, value)
         names.add(invariance_name())
-    assert len(names) == 5 and "fp8_rows512x4096=8" in invariance_name()
+    name = invariance_name()
+    assert len(names) == 7 and "fp8_rows512x4096=16" in name and "head_plan=64x32x16x4x3" in name

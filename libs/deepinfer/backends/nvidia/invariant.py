@@ -58,11 +58,14 @@ def invariance_name() -> str:
     """The mode's version and the pinned plans' constants by name (``requires["ops"]`` of a batch-invariant
     response, docs/determinism.md): together they fix every pinned kernel's order of sums."""
     from deepinfer.kernels import fp8_gemm_config, moe_mxfp4, small_gemm
+    from deepinfer.kernels.invariant import MATMUL_PLAN, MATMUL_PLAN_FP32
     from deepinfer.kernels.pinning import PLAN_ROWS
 
     shapes = "".join(f", fp8_rows{n}x{k}={r}" for (n, k), r in sorted(fp8_gemm_config.PINNED_ROWS_BY_SHAPE.items()))
+    head, fp32 = ("x".join(map(str, p)) for p in (MATMUL_PLAN, MATMUL_PLAN_FP32))
     return (f"batch-invariant v3 (pinned plans, plan_rows={PLAN_ROWS}, fp8_rows={fp8_gemm_config.PINNED_ROWS}{shapes}, "
-            f"small_rows={small_gemm.PINNED_ROWS}, moe_split={moe_mxfp4.PINNED_SPLIT})")  # fmt: skip
+            f"small_rows={small_gemm.PINNED_ROWS}, moe_split={moe_mxfp4.PINNED_SPLIT}, head_plan={head}, "
+            f"fp32_plan={fp32})")  # fmt: skip
 
 
 class InvariantOps:
