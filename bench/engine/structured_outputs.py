@@ -171,23 +171,17 @@ def main() -> None:
             s_held = served(model, args, dev, tok, b, constraint)
         finally:
             pending_tokens.EARLY = True
-        pending_tokens.AHEAD = False  # the peer of the jobs: accepts and fills on the launch thread, at sampling
-        try:
-            s_late = served(model, args, dev, tok, b, constraint)
-        finally:
-            pending_tokens.AHEAD = True
         fill = mask_cost(lambda: constraint_set(None, config), compiled, b, min(args.tokens, 32), args.seed)
         roof = work.decode(b, args.prompt + args.tokens // 2, bw, ceil["bf16_TFLOPs"] * 1e12)["roofline_ms"]
         rows.append({"batch": b, "served_ms": s_plain["ms"], "served_schema_ms": s_so["ms"],
                      "served_overhead": s_so["ms"] / s_plain["ms"] - 1, "served_schema_held_ms": s_held["ms"],
-                     "served_held_overhead": s_held["ms"] / s_plain["ms"] - 1,
-                     "served_schema_at_sampling_ms": s_late["ms"], "served_schema_compiles":
+                     "served_held_overhead": s_held["ms"] / s_plain["ms"] - 1, "served_schema_compiles":
                      len(s_so["triton_compiles"]), "tpot_ms": plain["step_ms"], "tpot_schema_ms": so["step_ms"],
                      "delta_ms": so["step_ms"] - plain["step_ms"], "mask_fill_ms": fill,
                      "mask_fill_us_per_token": 1e3 * fill / b, "roofline_ms": roof,
                      "schema_eos_tokens": so["eos_tokens"]})  # fmt: skip
         sweep.log(f"  batch {b}: served {s_plain['ms']:.2f} ms plain, {s_so['ms']:.2f} ms with the schema "
-                  f"({s_held['ms']:.2f} ms held, {s_late['ms']:.2f} filled at sampling); "
+                  f"({s_held['ms']:.2f} ms held); "
                   f"synchronous {plain['step_ms']:.2f} / {so['step_ms']:.2f} ms; mask fill {fill:.3f} ms")  # fmt: skip
     result = {"device": harness.device_name(dev), "torch": torch.__version__, "layers": config.num_hidden_layers,
               "command": " ".join(sys.argv), "ceilings": ceil, "schema_compile_ms": compile_ms,
@@ -199,18 +193,14 @@ def main() -> None:
              f"sampling at temperature 1; the schema is an array of {args.items} objects (compact JSON, compiled in "
              f"{compile_ms:.0f} ms). Mask fill: the batch's rows on the CPU, measured alone.", "",
              "Held: the schema's steps each held until the previous one is collected (the code before the early "
-             "accept, `pending_tokens.EARLY = False`), same run. At sampling: the tokens accepted and the masks "
-             "filled on the launch thread when the sampler asks (the code before the jobs, "
-             "`pending_tokens.AHEAD = False`), same run.", "",
+             "accept, `pending_tokens.EARLY = False`), same run.", "",
              "| batch | served ms (plain, peer) | served ms (schema) | overhead | held ms (overhead) | "
-             "at sampling ms (overhead) | synchronous ms (plain / schema) | mask fill ms (batch) | roofline ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "synchronous ms (plain / schema) | mask fill ms (batch) | roofline ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['served_ms']:.2f} | {r['served_schema_ms']:.2f} | "
                      f"{100 * r['served_overhead']:+.1f}% | {r['served_schema_held_ms']:.2f} "
-                     f"({100 * r['served_held_overhead']:+.1f}%) | {r['served_schema_at_sampling_ms']:.2f} "
-                     f"({100 * (r['served_schema_at_sampling_ms'] / r['served_ms'] - 1):+.1f}%) | "
-                     f"{r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
+                     f"({100 * r['served_held_overhead']:+.1f}%) | {r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
                      f"{r['mask_fill_ms']:.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
     text = "\n".join(lines)
     print(text, flush=True)

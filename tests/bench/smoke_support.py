@@ -200,13 +200,11 @@ def _sampling(out: Path, stdout: str) -> None:
 
 
 def _structured_outputs(out: Path, stdout: str) -> None:
-    """The served rows: the async engine plain, with the schema, held and filled at sampling (the peers), per batch."""
+    """The served rows: the async engine plain, with the schema and with the schema held (the peer), per batch."""
     rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2], rows
-    assert "| at sampling ms (overhead) |" in stdout
     for r in rows:
-        ms = ("served_ms", "served_schema_ms", "served_schema_held_ms", "served_schema_at_sampling_ms", "roofline_ms")
-        assert min(r[k] for k in ms) > 0, r
+        assert min(r["served_ms"], r["served_schema_ms"], r["served_schema_held_ms"], r["roofline_ms"]) > 0, r
         assert r["served_schema_compiles"] == 0
         assert abs(r["served_overhead"] - (r["served_schema_ms"] / r["served_ms"] - 1)) < 1e-9, r
 

@@ -160,14 +160,9 @@ class ConstraintSet:
     # -- masks ------------------------------------------------------------------------------
     def fill_async(self, request_ids: Sequence[str]) -> Future:
         """:meth:`fill` in a background thread (one per worker; its result is read before sampling)."""
-        return self.submit(self.fill, list(request_ids))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """``fn(*args)`` on the constraint set's thread, after what was submitted before (fills and the early
-        accepts of ``engine.pending_tokens``: one at a time, in order)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._pool.submit(fn, *args)
+        return self._pool.submit(self.fill, list(request_ids))
 
     def fill(self, request_ids: Sequence[str]) -> torch.Tensor:
         """Packed allowed-token masks ``[n, ceil(V/32)]`` int32 (bit ``t % 32`` of word ``t // 32``), one

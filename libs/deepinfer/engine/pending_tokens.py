@@ -13,14 +13,6 @@ tokens, has each matcher accept its token and fills the masks while the device r
 yet; the early accept marks it in that step (``InFlight.early``) so its collection does not accept it again. A
 speculative runner keeps holding the step: its drafting reads the matchers before the forward. So does a step that
 installs a request's constraint (its matcher starts from the history the step carries).
-
-Ahead (``AHEAD``): the accept and the fill need not wait for the next step's sampler either. As soon as a constrained
-step's sampling is queued, the constraint set's thread takes a job (``InFlight.ahead``): wait for the step's copy of
-its tokens, accept each, fill those requests' next masks. The launch thread meanwhile finishes the previous step,
-takes the next plan and queues its forward; its sampler then only gathers the rows the job filled (xgrammar's
-batched fill releases the GIL, so the two threads run at once). The jobs run one at a time in the order the steps
-were sampled, as do the thread's other fills, so each matcher sees its tokens in order; a step's collection waits for
-its job before it reads whether a grammar refused a token.
 """
 
 from __future__ import annotations
@@ -34,21 +26,6 @@ import torch
 # False: every constrained row with a token in flight holds its step, as before (the A/B of
 # bench/engine/structured_outputs.py; a planted regression in tests)
 EARLY = True
-# False: the next step's sampler accepts the tokens and fills the masks on the launch thread (the A/B of
-# bench/engine/structured_outputs.py); True: the constraint set's thread does, once the tokens are on the host
-AHEAD = True
-
-
-def accept_and_fill(step: Any, request_ids: list[str], constraints: Any) -> torch.Tensor:
-    """The job of a constrained step (on the constraint set's thread): wait for its tokens on the host, have each
-    request's matcher accept its token, fill their next masks (one row per request, in ``request_ids``' order)."""
-    if step.event is not None:
-        step.event.synchronize()
-    col = {rid: j for j, rid in enumerate(step.rids)}
-    tokens = step.host[: len(step.rids)].tolist()
-    for rid in request_ids:
-        constraints.accept(rid, int(tokens[col[rid]]))
-    return constraints.fill(request_ids)
 
 
 class PendingTokens:
@@ -61,15 +38,10 @@ class PendingTokens:
         return request_id in self.steps
 
     def sampled(self, step: Any, request_ids: Sequence[str], constraints: Any) -> None:
-        """``step`` sampled a token for each of ``request_ids`` (its copy to the host queued): the constrained ones
-        wait for its accept, which a job on the constraint set's thread takes where ``AHEAD`` (module docstring)."""
-        rids = [rid for rid in dict.fromkeys(request_ids) if rid in constraints]
-        for rid in rids:
-            self.steps[rid] = step
-        if AHEAD and EARLY and rids:
-            step.early.update(rids)  # (accepted by the job, never at collection)
-            step.ahead_rows = {rid: i for i, rid in enumerate(rids)}
-            step.ahead = constraints.submit(accept_and_fill, step, rids, constraints)
+        """``step`` sampled a token for each of ``request_ids``: the constrained ones wait for its accept."""
+        for rid in request_ids:
+            if rid in constraints:
+                self.steps[rid] = step
 
     def collected(self, step: Any, request_id: str) -> bool:
         """``step`` is collected: whether its token for ``request_id`` is still to be accepted (not done early)."""
@@ -77,22 +49,16 @@ class PendingTokens:
             del self.steps[request_id]
         return request_id not in step.early
 
-    def accept(self, request_ids: Sequence[str], constraints: Any) -> dict[str, tuple[torch.Tensor, int]]:
-        """Each of ``request_ids`` with a pending token: wait for its step's copy to the host, accept the token; or
-        wait for the step's job, which did. Returns the masks the jobs filled: request id -> (masks, row)."""
-        ahead = {}
+    def accept(self, request_ids: Sequence[str], constraints: Any) -> None:
+        """Each of ``request_ids`` with a pending token: wait for its step's copy to the host, accept the token."""
         for rid in request_ids:
             step = self.steps.pop(rid, None)
             if step is None:
-                continue
-            if step.ahead is not None and rid in step.ahead_rows:
-                ahead[rid] = (step.ahead.result(), step.ahead_rows[rid])
                 continue
             if step.event is not None:
                 step.event.synchronize()
             constraints.accept(rid, int(step.host[step.rids.index(rid)]))
             step.early.add(rid)
-        return ahead
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -101,8 +67,7 @@ class PendingTokens:
 
 class DeferredMasks:
     """``Future``'s ``result()`` for the masks of ``request_ids``: their pending tokens accepted first, then the masks
-    gathered from the jobs that filled them, or filled on the constraint set's thread after its jobs (once; the
-    sampler calls it with the step's forward queued)."""
+    filled on this thread (once; the sampler calls it with the step's forward queued)."""
 
     def __init__(self, pending: PendingTokens, constraints: Any, request_ids: Sequence[str]) -> None:
         self.pending, self.constraints, self.request_ids = pending, constraints, list(request_ids)
@@ -110,11 +75,8 @@ class DeferredMasks:
 
     def result(self) -> torch.Tensor:
         if self._masks is None:
-            ahead = self.pending.accept(self.request_ids, self.constraints)
-            if all(rid in ahead for rid in self.request_ids):
-                self._masks = torch.stack([ahead[rid][0][ahead[rid][1]] for rid in self.request_ids])
-            else:
-                self._masks = self.constraints.fill_async(self.request_ids).result()
+            self.pending.accept(self.request_ids, self.constraints)
+            self._masks = self.constraints.fill(self.request_ids)
         return self._masks
 
 
@@ -154,4 +116,4 @@ def waits_for_tokens(runner: Any, plan: Any) -> bool:
     return False
 
 
-__all__ = ["DeferredMasks", "PendingTokens", "accept_and_fill", "start_masks", "waits_for_tokens"]
+__all__ = ["DeferredMasks", "PendingTokens", "start_masks", "waits_for_tokens"]

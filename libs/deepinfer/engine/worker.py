@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -173,8 +172,6 @@ class ModelRunner:
         result = step.result
         if step.sample is not None:
             self._collect(step)
-        if step.ahead is not None:  # its tokens accepted on the constraint set's thread (a refusal fails a request)
-            step.ahead.result()
         if self.constraints is not None and self.constraints.matchers:  # (no constrained request: nothing to ask)
             for r in result.results:  # a request whose grammar failed ends with the reason (never a silent stop)
                 r.error = self.constraints.failure(r.request_id)
@@ -327,14 +324,14 @@ class ModelRunner:
         for j, rid in enumerate(rids):
             self.sampled[rid] = (s.token_ids, j)  # a later step's placeholder reads it on the device
         step.sample, step.seqs, step.rids, step.constrained = s, seqs, rids, masks is not None
+        if step.constrained and self.spec is None:  # (a verify step's tokens are accepted when it settles)
+            self.pending.sampled(step, rids, self.constraints)
         # one device-to-host copy for the step's tokens, logprobs and top logprobs, queued now and waited for in
         # ``finish`` (an element read per row would wait for the device twice a row); all exact in float64
         parts = [s.token_ids.to(torch.float64), s.logprobs.to(torch.float64)]
         if s.top is not None:
             parts += [s.top[2].flatten().to(torch.float64), s.top[3].flatten().to(torch.float64)]
         step.host, step.event = to_host(torch.cat(parts))
-        if step.constrained and self.spec is None:  # (a verify step's tokens are accepted when it settles)
-            self.pending.sampled(step, rids, self.constraints)
 
     def _collect(self, step: InFlight) -> None:
         out = step.result.results
@@ -362,8 +359,6 @@ class InFlight:
     rids: list[str] = field(default_factory=list)
     constrained: bool = False
     early: set[str] = field(default_factory=set)  # requests whose token was accepted before collection
-    ahead: Future | None = None  # the job accepting its constrained tokens, filling their next masks (pending_tokens)
-    ahead_rows: dict[str, int] = field(default_factory=dict)  # request id -> its row of the job's masks
     idle: bool = False  # no chunks and no fetches
     host: torch.Tensor | None = None
     event: Event | None = None  # the platform's (deepinfer.runtime.platform)
