@@ -139,10 +139,12 @@ def test_a_pinned_plan_out_of_range_is_refused(monkeypatch):
     from deepinfer.kernels import fp8_gemm, fp8_gemm_config, moe_mxfp4
     from deepinfer.quant.formats import quantize_fp8_blocks
 
-    wq, scale = quantize_fp8_blocks(torch.randn(64, 128), (128, 128))
+    # (on a GPU machine the check is the kernel path's: CPU tensors there take the reference's math)
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    wq, scale = (t.to(dev) for t in quantize_fp8_blocks(torch.randn(64, 128), (128, 128)))
     monkeypatch.setattr(fp8_gemm_config, "PINNED_ROWS", fp8_gemm_config.GEMV_MAX_M)  # the gemv: one launch per row
     with pinning.pinned(), pytest.raises(ValueError, match="pinned rows"):
-        fp8_gemm.fp8_linear(torch.randn(3, 128), wq, scale)
+        fp8_gemm.fp8_linear(torch.randn(3, 128, device=dev), wq, scale)
     monkeypatch.setattr(moe_mxfp4, "PINNED_SPLIT", 0)
     with pinning.pinned(), pytest.raises(ValueError, match="PINNED_SPLIT"):
         moe_mxfp4.splits_mxfp4(6, 8, 64, 64, moe_mxfp4.MX_INTERPRET)
