@@ -276,6 +276,9 @@ def result_header(dev: Any, args: argparse.Namespace | None = None) -> dict[str,
 
 # the served benchmarks' page size: a multiple of the lcm of the compression ratios (128 at V4-Flash width)
 SERVED_PAGE_SIZE = {"cpu": 64, "cuda": 128}
+# DeepSeek-V4-Flash's FP8 dense linears, (N, K) each (the kernel benchmarks' shapes)
+V4_FLASH_FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+                       "shared_w13": (2048, 4096), "shared_w2": (4096, 2048), "idx_wq_b": (8192, 1024)}  # fmt: skip
 
 
 def served_checkpoint(tmp: Path, device: str, layers: int) -> Path:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from deepinfer.kernels.pinning import PLAN_ROWS
 from deepinfer.kernels.shared_memory import fit_stages
 
 ACT_BLOCK = 128
@@ -139,8 +140,6 @@ def pick_config(
 def pinned_rows(n: int, k: int) -> int:
     """The rows a pinned ``[·, k] × [n, k]ᵀ`` plans for (``PINNED_ROWS_BY_SHAPE``, else ``PINNED_ROWS``), checked:
     a tensor-core plan (more than ``GEMV_MAX_M`` rows) of at most ``PLAN_ROWS``."""
-    from deepinfer.kernels.pinning import PLAN_ROWS
-
     rows = PINNED_ROWS_BY_SHAPE.get((n, k), PINNED_ROWS)
     if not GEMV_MAX_M < rows <= PLAN_ROWS:
         raise ValueError(f"fp8_gemm_config: pinned rows of ({n}, {k}) must be in ({GEMV_MAX_M}, {PLAN_ROWS}]: {rows}")

@@ -15,11 +15,11 @@ row wherever it is computed.
 
 ``PLAN_ROWS`` = 64 is the decode batch the fast kernels were tuned hardest for, so a pinned batch of 64 runs as fast
 as an unpinned one; smaller batches pay for the wider plan, larger ones (prefill chunks) for the narrower one. Where
-a plan made for fewer rows runs 64 rows about as fast and one row much faster, the kernel pins that one instead,
-one that still takes any row count up to ``PLAN_ROWS`` in one launch: the FP8 dense GEMM's tiles planned for
-``fp8_gemm_config.PINNED_ROWS`` rows, the small fp32 GEMM's for ``small_gemm.PINNED_ROWS``; the MXFP4 experts pin
-their split-K (``moe_mxfp4.PINNED_SPLIT``). Each was chosen by timing its candidates at 1 and 64 rows on a GPU
-(``bench/kernels/pinned_plans.py``).
+a plan made for fewer rows runs 64 rows about as fast and one row much faster, the kernel pins that one instead, one
+that still takes any row count up to ``PLAN_ROWS`` in one launch: the FP8 dense GEMM's tiles planned for
+``fp8_gemm_config.PINNED_ROWS`` rows (per weight shape where ``PINNED_ROWS_BY_SHAPE`` says), the small fp32 GEMM's
+for ``small_gemm.PINNED_ROWS``; the MXFP4 experts pin their split-K (``moe_mxfp4.PINNED_SPLIT``). Each was chosen by
+timing its candidates at 1 and 64 rows on a GPU (``bench/kernels/pinned_plans.py``).
 These values define results: change one and pinned outputs change (``requires`` in docs/determinism.md).
 """
 

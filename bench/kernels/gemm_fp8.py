@@ -41,7 +41,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from bench.harness import add_common_args, cycled_graph_us, interpret_if_cpu, note_skipped, pick_device, rel_diff
+from bench.harness import (
+    V4_FLASH_FP8_SHAPES,
+    add_common_args,
+    cycled_graph_us,
+    interpret_if_cpu,
+    note_skipped,
+    pick_device,
+    rel_diff,
+)
 
 interpret_if_cpu()  # --device cpu: Triton's interpreter, set before the kernels are imported
 
@@ -51,15 +59,7 @@ from deepinfer.kernels.fp8_gemm import GemmConfig, fp8_grouped_linear, fp8_linea
 from deepinfer.kernels.fp8_quant import act_quant_fp8  # noqa: E402
 from deepinfer.quant.formats import dequantize_fp8_blocks  # noqa: E402
 
-SHAPES = {  # DeepSeek-V4-Flash (N, K)
-    "wq_a": (1024, 4096),
-    "wq_b": (32768, 1024),
-    "wkv": (512, 4096),
-    "wo_b": (4096, 8192),
-    "shared_w13": (2048, 4096),
-    "shared_w2": (4096, 2048),
-    "idx_wq_b": (8192, 1024),
-}
+SHAPES = dict(V4_FLASH_FP8_SHAPES)  # (the smoke mode adds its tiny shape)
 TINY_SHAPES = {"tiny": (64, 256)}  # the smoke mode's (N, K): a 128-wide block of K twice
 DEV = "cuda"  # main sets it: cpu in the smoke mode (the kernels in Triton's interpreter)
 HBM_BPS = 4.8e12

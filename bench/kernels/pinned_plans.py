@@ -39,6 +39,7 @@ import math
 import torch
 
 from bench.harness import (
+    V4_FLASH_FP8_SHAPES,
     add_common_args,
     copy_gbps,
     cycled_graph_us,
@@ -59,8 +60,6 @@ from deepinfer.kernels import pinning, small_gemm  # noqa: E402
 from deepinfer.kernels.fp8_gemm import fp8_grouped_linear, fp8_linear  # noqa: E402
 from deepinfer.quant.nibble_order import to_order  # noqa: E402
 
-FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
-              "shared_w13": (2048, 4096), "shared_w2": (4096, 2048), "idx_wq_b": (8192, 1024)}  # fmt: skip
 SMALL_SHAPES = {"router": (256, 4096), "compressor": (1024, 4096), "idx_compressor": (256, 4096),
                 "hc_mixes": (24, 16384)}  # fmt: skip
 MOE_SHAPE = (256, 4096, 2048, 6)  # E, D, I, top-k
@@ -245,7 +244,9 @@ def main() -> None:
         if fam == "moe":
             cases = moe_cases(dev, TINY["moe"] if a.tiny else MOE_SHAPE, rows, 2 if a.tiny else a.calls)
         else:
-            shapes = TINY[fam] if a.tiny else {"fp8": FP8_SHAPES, "small": SMALL_SHAPES, "head": HEAD_SHAPES}[fam]
+            shapes = (
+                TINY[fam] if a.tiny else {"fp8": V4_FLASH_FP8_SHAPES, "small": SMALL_SHAPES, "head": HEAD_SHAPES}[fam]
+            )
             make = {"fp8": fp8_cases, "small": small_cases, "head": head_cases}[fam]
             cases = make(dev, shapes, rows, a.cycle_mb * 1e6)
         out = measure(fam, cases, values, rows, a, dev, gbps)
