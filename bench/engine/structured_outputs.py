@@ -102,10 +102,11 @@ def decode(model, args, dev, batch: int, constraint: Constraint | None) -> dict:
     return {"step_ms": 1e3 * statistics.median(steps[2:] or steps), "tokens": produced, "eos_tokens": eos}
 
 
-def served(model, args, dev, tok, batch: int, constraint: Constraint | None) -> dict:
-    """ms per decode step of the async engine at ``batch`` (``engine_decode.run_engine``; a warm pass first)."""
+def served(model, args, dev, tok, batch: int, constraint: Constraint | None, profile: bool = False) -> dict:
+    """ms per decode step of the async engine at ``batch`` (``engine_decode.run_engine``; a warm pass first); with
+    ``profile``, a cProfile of the timed steps (``host_profile``; its timing is not comparable)."""
     ns = argparse.Namespace(warmup=4, context=args.prompt, chunk=max(batch * args.prompt, 2048), seed=args.seed,
-                            mix="t1_seeded", profile=[], sync_census=False)  # fmt: skip
+                            mix="t1_seeded", profile=[batch] if profile else [], sync_census=False)  # fmt: skip
     longest = args.prompt + ns.warmup + args.steps + engine_decode.prefill_steps(batch, ns) + 8
     cache = PagedKVCache(model.config, batch * -(-longest // args.page_size) + 2, args.page_size, torch.bfloat16, dev)
     engine_decode.run_engine(model, cache, dev, model.config, tok, batch, ns, True, 4, constraint)  # (warm)
@@ -131,6 +132,35 @@ def mask_cost(cs_factory, compiled, batch: int, tokens: int, seed: int) -> float
     return 1e3 * statistics.median(times)
 
 
+def report(result: dict, args: argparse.Namespace, layers: int) -> str:
+    """The result as the markdown table the results folder keeps."""
+    rows, compile_ms = result["rows"], result["schema_compile_ms"]
+    lines = [f"# structured outputs: TPOT with and without a JSON schema on {result['device']} "
+             f"({layers} layers, bf16)", "",
+             f"Served: the async engine's decode step ({args.steps} timed) after a {args.prompt}-token prompt; "
+             f"synchronous: {args.tokens} decode tokens per sequence, a device wait around each step. Seeded "
+             f"sampling at temperature 1; the schema is an array of {args.items} objects (compact JSON, compiled in "
+             f"{compile_ms:.0f} ms). Mask fill: the batch's rows on the CPU, measured alone.", "",
+             "Held: the schema's steps each held until the previous one is collected (the code before the early "
+             "accept, `pending_tokens.EARLY = False`), same run.", "",
+             "| batch | served ms (plain, peer) | served ms (schema) | overhead | held ms (overhead) | "
+             "synchronous ms (plain / schema) | mask fill ms (batch) | roofline ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['served_ms']:.2f} | {r['served_schema_ms']:.2f} | "
+                     f"{100 * r['served_overhead']:+.1f}% | {r['served_schema_held_ms']:.2f} "
+                     f"({100 * r['served_held_overhead']:+.1f}%) | {r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
+                     f"{r['mask_fill_ms']:.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def host_profiles(model, args, dev, tok, batch: int, constraint: Constraint) -> dict:
+    """``--profile``: where the host's time goes in the served steps at ``batch``, plain and under the schema (runs
+    of their own after the timed ones: cProfile slows the host, so these runs give no timing)."""
+    return {name: served(model, args, dev, tok, batch, c, profile=True)["host_profile"]
+            for name, c in (("plain", None), ("schema", constraint))}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
@@ -144,6 +174,7 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=16, help="array items in the schema (its language's length)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="", help="batch sizes whose served steps are also profiled (cProfile)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -180,29 +211,15 @@ def main() -> None:
                      "delta_ms": so["step_ms"] - plain["step_ms"], "mask_fill_ms": fill,
                      "mask_fill_us_per_token": 1e3 * fill / b, "roofline_ms": roof,
                      "schema_eos_tokens": so["eos_tokens"]})  # fmt: skip
+        if str(b) in args.profile.split(","):
+            rows[-1]["host_profile"] = host_profiles(model, args, dev, tok, b, constraint)
         sweep.log(f"  batch {b}: served {s_plain['ms']:.2f} ms plain, {s_so['ms']:.2f} ms with the schema "
                   f"({s_held['ms']:.2f} ms held); "
                   f"synchronous {plain['step_ms']:.2f} / {so['step_ms']:.2f} ms; mask fill {fill:.3f} ms")  # fmt: skip
     result = {"device": harness.device_name(dev), "torch": torch.__version__, "layers": config.num_hidden_layers,
               "command": " ".join(sys.argv), "ceilings": ceil, "schema_compile_ms": compile_ms,
               "rows": rows}  # fmt: skip
-    lines = [f"# structured outputs: TPOT with and without a JSON schema on {result['device']} "
-             f"({config.num_hidden_layers} layers, bf16)", "",
-             f"Served: the async engine's decode step ({args.steps} timed) after a {args.prompt}-token prompt; "
-             f"synchronous: {args.tokens} decode tokens per sequence, a device wait around each step. Seeded "
-             f"sampling at temperature 1; the schema is an array of {args.items} objects (compact JSON, compiled in "
-             f"{compile_ms:.0f} ms). Mask fill: the batch's rows on the CPU, measured alone.", "",
-             "Held: the schema's steps each held until the previous one is collected (the code before the early "
-             "accept, `pending_tokens.EARLY = False`), same run.", "",
-             "| batch | served ms (plain, peer) | served ms (schema) | overhead | held ms (overhead) | "
-             "synchronous ms (plain / schema) | mask fill ms (batch) | roofline ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['served_ms']:.2f} | {r['served_schema_ms']:.2f} | "
-                     f"{100 * r['served_overhead']:+.1f}% | {r['served_schema_held_ms']:.2f} "
-                     f"({100 * r['served_held_overhead']:+.1f}%) | {r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
-                     f"{r['mask_fill_ms']:.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
-    text = "\n".join(lines)
+    text = report(result, args, config.num_hidden_layers)
     print(text, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -164,6 +164,41 @@ def test_apply_masks_the_constrained_rows_only(compiler: Compiler, controls) -> 
         assert torch.isneginf(logits[row, :V][~allowed]).all() and torch.isneginf(logits[row, V:]).all()
 
 
+def test_every_row_constrained_masks_as_a_step_with_an_unconstrained_row(compiler: Compiler, controls) -> None:
+    """A step whose rows are all constrained, in order, hands the filled masks over as they are (no index): the
+    same logits as where an unconstrained row sits among them."""
+    cs = make_set(controls)
+    cs.install("a", Constraint(compiler.compile(GrammarSpec("regex", "[0-9]+"))))
+    cs.install("b", Constraint(None, banned_token_ids=(3, 4)))
+    packed = cs.fill(["a", "b"])
+    logits = torch.randn(2, V + 64)
+    every, mixed = logits.clone(), torch.cat([logits, torch.randn(1, V + 64)])
+    cs.apply(every, packed, [0, 1])
+    cs.apply(mixed, packed, [0, 1])
+    assert torch.equal(every, mixed[:2]) and torch.isneginf(every[:, V:]).all()
+    assert not torch.equal(every, logits)
+
+
+def test_the_samplers_masks_follow_its_rows_whatever_the_fills_order(compiler: Compiler, controls) -> None:
+    """``row_masks``: each sampled row of a constrained request gets that request's filled mask, in whatever order
+    the fill had them; an unconstrained row is left alone."""
+    from concurrent.futures import Future
+
+    from deepinfer.engine.speculative.grammar import row_masks
+
+    cs = make_set(controls)
+    cs.install("a", Constraint(compiler.compile(GrammarSpec("regex", "[0-9]+"))))
+    cs.install("b", Constraint(None, banned_token_ids=(3, 4)))
+    filled: Future = Future()
+    filled.set_result(cs.fill(["b", "a"]))
+    logits = torch.randn(3, V)
+    got = logits.clone()
+    row_masks(cs, (["b", "a"], filled, {}), ["a", "x", "b"])(got)
+    want = logits.clone()
+    cs.apply(want, cs.fill(["a", "b"]), [0, 2])
+    assert torch.equal(got, want) and torch.equal(got[1], logits[1])
+
+
 def test_a_grammar_for_another_tokenizer_is_refused_not_fatal(compiler: Compiler, controls) -> None:
     cs = make_set(controls, fingerprint="0" * 64)
     g = compiler.compile(GrammarSpec("regex", "x+"))
@@ -213,18 +248,25 @@ def test_a_batch_fills_the_rows_each_request_fills_alone(compiler: Compiler, con
     cs, rng = make_set(controls), random.Random(3)
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     grammars = [compiler.compile(GrammarSpec("regex", "(ab)+c?")), compiler.compile(GrammarSpec("json_schema", schema))]
-    rids = [f"r{i}" for i in range(7)]
+    rids = [f"r{i}" for i in range(10)]
     for i, rid in enumerate(rids[:5]):
         cs.install(rid, Constraint(grammars[i % 2]))
     cs.install("r5", Constraint(grammars[0], after_think=True))  # thinking: no grammar yet
+    # rows refusing other token sets besides their grammar's (each set cleared in the batch's rows that have it)
+    cs.install("r6", Constraint(None, banned_token_ids=(5, 77)))
+    cs.install("r7", Constraint(grammars[1], banned_token_ids=(9,)))
+    cs.install("r8", Constraint(None, banned_token_ids=(77, 5)))  # r6's set: one update clears both rows
     for i in range(4):  # r0..r3 advanced by different numbers of tokens
         for _ in range(i):
             cs.accept(rids[i], rng.choice(allowed_ids(cs, rids[i]).tolist()))
     walk(cs, "r4", rng)  # to EOS: terminated
-    alone = torch.stack([cs.fill([rid])[0] for rid in rids])  # (r6 unconstrained: everything)
+    alone = torch.stack([cs.fill([rid])[0] for rid in rids])  # (r9 unconstrained: everything)
     together = cs.fill(rids)
     assert torch.equal(together, alone)
-    assert calls and calls[-1] == [0, 1, 2, 3]  # the grammars' rows in one call (r4 terminated, r5 thinking)
+    assert calls and calls[-1] == [0, 1, 2, 3, 7]  # the grammars' rows in one call (r4 terminated, r5 thinking)
+    refused = ConstraintSet.allowed(together, V, "cpu")
+    assert not refused[6, 5] and not refused[6, 77] and int(refused[6].sum()) == V - 2
+    assert torch.equal(refused[8], refused[6]) and not refused[7, 9] and refused[9].all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -51,13 +51,16 @@ class PendingTokens:
 
     def accept(self, request_ids: Sequence[str], constraints: Any) -> None:
         """Each of ``request_ids`` with a pending token: wait for its step's copy to the host, accept the token."""
+        tokens: dict[int, dict[str, int]] = {}  # per step (by id): its tokens by request, read from the host once
         for rid in request_ids:
             step = self.steps.pop(rid, None)
             if step is None:
                 continue
-            if step.event is not None:
-                step.event.synchronize()
-            constraints.accept(rid, int(step.host[step.rids.index(rid)]))
+            if id(step) not in tokens:
+                if step.event is not None:
+                    step.event.synchronize()
+                tokens[id(step)] = dict(zip(step.rids, step.host[: len(step.rids)].tolist()))
+            constraints.accept(rid, int(tokens[id(step)][rid]))
             step.early.add(rid)
 
     def forget(self, request_ids: Sequence[str]) -> None:

@@ -64,8 +64,15 @@ def row_masks(
             rows.append(r)
             take.append((rid, None))
 
+    # the common step, plain rows only: the filled masks' rows in order, gathered in one call (or taken as they are)
+    plain = None if any(k is not None for _, k in take) else [at[rid] for rid, _ in take]
+
     def apply(logits: torch.Tensor) -> None:
         packed = future.result() if future is not None else None
+        if plain is not None and packed is not None:
+            same = plain == list(range(len(packed)))
+            constraints.apply(logits, packed if same else packed[torch.tensor(plain, dtype=torch.long)], rows)
+            return
         parts = [pre[rid][k] if k is not None else packed[at[rid]] for rid, k in take]
         if parts:
             constraints.apply(logits, torch.stack(parts), rows)
