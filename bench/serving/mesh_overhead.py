@@ -241,6 +241,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--protocols", default="grpc,http", help="grpc and/or http")
     ap.add_argument("--replica-streams", default="session", help="session and/or submit: how the balancer sends its "
                     "requests to the scheduler (DEEPINFER_REPLICA_SESSIONS on / off), one mesh each")  # fmt: skip
+    ap.add_argument("--kvstore", choices=["on", "off"], default="on", help="off: the mesh starts no kvstore "
+                    "(`deepinfer up --no-kvstore`), so resume points evicted from the device are dropped as in the "
+                    "peer, not offloaded: the mesh's exchange alone")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
     ap.add_argument("--log-level", default="warning", help="the services' DEEPINFER_LOG_LEVEL (their logs stay in the "
                     "run's temporary directory, beside the checkpoint)")  # fmt: skip
@@ -267,7 +270,7 @@ def parse_args() -> argparse.Namespace:
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"workload: c requests x {args.prompt_len} prompt tokens, {args.max_tokens} greedy output tokens, "
-          f"all started together; {args.device}")  # fmt: skip
+          f"all started together; {args.device}; the workers' kvstore {args.kvstore}")  # fmt: skip
     print("| c | path | tokens/s | × peer | TPOT p50 ms | ITL p99 ms | TTFT p50 ms | stalls > 1 ms |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -325,6 +328,7 @@ def main() -> None:
         sessions_on = "1" if streams == "session" else "0"
         http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
         mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator,
+                    kvstore=args.kvstore == "on",
                     extra_env=env | settings | {"DEEPINFER_REPLICA_SESSIONS": sessions_on})  # fmt: skip
         try:
             mesh.start()

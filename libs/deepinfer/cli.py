@@ -104,6 +104,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         layout = layout_from_args(args)
         roles = replica_roles(args.replicas, args.prefill_replicas, args.decode_replicas)
+        if args.no_kvstore and set(roles) != {"mixed"} and not envs.DEEPINFER_KVSTORE_URL:
+            raise ValueError("--no-kvstore: prefill and decode replicas hand requests off through a kvstore")
     except ValueError as e:
         print(f"deepinfer up: {e}", file=sys.stderr)
         return 2
@@ -122,6 +124,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
+        kvstore=not args.no_kvstore,
     )
     stopping = False
 
@@ -293,6 +296,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
         "among them (default: DEEPINFER_EP; docs/parallelism.md)",
     )
     s.add_argument("--served-model-name", help="the model's name in the APIs (default: the model directory's name)")
+    s.add_argument("--no-kvstore", action="store_true", help="start no kvstore: resume points the replicas evict "
+                   "from their devices are dropped, not kept in host memory and on disk, unless "
+                   "DEEPINFER_KVSTORE_URL names another (docs/kv_cache.md)")  # fmt: skip
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
     s.set_defaults(func=cmd_up)

@@ -59,6 +59,8 @@ class Mesh:
     restarts: dict[str, list[float]] = field(default_factory=dict)  # name -> when it was restarted
     supervise: bool = True  # restart a service that exits (with backoff) until stop()
     unix_sockets: bool = True  # each scheduler reaches its worker through a Unix socket (not with TLS)
+    kvstore: bool = True  # start the kvstore the replicas move evicted resume points to (False: only one named by
+    # DEEPINFER_KVSTORE_URL, else none: evicted resume points are dropped)
     _sockets: Path | None = field(default=None, init=False, repr=False)  # their private directory
     _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
     _held: dict[int, Any] = field(default_factory=dict, init=False, repr=False)  # port -> its reserving socket
@@ -176,6 +178,8 @@ class Mesh:
         from deepinfer.events import server_url_or_start
         from deepinfer.events.auth import redact
 
+        if not self.kvstore and set(self.roles) - {"mixed"} and not envs.DEEPINFER_KVSTORE_URL:
+            raise ValueError("prefill and decode replicas hand requests off through a kvstore: none started or named")
         if self.accelerator == "cpu" and not envs.is_set("DEEPINFER_TORCH_THREADS"):
             # the worker's OpenMP threads would otherwise compete with the scheduler and the balancer
             self.extra_env["DEEPINFER_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) - 1))
@@ -185,16 +189,11 @@ class Mesh:
         if self.nats is None:  # an external server: every service gets DEEPINFER_NATS_URL as it is
             self.extra_env["DEEPINFER_NATS_URL"] = url
         self.endpoints["nats"] = redact(url) if self.nats is None else self.nats.address  # printed: no password
-        kport = self._grpc_port()
-        kaddr = f"{self.host}:{kport}"
-        data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
-        kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
         # the kvstore, the grammar service and the workers need none of each other: they start side by side (the
         # workers load their models while the grammar service builds its tokenizer view); the schedulers dial
         # their workers, the balancer its schedulers
-        self._spawn("kvstore", kv_args, kaddr, wait=False)
-        self.endpoints["kvstore"] = kaddr
-        self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
+        if self.kvstore:
+            self._start_kvstore()
         gport = self._grpc_port()
         gaddr = f"{self.host}:{gport}"
         grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
@@ -242,6 +241,17 @@ class Mesh:
         if self.http_port > 0:
             self.endpoints["http"] = f"http://{self.host}:{self.http_port}/v1"
         return self
+
+    def _start_kvstore(self) -> None:
+        from deepinfer import envs
+
+        kport = self._grpc_port()
+        kaddr = f"{self.host}:{kport}"
+        data_dir = envs.DEEPINFER_KVSTORE_DIR or envs.DEEPINFER_CACHE_DIR / "kvstore"
+        kv_args = ["services.kvstore", "--host", self.host, "--port", str(kport), "--data-dir", str(data_dir)]
+        self._spawn("kvstore", kv_args, kaddr, wait=False)
+        self.endpoints["kvstore"] = kaddr
+        self.extra_env.setdefault("DEEPINFER_KVSTORE_URL", kaddr)  # workers offload resume points there
 
     def add_balancer(self, name: str, env: dict[str, str] | None = None) -> tuple[str, str]:
         """Another balancer in front of the started mesh's replicas, as ``name`` with ``env`` (e.g. another routing

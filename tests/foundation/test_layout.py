@@ -91,12 +91,18 @@ def test_cli_make_tiny_model_and_up(tmp_path: Path) -> None:
 def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
     from serving.mesh import free_port
 
-    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0"]
+    # (--no-kvstore: the mesh without its kvstore serves as well; the other launched meshes have theirs)
+    args = ["up", "--demo", "--max-tokens", "4", "--grpc-port", str(free_port()), "--http-port", "0", "--no-kvstore"]
     up = subprocess.run(
         [sys.executable, "-m", "deepinfer", *args], env=_env(tmp_path), capture_output=True, text=True, timeout=300
     )
     assert up.returncode == 0, up.stdout + up.stderr
     assert up.stdout.count("--- ") == 3 and "through the mesh" in up.stdout and "stopped" in up.stdout
+    assert "  grammar " in up.stdout and "  kvstore " not in up.stdout  # (the endpoints it lists)
+    split = ["up", "--prefill-replicas", "1", "--decode-replicas", "1", "--no-kvstore"]
+    bad = subprocess.run([sys.executable, "-m", "deepinfer", *split], env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "hand requests off through a kvstore" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "deepinfer", "up", "--ep", "3", "--tp", "2"], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "tp must divide ep" in bad.stderr
