@@ -205,7 +205,8 @@ def stop_profilers(procs: list[Any]) -> None:
         p.wait(timeout=60)
 
 
-def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: float, streams: str) -> list[dict]:
+def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: float, streams: str,
+            kvstore: str = "on") -> list[dict]:  # fmt: skip
     """Each concurrency level through the in-process engine and through ``mesh``, alternating."""
     rows = []
     asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model))  # warm-up
@@ -215,18 +216,19 @@ def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: floa
             s.turns[0].output_len = min(8, s.turns[0].output_len)
         offline(llm, warm)
         before, t = cpu_seconds(None), time.perf_counter()
-        row: dict[str, Any] = {"c": c, "streams": streams, "offline": offline(llm, sessions(c, args, seed=c))}
+        row: dict[str, Any] = {"c": c, "streams": streams, "kvstore": kvstore,
+                               "offline": offline(llm, sessions(c, args, seed=c))}  # fmt: skip
         row["offline"]["cpu"] = cpu_use(before, cpu_seconds(None), time.perf_counter() - t)
         for proto in args.protocol_list:
             asyncio.run(through_mesh(mesh, proto, warm, model))
-            spies = profilers(mesh, args, f"pyspy-{streams}-{proto}-c{c}")
+            spies = profilers(mesh, args, f"pyspy-{streams}{'' if kvstore == 'on' else '-nokv'}-{proto}-c{c}")
             before, phases, t = cpu_seconds(mesh), phase_totals(mesh), time.perf_counter()
             row[proto] = asyncio.run(through_mesh(mesh, proto, sessions(c, args, seed=c), model))
             stop_profilers(spies)
             row[proto]["cpu"] = cpu_use(before, cpu_seconds(mesh), time.perf_counter() - t)
             row[proto]["phases"] = phase_use(phases, phase_totals(mesh))
         rows.append(row)
-        print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done ({streams})", flush=True)
+        print(f"[{time.perf_counter() - t0:.0f} s] concurrency {c} done ({variant(row)})", flush=True)
     return rows
 
 
@@ -241,7 +243,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--protocols", default="grpc,http", help="grpc and/or http")
     ap.add_argument("--replica-streams", default="session", help="session and/or submit: how the balancer sends its "
                     "requests to the scheduler (DEEPINFER_REPLICA_SESSIONS on / off), one mesh each")  # fmt: skip
-    ap.add_argument("--kvstore", choices=["on", "off"], default="on", help="off: the mesh starts no kvstore "
+    ap.add_argument("--kvstore", default="on", help="on and/or off, one mesh each; off: the mesh starts no kvstore "
                     "(`deepinfer up --no-kvstore`), so resume points evicted from the device are dropped as in the "
                     "peer, not offloaded: the mesh's exchange alone")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write DIR/<date>-mesh-overhead-<device>.json")
@@ -263,14 +265,22 @@ def parse_args() -> argparse.Namespace:
     if not set(args.protocol_list) <= {"grpc", "http"}:
         ap.error(f"--protocols: grpc and/or http, got {args.protocols!r}")
     args.stream_list = [p for p in args.replica_streams.split(",") if p]
+    args.kvstore_list = [k for k in args.kvstore.split(",") if k]
+    if not args.kvstore_list or not set(args.kvstore_list) <= {"on", "off"}:
+        ap.error(f"--kvstore: on and/or off, got {args.kvstore!r}")
     if not args.stream_list or not set(args.stream_list) <= {"session", "submit"}:
         ap.error(f"--replica-streams: session and/or submit, got {args.replica_streams!r}")
     return args
 
 
+def variant(row: dict[str, Any]) -> str:
+    """The mesh a row measured: the balancer's stream to its replica, and whether the mesh had its kvstore."""
+    return row["streams"] + ("" if row.get("kvstore", "on") == "on" else ", no kvstore")
+
+
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"workload: c requests x {args.prompt_len} prompt tokens, {args.max_tokens} greedy output tokens, "
-          f"all started together; {args.device}; the workers' kvstore {args.kvstore}")  # fmt: skip
+          f"all started together; {args.device}")  # fmt: skip
     print("| c | path | tokens/s | × peer | TPOT p50 ms | ITL p99 ms | TTFT p50 ms | stalls > 1 ms |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -281,19 +291,19 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             m = r[proto]
             ratio = m["output_throughput"] / off["output_throughput"]
             lat = f"{m.get('median_tpot_ms', 0):.2f} | {m.get('p99_itl_ms', 0):.2f} | {m.get('median_ttft_ms', 0):.1f}"
-            print(f"| {r['c']} | mesh, {proto} ({r['streams']}) | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
+            print(f"| {r['c']} | mesh, {proto} ({variant(r)}) | {m['output_throughput']:.0f} | {ratio:.2f} | {lat} | "
                   f"{m['stalls_over_1ms']} |")  # fmt: skip
     print("\nCPU per process over each timed run (1.0: one core busy throughout)")
     for r in rows:
         for path in ["offline", *args.protocol_list]:
             cpu = r[path].get("cpu", {})
-            print(f"  c={r['c']} {path} ({r['streams']}): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+            print(f"  c={r['c']} {path} ({variant(r)}): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print("\nStep phases over each timed run (mean ms, times run): the worker's launch / finish / starved (no step on "
           "the device, no plan), the scheduler's plan / deliver")  # fmt: skip
     for r in rows:
         for proto in args.protocol_list:
             ph = r[proto].get("phases", {})
-            print(f"  c={r['c']} {proto} ({r['streams']}): " + ", ".join(
+            print(f"  c={r['c']} {proto} ({variant(r)}): " + ", ".join(
                 f"{k} {v['mean_ms']:.3f} ({v['n']})" if "mean_ms" in v else f"{k} {v['n']}" for k, v in ph.items()
             ))  # fmt: skip
 
@@ -324,16 +334,16 @@ def main() -> None:
     path = os.pathsep.join(p for p in (str(ROOT / "libs"), str(ROOT), os.environ.get("PYTHONPATH")) if p)  # (+ ours)
     env = {"PYTHONPATH": path, "DEEPINFER_LOG_LEVEL": args.log_level}
     rows: list[dict[str, Any]] = []
-    for streams in args.stream_list:  # one mesh each: the balancer's DEEPINFER_REPLICA_SESSIONS is read at its start
-        sessions_on = "1" if streams == "session" else "0"
+    for streams, kv in [(s, k) for s in args.stream_list for k in args.kvstore_list]:  # one mesh each (the
+        sessions_on = "1" if streams == "session" else "0"  # balancer reads DEEPINFER_REPLICA_SESSIONS at its start)
         http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
         mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator,
-                    kvstore=args.kvstore == "on",
+                    kvstore=kv == "on",
                     extra_env=env | settings | {"DEEPINFER_REPLICA_SESSIONS": sessions_on})  # fmt: skip
         try:
             mesh.start()
-            print(f"[{time.perf_counter() - t0:.0f} s] mesh serving ({streams})", flush=True)
-            rows += measure(mesh, llm, args, model.name, t0, streams)
+            print(f"[{time.perf_counter() - t0:.0f} s] mesh serving ({streams}, kvstore {kv})", flush=True)
+            rows += measure(mesh, llm, args, model.name, t0, streams, kv)
         finally:
             mesh.stop()
     report(args, rows)
@@ -342,7 +352,8 @@ def main() -> None:
                "device": args.device, "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
                "mesh_over_inprocess": {str(r["c"]): r[args.protocol_list[0]]["output_throughput"]
                                        / r["offline"]["output_throughput"]
-                                       for r in rows if r["streams"] == args.stream_list[0]}}  # fmt: skip
+                                       for r in rows if r["streams"] == args.stream_list[0]
+                                       and r["kvstore"] == args.kvstore_list[0]}}  # fmt: skip
         write_json(args.out / f"{res['date']}-mesh-overhead-{args.device}.json", res)
 
 

@@ -15,6 +15,7 @@ is checked for the same tokens and a state equal within rounding. Mutations (a r
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -71,6 +72,7 @@ class Plain:
         self.model, self.params = model, params
         self.cache = PagedKVCache(model.config, PAGES, PAGE)
         self.table, self.state, self.tokens = torch.arange(PAGES), SequenceState(), list(prompt)
+        self.at: dict[int, Plain] = {}  # copies of this run by tokens consumed (``run_to``)
         self.step(len(prompt))
 
     def step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +85,28 @@ class Plain:
         _, mtp = m.mtp_forward(h, torch.tensor(self.tokens[p + 1 : p + n + 1]), batch)
         return logits[-1], mtp[-1]
 
-    def run_to(self, consumed: int) -> Plain:
+    def run_to(self, consumed: int, keep_from: int | None = None) -> Plain:
+        """Decode until ``consumed`` tokens are in; from ``keep_from`` consumed tokens on, a copy of the run after
+        each step is kept in ``at`` (what a fresh run to that count holds: the same steps of the same model)."""
         while self.state.num_tokens < consumed:
             self.step(1)
+            if keep_from is not None and self.state.num_tokens >= keep_from:
+                self.at[self.state.num_tokens] = self.copy()
         return self
+
+    def copy(self) -> Plain:
+        """This run as it is now, its state, cache and tokens copied (the model shared)."""
+        out = copy.copy(self)
+        out.cache, out.state, out.tokens, out.at = copied(self.cache), self.state.clone(), list(self.tokens), {}
+        return out
+
+
+def copied(cache: PagedKVCache) -> PagedKVCache:
+    """A copy of ``cache``: its rows and indexer keys cloned."""
+    out = copy.copy(cache)
+    out.rows = {k: v.clone() for k, v in cache.rows.items()}
+    out.index_keys = {k: v.clone() for k, v in cache.index_keys.items()}
+    return out
 
 
 def speculative_run(model: DeepseekV4Model, prompts: list[list[int]], params: list[SamplingParams],
@@ -185,14 +205,17 @@ def check(model: DeepseekV4Model, seed: int, right: float, tol: float = 0.0) -> 
     n_seq = rng.randint(1, 3)
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 12))] for _ in range(n_seq)]
     params = [rng.choice(PARAMS) for _ in range(n_seq)]
-    oracle = [Plain(model, x, p).run_to(len(x) + NEW + 8).tokens for x, p in zip(prompts, params)]
+    # the plain runs, kept as they were at each count of tokens a speculative run can end with (NEW - 1 emitted and
+    # consumed, at least): each the plain run to compare that sequence's state with
+    runs = [Plain(model, x, p).run_to(len(x) + NEW + 8, keep_from=len(x) + NEW - 1) for x, p in zip(prompts, params)]
+    oracle = [r.tokens for r in runs]
     spec, cache, tables, _ = speculative_run(model, prompts, params, oracle, rng, right)
     bad = []
     for b, ((toks, st), x, p) in enumerate(zip(spec, prompts, params)):
         if toks != oracle[b][: len(toks)]:
             bad.append(f"seq {b}: emitted {toks[len(x) :]} != plain {oracle[b][len(x) : len(toks)]}")
             continue
-        plain = Plain(model, x, p).run_to(st.num_tokens)
+        plain = runs[b].at.get(st.num_tokens) or Plain(model, x, p).run_to(st.num_tokens)
         assert plain.tokens == toks
         bad += [f"seq {b}: {d}" for d in differences(st, cache, tables[b], plain, tol)]
         if tol == 0:  # the batch-invariant ops: a plain run that consumed the same tokens as one chunk, too

@@ -15,6 +15,7 @@ rolled back) must be caught.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -35,7 +36,7 @@ from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator, survival_
 from deepinfer.models.deepseek_v41.verify_graphs import VerifyGraphs
 from deepinfer.runtime.step_graphs import StepGraphs
 from eager_graphs import EagerCapture
-from models.test_spec_verify import differences
+from models.test_spec_verify import copied, differences
 from models.test_v41_decoder_replay import _model
 from models.tiny_v41 import NAMES, build_tokenizer
 
@@ -61,6 +62,7 @@ class Plain:
     def __init__(self, model: DeepseekV41Model, prompt: list[int]) -> None:
         self.model, self.state, self.tokens = model, SequenceState(), list(prompt)
         self.cache, self.table = PagedKVCache(model.config, PAGES, PAGE), torch.arange(PAGES)
+        self.at: dict[int, Plain] = {}  # copies of this run by tokens consumed (``run_to``)
         self.step(len(prompt))
 
     def step(self, n: int) -> torch.Tensor:
@@ -70,10 +72,20 @@ class Plain:
         self.tokens.append(int(logits[-1].argmax()))
         return logits[-1]
 
-    def run_to(self, consumed: int) -> Plain:
+    def run_to(self, consumed: int, keep_from: int | None = None) -> Plain:
+        """Decode until ``consumed`` tokens are in; from ``keep_from`` consumed tokens on, a copy of the run after
+        each step is kept in ``at`` (what a fresh run to that count holds: the same steps of the same model)."""
         while self.state.num_tokens < consumed:
             self.step(1)
+            if keep_from is not None and self.state.num_tokens >= keep_from:
+                self.at[self.state.num_tokens] = self.copy()
         return self
+
+    def copy(self) -> Plain:
+        """This run as it is now, its state, cache and tokens copied (the model shared)."""
+        out = copy.copy(self)
+        out.cache, out.state, out.tokens, out.at = copied(self.cache), self.state.clone(), list(self.tokens), {}
+        return out
 
 
 def speculative_run(model: DeepseekV41Model, prompts: list[list[int]], oracle: list[list[int]], rng: random.Random,
@@ -161,7 +173,10 @@ def check(model: DeepseekV41Model, seed: int, skip: str | None = None, exact: bo
     rng = random.Random(seed)
     vocab = model.text.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(1, 11))] for _ in range(rng.randint(2, 3))]
-    oracle = [Plain(model, x).run_to(len(x) + NEW + 8).tokens for x in prompts]
+    # the plain runs, kept as they were at each count of tokens a speculative run can end with (NEW - 1 emitted and
+    # consumed, at least): each the plain run to compare that sequence's state with
+    runs = [Plain(model, x).run_to(len(x) + NEW + 8, keep_from=len(x) + NEW - 1) for x in prompts]
+    oracle = [r.tokens for r in runs]
     toks, states, cache, tables, spec, rids, stats = speculative_run(model, prompts, oracle, rng, skip)
     assert stats["kept"] > 0 and stats["verify_chunks"] > 0 and stats["plain_rows"] > 0, stats
     bad = [] if spec.early_used or not spec.draft_early else ["no step read the drafts queued as a verify step settled"]
@@ -171,7 +186,7 @@ def check(model: DeepseekV41Model, seed: int, skip: str | None = None, exact: bo
             continue
         if not exact:
             continue
-        plain = Plain(model, prompts[b]).run_to(st.num_tokens)
+        plain = runs[b].at.get(st.num_tokens) or Plain(model, prompts[b]).run_to(st.num_tokens)
         bad += [f"seq {b}: {d}" for d in differences(st, cache, tables[b], plain, tol)]
         if st.history != plain.state.history:
             bad.append(f"seq {b}: Engram history {st.history} != {plain.state.history}")
