@@ -11,6 +11,7 @@ scheduler's counters, the batch limit that switches drafting off, and the checkp
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jsonschema
@@ -61,6 +62,27 @@ def spec(model_dir: Path) -> LLM:
     return engine(model_dir, DRAFTS)
 
 
+def plain_runs(base: LLM) -> Callable[[SamplingParams], tuple[RequestOutput, ...]]:
+    """The plain run of ``PROMPTS`` under ``GREEDY`` or ``SEEDED`` on ``base`` (a non-speculative engine), computed
+    once per module and shared by the tests that compare against it: the same engine, prompts and params, under the
+    module's settings (a test that changes a setting before its reference runs its own). Its outputs are the same
+    whichever test runs it first, prefix-cache hits or not; the tests only read them (a tuple: not to be mutated)."""
+    memo: dict[int, tuple[RequestOutput, ...]] = {}
+
+    def get(params: SamplingParams) -> tuple[RequestOutput, ...]:
+        assert params is GREEDY or params is SEEDED  # (other params: the test runs its own)
+        if id(params) not in memo:
+            memo[id(params)] = tuple(run(base, params))
+        return memo[id(params)]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(base: LLM) -> Callable[[SamplingParams], tuple[RequestOutput, ...]]:
+    return plain_runs(base)
+
+
 def run(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list:
     """The outputs of ``prompts`` as requests ``r0, r1, ..`` (the oracle knows them by these ids)."""
     eng, outs = llm.engine, {}
@@ -73,14 +95,14 @@ def run(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[l
     return [outs[f"r{k}"] for k in range(len(prompts))]
 
 
-def oracle(llm: LLM, plain: list[RequestOutput], error_rate: float, prompts: list[list[int]] = PROMPTS) -> None:
+def oracle(llm: LLM, plain: Sequence[RequestOutput], error_rate: float, prompts: list[list[int]] = PROMPTS) -> None:
     """Give ``llm`` a drafter that replays ``plain``'s continuations with ``error_rate`` wrong drafts."""
     cont = {f"r{k}": prompts[k] + o.outputs[0].token_ids for k, o in enumerate(plain)}
     proposer = OracleProposer(cont, error_rate, llm.config.vocab_size)
     llm.engine.runner.spec = llm.family.speculator(llm.model, DRAFTS, proposer)
 
 
-def assert_same(a: list[RequestOutput], b: list[RequestOutput], logprob_tol: float = 1e-4) -> None:
+def assert_same(a: Sequence[RequestOutput], b: Sequence[RequestOutput], logprob_tol: float = 1e-4) -> None:
     for x, y in zip(a, b):
         assert y.outputs[0].token_ids == x.outputs[0].token_ids
         assert y.outputs[0].finish_reason == x.outputs[0].finish_reason
@@ -89,7 +111,7 @@ def assert_same(a: list[RequestOutput], b: list[RequestOutput], logprob_tol: flo
             assert u.keys() == v.keys() and max(abs(u[t] - v[t]) for t in u) <= logprob_tol
 
 
-def drafted(outs: list[RequestOutput]) -> tuple[int, int]:
+def drafted(outs: Sequence[RequestOutput]) -> tuple[int, int]:
     return (
         sum(o.usage.get("draft_tokens", 0) for o in outs),
         sum(o.usage.get("accepted_draft_tokens", 0) for o in outs),
@@ -97,13 +119,13 @@ def drafted(outs: list[RequestOutput]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_mtp_drafts_change_no_token(base: LLM, spec: LLM, params: SamplingParams) -> None:
+def test_mtp_drafts_change_no_token(reference: Callable, spec: LLM, params: SamplingParams) -> None:
     spec.engine.runner.spec = spec.family.speculator(spec.model, DRAFTS)
-    plain, fast = run(base, params), run(spec, params)
-    assert_same(plain, fast)
+    ref, fast = reference(params), run(spec, params)
+    assert_same(ref, fast)
     drafts, kept = drafted(fast)
     assert drafts > 0 and 0 <= kept <= drafts
-    assert all("draft_tokens" not in o.usage for o in plain)
+    assert all("draft_tokens" not in o.usage for o in ref)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -174,15 +196,15 @@ def test_a_judged_oracle_keeps_the_drafts_it_draws_right(spec: LLM, monkeypatch:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -> None:
+def test_oracle_acceptance_rates(reference: Callable, spec: LLM, params: SamplingParams) -> None:
     """Drafts that are right are kept, wrong ones are not; the output never changes."""
-    plain = run(base, params)
+    ref = reference(params)
     seen = {}
     for error_rate in (0.0, 0.3, 1.0):
-        oracle(spec, plain, error_rate)
+        oracle(spec, ref, error_rate)
         before = spec.engine.scheduler.spec.accepted_tokens
         fast = run(spec, params)
-        assert_same(plain, fast)
+        assert_same(ref, fast)
         seen[error_rate] = drafted(fast)
         assert spec.engine.scheduler.spec.accepted_tokens - before == seen[error_rate][1]
     (d0, k0), (d3, k3), (d1, k1) = seen[0.0], seen[0.3], seen[1.0]
@@ -190,14 +212,14 @@ def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -
     assert k1 == 0 < d1
     assert 0 < k3 < d3 and k3 < k0
     # with every draft kept a verify step emits DRAFTS + 1 tokens: far fewer steps than tokens
-    n = sum(len(o.outputs[0].token_ids) for o in plain)
+    n = sum(len(o.outputs[0].token_ids) for o in ref)
     assert d0 <= n
 
 
-def test_max_tokens_and_stops_inside_a_verify_step(base: LLM, spec: LLM) -> None:
+def test_max_tokens_and_stops_inside_a_verify_step(base: LLM, reference: Callable, spec: LLM) -> None:
     """A request whose max_tokens, stop token or stop string falls among a verify step's kept drafts ends exactly
     where the plain run ends (the tokens after it are dropped, its text cut)."""
-    free = run(base, GREEDY)
+    free = reference(GREEDY)
     seq = [o.outputs[0].token_ids for o in free]  # case k runs prompt k
     text = free[2].outputs[0].text
     cases = [

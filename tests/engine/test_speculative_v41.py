@@ -7,6 +7,7 @@ which change how many drafts each sequence verifies and never a token. The setti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from engine.test_speculative_engine import (
     drafted,
     engine,
     oracle,
+    plain_runs,
     run,
     run_constrained,
 )
@@ -50,6 +52,13 @@ def spec(tiny_v41_dir: Path) -> LLM:
     return engine(tiny_v41_dir, DRAFTS)
 
 
+@pytest.fixture(scope="module")
+def reference(base: LLM) -> Callable[[SamplingParams], tuple]:
+    """The plain run of ``PROMPTS`` under ``GREEDY`` / ``SEEDED``, once per module (``plain_runs``): the tests
+    below that compare against it all run it on ``base`` under the module's settings alone."""
+    return plain_runs(base)
+
+
 def assert_same(a: list, b: list) -> None:
     """The same tokens, text and finish; logprobs within 1e-3 (the default ops: a verify row's FP8 window rounding
     may differ from a decode row's by one step of the format; bit for bit with the batch-invariant ops)."""
@@ -57,20 +66,20 @@ def assert_same(a: list, b: list) -> None:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_dspark_drafts_change_no_token(base: LLM, spec: LLM, params: SamplingParams) -> None:
+def test_dspark_drafts_change_no_token(reference: Callable, spec: LLM, params: SamplingParams) -> None:
     spec.engine.runner.spec = spec.family.speculator(spec.model, DRAFTS)
     assert isinstance(spec.engine.runner.spec, DSparkSpeculator)
-    plain, fast = run(base, params), run(spec, params)
+    plain, fast = reference(params), run(spec, params)
     assert_same(plain, fast)
     drafts, kept = drafted(fast)
     assert drafts > 0 and 0 <= kept <= drafts
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_oracle_acceptance_rates(base: LLM, spec: LLM, params: SamplingParams) -> None:
+def test_oracle_acceptance_rates(reference: Callable, spec: LLM, params: SamplingParams) -> None:
     """Right drafts are kept (the rollback keeps the Engram history, the ratio-2 pairs and the windows of the kept
     positions), wrong ones are not; the output never changes."""
-    plain = run(base, params)
+    plain = reference(params)
     seen = {}
     for error_rate in (0.0, 0.3, 1.0):
         oracle(spec, plain, error_rate)
