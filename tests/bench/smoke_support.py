@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from service_env import GRAMMAR_WORKERS
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 SCRIPTS = sorted(
@@ -260,6 +262,7 @@ def run_smoke(script: Path, tmp_path: Path, extra: tuple[str, ...] = (), trim: b
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "TRITON_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["DEEPINFER_GRAMMAR_WORKERS"] = GRAMMAR_WORKERS  # (the meshes the serving benches start)
     out = tmp_path / "out"
     flags = [*(TRIM.get(name, []) if trim else []), *extra]
     cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--out", str(out), *flags]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from service_env import GRAMMAR_WORKERS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,6 +17,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     env["DEEPINFER_CACHE_DIR"] = str(tmp_path / "cache")
     env["DEEPINFER_ACCELERATOR"] = "cpu"
+    env["DEEPINFER_GRAMMAR_WORKERS"] = GRAMMAR_WORKERS
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
     return env
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from deepinfer.launcher import Mesh
 from deepinfer.serving.healthcheck import free_port
+from service_env import GRAMMAR_WORKERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +30,7 @@ def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = F
             "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
             "DEEPINFER_CACHE_DIR": str(tmp / "cache"),
             "DEEPINFER_LOG_LEVEL": "warning",
+            "DEEPINFER_GRAMMAR_WORKERS": GRAMMAR_WORKERS,
         }
         | env
     )

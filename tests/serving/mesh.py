@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.serving.healthcheck import free_port, status, wait_serving
+from service_env import GRAMMAR_WORKERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +38,7 @@ class Mesh:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
         env.update(DEEPINFER_ACCELERATOR="cpu", DEEPINFER_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
+        env["DEEPINFER_GRAMMAR_WORKERS"] = GRAMMAR_WORKERS
         if self.nats_url:
             env["DEEPINFER_NATS_URL"] = self.nats_url
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
