@@ -178,7 +178,8 @@ class Mesh:
         from deepinfer.events import server_url_or_start
         from deepinfer.events.auth import redact
 
-        if not self.kvstore and set(self.roles) - {"mixed"} and not envs.DEEPINFER_KVSTORE_URL:
+        named = self.extra_env.get("DEEPINFER_KVSTORE_URL") or envs.DEEPINFER_KVSTORE_URL  # (an external one)
+        if not self.kvstore and set(self.roles) - {"mixed"} and not named:
             raise ValueError("prefill and decode replicas hand requests off through a kvstore: none started or named")
         if self.accelerator == "cpu" and not envs.is_set("DEEPINFER_TORCH_THREADS"):
             # the worker's OpenMP threads would otherwise compete with the scheduler and the balancer

@@ -111,6 +111,18 @@ def test_cli_up_runs_the_mesh(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "tp must divide ep" in bad.stderr
 
 
+def test_a_mesh_without_a_kvstore_refuses_disaggregated_replicas(tmp_path: Path) -> None:
+    """They hand requests off through it: refused before anything starts, unless another kvstore is named."""
+    import pytest
+
+    from deepinfer.launcher import Mesh
+
+    mesh = Mesh(tmp_path, replicas=2, roles=["prefill", "decode"], kvstore=False)
+    with pytest.raises(ValueError, match="hand requests off through a kvstore"):
+        mesh.start()
+    assert not mesh.procs and mesh.nats is None
+
+
 def test_cli_reports_bad_env(tmp_path: Path) -> None:
     env = _env(tmp_path) | {"DEEPINFER_BATCH_INVARIANT": "maybe"}
     out = subprocess.run(
