@@ -113,23 +113,29 @@ def served(model, args, dev, tok, batch: int, constraint: Constraint | None, pro
     return engine_decode.run_engine(model, cache, dev, model.config, tok, batch, ns, True, args.steps, constraint)
 
 
-def mask_cost(cs_factory, compiled, batch: int, tokens: int, seed: int) -> float:
-    """Median ms to fill the masks of ``batch`` matchers advancing by random allowed tokens."""
+def mask_cost(cs_factory, compiled, batch: int, tokens: int, seed: int) -> tuple[float, float]:
+    """Median ms to fill the masks of ``batch`` matchers advancing by random allowed tokens, and to have them accept
+    their tokens (both on the host's critical path of a constrained step)."""
     cs = cs_factory()
     rng = random.Random(seed)
     rids = [f"m{i}" for i in range(batch)]
     for rid in rids:
         cs.install(rid, Constraint(compiled))
-    times = []
+    fills, accepts = [], []
     for _ in range(tokens):
         t0 = time.perf_counter()
         packed = cs.fill(rids)
-        times.append(time.perf_counter() - t0)
+        fills.append(time.perf_counter() - t0)
         allowed = cs.allowed(packed, cs.vocab_size, "cpu")
-        for i, rid in enumerate(rids):
+        picks = []
+        for i in range(batch):
             ids = allowed[i].nonzero().flatten().tolist()
-            cs.accept(rid, rng.choice(ids) if len(ids) > 1 else ids[0])
-    return 1e3 * statistics.median(times)
+            picks.append(rng.choice(ids) if len(ids) > 1 else ids[0])
+        t0 = time.perf_counter()
+        for rid, t in zip(rids, picks):
+            cs.accept(rid, t)
+        accepts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(fills), 1e3 * statistics.median(accepts)
 
 
 def report(result: dict, args: argparse.Namespace, layers: int) -> str:
@@ -140,17 +146,17 @@ def report(result: dict, args: argparse.Namespace, layers: int) -> str:
              f"Served: the async engine's decode step ({args.steps} timed) after a {args.prompt}-token prompt; "
              f"synchronous: {args.tokens} decode tokens per sequence, a device wait around each step. Seeded "
              f"sampling at temperature 1; the schema is an array of {args.items} objects (compact JSON, compiled in "
-             f"{compile_ms:.0f} ms). Mask fill: the batch's rows on the CPU, measured alone.", "",
+             f"{compile_ms:.0f} ms). Mask fill and accept: the batch's rows on the CPU, measured alone.", "",
              "Held: the schema's steps each held until the previous one is collected (the code before the early "
              "accept, `pending_tokens.EARLY = False`), same run.", "",
              "| batch | served ms (plain, peer) | served ms (schema) | overhead | held ms (overhead) | "
-             "synchronous ms (plain / schema) | mask fill ms (batch) | roofline ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "synchronous ms (plain / schema) | mask fill ms (batch) | accept ms (batch) | roofline ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['served_ms']:.2f} | {r['served_schema_ms']:.2f} | "
                      f"{100 * r['served_overhead']:+.1f}% | {r['served_schema_held_ms']:.2f} "
                      f"({100 * r['served_held_overhead']:+.1f}%) | {r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
-                     f"{r['mask_fill_ms']:.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
+                     f"{r['mask_fill_ms']:.3f} | {r.get('accept_ms', 0):.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -202,20 +208,20 @@ def main() -> None:
             s_held = served(model, args, dev, tok, b, constraint)
         finally:
             pending_tokens.EARLY = True
-        fill = mask_cost(lambda: constraint_set(None, config), compiled, b, min(args.tokens, 32), args.seed)
+        fill, accept = mask_cost(lambda: constraint_set(None, config), compiled, b, min(args.tokens, 32), args.seed)
         roof = work.decode(b, args.prompt + args.tokens // 2, bw, ceil["bf16_TFLOPs"] * 1e12)["roofline_ms"]
         rows.append({"batch": b, "served_ms": s_plain["ms"], "served_schema_ms": s_so["ms"],
                      "served_overhead": s_so["ms"] / s_plain["ms"] - 1, "served_schema_held_ms": s_held["ms"],
                      "served_held_overhead": s_held["ms"] / s_plain["ms"] - 1, "served_schema_compiles":
                      len(s_so["triton_compiles"]), "tpot_ms": plain["step_ms"], "tpot_schema_ms": so["step_ms"],
-                     "delta_ms": so["step_ms"] - plain["step_ms"], "mask_fill_ms": fill,
+                     "delta_ms": so["step_ms"] - plain["step_ms"], "mask_fill_ms": fill, "accept_ms": accept,
                      "mask_fill_us_per_token": 1e3 * fill / b, "roofline_ms": roof,
                      "schema_eos_tokens": so["eos_tokens"]})  # fmt: skip
         if str(b) in args.profile.split(","):
             rows[-1]["host_profile"] = host_profiles(model, args, dev, tok, b, constraint)
         sweep.log(f"  batch {b}: served {s_plain['ms']:.2f} ms plain, {s_so['ms']:.2f} ms with the schema "
-                  f"({s_held['ms']:.2f} ms held); "
-                  f"synchronous {plain['step_ms']:.2f} / {so['step_ms']:.2f} ms; mask fill {fill:.3f} ms")  # fmt: skip
+                  f"({s_held['ms']:.2f} ms held); synchronous {plain['step_ms']:.2f} / {so['step_ms']:.2f} ms; "
+                  f"mask fill {fill:.3f} ms, accept {accept:.3f} ms")  # fmt: skip
     result = {"device": harness.device_name(dev), "torch": torch.__version__, "layers": config.num_hidden_layers,
               "command": " ".join(sys.argv), "ceilings": ceil, "schema_compile_ms": compile_ms,
               "rows": rows}  # fmt: skip

@@ -39,7 +39,18 @@ TRIM: dict[str, list[str]] = {
     # default, with it, starts in most serving tests)
     "serving/mesh_overhead.py": ["--concurrency", "2", "--kvstore", "off"],
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
-    "engine/structured_outputs.py": ["--batches", "1,2", "--tokens", "4", "--items", "2", "--steps", "3"],
+    "engine/structured_outputs.py": [
+        "--batches",
+        "1,2",
+        "--tokens",
+        "4",
+        "--items",
+        "2",
+        "--steps",
+        "3",
+        "--profile",
+        "2",
+    ],
     "kernels/pinned_plans.py": [
         "--rows",
         "1,3",
@@ -211,6 +222,9 @@ def _structured_outputs(out: Path, stdout: str) -> None:
         assert min(r["served_ms"], r["served_schema_ms"], r["served_schema_held_ms"], r["roofline_ms"]) > 0, r
         assert r["served_schema_compiles"] == 0
         assert abs(r["served_overhead"] - (r["served_schema_ms"] / r["served_ms"] - 1)) < 1e-9, r
+        assert r["mask_fill_ms"] > 0 and r["accept_ms"] > 0, r
+    assert "host_profile" not in rows[0]  # (--profile 2: the served steps at batch 2 profiled, plain and schema)
+    assert all("function calls" in rows[1]["host_profile"][mode] for mode in ("plain", "schema"))  # (cProfile's)
 
 
 def _pinned_plans(out: Path, stdout: str) -> None:
