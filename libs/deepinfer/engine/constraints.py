@@ -374,18 +374,20 @@ class Refusal:
     keep of each, so that a batch's rows sharing one set are cleared in one indexed update (a full-row AND per row
     took about 1 ms of a 64-row fill on the host; the sets are a few tokens)."""
 
-    def __init__(self, cols: torch.Tensor, keep: torch.Tensor) -> None:
-        self.cols, self.keep = cols, keep
+    def __init__(self, row: torch.Tensor) -> None:
+        self.allowed = ~row  # the packed row that keeps everything else (one row: a single AND)
+        self.cols = row.nonzero().flatten()
+        self.keep = self.allowed[self.cols]
 
     @classmethod
     def of(cls, ids: Sequence[int], vocab_size: int) -> Refusal:
-        row = pack(ids, vocab_size)
-        cols = row.nonzero().flatten()
-        return cls(cols, ~row[cols])
+        return cls(pack(ids, vocab_size))
 
     def clear(self, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Clear the set's bits in ``rows`` of the packed ``bitmask``, in place."""
-        if len(self.cols):
+        if len(rows) == 1:
+            bitmask[rows[0]] &= self.allowed
+        elif len(self.cols):
             index = torch.tensor(rows, dtype=torch.long).unsqueeze(1)
             bitmask[index, self.cols] &= self.keep
 
