@@ -28,7 +28,8 @@ interpreter, the first suspect when the mesh is slower than the engine. ``phases
 of the worker's launch, finish and starved phases and the scheduler's plan and deliver phases over the run (their
 ``*_step_phase_seconds`` metrics, read from the running services), the graphs captured in the run and the resume
 points offloaded to the kvstore in it (``kvstore puts``: the mesh's work that the peer, with no kvstore, never does —
-resume points left by earlier runs are evicted to make room).
+resume points left by earlier runs are evicted to make room). ``--kvstore on,off`` adds a mesh without its kvstore
+(``deepinfer up --no-kvstore``: evicted resume points dropped, as the peer drops them): the exchange alone.
 """
 
 from __future__ import annotations

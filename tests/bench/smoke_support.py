@@ -35,8 +35,8 @@ TRIM: dict[str, list[str]] = {
     "serving/routing.py": ["--policies", "cache", "--replicas", "1"],
     "serving/chaos.py": ["--duration-s", "6", "--kill-every-s", "2.5"],  # (still two kills, each restarted)
     "serving/disaggregation.py": ["--configs", "disaggregated"],
-    # (the session stream; submit is the same loop, one mesh more; the mesh without its kvstore: the launcher's
-    # default, with it, starts in most serving tests)
+    # (the session stream; submit is the same loop, one mesh more; --kvstore off: the launcher's default mesh, with
+    # its kvstore, starts in most serving tests)
     "serving/mesh_overhead.py": ["--concurrency", "2", "--kvstore", "off"],
     "engine/prefix_cache.py": ["--turns", "2", "--user", "32", "--reply", "2", "--repeats", "1"],
     "engine/structured_outputs.py": [
