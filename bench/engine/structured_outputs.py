@@ -156,7 +156,7 @@ def report(result: dict, args: argparse.Namespace, layers: int) -> str:
         lines.append(f"| {r['batch']} | {r['served_ms']:.2f} | {r['served_schema_ms']:.2f} | "
                      f"{100 * r['served_overhead']:+.1f}% | {r['served_schema_held_ms']:.2f} "
                      f"({100 * r['served_held_overhead']:+.1f}%) | {r['tpot_ms']:.2f} / {r['tpot_schema_ms']:.2f} | "
-                     f"{r['mask_fill_ms']:.3f} | {r.get('accept_ms', 0):.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
+                     f"{r['mask_fill_ms']:.3f} | {r['accept_ms']:.3f} | {r['roofline_ms']:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 

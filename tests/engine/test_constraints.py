@@ -164,6 +164,17 @@ def test_apply_masks_the_constrained_rows_only(compiler: Compiler, controls) -> 
         assert torch.isneginf(logits[row, :V][~allowed]).all() and torch.isneginf(logits[row, V:]).all()
 
 
+def test_the_refused_token_sets_kept_are_bounded(controls) -> None:
+    """Requests bring their own banned ids: the sets kept for sharing stay within the cache's size, and a request
+    whose set went out still fills as it did (its matcher holds its own)."""
+    cs = ConstraintSet(lambda: build_tokenizer_info(None), controls, V, EOS, None, cache_size=4)
+    for i in range(10):
+        cs.install(f"r{i}", Constraint(None, banned_token_ids=(100 + i,)))
+    assert len(cs._refusals) == 4
+    mask = ConstraintSet.allowed(cs.fill(["r0", "r9"]), V, "cpu")
+    assert not mask[0, 100] and mask[0, 109] and not mask[1, 109] and int(mask.sum()) == 2 * V - 2
+
+
 def test_every_row_constrained_masks_as_a_step_with_an_unconstrained_row(compiler: Compiler, controls) -> None:
     """A step whose rows are all constrained, in order, hands the filled masks over as they are (no index): the
     same logits as where an unconstrained row sits among them."""

@@ -92,7 +92,10 @@ class ConstraintSet:
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher (its thread pool), made on first use
         self._lock, self._info_lock = threading.Lock(), threading.Lock()
         self._eos_only = pack([eos_token_id], vocab_size)
-        self._refusals: dict[tuple[int, ...], Refusal] = {}  # one per token set: the requests that share it share it
+        # one per token set, the requests that share it sharing it; the sets come with requests (banned ids), so the
+        # least recently installed go past ``cache_size`` (their matchers keep theirs: rows of one set then update
+        # apart, no less right)
+        self._refusals: OrderedDict[tuple[int, ...], Refusal] = OrderedDict()
 
     # -- requests ---------------------------------------------------------------------------
     def install(self, request_id: str, constraint: Constraint, history: Sequence[int] = ()) -> None:
@@ -276,6 +279,9 @@ class ConstraintSet:
         with self._lock:
             if key not in self._refusals:
                 self._refusals[key] = Refusal.of(key, self.vocab_size)
+                while len(self._refusals) > self._cache_size:
+                    self._refusals.popitem(last=False)
+            self._refusals.move_to_end(key)
             return self._refusals[key]
 
     def warm(self) -> None:
