@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deepinfer.chat.tokens import THINK_END
-from deepinfer.engine.constraints import Constraint, ConstraintSet, pack
+from deepinfer.engine.constraints import Constraint, ConstraintSet
+from deepinfer.engine.token_masks import pack
 from deepinfer.grammar import Compiler, GrammarSpec, build_tokenizer_info, control_token_ids, tokenizer_fingerprint
 from deepinfer.tokenizer import load_tokenizer
 
