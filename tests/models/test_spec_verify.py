@@ -64,7 +64,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     return SAMPLER(logits, params, seeds).token_ids.tolist()
 
 
-class Plain:
+class PlainRun:
+    """A sequence decoded without speculation, one token a ``step(1)`` (the subclass's), its copies kept by tokens
+    consumed (``at``) so that a reference run to any count is decoded once."""
+
+    state: SequenceState
+    cache: PagedKVCache
+    tokens: list[int]
+    at: dict[int, PlainRun]
+
+    def step(self, n: int) -> object:
+        raise NotImplementedError
+
+    def run_to(self, consumed: int, keep_from: int | None = None) -> PlainRun:
+        """Decode until ``consumed`` tokens are in; from ``keep_from`` consumed tokens on, a copy of the run after
+        each step is kept in ``at`` (what a fresh run to that count holds: the same steps of the same model)."""
+        while self.state.num_tokens < consumed:
+            self.step(1)
+            if keep_from is not None and self.state.num_tokens >= keep_from:
+                self.at[self.state.num_tokens] = self.copy()
+        return self
+
+    def copy(self) -> PlainRun:
+        """This run as it is now, its state, cache and tokens copied (the model shared)."""
+        out = copy.copy(self)
+        out.cache, out.state, out.tokens, out.at = copied(self.cache), self.state.clone(), list(self.tokens), {}
+        return out
+
+
+class Plain(PlainRun):
     """One sequence decoded without speculation: a prefill, then one token per step, the MTP block fed each
     consumed position once the next token is sampled."""
 
@@ -72,7 +100,7 @@ class Plain:
         self.model, self.params = model, params
         self.cache = PagedKVCache(model.config, PAGES, PAGE)
         self.table, self.state, self.tokens = torch.arange(PAGES), SequenceState(), list(prompt)
-        self.at: dict[int, Plain] = {}  # copies of this run by tokens consumed (``run_to``)
+        self.at: dict[int, PlainRun] = {}  # copies of this run by tokens consumed (``run_to``)
         self.step(len(prompt))
 
     def step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,21 +112,6 @@ class Plain:
         self.tokens += sample(logits[-1:], [self.params], [p + n])
         _, mtp = m.mtp_forward(h, torch.tensor(self.tokens[p + 1 : p + n + 1]), batch)
         return logits[-1], mtp[-1]
-
-    def run_to(self, consumed: int, keep_from: int | None = None) -> Plain:
-        """Decode until ``consumed`` tokens are in; from ``keep_from`` consumed tokens on, a copy of the run after
-        each step is kept in ``at`` (what a fresh run to that count holds: the same steps of the same model)."""
-        while self.state.num_tokens < consumed:
-            self.step(1)
-            if keep_from is not None and self.state.num_tokens >= keep_from:
-                self.at[self.state.num_tokens] = self.copy()
-        return self
-
-    def copy(self) -> Plain:
-        """This run as it is now, its state, cache and tokens copied (the model shared)."""
-        out = copy.copy(self)
-        out.cache, out.state, out.tokens, out.at = copied(self.cache), self.state.clone(), list(self.tokens), {}
-        return out
 
 
 def copied(cache: PagedKVCache) -> PagedKVCache:

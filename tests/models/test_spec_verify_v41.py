@@ -15,7 +15,6 @@ rolled back) must be caught.
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -36,7 +35,7 @@ from deepinfer.models.deepseek_v41.speculator import DSparkSpeculator, survival_
 from deepinfer.models.deepseek_v41.verify_graphs import VerifyGraphs
 from deepinfer.runtime.step_graphs import StepGraphs
 from eager_graphs import EagerCapture
-from models.test_spec_verify import copied, differences
+from models.test_spec_verify import PlainRun, differences
 from models.test_v41_decoder_replay import _model
 from models.tiny_v41 import NAMES, build_tokenizer
 
@@ -56,13 +55,13 @@ def model_of(tokenizer, name: str, invariant: bool = True) -> DeepseekV41Model:
     return m
 
 
-class Plain:
+class Plain(PlainRun):
     """One sequence decoded greedily without speculation, one token per step after its prompt."""
 
     def __init__(self, model: DeepseekV41Model, prompt: list[int]) -> None:
         self.model, self.state, self.tokens = model, SequenceState(), list(prompt)
         self.cache, self.table = PagedKVCache(model.config, PAGES, PAGE), torch.arange(PAGES)
-        self.at: dict[int, Plain] = {}  # copies of this run by tokens consumed (``run_to``)
+        self.at: dict[int, PlainRun] = {}  # copies of this run by tokens consumed (``run_to``)
         self.step(len(prompt))
 
     def step(self, n: int) -> torch.Tensor:
@@ -71,21 +70,6 @@ class Plain:
         logits = self.model.logits(self.model(batch, self.cache))
         self.tokens.append(int(logits[-1].argmax()))
         return logits[-1]
-
-    def run_to(self, consumed: int, keep_from: int | None = None) -> Plain:
-        """Decode until ``consumed`` tokens are in; from ``keep_from`` consumed tokens on, a copy of the run after
-        each step is kept in ``at`` (what a fresh run to that count holds: the same steps of the same model)."""
-        while self.state.num_tokens < consumed:
-            self.step(1)
-            if keep_from is not None and self.state.num_tokens >= keep_from:
-                self.at[self.state.num_tokens] = self.copy()
-        return self
-
-    def copy(self) -> Plain:
-        """This run as it is now, its state, cache and tokens copied (the model shared)."""
-        out = copy.copy(self)
-        out.cache, out.state, out.tokens, out.at = copied(self.cache), self.state.clone(), list(self.tokens), {}
-        return out
 
 
 def speculative_run(model: DeepseekV41Model, prompts: list[list[int]], oracle: list[list[int]], rng: random.Random,
