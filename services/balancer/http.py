@@ -43,6 +43,7 @@ from deepinfer.serving.metrics import (
     status_label,
 )
 from deepinfer.v1 import generation_pb2
+from services.balancer.chat_output import parse_chat_output
 from services.balancer.core import Balancer
 from services.balancer.http_choices import (
     collect,
@@ -56,11 +57,7 @@ from services.balancer.http_choices import (
 )
 from services.balancer.http_errors import ApiError, api_error
 from services.balancer.http_guard import ApiKeyMiddleware, check_length, read_body
-from services.balancer.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_chat_output,
-)
+from services.balancer.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.balancer.sse import EventStream, framed, hang_up
 
 

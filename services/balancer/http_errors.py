@@ -65,6 +65,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        if err["type"] == "extra_forbidden":  # (OpenAI's wording for a field it does not know)
+            return ApiError(400, f"{param}: unrecognized request argument", param=param, code="unknown_parameter")
         return ApiError(400, f"{param}: {err['msg']}", param=param or None, code="invalid_value")
     if isinstance(exc, ValueError):
         match = _PARAM.match(str(exc))

@@ -1,14 +1,15 @@
-"""OpenAI-compatible request models, their mapping to ``deepinfer.v1`` requests, and the chat output parser.
+"""OpenAI-compatible request models and their mapping to ``deepinfer.v1`` requests (the chat output's parsing:
+``chat_output``).
 
-Requests are pydantic models that ignore unknown fields (as vLLM does). Fields the engine cannot honour
-(penalties, ``echo``, ``logit_bias``, ``n`` over ``MAX_N``, ``best_of`` other than ``n``) are refused with a
-ValueError naming the field rather than silently ignored. Structured output comes from ``response_format``
-(json_object, json_schema) or, in the extra body, vLLM's ``structured_outputs`` / ``guided_*`` fields or
-DeepInfer's ``so_args``; ``tool_choice`` (auto, none, required, a named function) travels to the balancer, which
-compiles the tool-call grammar. Chat output is split into reasoning, content and tool calls by
-``ReasoningSplitter``, a subset of the state machine of the completion parser (docs/chat_format.md, "Streaming
-parser") that works on streamed text deltas; output cut by ``max_tokens`` goes through the streaming parser,
-which drops a tool call cut short.
+Requests are strict pydantic models: a field neither endpoint knows is refused naming it (as OpenAI's API does;
+vLLM ignores it with a warning), and so is a value of the wrong type (``"temperature": true``). Fields the engine
+cannot honour (penalties, ``echo``, ``logit_bias``, ``n`` over ``MAX_N``, ``best_of`` other than ``n``, ``store``,
+another ``service_tier``, OpenAI's audio, predicted outputs, web search, legacy functions) are refused with a
+ValueError naming the field rather than silently ignored; fields that change nothing generated (``user``,
+``metadata``, ``safety_identifier``, ``prompt_cache_key``) are taken as they are. Structured output comes from
+``response_format`` (json_object, json_schema; on both endpoints) or, in the extra body, vLLM's
+``structured_outputs`` / ``guided_*`` fields or DeepInfer's ``so_args``; ``tool_choice`` (auto, none, required, a
+named function) travels to the balancer, which compiles the tool-call grammar.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from deepinfer import envs
-from deepinfer.chat import encode_messages, merge_deltas, parse_completion
-from deepinfer.chat.dsml import parse_tool_calls
-from deepinfer.chat.streaming import StreamingParser
-from deepinfer.chat.tokens import EOS, THINK_END, THINK_START, TOOL_CALLS_START
+from deepinfer.chat import encode_messages
+from deepinfer.chat.tokens import THINK_START
 from deepinfer.image_inputs import image_bytes
 from deepinfer.rpc.convert import structured_output_to_proto
 from deepinfer.sampling_params import SamplingParams
@@ -36,14 +35,20 @@ REASONING_EFFORTS = {"none": (False, ""), "low": (True, "high"), "medium": (True
 MAX_N = 16  # the most samples (``n``) one request may ask for: each is a request of its own on a replica
 
 
+_STRICT = ConfigDict(extra="forbid", strict=True)
+SERVICE_TIERS = (None, "auto", "default")  # OpenAI's tiers that ask for nothing else than serving the request
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extra fields included)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -65,8 +70,15 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's identifiers and tags: nothing generated depends on them
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # (refused when true: this server keeps no completions)
+    service_tier: str | None = None
     cache_salt: str | None = None  # vLLM's prefix-cache isolation between tenants
+    response_format: dict[str, Any] | None = None  # (on /v1/completions too, as vLLM takes it)
     # structured output beyond response_format (extra body): vLLM's structured_outputs {json | regex | grammar |
     # choice | json_object}, its older guided_* fields, and DeepInfer's so_args {schema_type, schema}
     structured_outputs: dict[str, Any] | None = None
@@ -90,6 +102,10 @@ class _SamplingRequest(BaseModel):
             raise ValueError("repetition_penalty: not supported (must be 1)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
+        if self.store:
+            raise ValueError("store: not supported (this server keeps no completions; must be false)")
+        if self.service_tier not in SERVICE_TIERS:
+            raise ValueError(f"service_tier: only 'auto' or 'default' are served, got {self.service_tier!r}")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         self._refuse_unsupported()
@@ -162,7 +178,23 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    # OpenAI features this server does not have (refused when set): audio output, predicted outputs, web search,
+    # the legacy function calling (``tools`` replaces it), output verbosity
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    verbosity: str | None = None
+
+    def _refuse_chat_unsupported(self) -> None:
+        for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "verbosity"):
+            if getattr(self, name) is not None:
+                hint = " (use tools and tool_choice)" if name.startswith("function") else ""
+                raise ValueError(f"{name}: not supported{hint}")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError(f"modalities: only ['text'] is supported, got {self.modalities}")
 
     def thinking(self) -> tuple[bool, str]:
         """(thinking on, reasoning effort for the encoder): chat mode unless asked for."""
@@ -185,6 +217,7 @@ class ChatCompletionRequest(_SamplingRequest):
         chat what the context leaves after the prompt, at most ``DEEPINFER_DEFAULT_MAX_TOKENS`` (``max_model_len``
         is no longer needed here and only kept for callers that pass it). ``image_placeholder``: the model's image
         placeholder token (None: the model takes no images, and an ``image_url`` part is refused naming it)."""
+        self._refuse_chat_unsupported()
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
         thinking, effort = self.thinking()
@@ -293,84 +326,3 @@ def _tool(t: dict[str, Any], i: int) -> generation_pb2.Tool:
         description=str(fn.get("description") or ""),
         parameters=json.dumps(params, ensure_ascii=False) if params is not None else "",
     )
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class ReasoningSplitter:
-    """Incremental split of streamed completion text into reasoning, content and tool calls.
-
-    The initial state comes from the rendered prompt: reasoning when it ends with ``<think>``. In reasoning,
-    ``</think>`` switches to content; in content, ``\\n\\n<｜DSML｜tool_calls`` starts a tool-call block that is
-    held back and parsed at the end (on a parse failure it is returned as content). Text that could be the
-    start of a marker is held back until the next delta decides it.
-    """
-
-    def __init__(self, reasoning: bool) -> None:
-        self.state = "reasoning" if reasoning else "content"
-        self.buf = ""
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """Add a delta; returns the (reasoning, content) text that is now certain."""
-        self.buf += text
-        out = {"reasoning": "", "content": ""}
-        while self.state != "tool":
-            marker, nxt = (THINK_END, "content") if self.state == "reasoning" else (TOOL_CALLS_START, "tool")
-            at = self.buf.find(marker)
-            if at == -1:
-                keep = _held(self.buf, marker)
-                out[self.state] += self.buf[: len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep :]
-                break
-            out[self.state] += self.buf[:at]
-            self.buf, self.state = self.buf[at + len(marker) :], nxt
-        return out["reasoning"], out["content"]
-
-    def finish(self) -> tuple[str, str, list[dict[str, str]]]:
-        """End of the stream: the held-back (reasoning, content) and the parsed tool calls."""
-        buf, self.buf = self.buf.removesuffix(EOS), ""
-        if self.state == "reasoning":
-            return buf, "", []
-        if self.state == "content":
-            return "", buf, []
-        try:
-            calls, pos = parse_tool_calls(buf, 0)
-            if buf[pos:]:
-                raise ValueError("text after the tool-call block")
-        except ValueError:
-            return "", TOOL_CALLS_START + buf, []
-        return "", "", calls
-
-
-def parse_chat_output(text: str, reasoning: bool, finish_reason: str) -> tuple[str, str, list[dict[str, str]]]:
-    """(reasoning_content, content, tool calls) of a whole completion.
-
-    Output cut by ``max_tokens`` (``length``) goes through the streaming parser in its ``whole_calls`` mode, as a
-    stream does: a tool call cut short is dropped, and so is a cut-off start of DSML markup; the content is the
-    text before the markup began, the calls are the ones that closed. Otherwise the project's strict parser first;
-    when the output is malformed, the tolerant splitter. Reasoning that never closed stays reasoning on ``length``
-    and becomes content on ``stop`` (docs/chat_format.md, "Parsing completions").
-    """
-    if finish_reason == "length":
-        parser = StreamingParser("thinking" if reasoning else "chat", whole_calls=True)
-        message = merge_deltas(parser.feed(text) + parser.finish())
-        calls = [c["function"] for c in message["tool_calls"]]
-        return message["reasoning_content"], message["content"], calls
-    try:
-        parsed = parse_completion(text if text.endswith(EOS) else text + EOS, "thinking" if reasoning else "chat")
-        calls = [c["function"] for c in parsed["tool_calls"]]
-        return parsed["reasoning_content"], parsed["content"], calls
-    except ValueError:
-        pass
-    splitter = ReasoningSplitter(reasoning)
-    r, c = splitter.feed(text)
-    r2, c2, calls = splitter.finish()
-    if splitter.state == "reasoning" and finish_reason == "stop":
-        return "", r + r2, []
-    return r + r2, c + c2, calls

@@ -26,7 +26,7 @@ def so_args_of(req: Any) -> dict[str, Any] | None:
     if req.so_args is not None:
         found.append(("so_args", req.so_args))
     rf = getattr(req, "response_format", None)
-    if rf:
+    if rf is not None:
         so_rf = _response_format(rf)
         if so_rf is not None:
             found.append(("response_format", so_rf))
@@ -54,9 +54,9 @@ def _so_from(kind: str, value: Any, where: str) -> dict[str, Any]:
 
 def _response_format(rf: Any) -> dict[str, Any] | None:
     """so_args of an OpenAI response_format: text (none), json_object, or json_schema {name, schema, strict}."""
-    if not isinstance(rf, dict):
+    if not isinstance(rf, dict) or "type" not in rf:
         raise ValueError("response_format: expected an object with a 'type'")
-    kind = rf.get("type", "text")
+    kind = rf["type"]
     if kind == "text":
         return None
     if kind == "json_object":

@@ -15,8 +15,9 @@ from deepinfer.chat.tokens import EOS, THINK_END, TOOL_CALLS_START
 from deepinfer.checkpoint.tiny import make_tiny_model
 from deepinfer.serving.metrics import Metrics
 from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.balancer.chat_output import ReasoningSplitter, parse_chat_output
 from services.balancer.http import create_app
-from services.balancer.openai_protocol import ChatCompletionRequest, ReasoningSplitter, parse_chat_output
+from services.balancer.openai_protocol import ChatCompletionRequest
 from serving.mesh import Mesh
 
 try:
@@ -347,6 +348,39 @@ def test_thinking_mode_and_tool_choice_none(client: openai.OpenAI, model: str) -
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
         ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+        # a field neither endpoint takes, or this endpoint does not (OpenAI's unknown_parameter): never ignored
+        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
+            400,
+            "prompt_logprobs",
+        ),  # fmt: skip
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
+            400,
+            "stream_options.x",
+        ),  # fmt: skip
+        # OpenAI options the engine cannot honour, and values of the wrong type
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, 400, "store"),
+        ("/v1/completions", {"prompt": "x", "service_tier": "flex"}, 400, "service_tier"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+            400,
+            "functions",
+        ),  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+            400,
+            "modalities",
+        ),  # fmt: skip
+        ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"a": 1}}, 400, "response_format"),
         ("/v1/completions", b'{"prompt": "x", ', 400, None),
         ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ],
@@ -361,6 +395,18 @@ def test_bad_requests_are_openai_errors_and_the_server_stays_healthy(mesh: Mesh,
     err = res.json()["error"]
     assert res.status_code == status and err["param"] == param and err["message"]
     assert httpx.get(f"{mesh.http_url()}/health").status_code == 200
+
+
+def test_identifiers_and_default_options_are_taken(client: openai.OpenAI, model: str) -> None:
+    """OpenAI's fields that change nothing generated are taken as they are: the output equals the bare request's."""
+    messages = [{"role": "user", "content": "Say something"}]
+    bare = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    tagged = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, user="u-1", metadata={"team": "a"}, store=False,
+        service_tier="auto", modalities=["text"],
+        extra_body={"safety_identifier": "s-1", "prompt_cache_key": "k-1"},
+    )  # fmt: skip
+    assert tagged.choices[0].message.content == bare.choices[0].message.content
 
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI, model: str) -> None:

@@ -52,6 +52,8 @@ def test_choice_is_an_escaped_alternation() -> None:
     ("body", "field"),
     [
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {}}, "response_format"),  # (no type: never taken as text)
+        ({"response_format": {"schema": SCHEMA}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format"),
         ({"structured_outputs": {"sql": "a"}}, "structured_outputs.sql"),
@@ -87,3 +89,11 @@ def test_tool_choice_on_the_wire() -> None:
 def test_completions_take_structured_outputs_too() -> None:
     wire = CompletionRequest(prompt="x", structured_outputs={"regex": "[ab]"}).to_proto("r")
     assert sampling_from_proto(wire.sampling).so_args == {"schema_type": "regex", "schema": "[ab]"}
+
+
+def test_completions_take_response_format() -> None:
+    """As vLLM's completions do: the JSON modes of ``response_format`` constrain a completion too."""
+    wire = CompletionRequest(prompt="x", response_format={"type": "json_object"}).to_proto("r")
+    assert sampling_from_proto(wire.sampling).so_args == {"schema_type": "json_object"}
+    plain = CompletionRequest(prompt="x", response_format={"type": "text"}).to_proto("r")
+    assert sampling_from_proto(plain.sampling).so_args is None
