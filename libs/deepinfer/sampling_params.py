@@ -134,7 +134,12 @@ class SamplingParams:
         st = so.get("schema_type")
         if st not in SO_SCHEMA_TYPES:
             raise ValueError(f"so_args.schema_type must be one of {list(SO_SCHEMA_TYPES)}, got {st!r}")
+        for key in so:
+            if key not in ("schema_type", "schema"):
+                raise ValueError(f"so_args.{key} is not taken (so_args has schema_type and schema)")
         if st == "json_object":
+            if so.get("schema") not in (None, "", {}):  # (a schema would be dropped: json_schema takes one)
+                raise ValueError("so_args.schema is not taken by schema_type 'json_object' (use 'json_schema')")
             return
         if "schema" not in so or so["schema"] is None:
             raise ValueError(f"so_args.schema is required for schema_type {st!r}")

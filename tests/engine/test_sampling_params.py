@@ -66,6 +66,8 @@ def test_defaults_match_vllm():
         ("so_args.schema", {"so_args": {"schema_type": "json_schema", "schema": "[1, 2]"}}),
         ("so_args.schema", {"so_args": {"schema_type": "json", "schema": 3}}),
         ("so_args.schema", {"so_args": {"schema_type": "json", "schema": None}}),
+        ("so_args.schema", {"so_args": {"schema_type": "json_object", "schema": "[ab]"}}),  # (never dropped)
+        ("so_args.strict", {"so_args": {"schema_type": "regex", "schema": "x", "strict": True}}),
     ],
 )
 def test_bad_inputs_raise_naming_field(field, kwargs):

@@ -83,6 +83,7 @@ ABUSE = [  # (schema type, text, a word of the reason)
     (ST.SCHEMA_TYPE_REGEX, "a{1000000}", "repetition count 1000000 exceeds the limit 10000"),
     (ST.SCHEMA_TYPE_JSON_SCHEMA, json.dumps({"type": "string", "pattern": "a{1000000}"}), "/pattern: repetition"),
     (ST.SCHEMA_TYPE_UNSPECIFIED, "{}", "schema_type"),
+    (ST.SCHEMA_TYPE_JSON_OBJECT, '{"type": "integer"}', "json_object takes no schema"),  # (not dropped)
     # keywords the grammar cannot enforce: refused by the schema pass, never ignored
     (ST.SCHEMA_TYPE_JSON_SCHEMA, json.dumps({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "/oneOf: branches"),
     (

@@ -77,6 +77,18 @@ def test_unset_wire_fields_take_engine_defaults() -> None:
             ),
             "so_args",
         ),
+        (  # a schema without its type is refused, not dropped
+            common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(schema="[ab]+")),
+            "so_args.schema",
+        ),
+        (
+            common_pb2.SamplingParams(
+                structured_output=common_pb2.StructuredOutput(
+                    schema_type=common_pb2.StructuredOutput.SCHEMA_TYPE_JSON_OBJECT, schema='{"type": "integer"}'
+                )
+            ),
+            "so_args.schema",
+        ),
     ],
 )
 def test_bad_wire_values_raise_naming_the_field(wire: common_pb2.SamplingParams, field: str) -> None:

@@ -29,8 +29,8 @@ OUTCOMES = ("ok", "invalid", "limit", "timeout", "crash")
 @dataclass(frozen=True)
 class GrammarSpec:
     """A constraint to compile: ``kind`` is one of :data:`KINDS`; ``text`` the regex, the JSON schema (JSON
-    text), the EBNF grammar or the structural tag (JSON text). For ``json_object`` the text is ignored (any
-    JSON object; ``""`` is usual)."""
+    text), the EBNF grammar or the structural tag (JSON text). For ``json_object`` (any JSON object) the text is
+    ``""``: the wire refuses another (``grammar.wire.spec_from_proto``)."""
 
     kind: str
     text: str

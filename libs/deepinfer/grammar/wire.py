@@ -35,7 +35,10 @@ def kind_from_proto(schema_type: int) -> str:
 
 
 def spec_from_proto(message: common_pb2.StructuredOutput) -> GrammarSpec:
-    return GrammarSpec(kind_from_proto(message.schema_type), message.schema)
+    kind = kind_from_proto(message.schema_type)
+    if kind == "json_object" and message.schema:  # (refused, not dropped: a schema travels as json_schema)
+        raise GrammarError("structured_output.schema: json_object takes no schema (use json_schema)")
+    return GrammarSpec(kind, message.schema)
 
 
 def grammar_to_proto(grammar: CompiledGrammar) -> common_pb2.CompiledGrammar:

@@ -55,6 +55,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     if p.HasField("seed"):
         kw["seed"] = p.seed
     so = p.structured_output
+    if so.schema_type == common_pb2.StructuredOutput.SCHEMA_TYPE_UNSPECIFIED and so.schema:
+        raise ValueError("so_args.schema is given without a schema_type")
     if so.schema_type != common_pb2.StructuredOutput.SCHEMA_TYPE_UNSPECIFIED:
         kind = _SCHEMA_TYPES.get(so.schema_type)
         if kind is None:
