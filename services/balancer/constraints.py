@@ -29,6 +29,8 @@ def tool_choice_of(chat: generation_pb2.ChatInput) -> Any:
     if chat.tool_choice == "function":
         if not chat.tool_choice_function:
             raise ValueError("chat.tool_choice_function: required with tool_choice 'function'")
+        if chat.tool_choice_function not in [t.name for t in chat.tools]:
+            raise ValueError(f"chat.tool_choice_function: {chat.tool_choice_function!r} is not among chat.tools")
         return {"type": "function", "function": {"name": chat.tool_choice_function}}
     if chat.tool_choice not in ("", "auto", "none", "required"):
         raise ValueError(f"chat.tool_choice: expected auto, none, required or function, got {chat.tool_choice!r}")

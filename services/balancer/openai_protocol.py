@@ -223,9 +223,10 @@ class ChatCompletionRequest(_SamplingRequest):
         thinking, effort = self.thinking()
         chat = generation_pb2.ChatInput(thinking_mode="thinking" if thinking else "chat", reasoning_effort=effort)
         chat.messages.extend(_message(m, i, image_placeholder) for i, m in enumerate(self.messages))
-        choice, function = tool_choice_of(self.tool_choice, bool(self.tools))
-        if self.tools and choice != "none":  # "none": tools are not rendered (docs/chat_format.md, "Tools section")
-            chat.tools.extend(_tool(t, i) for i, t in enumerate(self.tools))
+        tools = [_tool(t, i) for i, t in enumerate(self.tools or [])]  # (checked whether rendered or not)
+        choice, function = tool_choice_of(self.tool_choice, [t.name for t in tools])
+        if tools and choice != "none":  # "none": tools are not rendered (docs/chat_format.md, "Tools section")
+            chat.tools.extend(tools)
         chat.tool_choice, chat.tool_choice_function = choice, function
         if self.parallel_tool_calls is not None:
             chat.parallel_tool_calls = self.parallel_tool_calls
@@ -315,7 +316,9 @@ def _message(m: dict[str, Any], i: int, image_placeholder: str | None = None) ->
 
 
 def _tool(t: dict[str, Any], i: int) -> generation_pb2.Tool:
-    fn = t.get("function") if isinstance(t, dict) else None
+    if t.get("type", "function") != "function":
+        raise ValueError(f"tools[{i}].type: only 'function' tools are supported, got {t.get('type')!r}")
+    fn = t.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ValueError(f"tools[{i}].function: expected {{'name': str, 'description': str, 'parameters': {{...}}}}")
     params = fn.get("parameters")

@@ -108,8 +108,10 @@ def check_strict(schema: Any, where: str) -> None:
                 stack.append((value, f"{path}/{key}"))
 
 
-def tool_choice_of(choice: Any, has_tools: bool) -> tuple[str, str]:
-    """The wire (tool_choice, tool_choice_function): "" / "auto" / "none" / "required", or ("function", name)."""
+def tool_choice_of(choice: Any, tools: list[str]) -> tuple[str, str]:
+    """The wire (tool_choice, tool_choice_function): "" / "auto" / "none" / "required", or ("function", name) of one
+    of ``tools`` (the request's function names)."""
+    has_tools = bool(tools)
     if choice is None:
         return ("auto" if has_tools else ""), ""
     if choice in ("auto", "none", "required"):
@@ -123,4 +125,6 @@ def tool_choice_of(choice: Any, has_tools: bool) -> tuple[str, str]:
         )
     if not has_tools:
         raise ValueError("tool_choice: a named function needs tools")
+    if fn["name"] not in tools:
+        raise ValueError(f"tool_choice.function.name: {fn['name']!r} is not among the tools")
     return "function", fn["name"]

@@ -63,6 +63,12 @@ def test_choice_is_an_escaped_alternation() -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice.function.name",
+        ),  # fmt: skip
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),  # (checked, not rendered)
     ],
 )
 def test_bad_fields_are_refused_naming_the_field(body, field) -> None:
@@ -97,3 +103,16 @@ def test_completions_take_response_format() -> None:
     assert sampling_from_proto(wire.sampling).so_args == {"schema_type": "json_object"}
     plain = CompletionRequest(prompt="x", response_format={"type": "text"}).to_proto("r")
     assert sampling_from_proto(plain.sampling).so_args is None
+
+
+def test_a_named_function_must_be_one_of_the_tools_on_the_wire_too() -> None:
+    """gRPC ``ChatInput``: the balancer refuses a named tool_choice that names none of the request's tools."""
+    from deepinfer.v1 import generation_pb2
+    from services.balancer.constraints import tool_choice_of as wire_choice
+
+    chat = generation_pb2.ChatInput(tools=[generation_pb2.Tool(name="f")], tool_choice="function")
+    chat.tool_choice_function = "f"
+    assert wire_choice(chat) == {"type": "function", "function": {"name": "f"}}
+    chat.tool_choice_function = "g"
+    with pytest.raises(ValueError, match=r"^chat.tool_choice_function: 'g' is not among chat.tools"):
+        wire_choice(chat)
