@@ -199,6 +199,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def thinking(self) -> tuple[bool, str]:
         """(thinking on, reasoning effort for the encoder): chat mode unless asked for."""
         kwargs = self.chat_template_kwargs or {}
+        for key in kwargs:
+            if key not in ("thinking", "enable_thinking"):
+                raise ValueError(f"chat_template_kwargs.{key}: not supported (thinking and enable_thinking are)")
         flag = kwargs.get("thinking", kwargs.get("enable_thinking"))
         if flag is not None and not isinstance(flag, bool):
             raise ValueError("chat_template_kwargs.thinking: expected a boolean")
@@ -284,8 +287,16 @@ def _image_parts(content: list, where: str, placeholder: str | None) -> list[gen
     return parts
 
 
+# message fields that would change the prompt and that the chat encoding has no form for: DeepSeek's chat prefix
+# completion (``prefix`` on the last assistant message), a legacy function call, an audio reference
+_MESSAGE_FEATURES = ("prefix", "function_call", "audio")
+
+
 def _message(m: dict[str, Any], i: int, image_placeholder: str | None = None) -> generation_pb2.ChatMessage:
     where = f"messages[{i}]"
+    for key in _MESSAGE_FEATURES:  # (other keys a client echoes back, e.g. refusal or annotations, change nothing)
+        if m.get(key):
+            raise ValueError(f"{where}.{key}: not supported")
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise ValueError(f"{where}.role: required")

@@ -68,12 +68,15 @@ def test_choice_is_an_escaped_alternation() -> None:
             "tool_choice.function.name",
         ),  # fmt: skip
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"chat_template_kwargs": {"thinking": True, "documents": []}}, "chat_template_kwargs.documents"),
+        ({"messages": [*MSGS, {"role": "assistant", "content": "Once", "prefix": True}]}, "messages[1].prefix"),
+        ({"messages": [{"role": "assistant", "function_call": {"name": "f"}}]}, "messages[0].function_call"),
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),  # (checked, not rendered)
     ],
 )
 def test_bad_fields_are_refused_naming_the_field(body, field) -> None:
     with pytest.raises(ValueError) as e:
-        ChatCompletionRequest(messages=MSGS, **body).to_proto("r", 64)
+        ChatCompletionRequest(**{"messages": MSGS, **body}).to_proto("r", 64)
     assert str(e.value).startswith(field), str(e.value)
 
 
@@ -116,3 +119,13 @@ def test_a_named_function_must_be_one_of_the_tools_on_the_wire_too() -> None:
     chat.tool_choice_function = "g"
     with pytest.raises(ValueError, match=r"^chat.tool_choice_function: 'g' is not among chat.tools"):
         wire_choice(chat)
+
+
+def test_what_a_client_echoes_back_in_its_history_is_taken() -> None:
+    """An assistant message as a client got it (refusal, annotations, null function_call / audio) renders as the bare
+    one."""
+    echoed = {"role": "assistant", "content": "Hi", "refusal": None, "annotations": [], "function_call": None,
+              "audio": None}  # fmt: skip
+    bare = {"role": "assistant", "content": "Hi"}
+    got = [ChatCompletionRequest(messages=[*MSGS, m, *MSGS]).to_proto("r", 64)[0].chat for m in (echoed, bare)]
+    assert got[0] == got[1]
