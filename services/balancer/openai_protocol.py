@@ -102,6 +102,8 @@ class _SamplingRequest(BaseModel):
             raise ValueError("repetition_penalty: not supported (must be 1)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:  # (as OpenAI's API: it would do nothing)
+            raise ValueError("stream_options: only with stream=true")
         if self.store:
             raise ValueError("store: not supported (this server keeps no completions; must be false)")
         if self.service_tier not in SERVICE_TIERS:

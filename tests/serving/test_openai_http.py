@@ -360,7 +360,7 @@ def test_thinking_mode_and_tool_choice_none(client: openai.OpenAI, model: str) -
         ),  # fmt: skip
         (
             "/v1/completions",
-            {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
             400,
             "stream_options.x",
         ),  # fmt: skip
@@ -380,6 +380,7 @@ def test_thinking_mode_and_tool_choice_none(client: openai.OpenAI, model: str) -
             "modalities",
         ),  # fmt: skip
         ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"prompt": "x", "response_format": {"a": 1}}, 400, "response_format"),
         ("/v1/completions", b'{"prompt": "x", ', 400, None),
         ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
