@@ -125,6 +125,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         accelerator=envs.DEEPINFER_ACCELERATOR,
         log_dir=log_dir,
         kvstore=not args.no_kvstore,
+        grammar=False if args.no_grammar else None,
     )
     stopping = False
 
@@ -299,6 +300,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-kvstore", action="store_true", help="start no kvstore: resume points the replicas evict "
                    "from their devices are dropped, not kept in host memory and on disk, unless "
                    "DEEPINFER_KVSTORE_URL names another (docs/kv_cache.md)")  # fmt: skip
+    s.add_argument("--no-grammar", action="store_true", help="start no grammar service (DEEPINFER_UP_GRAMMAR=0): "
+                   "structured-output requests are refused, unless DEEPINFER_GRAMMAR_URL names another "
+                   "(docs/structured_outputs.md)")  # fmt: skip
     s.add_argument("--demo", action="store_true", help="send the demo conversations, print them, stop")
     s.add_argument("--max-tokens", type=int, default=24)
     s.set_defaults(func=cmd_up)

@@ -61,6 +61,8 @@ class Mesh:
     unix_sockets: bool = True  # each scheduler reaches its worker through a Unix socket (not with TLS)
     kvstore: bool = True  # start the kvstore the replicas move evicted resume points to (False: only one named by
     # DEEPINFER_KVSTORE_URL, else none: evicted resume points are dropped)
+    grammar: bool | None = None  # start the grammar service (None: DEEPINFER_UP_GRAMMAR; False: only one named by
+    # DEEPINFER_GRAMMAR_URL, else none: structured outputs are refused, tool calls under "auto" go unconstrained)
     _sockets: Path | None = field(default=None, init=False, repr=False)  # their private directory
     _taken: set[int] = field(default_factory=set, init=False, repr=False)  # ports handed out
     _held: dict[int, Any] = field(default_factory=dict, init=False, repr=False)  # port -> its reserving socket
@@ -195,12 +197,8 @@ class Mesh:
         # their workers, the balancer its schedulers
         if self.kvstore:
             self._start_kvstore()
-        gport = self._grpc_port()
-        gaddr = f"{self.host}:{gport}"
-        grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
-        self._spawn("grammar", grammar_args, gaddr, wait=False)
-        self.endpoints["grammar"] = gaddr
-        self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
+        if self.grammar if self.grammar is not None else envs.DEEPINFER_UP_GRAMMAR:
+            self._start_grammar()
         schedulers, dials = [], []
         sockets = self._socket_dir()
         for r in range(self.replicas):
@@ -242,6 +240,14 @@ class Mesh:
         if self.http_port > 0:
             self.endpoints["http"] = f"http://{self.host}:{self.http_port}/v1"
         return self
+
+    def _start_grammar(self) -> None:
+        gport = self._grpc_port()
+        gaddr = f"{self.host}:{gport}"
+        grammar_args = ["services.grammar", "--model", str(self.model), "--host", self.host, "--port", str(gport)]
+        self._spawn("grammar", grammar_args, gaddr, wait=False)
+        self.endpoints["grammar"] = gaddr
+        self.extra_env.setdefault("DEEPINFER_GRAMMAR_URL", gaddr)  # the balancer compiles constraints there
 
     def _start_kvstore(self) -> None:
         from deepinfer import envs

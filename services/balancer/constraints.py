@@ -22,6 +22,11 @@ from deepinfer.telemetry import get_logger
 from deepinfer.v1 import common_pb2, generation_pb2
 
 log = get_logger(__name__)
+# a deployment without a grammar service (no DEEPINFER_GRAMMAR_URL: ``deepinfer up --no-grammar``) serves no structured
+# output: a request for one is invalid there (400 / INVALID_ARGUMENT), not worth retrying as a grammar service down is
+NOT_SERVED = (
+    "{where}: structured output is not served here (this balancer has no grammar service: DEEPINFER_GRAMMAR_URL)"
+)
 
 
 def tool_choice_of(chat: generation_pb2.ChatInput) -> Any:
@@ -112,7 +117,7 @@ class ConstraintCompiler:
         if self.client is None:
             if optional:
                 return None
-            raise Unavailable(f"{where}: structured output needs the grammar service (DEEPINFER_GRAMMAR_URL)")
+            raise ValueError(NOT_SERVED.format(where=where))
         try:
             return await self.client.compile(GrammarSpec(*spec), self.fingerprint, self.timeout_s)
         except GrammarError as e:

@@ -29,7 +29,7 @@ from deepinfer.telemetry import get_logger
 from deepinfer.v1 import common_pb2, generation_pb2, scheduler_pb2
 from services.balancer.admission import AdmissionGate, check_prompt, check_request
 from services.balancer.cache_index import CacheIndex
-from services.balancer.constraints import ConstraintCompiler
+from services.balancer.constraints import NOT_SERVED, ConstraintCompiler
 from services.balancer.prompt import build_prompt, check_images, prompt_images
 from services.balancer.rebalance import Rebalancer
 from services.balancer.relay import Relay
@@ -128,7 +128,7 @@ class Balancer:
         if self.constraints is not None:
             return await self.constraints.build(request, ids, params, tools)
         if params.so_args is not None:
-            raise Unavailable("so_args: this balancer has no grammar service (DEEPINFER_GRAMMAR_URL)")
+            raise ValueError(NOT_SERVED.format(where="so_args"))
         return None
 
     # -- RPCs ----------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ TRIM: dict[str, list[str]] = {
     ],
 }
 TIMEOUT_S = {"serving/chaos.py": 300}
+WITH_GRAMMAR = {"serving/chaos.py"}  # the launched meshes that keep their grammar service (chaos kills it too)
 # GPU-only benchmarks whose --tiny --device cpu mode is still to be written: strict xfail, so that adding the smoke
 # mode turns them green and this list must shrink with it (empty: every script has one)
 NO_SMOKE_YET: set[str] = set()
@@ -277,6 +278,8 @@ def run_smoke(script: Path, tmp_path: Path, extra: tuple[str, ...] = (), trim: b
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["DEEPINFER_GRAMMAR_WORKERS"] = GRAMMAR_WORKERS  # (the meshes the serving benches start)
+    if name not in WITH_GRAMMAR:  # (their launched meshes send no structured output: no grammar service)
+        env["DEEPINFER_UP_GRAMMAR"] = "0"
     out = tmp_path / "out"
     flags = [*(TRIM.get(name, []) if trim else []), *extra]
     cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--out", str(out), *flags]

@@ -143,15 +143,41 @@ def test_offline_example_runs(tmp_path: Path) -> None:
     assert "seeded:" in out.stdout
 
 
+def _constrained(address: str) -> tuple[str, str]:
+    """The status of a regex-constrained request to the balancer at ``address``: (code name, details)."""
+    import asyncio
+
+    import grpc
+
+    from deepinfer.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    so = common_pb2.StructuredOutput(schema_type=common_pb2.StructuredOutput.SCHEMA_TYPE_REGEX, schema="[ab]+")
+    req = generation_pb2.GenerateRequest(
+        text="Hi", sampling=common_pb2.SamplingParams(max_tokens=2, structured_output=so)
+    )
+
+    async def call() -> tuple[str, str]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                _ = [m async for m in generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=60)]
+            except grpc.aio.AioRpcError as e:
+                return e.code().name, e.details() or ""
+        return "OK", ""
+
+    return asyncio.run(call())
+
+
 def test_up_serves_two_replicas_until_interrupted_and_generate_talks_to_it(tmp_path: Path) -> None:
+    """(--no-grammar: the mesh starts no grammar service, and a structured-output request is refused naming it)"""
     import signal
     import time
 
     from serving.mesh import free_port
 
     env, port = _env(tmp_path), free_port()
+    args = ["up", "--replicas", "2", "--grpc-port", str(port), "--http-port", "0", "--no-grammar"]
     up = subprocess.Popen(
-        [sys.executable, "-m", "deepinfer", "up", "--replicas", "2", "--grpc-port", str(port), "--http-port", "0"],
+        [sys.executable, "-m", "deepinfer", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -184,6 +210,9 @@ def test_up_serves_two_replicas_until_interrupted_and_generate_talks_to_it(tmp_p
         )
         assert gen.returncode == 0, gen.stderr
         assert "FINISH_REASON_LENGTH; 2 prompt + 5 generated tokens" in gen.stdout
+        assert not any(line.strip().startswith("grammar ") for line in lines), "".join(lines)  # (no such endpoint)
+        code, details = _constrained(f"127.0.0.1:{port}")
+        assert code == "INVALID_ARGUMENT" and "not served here" in details, (code, details)  # (not to be retried)
     finally:
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)

@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @contextmanager
 def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = False, http: bool = False,
-                  roles: list[str] | None = None, **env: str) -> Iterator[Mesh]:  # fmt: skip
+                  roles: list[str] | None = None, grammar: bool = False, **env: str) -> Iterator[Mesh]:  # fmt: skip
     """The started mesh (supervised like `deepinfer up`'s when ``supervise``; the balancer's OpenAI HTTP API with
-    ``http``: ``endpoints["http"]``; ``roles``: each replica's, as ``deepinfer up --prefill-replicas``); ``env``:
-    DEEPINFER_* settings."""
+    ``http``: ``endpoints["http"]``; ``roles``: each replica's, as ``deepinfer up --prefill-replicas``; a grammar
+    service only with ``grammar``: the tests that launch meshes send no structured output, and one costs each mesh
+    about 3 s of CPU at its start); ``env``: DEEPINFER_* settings."""
     saved = dict(os.environ)
     for k in [k for k in os.environ if k.startswith("DEEPINFER_")]:
         del os.environ[k]
@@ -35,7 +36,7 @@ def launched_mesh(tmp: Path, model: Path, replicas: int = 2, supervise: bool = F
         | env
     )
     m = Mesh(model, grpc_port=0, http_port=free_port() if http else 0, replicas=len(roles) if roles else replicas,
-             roles=list(roles or []), log_dir=tmp)  # fmt: skip
+             roles=list(roles or []), log_dir=tmp, grammar=grammar)  # fmt: skip
     try:
         m.start()
         if supervise:

@@ -40,7 +40,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
         DEEPINFER_RESTART_MAX_BACKOFF_S="1",
         DEEPINFER_DRAIN_GRACE_S="60",
     )
-    with launched_mesh(tmp, make_tiny_model(tmp / "model", seed=3), supervise=True, **env) as m:
+    with launched_mesh(tmp, make_tiny_model(tmp / "model", seed=3), supervise=True, grammar=True, **env) as m:
         yield m
 
 

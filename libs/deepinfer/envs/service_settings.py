@@ -46,7 +46,13 @@ _GR = "Grammar (structured outputs)"
 declare("DEEPINFER_GRAMMAR_URL", "str", _GR, """
     Address (`host:port`) of the grammar service (`python -m services.grammar`) that compiles the
     structured-output constraints of requests (`so_args`, `response_format`, forced tool calls). Unset: no
-    grammar service, and a request that needs a grammar fails with UNAVAILABLE; plain requests never use it.""")
+    grammar service, and a request that needs a grammar is refused as not served here (INVALID_ARGUMENT / HTTP
+    400); plain requests never use it.""")
+declare("DEEPINFER_UP_GRAMMAR", "bool", _GR, """
+    Whether `deepinfer up` starts a grammar service with the mesh (and points the balancer at it). Off (or
+    `deepinfer up --no-grammar`): none is started, which saves its processes (each compile process holds
+    about 0.4 GB); unless `DEEPINFER_GRAMMAR_URL` names another, structured-output requests are refused and
+    tool calls under `tool_choice` auto go unconstrained.""", default=True)
 declare("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT_S", "float", _GR, """
     Wall-clock limit of one grammar compile in the grammar service, and the cap on a request's own
     `timeout_s`. A compile past it is stopped by killing its compile process (xgrammar cannot cancel one) and
