@@ -197,7 +197,7 @@ class Mesh:
         # their workers, the balancer its schedulers
         if self.kvstore:
             self._start_kvstore()
-        if self.grammar if self.grammar is not None else envs.DEEPINFER_UP_GRAMMAR:
+        if envs.DEEPINFER_UP_GRAMMAR if self.grammar is None else self.grammar:
             self._start_grammar()
         schedulers, dials = [], []
         sockets = self._socket_dir()

@@ -11,7 +11,8 @@ import torch
 class Refusal:
     """Tokens refused besides a grammar's (control tokens, banned ids): the packed words they fall in and what to
     keep of each, so that a batch's rows sharing one set are cleared in one indexed update (a full-row AND per row
-    took about 1 ms of a 64-row fill on the host; the sets are a few tokens)."""
+    took about 0.4 ms of a 64-row fill on the host, bench/results/engine/2026-12-07-mask-fill-cpu.md; the sets are a
+    few tokens)."""
 
     def __init__(self, row: torch.Tensor) -> None:
         self.allowed = ~row  # the packed row that keeps everything else (one row: a single AND)
