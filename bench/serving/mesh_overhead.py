@@ -338,12 +338,14 @@ def main() -> None:
     for streams, kv in [(s, k) for s in args.stream_list for k in args.kvstore_list]:  # one mesh each (the
         sessions_on = "1" if streams == "session" else "0"  # balancer reads DEEPINFER_REPLICA_SESSIONS at its start)
         http_port = free_port("127.0.0.1") if "http" in args.protocol_list else 0
-        mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=tmp, accelerator=accelerator,
+        logs = tmp / f"logs-{streams}-kvstore-{kv}"  # each mesh's service logs (``--log-level``), kept
+        logs.mkdir()
+        mesh = Mesh(model, grpc_port=0, http_port=http_port, log_dir=logs, accelerator=accelerator,
                     kvstore=kv == "on",
                     extra_env=env | settings | {"DEEPINFER_REPLICA_SESSIONS": sessions_on})  # fmt: skip
         try:
             mesh.start()
-            print(f"[{time.perf_counter() - t0:.0f} s] mesh serving ({streams}, kvstore {kv})", flush=True)
+            print(f"[{time.perf_counter() - t0:.0f} s] mesh serving ({streams}, kvstore {kv}, logs {logs})", flush=True)
             rows += measure(mesh, llm, args, model.name, t0, streams, kv)
         finally:
             mesh.stop()

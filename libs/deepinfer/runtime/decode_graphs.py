@@ -23,6 +23,7 @@ no exchange (a drafter's: ``collective`` False) ignore it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -164,6 +165,7 @@ class SegmentGraphs:
     ) -> Any | None:
         self.captures += 1
         _captured[0] += 1
+        start = time.perf_counter()
         bk = self._bucket(size, device, *extra)
         segs = self._segments(bk)
         platform = platform_of(device)
@@ -200,6 +202,10 @@ class SegmentGraphs:
             self.failures[size] = f"{type(e).__name__}: {e}"[:500]
             platform.synchronize(device)
             return None
+        # (a capture while serving stalls every running request for this long: the warm-up's sizes avoid it)
+        shape = ", ".join(str(x) for x in extra if isinstance(x, int))
+        log.info("%s graphs: captured size %d%s in %.3f s", self.kind, size, f" ({shape})" if shape else "",
+                 time.perf_counter() - start)  # fmt: skip
         return bk
 
 

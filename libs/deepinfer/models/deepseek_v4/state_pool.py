@@ -24,6 +24,7 @@ rows of a graphed step write there. ``generation`` counts the reallocations (a c
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -34,6 +35,7 @@ import torch
 from deepinfer.models.deepseek_v4.state import CompressorBuffer, SequenceState
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RingBuffer:
@@ -144,6 +146,8 @@ class StatePool:
         self.rings = {k: grown(v) for k, v in self.rings.items()}
         self.rbufs = {k: (grown(a), grown(b)) for k, (a, b) in self.rbufs.items()}
         self.generation += 1
+        if old:  # (a decode step's graphs hold the old tensors: each bucket is captured again when next met)
+            log.info("state pool grown from %d to %d slots", old, capacity)
         self.free += range(capacity - 1, old - 1, -1)
         self.owners += [None] * (capacity - old)
         self.capacity = capacity
