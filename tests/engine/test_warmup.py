@@ -19,6 +19,7 @@ from deepinfer.engine.interfaces import ChunkPlan, WorkerStepPlan
 from deepinfer.engine.warmup import decode_sizes, warm_up
 from deepinfer.llm import LLM
 from deepinfer.runtime.decode_graphs import BUCKETS
+from deepinfer.runtime.piecewise_graphs import prefill_buckets
 from deepinfer.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine/conftest.py
@@ -122,21 +123,49 @@ def test_the_factory_warms_only_the_nvidia_backend(model_dir, monkeypatch):
     assert calls == []  # cpu: nothing to compile or capture
 
 
+@pytest.mark.parametrize(("prefill_graphs", "batched"), [(True, 8192), (True, 5000), (False, 8192)])
+def test_the_warm_up_runs_every_prefill_bucket_that_replays(monkeypatch, prefill_graphs, batched):
+    """With piecewise prefill graphs the factory's warm-up runs a prefill of each token bucket a step of up to
+    ``DEEPINFER_MAX_NUM_BATCHED_TOKENS`` may run in (none is captured while serving, where a capture stalls every
+    request); without them only the long-prefill tiles (2048 and the step's limit)."""
+    from types import SimpleNamespace
+
+    from deepinfer.engine import factory
+    from deepinfer.runtime.piecewise_graphs import prefill_bucket
+
+    monkeypatch.setenv("DEEPINFER_MAX_NUM_BATCHED_TOKENS", str(batched))
+    monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "4")
+    calls = []
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **kw: calls.append(a))
+    ops = SimpleNamespace(cuda_graphs=True, prefill_graphs=prefill_graphs, invariant_by_sequence=False)
+    runner = SimpleNamespace(spec=None, model=SimpleNamespace(piecewise_prefill=True))
+    family = SimpleNamespace(decode_buckets=(1, 2, 4, 8))
+    factory._warm_up(runner, family, ops, 1000, 64, 100_000, 1000)
+    (args,) = calls
+    assert args[5] == [1, 2, 4]  # the decode buckets up to DEEPINFER_MAX_NUM_SEQS
+    want = {2048, batched} | ({prefill_bucket(n, 8192) for n in range(1, batched + 1)} if prefill_graphs else set())
+    assert set(args[6]) == want
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA (the graphs)"
 )
 def test_gpu_warm_up_leaves_every_bucket_captured(model_dir, monkeypatch):
     """On a GPU the factory warms up: every decode bucket up to ``DEEPINFER_MAX_NUM_SEQS`` stays captured (the
-    largest first, so the state pool grows once), and requests afterwards capture nothing."""
+    largest first, so the state pool grows once) and every prefill token bucket up to the model's length, and
+    requests afterwards capture nothing: prompts of several lengths, alone and together."""
     monkeypatch.setenv("DEEPINFER_MAX_NUM_SEQS", "32")
     llm = LLM(model_dir, accelerator="nvidia", num_pages=256, page_size=64, max_model_len=1024)
-    graphs = llm.model.decode_graphs
+    graphs, pieces = llm.model.decode_graphs, llm.model.prefill_graphs
     assert sorted(k[0] for k in graphs.buckets) == [1, 2, 4, 8, 16, 24, 32] and not graphs.failures
-    held = len(graphs.buckets)
-    llm.generate(
-        [{"prompt_token_ids": [5 + i, 17, 99]} for i in range(12)], SamplingParams(temperature=0, max_tokens=6)
-    )
+    assert sorted(k[0] for k in pieces.buckets) == prefill_buckets(8192, 1023) and not pieces.failures
+    held, held_pieces = len(graphs.buckets), pieces.captures
+    params = SamplingParams(temperature=0, max_tokens=6)
+    llm.generate([{"prompt_token_ids": [5 + i, 17, 99]} for i in range(12)], params)
+    llm.generate([{"prompt_token_ids": [(7 * j + i) % 500 + 5 for j in range(n)]} for i, n in
+                  enumerate((40, 300, 700, 130, 1000))], params)  # fmt: skip
     assert len(graphs.buckets) == held and graphs.replays > 0
+    assert pieces.captures == held_pieces and pieces.replays > 0
 
 
 @pytest.mark.skipif(

@@ -20,7 +20,13 @@ pytest.importorskip("triton")
 from deepinfer.models.deepseek_v4.forward_batch import ForwardBatch, SeqChunk  # noqa: E402
 from deepinfer.models.deepseek_v4.prefill_graphs import PrefillGraphs  # noqa: E402
 from deepinfer.models.deepseek_v4.state import SequenceState  # noqa: E402
-from deepinfer.runtime.piecewise_graphs import PREFILL_BUCKETS, prefill_bucket, weak_ref, weaken  # noqa: E402
+from deepinfer.runtime.piecewise_graphs import (  # noqa: E402
+    PREFILL_BUCKETS,
+    prefill_bucket,
+    prefill_buckets,
+    weak_ref,
+    weaken,
+)
 from prefill_pieces import eager_pieces, failing_capture, run_plan, same_runs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,6 +42,14 @@ def test_buckets():
     assert prefill_bucket(9000, 16384) == 10240 and prefill_bucket(0, 8192) is None
     assert prefill_bucket(8193, 8192) is None and prefill_bucket(5000, 5000) == 5000  # clipped to the limit
     assert list(PREFILL_BUCKETS) == sorted(PREFILL_BUCKETS)
+
+
+@pytest.mark.parametrize("limit", [1, 16, 100, 5000, 8192, 12000, 16384])
+@pytest.mark.parametrize("longest", [None, 1, 15, 17, 4000, 6144, 9000, 20000])
+def test_the_warm_up_buckets_are_every_bucket_a_step_runs_in(limit: int, longest: int | None):
+    """``prefill_buckets``: exactly the buckets of the steps of 1 .. ``longest`` tokens (the warm-up captures them)."""
+    steps = range(1, min(limit, longest or limit) + 1)
+    assert prefill_buckets(limit, longest) == sorted({prefill_bucket(n, limit) for n in steps})
 
 
 def test_a_weak_reference_aliases_without_owning():

@@ -147,11 +147,16 @@ def _warm_up(runner: ModelRunner, family: Any, ops: Any, num_pages: int, page_si
     prefill tiles, and the verify steps of the batches that may draft. A rank of a sharded model runs it as every
     other rank does, step for step, and captures only here (``capturing`` of its ``replay_gate``)."""
     from deepinfer.engine.warmup import FixedDrafts, decode_sizes, warm_up
+    from deepinfer.runtime.piecewise_graphs import prefill_buckets
 
     graphed = decode_sizes(envs.DEEPINFER_MAX_NUM_SEQS, envs.DEEPINFER_CUDA_GRAPH_MAX_BATCH, family.decode_buckets)
     graphs = getattr(ops, "cuda_graphs", False) and not ops.invariant_by_sequence and family.decode_buckets
     batches = graphed if graphs else [1]
-    prefill = (2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)  # the long-prefill tiles (warm_up clips and dedupes)
+    prefill = [2048, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS]  # the long-prefill tiles (warm_up clips and dedupes)
+    if graphs and getattr(ops, "prefill_graphs", False) and getattr(runner.model, "piecewise_prefill", True):
+        # every token bucket a prefill or mixed step may run in: a bucket first met while serving is captured then,
+        # stalling every running request (seconds where its kernels compile)
+        prefill += prefill_buckets(envs.DEEPINFER_PREFILL_GRAPH_MAX_TOKENS, envs.DEEPINFER_MAX_NUM_BATCHED_TOKENS)
     verifier, verify = None, []
     if runner.spec is not None:  # the verify steps' shapes too, for the batches that may draft
         verifier = family.speculator(runner.model, runner.spec.max_drafts, FixedDrafts())

@@ -1,7 +1,8 @@
 """Start-up warm-up of a worker: synthetic requests run through the model runner before it serves, so that the
 first real requests do not pay the one-time costs of a batch shape (on the `nvidia` backend: Triton compiling the
 kernels of a tile configuration, seconds; capturing a decode CUDA graph per batch bucket, and the piecewise graphs of
-the prefill sizes it runs, ``DEEPINFER_PREFILL_GRAPHS``). vLLM captures its graphs at start-up for the same reason.
+the prefill sizes it runs, ``DEEPINFER_PREFILL_GRAPHS``: the factory gives it every token bucket a step may run in).
+vLLM captures its graphs at start-up for the same reason: a capture while serving stalls every running request.
 
 ``warm_up`` runs, through ``ModelRunner.execute`` like any plan: one prefill chunk of each of ``prefill_tokens`` (one
 sequence, clipped to the model length and the pages), then for each decode batch size ``b`` of ``batches``, the

@@ -156,7 +156,9 @@ declare("DEEPINFER_PREFILL_GRAPHS", "bool", _HW, """
     tokens as piecewise CUDA graphs: between two layers' attention everything (mHC, norms, projections, RoPE,
     router, MoE) replays as one graph, the attention itself (its state bookkeeping and per-token key lists) runs
     eagerly. A step runs in the smallest token bucket (16, 32, 64, 96, 128, 192, 256, 384, ..., 4096, 6144, 8192,
-    then multiples of 2048) that holds it, captured on first use; the padding tokens are computed and dropped.
+    then multiples of 2048) that holds it; the padding tokens are computed and dropped. The worker's start-up
+    warm-up (`DEEPINFER_WARMUP`) captures every bucket a step of up to `DEEPINFER_MAX_NUM_BATCHED_TOKENS` may
+    run in, so that no request waits for a capture; a bucket not captured then is captured on first use.
     Results are eager execution's at the bucket's size (V4.1's image steps, bounded decoder replays and DSpark
     feature captures run eagerly). The graphs' pool
     holds one bucket's activations at a time (the largest met).""",
@@ -186,11 +188,13 @@ declare("DEEPINFER_GC_FREEZE", "bool", _SCHED, """
     frozen are still freed when their last reference goes; only reference cycles among them are never collected,
     so a `LoadModel` thaws the heap, replaces the model and freezes again.""", default=True)
 declare("DEEPINFER_WARMUP", "bool", _HW, """
-    On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens
-    and of `DEEPINFER_MAX_NUM_BATCHED_TOKENS`, and a decode batch of each CUDA-graph bucket up to
+    On the `nvidia` backend, warm the worker up before it serves: synthetic requests (a prefill of 2048 tokens,
+    of `DEEPINFER_MAX_NUM_BATCHED_TOKENS` and, with `DEEPINFER_PREFILL_GRAPHS`, of each token bucket below it,
+    and a decode batch of each CUDA-graph bucket up to
     `DEEPINFER_MAX_NUM_SEQS` and `DEEPINFER_CUDA_GRAPH_MAX_BATCH`; with speculative decoding also a verify step of
     each of those batches up to `DEEPINFER_SPEC_DECODE_MAX_BATCH`) compile the Triton kernels and capture the
-    decode and verify graphs that the first requests would otherwise wait for (seconds each on a fresh machine).
+    decode, prefill and verify graphs that the first requests would otherwise wait for (seconds each on a fresh
+    machine).
     Start-up takes longer; nothing of the warm-up stays in the worker. The cpu backend has nothing to warm. In a
     worker of several ranks every rank runs it alike, and it is the only time their decode and verify graphs are
     captured (off: those steps run eagerly).""",

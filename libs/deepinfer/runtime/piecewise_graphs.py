@@ -47,6 +47,17 @@ def prefill_bucket(n: int, max_tokens: int) -> int | None:
     return min(size, max_tokens)
 
 
+def prefill_buckets(max_tokens: int, longest: int | None = None) -> list[int]:
+    """Every token bucket (``prefill_bucket``'s under ``max_tokens``) that a step of at most ``longest`` tokens (default
+    ``max_tokens``) runs in, smallest first: what a start-up warm-up captures so that no step meets a new bucket while
+    serving."""
+    top = prefill_bucket(min(max_tokens, max_tokens if longest is None else longest), max_tokens)
+    if top is None:
+        return []
+    sizes = [*PREFILL_BUCKETS, *range(PREFILL_BUCKETS[-1] + 2048, top, 2048)]
+    return [*(b for b in sizes if b < top), top]
+
+
 def weak_ref(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s memory (same shape, strides and offset) that does not keep the memory allocated: once the
     last strong reference goes, the allocator may hand the memory out again (torch's CUDA-graph trees and vLLM's
@@ -146,4 +157,12 @@ class PiecewiseGraphs(SegmentGraphs):
             bk.carry[j] = weaken(bk.carry[j])
 
 
-__all__ = ["PREFILL_BUCKETS", "PieceBucket", "PiecewiseGraphs", "prefill_bucket", "weak_ref", "weaken"]
+__all__ = [
+    "PREFILL_BUCKETS",
+    "PieceBucket",
+    "PiecewiseGraphs",
+    "prefill_bucket",
+    "prefill_buckets",
+    "weak_ref",
+    "weaken",
+]
