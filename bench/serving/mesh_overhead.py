@@ -357,6 +357,10 @@ def main() -> None:
                                        / r["offline"]["output_throughput"]
                                        for r in rows if r["streams"] == args.stream_list[0]
                                        and r["kvstore"] == args.kvstore_list[0]}}  # fmt: skip
+        if "off" in args.kvstore_list:  # the mesh without its kvstore: the exchange alone
+            res["mesh_no_kvstore_over_inprocess"] = {
+                str(r["c"]): r[args.protocol_list[0]]["output_throughput"] / r["offline"]["output_throughput"]
+                for r in rows if r["streams"] == args.stream_list[0] and r["kvstore"] == "off"}  # fmt: skip
         write_json(args.out / f"{res['date']}-mesh-overhead-{args.device}.json", res)
 
 

@@ -153,6 +153,7 @@ def _mesh_overhead(out: Path, stdout: str) -> None:
     result = json.loads(next(out.glob("*.json")).read_text())
     assert [(r["c"], r["streams"], r["kvstore"]) for r in result["rows"]] == [(2, "session", "off")]
     assert list(result["mesh_over_inprocess"]) == ["2"]
+    assert result["mesh_no_kvstore_over_inprocess"] == result["mesh_over_inprocess"]  # (the one mesh has none)
     for r in result["rows"]:
         assert r["offline"]["output_throughput"] > 0 and r["offline"]["cpu"]["bench"] > 0
         for proto in ("grpc", "http"):
