@@ -586,3 +586,13 @@ def test_a_moved_request_continues_after_its_streamed_tokens() -> None:
     assert req.output_token_ids == expected and req.finish_reason == "length"
     with pytest.raises(ValueError, match="output_token_ids"):
         moved.add("s", [5] * 10, greedy(max_tokens=3), output_token_ids=[7, 7, 7])
+
+
+def test_a_token_slice_is_the_slice_of_all_tokens():
+    """``Request.token_slice`` (a chunk's tokens, without building the whole sequence's list) is
+    ``all_token_ids[start:stop]`` wherever the slice falls: in the prompt, across its end, in the output, past both."""
+    req = Request("r", [10, 11, 12, 13], SamplingParams(), 0, output_token_ids=[20, 21, 22])
+    for start in range(9):
+        for stop in range(start, 10):
+            assert req.token_slice(start, stop) == req.all_token_ids[start:stop], (start, stop)
+    assert Request("e", [1, 2], SamplingParams(), 0).token_slice(1, 5) == [2]

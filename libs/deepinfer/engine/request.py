@@ -61,6 +61,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (a chunk's tokens: its cost follows the
+        chunk, not the sequence before it)."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
     @property
     def cache_token_ids(self) -> list[int]:
         """The tokens the prefix cache keys on: image-span positions keyed by their image's digest."""

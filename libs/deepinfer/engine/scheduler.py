@@ -350,7 +350,7 @@ class Scheduler(PrefixCaching, Handoffs):
 
     def _chunk(self, req: Request, n: int, drafts: int = 0) -> ChunkPlan:
         start = req.num_computed
-        tokens = req.all_token_ids[start : start + n] if start < req.num_tokens else [PLACEHOLDER]
+        tokens = req.token_slice(start, start + n) if start < req.num_tokens else [PLACEHOLDER]
         req.num_computed += n
         if req.num_computed <= req.num_tokens and self._is_resume_position(req, req.num_computed):
             self._resume_point(req, req.num_computed)

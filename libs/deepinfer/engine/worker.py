@@ -291,12 +291,13 @@ class ModelRunner:
         return snap.restore(self.cache, table, self.device)
 
     def _prompt_logprobs(self, logits: torch.Tensor, owners: list, plan: WorkerStepPlan, out: list[SeqResult]) -> None:
-        for i, c in enumerate(plan.chunks):
-            sel = [k for k, (o, t) in enumerate(owners) if o == i and t is not None]
-            if not sel:
-                continue
+        scored: dict[int, list[int]] = {}  # chunk -> its prompt-logprob rows (one pass: a step's cost, not B x rows)
+        for k, (o, t) in enumerate(owners):
+            if t is not None:
+                scored.setdefault(o, []).append(k)
+        for i, sel in scored.items():
             targets = tensor([owners[k][1] for k in sel], logits.device, torch.long)
-            out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, c.params.prompt_logprobs or 0)
+            out[i].prompt_logprobs = compute_logprobs(logits[sel], targets, plan.chunks[i].params.prompt_logprobs or 0)
 
     def _constrain(self, masks: tuple | None, rids: list[str]) -> Callable | None:
         """The sampler's in-place masking of the constrained rows among the sampled rows ``rids`` (a verify chunk's
