@@ -20,8 +20,10 @@ start together:
   ``submit`` (a call per request, ``DEEPINFER_REPLICA_SESSIONS=0``).
 
 The roofline is the peer: the mesh cannot beat the engine running the same batches (ratio 1.0). The two paths
-alternate per concurrency so that a noisy minute hits both, and each runs the level once untimed first (8 output
-tokens: graphs captured and buffers grown for that batch on both sides, so neither is timed with one-off costs).
+alternate per concurrency so that a noisy minute hits both, and each runs the level once untimed first (the same
+requests with other prompts, to the same lengths: graphs captured for those batches and context spans, buffers grown,
+on both sides, so neither is timed with one-off costs; the graph captures that still fall in a timed run are counted
+in its ``phases``).
 Each timed run also records the CPU each process used over its wall time (``cpu``: the bench process, which holds the
 in-process engine or the load generator's client, and each mesh service): a value near 1.0 is a saturated
 interpreter, the first suspect when the mesh is slower than the engine. ``phases``: the mean host time per step
@@ -212,9 +214,7 @@ def measure(mesh: Mesh, llm: LLM, args: argparse.Namespace, model: str, t0: floa
     rows = []
     asyncio.run(through_mesh(mesh, args.protocol_list[0], sessions(2, args, seed=999), model))  # warm-up
     for c in args.levels:
-        warm = sessions(c, args, seed=10_000 + c)
-        for s in warm:
-            s.turns[0].output_len = min(8, s.turns[0].output_len)
+        warm = sessions(c, args, seed=10_000 + c)  # the level's workload with other prompts: the same contexts
         offline(llm, warm)
         before, t = cpu_seconds(None), time.perf_counter()
         row: dict[str, Any] = {"c": c, "streams": streams, "kvstore": kvstore,
