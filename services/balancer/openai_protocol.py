@@ -190,7 +190,8 @@ class ChatCompletionRequest(_SamplingRequest):
     function_call: str | dict[str, Any] | None = None
     verbosity: str | None = None
 
-    def _refuse_chat_unsupported(self) -> None:
+    def _refuse_unsupported(self) -> None:
+        super()._refuse_unsupported()
         for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "verbosity"):
             if getattr(self, name) is not None:
                 hint = " (use tools and tool_choice)" if name.startswith("function") else ""
@@ -222,7 +223,6 @@ class ChatCompletionRequest(_SamplingRequest):
         chat what the context leaves after the prompt, at most ``DEEPINFER_DEFAULT_MAX_TOKENS`` (``max_model_len``
         is no longer needed here and only kept for callers that pass it). ``image_placeholder``: the model's image
         placeholder token (None: the model takes no images, and an ``image_url`` part is refused naming it)."""
-        self._refuse_chat_unsupported()
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise ValueError("top_logprobs: an int in [0, 20], with logprobs=true")
         thinking, effort = self.thinking()
